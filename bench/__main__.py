@@ -1,0 +1,46 @@
+"""python -m bench [OPS...] [--quick] [--out DIR] [--device cpu|cuda]"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+# op family -> module with run(ctx) -> (results, headline lines). Imported only when selected.
+BENCHES = {
+    "permute": "bench.bench_permute",
+}
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    ops: Optional[list[str]] = typer.Argument(None, help=f"op families to run (default: all of {', '.join(BENCHES)})"),
+    quick: bool = typer.Option(False, "--quick", help="fewer shapes and repetitions"),
+    out: Path = typer.Option(Path(__file__).parent / "results" / "latest", "--out",
+                             help="where bench_<op>.json and bench_<op>.png go"),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+) -> None:
+    import torch
+
+    from . import harness
+
+    unknown = [op for op in ops or [] if op not in BENCHES]
+    if unknown:
+        raise typer.BadParameter(f"unknown op {unknown}; known: {', '.join(BENCHES)}", param_hint="OPS")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise typer.BadParameter(f"expected cpu or cuda, got {device!r}", param_hint="--device")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise typer.BadParameter("cuda requested but torch sees no CUDA device", param_hint="--device")
+    ctx = harness.Context(device=torch.device(device), quick=quick, out_dir=out)
+    for op in ops or list(BENCHES):
+        results, headline = importlib.import_module(BENCHES[op]).run(ctx)
+        harness.report(ctx, op, results, headline)
+
+
+if __name__ == "__main__":
+    app()

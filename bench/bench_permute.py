@@ -1,0 +1,274 @@
+"""permute / unpermute, forward and backward, at the specs/perf.md shapes.
+
+Bytes, each input read once and each output written once (n = routed (token, slot) pairs, P = rows
+permute writes including zero padding = sum(group_sizes), R = rows of x_perm):
+  permute fwd     x T*H + indices T*k      -> x_perm P*H + row_map T*k + group_sizes E
+  unpermute fwd   y n*H + row_map + weights -> out T*H
+  permute bwd     d x_perm n*H + row_map    -> dx T*H
+  unpermute bwd   dout T*H + y n*H + row_map + weights -> dy R*H (unmapped rows are zeroed) + dweights
+Peers, timed in the same run on the same inputs:
+  torch_eager  stable argsort + index_select (+ bincount) for permute; for unpermute the faster of
+               an fp32 index_add_ (Megatron's torch path) and an fp32 gather + reshape + sum, both
+               meeting the op's fp32-accumulation contract; backward through torch.autograd.
+  reference    moe_kernels' plain-PyTorch reference, forward only, on the CPU (on a GPU it is there
+               for readability, not speed).
+Correctness before timing, on the first input set: permute outputs bit-exact against the reference
+(x_perm over its first P rows), unpermute close; backward against torch.autograd through the eager
+composition in fp32, whose forward is itself checked against the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+import moe_kernels
+from moe_kernels.ops.permute import permute_reference, unpermute_reference
+
+from . import harness as h
+
+# name: (H, E, k). Permute runs over all E experts before any expert-parallel dispatch.
+MODELS = {
+    "deepseek-v3": (7168, 256, 8),
+    "qwen3-235b": (4096, 128, 8),
+    "qwen3-30b-a3b": (2048, 128, 8),
+    "mixtral-8x7b": (4096, 8, 2),
+    "gpt-oss-120b": (2880, 128, 4),
+}
+TOKENS = (4096, 8192, 16384)
+# Tiny shapes so the CPU run (CI) finishes in seconds; H=96 is not a multiple of 64 on purpose.
+CPU_MODELS = {"tiny-h64": (64, 8, 2), "tiny-h96": (96, 8, 2)}
+HEADLINE_CASE = "deepseek-v3/T8192/uniform"
+BAR = "bar: >= 85% of copy bandwidth, >= 1.3x torch eager"
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    T: int
+    H: int
+    E: int
+    k: int
+    routing: str
+    align: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/T{self.T}/{self.routing}" + (f"/align{self.align}" if self.align > 1 else "")
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return dict(T=self.T, H=self.H, E=self.E, k=self.k, align=self.align)
+
+
+def cases(ctx: h.Context) -> list[Case]:
+    if ctx.is_cuda:
+        models, tokens, extra_model, extra_T = MODELS, ((8192,) if ctx.quick else TOKENS), "deepseek-v3", 8192
+    else:
+        models, tokens, extra_model, extra_T = CPU_MODELS, ((64,) if ctx.quick else (64, 256)), "tiny-h64", 64
+    routings = ("uniform",) if ctx.quick and ctx.is_cuda else ("uniform", "zipf")
+    out = [Case(m, T, *models[m], r) for m in models for T in tokens for r in routings]
+    out.append(Case(extra_model, extra_T, *models[extra_model], "zipf"))
+    out.append(Case(extra_model, extra_T, *models[extra_model], "empty"))
+    out.append(Case(extra_model, extra_T, *models[extra_model], "uniform", align=128))
+    return list(dict.fromkeys(out))
+
+
+def eager_permute(x, indices, num_experts, align=1):
+    T, k = indices.shape
+    E = num_experts
+    flat = indices.reshape(-1).long()  # [T*k]
+    key = torch.where(flat < 0, E, flat)  # dropped slots sort last, past every expert's rows
+    order = torch.argsort(key, stable=True)  # [T*k] by expert, then token, then slot
+    counts = torch.bincount(key, minlength=E + 1)  # [E+1]
+    if align == 1:
+        group_sizes = counts[:E]
+        dest = torch.arange(T * k, device=x.device)  # [T*k] row of each sorted copy
+        x_perm = x.index_select(0, order // k)
+    else:
+        group_sizes = (counts[:E] + align - 1) // align * align
+        pad_before = torch.nn.functional.pad(torch.cumsum(group_sizes - counts[:E], 0), (1, 0))  # [E+1]
+        dest = torch.arange(T * k, device=x.device) + pad_before[key[order]]
+        R = T * k + min(E, T * k) * (align - 1)
+        src = torch.full((R,), T, dtype=torch.long, device=x.device)  # row T of x_pad is the zero row
+        src[dest] = order // k
+        x_perm = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)
+    row_map = torch.empty_like(flat)
+    row_map[order] = dest
+    row_map = torch.where(flat < 0, -1, row_map).view(T, k).to(torch.int32)
+    return x_perm, row_map, group_sizes.to(torch.int32)
+
+
+def _valid_weights(row_map, weights):
+    # Dropped slots weigh 0 and read row 0, so both variants stay branch-free.
+    return row_map.reshape(-1).clamp(min=0).long(), torch.where(row_map >= 0, weights, 0.0)
+
+
+def eager_unpermute_index_add(y, row_map, weights):
+    T, k = row_map.shape
+    rows, w = _valid_weights(row_map, weights)
+    tokens = torch.arange(T, device=y.device).repeat_interleave(k)  # [T*k]
+    src = y.index_select(0, rows) * w.reshape(-1, 1)  # fp32: weights are fp32
+    out = torch.zeros(T, y.shape[1], dtype=src.dtype, device=y.device).index_add_(0, tokens, src)
+    return out.to(y.dtype)
+
+
+def eager_unpermute_gather_sum(y, row_map, weights):
+    T, k = row_map.shape
+    rows, w = _valid_weights(row_map, weights)
+    gathered = y.index_select(0, rows).view(T, k, -1)  # [T, k, H]
+    return (gathered * w.unsqueeze(-1)).sum(1).to(y.dtype)  # fp32 products and sum
+
+
+@dataclass(frozen=True)
+class Impl:
+    permute: Callable | None
+    unpermute: Callable | None
+    backward: bool
+
+
+def peer_impls(ctx: h.Context) -> dict[str, dict[str, Impl]]:
+    """peer -> variant -> implementation; a peer's time for an op is its fastest variant's."""
+    peers = {"torch_eager": {
+        "argsort_index_select": Impl(eager_permute, None, backward=True),
+        "index_add_fp32": Impl(None, eager_unpermute_index_add, backward=True),
+        "gather_sum_fp32": Impl(None, eager_unpermute_gather_sum, backward=True),
+    }}
+    if not ctx.is_cuda:
+        peers["reference"] = {"reference": Impl(permute_reference, unpermute_reference, backward=False)}
+    return peers
+
+
+OURS = Impl(moe_kernels.permute, moe_kernels.unpermute, backward=True)
+# Backward oracle: autograd through the eager composition in fp32 (its forward is checked first).
+FP32_ORACLE = Impl(eager_permute, eager_unpermute_gather_sum, backward=True)
+
+
+def make_inputs(ctx: h.Context, c: Case, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator(device=ctx.device).manual_seed(seed)
+    dev, bf16 = ctx.device, torch.bfloat16
+    x = torch.randn(c.T, c.H, generator=g, device=dev, dtype=bf16)  # [T, H]; also unpermute's dout
+    indices = h.ROUTINGS[c.routing](c.T, c.E, c.k, seed=seed).to(dev)  # [T, k]
+    x_perm, row_map, group_sizes = permute_reference(x, indices, c.E, align=c.align)
+    return {
+        "x": x,
+        "indices": indices,
+        "row_map": row_map,  # [T, k]
+        "group_sizes": group_sizes,  # [E]
+        "weights": torch.randn(c.T, c.k, generator=g, device=dev).softmax(-1),  # [T, k] fp32
+        # [R, H] random rows: unpermute's input and the incoming gradient of permute's backward.
+        "y": torch.randn(x_perm.shape, generator=g, device=dev, dtype=bf16),
+    }
+
+
+def check(c: Case, s: dict[str, torch.Tensor], name: str, impl: Impl) -> None:
+    """Forward against the reference; backward (ours only) against the fp32 oracle."""
+    if impl.permute is not None:
+        ref = permute_reference(s["x"], s["indices"], c.E, align=c.align)
+        x_perm, row_map, group_sizes = impl.permute(s["x"], s["indices"], c.E, align=c.align)
+        defined = int(ref[2].sum())  # rows past sum(group_sizes) are unspecified
+        h.check_exact(f"{c.name} {name} permute row_map", row_map, ref[1])
+        h.check_exact(f"{c.name} {name} permute group_sizes", group_sizes, ref[2])
+        h.check_exact(f"{c.name} {name} permute x_perm", x_perm[:defined], ref[0][:defined])
+    if impl.unpermute is not None:
+        h.check_close(f"{c.name} {name} unpermute", impl.unpermute(s["y"], s["row_map"], s["weights"]),
+                      unpermute_reference(s["y"], s["row_map"], s["weights"]))
+    if impl is OURS:
+        expected, got = _grads(c, s, FP32_ORACLE, torch.float32), _grads(c, s, OURS, torch.bfloat16)
+        for what in got:
+            h.check_close(f"{c.name} {name} {what}", got[what], expected[what])
+
+
+def _grads(c: Case, s: dict[str, torch.Tensor], impl: Impl, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    x, y = s["x"].to(dtype).requires_grad_(), s["y"].to(dtype).requires_grad_()
+    w = s["weights"].clone().requires_grad_()
+    (dx,) = torch.autograd.grad(impl.permute(x, s["indices"], c.E, align=c.align)[0], x, s["y"].to(dtype))
+    dy, dw = torch.autograd.grad(impl.unpermute(y, s["row_map"], w), (y, w), s["x"].to(dtype))
+    return {"permute dx": dx, "unpermute dy": dy, "unpermute dweights": dw}
+
+
+def _timed_ops(c: Case, impl: Impl, sets: list[dict]):
+    """Yields (op, fn, inputs per set). Backward inputs hold one forward graph per set, built only
+    when reached, so at most one op's graphs are alive."""
+    def grad(out, inputs, grad_out):
+        return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+
+    if impl.permute is not None:
+        yield ("permute_fwd", lambda x, i: impl.permute(x, i, c.E, align=c.align),
+               [(s["x"], s["indices"]) for s in sets])
+    if impl.unpermute is not None:
+        yield "unpermute_fwd", impl.unpermute, [(s["y"], s["row_map"], s["weights"]) for s in sets]
+    if impl.backward and impl.permute is not None:
+        inputs = []
+        for s in sets:
+            x = s["x"].detach().requires_grad_()
+            inputs.append((impl.permute(x, s["indices"], c.E, align=c.align)[0], x, s["y"]))
+        yield "permute_bwd", grad, inputs
+    if impl.backward and impl.unpermute is not None:
+        inputs = []
+        for s in sets:
+            y, w = s["y"].detach().requires_grad_(), s["weights"].detach().requires_grad_()
+            inputs.append((impl.unpermute(y, s["row_map"], w), (y, w), s["x"]))
+        yield "unpermute_bwd", grad, inputs
+
+
+def _nbytes(op: str, c: Case, s: dict[str, torch.Tensor]) -> int:
+    T, k, H, E = c.T, c.k, c.H, c.E
+    es = s["x"].element_size()
+    n = int((s["row_map"] >= 0).sum())
+    P, R = int(s["group_sizes"].sum()), s["y"].shape[0]
+    idx = T * k * 4  # indices, row_map, weights and dweights are all 4-byte
+    return {
+        "permute_fwd": T * H * es + idx + P * H * es + idx + E * 4,
+        "unpermute_fwd": n * H * es + 2 * idx + T * H * es,
+        "permute_bwd": n * H * es + idx + T * H * es,
+        "unpermute_bwd": T * H * es + n * H * es + 2 * idx + R * H * es + idx,
+    }[op]
+
+
+def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
+    sets = [make_inputs(ctx, c, ctx.seed + i) for i in range(ctx.n_input_sets)]
+    check(c, sets[0], "ours", OURS)
+    peers = peer_impls(ctx)
+    for peer, variants in peers.items():
+        for variant, impl in variants.items():
+            check(c, sets[0], f"{peer}[{variant}]", impl)
+
+    ours = {op: ctx.time(fn, inputs) for op, fn, inputs in _timed_ops(c, OURS, sets)}
+    best: dict[str, dict[str, tuple[h.Timing, str]]] = {}  # peer -> op -> (fastest timing, variant)
+    for peer, variants in peers.items():
+        for variant, impl in variants.items():
+            for op, fn, inputs in _timed_ops(c, impl, sets):
+                t = ctx.time(fn, inputs)
+                if op not in best.setdefault(peer, {}) or t.us < best[peer][op][0].us:
+                    best[peer][op] = (t, variant)
+
+    results = []
+    for op, t in ours.items():
+        op_peers = {p: best[p][op] for p in best if op in best[p]}
+        results.append(h.make_result(
+            ctx, op=op, case=c.name, shape=c.shape, dtype=torch.bfloat16, timing=t,
+            nbytes=_nbytes(op, c, sets[0]), flops=0, peers={p: v[0] for p, v in op_peers.items()},
+            peer_variant={p: v[1] for p, v in op_peers.items()}))
+    return results
+
+
+def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
+    case = HEADLINE_CASE if any(r.case == HEADLINE_CASE for r in results) else results[0].case
+    lines = []
+    for r in (r for r in results if r.case == case):
+        eager = r.speedup.get("torch_eager")
+        lines.append(f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of "
+                     f"{ctx.ceilings().copy_gbps:.0f} GB/s), {eager:.2f}x torch eager ({BAR})")
+    return lines
+
+
+def run(ctx: h.Context) -> tuple[list[h.Result], list[str]]:
+    kernels = ctx.is_cuda and moe_kernels.has_cuda_kernels()
+    print(f"permute on {ctx.device}: ours runs {'the CUDA kernels' if kernels else 'the reference'}")
+    results = []
+    for c in cases(ctx):
+        results += run_case(ctx, c)
+    return results, headline(ctx, results)

@@ -1,0 +1,387 @@
+"""The harness every bench file uses: timing, ceilings, routing, correctness checks, reports.
+
+Timing method (specs/perf.md):
+- CUDA: `warmup` untimed calls (10; 5 with --quick), then `reps` timed calls (100; 30 with --quick),
+  each between its own pair of CUDA events on the current stream. Before each timed call a buffer
+  of twice the L2 size is overwritten outside the event pair, so no input or output is still in L2
+  from the previous call, and the calls rotate over several pre-built input sets (never zeros).
+  There is one synchronisation after all reps, none between them: host launch latency overlaps the
+  flush instead of being timed. Reported: median, with p20 and p80.
+- CPU: time.perf_counter around each call after one warm-up call, 5 reps (3 with --quick). The CPU
+  run checks that the suite works; its numbers mean little.
+- Ceilings are measured in the same run, once per run: device copy bandwidth (a 512 MiB bf16
+  `copy_`, bytes read + written) and dense matmul TFLOP/s (bf16 8192^3 via torch.mm; fp8 via
+  torch._scaled_mm with tensorwise scales where the GPU has fp8).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+import moe_kernels
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Timing:
+    us: float  # median
+    p20_us: float
+    p80_us: float
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    copy_gbps: float
+    copy_bytes: int
+    matmul_bf16_tflops: float
+    matmul_shape: tuple[int, int, int]
+    matmul_fp8_tflops: float | None  # None: no fp8 on this device (or on CPU)
+
+
+@dataclass
+class Context:
+    device: torch.device
+    quick: bool
+    out_dir: Path
+    seed: int = 0
+    _ceilings: Ceilings | None = field(default=None, init=False, repr=False)
+    _flush: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    @property
+    def warmup(self) -> int:
+        return (5 if self.quick else 10) if self.is_cuda else 1
+
+    @property
+    def reps(self) -> int:
+        return (30 if self.quick else 100) if self.is_cuda else (3 if self.quick else 5)
+
+    @property
+    def n_input_sets(self) -> int:
+        return 3 if self.is_cuda else 2
+
+    def time(self, fn: Callable[..., Any], inputs_list: Sequence[tuple]) -> Timing:
+        return time_fn(fn, inputs_list=inputs_list, warmup=self.warmup, reps=self.reps,
+                       device=self.device, flush=self._l2_flush_buffer())
+
+    def ceilings(self) -> Ceilings:
+        if self._ceilings is None:
+            self._ceilings = measure_ceilings(self)
+        return self._ceilings
+
+    def _l2_flush_buffer(self) -> torch.Tensor | None:
+        if self.is_cuda and self._flush is None:
+            l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 << 20
+            self._flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device=self.device)
+        return self._flush
+
+
+def time_fn(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int, reps: int,
+            device: torch.device, flush: torch.Tensor | None = None) -> Timing:
+    """Times fn(*inputs_list[i % len(inputs_list)]) as the module docstring describes."""
+    n = len(inputs_list)
+    for i in range(warmup):
+        fn(*inputs_list[i % n])
+    times_us = []
+    if device.type == "cuda":
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        torch.cuda.synchronize(device)
+        for i in range(reps):
+            if flush is not None:
+                flush.zero_()
+            starts[i].record()
+            fn(*inputs_list[i % n])
+            ends[i].record()
+        torch.cuda.synchronize(device)
+        times_us = [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+    else:
+        for i in range(reps):
+            t0 = time.perf_counter()
+            fn(*inputs_list[i % n])
+            times_us.append((time.perf_counter() - t0) * 1e6)
+    p20, p50, p80 = np.percentile(times_us, [20, 50, 80])
+    return Timing(us=float(p50), p20_us=float(p20), p80_us=float(p80))
+
+
+def measure_ceilings(ctx: Context) -> Ceilings:
+    dev = ctx.device
+    # 512 MiB dwarfs the 50 MB L2 of an H100/H200; on the CPU a small copy keeps the run short.
+    n = (256 << 20) if ctx.is_cuda else (4 << 20)
+    src = torch.randn(n, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    t_copy = ctx.time(lambda: dst.copy_(src), [()])
+    copy_bytes = 2 * src.numel() * src.element_size()
+    del src, dst
+
+    m = 8192 if ctx.is_cuda else 256
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=dev)
+    t_mm = ctx.time(lambda: torch.mm(a, b), [()])
+    flops = 2 * m**3
+    return Ceilings(
+        copy_gbps=copy_bytes / t_mm_safe(t_copy.us) / 1e3,
+        copy_bytes=copy_bytes,
+        matmul_bf16_tflops=flops / t_mm_safe(t_mm.us) / 1e6,
+        matmul_shape=(m, m, m),
+        matmul_fp8_tflops=_fp8_matmul_tflops(ctx, a, b),
+    )
+
+
+def t_mm_safe(us: float) -> float:
+    # A CPU timer can read 0 for a tiny call; a ceiling of infinity would be meaningless.
+    return max(us, 1e-3)
+
+
+def _fp8_matmul_tflops(ctx: Context, a: torch.Tensor, b: torch.Tensor) -> float | None:
+    if not ctx.is_cuda or torch.cuda.get_device_capability(ctx.device) < (8, 9):
+        return None
+    a8 = a.to(torch.float8_e4m3fn)
+    b8 = b.to(torch.float8_e4m3fn).t()  # _scaled_mm wants the second operand column-major
+    one = torch.ones((), dtype=torch.float32, device=ctx.device)
+
+    def mm():
+        return torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    try:
+        mm()
+    except (RuntimeError, TypeError):
+        return None
+    return 2 * a.shape[0] * a.shape[1] * b.shape[0] / ctx.time(mm, [()]).us / 1e6
+
+
+# Routing generators. All draw on the CPU with their own seeded generator, so a seed gives the same
+# routing on every device, then move to the device. Output: indices [T, k] int32, distinct experts
+# per token.
+
+def route_uniform(T: int, E: int, k: int, *, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
+
+
+def route_zipf(T: int, E: int, k: int, *, seed: int, s: float = 1.2) -> torch.Tensor:
+    """A few hot experts: P(expert of rank r) ~ 1/r^s, ranks shuffled over experts, no repeats per token."""
+    g = torch.Generator().manual_seed(seed)
+    rank_of_expert = torch.randperm(E, generator=g) + 1
+    p = rank_of_expert.double().pow(-s)
+    return torch.multinomial(p.expand(T, E), k, replacement=False, generator=g).to(torch.int32)
+
+
+def route_empty(T: int, E: int, k: int, *, seed: int) -> torch.Tensor:
+    """Uniform over a random half of the experts; the other half gets no token."""
+    g = torch.Generator().manual_seed(seed)
+    used = torch.randperm(E, generator=g)[: max(k, E // 2)]
+    pick = torch.rand(T, used.numel(), generator=g).topk(k, dim=1).indices
+    return used[pick].to(torch.int32)
+
+
+ROUTINGS: dict[str, Callable[..., torch.Tensor]] = {
+    "uniform": route_uniform, "zipf": route_zipf, "empty": route_empty,
+}
+
+
+# Correctness policy: index outputs and copied rows must match bit for bit; reductions may differ
+# by rounding only (fp32 accumulation in another order, then one rounding to the output dtype).
+CLOSE_TOL = {
+    torch.bfloat16: dict(rtol=2**-7, atol=1e-3),  # 2 bf16 ulps; atol for sums that cancel to ~0
+    torch.float16: dict(rtol=2**-10, atol=1e-4),
+    torch.float32: dict(rtol=1e-4, atol=1e-4),  # fp32 dot products of a few thousand terms
+}
+
+
+class MismatchError(AssertionError):
+    pass
+
+
+def check_exact(what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    try:
+        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    except AssertionError as e:
+        raise MismatchError(f"{what} differs from the reference:\n{e}") from None
+
+
+def check_close(what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
+    try:
+        torch.testing.assert_close(ours, ref.to(ours.dtype), **CLOSE_TOL[ours.dtype])
+    except AssertionError as e:
+        raise MismatchError(f"{what} differs from the reference:\n{e}") from None
+
+
+@dataclass
+class Result:
+    op: str  # e.g. "permute_fwd"
+    case: str  # e.g. "deepseek-v3/T8192/uniform"
+    shape: dict[str, int]
+    dtype: str
+    us: float
+    p20_us: float
+    p80_us: float
+    bytes: int  # each input read once + each output written once
+    flops: int
+    gbps: float
+    tflops: float | None  # None for ops without arithmetic
+    ceiling: str  # which measured ceiling pct_of_ceiling refers to
+    pct_of_ceiling: float
+    peer_us: dict[str, float]
+    speedup: dict[str, float]  # peer time / our time
+    peer_variant: dict[str, str] = field(default_factory=dict)
+
+
+def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtype: torch.dtype,
+                timing: Timing, nbytes: int, flops: int, peers: dict[str, Timing],
+                peer_variant: dict[str, str] | None = None) -> Result:
+    c = ctx.ceilings()
+    us = t_mm_safe(timing.us)
+    gbps = nbytes / us / 1e3
+    tflops = flops / us / 1e6 if flops else None
+    # Memory-bound ops are judged against copy bandwidth, the others against matmul throughput.
+    mem_bound = tflops is None or tflops / c.matmul_bf16_tflops < gbps / c.copy_gbps
+    pct = 100 * (gbps / c.copy_gbps if mem_bound else tflops / c.matmul_bf16_tflops)
+    return Result(
+        op=op, case=case, shape=shape, dtype=str(dtype).removeprefix("torch."), us=timing.us,
+        p20_us=timing.p20_us, p80_us=timing.p80_us, bytes=nbytes, flops=flops, gbps=gbps,
+        tflops=tflops, ceiling="copy" if mem_bound else "matmul_bf16", pct_of_ceiling=pct,
+        peer_us={p: t.us for p, t in peers.items()},
+        speedup={p: t_mm_safe(t.us) / us for p, t in peers.items()},
+        peer_variant=peer_variant or {},
+    )
+
+
+def run_metadata(ctx: Context) -> dict[str, Any]:
+    if ctx.is_cuda:
+        device_name = torch.cuda.get_device_name(ctx.device)
+        driver = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader",
+                       f"--id={ctx.device.index or 0}"])
+    else:
+        device_name, driver = platform.processor() or platform.machine(), None
+    commit = _cmd(["git", "rev-parse", "HEAD"])
+    dirty = bool(_cmd(["git", "status", "--porcelain", "--untracked-files=no"])) if commit else None
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": ctx.device.type,
+        "device_name": device_name,
+        "driver": driver,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "moe_kernels": getattr(moe_kernels, "__version__", None),
+        "has_cuda_kernels": moe_kernels.has_cuda_kernels(),
+        "commit": commit,
+        "dirty": dirty,
+        "quick": ctx.quick,
+        "warmup": ctx.warmup,
+        "reps": ctx.reps,
+        "input_sets": ctx.n_input_sets,
+        "l2_flush_bytes": (ctx._l2_flush_buffer().numel() * 4) if ctx.is_cuda else 0,
+    }
+
+
+def _cmd(argv: list[str]) -> str | None:
+    try:
+        p = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return p.stdout.strip() if p.returncode == 0 else None
+
+
+def report(ctx: Context, name: str, results: list[Result], headline: list[str]) -> tuple[Path, Path]:
+    """Prints the table, one `RESULT` line per case, geometric means and the headline; writes
+    bench_<name>.json and bench_<name>.png under ctx.out_dir."""
+    from rich.console import Console
+    from rich.table import Table
+
+    c = ctx.ceilings()
+    peers = sorted({p for r in results for p in r.speedup}, key=lambda p: (p != "torch_eager", p))
+    console = Console(width=None if Console().is_terminal else 160)
+    table = Table(title=f"{name} on {run_metadata_device(ctx)}: copy {c.copy_gbps:.0f} GB/s, "
+                        f"bf16 matmul {c.matmul_bf16_tflops:.1f} TFLOP/s")
+    for col in ("op", "case", "us (p20-p80)", "GB/s", "TFLOP/s", "% of ceiling", *peers):
+        table.add_column(col, justify="left" if col in ("op", "case") else "right")
+    for r in results:
+        table.add_row(r.op, r.case, f"{r.us:.1f} ({r.p20_us:.1f}-{r.p80_us:.1f})", f"{r.gbps:.1f}",
+                      _fmt(r.tflops, ".1f"), f"{r.pct_of_ceiling:.1f}% {r.ceiling}",
+                      *(_fmt(r.speedup.get(p), ".2f", "x") for p in peers))
+    console.print(table)
+
+    for r in results:
+        dims = " ".join(f"{k}={v}" for k, v in r.shape.items())
+        vs = " ".join(f"{p}={s:.2f}x" for p, s in r.speedup.items())
+        print(f"RESULT {r.op} {r.case} {dims} {r.dtype} us={r.us:.2f} GB/s={r.gbps:.1f} "
+              f"TFLOP/s={_fmt(r.tflops, '.2f')} {r.ceiling}%={r.pct_of_ceiling:.1f} {vs}")
+    for op in dict.fromkeys(r.op for r in results):
+        for p in peers:
+            s = [r.speedup[p] for r in results if r.op == op and p in r.speedup]
+            if s:
+                print(f"GEOMEAN {op} vs {p}: {math.exp(statistics.fmean(map(math.log, s))):.2f}x "
+                      f"over {len(s)} cases")
+    for line in headline:
+        print(f"HEADLINE {line}")
+
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    json_path = ctx.out_dir / f"bench_{name}.json"
+    payload = {"suite": name, "meta": run_metadata(ctx), "ceilings": asdict(c),
+               "method": __doc__, "headline": headline, "results": [asdict(r) for r in results]}
+    json_path.write_text(json.dumps(payload, indent=1) + "\n")
+    png_path = ctx.out_dir / f"bench_{name}.png"
+    plot(results, c, peers, png_path, title=f"{name} on {run_metadata_device(ctx)}")
+    print(f"wrote {json_path} and {png_path}")
+    return json_path, png_path
+
+
+def run_metadata_device(ctx: Context) -> str:
+    return torch.cuda.get_device_name(ctx.device) if ctx.is_cuda else "cpu"
+
+
+def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
+    return "-" if v is None else f"{v:{spec}}{suffix}"
+
+
+def plot(results: list[Result], c: Ceilings, peers: list[str], path: Path, *, title: str) -> None:
+    """One row per op: GB/s per case against the copy ceiling, and speedup per peer against 1x."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ops = list(dict.fromkeys(r.op for r in results))
+    n_cases = max(sum(r.op == op for r in results) for op in ops)
+    fig, axes = plt.subplots(len(ops), 2, squeeze=False, figsize=(max(10, 0.45 * n_cases * 2), 4 * len(ops)))
+    for (ax_bw, ax_sp), op in zip(axes, ops):
+        rs = [r for r in results if r.op == op]
+        x = np.arange(len(rs))
+        ax_bw.bar(x, [r.gbps for r in rs], color="tab:blue")
+        ax_bw.axhline(c.copy_gbps, color="tab:red", linestyle="--", label=f"copy {c.copy_gbps:.0f} GB/s")
+        ax_bw.set_ylabel("GB/s")
+        ax_bw.set_title(f"{op}: bandwidth")
+        ax_bw.legend(loc="lower right", fontsize="small")
+        width = 0.8 / max(1, len(peers))
+        for i, p in enumerate(peers):
+            ax_sp.bar(x + (i - (len(peers) - 1) / 2) * width, [r.speedup.get(p, 0.0) for r in rs],
+                      width, label=p)
+        ax_sp.axhline(1.0, color="black", linewidth=0.8)
+        ax_sp.set_ylabel("speedup (peer time / ours)")
+        ax_sp.set_title(f"{op}: speedup")
+        ax_sp.legend(loc="upper right", fontsize="small")
+        for ax in (ax_bw, ax_sp):
+            ax.set_xticks(x, [r.case for r in rs], rotation=90, fontsize="x-small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,26 @@
+// Element types crossing the Python boundary, as small integer codes (no torch headers here).
+#pragma once
+
+#include <cstdint>
+
+namespace moe {
+
+enum class DType : int32_t {
+  kFloat32 = 0,
+  kFloat16 = 1,
+  kBFloat16 = 2,
+  kFloat8E4M3 = 3,
+  kFloat8E5M2 = 4,
+  kUInt8 = 5,
+};
+
+inline int dtype_size(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16:
+    case DType::kBFloat16: return 2;
+    default: return 1;
+  }
+}
+
+}  // namespace moe

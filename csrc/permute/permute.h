@@ -1,0 +1,67 @@
+// Token permute / unpermute: host launchers. Semantics: specs/ops.md, "Permute / unpermute".
+// All pointers are device pointers; sizes are validated by the Python layer before these run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace moe::permute {
+
+// Largest expert count the CUDA kernels take (per-warp histograms live in shared memory).
+constexpr int kMaxExperts = 8192;
+
+struct PermuteParams {
+  const void* x;             // [T, row_bytes] any element type: the copy moves bytes
+  const int32_t* indices;    // [T, k], -1 = dropped; values outside [-1, E) are treated as dropped
+  void* x_perm;              // [R, row_bytes]
+  int32_t* row_map;          // [T, k]
+  int32_t* group_sizes;      // [E] padded counts
+  void* workspace;           // permute_workspace_bytes(T * k, E) bytes
+  int64_t num_tokens;
+  int64_t k;
+  int64_t row_bytes;
+  int32_t num_experts;
+  int32_t align;
+};
+
+size_t permute_workspace_bytes(int64_t num_slots, int32_t num_experts);
+void permute_fwd(const PermuteParams& p, cudaStream_t stream);
+
+// counts[e] = number of slots with indices == e (slots outside [0, E) ignored).
+void tokens_per_expert(const int32_t* indices, int64_t num_slots, int32_t num_experts, int32_t* counts,
+                       cudaStream_t stream);
+
+struct UnpermuteParams {
+  const void* y;           // [R, H]
+  const int32_t* row_map;  // [T, k]; rows outside [0, R) are treated as dropped
+  const float* weights;    // [T, k] or nullptr (plain sum)
+  void* out;               // [T, H]
+  int64_t num_tokens;
+  int64_t k;
+  int64_t hidden;
+  int64_t num_rows;
+  DType dtype;             // of y and out: float32, float16 or bfloat16
+};
+void unpermute_fwd(const UnpermuteParams& p, cudaStream_t stream);
+
+struct UnpermuteBwdParams {
+  const void* dout;        // [T, H]
+  const void* y;           // [R, H]; read only when dweights != nullptr
+  const int32_t* row_map;  // [T, k]
+  const float* weights;    // [T, k] or nullptr
+  void* dy;                // [R, H]: every row written (unmapped rows get zeros)
+  float* dweights;         // [T, k] or nullptr
+  uint8_t* row_mask;       // [R] zero-filled scratch
+  int64_t num_tokens;
+  int64_t k;
+  int64_t hidden;
+  int64_t num_rows;
+  DType dtype;
+};
+void unpermute_bwd(const UnpermuteBwdParams& p, cudaStream_t stream);
+
+}  // namespace moe::permute

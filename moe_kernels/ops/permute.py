@@ -1,0 +1,385 @@
+"""Token permute / unpermute (specs/ops.md, "Permute / unpermute").
+
+Shapes: T tokens, H hidden, E experts, k slots per token, R permuted rows (worst case, see
+`permuted_rows`). Each op has a schema in the `moe_kernels` namespace, a CPU reference in plain
+PyTorch (also the fallback on any device without kernels), a CUDA implementation calling `_C`, a fake
+implementation and autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_kernels import _ext
+from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
+
+INDEX_DTYPES = (torch.int32,)
+# Permute moves bytes, so low-precision payloads (fp8, packed fp4 as uint8) travel through it too.
+PERMUTE_CUDA_DTYPES = (*CUDA_FLOAT_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+_INT32_MAX = 2**31 - 1
+
+
+def permuted_rows(num_tokens: int, k: int, num_experts: int, align: int) -> int:
+    """Rows of permute's output: T*k, plus room for each non-empty expert's padding to `align`.
+
+    At most min(E, T*k) experts are non-empty and each adds at most align-1 rows, so this bound is
+    known without looking at the routing (no host sync).
+    """
+    slots = num_tokens * k
+    if align == 1:
+        return slots
+    return slots + torch.sym_min(num_experts, slots) * (align - 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation (shared by every implementation)
+
+
+def _check_permute(x: Tensor, indices: Tensor, num_experts: int, align: int) -> None:
+    op = "permute"
+    check_tensor(op, "x", x, ndim=2)
+    check_tensor(op, "indices", indices, ndim=2, dtypes=INDEX_DTYPES, device=x.device)
+    check_int(op, "num_experts", num_experts, minimum=1)
+    check_int(op, "align", align, minimum=1)
+    if indices.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"{op}: `indices` has {indices.shape[0]} rows but `x` has {x.shape[0]} tokens; expected [T, k]"
+        )
+    rows = permuted_rows(x.shape[0], indices.shape[1], num_experts, align)
+    if rows > _INT32_MAX:
+        raise ValueError(f"{op}: {rows} permuted rows do not fit the int32 `row_map`; split the batch")
+
+
+def _check_unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None) -> None:
+    op = "unpermute"
+    check_tensor(op, "y", y, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "row_map", row_map, ndim=2, dtypes=INDEX_DTYPES, device=y.device)
+    if weights is not None:
+        check_tensor(op, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=y.device)
+        check_shape(op, "weights", weights, row_map.shape, "same as row_map: [T, k]")
+
+
+def _check_indices_values(indices: Tensor, num_experts: int, op: str) -> None:
+    """Raises ValueError for indices outside [-1, E). Syncs when `indices` is on a GPU."""
+    bad = (indices < -1) | (indices >= num_experts)
+    if bool(bad.any()):
+        first = indices[bad][0].item()
+        raise ValueError(f"{op}: `indices` holds {first}, outside [-1, {num_experts}) (num_experts={num_experts})")
+
+
+def _check_row_map_values(row_map: Tensor, num_rows: int, op: str) -> None:
+    """Raises ValueError for rows outside [-1, R) or a row named twice. Syncs on a GPU."""
+    bad = (row_map < -1) | (row_map >= num_rows)
+    if bool(bad.any()):
+        first = row_map[bad][0].item()
+        raise ValueError(f"{op}: `row_map` holds {first}, outside [-1, {num_rows}) (rows of y)")
+    rows = row_map[row_map >= 0].long()
+    if rows.numel() and int(torch.bincount(rows, minlength=num_rows).max()) > 1:
+        raise ValueError(f"{op}: `row_map` names a row twice; it must come from permute")
+
+
+# ---------------------------------------------------------------------------------------------------
+# References: plain PyTorch, the definition of each op
+
+
+def permute_reference(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    T, k = indices.shape
+    E = num_experts
+    flat = indices.reshape(-1).long()  # [T*k], slot s = t*k + j
+    valid = flat >= 0
+    counts = torch.bincount(flat[valid], minlength=E)  # [E]
+    padded = (counts + align - 1) // align * align  # [E]
+    starts = torch.cumsum(padded, 0) - padded  # [E]
+    # A stable sort by expert keeps (token, slot) order inside each expert; dropped slots go last.
+    key = torch.where(valid, flat, E)
+    order = torch.sort(key, stable=True).indices  # [T*k]
+    sorted_e = key[order]
+    n_valid = int(valid.sum())
+    sorted_e, order = sorted_e[:n_valid], order[:n_valid]
+    first_of_expert = torch.cumsum(counts, 0) - counts  # [E], unpadded
+    rank = torch.arange(n_valid, device=x.device) - first_of_expert[sorted_e]
+    row_map = torch.full((T * k,), -1, dtype=torch.int64, device=x.device)
+    row_map[order] = starts[sorted_e] + rank
+    x_perm = x.new_zeros((permuted_rows(T, k, E, align), x.shape[1]))
+    x_perm[row_map[order]] = x[order // k]
+    return x_perm, row_map.view(T, k).to(torch.int32), padded.to(torch.int32)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def unpermute_reference(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    T, k = row_map.shape
+    acc = _acc_dtype(y.dtype)
+    out = torch.zeros((T, y.shape[1]), dtype=acc, device=y.device)  # [T, H]
+    for j in range(k):  # ascending j, one rounding per multiply and per add: the kernels do the same
+        rows = row_map[:, j].long()  # [T]
+        valid = (rows >= 0)[:, None]
+        contrib = y[rows.clamp(min=0)].to(acc)  # [T, H]
+        if weights is not None:
+            contrib = weights[:, j, None].to(acc) * contrib
+        out = out + torch.where(valid, contrib, 0.0)
+    return out.to(y.dtype)
+
+
+def unpermute_bwd_reference(
+    dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    T, k = row_map.shape
+    acc = _acc_dtype(dout.dtype)
+    flat = row_map.reshape(-1).long()
+    valid = flat >= 0
+    slots = torch.nonzero(valid).squeeze(1)  # [n] slot ids s = t*k + j
+    rows, tokens = flat[slots], slots // k
+    grad = dout[tokens].to(acc)  # [n, H]
+    if weights is not None:
+        grad = weights.reshape(-1)[slots, None].to(acc) * grad
+    dy = dout.new_zeros((num_rows, dout.shape[1]))
+    dy[rows] = grad.to(dout.dtype)
+    if y is None:
+        return dy, dout.new_empty((0,), dtype=torch.float32)
+    dots = (y[rows].to(acc) * dout[tokens].to(acc)).sum(-1)  # [n]
+    dweights = torch.zeros(T * k, dtype=acc, device=dout.device)
+    dweights[slots] = dots
+    return dy, dweights.view(T, k).to(weights.dtype if weights.dtype == torch.float64 else torch.float32)
+
+
+def tokens_per_expert_reference(indices: Tensor, num_experts: int) -> Tensor:
+    flat = indices.reshape(-1).long()
+    return torch.bincount(flat[flat >= 0], minlength=num_experts).to(torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registered ops. The decorated body is the CPU (and fallback) implementation.
+
+
+@torch.library.custom_op("moe_kernels::permute", mutates_args=())
+def _permute(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    _check_permute(x, indices, num_experts, align)
+    _check_indices_values(indices, num_experts, "permute")
+    return permute_reference(x, indices, num_experts, align)
+
+
+@torch.library.custom_op("moe_kernels::unpermute", mutates_args=())
+def _unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    _check_unpermute(y, row_map, weights)
+    _check_row_map_values(row_map, y.shape[0], "unpermute")
+    return unpermute_reference(y, row_map, weights)
+
+
+@torch.library.custom_op("moe_kernels::unpermute_bwd", mutates_args=())
+def _unpermute_bwd(
+    dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    """dy [R, H] (zero on unmapped rows) and, when `y` is given, dweights [T, k] fp32 (else empty)."""
+    return unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
+
+
+@torch.library.custom_op("moe_kernels::tokens_per_expert", mutates_args=())
+def _tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
+    check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
+    check_int("tokens_per_expert", "num_experts", num_experts, minimum=1)
+    _check_indices_values(indices, num_experts, "tokens_per_expert")
+    return tokens_per_expert_reference(indices, num_experts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA implementations
+
+
+def _check_cuda_experts(op: str, num_experts: int, C) -> None:
+    if num_experts > C.permute_max_experts:
+        raise ValueError(f"{op}: the CUDA kernel takes num_experts <= {C.permute_max_experts}, got {num_experts}")
+
+
+@_permute.register_kernel("cuda")
+def _permute_cuda(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    _check_permute(x, indices, num_experts, align)
+    check_cuda_dtype("permute", "x", x, PERMUTE_CUDA_DTYPES)
+    C = _ext.kernels("permute")
+    if C is None:
+        return permute_reference(x, indices, num_experts, align)
+    _check_cuda_experts("permute", num_experts, C)
+    if _ext.checks_enabled():
+        _check_indices_values(indices, num_experts, "permute")
+    T, H = x.shape
+    k = indices.shape[1]
+    x_perm = x.new_empty((permuted_rows(T, k, num_experts, align), H))
+    row_map = torch.empty((T, k), dtype=torch.int32, device=x.device)
+    group_sizes = torch.empty((num_experts,), dtype=torch.int32, device=x.device)
+    workspace = torch.empty(C.permute_workspace_bytes(T * k, num_experts), dtype=torch.uint8, device=x.device)
+    C.permute_fwd(
+        x=_ext.ptr(x), indices=_ext.ptr(indices), x_perm=_ext.ptr(x_perm), row_map=_ext.ptr(row_map),
+        group_sizes=group_sizes.data_ptr(), workspace=_ext.ptr(workspace), num_tokens=T, k=k,
+        row_bytes=H * x.element_size(), num_experts=num_experts, align=align, **_ext.launch_args(x),
+    )
+    return x_perm, row_map, group_sizes
+
+
+@_unpermute.register_kernel("cuda")
+def _unpermute_cuda(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    _check_unpermute(y, row_map, weights)
+    check_cuda_dtype("unpermute", "y", y)
+    C = _ext.kernels("unpermute")
+    if C is None:
+        return unpermute_reference(y, row_map, weights)
+    if _ext.checks_enabled():
+        _check_row_map_values(row_map, y.shape[0], "unpermute")
+    T, k = row_map.shape
+    out = y.new_empty((T, y.shape[1]))
+    w = None if weights is None else weights.float().contiguous()
+    C.unpermute_fwd(
+        y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), out=_ext.ptr(out), num_tokens=T, k=k,
+        hidden=y.shape[1], num_rows=y.shape[0], dtype=_ext.dtype_code(y.dtype), **_ext.launch_args(y),
+    )
+    return out
+
+
+@_unpermute_bwd.register_kernel("cuda")
+def _unpermute_bwd_cuda(
+    dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int
+) -> tuple[Tensor, Tensor]:
+    check_cuda_dtype("unpermute backward", "grad_output", dout)
+    C = _ext.kernels("unpermute")
+    if C is None:
+        return unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
+    T, k = row_map.shape
+    dy = dout.new_empty((num_rows, dout.shape[1]))
+    dweights = torch.empty((T, k) if y is not None else (0,), dtype=torch.float32, device=dout.device)
+    row_mask = torch.zeros((num_rows,), dtype=torch.uint8, device=dout.device)
+    w = None if weights is None else weights.float().contiguous()
+    C.unpermute_bwd(
+        dout=_ext.ptr(dout), y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), dy=_ext.ptr(dy),
+        dweights=_ext.ptr(dweights) if y is not None else 0, row_mask=_ext.ptr(row_mask), num_tokens=T, k=k,
+        hidden=dout.shape[1], num_rows=num_rows, dtype=_ext.dtype_code(dout.dtype), **_ext.launch_args(dout),
+    )
+    return dy, dweights
+
+
+@_tokens_per_expert.register_kernel("cuda")
+def _tokens_per_expert_cuda(indices: Tensor, num_experts: int) -> Tensor:
+    check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
+    check_int("tokens_per_expert", "num_experts", num_experts, minimum=1)
+    C = _ext.kernels("tokens_per_expert")
+    if C is None:
+        return tokens_per_expert_reference(indices, num_experts)
+    _check_cuda_experts("tokens_per_expert", num_experts, C)
+    if _ext.checks_enabled():
+        _check_indices_values(indices, num_experts, "tokens_per_expert")
+    counts = torch.empty((num_experts,), dtype=torch.int32, device=indices.device)
+    C.tokens_per_expert(
+        indices=_ext.ptr(indices), num_slots=indices.numel(), num_experts=num_experts, counts=counts.data_ptr(),
+        **_ext.launch_args(indices),
+    )
+    return counts
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fake (meta) implementations: shapes only, for torch.compile and FakeTensor tracing
+
+
+@_permute.register_fake
+def _(x, indices, num_experts, align=1):
+    _check_permute(x, indices, num_experts, align)
+    T, H = x.shape
+    k = indices.shape[1]
+    return (
+        x.new_empty((permuted_rows(T, k, num_experts, align), H)),
+        indices.new_empty((T, k), dtype=torch.int32),
+        indices.new_empty((num_experts,), dtype=torch.int32),
+    )
+
+
+@_unpermute.register_fake
+def _(y, row_map, weights=None):
+    _check_unpermute(y, row_map, weights)
+    return y.new_empty((row_map.shape[0], y.shape[1]))
+
+
+@_unpermute_bwd.register_fake
+def _(dout, row_map, weights, y, num_rows):
+    dweights_shape = tuple(row_map.shape) if y is not None else (0,)
+    dweights_dtype = torch.float64 if dout.dtype == torch.float64 else torch.float32
+    return dout.new_empty((num_rows, dout.shape[1])), dout.new_empty(dweights_shape, dtype=dweights_dtype)
+
+
+@_tokens_per_expert.register_fake
+def _(indices, num_experts):
+    return indices.new_empty((num_experts,), dtype=torch.int32)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _permute_setup_context(ctx, inputs, output):
+    _, row_map, _ = output
+    ctx.save_for_backward(row_map)
+    ctx.mark_non_differentiable(row_map, output[2])
+
+
+def _permute_backward(ctx, grad_x_perm, _grad_row_map, _grad_group_sizes):
+    (row_map,) = ctx.saved_tensors
+    # dx[t] = sum_j dx_perm[row_map[t, j]]: an unweighted unpermute (fp32 accumulation).
+    return unpermute(grad_x_perm.contiguous(), row_map, None), None, None, None
+
+
+_permute.register_autograd(_permute_backward, setup_context=_permute_setup_context)
+
+
+def _unpermute_setup_context(ctx, inputs, output):
+    y, row_map, weights = inputs
+    need_dweights = weights is not None and ctx.needs_input_grad[2]
+    ctx.num_rows = y.shape[0]
+    ctx.weights_dtype = None if weights is None else weights.dtype
+    ctx.save_for_backward(row_map, weights, y if need_dweights else None)
+
+
+def _unpermute_backward(ctx, grad_out):
+    row_map, weights, y = ctx.saved_tensors
+    dy, dweights = torch.ops.moe_kernels.unpermute_bwd(grad_out.contiguous(), row_map, weights, y, ctx.num_rows)
+    return dy, None, (dweights.to(ctx.weights_dtype) if y is not None else None)
+
+
+_unpermute.register_autograd(_unpermute_backward, setup_context=_unpermute_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+
+
+def _as_int32_indices(indices: Tensor) -> Tensor:
+    # Hugging Face and torch.topk produce int64; the ops take int32 (half the traffic).
+    if isinstance(indices, Tensor) and indices.dtype == torch.int64:
+        return indices.to(torch.int32)
+    return indices
+
+
+def permute(x: Tensor, indices: Tensor, num_experts: int, *, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Group token copies by expert.
+
+    Args:
+        x: [T, H] tokens.
+        indices: [T, k] chosen experts (int32; int64 is converted), -1 for a dropped slot.
+        num_experts: E.
+        align: pad each expert's row count up to a multiple of this (zero rows), e.g. 16 or 128 for FP8.
+
+    Returns:
+        x_perm [R, H] with expert e's rows at [start_e, start_e + group_sizes[e]) in (token, slot)
+        order then zero padding (rows past sum(group_sizes) are unspecified); row_map [T, k] int32, the
+        row of each copy (-1 for dropped slots); group_sizes [E] int32, padded counts.
+    """
+    return torch.ops.moe_kernels.permute(x, _as_int32_indices(indices), num_experts, align)
+
+
+def unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
+    """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over j with row_map >= 0, fp32 accumulation in
+    ascending j (deterministic). Plain sum when `weights` is None. Output dtype is y's."""
+    return torch.ops.moe_kernels.unpermute(y, row_map, weights)
+
+
+def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
+    """[E] int32 counts of (token, slot) pairs per expert; -1 entries are ignored. No host sync on GPU."""
+    return torch.ops.moe_kernels.tokens_per_expert(_as_int32_indices(indices), num_experts)

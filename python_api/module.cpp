@@ -1,0 +1,34 @@
+// The `moe_kernels._C` extension: argument marshalling only. Arguments are validated in Python;
+// C++ exceptions become Python exceptions (std::invalid_argument -> ValueError, others -> RuntimeError).
+#include <cuda_runtime.h>
+#include <pybind11/pybind11.h>
+
+#include "common/check.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace {
+
+int runtime_version() {
+  int v = 0;
+  cudaRuntimeGetVersion(&v);
+  return v;
+}
+
+// 0 when no driver is installed (the module still imports and the CPU references work).
+int driver_version() {
+  int v = 0;
+  if (cudaDriverGetVersion(&v) != cudaSuccess) return 0;
+  return v;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "moe_kernels CUDA kernels (raw pointers in, no torch dependency)";
+  m.attr("cuda_archs") = MOE_KERNELS_ARCHS;
+  m.def("cuda_runtime_version", &runtime_version, "CUDA runtime version this module was built with");
+  m.def("cuda_driver_version", &driver_version, "Installed driver's CUDA version, 0 if none");
+  moe::api::register_permute(m);
+}
