@@ -36,6 +36,10 @@ def main(
         raise typer.BadParameter(f"expected cpu or cuda, got {device!r}", param_hint="--device")
     if device == "cuda" and not torch.cuda.is_available():
         raise typer.BadParameter("cuda requested but torch sees no CUDA device", param_hint="--device")
+    if device == "cpu":
+        # The CPU shapes are tiny: waking intra-op threads costs more than the work and makes the
+        # numbers swing by 10x between runs.
+        torch.set_num_threads(1)
     ctx = harness.Context(device=torch.device(device), quick=quick, out_dir=out)
     for op in ops or list(BENCHES):
         results, headline = importlib.import_module(BENCHES[op]).run(ctx)

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import moe_kernels
+from moe_kernels.testing import assert_exact, assert_within_fp32_rounding
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -136,15 +137,15 @@ def measure_ceilings(ctx: Context) -> Ceilings:
     t_mm = ctx.time(lambda: torch.mm(a, b), [()])
     flops = 2 * m**3
     return Ceilings(
-        copy_gbps=copy_bytes / t_mm_safe(t_copy.us) / 1e3,
+        copy_gbps=copy_bytes / _nonzero_us(t_copy.us) / 1e3,
         copy_bytes=copy_bytes,
-        matmul_bf16_tflops=flops / t_mm_safe(t_mm.us) / 1e6,
+        matmul_bf16_tflops=flops / _nonzero_us(t_mm.us) / 1e6,
         matmul_shape=(m, m, m),
         matmul_fp8_tflops=_fp8_matmul_tflops(ctx, a, b),
     )
 
 
-def t_mm_safe(us: float) -> float:
+def _nonzero_us(us: float) -> float:
     # A CPU timer can read 0 for a tiny call; a ceiling of infinity would be meaningless.
     return max(us, 1e-3)
 
@@ -167,61 +168,23 @@ def _fp8_matmul_tflops(ctx: Context, a: torch.Tensor, b: torch.Tensor) -> float 
     return 2 * a.shape[0] * a.shape[1] * b.shape[0] / ctx.time(mm, [()]).us / 1e6
 
 
-# Routing generators. All draw on the CPU with their own seeded generator, so a seed gives the same
-# routing on every device, then move to the device. Output: indices [T, k] int32, distinct experts
-# per token.
-
-def route_uniform(T: int, E: int, k: int, *, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.rand(T, E, generator=g).topk(k, dim=1).indices.to(torch.int32)
-
-
-def route_zipf(T: int, E: int, k: int, *, seed: int, s: float = 1.2) -> torch.Tensor:
-    """A few hot experts: P(expert of rank r) ~ 1/r^s, ranks shuffled over experts, no repeats per token."""
-    g = torch.Generator().manual_seed(seed)
-    rank_of_expert = torch.randperm(E, generator=g) + 1
-    p = rank_of_expert.double().pow(-s)
-    return torch.multinomial(p.expand(T, E), k, replacement=False, generator=g).to(torch.int32)
-
-
-def route_empty(T: int, E: int, k: int, *, seed: int) -> torch.Tensor:
-    """Uniform over a random half of the experts; the other half gets no token."""
-    g = torch.Generator().manual_seed(seed)
-    used = torch.randperm(E, generator=g)[: max(k, E // 2)]
-    pick = torch.rand(T, used.numel(), generator=g).topk(k, dim=1).indices
-    return used[pick].to(torch.int32)
-
-
-ROUTINGS: dict[str, Callable[..., torch.Tensor]] = {
-    "uniform": route_uniform, "zipf": route_zipf, "empty": route_empty,
-}
-
-
-# Correctness policy: index outputs and copied rows must match bit for bit; reductions may differ
-# by rounding only (fp32 accumulation in another order, then one rounding to the output dtype).
-CLOSE_TOL = {
-    torch.bfloat16: dict(rtol=2**-7, atol=1e-3),  # 2 bf16 ulps; atol for sums that cancel to ~0
-    torch.float16: dict(rtol=2**-10, atol=1e-4),
-    torch.float32: dict(rtol=1e-4, atol=1e-4),  # fp32 dot products of a few thousand terms
-}
-
-
-class MismatchError(AssertionError):
-    pass
-
+# Correctness before timing follows moe_kernels.testing's policy. These wrappers compare on the
+# device first, so a passing check of a multi-GB tensor costs no host copy.
 
 def check_exact(what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
-    try:
-        torch.testing.assert_close(ours, ref, rtol=0, atol=0)
-    except AssertionError as e:
-        raise MismatchError(f"{what} differs from the reference:\n{e}") from None
+    if ours.shape != ref.shape or ours.dtype != ref.dtype or not torch.equal(ours, ref):
+        assert_exact(ours, ref, what)
 
 
-def check_close(what: str, ours: torch.Tensor, ref: torch.Tensor) -> None:
-    try:
-        torch.testing.assert_close(ours, ref.to(ours.dtype), **CLOSE_TOL[ours.dtype])
-    except AssertionError as e:
-        raise MismatchError(f"{what} differs from the reference:\n{e}") from None
+def check_fp32_rounding(what: str, ours: torch.Tensor, ref: torch.Tensor, magnitude: torch.Tensor) -> None:
+    """For reductions summed in another order than the reference; magnitude = sum of |terms|."""
+    assert_within_fp32_rounding(ours, ref, magnitude, what)
+
+
+def check_peer(what: str, peer: torch.Tensor, ref: torch.Tensor) -> None:
+    """A peer need not round like the reference; it must agree within the output dtype's precision
+    (torch.testing's default tolerance for that dtype), so it computes the same function."""
+    torch.testing.assert_close(peer, ref, msg=lambda m: f"{what}: {m}")
 
 
 @dataclass
@@ -244,11 +207,18 @@ class Result:
     peer_variant: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Report:
+    results: list[Result]
+    headline: list[str]
+    failures: list[str]  # cases skipped because a correctness check failed
+
+
 def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtype: torch.dtype,
                 timing: Timing, nbytes: int, flops: int, peers: dict[str, Timing],
                 peer_variant: dict[str, str] | None = None) -> Result:
     c = ctx.ceilings()
-    us = t_mm_safe(timing.us)
+    us = _nonzero_us(timing.us)
     gbps = nbytes / us / 1e3
     tflops = flops / us / 1e6 if flops else None
     # Memory-bound ops are judged against copy bandwidth, the others against matmul throughput.
@@ -259,7 +229,7 @@ def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtyp
         p20_us=timing.p20_us, p80_us=timing.p80_us, bytes=nbytes, flops=flops, gbps=gbps,
         tflops=tflops, ceiling="copy" if mem_bound else "matmul_bf16", pct_of_ceiling=pct,
         peer_us={p: t.us for p, t in peers.items()},
-        speedup={p: t_mm_safe(t.us) / us for p, t in peers.items()},
+        speedup={p: _nonzero_us(t.us) / us for p, t in peers.items()},
         peer_variant=peer_variant or {},
     )
 
@@ -310,7 +280,7 @@ def report(ctx: Context, name: str, results: list[Result], headline: list[str]) 
     c = ctx.ceilings()
     peers = sorted({p for r in results for p in r.speedup}, key=lambda p: (p != "torch_eager", p))
     console = Console(width=None if Console().is_terminal else 160)
-    table = Table(title=f"{name} on {run_metadata_device(ctx)}: copy {c.copy_gbps:.0f} GB/s, "
+    table = Table(title=f"{name} on {device_name(ctx)}: copy {c.copy_gbps:.0f} GB/s, "
                         f"bf16 matmul {c.matmul_bf16_tflops:.1f} TFLOP/s")
     for col in ("op", "case", "us (p20-p80)", "GB/s", "TFLOP/s", "% of ceiling", *peers):
         table.add_column(col, justify="left" if col in ("op", "case") else "right")
@@ -340,12 +310,12 @@ def report(ctx: Context, name: str, results: list[Result], headline: list[str]) 
                "method": __doc__, "headline": headline, "results": [asdict(r) for r in results]}
     json_path.write_text(json.dumps(payload, indent=1) + "\n")
     png_path = ctx.out_dir / f"bench_{name}.png"
-    plot(results, c, peers, png_path, title=f"{name} on {run_metadata_device(ctx)}")
+    plot(results, c, peers, png_path, title=f"{name} on {device_name(ctx)}")
     print(f"wrote {json_path} and {png_path}")
     return json_path, png_path
 
 
-def run_metadata_device(ctx: Context) -> str:
+def device_name(ctx: Context) -> str:
     return torch.cuda.get_device_name(ctx.device) if ctx.is_cuda else "cpu"
 
 
