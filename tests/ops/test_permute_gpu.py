@@ -158,16 +158,20 @@ def test_checking_mode_raises(cuda, checks_on):
 
 
 def test_bad_input_on_gpu(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("device mismatches need a GPU")
     x = torch.randn(4, 8, device=cuda)
+    idx = torch.zeros(4, 2, dtype=torch.int32, device=cuda)
     with pytest.raises(ValueError, match="indices"):
-        mk.permute(x, torch.zeros(4, 2, dtype=torch.int32), 4)  # indices left on the CPU
-    if cuda.type == "cuda":
-        with pytest.raises(TypeError, match="fp64"):
-            mk.permute(x.double(), torch.zeros(4, 2, dtype=torch.int32, device=cuda), 4)
-        with pytest.raises(TypeError, match="fp64"):
-            mk.unpermute(x.double(), torch.zeros(4, 2, dtype=torch.int32, device=cuda))
-        with pytest.raises(ValueError, match="num_experts"):
-            mk.permute(x, torch.zeros(4, 2, dtype=torch.int32, device=cuda), 100_000)
+        mk.permute(x, idx.cpu(), 4)
+    with pytest.raises(TypeError, match="fp64"):
+        mk.permute(x.double(), idx, 4)
+    with pytest.raises(TypeError, match="fp64"):
+        mk.unpermute(x.double(), idx)
+    with pytest.raises(ValueError, match="num_experts"):
+        mk.permute(x, idx, 100_000)
+    with pytest.raises(ValueError, match="weights"):
+        mk.unpermute(x, idx, torch.rand(4, 2))
 
 
 def test_cuda_graph_replay(cuda):
