@@ -1,36 +1,37 @@
 """permute / unpermute, forward and backward, at the specs/perf.md shapes.
 
 Bytes, each input read once and each output written once (n = routed (token, slot) pairs, P = rows
-permute writes including zero padding = sum(group_sizes), R = rows of x_perm):
-  permute fwd     x T*H + indices T*k      -> x_perm P*H + row_map T*k + group_sizes E
-  unpermute fwd   y n*H + row_map + weights -> out T*H
-  permute bwd     d x_perm n*H + row_map    -> dx T*H
+permute writes including zero padding = sum(group_sizes), R = rows of x_perm; index tensors 4 B):
+  permute fwd     x T*H + indices T*k       -> x_perm P*H + row_map T*k + group_sizes E
+  unpermute fwd   y n*H + row_map + weights  -> out T*H
+  permute bwd     d x_perm n*H + row_map     -> dx T*H
   unpermute bwd   dout T*H + y n*H + row_map + weights -> dy R*H (unmapped rows are zeroed) + dweights
 Peers, timed in the same run on the same inputs:
   torch_eager  stable argsort + index_select (+ bincount) for permute; for unpermute the faster of
                an fp32 index_add_ (Megatron's torch path) and an fp32 gather + reshape + sum, both
-               meeting the op's fp32-accumulation contract; backward through torch.autograd.
-  reference    moe_kernels' plain-PyTorch reference, forward only, on the CPU (on a GPU it is there
-               for readability, not speed).
-Correctness before timing, on the first input set, against moe_kernels' references: permute outputs
-bit-exact (x_perm over its first P rows), unpermute and our gradients close (harness.CLOSE_TOL).
-Peer gradients come from torch.autograd and are not checked (the eager permute backward is an
-index_add_ that accumulates in bf16).
+               keeping the op's fp32 accumulation; backward through torch.autograd.
+  reference    moe_kernels' PyTorch reference called directly, forward only, on the CPU.
+Checked before timing, on the first input set, against moe_kernels' references: our permute
+outputs (x_perm on its first P rows), unpermute, dx and dy bit-exact, dweights within fp32 rounding
+(moe_kernels.testing's policy); each peer's forward within its dtype's precision. Peer gradients
+come from torch.autograd and are not checked (the eager permute backward is an index_add_ that
+accumulates in bf16).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 import moe_kernels
 from moe_kernels.ops.permute import permute_reference, unpermute_bwd_reference, unpermute_reference
+from moe_kernels.testing import assert_within_fp32_rounding, random_routing
 
 from . import harness as h
 
-# name: (H, E, k). Permute runs over all E experts before any expert-parallel dispatch.
+# name: (H, E, k). Permute runs over all E experts, before any expert-parallel dispatch.
 MODELS = {
     "deepseek-v3": (7168, 256, 8),
     "qwen3-235b": (4096, 128, 8),
@@ -39,7 +40,7 @@ MODELS = {
     "gpt-oss-120b": (2880, 128, 4),
 }
 TOKENS = (4096, 8192, 16384)
-# Tiny shapes so the CPU run (CI) finishes in seconds; H=96 is not a multiple of 64 on purpose.
+# Tiny shapes keep the CPU run (CI) to seconds; H=96 is not a power of two on purpose.
 CPU_MODELS = {"tiny-h64": (64, 8, 2), "tiny-h96": (96, 8, 2)}
 HEADLINE_CASE = "deepseek-v3/T8192/uniform"
 BAR = "bar: >= 85% of copy bandwidth, >= 1.3x torch eager"
@@ -52,7 +53,7 @@ class Case:
     H: int
     E: int
     k: int
-    routing: str
+    routing: str  # a moe_kernels.testing.random_routing kind
     align: int = 1
 
     @property
@@ -65,15 +66,16 @@ class Case:
 
 
 def cases(ctx: h.Context) -> list[Case]:
+    """Every model x tokens x {uniform, zipf}, plus empty experts and align 128 at one shape."""
     if ctx.is_cuda:
-        models, tokens, extra_model, extra_T = MODELS, ((8192,) if ctx.quick else TOKENS), "deepseek-v3", 8192
+        models, tokens, extra = MODELS, ((8192,) if ctx.quick else TOKENS), ("deepseek-v3", 8192)
     else:
-        models, tokens, extra_model, extra_T = CPU_MODELS, ((64,) if ctx.quick else (64, 256)), "tiny-h64", 64
+        models, tokens, extra = CPU_MODELS, ((64,) if ctx.quick else (64, 256)), ("tiny-h64", 64)
     routings = ("uniform",) if ctx.quick and ctx.is_cuda else ("uniform", "zipf")
     out = [Case(m, T, *models[m], r) for m in models for T in tokens for r in routings]
-    out.append(Case(extra_model, extra_T, *models[extra_model], "zipf"))
-    out.append(Case(extra_model, extra_T, *models[extra_model], "empty"))
-    out.append(Case(extra_model, extra_T, *models[extra_model], "uniform", align=128))
+    model, T = extra
+    out += [Case(model, T, *models[model], "zipf"), Case(model, T, *models[model], "empty"),
+            Case(model, T, *models[model], "uniform", align=128)]
     return list(dict.fromkeys(out))
 
 
@@ -84,16 +86,16 @@ def eager_permute(x, indices, num_experts, align=1):
     key = torch.where(flat < 0, E, flat)  # dropped slots sort last, past every expert's rows
     order = torch.argsort(key, stable=True)  # [T*k] by expert, then token, then slot
     counts = torch.bincount(key, minlength=E + 1)  # [E+1]
+    arange = torch.arange(T * k, device=x.device)
     if align == 1:
         group_sizes = counts[:E]
-        dest = torch.arange(T * k, device=x.device)  # [T*k] row of each sorted copy
+        dest = arange  # [T*k] row of each sorted copy
         x_perm = x.index_select(0, order // k)
     else:
         group_sizes = (counts[:E] + align - 1) // align * align
         pad_before = torch.nn.functional.pad(torch.cumsum(group_sizes - counts[:E], 0), (1, 0))  # [E+1]
-        dest = torch.arange(T * k, device=x.device) + pad_before[key[order]]
-        R = T * k + min(E, T * k) * (align - 1)
-        src = torch.full((R,), T, dtype=torch.long, device=x.device)  # row T of x_pad is the zero row
+        dest = arange + pad_before[key[order]]
+        src = torch.full((T * k + min(E, T * k) * (align - 1),), T, device=x.device)  # [R]; T: zero row
         src[dest] = order // k
         x_perm = torch.cat([x, x.new_zeros(1, x.shape[1])]).index_select(0, src)
     row_map = torch.empty_like(flat)
@@ -102,23 +104,23 @@ def eager_permute(x, indices, num_experts, align=1):
     return x_perm, row_map, group_sizes.to(torch.int32)
 
 
-def _valid_weights(row_map, weights):
-    # Dropped slots weigh 0 and read row 0, so both variants stay branch-free.
+def _rows_and_weights(row_map, weights):
+    # Dropped slots read row 0 with weight 0, so neither variant needs a data-dependent shape.
     return row_map.reshape(-1).clamp(min=0).long(), torch.where(row_map >= 0, weights, 0.0)
 
 
 def eager_unpermute_index_add(y, row_map, weights):
     T, k = row_map.shape
-    rows, w = _valid_weights(row_map, weights)
+    rows, w = _rows_and_weights(row_map, weights)
     tokens = torch.arange(T, device=y.device).repeat_interleave(k)  # [T*k]
-    src = y.index_select(0, rows) * w.reshape(-1, 1)  # fp32: weights are fp32
+    src = y.index_select(0, rows) * w.reshape(-1, 1)  # [T*k, H] fp32, as weights are fp32
     out = torch.zeros(T, y.shape[1], dtype=src.dtype, device=y.device).index_add_(0, tokens, src)
     return out.to(y.dtype)
 
 
 def eager_unpermute_gather_sum(y, row_map, weights):
     T, k = row_map.shape
-    rows, w = _valid_weights(row_map, weights)
+    rows, w = _rows_and_weights(row_map, weights)
     gathered = y.index_select(0, rows).view(T, k, -1)  # [T, k, H]
     return (gathered * w.unsqueeze(-1)).sum(1).to(y.dtype)  # fp32 products and sum
 
@@ -127,7 +129,10 @@ def eager_unpermute_gather_sum(y, row_map, weights):
 class Impl:
     permute: Callable | None
     unpermute: Callable | None
-    backward: bool
+    backward: bool  # also time the backward, through torch.autograd
+
+
+OURS = Impl(moe_kernels.permute, moe_kernels.unpermute, backward=True)
 
 
 def peer_impls(ctx: h.Context) -> dict[str, dict[str, Impl]]:
@@ -142,15 +147,12 @@ def peer_impls(ctx: h.Context) -> dict[str, dict[str, Impl]]:
     return peers
 
 
-OURS = Impl(moe_kernels.permute, moe_kernels.unpermute, backward=True)
-
-
 def make_inputs(ctx: h.Context, c: Case, seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator(device=ctx.device).manual_seed(seed)
     dev, bf16 = ctx.device, torch.bfloat16
     x = torch.randn(c.T, c.H, generator=g, device=dev, dtype=bf16)  # [T, H]; also unpermute's dout
-    indices = h.ROUTINGS[c.routing](c.T, c.E, c.k, seed=seed).to(dev)  # [T, k]
-    x_perm, row_map, group_sizes = permute_reference(x, indices, c.E, align=c.align)
+    indices = random_routing(c.T, c.E, c.k, kind=c.routing, seed=seed, device=dev)  # [T, k]
+    x_perm, row_map, group_sizes = permute_reference(x, indices, c.E, c.align)
     return {
         "x": x,
         "indices": indices,
@@ -163,32 +165,36 @@ def make_inputs(ctx: h.Context, c: Case, seed: int) -> dict[str, torch.Tensor]:
 
 
 def check(c: Case, s: dict[str, torch.Tensor], name: str, impl: Impl) -> None:
-    """Forward outputs against the references; for ours, gradients too."""
+    """Raises AssertionError where `impl` disagrees with the references (module docstring)."""
+    ours = impl is OURS
     if impl.permute is not None:
-        ref = permute_reference(s["x"], s["indices"], c.E, align=c.align)
+        ref_perm, ref_map, ref_sizes = permute_reference(s["x"], s["indices"], c.E, c.align)
         x_perm, row_map, group_sizes = impl.permute(s["x"], s["indices"], c.E, align=c.align)
-        defined = int(ref[2].sum())  # rows past sum(group_sizes) are unspecified
-        h.check_exact(f"{c.name} {name} permute row_map", row_map, ref[1])
-        h.check_exact(f"{c.name} {name} permute group_sizes", group_sizes, ref[2])
-        h.check_exact(f"{c.name} {name} permute x_perm", x_perm[:defined], ref[0][:defined])
+        defined = int(ref_sizes.sum())  # rows past sum(group_sizes) are unspecified
+        h.check_exact(f"{c.name} {name} permute row_map", row_map, ref_map)
+        h.check_exact(f"{c.name} {name} permute group_sizes", group_sizes, ref_sizes)
+        h.check_exact(f"{c.name} {name} permute x_perm", x_perm[:defined], ref_perm[:defined])
     if impl.unpermute is not None:
-        h.check_close(f"{c.name} {name} unpermute", impl.unpermute(s["y"], s["row_map"], s["weights"]),
-                      unpermute_reference(s["y"], s["row_map"], s["weights"]))
-    if impl is OURS:
+        out = impl.unpermute(s["y"], s["row_map"], s["weights"])
+        (h.check_exact if ours else h.check_peer)(
+            f"{c.name} {name} unpermute", out, unpermute_reference(s["y"], s["row_map"], s["weights"]))
+    if ours:
         x = s["x"].clone().requires_grad_()
         (dx,) = torch.autograd.grad(impl.permute(x, s["indices"], c.E, align=c.align)[0], x, s["y"])
         # Permute's backward is an unweighted unpermute of the incoming gradient.
-        h.check_close(f"{c.name} {name} permute dx", dx, unpermute_reference(s["y"], s["row_map"], None))
+        h.check_exact(f"{c.name} {name} permute dx", dx, unpermute_reference(s["y"], s["row_map"]))
         y, w = s["y"].clone().requires_grad_(), s["weights"].clone().requires_grad_()
         dy, dw = torch.autograd.grad(impl.unpermute(y, s["row_map"], w), (y, w), s["x"])
-        ref_dy, ref_dw = unpermute_bwd_reference(s["x"], s["row_map"], s["weights"], s["y"], y.shape[0])
-        h.check_close(f"{c.name} {name} unpermute dy", dy, ref_dy)
-        h.check_close(f"{c.name} {name} unpermute dweights", dw, ref_dw)
+        R = y.shape[0]
+        ref_dy, ref_dw = unpermute_bwd_reference(s["x"], s["row_map"], s["weights"], s["y"], R)
+        _, magnitude = unpermute_bwd_reference(s["x"].abs(), s["row_map"], s["weights"], s["y"].abs(), R)
+        h.check_exact(f"{c.name} {name} unpermute dy", dy, ref_dy)
+        assert_within_fp32_rounding(dw, ref_dw, magnitude, f"{c.name} {name} unpermute dweights")
 
 
-def _timed_ops(c: Case, impl: Impl, sets: list[dict]):
-    """Yields (op, fn, inputs per set). Backward inputs hold one forward graph per set, built only
-    when reached, so at most one op's graphs are alive."""
+def timed_ops(c: Case, impl: Impl, sets: list[dict]) -> Iterator[tuple[str, Callable, list[tuple]]]:
+    """Yields (op, fn, inputs per set). A backward's inputs hold one forward graph per set, built
+    only when reached, so one op's graphs at most are alive."""
     def grad(out, inputs, grad_out):
         return torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
 
@@ -211,12 +217,12 @@ def _timed_ops(c: Case, impl: Impl, sets: list[dict]):
         yield "unpermute_bwd", grad, inputs
 
 
-def _nbytes(op: str, c: Case, s: dict[str, torch.Tensor]) -> int:
+def nbytes(op: str, c: Case, s: dict[str, torch.Tensor]) -> int:
     T, k, H, E = c.T, c.k, c.H, c.E
     es = s["x"].element_size()
     n = int((s["row_map"] >= 0).sum())
     P, R = int(s["group_sizes"].sum()), s["y"].shape[0]
-    idx = T * k * 4  # indices, row_map, weights and dweights are all 4-byte
+    idx = T * k * 4
     return {
         "permute_fwd": T * H * es + idx + P * H * es + idx + E * 4,
         "unpermute_fwd": n * H * es + 2 * idx + T * H * es,
@@ -227,45 +233,43 @@ def _nbytes(op: str, c: Case, s: dict[str, torch.Tensor]) -> int:
 
 def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     sets = [make_inputs(ctx, c, ctx.seed + i) for i in range(ctx.n_input_sets)]
-    check(c, sets[0], "ours", OURS)
     peers = peer_impls(ctx)
+    check(c, sets[0], "ours", OURS)
     for peer, variants in peers.items():
         for variant, impl in variants.items():
             check(c, sets[0], f"{peer}[{variant}]", impl)
 
-    ours = {op: ctx.time(fn, inputs) for op, fn, inputs in _timed_ops(c, OURS, sets)}
-    best: dict[str, dict[str, tuple[h.Timing, str]]] = {}  # peer -> op -> (fastest timing, variant)
+    ours = {op: ctx.time(fn, inputs) for op, fn, inputs in timed_ops(c, OURS, sets)}
+    best: dict[str, dict[str, tuple[h.Timing, str]]] = {}  # op -> peer -> (fastest timing, variant)
     for peer, variants in peers.items():
         for variant, impl in variants.items():
-            for op, fn, inputs in _timed_ops(c, impl, sets):
+            for op, fn, inputs in timed_ops(c, impl, sets):
                 t = ctx.time(fn, inputs)
-                if op not in best.setdefault(peer, {}) or t.us < best[peer][op][0].us:
-                    best[peer][op] = (t, variant)
+                if peer not in best.setdefault(op, {}) or t.us < best[op][peer][0].us:
+                    best[op][peer] = (t, variant)
 
-    results = []
-    for op, t in ours.items():
-        op_peers = {p: best[p][op] for p in best if op in best[p]}
-        results.append(h.make_result(
-            ctx, op=op, case=c.name, shape=c.shape, dtype=torch.bfloat16, timing=t,
-            nbytes=_nbytes(op, c, sets[0]), flops=0, peers={p: v[0] for p, v in op_peers.items()},
-            peer_variant={p: v[1] for p, v in op_peers.items()}))
-    return results
+    return [h.make_result(ctx, op=op, case=c.name, shape=c.shape, dtype=torch.bfloat16, timing=t,
+                          nbytes=nbytes(op, c, sets[0]), flops=0,
+                          peers={p: tv[0] for p, tv in best.get(op, {}).items()},
+                          peer_variant={p: tv[1] for p, tv in best.get(op, {}).items()})
+            for op, t in ours.items()]
 
 
 def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
     case = HEADLINE_CASE if any(r.case == HEADLINE_CASE for r in results) else results[0].case
-    lines = []
-    for r in (r for r in results if r.case == case):
-        eager = r.speedup.get("torch_eager")
-        lines.append(f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of "
-                     f"{ctx.ceilings().copy_gbps:.0f} GB/s), {eager:.2f}x torch eager ({BAR})")
-    return lines
+    copy = ctx.ceilings().copy_gbps
+    return [f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of {copy:.0f} GB/s), "
+            f"{r.speedup['torch_eager']:.2f}x torch eager ({BAR})"
+            for r in results if r.case == case]
 
 
-def run(ctx: h.Context) -> tuple[list[h.Result], list[str]]:
-    kernels = ctx.is_cuda and moe_kernels.has_cuda_kernels()
-    print(f"permute on {ctx.device}: ours runs {'the CUDA kernels' if kernels else 'the reference'}")
-    results = []
+def run(ctx: h.Context) -> h.Report:
+    print(f"permute on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
+    results, failures = [], []
     for c in cases(ctx):
-        results += run_case(ctx, c)
-    return results, headline(ctx, results)
+        try:
+            results += run_case(ctx, c)
+        except AssertionError as e:  # a wrong result is not timed; the other cases still are
+            failures.append(f"{c.name}: {e}")
+            print(f"FAILED {c.name}: {e}")
+    return h.Report(results, headline(ctx, results) if results else [], failures)

@@ -1,0 +1,3 @@
+from moe_kernels.env import report
+
+print(report())

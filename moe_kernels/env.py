@@ -1,0 +1,108 @@
+"""Environment report: `python -m moe_kernels`."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from moe_kernels import __version__, _ext
+
+# Public op -> the extension functions its CUDA path needs.
+CUDA_OPS = {
+    "permute": ("permute_fwd",),
+    "unpermute": ("unpermute_fwd", "unpermute_bwd"),
+    "tokens_per_expert": ("tokens_per_expert",),
+}
+
+# CUDA 13 runtimes need an R580 or newer driver.
+_MIN_DRIVER_FOR_CUDA13 = "R580"
+
+
+def _version_str(v: int) -> str:
+    return f"{v // 1000}.{(v % 1000) // 10}" if v else "none"
+
+
+def _arch_runs(archs: list[str], cc: tuple[int, int]) -> bool:
+    """A cubin for sm_XY (or sm_XYa) runs only on exactly that compute capability."""
+    want = f"{cc[0]}{cc[1]}"
+    return any(a.rstrip("af") == want for a in archs)
+
+
+def collect() -> dict:
+    info: dict = {
+        "moe_kernels": __version__,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda or "none (CPU build)",
+        "extension_built": _ext.has_cuda_kernels(),
+    }
+    C = _ext._C
+    archs: list[str] = []
+    if C is not None:
+        archs = [a for a in C.cuda_archs.split(",") if a]
+        info["extension_archs"] = ["sm_" + a for a in archs]
+        info["extension_cuda_runtime"] = _version_str(C.cuda_runtime_version())
+        info["cuda_driver"] = _version_str(C.cuda_driver_version())
+    else:
+        info["extension_error"] = _ext.import_error()
+    gpus = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cc = torch.cuda.get_device_capability(i)
+            gpus.append(
+                {
+                    "index": i,
+                    "name": torch.cuda.get_device_name(i),
+                    "compute_capability": f"{cc[0]}.{cc[1]}",
+                    "kernels_run_here": C is not None and _arch_runs(archs, cc),
+                }
+            )
+    info["gpus"] = gpus
+    on_gpu = bool(gpus) and gpus[0]["kernels_run_here"]
+    info["ops"] = {
+        op: ("CUDA kernel" if on_gpu and all(hasattr(C, f) for f in fns) else "PyTorch reference")
+        for op, fns in CUDA_OPS.items()
+    }
+    notes = []
+    if C is not None and C.cuda_runtime_version() >= 13000 and C.cuda_driver_version() == 0:
+        notes.append(f"no NVIDIA driver found; the CUDA 13 kernels need a {_MIN_DRIVER_FOR_CUDA13}+ driver")
+    elif C is not None and 0 < C.cuda_driver_version() < C.cuda_runtime_version():
+        notes.append(
+            f"driver supports CUDA {_version_str(C.cuda_driver_version())} but the kernels were built with "
+            f"{_version_str(C.cuda_runtime_version())}: update to an {_MIN_DRIVER_FOR_CUDA13}+ driver"
+        )
+    if gpus and C is not None and not on_gpu:
+        notes.append(
+            f"the extension was built for {', '.join(info['extension_archs'])}, not this GPU's "
+            f"sm_{gpus[0]['compute_capability'].replace('.', '')}: rebuild with MOE_KERNELS_CUDA_ARCHS"
+        )
+    info["notes"] = notes
+    return info
+
+
+def report() -> str:
+    info = collect()
+    lines = [f"moe_kernels {info['moe_kernels']}"]
+    width = 24
+    for key in ("python", "torch", "torch_cuda", "extension_built", "extension_archs", "extension_cuda_runtime",
+                "cuda_driver", "extension_error"):
+        if key in info:
+            value = info[key]
+            if isinstance(value, list):
+                value = ", ".join(value)
+            lines.append(f"  {key:<{width}}{value}")
+    if info["gpus"]:
+        for g in info["gpus"]:
+            lines.append(
+                f"  gpu {g['index']:<{width - 4}}{g['name']} (compute capability {g['compute_capability']}), "
+                f"kernels {'run here' if g['kernels_run_here'] else 'not built for it'}"
+            )
+    else:
+        lines.append(f"  {'gpu':<{width}}none visible to torch")
+    lines.append("  ops:")
+    for op, backend in info["ops"].items():
+        lines.append(f"    {op:<{width - 2}}{backend}")
+    for note in info["notes"]:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
