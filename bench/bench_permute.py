@@ -71,7 +71,7 @@ def cases(ctx: h.Context) -> list[Case]:
         models, tokens, extra = MODELS, ((8192,) if ctx.quick else TOKENS), ("deepseek-v3", 8192)
     else:
         models, tokens, extra = CPU_MODELS, ((64,) if ctx.quick else (64, 256)), ("tiny-h64", 64)
-    routings = ("uniform",) if ctx.quick and ctx.is_cuda else ("uniform", "zipf")
+    routings = ("uniform",) if ctx.quick else ("uniform", "zipf")
     out = [Case(m, T, *models[m], r) for m in models for T in tokens for r in routings]
     model, T = extra
     out += [Case(model, T, *models[model], "zipf"), Case(model, T, *models[model], "empty"),
@@ -249,7 +249,7 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
                     best[op][peer] = (t, variant)
 
     return [h.make_result(ctx, op=op, case=c.name, shape=c.shape, dtype=torch.bfloat16, timing=t,
-                          nbytes=nbytes(op, c, sets[0]), flops=0,
+                          nbytes=sum(nbytes(op, c, s) for s in sets) // len(sets), flops=0,
                           peers={p: tv[0] for p, tv in best.get(op, {}).items()},
                           peer_variant={p: tv[1] for p, tv in best.get(op, {}).items()})
             for op, t in ours.items()]

@@ -1,7 +1,18 @@
 """moe_kernels: CUDA kernels and a thin training layer for Mixture-of-Experts models in PyTorch."""
 
 from moe_kernels._ext import checks_enabled, has_cuda_kernels, set_checks
-from moe_kernels.ops import permute, tokens_per_expert, unpermute
+from moe_kernels.ops import (
+    apply_capacity,
+    aux_loss,
+    permute,
+    router_aux_scores,
+    router_topk,
+    seq_aux_loss,
+    tokens_per_expert,
+    unpermute,
+    update_expert_bias,
+    z_loss,
+)
 
 __version__ = "0.1.0"
 
@@ -9,6 +20,13 @@ __all__ = [
     "permute",
     "unpermute",
     "tokens_per_expert",
+    "router_topk",
+    "router_aux_scores",
+    "aux_loss",
+    "seq_aux_loss",
+    "z_loss",
+    "apply_capacity",
+    "update_expert_bias",
     "set_checks",
     "checks_enabled",
     "has_cuda_kernels",

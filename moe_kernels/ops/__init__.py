@@ -1,5 +1,19 @@
 """Registered ops, one module per family."""
 
 from moe_kernels.ops.permute import permute, tokens_per_expert, unpermute
+from moe_kernels.ops.router import router_aux_scores, router_topk
+from moe_kernels.ops.router_losses import apply_capacity, aux_loss, capacity, seq_aux_loss, update_expert_bias, z_loss
 
-__all__ = ["permute", "unpermute", "tokens_per_expert"]
+__all__ = [
+    "permute",
+    "unpermute",
+    "tokens_per_expert",
+    "router_topk",
+    "router_aux_scores",
+    "aux_loss",
+    "seq_aux_loss",
+    "z_loss",
+    "apply_capacity",
+    "update_expert_bias",
+    "capacity",
+]

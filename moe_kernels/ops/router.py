@@ -1,0 +1,401 @@
+"""Router: fused top-k routing and its load-balancing losses (specs/ops.md, "Router").
+
+Shapes: T tokens, E experts, k experts per token, G expert groups. Math is fp32 (fp64 for fp64
+logits). Ranking is by selection score, descending, ties to the lower expert index; a NaN selection
+score ranks as -inf. Each op has a schema in the `moe_kernels` namespace, a CPU reference in plain
+PyTorch, a CUDA implementation, a fake implementation and autograd.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_kernels import _ext
+from moe_kernels.ops._checks import FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
+
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
+GROUP_EPS = 1e-20  # added to the sum before normalising sigmoid/sqrtsoftplus weights
+
+
+# ---------------------------------------------------------------------------------------------------
+# Validation
+
+
+def _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, expert_bias) -> None:
+    op = "router_topk"
+    check_tensor(op, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    E = logits.shape[1]
+    if score not in SCORES:
+        raise ValueError(f"{op}: `score` must be one of {SCORES}, got {score!r}")
+    check_int(op, "k", k, minimum=1, maximum=E)
+    if pre_softmax and score != "softmax":
+        raise ValueError(f"{op}: `pre_softmax` applies to score='softmax' only, got score={score!r}")
+    check_int(op, "num_groups", num_groups, minimum=1, maximum=E)
+    if E % num_groups:
+        raise ValueError(f"{op}: `num_groups`={num_groups} must divide the {E} experts")
+    check_int(op, "group_topk", group_topk, minimum=1, maximum=num_groups)
+    check_int(op, "group_score_topk", group_score_topk, minimum=1, maximum=E // num_groups)
+    if k > group_topk * (E // num_groups):
+        raise ValueError(
+            f"{op}: `k`={k} exceeds the {group_topk * (E // num_groups)} experts in the top {group_topk} groups"
+        )
+    if expert_bias is not None:
+        if score == "softmax":
+            raise ValueError(f"{op}: `expert_bias` is for score='sigmoid' or 'sqrtsoftplus', not 'softmax'")
+        check_tensor(op, "expert_bias", expert_bias, ndim=1, dtypes=(torch.float32, torch.float64), device=logits.device)
+        check_shape(op, "expert_bias", expert_bias, (E,), "one per expert")
+
+
+def _check_score(op: str, score: str) -> None:
+    if score not in SCORES:
+        raise ValueError(f"{op}: `score` must be one of {SCORES}, got {score!r}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# References
+
+
+def _acc(t: Tensor) -> Tensor:
+    return t.to(torch.float64 if t.dtype == torch.float64 else torch.float32)
+
+
+def _rank_key(sel: Tensor) -> Tensor:
+    return torch.where(torch.isnan(sel), -math.inf, sel)
+
+
+def _topk_stable(sel: Tensor, k: int) -> Tensor:
+    """Indices of the k largest along the last dim, descending; ties to the lower index."""
+    return torch.sort(_rank_key(sel), dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _activation(logits: Tensor, score: str) -> Tensor:
+    if score == "sigmoid":
+        return torch.sigmoid(logits)
+    if score == "sqrtsoftplus":
+        return torch.sqrt(F.softplus(logits))  # softplus(x) = x for x > 20 (torch's threshold)
+    raise ValueError(score)
+
+
+def router_selection_reference(
+    logits: Tensor, k: int, score: str, pre_softmax: bool, num_groups: int, group_topk: int,
+    group_score_topk: int, expert_bias: Tensor | None,
+) -> Tensor:
+    """[T, k] int64 chosen experts."""
+    x = _acc(logits)
+    T, E = x.shape
+    if score == "softmax":
+        sel = torch.softmax(x, dim=-1) if pre_softmax else x
+    else:
+        sel = _activation(x, score)
+        if expert_bias is not None:
+            sel = sel + expert_bias.to(sel.dtype)
+    if num_groups > 1:
+        grouped = _rank_key(sel).view(T, num_groups, E // num_groups)
+        top = torch.sort(grouped, dim=-1, descending=True, stable=True).values
+        group_score = top[..., 0]
+        for i in range(1, group_score_topk):  # sequential sum, largest first: what the kernel does
+            group_score = group_score + top[..., i]
+        keep = _topk_stable(group_score, group_topk)  # [T, g]
+        mask = torch.zeros((T, num_groups), dtype=torch.bool, device=x.device).scatter(1, keep, True)
+        sel = torch.where(mask.repeat_interleave(E // num_groups, dim=1), sel, -math.inf)
+    return _topk_stable(sel, k)
+
+
+def router_weights_reference(
+    logits: Tensor, indices: Tensor, score: str, pre_softmax: bool, normalize: bool, scaling_factor: float
+) -> Tensor:
+    """Weights of the chosen experts; differentiable w.r.t. logits (the backward reference uses this)."""
+    x = _acc(logits)
+    idx = indices.long()
+    if score == "softmax":
+        w = torch.softmax(x, dim=-1).gather(1, idx) if pre_softmax else torch.softmax(x.gather(1, idx), dim=-1)
+    else:
+        w = _activation(x, score).gather(1, idx)
+        if normalize:
+            w = w / (w.sum(dim=-1, keepdim=True) + GROUP_EPS)
+    return w * scaling_factor
+
+
+def router_topk_reference(
+    logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize
+) -> tuple[Tensor, Tensor]:
+    idx = router_selection_reference(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, expert_bias)
+    w = router_weights_reference(logits, idx, score, pre_softmax, normalize, scaling_factor)
+    return w, idx.to(torch.int32)
+
+
+def router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor) -> Tensor:
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_()
+        w = router_weights_reference(x, indices, score, pre_softmax, normalize, scaling_factor)
+        (g,) = torch.autograd.grad(w, x, grad_weights.to(w.dtype))
+    return g.to(_acc(logits).dtype)
+
+
+def aux_scores_values(logits: Tensor, score: str) -> Tensor:
+    """Scores over all experts, no bias, no groups: softmax, or s / (sum s + 1e-20)."""
+    x = _acc(logits)
+    if score == "softmax":
+        return torch.softmax(x, dim=-1)
+    s = _activation(x, score)
+    return s / (s.sum(dim=-1, keepdim=True) + GROUP_EPS)
+
+
+def router_aux_scores_reference(logits: Tensor, k: int, score: str) -> tuple[Tensor, Tensor]:
+    scores = aux_scores_values(logits, score)
+    return scores, _topk_stable(scores, k).to(torch.int32)
+
+
+def router_aux_scores_bwd_reference(grad_scores: Tensor, logits: Tensor, score: str) -> Tensor:
+    with torch.enable_grad():
+        x = logits.detach().requires_grad_()
+        s = aux_scores_values(x, score)
+        (g,) = torch.autograd.grad(s, x, grad_scores.to(s.dtype))
+    return g
+
+
+# ---------------------------------------------------------------------------------------------------
+# Registered ops: router_topk and router_aux_scores (CUDA kernels), with backward helper ops
+
+
+@torch.library.custom_op("moe_kernels::router_topk", mutates_args=())
+def _router_topk(
+    logits: Tensor, k: int, score: str, pre_softmax: bool, num_groups: int, group_topk: int,
+    group_score_topk: int, scaling_factor: float, expert_bias: Tensor | None, normalize: bool,
+) -> tuple[Tensor, Tensor]:
+    _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, expert_bias)
+    return router_topk_reference(
+        logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize
+    )
+
+
+@torch.library.custom_op("moe_kernels::router_topk_bwd", mutates_args=())
+def _router_topk_bwd(
+    grad_weights: Tensor, logits: Tensor, indices: Tensor, score: str, pre_softmax: bool, normalize: bool,
+    scaling_factor: float,
+) -> Tensor:
+    return router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor)
+
+
+@torch.library.custom_op("moe_kernels::router_aux_scores", mutates_args=())
+def _router_aux_scores(logits: Tensor, k: int, score: str) -> tuple[Tensor, Tensor]:
+    check_tensor("router_aux_scores", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_int("router_aux_scores", "k", k, minimum=1, maximum=logits.shape[1])
+    _check_score("router_aux_scores", score)
+    return router_aux_scores_reference(logits, k, score)
+
+
+@torch.library.custom_op("moe_kernels::router_aux_scores_bwd", mutates_args=())
+def _router_aux_scores_bwd(grad_scores: Tensor, logits: Tensor, score: str) -> Tensor:
+    return router_aux_scores_bwd_reference(grad_scores, logits, score)
+
+
+def _out_dtype(logits: Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+@_router_topk.register_fake
+def _(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize):
+    _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, expert_bias)
+    T = logits.shape[0]
+    return logits.new_empty((T, k), dtype=_out_dtype(logits)), logits.new_empty((T, k), dtype=torch.int32)
+
+
+@_router_topk_bwd.register_fake
+def _(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor):
+    return logits.new_empty(logits.shape, dtype=_out_dtype(logits))
+
+
+@_router_aux_scores.register_fake
+def _(logits, k, score):
+    T, E = logits.shape
+    return logits.new_empty((T, E), dtype=_out_dtype(logits)), logits.new_empty((T, k), dtype=torch.int32)
+
+
+@_router_aux_scores_bwd.register_fake
+def _(grad_scores, logits, score):
+    return logits.new_empty(logits.shape, dtype=_out_dtype(logits))
+
+
+def _topk_setup_context(ctx, inputs, output):
+    logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize = inputs
+    _, indices = output
+    ctx.mark_non_differentiable(indices)
+    ctx.save_for_backward(logits, indices)
+    ctx.args = (score, pre_softmax, normalize, scaling_factor)
+    ctx.logits_dtype = logits.dtype
+
+
+def _topk_backward(ctx, grad_weights, _grad_indices):
+    logits, indices = ctx.saved_tensors
+    g = torch.ops.moe_kernels.router_topk_bwd(grad_weights.contiguous(), logits, indices, *ctx.args)
+    return g.to(ctx.logits_dtype), None, None, None, None, None, None, None, None, None
+
+
+_router_topk.register_autograd(_topk_backward, setup_context=_topk_setup_context)
+
+
+def _aux_setup_context(ctx, inputs, output):
+    logits, _, score = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(logits)
+    ctx.score = score
+
+
+def _aux_backward(ctx, grad_scores, _grad_indices):
+    (logits,) = ctx.saved_tensors
+    g = torch.ops.moe_kernels.router_aux_scores_bwd(grad_scores.contiguous(), logits, ctx.score)
+    return g.to(logits.dtype), None, None
+
+
+_router_aux_scores.register_autograd(_aux_backward, setup_context=_aux_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA implementations
+
+_SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def _cuda_prologue(op: str, logits: Tensor, k: int):
+    check_cuda_dtype(op, "logits", logits)
+    C = _ext.kernels(op)
+    if C is not None:
+        E = logits.shape[1]
+        if E > C.router_max_experts:
+            raise ValueError(f"{op}: the CUDA kernel takes at most {C.router_max_experts} experts, got {E}")
+        if k > C.router_max_k:
+            raise ValueError(f"{op}: the CUDA kernel takes `k` <= {C.router_max_k}, got {k}")
+    return C
+
+
+@_router_topk.register_kernel("cuda")
+def _router_topk_cuda(
+    logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize
+):
+    _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, expert_bias)
+    C = _cuda_prologue("router_topk", logits, k)
+    if C is None:
+        return router_topk_reference(
+            logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize
+        )
+    T, E = logits.shape
+    weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((T, k), dtype=torch.int32, device=logits.device)
+    bias = None if expert_bias is None else expert_bias.float().contiguous()
+    C.router_topk_fwd(
+        logits=_ext.ptr(logits), bias=_ext.ptr(bias), weights=_ext.ptr(weights), indices=_ext.ptr(indices),
+        num_tokens=T, num_experts=E, k=k, score=_SCORE_CODES[score], pre_softmax=pre_softmax,
+        num_groups=num_groups, group_topk=group_topk, group_score_topk=group_score_topk,
+        normalize=normalize, scaling_factor=float(scaling_factor), dtype=_ext.dtype_code(logits.dtype),
+        **_ext.launch_args(logits),
+    )
+    return weights, indices
+
+
+@_router_topk_bwd.register_kernel("cuda")
+def _router_topk_bwd_cuda(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor):
+    C = _cuda_prologue("router_topk backward", logits, indices.shape[1])
+    if C is None:
+        return router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor)
+    T, E = logits.shape
+    grad_logits = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    C.router_topk_bwd(
+        grad_weights=_ext.ptr(grad_weights.float().contiguous()), logits=_ext.ptr(logits), indices=_ext.ptr(indices),
+        grad_logits=_ext.ptr(grad_logits), num_tokens=T, num_experts=E, k=indices.shape[1],
+        score=_SCORE_CODES[score], pre_softmax=pre_softmax, normalize=normalize,
+        scaling_factor=float(scaling_factor), dtype=_ext.dtype_code(logits.dtype), **_ext.launch_args(logits),
+    )
+    return grad_logits
+
+
+@_router_aux_scores.register_kernel("cuda")
+def _router_aux_scores_cuda(logits, k, score):
+    check_tensor("router_aux_scores", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_int("router_aux_scores", "k", k, minimum=1, maximum=logits.shape[1])
+    _check_score("router_aux_scores", score)
+    C = _cuda_prologue("router_aux_scores", logits, k)
+    if C is None:
+        return router_aux_scores_reference(logits, k, score)
+    T, E = logits.shape
+    scores = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((T, k), dtype=torch.int32, device=logits.device)
+    C.router_aux_scores_fwd(
+        logits=_ext.ptr(logits), scores=_ext.ptr(scores), indices=_ext.ptr(indices), num_tokens=T, num_experts=E,
+        k=k, score=_SCORE_CODES[score], dtype=_ext.dtype_code(logits.dtype), **_ext.launch_args(logits),
+    )
+    return scores, indices
+
+
+@_router_aux_scores_bwd.register_kernel("cuda")
+def _router_aux_scores_bwd_cuda(grad_scores, logits, score):
+    C = _cuda_prologue("router_aux_scores backward", logits, 1)
+    if C is None:
+        return router_aux_scores_bwd_reference(grad_scores, logits, score)
+    T, E = logits.shape
+    grad_logits = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    C.router_aux_scores_bwd(
+        grad_scores=_ext.ptr(grad_scores.float().contiguous()), logits=_ext.ptr(logits),
+        grad_logits=_ext.ptr(grad_logits), num_tokens=T, num_experts=E, score=_SCORE_CODES[score],
+        dtype=_ext.dtype_code(logits.dtype), **_ext.launch_args(logits),
+    )
+    return grad_logits
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public API
+
+
+def router_topk(
+    logits: Tensor,
+    k: int,
+    *,
+    score: str = "softmax",
+    pre_softmax: bool = False,
+    num_groups: int | None = None,
+    group_topk: int | None = None,
+    group_score_topk: int | None = None,
+    scaling_factor: float | None = None,
+    expert_bias: Tensor | None = None,
+    normalize: bool | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Pick k experts per token and their weights in one pass over the logits.
+
+    Args:
+        logits: [T, E] router logits (fp32, bf16, fp16; fp64 on the CPU).
+        k: experts per token.
+        score: "softmax" (selection by raw logits, weights = softmax over the k chosen, or with
+            `pre_softmax` selection and weights from the softmax over all E), "sigmoid" or
+            "sqrtsoftplus" (s = activation(logits); selection by s + expert_bias; weights s, divided by
+            their sum + 1e-20 when `normalize`).
+        num_groups, group_topk: group-limited routing (DeepSeek-V3): only experts in the `group_topk`
+            best of `num_groups` contiguous groups are eligible; a group's score is the sum of its
+            `group_score_topk` (default k // group_topk) best selection scores.
+        scaling_factor: multiplies the weights last.
+        expert_bias: [E] fp32, selection only (aux-loss-free balancing); no gradient.
+        normalize: default True when k > 1 (sigmoid and sqrtsoftplus only).
+
+    Returns:
+        weights [T, k] fp32 and indices [T, k] int32, ordered by selection score descending, ties to
+        the lower expert index (a NaN score ranks as -inf). Gradients flow from weights to logits.
+    """
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError("router_topk: `num_groups` and `group_topk` go together")
+    G = 1 if num_groups is None else num_groups
+    g = 1 if group_topk is None else group_topk
+    gst = group_score_topk if group_score_topk is not None else max(1, k // g)
+    if num_groups is None:
+        gst = 1
+    norm = (k > 1) if normalize is None else bool(normalize)
+    scale = 1.0 if scaling_factor is None else float(scaling_factor)
+    return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
+
+
+def router_aux_scores(logits: Tensor, k: int, *, score: str = "softmax") -> tuple[Tensor, Tensor]:
+    """Scores over all experts for load-balancing losses (no bias, no groups): softmax over E, or
+    s / (sum_E s + 1e-20) for sigmoid/sqrtsoftplus; indices = their top-k. Returns ([T, E] fp32, [T, k] int32)."""
+    return torch.ops.moe_kernels.router_aux_scores(logits, k, score)
