@@ -271,5 +271,4 @@ def run(ctx: h.Context) -> h.Report:
             results += run_case(ctx, c)
         except AssertionError as e:  # a wrong result is not timed; the other cases still are
             failures.append(f"{c.name}: {e}")
-            print(f"FAILED {c.name}: {e}")
     return h.Report(results, headline(ctx, results) if results else [], failures)

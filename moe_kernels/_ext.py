@@ -50,19 +50,49 @@ def checks_enabled() -> bool:
     return _checks
 
 
-def kernels(op: str):
-    """The extension module, or None (after one warning) when CUDA tensors must use the references."""
+_device_ok: dict[int, bool] = {}
+
+
+def built_archs() -> list[str]:
+    return [a for a in _C.cuda_archs.split(",") if a] if _C is not None else []
+
+
+def arch_runs_on(archs: list[str], capability: tuple[int, int]) -> bool:
+    """A cubin for sm_XY (or the arch-specific sm_XYa) runs only on compute capability X.Y."""
+    want = f"{capability[0]}{capability[1]}"
+    return any(a.rstrip("af") == want for a in archs)
+
+
+def _device_supported(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _device_ok:
+        _device_ok[index] = arch_runs_on(built_archs(), torch.cuda.get_device_capability(index))
+    return _device_ok[index]
+
+
+def kernels(op: str, t: torch.Tensor):
+    """The extension module, or None (after one warning) when `t`'s GPU must use the references:
+    the extension is not built, or not built for this GPU's architecture."""
     global _warned_fallback
-    if _C is None and not _warned_fallback:
+    reason = None
+    if _C is None:
+        reason = f"moe_kernels was installed without its CUDA extension ({_IMPORT_ERROR})"
+    elif not _device_supported(t.device):
+        cc = torch.cuda.get_device_capability(t.device)
+        reason = (
+            f"the CUDA extension was built for {', '.join('sm_' + a for a in built_archs())}, "
+            f"not this GPU (sm_{cc[0]}{cc[1]}); rebuild with MOE_KERNELS_CUDA_ARCHS"
+        )
+    if reason is None:
+        return _C
+    if not _warned_fallback:
         _warned_fallback = True
         warnings.warn(
-            f"moe_kernels was installed without its CUDA extension ({_IMPORT_ERROR}); "
-            f"{op} and every other op run their PyTorch references on CUDA tensors (slow). "
-            "Reinstall with nvcc available to build the kernels.",
+            f"{reason}: {op} and every other op run their PyTorch references on CUDA tensors (slow).",
             RuntimeWarning,
             stacklevel=3,
         )
-    return _C
+    return None
 
 
 def dtype_code(dtype: torch.dtype) -> int:

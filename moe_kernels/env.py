@@ -13,6 +13,8 @@ CUDA_OPS = {
     "permute": ("permute_fwd",),
     "unpermute": ("unpermute_fwd", "unpermute_bwd"),
     "tokens_per_expert": ("tokens_per_expert",),
+    "router_topk": ("router_topk_fwd", "router_topk_bwd"),
+    "router_aux_scores": ("router_aux_scores_fwd", "router_aux_scores_bwd"),
 }
 
 # CUDA 13 runtimes need an R580 or newer driver.
@@ -21,12 +23,6 @@ _MIN_DRIVER_FOR_CUDA13 = "R580"
 
 def _version_str(v: int) -> str:
     return f"{v // 1000}.{(v % 1000) // 10}" if v else "none"
-
-
-def _arch_runs(archs: list[str], cc: tuple[int, int]) -> bool:
-    """A cubin for sm_XY (or sm_XYa) runs only on exactly that compute capability."""
-    want = f"{cc[0]}{cc[1]}"
-    return any(a.rstrip("af") == want for a in archs)
 
 
 def collect() -> dict:
@@ -40,7 +36,7 @@ def collect() -> dict:
     C = _ext._C
     archs: list[str] = []
     if C is not None:
-        archs = [a for a in C.cuda_archs.split(",") if a]
+        archs = _ext.built_archs()
         info["extension_archs"] = ["sm_" + a for a in archs]
         info["extension_cuda_runtime"] = _version_str(C.cuda_runtime_version())
         info["cuda_driver"] = _version_str(C.cuda_driver_version())
@@ -55,7 +51,7 @@ def collect() -> dict:
                     "index": i,
                     "name": torch.cuda.get_device_name(i),
                     "compute_capability": f"{cc[0]}.{cc[1]}",
-                    "kernels_run_here": C is not None and _arch_runs(archs, cc),
+                    "kernels_run_here": C is not None and _ext.arch_runs_on(archs, cc),
                 }
             )
     info["gpus"] = gpus

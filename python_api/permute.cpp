@@ -17,11 +17,12 @@ void register_permute(py::module_& m) {
       [](uintptr_t x, uintptr_t indices, uintptr_t x_perm, uintptr_t row_map, uintptr_t group_sizes,
          uintptr_t workspace, int64_t num_tokens, int64_t k, int64_t row_bytes, int32_t num_experts, int32_t align,
          int device, uintptr_t s) {
+        DeviceGuard guard(device);
         permute::PermuteParams p{ptr<const void>(x),   ptr<const int32_t>(indices), ptr<void>(x_perm),
                                  ptr<int32_t>(row_map), ptr<int32_t>(group_sizes), ptr<void>(workspace),
                                  num_tokens,            k,                          row_bytes,
                                  num_experts,           align};
-        permute::permute_fwd(p, on_device(device, s));
+        permute::permute_fwd(p, stream(s));
       },
       py::arg("x"), py::arg("indices"), py::arg("x_perm"), py::arg("row_map"), py::arg("group_sizes"),
       py::arg("workspace"), py::arg("num_tokens"), py::arg("k"), py::arg("row_bytes"), py::arg("num_experts"),
@@ -29,18 +30,20 @@ void register_permute(py::module_& m) {
   m.def(
       "tokens_per_expert",
       [](uintptr_t indices, int64_t num_slots, int32_t num_experts, uintptr_t counts, int device, uintptr_t s) {
+        DeviceGuard guard(device);
         permute::tokens_per_expert(ptr<const int32_t>(indices), num_slots, num_experts, ptr<int32_t>(counts),
-                                   on_device(device, s));
+                                   stream(s));
       },
       py::arg("indices"), py::arg("num_slots"), py::arg("num_experts"), py::arg("counts"), py::arg("device"), py::arg("stream"));
   m.def(
       "unpermute_fwd",
       [](uintptr_t y, uintptr_t row_map, uintptr_t weights, uintptr_t out, int64_t num_tokens, int64_t k,
          int64_t hidden, int64_t num_rows, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
         permute::UnpermuteParams p{ptr<const void>(y), ptr<const int32_t>(row_map), ptr<const float>(weights),
                                    ptr<void>(out),     num_tokens,                  k,
                                    hidden,             num_rows,                    static_cast<DType>(dtype)};
-        permute::unpermute_fwd(p, on_device(device, s));
+        permute::unpermute_fwd(p, stream(s));
       },
       py::arg("y"), py::arg("row_map"), py::arg("weights"), py::arg("out"), py::arg("num_tokens"), py::arg("k"),
       py::arg("hidden"), py::arg("num_rows"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
@@ -49,11 +52,12 @@ void register_permute(py::module_& m) {
       [](uintptr_t dout, uintptr_t y, uintptr_t row_map, uintptr_t weights, uintptr_t dy, uintptr_t dweights,
          uintptr_t row_mask, int64_t num_tokens, int64_t k, int64_t hidden, int64_t num_rows, int32_t dtype,
          int device, uintptr_t s) {
+        DeviceGuard guard(device);
         permute::UnpermuteBwdParams p{ptr<const void>(dout),    ptr<const void>(y),  ptr<const int32_t>(row_map),
                                       ptr<const float>(weights), ptr<void>(dy),       ptr<float>(dweights),
                                       ptr<uint8_t>(row_mask),    num_tokens,          k,
                                       hidden,                    num_rows,            static_cast<DType>(dtype)};
-        permute::unpermute_bwd(p, on_device(device, s));
+        permute::unpermute_bwd(p, stream(s));
       },
       py::arg("dout"), py::arg("y"), py::arg("row_map"), py::arg("weights"), py::arg("dy"), py::arg("dweights"),
       py::arg("row_mask"), py::arg("num_tokens"), py::arg("k"), py::arg("hidden"), py::arg("num_rows"),

@@ -16,13 +16,28 @@ template <typename T>
 inline T* ptr(uintptr_t p) {
   return reinterpret_cast<T*>(p);
 }
-// Every launch names its device: this module's runtime keeps its own current device, which need not
-// be the one torch made current.
-inline cudaStream_t on_device(int device, uintptr_t s) {
-  moe::check_cuda(cudaSetDevice(device), "cudaSetDevice");
-  return reinterpret_cast<cudaStream_t>(s);
-}
+// Every launch names its device. Switching the thread's current device would leak into torch (both
+// runtimes share the driver's per-thread context), so the previous device is restored on scope exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : target_(device) {
+    moe::check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != target_) moe::check_cuda(cudaSetDevice(target_), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    if (previous_ != target_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int target_;
+  int previous_ = 0;
+};
+
+inline cudaStream_t stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(s); }
 
 void register_permute(pybind11::module_& m);
+void register_router(pybind11::module_& m);
 
 }  // namespace moe::api

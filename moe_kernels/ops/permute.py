@@ -18,6 +18,7 @@ INDEX_DTYPES = (torch.int32,)
 # Permute moves bytes, so low-precision payloads (fp8, packed fp4 as uint8) travel through it too.
 PERMUTE_CUDA_DTYPES = (*CUDA_FLOAT_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
 _INT32_MAX = 2**31 - 1
+MAX_ALIGN = 2**16  # GEMM tiles need at most 256; a bound keeps padding work per expert small
 
 
 def permuted_rows(num_tokens: int, k: int, num_experts: int, align: int) -> int:
@@ -41,7 +42,7 @@ def _check_permute(x: Tensor, indices: Tensor, num_experts: int, align: int) -> 
     check_tensor(op, "x", x, ndim=2)
     check_tensor(op, "indices", indices, ndim=2, dtypes=INDEX_DTYPES, device=x.device)
     check_int(op, "num_experts", num_experts, minimum=1)
-    check_int(op, "align", align, minimum=1)
+    check_int(op, "align", align, minimum=1, maximum=MAX_ALIGN)
     if indices.shape[0] != x.shape[0]:
         raise ValueError(
             f"{op}: `indices` has {indices.shape[0]} rows but `x` has {x.shape[0]} tokens; expected [T, k]"
@@ -58,6 +59,22 @@ def _check_unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None) -> None
     if weights is not None:
         check_tensor(op, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=y.device)
         check_shape(op, "weights", weights, row_map.shape, "same as row_map: [T, k]")
+
+
+def _check_unpermute_bwd(dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int) -> None:
+    op = "unpermute backward"
+    check_tensor(op, "grad_output", dout, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "row_map", row_map, ndim=2, dtypes=INDEX_DTYPES, device=dout.device)
+    check_shape(op, "grad_output", dout, (row_map.shape[0], dout.shape[1]), "[T, H] with T from row_map")
+    check_int(op, "num_rows", num_rows, minimum=0, maximum=_INT32_MAX)
+    if weights is not None:
+        check_tensor(op, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=dout.device)
+        check_shape(op, "weights", weights, row_map.shape, "same as row_map: [T, k]")
+    if y is not None:
+        if weights is None:
+            raise ValueError(f"{op}: `y` is only needed (for dweights) when `weights` is given")
+        check_tensor(op, "y", y, ndim=2, dtypes=(dout.dtype,), device=dout.device)
+        check_shape(op, "y", y, (num_rows, dout.shape[1]), "[R, H]")
 
 
 def _check_indices_values(indices: Tensor, num_experts: int, op: str) -> None:
@@ -174,6 +191,8 @@ def _unpermute_bwd(
     dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int
 ) -> tuple[Tensor, Tensor]:
     """dy [R, H] (zero on unmapped rows) and, when `y` is given, dweights [T, k] fp32 (else empty)."""
+    _check_unpermute_bwd(dout, row_map, weights, y, num_rows)
+    _check_row_map_values(row_map, num_rows, "unpermute backward")
     return unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
 
 
@@ -198,12 +217,12 @@ def _check_cuda_experts(op: str, num_experts: int, C) -> None:
 def _permute_cuda(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     _check_permute(x, indices, num_experts, align)
     check_cuda_dtype("permute", "x", x, PERMUTE_CUDA_DTYPES)
-    C = _ext.kernels("permute")
+    C = _ext.kernels("permute", x)
+    if C is None or _ext.checks_enabled():
+        _check_indices_values(indices, num_experts, "permute")
     if C is None:
         return permute_reference(x, indices, num_experts, align)
     _check_cuda_experts("permute", num_experts, C)
-    if _ext.checks_enabled():
-        _check_indices_values(indices, num_experts, "permute")
     T, H = x.shape
     k = indices.shape[1]
     x_perm = x.new_empty((permuted_rows(T, k, num_experts, align), H))
@@ -222,11 +241,11 @@ def _permute_cuda(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) 
 def _unpermute_cuda(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
     _check_unpermute(y, row_map, weights)
     check_cuda_dtype("unpermute", "y", y)
-    C = _ext.kernels("unpermute")
+    C = _ext.kernels("unpermute", y)
+    if C is None or _ext.checks_enabled():
+        _check_row_map_values(row_map, y.shape[0], "unpermute")
     if C is None:
         return unpermute_reference(y, row_map, weights)
-    if _ext.checks_enabled():
-        _check_row_map_values(row_map, y.shape[0], "unpermute")
     T, k = row_map.shape
     out = y.new_empty((T, y.shape[1]))
     w = None if weights is None else weights.float().contiguous()
@@ -241,8 +260,11 @@ def _unpermute_cuda(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -
 def _unpermute_bwd_cuda(
     dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int
 ) -> tuple[Tensor, Tensor]:
+    _check_unpermute_bwd(dout, row_map, weights, y, num_rows)
     check_cuda_dtype("unpermute backward", "grad_output", dout)
-    C = _ext.kernels("unpermute")
+    C = _ext.kernels("unpermute", dout)
+    if C is None or _ext.checks_enabled():
+        _check_row_map_values(row_map, num_rows, "unpermute backward")
     if C is None:
         return unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
     T, k = row_map.shape
@@ -262,12 +284,12 @@ def _unpermute_bwd_cuda(
 def _tokens_per_expert_cuda(indices: Tensor, num_experts: int) -> Tensor:
     check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
     check_int("tokens_per_expert", "num_experts", num_experts, minimum=1)
-    C = _ext.kernels("tokens_per_expert")
+    C = _ext.kernels("tokens_per_expert", indices)
+    if C is None or _ext.checks_enabled():
+        _check_indices_values(indices, num_experts, "tokens_per_expert")
     if C is None:
         return tokens_per_expert_reference(indices, num_experts)
     _check_cuda_experts("tokens_per_expert", num_experts, C)
-    if _ext.checks_enabled():
-        _check_indices_values(indices, num_experts, "tokens_per_expert")
     counts = torch.empty((num_experts,), dtype=torch.int32, device=indices.device)
     C.tokens_per_expert(
         indices=_ext.ptr(indices), num_slots=indices.numel(), num_experts=num_experts, counts=counts.data_ptr(),

@@ -261,10 +261,12 @@ _router_aux_scores.register_autograd(_aux_backward, setup_context=_aux_setup_con
 _SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
-def _cuda_prologue(op: str, logits: Tensor, k: int):
+def _cuda_prologue(op: str, logits: Tensor, k: int, num_groups: int = 1):
     check_cuda_dtype(op, "logits", logits)
-    C = _ext.kernels(op)
+    C = _ext.kernels(op, logits)
     if C is not None:
+        if num_groups > C.router_max_groups:
+            raise ValueError(f"{op}: the CUDA kernel takes `num_groups` <= {C.router_max_groups}, got {num_groups}")
         E = logits.shape[1]
         if E > C.router_max_experts:
             raise ValueError(f"{op}: the CUDA kernel takes at most {C.router_max_experts} experts, got {E}")
@@ -278,7 +280,7 @@ def _router_topk_cuda(
     logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize
 ):
     _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, expert_bias)
-    C = _cuda_prologue("router_topk", logits, k)
+    C = _cuda_prologue("router_topk", logits, k, num_groups)
     if C is None:
         return router_topk_reference(
             logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize

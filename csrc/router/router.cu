@@ -1,0 +1,389 @@
+// Fused router kernels: one warp per token, fp32 math.
+//
+// Ranking uses 32-bit order keys: the float's bits mapped so that unsigned comparison orders values,
+// with NaN mapped to -inf and -0 to +0 (they compare equal in the reference). Key 0 lies below every
+// real key and marks an expert already taken. A warp-wide argmax is two redux.sync max reductions:
+// the largest key, then the largest ~index among lanes holding it (ties go to the lower index).
+// Each lane owns experts e = lane + 32 i, keeps its own best candidate, and rescans only when its
+// candidate was taken, so a top-k costs k rounds of two reductions plus one lane's rescan.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+
+#include "common/check.h"
+#include "common/vec.cuh"
+#include "router/router.h"
+
+namespace moe::router {
+namespace {
+
+constexpr uint32_t kTaken = 0u;
+constexpr float kNormEps = 1e-20f;
+constexpr int kSmemBytes = 48 * 1024;
+constexpr int kBwdWarps = 8;
+
+__device__ __forceinline__ uint32_t order_key(float f) {
+  if (isnan(f)) f = -INFINITY;
+  if (f == 0.f) f = 0.f;
+  const uint32_t b = __float_as_uint(f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+__device__ __forceinline__ float key_value(uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+struct Best {
+  uint32_t key;
+  int32_t e;
+};
+
+__device__ __forceinline__ Best warp_best(Best b) {
+  const uint32_t top = __reduce_max_sync(0xffffffffu, b.key);
+  const uint32_t pick = __reduce_max_sync(0xffffffffu, b.key == top ? ~uint32_t(b.e) : 0u);
+  return {top, int32_t(~pick)};
+}
+
+// Best of the lane's experts in [lo, hi), visiting lo + lane, lo + lane + 32, ... (lower index on ties).
+__device__ __forceinline__ Best lane_best(const uint32_t* keys, int lo, int hi, int lane) {
+  Best b{kTaken, -1};
+  for (int e = lo + lane; e < hi; e += 32) {
+    const uint32_t k = keys[e];
+    if (k > b.key) b = {k, e};
+  }
+  return b;
+}
+
+// Butterfly reductions: every lane ends with the same value, summed in the same fixed order.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+// s = sigmoid(x) or sqrt(softplus(x)), softplus(x) = x above 20 as in torch.
+__device__ __forceinline__ float activation(Score score, float x) {
+  if (score == Score::kSigmoid) return sigmoid(x);
+  return sqrtf(x > 20.f ? x : log1pf(expf(x)));
+}
+
+// ds/dx given s = activation(x).
+__device__ __forceinline__ float activation_grad(Score score, float x, float s) {
+  if (score == Score::kSigmoid) return s * (1.f - s);
+  return (x > 20.f ? 1.f : sigmoid(x)) / (2.f * s);
+}
+
+template <typename T>
+__device__ __forceinline__ float load(const T* row, int e) {
+  return to_float(row[e]);
+}
+
+// Top-k over keys[0, E) into lane r's `chosen` for r < k; consumes the keys (marks them taken).
+__device__ __forceinline__ int32_t select_topk(uint32_t* keys, int E, int k, int lane) {
+  Best mine = lane_best(keys, 0, E, lane);
+  int32_t chosen = -1;
+  for (int r = 0; r < k; ++r) {
+    const Best b = warp_best(mine);
+    if (lane == r) chosen = b.e;
+    if (b.e >= 0 && (b.e & 31) == lane) {  // only the owner touches its experts: no warp barrier needed
+      keys[b.e] = kTaken;
+      mine = lane_best(keys, 0, E, lane);
+    }
+  }
+  return chosen;
+}
+
+template <typename T>
+__global__ void topk_fwd_kernel(TopkParams p) {
+  extern __shared__ float smem[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = int64_t(blockIdx.x) * warps + warp;
+  if (t >= p.num_tokens) return;  // whole warps only: no block-wide barriers below
+  const int E = p.num_experts, k = p.k;
+  float* xs = smem + size_t(warp) * 2 * E;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(xs + E);
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+
+  float m = -INFINITY;
+  for (int e = lane; e < E; e += 32) {
+    const float x = load(row, e);
+    xs[e] = x;
+    m = fmaxf(m, x);
+  }
+  m = warp_max(m);
+  float denom = 1.f;
+  if (p.pre_softmax) {
+    float s = 0.f;
+    for (int e = lane; e < E; e += 32) s += expf(xs[e] - m);
+    denom = warp_sum(s);
+  }
+  auto selection = [&](int e) {
+    const float x = xs[e];
+    if (p.score == Score::kSoftmax) return p.pre_softmax ? expf(x - m) / denom : x;
+    const float s = activation(p.score, x);
+    return p.bias != nullptr ? s + p.bias[e] : s;
+  };
+  for (int e = lane; e < E; e += 32) keys[e] = order_key(selection(e));
+  __syncwarp();
+
+  if (p.num_groups > 1) {
+    const int gsize = E / p.num_groups;
+    uint32_t group_key = kTaken;  // lane gi holds group gi's key
+    for (int gi = 0; gi < p.num_groups; ++gi) {
+      const int lo = gi * gsize, hi = lo + gsize;
+      float group_score = 0.f;
+      for (int r = 0; r < p.group_score_topk; ++r) {  // sum of the group's best scores, largest first
+        const Best b = warp_best(lane_best(keys, lo, hi, lane));
+        const float v = key_value(b.key);
+        group_score = r == 0 ? v : group_score + v;
+        __syncwarp();
+        if (lane == 0) keys[b.e] = kTaken;
+        __syncwarp();
+      }
+      for (int e = lo + lane; e < hi; e += 32) {
+        if (keys[e] == kTaken) keys[e] = order_key(selection(e));
+      }
+      __syncwarp();
+      if (lane == gi) group_key = order_key(group_score);
+    }
+    uint32_t kept = 0u;
+    for (int r = 0; r < p.group_topk; ++r) {
+      const Best b = warp_best({group_key, lane < p.num_groups ? lane : -1});
+      kept |= 1u << b.e;
+      if (lane == b.e) group_key = kTaken;
+    }
+    const uint32_t masked = order_key(-INFINITY);
+    for (int e = lane; e < E; e += 32) {
+      if (!((kept >> (e / gsize)) & 1u)) keys[e] = masked;
+    }
+    __syncwarp();
+  }
+
+  const int32_t chosen = select_topk(keys, E, k, lane);
+  const bool live = lane < k;
+  const float x = live ? xs[chosen] : 0.f;
+  float w;
+  if (p.score == Score::kSoftmax && !p.pre_softmax) {
+    const float mk = warp_max(live ? x : -INFINITY);
+    const float ex = live ? expf(x - mk) : 0.f;
+    w = ex / warp_sum(ex);
+  } else if (p.score == Score::kSoftmax) {
+    w = expf(x - m) / denom;
+  } else {
+    w = activation(p.score, x);
+    if (p.normalize) w = w / (warp_sum(live ? w : 0.f) + kNormEps);
+  }
+  if (live) {
+    p.weights[t * k + lane] = w * p.scaling_factor;
+    p.indices[t * k + lane] = chosen;
+  }
+}
+
+template <typename T>
+__global__ void topk_bwd_kernel(TopkBwdParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+  if (t >= p.num_tokens) return;
+  const int E = p.num_experts, k = p.k;
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+  float* grad = p.grad_logits + t * E;
+  int32_t e = lane < k ? p.indices[t * k + lane] : -1;
+  if (e >= E) e = -1;  // never out of bounds, whatever the indices hold
+  const bool live = e >= 0;
+  const float x = live ? load(row, e) : 0.f;
+  const float g = live ? p.grad_weights[t * k + lane] * p.scaling_factor : 0.f;
+
+  if (p.score == Score::kSoftmax && p.pre_softmax) {
+    // w = softmax(x)[chosen]: every logit gets s_e * (G_e - sum_r g_r w_r).
+    float m = -INFINITY;
+    for (int i = lane; i < E; i += 32) m = fmaxf(m, load(row, i));
+    m = warp_max(m);
+    float s = 0.f;
+    for (int i = lane; i < E; i += 32) s += expf(load(row, i) - m);
+    const float denom = warp_sum(s);
+    const float w = live ? expf(x - m) / denom : 0.f;
+    const float dot = warp_sum(g * w);
+    for (int i = lane; i < E; i += 32) grad[i] = -(expf(load(row, i) - m) / denom) * dot;
+    __syncwarp();
+    if (live) grad[e] = w * (g - dot);
+    return;
+  }
+  for (int i = lane; i < E; i += 32) grad[i] = 0.f;
+  __syncwarp();
+  float dx;
+  if (p.score == Score::kSoftmax) {  // w = softmax over the k chosen logits
+    const float mk = warp_max(live ? x : -INFINITY);
+    const float ex = live ? expf(x - mk) : 0.f;
+    const float w = ex / warp_sum(ex);
+    dx = w * (g - warp_sum(g * w));
+  } else {
+    const float s = live ? activation(p.score, x) : 0.f;
+    float ds = g;
+    if (p.normalize) {
+      const float denom = warp_sum(s) + kNormEps;
+      const float dot = warp_sum(g * (s / denom));
+      ds = (g - dot) / denom;
+    }
+    dx = live ? ds * activation_grad(p.score, x, s) : 0.f;
+  }
+  if (live) grad[e] = dx;
+}
+
+template <typename T>
+__global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
+  extern __shared__ float smem[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = int64_t(blockIdx.x) * warps + warp;
+  if (t >= p.num_tokens) return;
+  const int E = p.num_experts;
+  float* xs = smem + size_t(warp) * 2 * E;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(xs + E);
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+  float* scores = p.scores + t * E;
+
+  float m = -INFINITY, total = 0.f;
+  for (int e = lane; e < E; e += 32) {
+    const float x = load(row, e);
+    if (p.score == Score::kSoftmax) {
+      xs[e] = x;
+      m = fmaxf(m, x);
+    } else {
+      xs[e] = activation(p.score, x);
+      total += xs[e];
+    }
+  }
+  if (p.score == Score::kSoftmax) {
+    m = warp_max(m);
+    for (int e = lane; e < E; e += 32) total += expf(xs[e] - m);
+  }
+  const float denom = p.score == Score::kSoftmax ? warp_sum(total) : warp_sum(total) + kNormEps;
+  for (int e = lane; e < E; e += 32) {
+    const float s = (p.score == Score::kSoftmax ? expf(xs[e] - m) : xs[e]) / denom;
+    scores[e] = s;
+    keys[e] = order_key(s);
+  }
+  __syncwarp();
+  const int32_t chosen = select_topk(keys, E, p.k, lane);
+  if (lane < p.k) p.indices[t * p.k + lane] = chosen;
+}
+
+template <typename T>
+__global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
+  if (t >= p.num_tokens) return;
+  const int E = p.num_experts;
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+  const float* g = p.grad_scores + t * E;
+  float* grad = p.grad_logits + t * E;
+  if (p.score == Score::kSoftmax) {
+    float m = -INFINITY;
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, load(row, e));
+    m = warp_max(m);
+    float s = 0.f;
+    for (int e = lane; e < E; e += 32) s += expf(load(row, e) - m);
+    const float denom = warp_sum(s);
+    float dot = 0.f;
+    for (int e = lane; e < E; e += 32) dot += g[e] * (expf(load(row, e) - m) / denom);
+    dot = warp_sum(dot);
+    for (int e = lane; e < E; e += 32) {
+      const float pe = expf(load(row, e) - m) / denom;
+      grad[e] = pe * (g[e] - dot);
+    }
+    return;
+  }
+  float total = 0.f;
+  for (int e = lane; e < E; e += 32) total += activation(p.score, load(row, e));
+  const float denom = warp_sum(total) + kNormEps;
+  float dot = 0.f;
+  for (int e = lane; e < E; e += 32) dot += g[e] * (activation(p.score, load(row, e)) / denom);
+  dot = warp_sum(dot);
+  for (int e = lane; e < E; e += 32) {
+    const float x = load(row, e);
+    const float s = activation(p.score, x);
+    grad[e] = (g[e] - dot) / denom * activation_grad(p.score, x, s);
+  }
+}
+
+int fwd_warps(int E) {
+  const int w = kSmemBytes / (8 * E);
+  return w < 1 ? 1 : (w > 8 ? 8 : w);
+}
+
+template <typename F>
+void by_dtype(DType dtype, const char* what, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f.template operator()<float>();
+    case DType::kFloat16: return f.template operator()<__half>();
+    case DType::kBFloat16: return f.template operator()<__nv_bfloat16>();
+    default: throw std::invalid_argument(std::string(what) + ": logits must be float32, float16 or bfloat16");
+  }
+}
+
+void check_sizes(int E, int k, const char* what) {
+  if (E < 1 || E > kMaxExperts) throw std::invalid_argument(std::string(what) + ": num_experts out of range");
+  if (k < 1 || k > kMaxK || k > E) throw std::invalid_argument(std::string(what) + ": k out of range");
+}
+
+}  // namespace
+
+void topk_fwd(const TopkParams& p, cudaStream_t stream) {
+  check_sizes(p.num_experts, p.k, "router_topk");
+  if (p.num_groups < 1 || p.num_groups > kMaxGroups || p.num_experts % p.num_groups ||
+      p.group_topk < 1 || p.group_topk > p.num_groups || p.group_score_topk < 1 ||
+      p.group_score_topk > p.num_experts / p.num_groups ||
+      p.k > p.group_topk * (p.num_experts / p.num_groups)) {
+    throw std::invalid_argument("router_topk: invalid group configuration");
+  }
+  if (p.num_tokens == 0) return;
+  const int W = fwd_warps(p.num_experts);
+  const unsigned blocks = unsigned((p.num_tokens + W - 1) / W);
+  const size_t smem = size_t(W) * 8 * p.num_experts;
+  by_dtype(p.dtype, "router_topk", [&]<typename T>() {
+    topk_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
+  });
+  check_launch("router topk_fwd_kernel");
+}
+
+void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
+  check_sizes(p.num_experts, p.k, "router_topk backward");
+  if (p.num_tokens == 0) return;
+  const unsigned blocks = unsigned((p.num_tokens + kBwdWarps - 1) / kBwdWarps);
+  by_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
+    topk_bwd_kernel<T><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
+  });
+  check_launch("router topk_bwd_kernel");
+}
+
+void aux_scores_fwd(const AuxScoresParams& p, cudaStream_t stream) {
+  check_sizes(p.num_experts, p.k, "router_aux_scores");
+  if (p.num_tokens == 0) return;
+  const int W = fwd_warps(p.num_experts);
+  const unsigned blocks = unsigned((p.num_tokens + W - 1) / W);
+  const size_t smem = size_t(W) * 8 * p.num_experts;
+  by_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
+    aux_scores_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
+  });
+  check_launch("router aux_scores_fwd_kernel");
+}
+
+void aux_scores_bwd(const AuxScoresBwdParams& p, cudaStream_t stream) {
+  check_sizes(p.num_experts, 1, "router_aux_scores backward");
+  if (p.num_tokens == 0) return;
+  const unsigned blocks = unsigned((p.num_tokens + kBwdWarps - 1) / kBwdWarps);
+  by_dtype(p.dtype, "router_aux_scores backward", [&]<typename T>() {
+    aux_scores_bwd_kernel<T><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
+  });
+  check_launch("router aux_scores_bwd_kernel");
+}
+
+}  // namespace moe::router
