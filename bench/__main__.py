@@ -11,6 +11,7 @@ import typer
 # op family -> module with run(ctx: harness.Context) -> harness.Report; imported only when selected.
 BENCHES = {
     "permute": "bench.bench_permute",
+    "router": "bench.bench_router",
 }
 
 app = typer.Typer(add_completion=False)

@@ -38,11 +38,11 @@ def _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_sco
     if E % num_groups:
         raise ValueError(f"{op}: `num_groups`={num_groups} must divide the {E} experts")
     check_int(op, "group_topk", group_topk, minimum=1, maximum=num_groups)
-    check_int(op, "group_score_topk", group_score_topk, minimum=1, maximum=E // num_groups)
     if k > group_topk * (E // num_groups):
         raise ValueError(
             f"{op}: `k`={k} exceeds the {group_topk * (E // num_groups)} experts in the top {group_topk} groups"
         )
+    check_int(op, "group_score_topk", group_score_topk, minimum=1, maximum=E // num_groups)
     if expert_bias is not None:
         if score == "softmax":
             raise ValueError(f"{op}: `expert_bias` is for score='sigmoid' or 'sqrtsoftplus', not 'softmax'")
@@ -80,27 +80,35 @@ def _activation(logits: Tensor, score: str) -> Tensor:
     raise ValueError(score)
 
 
+def router_selection_scores(logits: Tensor, score: str, pre_softmax: bool, expert_bias: Tensor | None) -> Tensor:
+    """[T, E] scores that top-k ranks (before any group limit)."""
+    x = _acc(logits)
+    if score == "softmax":
+        return torch.softmax(x, dim=-1) if pre_softmax else x
+    sel = _activation(x, score)
+    return sel + expert_bias.to(sel.dtype) if expert_bias is not None else sel
+
+
+def router_group_scores(sel: Tensor, num_groups: int, group_score_topk: int) -> Tensor:
+    """[T, G]: each group's sum of its `group_score_topk` best selection scores, largest first."""
+    T, E = sel.shape
+    top = torch.sort(_rank_key(sel).view(T, num_groups, E // num_groups), dim=-1, descending=True, stable=True).values
+    group_score = top[..., 0]
+    for i in range(1, group_score_topk):  # sequential sum, largest first: what the kernel does
+        group_score = group_score + top[..., i]
+    return group_score
+
+
 def router_selection_reference(
     logits: Tensor, k: int, score: str, pre_softmax: bool, num_groups: int, group_topk: int,
     group_score_topk: int, expert_bias: Tensor | None,
 ) -> Tensor:
     """[T, k] int64 chosen experts."""
-    x = _acc(logits)
-    T, E = x.shape
-    if score == "softmax":
-        sel = torch.softmax(x, dim=-1) if pre_softmax else x
-    else:
-        sel = _activation(x, score)
-        if expert_bias is not None:
-            sel = sel + expert_bias.to(sel.dtype)
+    sel = router_selection_scores(logits, score, pre_softmax, expert_bias)
+    T, E = sel.shape
     if num_groups > 1:
-        grouped = _rank_key(sel).view(T, num_groups, E // num_groups)
-        top = torch.sort(grouped, dim=-1, descending=True, stable=True).values
-        group_score = top[..., 0]
-        for i in range(1, group_score_topk):  # sequential sum, largest first: what the kernel does
-            group_score = group_score + top[..., i]
-        keep = _topk_stable(group_score, group_topk)  # [T, g]
-        mask = torch.zeros((T, num_groups), dtype=torch.bool, device=x.device).scatter(1, keep, True)
+        keep = _topk_stable(router_group_scores(sel, num_groups, group_score_topk), group_topk)  # [T, g]
+        mask = torch.zeros((T, num_groups), dtype=torch.bool, device=sel.device).scatter(1, keep, True)
         sel = torch.where(mask.repeat_interleave(E // num_groups, dim=1), sel, -math.inf)
     return _topk_stable(sel, k)
 
@@ -128,12 +136,34 @@ def router_topk_reference(
     return w, idx.to(torch.int32)
 
 
+def _activation_grad(x: Tensor, s: Tensor, score: str) -> Tensor:
+    """ds/dx for s = activation(x)."""
+    if score == "sigmoid":
+        return s * (1 - s)
+    return torch.where(x > 20, 1.0, torch.sigmoid(x)) / (2 * s)
+
+
 def router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor) -> Tensor:
-    with torch.enable_grad():
-        x = logits.detach().requires_grad_()
-        w = router_weights_reference(x, indices, score, pre_softmax, normalize, scaling_factor)
-        (g,) = torch.autograd.grad(w, x, grad_weights.to(w.dtype))
-    return g.to(_acc(logits).dtype)
+    """d loss / d logits given d loss / d weights, for the experts chosen in the forward."""
+    x = _acc(logits)
+    idx = indices.long()
+    g = grad_weights.to(x.dtype) * scaling_factor  # [T, k]
+    if score == "softmax" and pre_softmax:
+        p = torch.softmax(x, dim=-1)  # every logit feeds the softmax over E
+        dot = (g * p.gather(1, idx)).sum(-1, keepdim=True)
+        return p * (torch.zeros_like(x).scatter(1, idx, g) - dot)
+    x_sel = x.gather(1, idx)
+    if score == "softmax":
+        w = torch.softmax(x_sel, dim=-1)
+        d_sel = w * (g - (g * w).sum(-1, keepdim=True))
+    else:
+        s = _activation(x_sel, score)
+        ds = g
+        if normalize:
+            denom = s.sum(-1, keepdim=True) + GROUP_EPS
+            ds = (g - (g * (s / denom)).sum(-1, keepdim=True)) / denom
+        d_sel = ds * _activation_grad(x_sel, s, score)
+    return torch.zeros_like(x).scatter(1, idx, d_sel)
 
 
 def aux_scores_values(logits: Tensor, score: str) -> Tensor:
@@ -151,11 +181,15 @@ def router_aux_scores_reference(logits: Tensor, k: int, score: str) -> tuple[Ten
 
 
 def router_aux_scores_bwd_reference(grad_scores: Tensor, logits: Tensor, score: str) -> Tensor:
-    with torch.enable_grad():
-        x = logits.detach().requires_grad_()
-        s = aux_scores_values(x, score)
-        (g,) = torch.autograd.grad(s, x, grad_scores.to(s.dtype))
-    return g
+    x = _acc(logits)
+    g = grad_scores.to(x.dtype)
+    if score == "softmax":
+        p = torch.softmax(x, dim=-1)
+        return p * (g - (g * p).sum(-1, keepdim=True))
+    s = _activation(x, score)
+    denom = s.sum(-1, keepdim=True) + GROUP_EPS
+    ds = (g - (g * (s / denom)).sum(-1, keepdim=True)) / denom
+    return ds * _activation_grad(x, s, score)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,299 @@
+"""Router ops: CPU tier (formulas against hand-worked cases and independent formulations)."""
+
+import math
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.ops.router import router_topk_reference
+from moe_kernels.ops.router_losses import capacity
+from moe_kernels.testing import assert_exact
+
+
+def test_softmax_post_hand_worked():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    w, idx = mk.router_topk(logits, 2)
+    assert idx.tolist() == [[1, 2]]
+    e = math.exp(1.0)
+    torch.testing.assert_close(w, torch.tensor([[e / (e + 1), 1 / (e + 1)]]))
+    assert w.dtype == torch.float32 and idx.dtype == torch.int32
+
+
+def test_softmax_pre_hand_worked():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    w, idx = mk.router_topk(logits, 2, pre_softmax=True)
+    p = torch.softmax(logits, -1)
+    assert idx.tolist() == [[1, 2]]
+    torch.testing.assert_close(w, p[:, [1, 2]])
+
+
+def test_ties_go_to_lower_index():
+    logits = torch.tensor([[0.5, 2.0, 2.0, 2.0, 1.0]])
+    _, idx = mk.router_topk(logits, 3)
+    assert idx.tolist() == [[1, 2, 3]]
+    _, idx = mk.router_topk(torch.zeros(1, 6), 2, score="sigmoid")
+    assert idx.tolist() == [[0, 1]]
+
+
+def test_sigmoid_bias_changes_selection_not_weights():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    bias = torch.tensor([0.0, 0.0, 0.0, 10.0])
+    w, idx = mk.router_topk(logits, 2, score="sigmoid", expert_bias=bias, normalize=False)
+    assert idx.tolist() == [[3, 0]]
+    torch.testing.assert_close(w, torch.sigmoid(logits[:, [3, 0]]))
+    w, idx = mk.router_topk(logits, 2, score="sigmoid", expert_bias=bias, scaling_factor=2.5)
+    s = torch.sigmoid(logits[:, [3, 0]])
+    torch.testing.assert_close(w, s / (s.sum() + 1e-20) * 2.5)
+
+
+def test_normalize_default_and_k1():
+    logits = torch.randn(5, 8)
+    w, _ = mk.router_topk(logits, 1, score="sigmoid")  # k == 1: no normalisation by default
+    assert not torch.allclose(w, torch.ones_like(w))
+    w, _ = mk.router_topk(logits, 3, score="sigmoid")
+    torch.testing.assert_close(w.sum(-1), torch.ones(5))
+
+
+def test_sqrtsoftplus_threshold():
+    logits = torch.tensor([[30.0, 25.0, -3.0, 0.5]])
+    w, idx = mk.router_topk(logits, 2, score="sqrtsoftplus", normalize=False)
+    assert idx.tolist() == [[0, 1]]
+    torch.testing.assert_close(w, torch.sqrt(torch.tensor([[30.0, 25.0]])))
+
+
+def loop_group_topk(logits, k, G, g, gst, bias):
+    """Independent formulation of DeepSeek-V3 routing, one token at a time in Python floats."""
+    out = []
+    for row in logits.tolist():
+        s = [1 / (1 + math.exp(-x)) for x in row]
+        sel = [v + b for v, b in zip(s, bias.tolist())]
+        size = len(row) // G
+        gscores = [sum(sorted(sel[i * size:(i + 1) * size], reverse=True)[:gst]) for i in range(G)]
+        groups = sorted(range(G), key=lambda i: (-gscores[i], i))[:g]
+        eligible = [e for e in range(len(row)) if e // size in groups]
+        chosen = sorted(eligible, key=lambda e: (-sel[e], e))[:k]
+        ws = [s[e] for e in chosen]
+        total = sum(ws) + 1e-20
+        out.append((chosen, [2.5 * v / total for v in ws]))
+    return out
+
+
+def test_group_limited_routing_matches_loop():
+    torch.manual_seed(0)
+    T, E, k, G, g = 40, 32, 4, 8, 2
+    logits = torch.randn(T, E)
+    bias = torch.randn(E) * 0.1
+    w, idx = mk.router_topk(logits, k, score="sigmoid", num_groups=G, group_topk=g, expert_bias=bias,
+                            scaling_factor=2.5)
+    # Only experts of the two chosen groups (of 4 experts each) appear.
+    for (chosen, weights), i_row, w_row in zip(loop_group_topk(logits, k, G, g, 2, bias), idx.tolist(), w):
+        assert i_row == chosen
+        torch.testing.assert_close(w_row, torch.tensor(weights), rtol=1e-5, atol=1e-7)
+    assert len({e // 4 for row in idx.tolist() for e in row[:1]}) > 1
+
+
+def test_group_score_topk_default_is_k_over_g():
+    torch.manual_seed(1)
+    logits = torch.randn(16, 16)
+    a = mk.router_topk(logits, 4, score="sigmoid", num_groups=4, group_topk=2)
+    b = mk.router_topk(logits, 4, score="sigmoid", num_groups=4, group_topk=2, group_score_topk=2)
+    assert torch.equal(a[1], b[1])
+
+
+def test_non_finite_logits():
+    logits = torch.tensor([[float("-inf"), 1.0, float("-inf"), 0.5], [float("nan"), 0.0, 1.0, 2.0]])
+    w, idx = mk.router_topk(logits, 2)
+    assert idx[0].tolist() == [1, 3]  # -inf (masked) experts are never preferred
+    assert idx[1].tolist() == [3, 2]  # a NaN logit ranks as -inf
+    assert torch.isfinite(w).all()
+    w, idx = mk.router_topk(torch.full((1, 4), float("nan")), 2)
+    assert idx.tolist() == [[0, 1]] and torch.isnan(w).all()
+
+
+def test_aux_scores():
+    logits = torch.randn(6, 8)
+    scores, idx = mk.router_aux_scores(logits, 2)
+    torch.testing.assert_close(scores, torch.softmax(logits, -1))
+    assert idx.tolist() == torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :2].tolist()
+    scores, _ = mk.router_aux_scores(logits, 2, score="sigmoid")
+    s = torch.sigmoid(logits)
+    torch.testing.assert_close(scores, s / (s.sum(-1, keepdim=True) + 1e-20))
+
+
+def test_aux_loss_uniform_is_coeff_exactly():
+    T, E, k = 64, 8, 2
+    scores = torch.full((T, E), 1.0 / E)
+    counts = torch.full((E,), T * k // E, dtype=torch.int32)
+    assert mk.aux_loss(scores, counts, k, 0.01).item() == torch.tensor(0.01).item()
+    assert mk.aux_loss(scores.double(), counts, k, 0.01).item() == 0.01
+
+
+def test_aux_loss_formula_and_grad():
+    T, E, k = 10, 4, 2
+    scores = torch.rand(T, E, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, E, (T, k), dtype=torch.int32)
+    counts = mk.tokens_per_expert(idx, E)
+    loss = mk.aux_loss(scores, counts, k, 0.1)
+    expected = 0.1 * E / (k * T * T) * sum(scores[:, e].sum() * counts[e] for e in range(E))
+    torch.testing.assert_close(loss, expected)
+    assert torch.autograd.gradcheck(lambda s: mk.aux_loss(s, counts, k, 0.1), (scores,))
+
+
+def test_seq_aux_loss():
+    torch.manual_seed(2)
+    S, E, k = 6, 5, 2
+    scores = torch.rand(3 * S, E, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, E, (3 * S, k), dtype=torch.int32)
+    one = mk.seq_aux_loss(scores[:S], idx[:S], 0.1, seq_len=S)
+    torch.testing.assert_close(one, mk.aux_loss(scores[:S], mk.tokens_per_expert(idx[:S], E), k, 0.1))
+    per_seq = [mk.aux_loss(scores[i * S:(i + 1) * S], mk.tokens_per_expert(idx[i * S:(i + 1) * S], E), k, 0.1)
+               for i in range(3)]
+    torch.testing.assert_close(mk.seq_aux_loss(scores, idx, 0.1, seq_len=S), sum(per_seq) / 3)
+    assert torch.autograd.gradcheck(lambda s: mk.seq_aux_loss(s, idx, 0.1, seq_len=S), (scores,))
+
+
+def test_z_loss():
+    logits = torch.tensor([[0.0, 0.0], [1.0, 1.0]], dtype=torch.float64, requires_grad=True)
+    expected = 0.5 * (math.log(2) ** 2 + (1 + math.log(2)) ** 2) * 1e-3
+    assert math.isclose(mk.z_loss(logits, 1e-3).item(), expected, rel_tol=1e-12)
+    assert torch.autograd.gradcheck(lambda x: mk.z_loss(x, 1e-3), (torch.randn(5, 4, dtype=torch.float64, requires_grad=True),))
+
+
+def test_update_expert_bias():
+    bias = torch.zeros(4)
+    mk.update_expert_bias(bias, torch.tensor([10, 2, 4, 4]), 0.01)
+    assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
+
+
+def test_capacity_probs_and_position():
+    # 6 tokens, k=1, E=2, factor 1 -> C = 3.
+    w = torch.tensor([[0.1], [0.9], [0.5], [0.5], [0.3], [0.8]])
+    idx = torch.tensor([[0], [0], [0], [0], [1], [0]], dtype=torch.int32)
+    assert capacity(6, 1, 2, 1.0) == 3
+    cw, ci = mk.apply_capacity(w, idx, 2, 1.0, "probs")
+    assert ci.flatten().tolist() == [-1, 0, 0, -1, 1, 0]  # 0.9, 0.8, then the lower of the two 0.5s
+    assert cw.flatten().tolist() == pytest.approx([0, 0.9, 0.5, 0, 0.3, 0.8])
+    _, ci = mk.apply_capacity(w, idx, 2, 1.0, "position")
+    assert ci.flatten().tolist() == [0, 0, 0, -1, 1, -1]
+
+
+def test_capacity_keeps_exactly_c_per_expert():
+    torch.manual_seed(3)
+    T, E, k = 100, 8, 2
+    w, idx = mk.router_topk(torch.randn(T, E) * 3, k)
+    C = capacity(T, k, E, 0.5)
+    for policy in ("probs", "position"):
+        cw, ci = mk.apply_capacity(w, idx, E, 0.5, policy)
+        before, after = mk.tokens_per_expert(idx, E), mk.tokens_per_expert(ci, E)
+        assert_exact(after, torch.minimum(before, torch.tensor(C, dtype=torch.int32)), f"kept counts ({policy})")
+        assert bool(((ci == -1) == (cw == 0)).all())
+        kept = ci >= 0
+        assert torch.equal(cw[kept], w[kept]) and torch.equal(ci[kept], idx[kept])
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(score="softmax"),
+        dict(score="softmax", pre_softmax=True),
+        dict(score="sigmoid"),
+        dict(score="sigmoid", normalize=False),
+        dict(score="sqrtsoftplus", scaling_factor=2.5),
+        dict(score="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5, with_bias=True),
+    ],
+)
+def test_gradcheck_router_topk(kw):
+    kw = dict(kw)
+    torch.manual_seed(4)
+    logits = torch.randn(5, 16, dtype=torch.float64, requires_grad=True)
+    if kw.pop("with_bias", False):
+        kw["expert_bias"] = torch.randn(16, dtype=torch.float64) * 0.1
+    assert torch.autograd.gradcheck(lambda x: mk.router_topk(x, 4, **kw)[0], (logits,))
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
+def test_gradcheck_aux_scores(score):
+    logits = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x: mk.router_aux_scores(x, 2, score=score)[0], (logits,))
+
+
+def test_gradcheck_capacity():
+    w = torch.rand(12, 2, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 3, (12, 2), dtype=torch.int32)
+    assert torch.autograd.gradcheck(lambda w: mk.apply_capacity(w, idx, 3, 0.5)[0], (w,))
+
+
+def test_opcheck():
+    logits = torch.randn(6, 16, requires_grad=True)
+    bias = torch.randn(16)
+    ops = torch.ops.moe_kernels
+    torch.library.opcheck(ops.router_topk, (logits, 4, "sigmoid", False, 4, 2, 2, 2.5, bias, True))
+    torch.library.opcheck(ops.router_topk, (logits, 3, "softmax", True, 1, 1, 1, 1.0, None, True))
+    torch.library.opcheck(ops.router_aux_scores, (logits, 2, "sqrtsoftplus"))
+    scores, idx = mk.router_aux_scores(logits.detach(), 2)
+    scores.requires_grad_()
+    torch.library.opcheck(ops.aux_loss, (scores, mk.tokens_per_expert(idx, 16), 2, 0.01))
+    torch.library.opcheck(ops.seq_aux_loss, (scores, idx, 0.01, 3))
+    torch.library.opcheck(ops.z_loss, (logits, 1e-3))
+    w, i = mk.router_topk(logits.detach(), 2)
+    torch.library.opcheck(ops.apply_capacity, (w.requires_grad_(), i, 16, 1.0, "probs"))
+    torch.library.opcheck(ops.update_expert_bias, (torch.zeros(16), mk.tokens_per_expert(i, 16), 0.01))
+
+
+def test_compile_router_and_losses():
+    logits = torch.randn(8, 16, requires_grad=True)
+
+    def f(x):
+        w, idx = mk.router_topk(x, 4, score="sigmoid", num_groups=4, group_topk=2)
+        scores, aux_idx = mk.router_aux_scores(x, 4, score="sigmoid")
+        aux = mk.aux_loss(scores, mk.tokens_per_expert(aux_idx, 16), 4, 0.01)
+        return w.sum() + aux + mk.z_loss(x, 1e-3)
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(logits), f(logits))
+
+
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        (dict(k=17), ValueError, "`k`"),
+        (dict(k=0), ValueError, "`k`"),
+        (dict(num_groups=3, group_topk=1), ValueError, "num_groups"),
+        (dict(num_groups=4), ValueError, "go together"),
+        (dict(num_groups=4, group_topk=5), ValueError, "group_topk"),
+        (dict(num_groups=8, group_topk=1, k=4), ValueError, "exceeds"),
+        (dict(expert_bias=torch.zeros(16)), ValueError, "expert_bias"),
+        (dict(score="sigmoid", expert_bias=torch.zeros(15)), ValueError, "expert_bias"),
+        (dict(score="relu"), ValueError, "score"),
+        (dict(score="sigmoid", pre_softmax=True), ValueError, "pre_softmax"),
+    ],
+)
+def test_router_bad_input(kw, exc, match):
+    kw = dict(kw)
+    k = kw.pop("k", 4)
+    with pytest.raises(exc, match=match):
+        mk.router_topk(torch.randn(4, 16), k, **kw)
+
+
+def test_router_bad_tensors():
+    with pytest.raises(TypeError, match="logits"):
+        mk.router_topk(torch.randint(0, 3, (4, 8)), 2)
+    with pytest.raises(ValueError, match="logits"):
+        mk.router_topk(torch.randn(4, 8, 2), 2)
+    with pytest.raises(ValueError, match="contiguous"):
+        mk.router_topk(torch.randn(8, 4).t(), 2)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        mk.aux_loss(torch.rand(4, 8), torch.zeros(7, dtype=torch.int32), 2, 0.1)
+    with pytest.raises(ValueError, match="seq_len"):
+        mk.seq_aux_loss(torch.rand(10, 8), torch.zeros(10, 2, dtype=torch.int32), 0.1, seq_len=3)
+    with pytest.raises(ValueError, match="policy"):
+        mk.apply_capacity(torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int32), 8, 1.0, "random")
+
+
+def test_reference_is_what_the_op_returns():
+    logits = torch.randn(7, 32)
+    bias = torch.randn(32)
+    a = mk.router_topk(logits, 8, score="sigmoid", num_groups=8, group_topk=4, expert_bias=bias, scaling_factor=2.5)
+    b = router_topk_reference(logits, 8, "sigmoid", False, 8, 4, 2, 2.5, bias, True)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
