@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 import moe_kernels
-from moe_kernels.ops.router import GROUP_EPS, router_topk_bwd_reference, router_topk_reference
+from moe_kernels.ops.router import (GROUP_EPS, router_selection_scores, router_topk_bwd_reference,
+                                    router_topk_reference)
 
 from . import harness as h
 
@@ -158,16 +159,6 @@ def eager_router_topk(logits, expert_bias, k: int, r: Routing):
     return w, idx
 
 
-def selection_scores(logits, expert_bias, r: Routing) -> torch.Tensor:
-    """[T, E] fp32 scores top-k ranks (before the group limit), as the reference computes them: the
-    peer check uses them to tell an exact tie from a wrong pick."""
-    x = logits.float()
-    if r.score == "softmax":
-        return x.softmax(-1) if r.pre_softmax else x
-    s = x.sigmoid() if r.score == "sigmoid" else F.softplus(x).sqrt()
-    return s if expert_bias is None else s + expert_bias
-
-
 @dataclass(frozen=True)
 class Impl:
     fn: Callable
@@ -224,7 +215,7 @@ def check(c: Case, s: dict, name: str, impl: Impl) -> int:
                                  f"{allowed} allowed); first token {t}: {idx[t].tolist()} vs {ref_idx[t].tolist()}")
     elif n_bad:
         # A peer may only break exact ties differently: the same selection scores, in the same order.
-        key = selection_scores(logits, bias, r)[bad]
+        key = router_selection_scores(logits, r.score, r.pre_softmax, bias)[bad]  # before the group limit
         same = key.gather(1, idx[bad].long()) == key.gather(1, ref_idx[bad].long())
         if not bool(same.all()):
             t = int(torch.nonzero(bad)[int(torch.nonzero(~same.all(-1))[0])])

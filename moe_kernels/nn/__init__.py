@@ -1,0 +1,5 @@
+"""Modules built from the ops. No process groups inside."""
+
+from moe_kernels.nn.router import Router, RouterConfig, RouterOutput
+
+__all__ = ["Router", "RouterConfig", "RouterOutput"]

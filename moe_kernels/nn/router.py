@@ -1,0 +1,134 @@
+"""Router module: the gating linear (fp32), fused top-k, balancing losses, capacity, expert bias."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_kernels.ops.permute import tokens_per_expert
+from moe_kernels.ops.router import SCORES, router_aux_scores, router_topk
+from moe_kernels.ops.router_losses import apply_capacity, aux_loss, seq_aux_loss, update_expert_bias, z_loss
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterConfig:
+    """Routing of one MoE layer. Loss coefficients of 0 turn a loss off; several may be on at once."""
+
+    hidden_size: int
+    num_experts: int
+    k: int
+    score: str = "softmax"
+    pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    group_score_topk: int | None = None
+    scaling_factor: float | None = None
+    normalize: bool | None = None
+    expert_bias: bool = False  # aux-loss-free balancing (DeepSeek-V3): a selection-only bias per expert
+    bias_update_rate: float = 1e-3
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    capacity_factor: float | None = None
+    capacity_policy: str = "probs"
+
+    def __post_init__(self):
+        if self.hidden_size < 1 or self.num_experts < 1:
+            raise ValueError("RouterConfig: hidden_size and num_experts must be >= 1")
+        if not 1 <= self.k <= self.num_experts:
+            raise ValueError(f"RouterConfig: k must be in [1, num_experts={self.num_experts}], got {self.k}")
+        if self.score not in SCORES:
+            raise ValueError(f"RouterConfig: score must be one of {SCORES}, got {self.score!r}")
+        if self.expert_bias and self.score == "softmax":
+            raise ValueError("RouterConfig: expert_bias needs score='sigmoid' or 'sqrtsoftplus'")
+        if (self.num_groups is None) != (self.group_topk is None):
+            raise ValueError("RouterConfig: num_groups and group_topk go together")
+        if self.num_groups is not None and self.num_experts % self.num_groups:
+            raise ValueError("RouterConfig: num_groups must divide num_experts")
+        if min(self.aux_loss_coeff, self.seq_aux_loss_coeff, self.z_loss_coeff) < 0:
+            raise ValueError("RouterConfig: loss coefficients must be >= 0")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError("RouterConfig: capacity_factor must be > 0")
+        if self.capacity_policy not in ("probs", "position"):
+            raise ValueError("RouterConfig: capacity_policy must be 'probs' or 'position'")
+
+
+@dataclass
+class RouterOutput:
+    weights: Tensor  # [T, k] fp32, 0 where dropped
+    indices: Tensor  # [T, k] int32, -1 where dropped
+    aux_loss: Tensor  # scalar fp32: the sum of the configured losses (0 when none)
+    logits: Tensor  # [T, E] fp32
+    tokens_per_expert: Tensor  # [E] int32, after capacity
+
+
+class Router(nn.Module):
+    """logits = x @ W^T in fp32 (as Megatron-Core keeps its router), then router_topk and the losses.
+
+    The expert-bias buffer accumulates routed counts while training; `update_expert_bias()` (or the
+    optimizer hook from `register_bias_update_hook`) applies bias += rate * sign(mean - count) and
+    clears them. Sum the counts over data-parallel ranks before updating (`tokens_seen`).
+    """
+
+    def __init__(self, config: RouterConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
+        if config.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
+            self.register_buffer("tokens_seen", torch.zeros(config.num_experts, dtype=torch.int64))
+        else:
+            self.expert_bias = None
+            self.tokens_seen = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.weight, std=self.config.hidden_size**-0.5)
+
+    def forward(self, x: Tensor, *, seq_len: int | None = None) -> RouterOutput:
+        """x: [T, H]. `seq_len` is needed by the sequence-wise loss (T = batch * seq_len)."""
+        cfg = self.config
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        weights, indices = router_topk(
+            logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
+            group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,
+            expert_bias=self.expert_bias, normalize=cfg.normalize,
+        )
+        if cfg.capacity_factor is not None:
+            weights, indices = apply_capacity(weights, indices, cfg.num_experts, cfg.capacity_factor, cfg.capacity_policy)
+        counts = tokens_per_expert(indices, cfg.num_experts)
+        if self.tokens_seen is not None and self.training:
+            self.tokens_seen.add_(counts)
+        return RouterOutput(weights, indices, self._losses(logits, seq_len), logits, counts)
+
+    def _losses(self, logits: Tensor, seq_len: int | None) -> Tensor:
+        cfg = self.config
+        loss = logits.new_zeros(())
+        if cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0:
+            scores, aux_indices = router_aux_scores(logits, cfg.k, score=cfg.score)
+            if cfg.aux_loss_coeff > 0:
+                counts = tokens_per_expert(aux_indices, cfg.num_experts)
+                loss = loss + aux_loss(scores, counts, cfg.k, cfg.aux_loss_coeff)
+            if cfg.seq_aux_loss_coeff > 0:
+                if seq_len is None:
+                    raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")
+                loss = loss + seq_aux_loss(scores, aux_indices, cfg.seq_aux_loss_coeff, seq_len=seq_len)
+        if cfg.z_loss_coeff > 0:
+            loss = loss + z_loss(logits, cfg.z_loss_coeff)
+        return loss
+
+    @torch.no_grad()
+    def update_expert_bias(self, counts: Tensor | None = None) -> None:
+        """Aux-loss-free balancing step; uses (and clears) the accumulated counts unless given."""
+        if self.expert_bias is None:
+            raise RuntimeError("Router.update_expert_bias: the router was built without expert_bias")
+        update_expert_bias(self.expert_bias, self.tokens_seen if counts is None else counts, self.config.bias_update_rate)
+        self.tokens_seen.zero_()
+
+    def register_bias_update_hook(self, optimizer: torch.optim.Optimizer):
+        """Update the expert bias after every optimizer step. Returns the hook handle."""
+        return optimizer.register_step_post_hook(lambda *_: self.update_expert_bias())
