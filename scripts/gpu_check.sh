@@ -3,8 +3,9 @@
 #
 #   scripts/gpu_check.sh OUTDIR [build] [test] [sanitize] [bench]     (default: all stages, in order)
 #
-# Each stage fits in one 10-minute command; logs and JSON land in OUTDIR as each stage finishes, and
-# OUTDIR/summary.md gets one line per stage. CUTLASS comes from CUTLASS_DIR, or from an
+# Each stage fits in one 10-minute command. OUTDIR keeps few files (a remote runner may return only a
+# handful): summary.md (one line per stage), the benchmark JSON files, and artifacts.tgz holding every
+# log, the JUnit XML and the plots, merged across runs. CUTLASS comes from CUTLASS_DIR, or from an
 # nvidia-cutlass wheel in .whl/ (unpacked here), since the machine cannot download it.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [build|test|sanitize|bench]...}
@@ -43,8 +44,8 @@ stage_test() {
 stage_sanitize() {
   # A short subset: memcheck slows kernels ~100x and Python start-up too.
   compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
-    "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_permute_gpu.py \
-    -k "tiny_and_odd or misaligned or out_of_range or low_precision or (matches_reference and (7-8-2 or 0-1-1 or 1-256-8))" \
+    "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_permute_gpu.py tests/ops/test_router_gpu.py \
+    -k "tiny_and_odd or misaligned or out_of_range or low_precision or (matches_reference and (7-8-2 or 0-1-1 or 1-256-8 or -2048-64-4)) or non_finite or (aux_scores and 1-64-8)" \
     >"$OUT/sanitizer.log" 2>&1
   echo $?
 }
@@ -68,4 +69,16 @@ for stage in $STAGES; do
   record "$stage" "$rc" "$secs" "${detail//|//}"
   echo "[$stage] rc=$rc ${secs}s $detail"
 done
+pack() {
+  local tmp
+  tmp=$(mktemp -d)
+  [ -f "$OUT/artifacts.tgz" ] && tar xzf "$OUT/artifacts.tgz" -C "$tmp"
+  for f in "$OUT"/*.log "$OUT"/*.png "$OUT"/*.xml; do
+    [ -f "$f" ] && mv "$f" "$tmp/"
+  done
+  tar czf "$OUT/artifacts.tgz" -C "$tmp" .
+  rm -rf "$tmp"
+}
+
+pack
 cat "$SUMMARY"
