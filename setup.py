@@ -38,16 +38,17 @@ def find_nvcc() -> str | None:
     return str(cand) if cand.exists() else None
 
 
-def find_cutlass_include() -> str | None:
+def find_cutlass_root() -> str | None:
+    """A CUTLASS source tree: the directory holding include/cutlass/cutlass.h and tools/util/include."""
+    candidates = []
     if os.environ.get("CUTLASS_DIR"):
         root = Path(os.environ["CUTLASS_DIR"])
-        for cand in (root / "include", root):
-            if (cand / "cutlass" / "cutlass.h").exists():
-                return str(cand)
+        candidates += [root, root.parent]  # the root, or its include/ directory
     spec = importlib.util.find_spec("cutlass_library")
     if spec and spec.origin:
-        cand = Path(spec.origin).parent / "source" / "include"
-        if (cand / "cutlass" / "cutlass.h").exists():
+        candidates.append(Path(spec.origin).parent / "source")
+    for cand in candidates:
+        if (cand / "include" / "cutlass" / "cutlass.h").exists():
             return str(cand)
     return None
 
@@ -89,9 +90,9 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}",
         ]
-        cutlass = find_cutlass_include()
+        cutlass = find_cutlass_root()
         if cutlass:
-            args.append(f"-DMOE_KERNELS_CUTLASS_INCLUDE={cutlass}")
+            args.append(f"-DMOE_KERNELS_CUTLASS_DIR={cutlass}")
         if shutil.which("ccache"):
             args += ["-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
         jobs = default_jobs()

@@ -4,6 +4,7 @@ from moe_kernels._ext import checks_enabled, has_cuda_kernels, set_checks
 from moe_kernels.ops import (
     apply_capacity,
     aux_loss,
+    grouped_mm,
     permute,
     router_aux_scores,
     router_topk,
@@ -27,6 +28,7 @@ __all__ = [
     "z_loss",
     "apply_capacity",
     "update_expert_bias",
+    "grouped_mm",
     "set_checks",
     "checks_enabled",
     "has_cuda_kernels",

@@ -15,6 +15,7 @@ CUDA_OPS = {
     "tokens_per_expert": ("tokens_per_expert",),
     "router_topk": ("router_topk_fwd", "router_topk_bwd"),
     "router_aux_scores": ("router_aux_scores_fwd", "router_aux_scores_bwd"),
+    "grouped_mm": ("grouped_mm",),
 }
 
 # CUDA 13 runtimes need an R580 or newer driver.

@@ -1,5 +1,6 @@
 """Modules built from the ops. No process groups inside."""
 
+from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.router import Router, RouterConfig, RouterOutput
 
-__all__ = ["Router", "RouterConfig", "RouterOutput"]
+__all__ = ["GroupedExperts", "Router", "RouterConfig", "RouterOutput"]

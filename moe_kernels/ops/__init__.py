@@ -1,5 +1,6 @@
 """Registered ops, one module per family."""
 
+from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, tokens_per_expert, unpermute
 from moe_kernels.ops.router import router_aux_scores, router_topk
 from moe_kernels.ops.router_losses import apply_capacity, aux_loss, capacity, seq_aux_loss, update_expert_bias, z_loss
@@ -16,4 +17,5 @@ __all__ = [
     "apply_capacity",
     "update_expert_bias",
     "capacity",
+    "grouped_mm",
 ]

@@ -1,0 +1,264 @@
+// Grouped GEMM dispatch and the portable kernel.
+//
+// Path choice (documented in the README): the CUTLASS sm_90a kernels run for bf16/fp16 on compute
+// capability 9.0 when TMA's alignment holds (N and K multiples of 8, 16-byte aligned base pointers).
+// Among them, ping-pong (128x128 tiles, two consumer warp groups alternating) when the average group
+// holds <= 256 rows, cooperative (256x128 tiles) otherwise; wgrad always uses cooperative. Everything
+// else (fp32, other GPUs, misaligned shapes) runs the portable tiled kernel: 64x64 tiles, fp32
+// accumulation in a fixed order, any strides.
+#include <cub/block/block_scan.cuh>
+
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+#include "common/vec.cuh"
+#include "gemm/grouped_mm.h"
+
+namespace moe::gemm {
+namespace {
+
+constexpr int kBM = 64, kBN = 64, kBK = 16, kThreads = 256;
+constexpr int kPrepThreads = 1024, kPrepItems = kMaxGroups / kPrepThreads;
+constexpr int kPingpongMaxAvgRows = 256;
+
+struct Prepared {
+  GroupInfo* groups;   // [E]
+  int64_t* total;      // rows covered by all groups
+  int32_t* tiles;      // row-tiles in use
+};
+
+Prepared carve(void* ws, int E) {
+  auto* g = static_cast<GroupInfo*>(ws);
+  auto* total = reinterpret_cast<int64_t*>(g + E);
+  return {g, total, reinterpret_cast<int32_t*>(total + 1)};
+}
+
+// Offsets from sizes (one block, cub scan), clamped so that no group reaches past row M.
+__global__ void __launch_bounds__(kPrepThreads)
+    prepare_kernel(const int32_t* __restrict__ sizes, int E, int64_t M, int64_t N, GemmOp op, Prepared out) {
+  using Scan = cub::BlockScan<int64_t, kPrepThreads>;
+  __shared__ typename Scan::TempStorage scan_rows, scan_tiles;
+  int64_t rows[kPrepItems], starts[kPrepItems], tiles[kPrepItems], tile_starts[kPrepItems];
+#pragma unroll
+  for (int i = 0; i < kPrepItems; ++i) {
+    const int e = threadIdx.x * kPrepItems + i;
+    rows[i] = e < E ? max(sizes[e], 0) : 0;
+  }
+  int64_t total;
+  Scan(scan_rows).ExclusiveSum(rows, starts, total);
+#pragma unroll
+  for (int i = 0; i < kPrepItems; ++i) {
+    const int64_t begin = min(starts[i], M), end = min(starts[i] + rows[i], M);
+    rows[i] = end - begin;
+    starts[i] = begin;
+    const int64_t tile_rows = op == GemmOp::kWgrad ? N : rows[i];
+    const int e = threadIdx.x * kPrepItems + i;
+    tiles[i] = e < E ? (tile_rows + kBM - 1) / kBM : 0;
+  }
+  int64_t total_tiles;
+  Scan(scan_tiles).ExclusiveSum(tiles, tile_starts, total_tiles);
+#pragma unroll
+  for (int i = 0; i < kPrepItems; ++i) {
+    const int e = threadIdx.x * kPrepItems + i;
+    if (e < E) out.groups[e] = {starts[i], int32_t(rows[i]), int32_t(tile_starts[i])};
+  }
+  if (threadIdx.x == 0) {
+    *out.total = min(total, M);
+    *out.tiles = int32_t(total_tiles);
+  }
+}
+
+// C_g[i, j] = sum_r A_g(i, r) * B_g(j, r) for the group and row-tile that this block finds.
+template <typename T>
+__global__ void __launch_bounds__(kThreads)
+    portable_kernel(GemmOp op, const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ d, int E, int64_t N,
+                    int64_t K, Prepared prep) {
+  __shared__ float As[kBK][kBM + 1];
+  __shared__ float Bs[kBK][kBN + 1];
+  const int tile = blockIdx.x;
+  if (tile >= *prep.tiles) return;
+  int lo = 0, hi = E - 1;  // last group whose tile_start <= tile (empty groups own no tiles)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (prep.groups[mid].tile_start <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int g = lo;
+  const GroupInfo info = prep.groups[g];
+  int64_t Mg, Ng, Kg, sai, sar, sbj, sbr, ldc;
+  const T *A, *B;
+  T* C;
+  switch (op) {
+    case GemmOp::kFwd:
+      Mg = info.rows; Ng = N; Kg = K;
+      A = a + info.row_start * K; sai = K; sar = 1;
+      B = b + int64_t(g) * N * K; sbj = K; sbr = 1;
+      C = d + info.row_start * N; ldc = N;
+      break;
+    case GemmOp::kDgrad:
+      Mg = info.rows; Ng = K; Kg = N;
+      A = a + info.row_start * N; sai = N; sar = 1;
+      B = b + int64_t(g) * N * K; sbj = 1; sbr = K;
+      C = d + info.row_start * K; ldc = K;
+      break;
+    default:
+      Mg = N; Ng = K; Kg = info.rows;
+      A = a + info.row_start * N; sai = 1; sar = N;
+      B = b + info.row_start * K; sbj = 1; sbr = K;
+      C = d + int64_t(g) * N * K; ldc = K;
+      break;
+  }
+  const int64_t i0 = int64_t(tile - info.tile_start) * kBM, j0 = int64_t(blockIdx.y) * kBN;
+  if (j0 >= Ng) return;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[4][4] = {};
+  for (int64_t r0 = 0; r0 < Kg; r0 += kBK) {
+    for (int idx = threadIdx.x; idx < kBK * kBM; idx += kThreads) {
+      const int r = idx / kBM, i = idx % kBM;
+      const bool in = i0 + i < Mg && r0 + r < Kg;
+      As[r][i] = in ? to_float(A[(i0 + i) * sai + (r0 + r) * sar]) : 0.f;
+      const bool inb = j0 + i < Ng && r0 + r < Kg;
+      Bs[r][i] = inb ? to_float(B[(j0 + i) * sbj + (r0 + r) * sbr]) : 0.f;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < kBK; ++r) {
+      float av[4], bv[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        av[u] = As[r][ty + 16 * u];
+        bv[u] = Bs[r][tx + 16 * u];
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int u = 0; u < 4; ++u)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int64_t i = i0 + ty + 16 * u, j = j0 + tx + 16 * v;
+      if (i < Mg && j < Ng) C[i * ldc + j] = from_float<T>(acc[u][v]);
+    }
+}
+
+template <typename T>
+__global__ void zero_tail_rows_kernel(T* __restrict__ d, const int64_t* __restrict__ total, int64_t M, int64_t K) {
+  const int64_t begin = *total * K, end = M * K;
+  for (int64_t i = begin + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < end;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    d[i] = from_float<T>(0.f);
+  }
+}
+
+template <typename T>
+__global__ void zero_empty_groups_kernel(T* __restrict__ d, const int32_t* __restrict__ sizes, int64_t NK) {
+  if (sizes[blockIdx.y] > 0) return;
+  T* out = d + int64_t(blockIdx.y) * NK;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < NK; i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = from_float<T>(0.f);
+  }
+}
+
+template <typename F>
+void by_dtype(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f.template operator()<float>();
+    case DType::kFloat16: return f.template operator()<__half>();
+    case DType::kBFloat16: return f.template operator()<__nv_bfloat16>();
+    default: throw std::invalid_argument("grouped_mm: dtype must be float32, float16 or bfloat16");
+  }
+}
+
+int64_t max_row_tiles(const GroupedParams& p) {
+  if (p.op == GemmOp::kWgrad) return int64_t(p.num_groups) * ((p.N + kBM - 1) / kBM);
+  return (p.M + kBM - 1) / kBM + p.num_groups;  // each group adds at most one partial tile
+}
+
+size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16; }
+
+struct DeviceInfo {
+  int major = 0, sms = 0;
+};
+
+DeviceInfo device_info(int device) {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceInfo& info = cache[device & 63];
+  if (info.sms == 0) {
+    check_cuda(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device), "grouped_mm");
+    check_cuda(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device), "grouped_mm");
+  }
+  return info;
+}
+
+bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+}  // namespace
+
+Path choose_path(const GroupedParams& p) {
+  const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
+  if (!half || !sm90::compiled() || device_info(p.device).major != 9) return Path::kPortable;
+  if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
+  if (p.op == GemmOp::kWgrad) return Path::kSm90Cooperative;
+  return p.M <= int64_t(kPingpongMaxAvgRows) * p.num_groups ? Path::kSm90Pingpong : Path::kSm90Cooperative;
+}
+
+size_t grouped_workspace_bytes(const GroupedParams& p) {
+  if (p.num_groups < 1 || p.num_groups > kMaxGroups) throw std::invalid_argument("grouped_mm: num_groups out of range");
+  const Path path = choose_path(p);
+  const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
+  if (path == Path::kPortable) return base;
+  return base + sm90::workspace_bytes(p, path, device_info(p.device).sms);
+}
+
+void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
+  const Prepared prep = carve(p.workspace, p.num_groups);
+  by_dtype(p.dtype, [&]<typename T>() {
+    if (p.op == GemmOp::kDgrad) {
+      zero_tail_rows_kernel<T><<<264, 256, 0, stream>>>(static_cast<T*>(p.d), prep.total, p.M, p.K);
+      check_launch("grouped_mm zero_tail_rows_kernel");
+    } else if (p.op == GemmOp::kWgrad) {
+      const int64_t nk = p.N * p.K;
+      const unsigned bx = unsigned(std::min<int64_t>((nk + 255) / 256, 64));
+      zero_empty_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), p.group_sizes, nk);
+      check_launch("grouped_mm zero_empty_groups_kernel");
+    }
+  });
+}
+
+void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
+  const size_t need = grouped_workspace_bytes(p);
+  if (p.workspace_bytes < need) throw std::invalid_argument("grouped_mm: workspace too small");
+  if (p.M < 0 || p.N < 0 || p.K < 0) throw std::invalid_argument("grouped_mm: negative size");
+  const Path path = choose_path(p);
+  const Prepared prep = carve(p.workspace, p.num_groups);
+  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
+  check_launch("grouped_mm prepare_kernel");
+  if (path != Path::kPortable) {
+    GroupedParams q = p;
+    const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
+    q.workspace = static_cast<char*>(p.workspace) + base;
+    q.workspace_bytes = p.workspace_bytes - base;
+    sm90::run(q, path, device_info(p.device).sms, prep.groups, stream);
+  } else {
+    const int64_t ng = p.op == GemmOp::kFwd ? p.N : p.K;
+    const int64_t ytiles = max_row_tiles(p);
+    const int64_t col_tiles = (ng + kBN - 1) / kBN;
+    if (col_tiles > 65535) throw std::invalid_argument("grouped_mm: output too wide for the portable kernel");
+    const dim3 grid{unsigned(ytiles), unsigned(col_tiles)};
+    by_dtype(p.dtype, [&]<typename T>() {
+      portable_kernel<T><<<grid, kThreads, 0, stream>>>(p.op, static_cast<const T*>(p.a), static_cast<const T*>(p.b),
+                                                        static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep);
+    });
+    check_launch("grouped_mm portable_kernel");
+  }
+  zero_uncovered(p, stream);
+}
+
+}  // namespace moe::gemm

@@ -1,0 +1,61 @@
+// Grouped GEMM for MoE experts: host launchers. Semantics: specs/ops.md, "Grouped GEMM".
+//
+// Three products over groups of consecutive rows (group e = rows [off_e, off_e + sizes[e])):
+//   fwd:   d[M, N]    = a[M, K] (x)    @ b[e]^T  with b = w [E, N, K]
+//   dgrad: d[M, K]    = a[M, N] (dout) @ b[e]    with b = w [E, N, K]; rows past the groups are zeroed
+//   wgrad: d[E, N, K] = a_e^T (dout)   @ b_e     with b = x [M, K]; empty groups get zeros
+// Problem shapes and pointers are built on the device from `group_sizes` (no host sync).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace moe::gemm {
+
+constexpr int kMaxGroups = 4096;
+
+enum class GemmOp : int32_t { kFwd = 0, kDgrad = 1, kWgrad = 2 };
+
+struct GroupedParams {
+  GemmOp op;
+  const void* a;
+  const void* b;
+  void* d;
+  const int32_t* group_sizes;  // [E]; a sum past M is clamped (memory-safe)
+  int32_t num_groups;
+  int64_t M, N, K;
+  DType dtype;
+  void* workspace;
+  size_t workspace_bytes;
+  int device;
+};
+
+// Row range of each group inside [0, M), written on the device by the prepare kernel.
+struct GroupInfo {
+  int64_t row_start;   // first row of the group in x / dout (clamped to M)
+  int32_t rows;        // rows of the group inside [0, M)
+  int32_t tile_start;  // first row-tile of the group in the portable kernel's grid
+};
+
+// Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent
+// kernel (ping-pong for few rows per group, cooperative for many). See grouped_mm.cu.
+enum class Path : int32_t { kPortable = 0, kSm90Pingpong = 1, kSm90Cooperative = 2 };
+Path choose_path(const GroupedParams& p);
+
+size_t grouped_workspace_bytes(const GroupedParams& p);
+void grouped_mm(const GroupedParams& p, cudaStream_t stream);
+
+// Shared by both paths: zero dgrad rows past the groups and wgrad outputs of empty groups.
+void zero_uncovered(const GroupedParams& p, cudaStream_t stream);
+
+namespace sm90 {
+bool compiled();  // false when the build has no sm_90a target
+size_t workspace_bytes(const GroupedParams& p, Path path, int sm_count);
+void run(const GroupedParams& p, Path path, int sm_count, const GroupInfo* groups, cudaStream_t stream);
+}  // namespace sm90
+
+}  // namespace moe::gemm

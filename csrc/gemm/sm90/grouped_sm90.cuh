@@ -1,0 +1,221 @@
+// CUTLASS 3.x grouped GEMM for sm_90a: TMA loads, WGMMA, warp-specialised persistent kernels with
+// the grouped tile scheduler. Problem shapes, pointers and strides are written on the device by
+// `prepare_sm90` from the group sizes, so nothing here syncs with the host and a CUDA graph can
+// capture it. One instantiation per .cu file (each takes minutes and GBs to compile).
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <cute/tensor.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+#include "gemm/grouped_mm.h"
+
+namespace moe::gemm::sm90 {
+
+using namespace cute;
+
+struct Pingpong {
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+struct Cooperative {
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// fwd: A row-major x, B = w[e] (N x K rows: K-major). dgrad: A row-major dout, B = w[e] read N-major.
+// wgrad: A = dout_e^T (M-major), B = x_e (N-major). D row-major everywhere; no C operand.
+template <GemmOp kOp> struct Layouts;
+template <> struct Layouts<GemmOp::kFwd> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::ColumnMajor;
+};
+template <> struct Layouts<GemmOp::kDgrad> {
+  using A = cutlass::layout::RowMajor;
+  using B = cutlass::layout::RowMajor;
+};
+template <> struct Layouts<GemmOp::kWgrad> {
+  using A = cutlass::layout::ColumnMajor;
+  using B = cutlass::layout::RowMajor;
+};
+
+template <typename Element, GemmOp kOp, typename Config>
+struct GroupedGemm {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using LayoutA = typename Layouts<kOp>::A;
+  using LayoutB = typename Layouts<kOp>::B;
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlign = 16 / sizeof(Element);
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*,
+      kAlign, typename Config::Epilogue,
+      cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
+      float, typename Config::Tile, typename Config::Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      typename Config::Kernel>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // Per-group arrays in the workspace, each section 256-byte aligned, then CUTLASS's own workspace.
+  struct Arrays {
+    Shape3* shapes;
+    const Element** ptr_a;
+    const Element** ptr_b;
+    Element** ptr_d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    void* cutlass_workspace;
+  };
+
+  static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
+
+  static size_t arrays_bytes(int E) {
+    return round_up(E * sizeof(Shape3)) + 3 * round_up(E * sizeof(void*)) + round_up(E * sizeof(StrideA)) +
+           round_up(E * sizeof(StrideB)) + round_up(E * sizeof(StrideD));
+  }
+
+  static Arrays carve(void* ws, int E) {
+    char* p = static_cast<char*>(ws);
+    Arrays a;
+    a.shapes = reinterpret_cast<Shape3*>(p);
+    p += round_up(E * sizeof(Shape3));
+    a.ptr_a = reinterpret_cast<const Element**>(p);
+    p += round_up(E * sizeof(void*));
+    a.ptr_b = reinterpret_cast<const Element**>(p);
+    p += round_up(E * sizeof(void*));
+    a.ptr_d = reinterpret_cast<Element**>(p);
+    p += round_up(E * sizeof(void*));
+    a.stride_a = reinterpret_cast<StrideA*>(p);
+    p += round_up(E * sizeof(StrideA));
+    a.stride_b = reinterpret_cast<StrideB*>(p);
+    p += round_up(E * sizeof(StrideB));
+    a.stride_d = reinterpret_cast<StrideD*>(p);
+    p += round_up(E * sizeof(StrideD));
+    a.cutlass_workspace = p;
+    return a;
+  }
+
+  static typename Gemm::Arguments arguments(const Arrays& arr, int E, int sm_count, int device) {
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = sm_count;
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {E, arr.shapes, nullptr},  // no host copy of the shapes: they only exist on the device
+        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
+        {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
+        hw};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    return args;
+  }
+
+  static size_t workspace_bytes(const GroupedParams& p, int sm_count) {
+    Arrays arr{};
+    const auto args = arguments(arr, p.num_groups, sm_count, p.device);
+    return arrays_bytes(p.num_groups) + round_up(Gemm::get_workspace_size(args));
+  }
+
+  static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
+};
+
+// The group row ranges come from the portable path's prepare kernel (GroupInfo in the base workspace);
+// this kernel turns them into CUTLASS problem shapes, pointers and packed strides.
+template <typename G, typename Element>
+__global__ void prepare_sm90(GemmOp op, const Element* a, const Element* b, Element* d, const GroupInfo* groups,
+                             int E, int64_t N, int64_t K, typename G::Arrays arr) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const int64_t r0 = groups[e].row_start;
+  const int m = groups[e].rows;
+  if (op == GemmOp::kFwd) {
+    arr.shapes[e] = {m, int(N), int(K)};
+    arr.ptr_a[e] = a + r0 * K;
+    arr.ptr_b[e] = b + int64_t(e) * N * K;
+    arr.ptr_d[e] = d + r0 * N;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
+  } else if (op == GemmOp::kDgrad) {
+    arr.shapes[e] = {m, int(K), int(N)};
+    arr.ptr_a[e] = a + r0 * N;
+    arr.ptr_b[e] = b + int64_t(e) * N * K;
+    arr.ptr_d[e] = d + r0 * K;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(N), 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), int(N), 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(K), 1});
+  } else {
+    // An empty group becomes a 0 x 0 problem (skipped); its zeros are written separately.
+    const int mg = m > 0 ? int(N) : 0, ng = m > 0 ? int(K) : 0;
+    arr.shapes[e] = {mg, ng, m};
+    arr.ptr_a[e] = a + r0 * N;
+    arr.ptr_b[e] = b + r0 * K;
+    arr.ptr_d[e] = d + int64_t(e) * N * K;
+    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(N), m, 1});
+    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), m, 1});
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(N), int(K), 1});
+  }
+}
+
+template <typename Element, GemmOp kOp, typename Config>
+void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
+                                            cudaStream_t stream) {
+  using Self = GroupedGemm<Element, kOp, Config>;
+  const int E = p.num_groups;
+  const Arrays arr = carve(p.workspace, E);
+  prepare_sm90<Self, Element><<<(E + 127) / 128, 128, 0, stream>>>(
+      kOp, static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups, E,
+      p.N, p.K, arr);
+  check_launch("grouped_mm prepare_sm90");
+  Gemm gemm;
+  const auto args = arguments(arr, E, sm_count, p.device);
+  auto status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::invalid_argument(std::string("grouped_mm: CUTLASS cannot run this problem: ") +
+                                cutlassGetStatusString(status));
+  }
+  status = gemm.initialize(args, arr.cutlass_workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    throw CudaError(std::string("grouped_mm: CUTLASS kernel failed: ") + cutlassGetStatusString(status));
+  }
+  check_launch("grouped_mm sm90 kernel");
+}
+
+// One explicit instantiation per translation unit, with named entry points for the dispatcher.
+#define MOE_GROUPED_SM90_INSTANCE(NAME, ELEMENT, OP, CONFIG)                                          \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
+    return GroupedGemm<ELEMENT, OP, CONFIG>::workspace_bytes(p, sm_count);                           \
+  }                                                                                                  \
+  void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
+    GroupedGemm<ELEMENT, OP, CONFIG>::run(p, sm_count, groups, stream);                              \
+  }
+
+}  // namespace moe::gemm::sm90

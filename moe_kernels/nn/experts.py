@@ -1,0 +1,60 @@
+"""SwiGLU experts on grouped GEMMs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_kernels.ops.grouped_mm import grouped_mm
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU MLPs applied to permuted rows: y = (silu(x W_gate^T) * (x W_up^T)) W_down^T per expert.
+
+    Weights: w13 [E, 2F, H] holds the gate rows [0, F) then the up rows [F, 2F) (the Hugging Face 5.x
+    `gate_up_proj` order); w2 [E, H, F]. Input rows come grouped by expert (permute's output with its
+    group_sizes); `row_weights` [R], when given, scale each row's activation (routing weights applied
+    inside the expert instead of in unpermute).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *, device=None, dtype=None):
+        super().__init__()
+        self.num_experts, self.hidden_size, self.ffn_size = num_experts, hidden_size, ffn_size
+        factory = {"device": device, "dtype": dtype}
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size, **factory))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
+        nn.init.uniform_(self.w13, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+        nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
+
+    def forward(self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None) -> Tensor:
+        """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified)."""
+        h = grouped_mm(x, self.w13, group_sizes)  # [R, 2F]
+        act = F.silu(h[:, : self.ffn_size]) * h[:, self.ffn_size :]  # [R, F]
+        if row_weights is not None:
+            act = act * row_weights[:, None].to(act.dtype)
+        return grouped_mm(act, self.w2, group_sizes)
+
+    @classmethod
+    def from_per_expert_linears(
+        cls, gate_projs: Sequence[nn.Linear], up_projs: Sequence[nn.Linear], down_projs: Sequence[nn.Linear]
+    ) -> "GroupedExperts":
+        """Stack per-expert nn.Linear layers (gate/up: H -> F, down: F -> H, no biases) into one module."""
+        if not (len(gate_projs) == len(up_projs) == len(down_projs)) or not gate_projs:
+            raise ValueError("from_per_expert_linears: need the same non-zero number of gate, up and down layers")
+        if any(l.bias is not None for l in (*gate_projs, *up_projs, *down_projs)):
+            raise ValueError("from_per_expert_linears: expert linears with biases are not supported")
+        F_, H = gate_projs[0].weight.shape
+        w = gate_projs[0].weight
+        experts = cls(len(gate_projs), H, F_, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            experts.w13.copy_(torch.stack([torch.cat([g.weight, u.weight]) for g, u in zip(gate_projs, up_projs)]))
+            experts.w2.copy_(torch.stack([d.weight for d in down_projs]))
+        return experts

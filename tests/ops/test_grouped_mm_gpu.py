@@ -1,0 +1,196 @@
+"""grouped_mm: GPU tier. Forward, dgrad and wgrad against fp64, accepted when the error is at most
+twice that of torch's own matmul at the same precision (moe_kernels.testing policy)."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels import _ext
+from moe_kernels.ops.grouped_mm import grouped_mm_dgrad_reference, grouped_mm_reference, grouped_mm_wgrad_reference
+from moe_kernels.testing import assert_close_to_fp64, assert_exact
+
+pytestmark = pytest.mark.gpu
+
+
+def splits(kind: str, M: int, E: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        sizes = torch.full((E,), M // E)
+        sizes[: M - int(sizes.sum())] += 1
+    elif kind == "skewed":  # Zipf-like: a few experts hold most rows
+        p = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 1.2
+        sizes = torch.bincount(torch.multinomial(p, M, replacement=True, generator=g), minlength=E)
+    elif kind == "empty":  # every other expert empty
+        live = torch.arange(E) % 2 == 0 if E > 1 else torch.ones(1, dtype=torch.bool)
+        sizes = torch.zeros(E, dtype=torch.int64)
+        sizes[live] = M // int(live.sum())
+    elif kind == "single":  # one expert holds every row
+        sizes = torch.zeros(E, dtype=torch.int64)
+        sizes[E // 2] = M
+    else:
+        raise ValueError(kind)
+    return sizes.to(torch.int32)
+
+
+def torch_loop(x, w, gs, what):
+    """Plain torch at the input precision (cuBLAS, fp32 accumulation): the error baseline."""
+    out = {"fwd": [], "dgrad": [], "wgrad": []}[what]
+    start = 0
+    for e, n in enumerate(gs.tolist()):
+        rows = slice(start, start + n)
+        if what == "fwd":
+            out.append(x[rows] @ w[e].t())
+        start += n
+    return torch.cat(out) if out else x.new_zeros((0, w.shape[1]))
+
+
+def check_all(dev, x, w, gs, *, what=""):
+    """fwd, dgrad and wgrad of one problem on `dev`; x [M, K], w [E, N, K] on the CPU, any dtype."""
+    M, E, n = x.shape[0], w.shape[0], int(gs.sum())
+    xd, wd, gsd = x.to(dev, copy=True), w.to(dev, copy=True), gs.to(dev)
+    xg, wg = xd.clone().requires_grad_(), wd.clone().requires_grad_()
+    out = mk.grouped_mm(xg, wg, gsd)
+    g = torch.randn(M, w.shape[1], device=dev).to(x.dtype)
+    out.backward(g)
+    x64, w64, g64 = xd.double(), wd.double(), g.double()
+    # Baselines: torch at the same precision, per expert.
+    base_out = grouped_mm_reference(xd, wd, gsd) if x.dtype == torch.float32 else _loop_fwd(xd, wd, gs)
+    base_dx, base_dw = _loop_bwd(g, xd, wd, gs)
+    assert_close_to_fp64(out.detach()[:n], base_out[:n], grouped_mm_reference(x64, w64, gsd)[:n], f"fwd {what}",
+                         floor=1e-3)
+    assert_close_to_fp64(xg.grad[:n], base_dx[:n], grouped_mm_dgrad_reference(g64, w64, gsd)[:n], f"dgrad {what}",
+                         floor=1e-3)
+    assert bool((xg.grad[n:] == 0).all()), f"dgrad {what}: rows past the groups must be zero"
+    assert_close_to_fp64(wg.grad, base_dw, grouped_mm_wgrad_reference(g64, x64, gsd), f"wgrad {what}", floor=1e-3)
+    empty = (gs == 0).nonzero().flatten().tolist()
+    for e in empty:
+        assert bool((wg.grad[e] == 0).all()), f"wgrad {what}: empty group {e} must be zero"
+
+
+def _loop_fwd(x, w, gs):
+    parts, start = [], 0
+    for e, n in enumerate(gs.tolist()):
+        parts.append(x[start : start + n] @ w[e].t())
+        start += n
+    out = torch.cat(parts) if parts else x.new_zeros((0, w.shape[1]))
+    return torch.cat([out, x.new_zeros((x.shape[0] - out.shape[0], w.shape[1]))])
+
+
+def _loop_bwd(g, x, w, gs):
+    dx, dw, start = torch.zeros_like(x), torch.zeros_like(w), 0
+    for e, n in enumerate(gs.tolist()):
+        rows = slice(start, start + n)
+        dx[rows] = g[rows] @ w[e]
+        dw[e] = g[rows].t() @ x[rows]
+        start += n
+    return dx, dw
+
+
+@pytest.mark.parametrize("E", [1, 8, 32, 128])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "single"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_matches_fp64(cuda, E, kind, dtype):
+    M, N, K = 1000 + E, 256, 384  # M is not a multiple of any tile
+    gs = splits(kind, M - 3, E, seed=E)  # three rows past the groups
+    x = torch.randn(M, K).to(dtype)
+    w = (torch.randn(E, N, K) / K**0.5).to(dtype)
+    check_all(cuda, x, w, gs, what=f"E={E} {kind} {dtype}")
+
+
+@pytest.mark.parametrize("N,K,dtype", [(100, 64, torch.bfloat16), (64, 36, torch.float16), (96, 128, torch.float32)])
+def test_portable_path(cuda, N, K, dtype):
+    # N or K not a multiple of 8 (TMA alignment) or fp32: the portable kernel runs.
+    E, M = 6, 500
+    gs = splits("skewed", M, E, seed=1)
+    x = torch.randn(M, K).to(dtype)
+    w = (torch.randn(E, N, K) / K**0.5).to(dtype)
+    if cuda.type == "cuda":
+        C = _ext._C
+        path = C.grouped_mm_path(0, _ext.dtype_code(dtype), E, M, N, K, 16, 16, 16, cuda.index or 0)
+        assert path == 0, "expected the portable kernel"
+    check_all(cuda, x, w, gs, what=f"portable N={N} K={K} {dtype}")
+
+
+def test_path_choice(cuda):
+    if cuda.type != "cuda" or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm_90a kernels need an H100/H200")
+    C = _ext._C
+    assert C.grouped_mm_has_sm90
+    bf16 = _ext.dtype_code(torch.bfloat16)
+    assert C.grouped_mm_path(0, bf16, 128, 32768, 1536, 2048, 256, 256, 256, 0) == 1  # 256 rows per expert
+    assert C.grouped_mm_path(0, bf16, 8, 65536, 4096, 14336, 256, 256, 256, 0) == 2
+    assert C.grouped_mm_path(2, bf16, 8, 512, 4096, 4096, 256, 256, 256, 0) == 2
+    assert C.grouped_mm_path(0, bf16, 8, 512, 4096, 4096, 258, 256, 256, 0) == 0  # misaligned pointer
+
+
+# Local expert problems of specs/perf.md (EP=8 for deepseek-v3 and qwen3-235b), 4096 tokens.
+PERF = {
+    "deepseek-v3": (256 // 8, 7168, 2048, 8),
+    "qwen3-235b": (128 // 8, 4096, 1536, 8),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(PERF))
+def test_perf_shapes(cuda, name):
+    if cuda.type != "cuda":
+        pytest.skip("full-size shapes need a GPU")
+    E, H, F, k = PERF[name]
+    M = 4096 * k
+    gs = splits("skewed", M, E, seed=3)
+    x = torch.randn(M, H).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * F, H) / H**0.5).to(torch.bfloat16)
+    check_all(cuda, x, w13, gs, what=f"{name} w13")
+    h = torch.randn(M, F).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F) / F**0.5).to(torch.bfloat16)
+    check_all(cuda, h, w2, gs, what=f"{name} w2")
+
+
+def test_sizes_past_m_are_memory_safe(cuda, checks_on):
+    x = torch.randn(10, 16, device=cuda, dtype=torch.bfloat16)
+    w = torch.randn(2, 8, 16, device=cuda, dtype=torch.bfloat16)
+    gs = torch.tensor([6, 9], dtype=torch.int32, device=cuda)
+    with pytest.raises(ValueError, match="sums to 15"):
+        mk.grouped_mm(x, w, gs)
+    mk.set_checks(False)
+    if cuda.type == "cuda":  # clamped to M: rows 6..9 of group 1, nothing outside x or out is touched
+        out = mk.grouped_mm(x, w, gs)
+        torch.cuda.synchronize()
+        ref = grouped_mm_reference(x.cpu(), w.cpu(), torch.tensor([6, 4], dtype=torch.int32))
+        torch.testing.assert_close(out.cpu().float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_deterministic_and_graph_capture(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    E, M, N, K = 16, 4096, 512, 1024
+    gs = splits("skewed", M, E).to(cuda)
+    x = torch.randn(M, K, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(E, N, K, device=cuda, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn(M, N, device=cuda, dtype=torch.bfloat16)
+
+    def step():
+        x.grad = w.grad = None
+        out = mk.grouped_mm(x, w, gs)
+        out.backward(g)
+        return out.detach(), x.grad, w.grad
+
+    first = [t.clone() for t in step()]
+    for a, b in zip(first, step()):
+        assert torch.equal(a, b)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, dx, dw = step()
+    gs.copy_(splits("uniform", M, E).to(cuda))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b, name in zip((out, dx, dw), eager, ("out", "dx", "dw")):
+        assert_exact(a.cpu(), b.cpu(), f"graph replay {name}")
