@@ -34,13 +34,15 @@ class GroupedExperts(nn.Module):
         nn.init.uniform_(self.w13, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
 
-    def forward(self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None) -> Tensor:
-        """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified)."""
-        h = grouped_mm(x, self.w13, group_sizes)  # [R, 2F]
+    def forward(self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm) -> Tensor:
+        """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified).
+
+        `mm` is the grouped product (the op, or its reference for the reference backend)."""
+        h = mm(x, self.w13, group_sizes)  # [R, 2F]
         act = F.silu(h[:, : self.ffn_size]) * h[:, self.ffn_size :]  # [R, F]
         if row_weights is not None:
             act = act * row_weights[:, None].to(act.dtype)
-        return grouped_mm(act, self.w2, group_sizes)
+        return mm(act.contiguous(), self.w2, group_sizes)
 
     @classmethod
     def from_per_expert_linears(

@@ -1,0 +1,162 @@
+"""The MoE layer: Router -> (capacity) -> permute -> GroupedExperts -> unpermute, plus shared experts."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_kernels.nn.experts import GroupedExperts
+from moe_kernels.nn.router import Router, RouterConfig
+from moe_kernels.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from moe_kernels.ops.permute import permute, permute_reference, unpermute, unpermute_reference
+
+BACKENDS = ("kernels", "reference")
+
+# The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
+_REFERENCE_OPS = SimpleNamespace(permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference)
+_KERNEL_OPS = SimpleNamespace(
+    permute=lambda x, idx, E, align: permute(x, idx, E, align=align), unpermute=unpermute, grouped_mm=grouped_mm
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEConfig:
+    router: RouterConfig
+    ffn_size: int  # per routed expert
+    shared_ffn_size: int = 0  # 0: no shared experts (several shared experts = one wider MLP)
+    shared_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x . w_gate)
+    align: int = 1  # rows per expert padded to this (16 or 128 for FP8 recipes)
+    weights_in_activation: bool = False  # Megatron's fusion; default: weights applied in unpermute
+    backend: str = "kernels"
+
+    def __post_init__(self):
+        if self.ffn_size < 1 or self.shared_ffn_size < 0:
+            raise ValueError("MoEConfig: ffn_size must be >= 1 and shared_ffn_size >= 0")
+        if self.align < 1:
+            raise ValueError("MoEConfig: align must be >= 1")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"MoEConfig: backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.shared_gate and not self.shared_ffn_size:
+            raise ValueError("MoEConfig: shared_gate needs shared experts (shared_ffn_size > 0)")
+
+    @property
+    def hidden_size(self) -> int:
+        return self.router.hidden_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+    def replace(self, **changes) -> "MoEConfig":
+        return dataclasses.replace(self, **changes)
+
+
+class SharedExperts(nn.Module):
+    """Dense SwiGLU MLP every token goes through, with Qwen2-MoE's optional sigmoid gate."""
+
+    def __init__(self, hidden_size: int, ffn_size: int, *, gate: bool = False, device=None, dtype=None):
+        super().__init__()
+        factory = {"device": device, "dtype": dtype, "bias": False}
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, **factory)
+        self.up_proj = nn.Linear(hidden_size, ffn_size, **factory)
+        self.down_proj = nn.Linear(ffn_size, hidden_size, **factory)
+        self.gate = nn.Linear(hidden_size, 1, **factory) if gate else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+
+
+class MoELayer(nn.Module):
+    """forward(x [..., H]) -> (out [..., H], aux_loss scalar). No process groups inside."""
+
+    def __init__(self, config: MoEConfig, *, device=None, dtype=None):
+        super().__init__()
+        self.config = config
+        self.router = Router(config.router).to(device=device)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_size, device=device, dtype=dtype)
+        self.shared_experts = (
+            SharedExperts(config.hidden_size, config.shared_ffn_size, gate=config.shared_gate, device=device, dtype=dtype)
+            if config.shared_ffn_size
+            else None
+        )
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg = self.config
+        ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])  # [T, H]
+        routed = self.router(x2, seq_len=shape[-2] if x.dim() >= 3 else None)
+        x_perm, row_map, group_sizes = ops.permute(x2, routed.indices, cfg.num_experts, cfg.align)
+        row_weights = None
+        if cfg.weights_in_activation:
+            row_weights = _row_weights(routed.weights, row_map, x_perm.shape[0])
+        y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm)
+        out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
+        return out.view(shape), routed.aux_loss
+
+
+def _row_weights(weights: Tensor, row_map: Tensor, rows: int) -> Tensor:
+    """[R] routing weight of each permuted row (0 for padding), without a host sync: dropped slots go to
+    an extra last row that is cut off."""
+    target = torch.where(row_map >= 0, row_map, rows).flatten().long()
+    out = weights.new_zeros(rows + 1).scatter_(0, target, torch.where(row_map >= 0, weights, 0.0).flatten())
+    return out[:rows]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Presets: the five routing styles of specs/perf.md (real per-layer sizes; pass **overrides to shrink)
+
+
+def _preset(router: dict, layer: dict, overrides: dict) -> MoEConfig:
+    """Overrides name RouterConfig or MoEConfig fields, e.g. hidden_size=64, num_experts=8, ffn_size=32."""
+    router_keys = {f.name for f in dataclasses.fields(RouterConfig)}
+    router = {**router, **{k: v for k, v in overrides.items() if k in router_keys}}
+    layer = {**layer, **{k: v for k, v in overrides.items() if k not in router_keys}}
+    return MoEConfig(router=RouterConfig(**router), **layer)
+
+
+def deepseek_v3(**overrides) -> MoEConfig:
+    """Sigmoid scores + aux-loss-free expert bias, 8 groups / top-4 groups, scale 2.5, 1 shared expert."""
+    router = dict(hidden_size=7168, num_experts=256, k=8, score="sigmoid", num_groups=8, group_topk=4,
+                  scaling_factor=2.5, expert_bias=True, seq_aux_loss_coeff=1e-4)
+    return _preset(router, dict(ffn_size=2048, shared_ffn_size=2048), overrides)
+
+
+def qwen3_235b(**overrides) -> MoEConfig:
+    """Softmax over all experts, top-8 renormalised (selection by logits), global aux loss."""
+    router = dict(hidden_size=4096, num_experts=128, k=8, score="softmax", aux_loss_coeff=1e-3)
+    return _preset(router, dict(ffn_size=1536), overrides)
+
+
+def qwen3_30b_a3b(**overrides) -> MoEConfig:
+    router = dict(hidden_size=2048, num_experts=128, k=8, score="softmax", aux_loss_coeff=1e-3)
+    return _preset(router, dict(ffn_size=768), overrides)
+
+
+def mixtral_8x7b(**overrides) -> MoEConfig:
+    """Softmax over the top-2 logits."""
+    router = dict(hidden_size=4096, num_experts=8, k=2, score="softmax", aux_loss_coeff=1e-2)
+    return _preset(router, dict(ffn_size=14336), overrides)
+
+
+def gpt_oss_120b(**overrides) -> MoEConfig:
+    """Softmax over the top-4 logits."""
+    router = dict(hidden_size=2880, num_experts=128, k=4, score="softmax", aux_loss_coeff=1e-3)
+    return _preset(router, dict(ffn_size=2880), overrides)
+
+
+PRESETS = {
+    "deepseek-v3": deepseek_v3,
+    "qwen3-235b": qwen3_235b,
+    "qwen3-30b-a3b": qwen3_30b_a3b,
+    "mixtral-8x7b": mixtral_8x7b,
+    "gpt-oss-120b": gpt_oss_120b,
+}
