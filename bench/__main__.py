@@ -12,6 +12,7 @@ import typer
 BENCHES = {
     "permute": "bench.bench_permute",
     "router": "bench.bench_router",
+    "grouped_mm": "bench.bench_grouped_mm",
 }
 
 app = typer.Typer(add_completion=False)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -91,8 +92,13 @@ class Router(nn.Module):
     def forward(self, x: Tensor, *, seq_len: int | None = None) -> RouterOutput:
         """x: [T, H]. `seq_len` is needed by the sequence-wise loss (T = batch * seq_len)."""
         cfg = self.config
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        no_autocast = (
+            torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext()
+        )
+        with no_autocast:
+            # fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck)
+            dtype = torch.promote_types(self.weight.dtype, torch.float32)
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         weights, indices = router_topk(
             logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
             group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,

@@ -148,14 +148,14 @@ struct GroupedGemm {
 
 // The group row ranges come from the portable path's prepare kernel (GroupInfo in the base workspace);
 // this kernel turns them into CUTLASS problem shapes, pointers and packed strides.
-template <typename G, typename Element>
-__global__ void prepare_sm90(GemmOp op, const Element* a, const Element* b, Element* d, const GroupInfo* groups,
+template <typename G, typename Element, GemmOp kOp>
+__global__ void prepare_sm90(const Element* a, const Element* b, Element* d, const GroupInfo* groups,
                              int E, int64_t N, int64_t K, typename G::Arrays arr) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t r0 = groups[e].row_start;
   const int m = groups[e].rows;
-  if (op == GemmOp::kFwd) {
+  if constexpr (kOp == GemmOp::kFwd) {
     arr.shapes[e] = {m, int(N), int(K)};
     arr.ptr_a[e] = a + r0 * K;
     arr.ptr_b[e] = b + int64_t(e) * N * K;
@@ -163,7 +163,7 @@ __global__ void prepare_sm90(GemmOp op, const Element* a, const Element* b, Elem
     arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
     arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
     arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
-  } else if (op == GemmOp::kDgrad) {
+  } else if constexpr (kOp == GemmOp::kDgrad) {
     arr.shapes[e] = {m, int(K), int(N)};
     arr.ptr_a[e] = a + r0 * N;
     arr.ptr_b[e] = b + int64_t(e) * N * K;
@@ -190,8 +190,8 @@ void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count
   using Self = GroupedGemm<Element, kOp, Config>;
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
-  prepare_sm90<Self, Element><<<(E + 127) / 128, 128, 0, stream>>>(
-      kOp, static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups, E,
+  prepare_sm90<Self, Element, kOp><<<(E + 127) / 128, 128, 0, stream>>>(
+      static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups, E,
       p.N, p.K, arr);
   check_launch("grouped_mm prepare_sm90");
   Gemm gemm;

@@ -1,0 +1,79 @@
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_kernels.nn import PRESETS, MoEConfig, MoELayer, RouterConfig
+
+
+def tiny(name="qwen3-30b-a3b", **kw):
+    base = dict(hidden_size=24, num_experts=8, ffn_size=12, k=2)
+    if name == "deepseek-v3":
+        base.update(num_groups=4, group_topk=2, shared_ffn_size=12)
+    return PRESETS[name](**{**base, **kw})
+
+
+def test_one_expert_equals_dense_mlp():
+    cfg = MoEConfig(router=RouterConfig(hidden_size=16, num_experts=1, k=1), ffn_size=8)
+    layer = MoELayer(cfg)
+    x = torch.randn(3, 4, 16)
+    out, aux = layer(x)
+    w13, w2 = layer.experts.w13[0], layer.experts.w2[0]
+    dense = F.linear(F.silu(F.linear(x, w13[:8])) * F.linear(x, w13[8:]), w2)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)
+    assert aux.item() == 0.0
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_equals_per_expert_loop(name):
+    torch.manual_seed(0)
+    layer = MoELayer(tiny(name))
+    x = torch.randn(2, 7, 24)
+    out, _ = layer(x)
+    x2 = x.reshape(-1, 24)
+    r = layer.router(x2, seq_len=7)
+    expected = torch.zeros_like(x2)
+    for t in range(x2.shape[0]):
+        for j in range(r.indices.shape[1]):
+            e = int(r.indices[t, j])
+            w13, w2 = layer.experts.w13[e], layer.experts.w2[e]
+            F_ = layer.experts.ffn_size
+            h = F.silu(x2[t] @ w13[:F_].t()) * (x2[t] @ w13[F_:].t())
+            expected[t] += r.weights[t, j] * (h @ w2.t())
+    if layer.shared_experts is not None:
+        expected += layer.shared_experts(x2)
+    torch.testing.assert_close(out.reshape(-1, 24), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_backends_and_weight_placement_agree():
+    torch.manual_seed(1)
+    cfg = tiny("deepseek-v3", shared_gate=True)
+    layer = MoELayer(cfg)
+    variants = [cfg.replace(backend="reference"), cfg.replace(weights_in_activation=True), cfg.replace(align=4)]
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    out, aux = layer(x)
+    out.sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    for v in variants:
+        other = MoELayer(v)
+        other.load_state_dict(layer.state_dict())
+        o, a = other(x)
+        torch.testing.assert_close(o, out, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, aux)
+        o.sum().backward()
+        for n, p in other.named_parameters():
+            torch.testing.assert_close(p.grad, grads[n], rtol=1e-4, atol=1e-6, msg=f"{v}: grad of {n}")
+
+
+def test_presets_at_full_size_on_meta():
+    for name, preset in PRESETS.items():
+        layer = MoELayer(preset(), device="meta")
+        assert layer.experts.w13.shape[0] == preset().num_experts
+        out, aux = layer(torch.empty(1, 4, preset().hidden_size, device="meta"))
+        assert out.shape == (1, 4, preset().hidden_size)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="backend"):
+        tiny(backend="triton")
+    with pytest.raises(ValueError, match="shared_gate"):
+        tiny(shared_gate=True)
