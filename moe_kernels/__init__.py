@@ -1,6 +1,7 @@
 """moe_kernels: CUDA kernels and a thin training layer for Mixture-of-Experts models in PyTorch."""
 
 from moe_kernels._ext import checks_enabled, has_cuda_kernels, set_checks
+from moe_kernels.integrations import patch_hf, unpatch_hf
 from moe_kernels.ops import (
     apply_capacity,
     aux_loss,
@@ -32,4 +33,6 @@ __all__ = [
     "set_checks",
     "checks_enabled",
     "has_cuda_kernels",
+    "patch_hf",
+    "unpatch_hf",
 ]

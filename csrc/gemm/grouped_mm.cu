@@ -114,12 +114,16 @@ __global__ void __launch_bounds__(kThreads)
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   float acc[4][4] = {};
   for (int64_t r0 = 0; r0 < Kg; r0 += kBK) {
+    // Neighbouring threads walk the operand's contiguous index, so loads coalesce for every layout.
     for (int idx = threadIdx.x; idx < kBK * kBM; idx += kThreads) {
-      const int r = idx / kBM, i = idx % kBM;
+      const int r = sar == 1 ? idx % kBK : idx / kBM, i = sar == 1 ? idx / kBK : idx % kBM;
       const bool in = i0 + i < Mg && r0 + r < Kg;
       As[r][i] = in ? to_float(A[(i0 + i) * sai + (r0 + r) * sar]) : 0.f;
-      const bool inb = j0 + i < Ng && r0 + r < Kg;
-      Bs[r][i] = inb ? to_float(B[(j0 + i) * sbj + (r0 + r) * sbr]) : 0.f;
+    }
+    for (int idx = threadIdx.x; idx < kBK * kBN; idx += kThreads) {
+      const int r = sbr == 1 ? idx % kBK : idx / kBN, j = sbr == 1 ? idx / kBK : idx % kBN;
+      const bool in = j0 + j < Ng && r0 + r < Kg;
+      Bs[r][j] = in ? to_float(B[(j0 + j) * sbj + (r0 + r) * sbr]) : 0.f;
     }
     __syncthreads();
 #pragma unroll
@@ -156,8 +160,8 @@ __global__ void zero_tail_rows_kernel(T* __restrict__ d, const int64_t* __restri
 }
 
 template <typename T>
-__global__ void zero_empty_groups_kernel(T* __restrict__ d, const int32_t* __restrict__ sizes, int64_t NK) {
-  if (sizes[blockIdx.y] > 0) return;
+__global__ void zero_empty_groups_kernel(T* __restrict__ d, const GroupInfo* __restrict__ groups, int64_t NK) {
+  if (groups[blockIdx.y].rows > 0) return;  // clamped rows: a group pushed past M is empty too
   T* out = d + int64_t(blockIdx.y) * NK;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < NK; i += int64_t(gridDim.x) * blockDim.x) {
     out[i] = from_float<T>(0.f);
@@ -205,6 +209,8 @@ Path choose_path(const GroupedParams& p) {
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
   if (!half || !sm90::compiled() || device_info(p.device).major != 9) return Path::kPortable;
   if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
+  // A zero-length reduction leaves CUTLASS's accumulators unwritten; the portable kernel writes zeros.
+  if ((p.op == GemmOp::kFwd && p.K == 0) || (p.op == GemmOp::kDgrad && p.N == 0)) return Path::kPortable;
   if (p.op == GemmOp::kWgrad) return Path::kSm90Cooperative;
   return p.M <= int64_t(kPingpongMaxAvgRows) * p.num_groups ? Path::kSm90Pingpong : Path::kSm90Cooperative;
 }
@@ -223,10 +229,10 @@ void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
     if (p.op == GemmOp::kDgrad) {
       zero_tail_rows_kernel<T><<<264, 256, 0, stream>>>(static_cast<T*>(p.d), prep.total, p.M, p.K);
       check_launch("grouped_mm zero_tail_rows_kernel");
-    } else if (p.op == GemmOp::kWgrad) {
+    } else if (p.op == GemmOp::kWgrad && p.N * p.K > 0) {
       const int64_t nk = p.N * p.K;
       const unsigned bx = unsigned(std::min<int64_t>((nk + 255) / 256, 64));
-      zero_empty_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), p.group_sizes, nk);
+      zero_empty_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), prep.groups, nk);
       check_launch("grouped_mm zero_empty_groups_kernel");
     }
   });
@@ -236,6 +242,10 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   const size_t need = grouped_workspace_bytes(p);
   if (p.workspace_bytes < need) throw std::invalid_argument("grouped_mm: workspace too small");
   if (p.M < 0 || p.N < 0 || p.K < 0) throw std::invalid_argument("grouped_mm: negative size");
+  const int64_t out_rows = p.op == GemmOp::kWgrad ? p.N : p.M;
+  const int64_t out_cols = p.op == GemmOp::kFwd ? p.N : p.K;
+  if (out_rows == 0 || out_cols == 0) return;  // empty output
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 256) throw std::invalid_argument("grouped_mm: workspace must be 256-byte aligned");
   const Path path = choose_path(p);
   const Prepared prep = carve(p.workspace, p.num_groups);
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);

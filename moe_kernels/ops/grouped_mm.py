@@ -194,6 +194,8 @@ def _grouped_mm_cuda(x, w, group_sizes):
     C = _cuda_common("grouped_mm", x, group_sizes, M)
     if C is None:
         return grouped_mm_reference(x, w, group_sizes)
+    if E == 0 or K == 0:  # no groups, or an empty reduction: zeros (rows past the groups are unspecified)
+        return x.new_zeros((M, N))
     out = x.new_empty((M, N))
     if M and N:
         _launch("fwd", x, w, out, group_sizes, M, N, K, C)
@@ -208,6 +210,8 @@ def _grouped_mm_dgrad_cuda(dout, w, group_sizes):
     C = _cuda_common("grouped_mm_dgrad", dout, group_sizes, M)
     if C is None:
         return grouped_mm_dgrad_reference(dout, w, group_sizes)
+    if w.shape[0] == 0 or N == 0:
+        return dout.new_zeros((M, K))
     dx = dout.new_empty((M, K))
     if M and K:
         _launch("dgrad", dout, w, dx, group_sizes, M, N, K, C)

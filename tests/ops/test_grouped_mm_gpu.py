@@ -194,3 +194,20 @@ def test_deterministic_and_graph_capture(cuda):
     eager = step()
     for a, b, name in zip((out, dx, dw), eager, ("out", "dx", "dw")):
         assert_exact(a.cpu(), b.cpu(), f"graph replay {name}")
+
+
+def test_degenerate_sizes(cuda):
+    bf16 = torch.bfloat16
+    gs = torch.tensor([3, 2], dtype=torch.int32, device=cuda)
+    out = mk.grouped_mm(torch.randn(6, 0, device=cuda, dtype=bf16), torch.randn(2, 8, 0, device=cuda, dtype=bf16), gs)
+    assert out.shape == (6, 8) and bool((out[:5] == 0).all()), "K = 0: zeros"
+    out = mk.grouped_mm(torch.randn(6, 16, device=cuda, dtype=bf16), torch.randn(0, 8, 16, device=cuda, dtype=bf16),
+                        torch.zeros(0, dtype=torch.int32, device=cuda))
+    assert out.shape == (6, 8)
+    dx = torch.ops.moe_kernels.grouped_mm_dgrad(torch.randn(6, 0, device=cuda, dtype=bf16),
+                                                torch.randn(2, 0, 16, device=cuda, dtype=bf16), gs)
+    assert dx.shape == (6, 16) and bool((dx == 0).all()), "N = 0: zero dx"
+    x = torch.randn(0, 16, device=cuda, dtype=bf16)
+    dw = torch.ops.moe_kernels.grouped_mm_wgrad(torch.randn(0, 8, device=cuda, dtype=bf16), x,
+                                                torch.zeros(2, dtype=torch.int32, device=cuda))
+    assert dw.shape == (2, 8, 16) and bool((dw == 0).all()), "no rows: zero dw"

@@ -1,0 +1,366 @@
+"""Hugging Face transformers drop-in: run a loaded model's MoE blocks on moe_kernels' ops.
+
+    model = AutoModelForCausalLM.from_pretrained(...)
+    moe_kernels.patch_hf(model)      # in place; returns the model
+    moe_kernels.unpatch_hf(model)    # back to transformers' own code
+
+Written against the transformers 5.x layout, where every supported sparse MoE block holds
+
+- a router module `gate` with `weight` [E, H] that returns `(router_logits, top_k_weights, top_k_index)`;
+  transformers records `router_logits` from that module's output with a forward hook (`OutputRecorder`,
+  installed by class) for `output_router_logits` and its load-balancing loss;
+- an experts module (decorated with `use_experts_implementation`) with `gate_up_proj` [E, 2F, H] (gate rows
+  [0, F), then up rows [F, 2F)), `down_proj` [E, H, F] and `act_fn`, called as
+  `experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`.
+
+Both weights already have grouped_mm's [E, N, K] layout (out x in, like nn.Linear): they are passed to it as
+they are, read from the module at every call, so nothing is copied and nothing but the model holds them.
+
+Patching replaces two forwards per block, on the instances only (never the classes):
+
+- the router's: the same logits from the router's own weight (F.linear, as transformers computes them), then
+  `router_topk` with the family's routing, returning the same triple, so the recording hook, the router
+  logits and the model's own aux loss are unchanged;
+- the experts': `permute` -> `grouped_mm(gate_up_proj)` -> the module's own gate activation ->
+  `grouped_mm(down_proj)` -> `unpermute` (routing weights applied there, the Hugging Face order).
+
+The block's own forward still runs: its return type, reshapes, Mixtral's jitter, Qwen2-MoE's gated shared
+expert and DeepSeek-V3's shared experts are transformers' code. Gradients reach the original parameters
+(router weight through router_topk's backward, expert weights through grouped_mm's).
+
+Routing per family (transformers 5.x code -> router_topk; verified in tests/integrations/test_hf.py):
+
+- Mixtral: softmax over all E, top-k, renormalise == score="softmax", pre_softmax=False (softmax over the k
+  selected logits; selection by logits == selection by probabilities). Weights stay fp32.
+- Qwen2-MoE, Qwen3-MoE, OLMoE: softmax over all E (fp32), top-k, renormalised only with `norm_topk_prob`:
+  norm_topk_prob=False == pre_softmax=True; True == pre_softmax=False. transformers then casts the weights to
+  the logits' dtype; so do we (a [T, k] cast) so bf16 models round the same way.
+- DeepSeek-V3: fp32 logits (the router upcasts input and weight), sigmoid, selection by sigmoid +
+  e_score_correction_bias, n_group/topk_group group limit where a group's score is the sum of its top 2
+  selection scores (group_score_topk=2), weights normalised (+1e-20) only with norm_topk_prob, times
+  routed_scaling_factor.
+
+Not supported (left alone, listed in one warning): GPT-OSS (`GptOssMLP`): its experts add a bias to both
+projections and use a clamped SwiGLU variant, (clamp(up) + 1) * g * sigmoid(alpha * g) with g = clamp(gate),
+on interleaved gate/up columns, stored transposed ([E, H, 2F], [E, F, H]); grouped_mm has no bias and takes
+[E, N, K]. Also any other block that looks like an MoE block (a child named `experts`, or a class name ending
+in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs from the above (biases,
+transposed or quantised expert weights, a replaced router, transformers 4.x per-expert ModuleLists).
+
+Patching also registers the experts forward in transformers' experts interface as "moe_kernels", so
+`model.set_experts_implementation("moe_kernels")` (or `from_pretrained(..., experts_implementation=
+"moe_kernels")` after a first `patch_hf`/`register_experts_implementation()`) runs the experts on our ops with
+transformers' own router.
+
+transformers is imported lazily: importing moe_kernels never imports it.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_kernels.ops.grouped_mm import grouped_mm
+from moe_kernels.ops.permute import permute, unpermute
+from moe_kernels.ops.router import router_topk
+
+EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
+_PATCH_ATTR = "_moe_kernels_patch"  # on each patched module: (attribute replaced, its previous instance value)
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Replacement forwards (bound to module instances)
+
+
+def _grouped_weight(w: Tensor) -> Tensor:
+    """grouped_mm needs contiguous [E, N, K]. transformers' parameters are contiguous, so this returns them as
+    they are. A non-contiguous one (a strided view from some conversion or sharding) costs one copy of the
+    whole expert weight per call (autograd routes its gradient back to the original); never kept."""
+    return w if w.is_contiguous() else w.contiguous()
+
+
+def moe_kernels_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """transformers experts-interface forward on moe_kernels ops.
+
+    hidden_states [T, H]; top_k_index [T, k] (int32 from our router, int64 from transformers' own);
+    top_k_weights [T, k]. Returns [T, H] in hidden_states' dtype.
+    """
+    if (
+        getattr(self, "has_bias", False)
+        or getattr(self, "is_transposed", False)
+        or not getattr(self, "is_concatenated", True)
+        or not getattr(self, "has_gate", True)
+        or getattr(self, "has_post_expert_norm", False)
+    ):
+        raise NotImplementedError(
+            f"moe_kernels experts: {type(self).__name__} has biases, transposed/interleaved weights, no gate "
+            "or a post-expert norm; only bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here"
+        )
+    E = self.num_experts
+    w13 = _grouped_weight(self.gate_up_proj)  # [E, 2F, H]: N = 2F, K = H
+    w2 = _grouped_weight(self.down_proj)  # [E, H, F]: N = H, K = F
+    x = hidden_states.to(w13.dtype).contiguous()  # a no-op unless autocast handed us another dtype
+    idx = top_k_index.to(torch.int32)
+    if getattr(self, "_is_expert_parallel", False):
+        idx = torch.where(idx < E, idx, -1)  # EP sentinels (>= E, weight 0) become dropped slots
+    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E)
+    h = grouped_mm(x_perm, w13, group_sizes)  # [T*k, 2F]
+    act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)  # act_fn(gate) * up
+    y = grouped_mm(act.contiguous(), w2, group_sizes)  # [T*k, H]
+    out = unpermute(y, row_map, top_k_weights.float().contiguous())
+    return out.to(hidden_states.dtype)
+
+
+def _swiglu(experts: nn.Module, h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def _mixtral_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)  # [T, E], as transformers computes (and records) them
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights, indices
+
+
+def _qwen_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Qwen2-MoE, Qwen3-MoE and OLMoE routers (the same transformers code)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=not self.norm_topk_prob)
+    return router_logits, weights.to(router_logits.dtype), indices
+
+
+def _deepseek_v3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    # transformers routes in fp32: it upcasts the input and the weight (a transient copy of the [E, H] weight for
+    # a bf16 model, as in its own forward).
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    grouped = self.num_group > 1
+    weights, indices = router_topk(
+        router_logits,
+        self.top_k,
+        score="sigmoid",
+        num_groups=self.num_group if grouped else None,
+        group_topk=self.topk_group if grouped else None,
+        # transformers: group score = sum of the group's top-2 (bias-corrected) scores, whatever k and topk_group
+        group_score_topk=min(2, self.num_experts // self.num_group) if grouped else None,
+        scaling_factor=float(self.routed_scaling_factor),
+        expert_bias=self.e_score_correction_bias.float(),  # a buffer, fp32 in transformers; selection only
+        normalize=bool(self.norm_topk_prob),
+    )
+    return router_logits, weights, indices
+
+
+# ---------------------------------------------------------------------------------------------------
+# Supported families
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    module: str  # transformers module defining the classes
+    block: str
+    gate: str
+    experts: str
+    router_forward: Callable
+    deepseek: bool = False  # router carries e_score_correction_bias and group settings
+
+
+_TM = "transformers.models."
+FAMILIES = (
+    _Family("Mixtral", _TM + "mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter",
+            "MixtralExperts", _mixtral_router_forward),
+    _Family("Qwen2-MoE", _TM + "qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter",
+            "Qwen2MoeExperts", _qwen_router_forward),
+    _Family("Qwen3-MoE", _TM + "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter",
+            "Qwen3MoeExperts", _qwen_router_forward),
+    _Family("OLMoE", _TM + "olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
+            _qwen_router_forward),
+    _Family("DeepSeek-V3", _TM + "deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
+            "DeepseekV3Experts", _deepseek_v3_router_forward, deepseek=True),
+)
+
+SUPPORTED = tuple(f.name for f in FAMILIES)
+
+# Known MoE blocks we leave alone on purpose, with the reason shown in the warning.
+_KNOWN_UNSUPPORTED = {
+    "GptOssMLP": (
+        "GPT-OSS experts add biases to both projections and use a clamped SwiGLU variant on interleaved, "
+        "transposed gate/up weights; grouped_mm has no bias and takes [E, N, K] weights"
+    ),
+}
+
+_MOE_NAME = re.compile(r"(MoE|Moe|MoeBlock|MoEBlock|MoeLayer|MoELayer)$")
+
+
+def _family_classes(fam: _Family):
+    """(block, gate, experts) classes, or None when transformers has not loaded that family's module (then
+    no model in this process can hold one of its blocks)."""
+    mod = sys.modules.get(fam.module)
+    if mod is None:
+        return None
+    classes = tuple(getattr(mod, name, None) for name in (fam.block, fam.gate, fam.experts))
+    return None if any(c is None for c in classes) else classes
+
+
+def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
+    """Why this block of a supported class cannot run on our ops, or None."""
+    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if type(gate) is not gate_cls:
+        return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
+    if not isinstance(experts, experts_cls):
+        return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
+    for flag, expected in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+                           ("has_gate", True), ("has_post_expert_norm", False)):
+        if getattr(experts, flag, expected) != expected:
+            return f"its experts have {flag}={not expected}"
+    w13, w2, wg = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None), getattr(gate, "weight", None)
+    if not all(isinstance(t, Tensor) for t in (w13, w2, wg)):
+        return "it lacks gate_up_proj/down_proj/router weight tensors (transformers 4.x layout?)"
+    if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
+        return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
+    E = getattr(experts, "num_experts", None)
+    if w13.dim() != 3 or w2.dim() != 3 or wg.dim() != 2:
+        return "its weights are not [E, 2F, H] / [E, H, F] / [E, H]"
+    H, F2 = w13.shape[2], w13.shape[1]
+    if (w13.shape[0], w2.shape[0], wg.shape[0]) != (E, E, E) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) \
+            or wg.shape[1] != H:
+        return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
+                f"router {tuple(wg.shape)} for {E} experts")
+    if not 1 <= getattr(gate, "top_k", 0) <= E:
+        return "its router has no valid top_k"
+    if fam.deepseek:
+        bias = getattr(gate, "e_score_correction_bias", None)
+        if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+            return "its router has no [E] e_score_correction_bias"
+        if gate.num_group > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
+            return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
+    return None
+
+
+def _looks_like_moe(module: nn.Module) -> bool:
+    experts = getattr(module, "_modules", {}).get("experts")
+    return experts is not None or bool(_MOE_NAME.search(type(module).__name__))
+
+
+def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, str | None]]:
+    """(path, block, family or None, problem or None) for every MoE-like block, outermost first; a block's
+    own submodules are not visited."""
+    from moe_kernels.nn.moe import MoELayer  # already ours
+
+    families = [(fam, classes) for fam in FAMILIES if (classes := _family_classes(fam)) is not None]
+
+    def visit(module: nn.Module, path: str):
+        if isinstance(module, MoELayer):
+            return
+        for fam, (block_cls, gate_cls, experts_cls) in families:
+            if isinstance(module, block_cls):
+                yield path, module, fam, _structure_problem(fam, module, gate_cls, experts_cls)
+                return
+        if _looks_like_moe(module):
+            name = type(module).__name__
+            yield path, module, None, _KNOWN_UNSUPPORTED.get(
+                name, f"not a supported family (supported: {', '.join(SUPPORTED)})"
+            )
+            return
+        for name, child in module.named_children():
+            yield from visit(child, f"{path}.{name}" if path else name)
+
+    yield from visit(model, "")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Installing and removing forwards
+
+
+def _install(module: nn.Module, fn: Callable) -> None:
+    if _PATCH_ATTR in module.__dict__:
+        return  # already patched: patching again is a no-op
+    bound = types.MethodType(fn, module)  # deepcopy rebinds it to the copy
+    # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls `_old_forward`:
+    # replace what it wraps and keep its hook.
+    attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+    module.__dict__[_PATCH_ATTR] = (attr, module.__dict__.get(attr))
+    setattr(module, attr, bound)
+
+
+def _uninstall(module: nn.Module) -> bool:
+    saved = module.__dict__.pop(_PATCH_ATTR, None)
+    if saved is None:
+        return False
+    attr, previous = saved
+    if previous is None:
+        module.__dict__.pop(attr, None)  # back to the class's forward
+    else:
+        setattr(module, attr, previous)
+    return True
+
+
+def register_experts_implementation() -> bool:
+    """Register `moe_kernels_experts_forward` as "moe_kernels" in transformers' ExpertsInterface (the experts
+    only; transformers' router stays). Returns False when this transformers has no experts interface."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, moe_kernels_experts_forward)
+    return True
+
+
+def is_patched(module: nn.Module) -> bool:
+    """Whether any submodule of `module` runs a moe_kernels forward installed by `patch_hf`."""
+    return any(_PATCH_ATTR in m.__dict__ for m in module.modules())
+
+
+def patch_hf(model: nn.Module) -> nn.Module:
+    """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
+
+    Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3. Each block keeps its
+    parameters, its router module and its own forward; only the router's and the experts' forwards change
+    (see the module docstring). Other MoE-like blocks are left alone and listed in one warning. Patching a
+    patched model changes nothing; `unpatch_hf` undoes it.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_hf: expected a torch.nn.Module, got {type(model).__name__}")
+    register_experts_implementation()
+    patched, skipped = 0, {}
+    for path, block, fam, problem in _scan(model):
+        if fam is not None and problem is None:
+            _install(block.gate, fam.router_forward)
+            _install(block.experts, moe_kernels_experts_forward)
+            patched += 1
+        else:
+            skipped.setdefault((type(block).__name__, problem), []).append(path or "<root>")
+    if skipped:
+        lines = []
+        for (cls, problem), paths in skipped.items():
+            shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4 else "")
+            lines.append(f"  {cls} at {shown}: {problem}")
+        warnings.warn(
+            f"moe_kernels.patch_hf: left {sum(map(len, skipped.values()))} MoE block(s) on transformers' code "
+            f"(unsupported):\n" + "\n".join(lines),
+            UserWarning,
+            stacklevel=2,
+        )
+    elif not patched:
+        warnings.warn(f"moe_kernels.patch_hf: found no MoE blocks in {type(model).__name__}", UserWarning, stacklevel=2)
+    return model
+
+
+def unpatch_hf(model: nn.Module) -> nn.Module:
+    """Undo `patch_hf`: every patched router and experts module runs transformers' forward again. Returns `model`."""
+    for module in model.modules():
+        _uninstall(module)
+    return model

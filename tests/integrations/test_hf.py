@@ -1,0 +1,360 @@
+"""moe_kernels.patch_hf on tiny random transformers models: same outputs, router logits, aux loss and SGD step
+as transformers' own code (CPU references, fp32), and the bf16 comparison on CUDA (gpu tier)."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+import moe_kernels as mk  # noqa: E402
+from moe_kernels.integrations import hf  # noqa: E402
+
+V, H = 64, 32
+COMMON = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
+
+
+def _config(family: str, layers: int = 2, **overrides):
+    T = transformers
+    if family == "mixtral":
+        return T.MixtralConfig(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2,
+                               num_hidden_layers=layers, **COMMON, **overrides)
+    if family == "qwen2_moe":
+        return T.Qwen2MoeConfig(intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+                                num_experts=8, num_experts_per_tok=2, num_hidden_layers=layers, **COMMON, **overrides)
+    if family == "qwen3_moe":
+        return T.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=16, head_dim=8, num_experts=8,
+                                num_experts_per_tok=2, num_hidden_layers=layers, **COMMON, **overrides)
+    if family == "olmoe":
+        return T.OlmoeConfig(intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_hidden_layers=layers,
+                             **COMMON, **overrides)
+    if family == "deepseek_v3":
+        kw = dict(intermediate_size=48, moe_intermediate_size=16, n_routed_experts=16, num_experts_per_tok=4,
+                  n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5, first_k_dense_replace=1,
+                  q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                  num_hidden_layers=layers + 1, **{**COMMON, "num_key_value_heads": 4})
+        return T.DeepseekV3Config(**{**kw, **overrides})
+    if family == "gpt_oss":
+        return T.GptOssConfig(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+                              num_hidden_layers=layers, **COMMON, **overrides)
+    raise ValueError(family)
+
+
+_CLASSES = {
+    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+}
+
+# (family, config overrides): every routing variant the patch distinguishes.
+CASES = [
+    ("mixtral", {}),
+    ("qwen2_moe", {"norm_topk_prob": False}),
+    ("qwen2_moe", {"norm_topk_prob": True}),
+    ("qwen3_moe", {"norm_topk_prob": True}),
+    ("qwen3_moe", {"norm_topk_prob": False}),
+    ("olmoe", {"norm_topk_prob": False}),
+    ("olmoe", {"norm_topk_prob": True}),
+    ("deepseek_v3", {"norm_topk_prob": True}),
+    ("deepseek_v3", {"norm_topk_prob": False}),
+    ("deepseek_v3", {"n_group": 1, "topk_group": 1}),
+]
+IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]
+
+
+def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module:
+    """A tiny random model; router and expert weights scaled up so routing is decisive and the experts'
+    output is a visible part of the logits (transformers' init makes both tiny)."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, _CLASSES[family])(_config(family, layers, **overrides))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0.0, 0.3)
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p.normal_(0.0, 1.0)
+        for module in model.modules():
+            if hasattr(module, "e_score_correction_bias"):
+                module.e_score_correction_bias.normal_(0.0, 0.1)
+    return model
+
+
+def inputs(seed: int = 1, batch: int = 2, seq: int = 12, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (batch, seq), generator=g).to(device)
+
+
+def patched_copy(model: nn.Module) -> nn.Module:
+    other = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # supported models patch without a warning
+        mk.patch_hf(other)
+    return other
+
+
+def run(model, ids, **kw):
+    return model(ids, output_router_logits=True, **kw)
+
+
+def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):
+    torch.testing.assert_close(out.logits, ref.logits, rtol=rtol, atol=atol)
+    assert len(out.router_logits) == len(ref.router_logits) > 0
+    for a, b in zip(out.router_logits, ref.router_logits):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    if ref.aux_loss is not None:
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=rtol, atol=atol)
+    else:
+        assert out.aux_loss is None
+
+
+def moe_blocks(model):
+    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Routing: each family's transformers router == our router_topk call
+
+
+@pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
+def test_router_matches_transformers(family, overrides):
+    model = build(family, **overrides)
+    gate = moe_blocks(model)[0].gate
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_w, ref_idx = gate(x)
+    mk.patch_hf(model)
+    logits, w, idx = gate(x)
+    assert "forward" in gate.__dict__
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    assert w.dtype == ref_w.dtype and idx.dtype == torch.int32
+    # same experts with the same weights; transformers' order (sorted=False for DeepSeek-V3) may differ
+    order, ref_order = idx.long().sort(-1), ref_idx.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole model: forward, router logits, aux loss, one SGD step
+
+
+@pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
+def test_forward_matches(family, overrides):
+    ref_model = build(family, **overrides).eval()
+    model = patched_copy(ref_model)
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref_model, ids))
+
+
+@pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
+def test_sgd_step_matches(family, overrides):
+    ref_model = build(family, **overrides).train()
+    model = patched_copy(ref_model).train()
+    ids = inputs()
+    params = dict(model.named_parameters())
+    for m in (ref_model, model):
+        out = run(m, ids, labels=ids)
+        out.loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    for name, p in ref_model.named_parameters():
+        q = params[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+    # gradients reached the MoE parameters of the patched model (router and both expert weights)
+    for block in moe_blocks(model):
+        for p in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):
+            assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# Patch lifecycle
+
+
+def test_patch_unpatch_patch_is_a_noop_on_outputs():
+    model = build("qwen2_moe").eval()
+    ids = inputs()
+    with torch.no_grad():
+        ref = run(model, ids)
+        assert mk.patch_hf(model) is model
+        first = run(model, ids)
+        mk.patch_hf(model)  # again: nothing changes, nothing wraps twice
+        blocks = moe_blocks(model)
+        assert all(m.gate.forward.__func__ is hf._qwen_router_forward for m in blocks)
+        assert all(m.experts.forward.__func__ is hf.moe_kernels_experts_forward for m in blocks)
+        assert_same_outputs(run(model, ids), first, rtol=0, atol=0)
+        assert mk.unpatch_hf(model) is model
+        assert not hf.is_patched(model)
+        assert all("forward" not in m.gate.__dict__ and "forward" not in m.experts.__dict__ for m in blocks)
+        assert_same_outputs(run(model, ids), ref, rtol=0, atol=0)
+        mk.patch_hf(model)
+        assert_same_outputs(run(model, ids), first, rtol=0, atol=0)
+
+
+def test_no_copies_of_weights():
+    model = build("deepseek_v3")
+    before = {k: (v.data_ptr(), v.shape) for k, v in model.state_dict().items()}
+    n_params = len(list(model.parameters()))
+    mk.patch_hf(model)
+    assert {k: (v.data_ptr(), v.shape) for k, v in model.state_dict().items()} == before
+    assert len(list(model.parameters())) == n_params
+    for block in moe_blocks(model):  # the patched modules hold no tensors of their own beyond transformers'
+        for m in (block.gate, block.experts):
+            assert not any(isinstance(v, torch.Tensor) for v in vars(m).values())
+
+
+def test_deepcopy_of_a_patched_model_is_patched_independently():
+    model = build("mixtral").eval()
+    mk.patch_hf(model)
+    clone = copy.deepcopy(model)
+    for a, b in zip(moe_blocks(model), moe_blocks(clone)):
+        assert b.experts.forward.__self__ is b.experts and b.gate.forward.__self__ is b.gate
+    mk.unpatch_hf(clone)
+    assert hf.is_patched(model) and not hf.is_patched(clone)
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(clone, ids))
+
+
+def test_after_from_pretrained(tmp_path):
+    ref_model = build("qwen3_moe", norm_topk_prob=True).eval()
+    ref_model.save_pretrained(tmp_path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mk.patch_hf(model)
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref_model, ids))
+
+
+def test_experts_interface_registration():
+    """The experts forward alone, behind transformers' own router, via set_experts_implementation."""
+    ref_model = build("olmoe", norm_topk_prob=True).eval()
+    model = copy.deepcopy(ref_model)
+    assert hf.register_experts_implementation()
+    model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+    assert model.config._experts_implementation == "moe_kernels"
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref_model, ids))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Unsupported blocks
+
+
+class DummySparseMoeBlock(nn.Module):
+    """An MoE block of no supported family (per-expert Linears, like transformers 4.x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(H, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        w = F.softmax(self.router(x), dim=-1)
+        return sum(w[..., e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
+
+
+def test_unsupported_blocks_are_left_alone_and_listed_in_one_warning():
+    model = build("mixtral", layers=3).eval()
+    model.model.layers[1].mlp = DummySparseMoeBlock()
+    model.model.layers[2].mlp = DummySparseMoeBlock()
+    ref_model = copy.deepcopy(model)
+    with pytest.warns(UserWarning) as record:
+        mk.patch_hf(model)
+    assert len(record) == 1
+    msg = str(record[0].message)
+    assert "DummySparseMoeBlock" in msg and "model.layers.1.mlp" in msg and "model.layers.2.mlp" in msg
+    assert "model.layers.0" not in msg
+    assert hf.is_patched(model.model.layers[0]) and not hf.is_patched(model.model.layers[1])
+    ids = inputs()
+    with torch.no_grad():
+        out, ref = model(ids), ref_model(ids)
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_oss_is_unsupported():
+    ref_model = build("gpt_oss").eval()
+    model = copy.deepcopy(ref_model)
+    with pytest.warns(UserWarning, match="GptOssMLP.*biases") as record:
+        mk.patch_hf(model)
+    assert len(record) == 1 and not hf.is_patched(model)
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref_model, ids), rtol=0, atol=0)
+
+
+def test_supported_class_with_other_structure_is_unsupported():
+    model = build("mixtral")
+    model.model.layers[1].mlp.experts.has_bias = True
+    with pytest.warns(UserWarning, match=r"MixtralSparseMoeBlock at model\.layers\.1\.mlp: .*has_bias"):
+        mk.patch_hf(model)
+    assert hf.is_patched(model.model.layers[0]) and not hf.is_patched(model.model.layers[1])
+
+
+def test_model_without_moe_blocks_warns():
+    with pytest.warns(UserWarning, match="found no MoE blocks"):
+        mk.patch_hf(nn.Sequential(nn.Linear(4, 4)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU tier: bf16 on CUDA, looser tolerance
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def _tie_free_ids(model, k, device):
+    """Inputs whose top-k boundary has no exact tie in the (bf16) router logits: there transformers' topk and
+    ours may pick different experts, both correctly."""
+    for seed in range(50):
+        ids = inputs(seed, device=device)
+        with torch.no_grad():
+            logits = run(model, ids).router_logits
+        if all((lg.float().sort(-1, descending=True).values[:, k - 1 : k + 1].diff(dim=-1) != 0).all() for lg in logits):
+            return ids
+    raise AssertionError("no tie-free input found")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "overrides"), [c for c in CASES if c[0] != "deepseek_v3" or c[1].get("n_group") != 1],
+                         ids=[i for c, i in zip(CASES, IDS) if c[0] != "deepseek_v3" or c[1].get("n_group") != 1])
+def test_gpu_bf16_matches_transformers(cuda, family, overrides):
+    # One MoE layer: the router sees bit-identical input in both models, so the routing is the same
+    # (except at exact ties, which the input avoids) and only the experts' bf16 rounding differs.
+    if family == "deepseek_v3":
+        overrides = {**overrides, "first_k_dense_replace": 0}
+    ref_model = build(family, layers=1, **overrides).to(device=cuda, dtype=torch.bfloat16).train()
+    model = patched_copy(ref_model)
+    k = moe_blocks(model)[0].gate.top_k
+    ids = _tie_free_ids(ref_model, k, cuda)
+    outs = []
+    for m in (ref_model, model):
+        out = run(m, ids, labels=ids)
+        out.loss.backward()
+        outs.append(out)
+    ref, out = outs
+    assert _rel_err(out.logits, ref.logits) < 2e-2
+    torch.testing.assert_close(out.logits.float(), ref.logits.float(), rtol=5e-2, atol=5e-2)
+    for a, b in zip(out.router_logits, ref.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # same input, same F.linear
+    if ref.aux_loss is not None:
+        torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=2e-2, atol=2e-2)
+    params = dict(model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        q = params[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None and p.grad.abs().max() > 0:
+            assert _rel_err(q.grad, p.grad) < 5e-2, name
+    for m in (ref_model, model):
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for name, p in ref_model.named_parameters():
+        assert _rel_err(params[name], p) < 1e-2, name
