@@ -226,7 +226,8 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
                            ("has_gate", True), ("has_post_expert_norm", False)):
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
-    w13, w2, wg = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None), getattr(gate, "weight", None)
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    wg = getattr(gate, "weight", None)
     if not all(isinstance(t, Tensor) for t in (w13, w2, wg)):
         return "it lacks gate_up_proj/down_proj/router weight tensors (transformers 4.x layout?)"
     if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
@@ -261,6 +262,10 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
     from moe_kernels.nn.moe import MoELayer  # already ours
 
     families = [(fam, classes) for fam in FAMILIES if (classes := _family_classes(fam)) is not None]
+    generic = f"not a supported family (supported with transformers 5.x: {', '.join(SUPPORTED)})"
+    version = getattr(sys.modules.get("transformers"), "__version__", "5")
+    if not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 5:
+        generic += f"; this is transformers {version}, whose MoE blocks have another layout"
 
     def visit(module: nn.Module, path: str):
         if isinstance(module, MoELayer):
@@ -271,9 +276,7 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
                 return
         if _looks_like_moe(module):
             name = type(module).__name__
-            yield path, module, None, _KNOWN_UNSUPPORTED.get(
-                name, f"not a supported family (supported: {', '.join(SUPPORTED)})"
-            )
+            yield path, module, None, _KNOWN_UNSUPPORTED.get(name, generic)
             return
         for name, child in module.named_children():
             yield from visit(child, f"{path}.{name}" if path else name)
