@@ -10,12 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels.nn import torch_native
 from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.grouped_mm import grouped_mm, grouped_mm_reference
 from moe_kernels.ops.permute import permute, permute_reference, unpermute, unpermute_reference
 
-BACKENDS = ("kernels", "reference")
+BACKENDS = ("kernels", "reference", "torch")
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
 _REFERENCE_OPS = SimpleNamespace(permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference)
@@ -32,7 +33,7 @@ class MoEConfig:
     shared_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x . w_gate)
     align: int = 1  # rows per expert padded to this (16 or 128 for FP8 recipes)
     weights_in_activation: bool = False  # Megatron's fusion; default: weights applied in unpermute
-    backend: str = "kernels"
+    backend: str = "kernels"  # "reference": the plain references; "torch": the torch-native composition
 
     def __post_init__(self):
         if self.ffn_size < 1 or self.shared_ffn_size < 0:
@@ -88,6 +89,8 @@ class MoELayer(nn.Module):
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.config
+        if cfg.backend == "torch":
+            return self._forward_torch_native(x)
         ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
@@ -101,6 +104,19 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         return out.view(shape), routed.aux_loss
+
+
+    def _forward_torch_native(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        router = self.router
+        logits = F.linear(x2.float(), router.weight.float())
+        weights, indices = torch_native.route(logits, router.config, router.expert_bias)
+        out = torch_native.experts(x2, weights, indices, self.experts.w13, self.experts.w2)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
+        aux = torch_native.aux_losses(logits, router.config, shape[-2] if x.dim() >= 3 else None)
+        return out.view(shape), aux
 
 
 def _row_weights(weights: Tensor, row_map: Tensor, rows: int) -> Tensor:

@@ -77,3 +77,17 @@ def test_config_validation():
         tiny(backend="triton")
     with pytest.raises(ValueError, match="shared_gate"):
         tiny(shared_gate=True)
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_torch_native_backend_agrees(name):
+    torch.manual_seed(5)
+    cfg = tiny(name, hidden_size=32, ffn_size=16)
+    layer = MoELayer(cfg)
+    native = MoELayer(cfg.replace(backend="torch"))
+    native.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 6, 32)
+    out, aux = layer(x)
+    out_n, aux_n = native(x)
+    torch.testing.assert_close(out_n, out, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(aux_n, aux, rtol=1e-5, atol=1e-7)
