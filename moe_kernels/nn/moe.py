@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from moe_kernels.nn import torch_native
 from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.router import Router, RouterConfig
-from moe_kernels.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
 from moe_kernels.ops.permute import permute, permute_reference, unpermute, unpermute_reference
 
 BACKENDS = ("kernels", "reference", "torch")
@@ -95,7 +95,8 @@ class MoELayer(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
         routed = self.router(x2, seq_len=shape[-2] if x.dim() >= 3 else None)
-        x_perm, row_map, group_sizes = ops.permute(x2, routed.indices, cfg.num_experts, cfg.align)
+        # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
+        x_perm, row_map, group_sizes = ops.permute(autocast_input(x2), routed.indices, cfg.num_experts, cfg.align)
         row_weights = None
         if cfg.weights_in_activation:
             row_weights = _row_weights(routed.weights, row_map, x_perm.shape[0])

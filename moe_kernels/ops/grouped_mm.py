@@ -244,5 +244,18 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         x: [M, K] (bf16, fp16, fp32; fp64 on the CPU).
         w: [E, N, K] expert weights, same dtype as x.
         group_sizes: [E] int32 on the device (permute's output); no host sync. Empty groups are fine.
+
+    Under torch.autocast, x and w are cast to the autocast dtype first.
     """
-    return torch.ops.moe_kernels.grouped_mm(x, w, group_sizes)
+    return torch.ops.moe_kernels.grouped_mm(autocast_input(x), autocast_input(w), group_sizes)
+
+
+def autocast_input(t: Tensor) -> Tensor:
+    """Under torch.autocast, floating inputs take the autocast dtype, as nn.Linear's would (custom ops
+    are not autocast by torch itself). Gradients flow back to the original dtype."""
+    device_type = t.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and t.is_floating_point():
+        dtype = torch.get_autocast_dtype(device_type)
+        if t.dtype != dtype and t.dtype != torch.float64:
+            return t.to(dtype)
+    return t

@@ -106,3 +106,16 @@ def test_bad_input():
         mk.grouped_mm(torch.randn(8, 6).t(), w, gs)
     with pytest.raises(ValueError, match="`w`"):
         mk.grouped_mm(x, torch.randn(4, 8), gs)
+
+
+def test_autocast_casts_inputs_and_keeps_fp32_grads():
+    x = torch.randn(8, 16)
+    w = torch.randn(2, 4, 16, requires_grad=True)
+    gs = torch.tensor([4, 4], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = mk.grouped_mm(x, w, gs)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert w.grad.dtype == torch.float32
+    expected = mk.grouped_mm(x.bfloat16(), w.detach().bfloat16(), gs)
+    assert torch.equal(out, expected)
