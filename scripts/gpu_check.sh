@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # GPU verification on a machine without network: build, GPU tests, compute-sanitizer, benchmarks.
 #
-#   scripts/gpu_check.sh OUTDIR [build] [test] [sanitize] [bench]     (default: all stages, in order)
+#   scripts/gpu_check.sh OUTDIR [build] [test] [sanitize] [bench | bench:OP ...]   (default: all, in order)
+#
+# `bench:OP` runs one benchmark family (permute, router, grouped_mm, moe_layer), for when the whole
+# suite does not fit one command.
 #
 # Each stage fits in one 10-minute command. OUTDIR keeps few files (a remote runner may return only a
 # handful): summary.md (one line per stage), the benchmark JSON files, and artifacts.tgz holding every
@@ -50,20 +53,22 @@ stage_sanitize() {
   echo $?
 }
 
-stage_bench() {
-  "$PY" -m bench --out "$OUT" >"$OUT/bench.log" 2>&1
+stage_bench() {  # [op]
+  "$PY" -m bench ${1:-} --out "$OUT" >"$OUT/bench${1:+_$1}.log" 2>&1
   echo $?
 }
 
 for stage in $STAGES; do
   start=$(date +%s)
-  rc=$("stage_$stage")
+  name=${stage%%:*}
+  arg=${stage#"$name"}
+  rc=$("stage_$name" ${arg#:})
   secs=$(( $(date +%s) - start ))
-  case $stage in
+  case $name in
     build) detail=$(grep -m1 -E "extension_archs" "$OUT/build.log" | tr -s ' ') ;;
     test) detail=$(tail -n 1 "$OUT/gpu_tests.log") ;;
     sanitize) detail=$(grep -m1 -E "ERROR SUMMARY" "$OUT/sanitizer.log"; tail -n 1 "$OUT/sanitizer.log") ;;
-    bench) detail=$(grep -E "^HEADLINE" "$OUT/bench.log" | tr '\n' ' ') ;;
+    bench) log="$OUT/bench${arg:+_${arg#:}}.log"; detail=$(grep -E "^HEADLINE" "$log" | tr '\n' ' ') ;;
     *) detail="unknown stage" ;;
   esac
   record "$stage" "$rc" "$secs" "${detail//|//}"
