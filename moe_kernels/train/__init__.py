@@ -1,0 +1,1 @@
+"""Training: the trainer, data, checkpoints, metrics and the `moe-train` CLI."""

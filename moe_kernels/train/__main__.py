@@ -1,0 +1,3 @@
+from moe_kernels.train.cli import main
+
+main()

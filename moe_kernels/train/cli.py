@@ -1,0 +1,80 @@
+"""`moe-train`: train a preset MoE model on the embedded corpus or your own data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+app = typer.Typer(add_completion=False, help=__doc__)
+
+
+@app.command()
+def train(
+    preset: str = typer.Option("tiny-qwen3-moe", help="Model preset (see --list-presets)."),
+    data: Optional[Path] = typer.Option(None, help="Text file (byte tokens) or .npy of token ids; default: embedded corpus."),
+    steps: int = typer.Option(300, help="Optimizer steps."),
+    batch_size: int = typer.Option(8),
+    seq_len: int = typer.Option(128),
+    lr: float = typer.Option(3e-3, help="Peak learning rate (linear warmup, then cosine)."),
+    warmup_steps: int = typer.Option(20),
+    num_layers: Optional[int] = typer.Option(None, help="Override the preset's number of layers."),
+    out: Path = typer.Option(Path("runs/default"), help="Run directory: metrics.jsonl, checkpoints/."),
+    resume: bool = typer.Option(False, help="Continue from the latest checkpoint in --out."),
+    log_every: int = typer.Option(10),
+    eval_every: int = typer.Option(100),
+    checkpoint_every: int = typer.Option(100),
+    device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when available)."),
+    bf16: bool = typer.Option(True, help="bf16 autocast on a GPU."),
+    activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
+    tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
+    seed: int = typer.Option(0),
+    list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
+) -> None:
+    from moe_kernels.models import PRESETS
+    from moe_kernels.train.trainer import TrainConfig, Trainer
+
+    console = Console(stderr=True)
+    if list_presets:
+        for name in sorted(PRESETS):
+            print(name)
+        raise typer.Exit()
+    try:
+        cfg = TrainConfig(
+            preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
+            lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
+            eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16,
+            activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    trainer = Trainer(cfg, echo=print)
+    if resume and not trainer.resume():
+        console.print(f"no checkpoint in {out / 'checkpoints'}: starting from step 0")
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    print(
+        f"moe-train: {preset} ({n_params / 1e6:.2f}M parameters) on {trainer.device}, "
+        f"{trainer.data.vocab_size}-token vocabulary, {len(trainer.data.train):,} training tokens, "
+        f"{trainer.flops_per_token / 1e6:.1f} MFLOP/token"
+    )
+    if console.is_terminal:
+        with Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      console=console, transient=True) as bar:
+            task = bar.add_task("train", total=cfg.steps, completed=trainer.step)
+            records = trainer.train(progress=lambda s: bar.update(task, completed=s))
+    else:
+        records = trainer.train()
+    evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    if evals:
+        print(f"done: eval loss {evals[-1]:.4f} after {trainer.step} steps; metrics in {out / 'metrics.jsonl'}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

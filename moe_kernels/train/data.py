@@ -1,0 +1,87 @@
+"""Training data: the embedded default corpus or a user's files, tokenised without any download.
+
+Text is tokenised as raw bytes (vocabulary 256): nothing to download and nothing to train, which is
+what a smoke-test or kernel-benchmark run needs. Pre-tokenised data (`.npy` of token ids) brings its
+own vocabulary. Batches are a pure function of (seed, step), so a resumed run sees exactly the batches
+an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import gzip
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+BYTE_VOCAB = 256
+
+
+def default_corpus() -> bytes:
+    """The embedded corpus (CPython standard-library docstrings, about 1 MB)."""
+    with resources.files("moe_kernels.train").joinpath("data/corpus.txt.gz").open("rb") as f:
+        return gzip.decompress(f.read())
+
+
+def load_tokens(path: str | Path | None) -> tuple[Tensor, int]:
+    """Token ids (int64) and vocabulary size. None: the embedded corpus. `.txt`/`.md`/other text:
+    bytes. `.npy`: an integer array of token ids (vocabulary = max id + 1)."""
+    if path is None:
+        return torch.frombuffer(bytearray(default_corpus()), dtype=torch.uint8).long(), BYTE_VOCAB
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"training data not found: {path}")
+    if path.suffix == ".npy":
+        ids = np.load(path)
+        if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or ids.size == 0 or ids.min() < 0:
+            raise ValueError(f"{path}: expected a non-empty 1-D array of non-negative integer token ids")
+        return torch.from_numpy(ids.astype(np.int64)), int(ids.max()) + 1
+    data = path.read_bytes()
+    if not data:
+        raise ValueError(f"{path}: empty file")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), BYTE_VOCAB
+
+
+def decode_bytes(ids: Tensor) -> str:
+    return bytes(ids.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+@dataclass
+class TokenData:
+    """Train/validation split (the last `val_fraction` of the tokens) and deterministic batches."""
+
+    tokens: Tensor
+    vocab_size: int
+    seq_len: int
+    batch_size: int
+    seed: int = 0
+    val_fraction: float = 0.05
+
+    def __post_init__(self):
+        n_val = max(int(len(self.tokens) * self.val_fraction), self.seq_len + 1)
+        self.train, self.val = self.tokens[:-n_val], self.tokens[-n_val:]
+        if len(self.train) <= self.seq_len + 1:
+            raise ValueError(
+                f"only {len(self.tokens)} tokens: too few for seq_len={self.seq_len} with a validation split"
+            )
+
+    def _windows(self, source: Tensor, starts: Tensor) -> tuple[Tensor, Tensor]:
+        idx = starts[:, None] + torch.arange(self.seq_len + 1)  # [B, S+1]
+        chunk = source[idx]
+        return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+    def batch(self, step: int) -> tuple[Tensor, Tensor]:
+        """Inputs and next-token targets [B, S] for a training step: random windows seeded by step."""
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (self.batch_size,), generator=g)
+        return self._windows(self.train, starts)
+
+    def eval_batches(self, count: int):
+        """The same `count` validation batches every time (evenly spaced windows)."""
+        span = len(self.val) - self.seq_len - 1
+        starts = torch.linspace(0, max(span, 0), count * self.batch_size).long()
+        for i in range(count):
+            yield self._windows(self.val, starts[i * self.batch_size : (i + 1) * self.batch_size])

@@ -1,0 +1,211 @@
+"""A small, honest trainer for the MoE models: AdamW, warmup + cosine, clipping, bf16 autocast on a GPU,
+optional activation checkpointing, periodic eval, atomic checkpoints, bit-identical resume."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from moe_kernels.models import PRESETS, build_model, flops_per_token
+from moe_kernels.train import checkpoint
+from moe_kernels.train.data import TokenData, load_tokens
+from moe_kernels.train.metrics import MetricsLogger, format_line, memory_gib, peak_flops
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    preset: str = "tiny-qwen3-moe"
+    num_layers: int | None = None  # override the preset's depth
+    data: str | None = None  # None: the embedded corpus
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    out_dir: str = "runs/default"
+    seed: int = 0
+    device: str | None = None  # None: cuda if available
+    bf16: bool = True  # autocast to bf16 on a GPU (ignored on the CPU)
+    activation_checkpointing: bool = False
+    tensorboard: bool = False
+
+    def __post_init__(self):
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose from {sorted(PRESETS)}")
+        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError("warmup_steps must be in [0, steps]")
+        if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to 1, then cosine down to min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, echo=print):
+        self.cfg = cfg
+        self.echo = echo
+        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.out_dir = Path(cfg.out_dir)
+        self._seed_everything(cfg.seed)
+        tokens, vocab = load_tokens(cfg.data)
+        self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+        overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
+        if cfg.num_layers is not None:
+            overrides["num_layers"] = cfg.num_layers
+        self.model_config = PRESETS[cfg.preset](**overrides)
+        self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
+        if cfg.activation_checkpointing:
+            self.model.set_activation_checkpointing(True)
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+            fused=self.device.type == "cuda",
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.step = 0
+        self.flops_per_token = flops_per_token(self.model_config, cfg.seq_len)
+        self.peak = peak_flops(self.device)
+
+    @staticmethod
+    def _seed_everything(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    def _autocast(self):
+        enabled = self.device.type == "cuda" and self.cfg.bf16
+        return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            logits, aux = self.model(inputs.to(self.device, non_blocking=True))
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device, non_blocking=True).flatten())
+        return loss, aux.float()
+
+    # -- checkpoints -------------------------------------------------------------------------------
+
+    def state(self) -> dict:
+        return {
+            "step": self.step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(),
+            "data": {"seed": self.data.seed},  # batches are a function of (seed, step)
+            "train_config": dataclasses.asdict(self.cfg),
+        }
+
+    def save(self) -> Path:
+        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.state(), keep=self.cfg.keep_checkpoints)
+
+    def resume(self, path: str | Path | None = None) -> bool:
+        """Loads `path`, or the latest checkpoint under out_dir. Returns False when there is none."""
+        path = Path(path) if path else checkpoint.latest(self.out_dir / "checkpoints")
+        if path is None:
+            return False
+        state = checkpoint.load(path)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        self.data.seed = state["data"]["seed"]
+        self.step = state["step"]
+        self.echo(f"resumed from {path} at step {self.step}")
+        return True
+
+    # -- loops -------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
+        self.model.train()
+        return float(torch.stack(losses).mean())
+
+    def train_step(self) -> dict:
+        inputs, targets = self.data.batch(self.step)
+        loss, aux = self._loss(inputs, targets)
+        (loss + aux).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for layer in self.model.moe_layers():
+            if layer.router.expert_bias is not None:
+                layer.router.update_expert_bias()
+        self.step += 1
+        return {"loss": loss.detach(), "aux_loss": aux.detach(), "grad_norm": grad_norm.detach()}
+
+    def train(self, progress=None) -> list[dict]:
+        """Runs to cfg.steps; returns the logged records. `progress(step)` is called after each step."""
+        cfg = self.cfg
+        logger = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard, echo=self.echo)
+        records: list[dict] = []
+        self.model.train()
+        window_start, window_steps = time.perf_counter(), 0
+        try:
+            while self.step < cfg.steps:
+                out = self.train_step()
+                window_steps += 1
+                if progress is not None:
+                    progress(self.step)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                    elapsed = time.perf_counter() - window_start
+                    tokens_per_s = window_steps * cfg.batch_size * cfg.seq_len / elapsed
+                    flops = tokens_per_s * self.flops_per_token
+                    record = {
+                        "kind": "train", "step": self.step, "loss": float(out["loss"]),
+                        "aux_loss": float(out["aux_loss"]), "grad_norm": float(out["grad_norm"]),
+                        "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "tflops": flops / 1e12,
+                        "mfu": flops / self.peak if self.peak else None, "memory_gib": memory_gib(self.device),
+                    }
+                    logger.log(record, line=format_line(record))
+                    records.append(record)
+                    window_start, window_steps = time.perf_counter(), 0
+                if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
+                    record = {"kind": "eval", "step": self.step, "loss": self.evaluate()}
+                    logger.log(record, line=f"step {self.step:>6}  eval_loss {record['loss']:7.4f}")
+                    records.append(record)
+                    window_start = time.perf_counter()
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.save()
+                    window_start = time.perf_counter()
+        finally:
+            logger.close()
+        return records
