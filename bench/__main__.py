@@ -13,6 +13,8 @@ BENCHES = {
     "permute": "bench.bench_permute",
     "router": "bench.bench_router",
     "grouped_mm": "bench.bench_grouped_mm",
+    "moe_layer": "bench.bench_moe_layer",
+    "train": "bench.bench_train",
 }
 
 app = typer.Typer(add_completion=False)

@@ -1,0 +1,18 @@
+import json
+import subprocess
+import sys
+
+from bench.harness import REPO_ROOT
+
+
+def test_train_bench_runs_on_cpu(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench", "train", "--quick", "--device", "cpu", "--out", str(tmp_path)],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "bench_train.json").read_text())
+    (res,) = data["results"]
+    assert res["op"] == "train_step" and res["us"] > 0 and res["flops"] > 0
+    assert res["speedup"]["torch_native"] > 0
+    assert any("torch-native" in line for line in data["headline"])
+    assert (tmp_path / "bench_train.png").exists()
+    assert "HEADLINE train_step" in proc.stdout
