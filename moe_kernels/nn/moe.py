@@ -111,7 +111,7 @@ class MoELayer(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         router = self.router
-        logits = F.linear(x2.float(), router.weight.float())
+        logits = torch_native.router_logits(x2, router.weight)
         weights, indices = torch_native.route(logits, router.config, router.expert_bias)
         out = torch_native.experts(x2, weights, indices, self.experts.w13, self.experts.w2)
         if self.shared_experts is not None:

@@ -6,11 +6,14 @@ torch._grouped_mm, combine with index_add_ (this is the torch-native composition
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from moe_kernels.nn.router import RouterConfig
+from moe_kernels.ops.grouped_mm import autocast_input
 
 
 def route(logits: Tensor, cfg: RouterConfig, expert_bias: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -79,6 +82,8 @@ def experts(x: Tensor, weights: Tensor, indices: Tensor, w13: Tensor, w2: Tensor
     T, H = x.shape
     E, two_f, _ = w13.shape
     k = indices.shape[1]
+    # torch._grouped_mm is not on autocast's lists; cast like nn.Linear would (CUDA takes bf16 only).
+    x, w13, w2 = autocast_input(x), autocast_input(w13), autocast_input(w2)
     flat = indices.flatten()
     order = flat.argsort(stable=True)  # [T*k] slots sorted by expert
     tokens = order // k
@@ -89,3 +94,10 @@ def experts(x: Tensor, weights: Tensor, indices: Tensor, w13: Tensor, w2: Tensor
     y = _grouped(act, w2, offsets)
     y = y.float() * weights.flatten()[order, None]
     return torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, y).to(x.dtype)
+
+
+def router_logits(x: Tensor, weight: Tensor) -> Tensor:
+    """fp32 router logits even under autocast (as the Router module computes them)."""
+    off = torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext()
+    with off:
+        return F.linear(x.float(), weight.float())

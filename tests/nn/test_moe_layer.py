@@ -91,3 +91,19 @@ def test_torch_native_backend_agrees(name):
     out_n, aux_n = native(x)
     torch.testing.assert_close(out_n, out, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(aux_n, aux, rtol=1e-5, atol=1e-7)
+
+
+def test_backends_under_autocast():
+    torch.manual_seed(6)
+    cfg = tiny("qwen3-30b-a3b", hidden_size=32, ffn_size=16)
+    layer = MoELayer(cfg)
+    native = MoELayer(cfg.replace(backend="torch"))
+    native.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 6, 32, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = layer(x)
+        out_n, _ = native(x)
+    assert out.dtype == out_n.dtype == torch.bfloat16
+    torch.testing.assert_close(out_n.float(), out.float(), rtol=2e-2, atol=2e-2)
+    (out.float().sum() + out_n.float().sum()).backward()
+    assert layer.experts.w13.grad.dtype == torch.float32 and native.experts.w13.grad.dtype == torch.float32
