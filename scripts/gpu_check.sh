@@ -4,7 +4,7 @@
 #   scripts/gpu_check.sh OUTDIR [build] [test] [sanitize] [bench | bench:OP ...]   (default: all, in order)
 #
 # `bench:OP` runs one benchmark family (permute, router, grouped_mm, moe_layer), for when the whole
-# suite does not fit one command.
+# suite does not fit one command; BENCH_ARGS=--quick runs the short sweep.
 #
 # Each stage fits in one 10-minute command. OUTDIR keeps few files (a remote runner may return only a
 # handful): summary.md (one line per stage), the benchmark JSON files, and artifacts.tgz holding every
@@ -53,8 +53,8 @@ stage_sanitize() {
   echo $?
 }
 
-stage_bench() {  # [op]
-  "$PY" -m bench ${1:-} --out "$OUT" >"$OUT/bench${1:+_$1}.log" 2>&1
+stage_bench() {  # [op]; BENCH_ARGS=--quick for the short sweep
+  "$PY" -m bench ${1:-} ${BENCH_ARGS:-} --out "$OUT" >"$OUT/bench${1:+_$1}.log" 2>&1
   echo $?
 }
 
