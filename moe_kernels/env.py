@@ -16,6 +16,7 @@ CUDA_OPS = {
     "router_topk": ("router_topk_fwd", "router_topk_bwd"),
     "router_aux_scores": ("router_aux_scores_fwd", "router_aux_scores_bwd"),
     "grouped_mm": ("grouped_mm",),
+    "swiglu": ("swiglu_fwd", "swiglu_bwd"),
 }
 
 # CUDA 13 runtimes need an R580 or newer driver.

@@ -33,4 +33,5 @@ PYBIND11_MODULE(_C, m) {
   moe::api::register_permute(m);
   moe::api::register_router(m);
   moe::api::register_gemm(m);
+  moe::api::register_activation(m);
 }

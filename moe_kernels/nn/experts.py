@@ -6,9 +6,9 @@ import math
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 
 
@@ -34,15 +34,14 @@ class GroupedExperts(nn.Module):
         nn.init.uniform_(self.w13, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
 
-    def forward(self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm) -> Tensor:
+    def forward(
+        self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=swiglu
+    ) -> Tensor:
         """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified).
 
-        `mm` is the grouped product (the op, or its reference for the reference backend)."""
+        `mm` and `act` are the grouped product and the fused activation (the ops, or their references)."""
         h = mm(x, self.w13, group_sizes)  # [R, 2F]
-        act = F.silu(h[:, : self.ffn_size]) * h[:, self.ffn_size :]  # [R, F]
-        if row_weights is not None:
-            act = act * row_weights[:, None].to(act.dtype)
-        return mm(act.contiguous(), self.w2, group_sizes)
+        return mm(act(h, row_weights), self.w2, group_sizes)  # [R, F] -> [R, H]
 
     @classmethod
     def from_per_expert_linears(

@@ -13,15 +13,19 @@ from torch import Tensor, nn
 from moe_kernels.nn import torch_native
 from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.router import Router, RouterConfig
+from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
 from moe_kernels.ops.permute import permute, permute_reference, unpermute, unpermute_reference
 
 BACKENDS = ("kernels", "reference", "torch")
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
-_REFERENCE_OPS = SimpleNamespace(permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference)
+_REFERENCE_OPS = SimpleNamespace(
+    permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference, swiglu=swiglu_reference
+)
 _KERNEL_OPS = SimpleNamespace(
-    permute=lambda x, idx, E, align: permute(x, idx, E, align=align), unpermute=unpermute, grouped_mm=grouped_mm
+    permute=lambda x, idx, E, align: permute(x, idx, E, align=align), unpermute=unpermute, grouped_mm=grouped_mm,
+    swiglu=swiglu,
 )
 
 
@@ -100,7 +104,7 @@ class MoELayer(nn.Module):
         row_weights = None
         if cfg.weights_in_activation:
             row_weights = _row_weights(routed.weights, row_map, x_perm.shape[0])
-        y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm)
+        y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
         out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)

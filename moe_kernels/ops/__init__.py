@@ -1,5 +1,6 @@
 """Registered ops, one module per family."""
 
+from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, tokens_per_expert, unpermute
 from moe_kernels.ops.router import router_aux_scores, router_topk
@@ -18,4 +19,5 @@ __all__ = [
     "update_expert_bias",
     "capacity",
     "grouped_mm",
+    "swiglu",
 ]

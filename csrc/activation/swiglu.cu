@@ -1,0 +1,132 @@
+// Fused SwiGLU: one pass reads [gate | up] and writes the activation (torch's silu(g) * u * w takes three
+// kernels and twice the traffic); the backward reads h and dout once and writes dh, plus the row-weight
+// gradient as a fixed-order row reduction.
+#include <stdexcept>
+#include <string>
+
+#include "activation/swiglu.h"
+#include "common/check.h"
+#include "common/rows.cuh"
+#include "common/vec.cuh"
+
+namespace moe::activation {
+namespace {
+
+__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kRowBlockThreads)
+    swiglu_fwd_kernel(const T* __restrict__ h, const float* __restrict__ w, T* __restrict__ out, int64_t rows,
+                      int64_t ffn, RowGeometry g) {
+  using P = Pack<T, N>;
+  const int tpr = g.threads_per_row;
+  const int64_t r = int64_t(blockIdx.x) * g.rows_per_block + threadIdx.x / tpr;
+  if (r >= rows) return;
+  const P* gate = reinterpret_cast<const P*>(h + r * 2 * ffn);
+  const P* up = reinterpret_cast<const P*>(h + r * 2 * ffn + ffn);
+  P* dst = reinterpret_cast<P*>(out + r * ffn);
+  const float scale = w != nullptr ? w[r] : 1.f;
+  for (int64_t v = threadIdx.x % tpr; v < g.row_vecs; v += tpr) {
+    const P gv = gate[v], uv = up[v];
+    P res;
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float x = to_float(gv.v[n]);
+      res.v[n] = from_float<T>(x * sigmoidf(x) * to_float(uv.v[n]) * scale);
+    }
+    dst[v] = res;
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kRowBlockThreads)
+    swiglu_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ h, const float* __restrict__ w,
+                      T* __restrict__ dh, float* __restrict__ dw, int64_t rows, int64_t ffn, RowGeometry g) {
+  using P = Pack<T, N>;
+  __shared__ float scratch[kRowBlockThreads / 32];
+  const int tpr = g.threads_per_row;
+  const int64_t r = int64_t(blockIdx.x) * g.rows_per_block + threadIdx.x / tpr;
+  const bool live = r < rows;  // dead threads stay for row_sum's shuffles and barriers
+  const int64_t rr = live ? r : 0;
+  const P* gate = reinterpret_cast<const P*>(h + rr * 2 * ffn);
+  const P* up = reinterpret_cast<const P*>(h + rr * 2 * ffn + ffn);
+  const P* d = reinterpret_cast<const P*>(dout + rr * ffn);
+  P* dgate = reinterpret_cast<P*>(dh + rr * 2 * ffn);
+  P* dup = reinterpret_cast<P*>(dh + rr * 2 * ffn + ffn);
+  const float scale = w != nullptr && live ? w[rr] : 1.f;
+  float dot = 0.f;
+  if (live) {
+    for (int64_t v = threadIdx.x % tpr; v < g.row_vecs; v += tpr) {
+      const P gv = gate[v], uv = up[v], dv = d[v];
+      P rg, ru;
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        const float x = to_float(gv.v[n]), u = to_float(uv.v[n]), go = to_float(dv.v[n]);
+        const float s = sigmoidf(x), silu = x * s;
+        rg.v[n] = from_float<T>(go * scale * u * (s + x * s * (1.f - s)));
+        ru.v[n] = from_float<T>(go * scale * silu);
+        dot = fmaf(go, silu * u, dot);
+      }
+      dgate[v] = rg;
+      dup[v] = ru;
+    }
+  }
+  if (dw != nullptr) {
+    dot = row_sum(dot, tpr, scratch);
+    if (live && threadIdx.x % tpr == 0) dw[r] = dot;
+  }
+}
+
+template <typename T, typename F>
+void by_vec(int64_t ffn, const void* const* ptrs, int n, F&& f) {
+  // Vectors never straddle gate and up: the width must divide F, the row stride and the pointers.
+  const int elems = widest_vector(ffn * int64_t(sizeof(T)), ptrs, n) / int(sizeof(T));
+  constexpr int kMax = 16 / int(sizeof(T));
+  if (elems >= kMax) return f.template operator()<T, kMax>();
+  if (kMax >= 4 && elems >= 4) return f.template operator()<T, (kMax >= 4 ? 4 : 1)>();
+  if (kMax >= 2 && elems >= 2) return f.template operator()<T, (kMax >= 2 ? 2 : 1)>();
+  return f.template operator()<T, 1>();
+}
+
+template <typename F>
+void by_dtype(DType dtype, int64_t ffn, const void* const* ptrs, int n, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return by_vec<float>(ffn, ptrs, n, f);
+    case DType::kFloat16: return by_vec<__half>(ffn, ptrs, n, f);
+    case DType::kBFloat16: return by_vec<__nv_bfloat16>(ffn, ptrs, n, f);
+    default: throw std::invalid_argument("swiglu: dtype must be float32, float16 or bfloat16");
+  }
+}
+
+}  // namespace
+
+void swiglu_fwd(const SwigluParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.ffn == 0) return;
+  const void* ptrs[] = {p.h, p.out};
+  by_dtype(p.dtype, p.ffn, ptrs, 2, [&]<typename T, int N>() {
+    const RowGeometry g = row_geometry(p.ffn * int64_t(sizeof(T)), int(sizeof(T)) * N);
+    const int64_t blocks = (p.rows + g.rows_per_block - 1) / g.rows_per_block;
+    swiglu_fwd_kernel<T, N><<<unsigned(blocks), kRowBlockThreads, 0, stream>>>(
+        static_cast<const T*>(p.h), p.row_weights, static_cast<T*>(p.out), p.rows, p.ffn, g);
+  });
+  check_launch("swiglu_fwd_kernel");
+}
+
+void swiglu_bwd(const SwigluBwdParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return;
+  if (p.ffn == 0) {
+    if (p.drow_weights != nullptr) check_cuda(cudaMemsetAsync(p.drow_weights, 0, p.rows * sizeof(float), stream), "swiglu");
+    return;
+  }
+  const void* ptrs[] = {p.dout, p.h, p.dh};
+  by_dtype(p.dtype, p.ffn, ptrs, 3, [&]<typename T, int N>() {
+    const RowGeometry g = row_geometry(p.ffn * int64_t(sizeof(T)), int(sizeof(T)) * N);
+    const int64_t blocks = (p.rows + g.rows_per_block - 1) / g.rows_per_block;
+    swiglu_bwd_kernel<T, N><<<unsigned(blocks), kRowBlockThreads, 0, stream>>>(
+        static_cast<const T*>(p.dout), static_cast<const T*>(p.h), p.row_weights, static_cast<T*>(p.dh),
+        p.drow_weights, p.rows, p.ffn, g);
+  });
+  check_launch("swiglu_bwd_kernel");
+}
+
+}  // namespace moe::activation

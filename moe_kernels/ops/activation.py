@@ -1,0 +1,120 @@
+"""Fused SwiGLU for the experts: out[r] = silu(h[r, :F]) * h[r, F:] (* row_weights[r]).
+
+h is the [R, 2F] output of the w13 grouped GEMM (gate columns first). Routing weights, when given
+per row, are applied here instead of in unpermute (one pass less over the expert outputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from moe_kernels import _ext
+from moe_kernels.ops._checks import FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
+
+
+def _check(h: Tensor, row_weights: Tensor | None) -> None:
+    check_tensor("swiglu", "h", h, ndim=2, dtypes=FLOAT_DTYPES)
+    if h.shape[1] % 2:
+        raise ValueError(f"swiglu: `h` must hold [gate | up] halves, got an odd width {h.shape[1]}")
+    if row_weights is not None:
+        check_tensor("swiglu", "row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
+        check_shape("swiglu", "row_weights", row_weights, (h.shape[0],), "one weight per row of h")
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def swiglu_reference(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    f = h.shape[1] // 2
+    gate, up = h[:, :f].to(_acc(h.dtype)), h[:, f:].to(_acc(h.dtype))
+    out = F.silu(gate) * up
+    if row_weights is not None:
+        out = out * row_weights[:, None].to(out.dtype)
+    return out.to(h.dtype)
+
+
+def swiglu_bwd_reference(dout: Tensor, h: Tensor, row_weights: Tensor | None, need_dw: bool) -> tuple[Tensor, Tensor]:
+    acc = _acc(h.dtype)
+    f = h.shape[1] // 2
+    gate, up, d = h[:, :f].to(acc), h[:, f:].to(acc), dout.to(acc)
+    s = torch.sigmoid(gate)
+    silu = gate * s
+    scaled = d * row_weights[:, None].to(acc) if row_weights is not None else d
+    dh = torch.cat([scaled * up * (s + gate * s * (1 - s)), scaled * silu], dim=1).to(h.dtype)
+    dw = (d * silu * up).sum(-1) if need_dw else h.new_empty((0,), dtype=acc)
+    return dh, dw
+
+
+@torch.library.custom_op("moe_kernels::swiglu", mutates_args=())
+def _swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    _check(h, row_weights)
+    return swiglu_reference(h, row_weights)
+
+
+@torch.library.custom_op("moe_kernels::swiglu_bwd", mutates_args=())
+def _swiglu_bwd(dout: Tensor, h: Tensor, row_weights: Tensor | None, need_dw: bool) -> tuple[Tensor, Tensor]:
+    return swiglu_bwd_reference(dout, h, row_weights, need_dw)
+
+
+@_swiglu.register_fake
+def _(h, row_weights=None):
+    _check(h, row_weights)
+    return h.new_empty((h.shape[0], h.shape[1] // 2))
+
+
+@_swiglu_bwd.register_fake
+def _(dout, h, row_weights, need_dw):
+    return h.new_empty(h.shape), h.new_empty((h.shape[0],) if need_dw else (0,), dtype=_acc(h.dtype))
+
+
+@_swiglu.register_kernel("cuda")
+def _swiglu_cuda(h, row_weights=None):
+    _check(h, row_weights)
+    check_cuda_dtype("swiglu", "h", h)
+    C = _ext.kernels("swiglu", h)
+    if C is None:
+        return swiglu_reference(h, row_weights)
+    out = h.new_empty((h.shape[0], h.shape[1] // 2))
+    w = None if row_weights is None else row_weights.float().contiguous()
+    C.swiglu_fwd(h=_ext.ptr(h), row_weights=_ext.ptr(w), out=_ext.ptr(out), rows=h.shape[0], ffn=h.shape[1] // 2,
+                 dtype=_ext.dtype_code(h.dtype), **_ext.launch_args(h))
+    return out
+
+
+@_swiglu_bwd.register_kernel("cuda")
+def _swiglu_bwd_cuda(dout, h, row_weights, need_dw):
+    check_cuda_dtype("swiglu backward", "h", h)
+    C = _ext.kernels("swiglu", h)
+    if C is None:
+        return swiglu_bwd_reference(dout, h, row_weights, need_dw)
+    dh = torch.empty_like(h)
+    dw = torch.empty((h.shape[0],) if need_dw else (0,), dtype=torch.float32, device=h.device)
+    w = None if row_weights is None else row_weights.float().contiguous()
+    C.swiglu_bwd(dout=_ext.ptr(dout), h=_ext.ptr(h), row_weights=_ext.ptr(w), dh=_ext.ptr(dh),
+                 drow_weights=_ext.ptr(dw) if need_dw else 0, rows=h.shape[0], ffn=h.shape[1] // 2,
+                 dtype=_ext.dtype_code(h.dtype), **_ext.launch_args(h))
+    return dh, dw
+
+
+def _setup(ctx, inputs, output):
+    h, row_weights = inputs
+    ctx.need_dw = row_weights is not None and ctx.needs_input_grad[1]
+    ctx.w_dtype = None if row_weights is None else row_weights.dtype
+    ctx.save_for_backward(h, row_weights)
+
+
+def _backward(ctx, grad):
+    h, row_weights = ctx.saved_tensors
+    dh, dw = torch.ops.moe_kernels.swiglu_bwd(grad.contiguous(), h, row_weights, ctx.need_dw)
+    return dh, (dw.to(ctx.w_dtype) if ctx.need_dw else None)
+
+
+_swiglu.register_autograd(_backward, setup_context=_setup)
+
+
+def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    """[R, 2F] -> [R, F]: silu(gate) * up, times row_weights[r] when given; fp32 math, output in h's dtype."""
+    return torch.ops.moe_kernels.swiglu(h, row_weights)

@@ -1,0 +1,35 @@
+#include <pybind11/pybind11.h>
+
+#include "activation/swiglu.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace moe::api {
+
+void register_activation(py::module_& m) {
+  m.def(
+      "swiglu_fwd",
+      [](uintptr_t h, uintptr_t row_weights, uintptr_t out, int64_t rows, int64_t ffn, int32_t dtype, int device,
+         uintptr_t s) {
+        DeviceGuard guard(device);
+        activation::swiglu_fwd({ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(out), rows, ffn,
+                                DType(dtype)},
+                               stream(s));
+      },
+      py::arg("h"), py::arg("row_weights"), py::arg("out"), py::arg("rows"), py::arg("ffn"), py::arg("dtype"),
+      py::arg("device"), py::arg("stream"));
+  m.def(
+      "swiglu_bwd",
+      [](uintptr_t dout, uintptr_t h, uintptr_t row_weights, uintptr_t dh, uintptr_t drow_weights, int64_t rows,
+         int64_t ffn, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        activation::swiglu_bwd({ptr<const void>(dout), ptr<const void>(h), ptr<const float>(row_weights),
+                                ptr<void>(dh), ptr<float>(drow_weights), rows, ffn, DType(dtype)},
+                               stream(s));
+      },
+      py::arg("dout"), py::arg("h"), py::arg("row_weights"), py::arg("dh"), py::arg("drow_weights"), py::arg("rows"),
+      py::arg("ffn"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+}
+
+}  // namespace moe::api
