@@ -98,7 +98,7 @@ class MoELayer(nn.Module):
         ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
-        routed = self.router(x2, seq_len=shape[-2] if x.dim() >= 3 else None)
+        routed = self.router(x2, seq_len=shape[-2] if x.dim() >= 3 else None, reference=cfg.backend == "reference")
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
         x_perm, row_map, group_sizes = ops.permute(autocast_input(x2), routed.indices, cfg.num_experts, cfg.align)
         row_weights = None

@@ -9,8 +9,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_kernels.ops.permute import tokens_per_expert
-from moe_kernels.ops.router import SCORES, router_aux_scores, router_topk
+from moe_kernels.ops.permute import tokens_per_expert, tokens_per_expert_reference
+from moe_kernels.ops.router import (
+    SCORES,
+    resolve_topk_options,
+    router_aux_scores,
+    router_aux_scores_reference,
+    router_topk,
+    router_topk_reference,
+)
 from moe_kernels.ops.router_losses import apply_capacity, aux_loss, seq_aux_loss, update_expert_bias, z_loss
 
 
@@ -89,8 +96,9 @@ class Router(nn.Module):
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.config.hidden_size**-0.5)
 
-    def forward(self, x: Tensor, *, seq_len: int | None = None) -> RouterOutput:
-        """x: [T, H]. `seq_len` is needed by the sequence-wise loss (T = batch * seq_len)."""
+    def forward(self, x: Tensor, *, seq_len: int | None = None, reference: bool = False) -> RouterOutput:
+        """x: [T, H]. `seq_len` is needed by the sequence-wise loss (T = batch * seq_len). `reference` runs
+        the plain PyTorch references instead of the ops (the MoE layer's reference backend)."""
         cfg = self.config
         no_autocast = (
             torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext()
@@ -99,25 +107,36 @@ class Router(nn.Module):
             # fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck)
             dtype = torch.promote_types(self.weight.dtype, torch.float32)
             logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
-        weights, indices = router_topk(
-            logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
-            group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,
-            expert_bias=self.expert_bias, normalize=cfg.normalize,
-        )
+        if reference:
+            options = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
+                                           cfg.scaling_factor, cfg.normalize)
+            G, g, gst, scale, norm = options
+            weights, indices = router_topk_reference(logits, cfg.k, cfg.score, cfg.pre_softmax, G, g, gst, scale,
+                                                     self.expert_bias, norm)
+        else:
+            weights, indices = router_topk(
+                logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
+                group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,
+                expert_bias=self.expert_bias, normalize=cfg.normalize,
+            )
         if cfg.capacity_factor is not None:
             weights, indices = apply_capacity(weights, indices, cfg.num_experts, cfg.capacity_factor, cfg.capacity_policy)
-        counts = tokens_per_expert(indices, cfg.num_experts)
+        count = tokens_per_expert_reference if reference else tokens_per_expert
+        counts = count(indices, cfg.num_experts)
         if self.tokens_seen is not None and self.training:
             self.tokens_seen.add_(counts)
-        return RouterOutput(weights, indices, self._losses(logits, seq_len), logits, counts)
+        return RouterOutput(weights, indices, self._losses(logits, seq_len, reference), logits, counts)
 
-    def _losses(self, logits: Tensor, seq_len: int | None) -> Tensor:
+    def _losses(self, logits: Tensor, seq_len: int | None, reference: bool = False) -> Tensor:
         cfg = self.config
         loss = logits.new_zeros(())
         if cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0:
-            scores, aux_indices = router_aux_scores(logits, cfg.k, score=cfg.score)
+            if reference:
+                scores, aux_indices = router_aux_scores_reference(logits, cfg.k, cfg.score)
+            else:
+                scores, aux_indices = router_aux_scores(logits, cfg.k, score=cfg.score)
             if cfg.aux_loss_coeff > 0:
-                counts = tokens_per_expert(aux_indices, cfg.num_experts)
+                counts = (tokens_per_expert_reference if reference else tokens_per_expert)(aux_indices, cfg.num_experts)
                 loss = loss + aux_loss(scores, counts, cfg.k, cfg.aux_loss_coeff)
             if cfg.seq_aux_loss_coeff > 0:
                 if seq_len is None:

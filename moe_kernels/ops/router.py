@@ -419,16 +419,23 @@ def router_topk(
         weights [T, k] fp32 and indices [T, k] int32, ordered by selection score descending, ties to
         the lower expert index (a NaN score ranks as -inf). Gradients flow from weights to logits.
     """
+    G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize)
+    return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
+
+
+def resolve_topk_options(
+    k: int, num_groups: int | None, group_topk: int | None, group_score_topk: int | None,
+    scaling_factor: float | None, normalize: bool | None,
+) -> tuple[int, int, int, float, bool]:
+    """The public keyword defaults as the op's explicit arguments: (G, g, group_score_topk, scale, normalize)."""
     if (num_groups is None) != (group_topk is None):
         raise ValueError("router_topk: `num_groups` and `group_topk` go together")
     G = 1 if num_groups is None else num_groups
     g = 1 if group_topk is None else group_topk
-    gst = group_score_topk if group_score_topk is not None else max(1, k // g)
-    if num_groups is None:
-        gst = 1
+    gst = 1 if num_groups is None else (group_score_topk if group_score_topk is not None else max(1, k // g))
     norm = (k > 1) if normalize is None else bool(normalize)
     scale = 1.0 if scaling_factor is None else float(scaling_factor)
-    return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
+    return G, g, gst, scale, norm
 
 
 def router_aux_scores(logits: Tensor, k: int, *, score: str = "softmax") -> tuple[Tensor, Tensor]:
