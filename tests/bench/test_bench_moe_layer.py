@@ -1,0 +1,229 @@
+"""The benchmark suite: the CPU quick run works end to end in seconds and writes what perf.md asks
+for; its torch-eager peers compute the op; a wrong result is reported instead of timed."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import harness
+
+ROOT = Path(__file__).resolve().parents[2]
+OPS = {"permute_fwd", "unpermute_fwd", "permute_bwd", "unpermute_bwd"}
+ROUTER_OPS = {"router_topk_fwd", "router_topk_fwd_bwd"}
+
+
+# ---------------------------------------------------------------------------------------------------
+# moe_layer
+
+from bench import bench_moe_layer as bml  # noqa: E402
+
+LAYER_OPS = {"moe_layer_fwd", "moe_layer_fwd_bwd"}
+
+
+@pytest.fixture(scope="module")
+def layer_run(tmp_path_factory):
+    pytest.importorskip("transformers", minversion="5.0")
+    out = tmp_path_factory.mktemp("bench_moe_layer")
+    cmd = [sys.executable, "-m", "bench", "moe_layer", "--quick", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, proc.stdout
+
+
+def _tiny_layer(name="tiny-qwen3-30b-a3b"):
+    spec = bml.CPU_MODELS[name]
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    cfg, _ = bml.fit_config(ctx, spec, 64)
+    layer = bml.build_ours(ctx, cfg)
+    x, dout = bml.make_inputs(ctx, cfg, 64, seed=5)
+    return spec, cfg, layer, x, dout
+
+
+def test_moe_layer_json_has_metadata_and_results(layer_run):
+    out, _ = layer_run
+    data = json.loads((out / "bench_moe_layer.json").read_text())
+    meta = data["meta"]
+    for key in ("date", "device_name", "driver", "cuda", "torch", "commit", "has_cuda_kernels", "ours"):
+        assert key in meta, key
+    assert data["suite"] == "moe_layer" and meta["device"] == "cpu" and meta["torch"] == torch.__version__
+    assert data["ceilings"]["copy_gbps"] > 0 and data["ceilings"]["matmul_bf16_tflops"] > 0
+    assert data["failures"] == []
+
+    results = data["results"]
+    assert {r["op"] for r in results} == LAYER_OPS
+    assert {(r["case"], r["op"]) for r in results} == {(f"{m}/T{bml.CPU_TOKENS[0]}", op)
+                                                      for m in bml.CPU_MODELS for op in LAYER_OPS}
+    for r in results:
+        s, spec = r["shape"], bml.CPU_MODELS[r["case"].split("/")[0]]
+        assert set(s) == {"T", "H", "E", "k", "F", "F_shared"} and r["model"] == spec.preset
+        for key in ("us", "p20_us", "p80_us", "bytes", "flops", "gbps", "tflops", "pct_of_ceiling", "tokens_per_s"):
+            assert isinstance(r[key], (int, float)) and math.isfinite(r[key]) and r[key] >= 0, (key, r)
+        assert r["p20_us"] <= r["us"] <= r["p80_us"] and r["bytes"] > 0 and r["tflops"] > 0
+        fwd = 2 * s["T"] * (s["k"] * 3 * s["H"] * s["F"] + 3 * s["H"] * s["F_shared"] + s["H"] * s["E"])
+        assert r["flops"] == (fwd if r["op"] == "moe_layer_fwd" else 3 * fwd)
+        assert r["tokens_per_s"] == pytest.approx(s["T"] / (r["us"] * 1e-6))
+        assert r["dtype"] == "bfloat16" and r["ceiling"] in ("copy", "matmul_bf16")
+        assert (s["F_shared"] > 0) == (spec.preset == "deepseek-v3") and r["setup"]
+        assert set(r["speedup"]) == set(bml.PEERS) and r["peer_skipped"] == {}  # every peer runs on the CPU
+        assert r["speedup"].keys() == r["peer_us"].keys() == r["peer_variant"].keys()
+        assert all(v > 0 and math.isfinite(v) for v in r["speedup"].values())
+        assert all(v >= 0 and math.isfinite(v) for v in r["peer_us"].values())
+        assert 'experts_implementation="eager"' in r["peer_variant"]["hf_eager"]
+        assert 'experts_implementation="grouped_mm"' in r["peer_variant"]["hf_grouped_mm"]
+        assert set(r["routing_agreement"]) == set(bml.PEERS)
+        assert all(0.9 <= f <= 1 for f in r["routing_agreement"].values())
+        assert r["reps"] == {p: 3 for p in ("ours", *bml.PEERS)}  # the CPU quick run's reps
+    by_case = {(r["case"], r["op"]): r for r in results}
+    for case in {r["case"] for r in results}:  # fwd+bwd moves and computes more than the forward
+        assert by_case[(case, "moe_layer_fwd_bwd")]["bytes"] > by_case[(case, "moe_layer_fwd")]["bytes"]
+
+    headline = data["headline"]
+    for preset in bml.HEADLINE_PRESETS:
+        for peer, bar in bml.BARS.items():
+            assert sum(line.startswith(f"moe_layer_fwd_bwd tiny-{preset}/T") and f"x {peer} (" in line
+                       and f"(bar: >= {bar:g}x {peer})" in line for line in headline) == 1, (preset, peer)
+    assert any(line.startswith("note: tiny-deepseek-v3: E=8 routed experts") for line in headline)
+    assert any(line.startswith("note: routing agreement with ours") for line in headline)
+
+
+def test_moe_layer_png_and_stdout(layer_run):
+    out, stdout = layer_run
+    assert (out / "bench_moe_layer.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    data = json.loads((out / "bench_moe_layer.json").read_text())
+    lines = stdout.splitlines()
+    result_lines = [line for line in lines if line.startswith("RESULT ")]
+    assert len(result_lines) == len(data["results"])
+    assert all("us=" in line and "TFLOP/s=" in line and all(f"{p}=" in line for p in bml.PEERS)
+               for line in result_lines)
+    for op in LAYER_OPS:
+        for p in bml.PEERS:
+            assert any(line.startswith(f"GEOMEAN {op} vs {p}:") for line in lines), (op, p)
+    for preset in bml.HEADLINE_PRESETS:
+        for peer in bml.BARS:
+            assert any(line.startswith(f"HEADLINE moe_layer_fwd_bwd tiny-{preset}/") and f"x {peer} (" in line
+                       for line in lines), (preset, peer)
+    assert not any(line.startswith("FAILED") for line in lines)
+
+
+@pytest.mark.parametrize("name", list(bml.CPU_MODELS))
+def test_moe_layer_peers_share_weights_and_agree(name):
+    pytest.importorskip("transformers", minversion="5.0")
+    spec, cfg, layer, x, dout = _tiny_layer(name)
+    peers, skipped = bml.build_peers(layer, spec)
+    assert skipped == {} and set(peers) == set(bml.PEERS)
+    ours = {id(p) for p in layer.parameters()}
+    for p, impl in peers.items():
+        # the experts (and shared experts) are our tensors; only the Qwen3/Mixtral router is a bf16 copy
+        others = {id(t) for t in impl.params()} - ours
+        assert others == (set() if impl.fp32_router else {id(impl.router_weight)}), p
+        assert {id(layer.experts.w13), id(layer.experts.w2)} <= {id(t) for t in impl.params()}, p
+        assert (impl.router_weight is layer.router.weight) == impl.fp32_router, p
+        assert bml.check_peer(name, layer, impl, x, dout) >= 0.9
+    assert peers["hf_eager"].module.experts.config._experts_implementation == "eager"
+    assert peers["hf_grouped_mm"].module.experts.config._experts_implementation == "grouped_mm"
+
+
+def test_moe_layer_check_catches_swapped_gate_up():
+    pytest.importorskip("transformers", minversion="5.0")
+    spec, cfg, layer, x, dout = _tiny_layer()
+    peers, _ = bml.build_peers(layer, spec)
+    hf_peer = peers["hf_grouped_mm"]
+    F_ = cfg.ffn_size
+    w13 = layer.experts.w13.detach()
+    hf_peer.module.experts.gate_up_proj = torch.nn.Parameter(torch.cat([w13[:, F_:], w13[:, :F_]], dim=1))
+    with pytest.raises(AssertionError, match="output on the"):
+        bml.check_peer("tiny", layer, hf_peer, x, dout)
+
+
+def test_moe_layer_close_policy():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(256, 512, generator=g)
+    noise = ref + 2.0**-8 * torch.randn(256, 512, generator=g)  # bf16-rounding-sized differences
+    bml._close("noise", noise.to(torch.bfloat16), ref.to(torch.bfloat16))
+    few = noise.clone()
+    few[0, :5] += 0.05  # 5 of 131072 elements just past the elementwise bound: allowed
+    bml._close("few", few, ref)
+    with pytest.raises(AssertionError, match="worst"):
+        far = noise.clone()
+        far[3, 7] += 1.0  # one element far off
+        bml._close("far", far, ref)
+    with pytest.raises(AssertionError, match="relative L2 error"):
+        wrong = noise.clone()
+        wrong[:, :16] = 0  # a slice of the output lost
+        bml._close("wrong", wrong, ref)
+    with pytest.raises(AssertionError):
+        bml._close("nan", torch.where(ref > 3, torch.nan, ref), ref)
+
+
+def test_moe_layer_wrong_result_is_reported_not_timed(monkeypatch, tmp_path):
+    pytest.importorskip("transformers", minversion="5.0")
+
+    class Off(bml.Impl):
+        def forward(self, x):
+            out, aux = super().forward(x)
+            return out * 1.1, aux
+
+    monkeypatch.setattr(bml, "ours_impl", lambda layer: Off("ours", layer, "off by 10%", layer.router.weight, None))
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=tmp_path)
+    rep = bml.run(ctx)
+    assert rep.results == [] and len(rep.failures) == len(bml.CPU_MODELS)
+    assert all("vs torch_native output on the" in f for f in rep.failures)
+    assert all(line.startswith(("moe_layer_fwd_bwd", "note:")) for line in rep.headline)
+    assert sum("no case timed" in line for line in rep.headline) == len(bml.HEADLINE_PRESETS)
+    json_path, png_path = harness.report(ctx, "moe_layer", rep)
+    assert json.loads(json_path.read_text())["failures"] == rep.failures and png_path.exists()
+
+
+def test_moe_layer_peer_left_out_with_reason(monkeypatch, tmp_path):
+    pytest.importorskip("transformers", minversion="5.0")
+    real = bml.build_hf
+
+    def no_grouped_mm(layer, family, implementation, bf16_router):
+        if implementation == "grouped_mm":
+            raise RuntimeError("grouped_mm experts unavailable here")
+        return real(layer, family, implementation, bf16_router)
+
+    monkeypatch.setattr(bml, "build_hf", no_grouped_mm)
+    monkeypatch.setattr(bml, "CPU_MODELS", {"tiny-qwen3-30b-a3b": bml.CPU_MODELS["tiny-qwen3-30b-a3b"]})
+    rep = bml.run(harness.Context(torch.device("cpu"), quick=True, out_dir=tmp_path))
+    assert rep.failures == [] and len(rep.results) == 2
+    for r in rep.results:
+        assert set(r.speedup) == {"torch_native", "hf_eager"}
+        assert r.peer_skipped == {"hf_grouped_mm": "RuntimeError: grouped_mm experts unavailable here"}
+    assert any("hf_grouped_mm not timed (RuntimeError" in line and "(bar: >= 1.3x hf_grouped_mm)" in line
+               for line in rep.headline)
+    assert "note: hf_grouped_mm not timed at tiny-qwen3-30b-a3b/T64: RuntimeError: grouped_mm experts " \
+           "unavailable here" in rep.headline
+
+
+def test_moe_layer_hf_semantics_refuses_other_routing():
+    ds = bml._layer_config(bml.CPU_MODELS["tiny-deepseek-v3"])
+    qwen = bml._layer_config(bml.CPU_MODELS["tiny-qwen3-30b-a3b"])
+    assert bml.hf_semantics(ds, "deepseek_v3")["n_shared_experts"] == 1
+    assert bml.hf_semantics(qwen, "qwen3_moe")["norm_topk_prob"] is True
+    for cfg, family in ((ds, "qwen3_moe"), (qwen, "deepseek_v3"), (qwen.replace(router=qwen.router.__class__(
+            **{**vars(qwen.router), "pre_softmax": True})), "mixtral")):
+        with pytest.raises(ValueError):
+            bml.hf_semantics(cfg, family)
+    # transformers scores a group by its top 2; another group_score_topk has no Hugging Face peer
+    other = ds.replace(router=ds.router.__class__(**{**vars(ds.router), "group_score_topk": 1}))
+    with pytest.raises(ValueError, match="top 2"):
+        bml.hf_semantics(other, "deepseek_v3")
+
+
+def test_moe_layer_full_size_flops_and_setup():
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    cfg, setup = bml.fit_config(ctx, bml.MODELS["deepseek-v3"], 8192)
+    assert cfg.num_experts == 256 and cfg.router.k == 8 and cfg.shared_ffn_size == 2048
+    assert "E=256 routed experts" in setup and "EP=8 would hold 32 per GPU" in setup
+    # 2*T*k*3*H*F routed + 2*T*3*H*F_shared + 2*T*H*E router
+    assert bml.flops(cfg, 8192) == 2 * 8192 * (8 * 3 * 7168 * 2048 + 3 * 7168 * 2048 + 7168 * 256)
+    q, _ = bml.fit_config(ctx, bml.MODELS["qwen3-30b-a3b"], 8192)
+    assert bml.hf_semantics(q, "qwen3_moe") == dict(
+        hidden_size=2048, num_experts_per_tok=8, hidden_act="silu", num_experts=128, moe_intermediate_size=768,
+        norm_topk_prob=True)
