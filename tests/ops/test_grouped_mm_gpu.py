@@ -46,7 +46,7 @@ def torch_loop(x, w, gs, what):
 
 def check_all(dev, x, w, gs, *, what=""):
     """fwd, dgrad and wgrad of one problem on `dev`; x [M, K], w [E, N, K] on the CPU, any dtype."""
-    M, E, n = x.shape[0], w.shape[0], int(gs.sum())
+    M, n = x.shape[0], int(gs.sum())
     xd, wd, gsd = x.to(dev, copy=True), w.to(dev, copy=True), gs.to(dev)
     xg, wg = xd.clone().requires_grad_(), wd.clone().requires_grad_()
     out = mk.grouped_mm(xg, wg, gsd)
