@@ -340,8 +340,9 @@ def _router_topk_bwd_cuda(grad_weights, logits, indices, score, pre_softmax, nor
         return router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor)
     T, E = logits.shape
     grad_logits = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    grad_weights = grad_weights.float().contiguous()  # kept alive until the launch
     C.router_topk_bwd(
-        grad_weights=_ext.ptr(grad_weights.float().contiguous()), logits=_ext.ptr(logits), indices=_ext.ptr(indices),
+        grad_weights=_ext.ptr(grad_weights), logits=_ext.ptr(logits), indices=_ext.ptr(indices),
         grad_logits=_ext.ptr(grad_logits), num_tokens=T, num_experts=E, k=indices.shape[1],
         score=_SCORE_CODES[score], pre_softmax=pre_softmax, normalize=normalize,
         scaling_factor=float(scaling_factor), dtype=_ext.dtype_code(logits.dtype), **_ext.launch_args(logits),
@@ -374,8 +375,9 @@ def _router_aux_scores_bwd_cuda(grad_scores, logits, score):
         return router_aux_scores_bwd_reference(grad_scores, logits, score)
     T, E = logits.shape
     grad_logits = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+    grad_scores = grad_scores.float().contiguous()  # kept alive until the launch
     C.router_aux_scores_bwd(
-        grad_scores=_ext.ptr(grad_scores.float().contiguous()), logits=_ext.ptr(logits),
+        grad_scores=_ext.ptr(grad_scores), logits=_ext.ptr(logits),
         grad_logits=_ext.ptr(grad_logits), num_tokens=T, num_experts=E, score=_SCORE_CODES[score],
         dtype=_ext.dtype_code(logits.dtype), **_ext.launch_args(logits),
     )

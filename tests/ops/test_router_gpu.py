@@ -48,7 +48,9 @@ def assert_same_choice(idx, ref_idx, sel, cfg, what):
             continue
         G = cfg.get("num_groups")
         assert G, f"{what}: token {t} chose {idx[t].tolist()} vs {ref_idx[t].tolist()}, scores {a} vs {b}"
-        gs = router_group_scores(sel[t : t + 1], G, 2)[0].double()
+        k = idx.shape[1]
+        gst = cfg.get("group_score_topk") or max(1, k // cfg["group_topk"])  # the op's default
+        gs = router_group_scores(sel[t : t + 1], G, gst)[0].double()
         size = sel.shape[1] // G
         ga, gb = set((idx[t] // size).tolist()), set((ref_idx[t] // size).tolist())
         va, vb = sorted(gs[list(ga - gb)].tolist()), sorted(gs[list(gb - ga)].tolist())
