@@ -11,6 +11,8 @@
 namespace moe::permute {
 namespace {
 
+constexpr int kSlotBatch = 4;
+
 __device__ __forceinline__ int32_t checked_row(const int32_t* row_map, int64_t slot, int64_t R) {
   const int32_t r = row_map[slot];
   return (r >= 0 && r < R) ? r : -1;
@@ -31,17 +33,28 @@ __global__ void __launch_bounds__(kRowBlockThreads)
     float acc[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n] = 0.f;
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t r = checked_row(row_map, t * k + j, num_rows);
-      if (r < 0) continue;
-      const P src = reinterpret_cast<const P*>(y + int64_t(r) * hidden)[v];
-      if (weights != nullptr) {
-        const float w = weights[t * k + j];
+    // Slots in batches: the batch's loads are all issued before any is used (memory-level
+    // parallelism), then accumulated strictly in ascending slot order (the reference's rounding).
+    for (int64_t j0 = 0; j0 < k; j0 += kSlotBatch) {
+      P src[kSlotBatch];
+      float w[kSlotBatch];
+      bool live[kSlotBatch];
 #pragma unroll
-        for (int n = 0; n < N; ++n) acc[n] = __fadd_rn(acc[n], __fmul_rn(w, to_float(src.v[n])));
-      } else {
+      for (int b = 0; b < kSlotBatch; ++b) {
+        const int64_t j = j0 + b;
+        const int32_t r = j < k ? checked_row(row_map, t * k + j, num_rows) : -1;
+        live[b] = r >= 0;
+        w[b] = live[b] && weights != nullptr ? weights[t * k + j] : 1.f;
+        if (live[b]) src[b] = reinterpret_cast<const P*>(y + int64_t(r) * hidden)[v];
+      }
 #pragma unroll
-        for (int n = 0; n < N; ++n) acc[n] = __fadd_rn(acc[n], to_float(src.v[n]));
+      for (int b = 0; b < kSlotBatch; ++b) {
+        if (!live[b]) continue;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+          const float x = to_float(src[b].v[n]);
+          acc[n] = __fadd_rn(acc[n], weights != nullptr ? __fmul_rn(w[b], x) : x);
+        }
       }
     }
     P res;
