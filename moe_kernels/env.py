@@ -15,6 +15,11 @@ CUDA_OPS = {
     "tokens_per_expert": ("tokens_per_expert",),
     "router_topk": ("router_topk_fwd", "router_topk_bwd"),
     "router_aux_scores": ("router_aux_scores_fwd", "router_aux_scores_bwd"),
+    "aux_loss": ("balance_loss_fwd", "balance_loss_bwd"),
+    "seq_aux_loss": ("balance_loss_fwd", "balance_loss_bwd"),
+    "z_loss": ("z_loss_fwd", "z_loss_bwd"),
+    "apply_capacity": ("apply_capacity",),
+    "update_expert_bias": ("update_expert_bias",),
     "grouped_mm": ("grouped_mm",),
     "swiglu": ("swiglu_fwd", "swiglu_bwd"),
 }

@@ -32,6 +32,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_driver_version", &driver_version, "Installed driver's CUDA version, 0 if none");
   moe::api::register_permute(m);
   moe::api::register_router(m);
+  moe::api::register_balance(m);
   moe::api::register_gemm(m);
   moe::api::register_activation(m);
 }

@@ -39,6 +39,7 @@ inline cudaStream_t stream(uintptr_t s) { return reinterpret_cast<cudaStream_t>(
 
 void register_permute(pybind11::module_& m);
 void register_router(pybind11::module_& m);
+void register_balance(pybind11::module_& m);
 void register_gemm(pybind11::module_& m);
 void register_activation(pybind11::module_& m);
 

@@ -1,4 +1,5 @@
 #include "router/router.h"
+#include "router/balance.h"
 
 #include <pybind11/pybind11.h>
 
@@ -67,6 +68,92 @@ void register_router(py::module_& m) {
       },
       py::arg("grad_scores"), py::arg("logits"), py::arg("grad_logits"), py::arg("num_tokens"),
       py::arg("num_experts"), py::arg("score"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+}
+
+void register_balance(py::module_& m) {
+  m.attr("balance_max_experts") = router::kBalanceMaxExperts;
+  m.def("balance_chunks", &router::balance_chunks, py::arg("num_tokens"), py::arg("seq_len"));
+  m.def(
+      "balance_loss_fwd",
+      [](uintptr_t scores, uintptr_t indices, uintptr_t counts, bool counts_int64, uintptr_t partial_sums,
+         uintptr_t partial_counts, uintptr_t seq_counts, uintptr_t loss, int64_t num_tokens, int32_t num_experts,
+         int32_t k, int64_t seq_len, float scale, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        router::BalanceParams p{ptr<const void>(scores), ptr<const int32_t>(indices), ptr<const void>(counts),
+                                counts_int64,           ptr<float>(partial_sums),     ptr<int32_t>(partial_counts),
+                                ptr<int32_t>(seq_counts), ptr<float>(loss),           num_tokens,
+                                num_experts,            k,                            seq_len,
+                                scale,                  DType(dtype)};
+        router::balance_loss_fwd(p, stream(s));
+      },
+      py::arg("scores"), py::arg("indices"), py::arg("counts"), py::arg("counts_int64"), py::arg("partial_sums"),
+      py::arg("partial_counts"), py::arg("seq_counts"), py::arg("loss"), py::arg("num_tokens"),
+      py::arg("num_experts"), py::arg("k"), py::arg("seq_len"), py::arg("scale"), py::arg("dtype"),
+      py::arg("device"), py::arg("stream"));
+  m.def(
+      "balance_loss_bwd",
+      [](uintptr_t grad, uintptr_t counts, bool counts_int64, uintptr_t grad_scores, int64_t num_tokens,
+         int32_t num_experts, int64_t seq_len, float scale, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        router::BalanceBwdParams p{ptr<const float>(grad), ptr<const void>(counts), counts_int64,
+                                   ptr<void>(grad_scores), num_tokens,             num_experts,
+                                   seq_len,                scale,                  DType(dtype)};
+        router::balance_loss_bwd(p, stream(s));
+      },
+      py::arg("grad"), py::arg("counts"), py::arg("counts_int64"), py::arg("grad_scores"), py::arg("num_tokens"),
+      py::arg("num_experts"), py::arg("seq_len"), py::arg("scale"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"));
+  m.def("z_loss_chunks", &router::z_loss_chunks, py::arg("num_tokens"));
+  m.def(
+      "z_loss_fwd",
+      [](uintptr_t logits, uintptr_t lse, uintptr_t partials, uintptr_t loss, int64_t num_tokens,
+         int32_t num_experts, float coeff, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        router::ZLossParams p{ptr<const void>(logits), ptr<float>(lse), ptr<float>(partials), ptr<float>(loss),
+                              num_tokens,              num_experts,     coeff,                DType(dtype)};
+        router::z_loss_fwd(p, stream(s));
+      },
+      py::arg("logits"), py::arg("lse"), py::arg("partials"), py::arg("loss"), py::arg("num_tokens"),
+      py::arg("num_experts"), py::arg("coeff"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "z_loss_bwd",
+      [](uintptr_t grad, uintptr_t logits, uintptr_t lse, uintptr_t grad_logits, int64_t num_tokens,
+         int32_t num_experts, float coeff, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        router::ZLossBwdParams p{ptr<const float>(grad), ptr<const void>(logits), ptr<const float>(lse),
+                                 ptr<void>(grad_logits), num_tokens,              num_experts,
+                                 coeff,                  DType(dtype)};
+        router::z_loss_bwd(p, stream(s));
+      },
+      py::arg("grad"), py::arg("logits"), py::arg("lse"), py::arg("grad_logits"), py::arg("num_tokens"),
+      py::arg("num_experts"), py::arg("coeff"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "update_expert_bias",
+      [](uintptr_t bias, uintptr_t counts, bool counts_int64, int32_t num_experts, float rate, int device,
+         uintptr_t s) {
+        DeviceGuard guard(device);
+        router::update_expert_bias(ptr<float>(bias), ptr<const void>(counts), counts_int64, num_experts, rate,
+                                   stream(s));
+      },
+      py::arg("bias"), py::arg("counts"), py::arg("counts_int64"), py::arg("num_experts"), py::arg("rate"),
+      py::arg("device"), py::arg("stream"));
+  m.def("capacity_workspace_bytes", &router::capacity_workspace_bytes, py::arg("num_slots"),
+        py::arg("num_experts"));
+  m.def(
+      "apply_capacity",
+      [](uintptr_t weights, uintptr_t indices, uintptr_t weights_out, uintptr_t indices_out, uintptr_t workspace,
+         int64_t num_slots, int32_t num_experts, int64_t capacity, bool by_probs, int32_t dtype, int device,
+         uintptr_t s) {
+        DeviceGuard guard(device);
+        router::CapacityParams p{ptr<const void>(weights), ptr<const int32_t>(indices), ptr<void>(weights_out),
+                                 ptr<int32_t>(indices_out), ptr<void>(workspace),       num_slots,
+                                 num_experts,               capacity,                   by_probs,
+                                 DType(dtype)};
+        router::apply_capacity(p, stream(s));
+      },
+      py::arg("weights"), py::arg("indices"), py::arg("weights_out"), py::arg("indices_out"), py::arg("workspace"),
+      py::arg("num_slots"), py::arg("num_experts"), py::arg("capacity"), py::arg("by_probs"), py::arg("dtype"),
+      py::arg("device"), py::arg("stream"));
 }
 
 }  // namespace moe::api

@@ -233,6 +233,10 @@ size_t permute_workspace_bytes(int64_t num_slots, int32_t num_experts) {
   return size_t(num_chunks_for(num_slots) * num_experts + 2 * int64_t(num_experts)) * sizeof(int32_t);
 }
 
+const int32_t* permute_expert_starts(const void* workspace, int64_t num_slots, int32_t num_experts) {
+  return carve(const_cast<void*>(workspace), num_chunks_for(num_slots), num_experts).starts;
+}
+
 void permute_fwd(const PermuteParams& p, cudaStream_t stream) {
   const int64_t num_slots = p.num_tokens * p.k;
   const int32_t E = p.num_experts;

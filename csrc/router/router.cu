@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "common/check.h"
+#include "common/dispatch.cuh"
 #include "common/vec.cuh"
 #include "router/router.h"
 
@@ -319,16 +320,6 @@ int fwd_warps(int E) {
   return w < 1 ? 1 : (w > 8 ? 8 : w);
 }
 
-template <typename F>
-void by_dtype(DType dtype, const char* what, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f.template operator()<float>();
-    case DType::kFloat16: return f.template operator()<__half>();
-    case DType::kBFloat16: return f.template operator()<__nv_bfloat16>();
-    default: throw std::invalid_argument(std::string(what) + ": logits must be float32, float16 or bfloat16");
-  }
-}
-
 void check_sizes(int E, int k, const char* what) {
   if (E < 1 || E > kMaxExperts) throw std::invalid_argument(std::string(what) + ": num_experts out of range");
   if (k < 1 || k > kMaxK || k > E) throw std::invalid_argument(std::string(what) + ": k out of range");
@@ -348,7 +339,7 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
   const int W = fwd_warps(p.num_experts);
   const unsigned blocks = unsigned((p.num_tokens + W - 1) / W);
   const size_t smem = size_t(W) * 8 * p.num_experts;
-  by_dtype(p.dtype, "router_topk", [&]<typename T>() {
+  by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
     topk_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
   });
   check_launch("router topk_fwd_kernel");
@@ -358,7 +349,7 @@ void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_topk backward");
   if (p.num_tokens == 0) return;
   const unsigned blocks = unsigned((p.num_tokens + kBwdWarps - 1) / kBwdWarps);
-  by_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
+  by_float_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
     topk_bwd_kernel<T><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
   });
   check_launch("router topk_bwd_kernel");
@@ -370,7 +361,7 @@ void aux_scores_fwd(const AuxScoresParams& p, cudaStream_t stream) {
   const int W = fwd_warps(p.num_experts);
   const unsigned blocks = unsigned((p.num_tokens + W - 1) / W);
   const size_t smem = size_t(W) * 8 * p.num_experts;
-  by_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
+  by_float_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
     aux_scores_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
   });
   check_launch("router aux_scores_fwd_kernel");
@@ -380,7 +371,7 @@ void aux_scores_bwd(const AuxScoresBwdParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, 1, "router_aux_scores backward");
   if (p.num_tokens == 0) return;
   const unsigned blocks = unsigned((p.num_tokens + kBwdWarps - 1) / kBwdWarps);
-  by_dtype(p.dtype, "router_aux_scores backward", [&]<typename T>() {
+  by_float_dtype(p.dtype, "router_aux_scores backward", [&]<typename T>() {
     aux_scores_bwd_kernel<T><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
   });
   check_launch("router aux_scores_bwd_kernel");

@@ -18,7 +18,17 @@ from moe_kernels.ops.router import (
     router_topk,
     router_topk_reference,
 )
-from moe_kernels.ops.router_losses import apply_capacity, aux_loss, seq_aux_loss, update_expert_bias, z_loss
+from moe_kernels.ops.router_losses import (
+    apply_capacity,
+    apply_capacity_reference,
+    aux_loss,
+    aux_loss_reference,
+    seq_aux_loss,
+    seq_aux_loss_reference,
+    update_expert_bias,
+    z_loss,
+    z_loss_reference,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +130,8 @@ class Router(nn.Module):
                 expert_bias=self.expert_bias, normalize=cfg.normalize,
             )
         if cfg.capacity_factor is not None:
-            weights, indices = apply_capacity(weights, indices, cfg.num_experts, cfg.capacity_factor, cfg.capacity_policy)
+            cap = apply_capacity_reference if reference else apply_capacity
+            weights, indices = cap(weights, indices, cfg.num_experts, cfg.capacity_factor, cfg.capacity_policy)
         count = tokens_per_expert_reference if reference else tokens_per_expert
         counts = count(indices, cfg.num_experts)
         if self.tokens_seen is not None and self.training:
@@ -136,14 +147,21 @@ class Router(nn.Module):
             else:
                 scores, aux_indices = router_aux_scores(logits, cfg.k, score=cfg.score)
             if cfg.aux_loss_coeff > 0:
-                counts = (tokens_per_expert_reference if reference else tokens_per_expert)(aux_indices, cfg.num_experts)
-                loss = loss + aux_loss(scores, counts, cfg.k, cfg.aux_loss_coeff)
+                if reference:
+                    counts = tokens_per_expert_reference(aux_indices, cfg.num_experts)
+                    loss = loss + aux_loss_reference(scores, counts, cfg.k, cfg.aux_loss_coeff)
+                else:
+                    counts = tokens_per_expert(aux_indices, cfg.num_experts)
+                    loss = loss + aux_loss(scores, counts, cfg.k, cfg.aux_loss_coeff)
             if cfg.seq_aux_loss_coeff > 0:
                 if seq_len is None:
                     raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")
-                loss = loss + seq_aux_loss(scores, aux_indices, cfg.seq_aux_loss_coeff, seq_len=seq_len)
+                if reference:
+                    loss = loss + seq_aux_loss_reference(scores, aux_indices, cfg.seq_aux_loss_coeff, seq_len)[0]
+                else:
+                    loss = loss + seq_aux_loss(scores, aux_indices, cfg.seq_aux_loss_coeff, seq_len=seq_len)
         if cfg.z_loss_coeff > 0:
-            loss = loss + z_loss(logits, cfg.z_loss_coeff)
+            loss = loss + (z_loss_reference(logits, cfg.z_loss_coeff)[0] if reference else z_loss(logits, cfg.z_loss_coeff))
         return loss
 
     @torch.no_grad()

@@ -1,8 +1,10 @@
 """Load-balancing losses, capacity (token dropping) and aux-loss-free bias updates (specs/ops.md).
 
 Shapes: T tokens (B sequences of S tokens for the sequence-wise loss), E experts, k slots per token.
-These are reductions over a few small tensors; one implementation, written in PyTorch ops that run on
-any device without a host sync, serves the CPU and the GPU.
+Each op has a reference in plain PyTorch (the CPU implementation, and the fallback on a GPU the
+extension was not built for), CUDA kernels (csrc/router/balance.cu, capacity.cu) for fp32/bf16/fp16,
+a fake implementation and autograd. The forward losses also return what their backward needs
+(the per-sequence counts, the per-row log-sum-exp), so the backward re-reads nothing but its output.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import math
 import torch
 from torch import Tensor
 
-from moe_kernels.ops._checks import FLOAT_DTYPES, check_int, check_shape, check_tensor
+from moe_kernels import _ext
+from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_int, check_shape, check_tensor
 
 _COUNT_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
@@ -26,54 +30,15 @@ def _aux_scale(coeff: float, E: int, k: int, T: int) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------
-# aux_loss = coeff * E / (k * T^2) * sum_e (sum_t scores[t, e]) * c_e
+# Validation
 
 
-@torch.library.custom_op("moe_kernels::aux_loss", mutates_args=())
-def _aux_loss(scores: Tensor, tokens_per_expert: Tensor, k: int, coeff: float) -> Tensor:
+def _check_aux(scores, tokens_per_expert, k) -> None:
     op = "aux_loss"
     check_tensor(op, "scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=_COUNT_DTYPES, device=scores.device)
     check_shape(op, "tokens_per_expert", tokens_per_expert, (scores.shape[1],), "one count per expert")
     check_int(op, "k", k, minimum=1)
-    T, E = scores.shape
-    acc = _acc_dtype(scores)
-    per_expert = scores.to(acc).sum(0)  # [E]
-    return (per_expert * tokens_per_expert.to(acc)).sum() * _aux_scale(coeff, E, k, T)
-
-
-@_aux_loss.register_fake
-def _(scores, tokens_per_expert, k, coeff):
-    return scores.new_empty((), dtype=_acc_dtype(scores))
-
-
-def _aux_loss_setup(ctx, inputs, output):
-    scores, counts, k, coeff = inputs
-    ctx.save_for_backward(counts)
-    ctx.shape, ctx.dtype = scores.shape, scores.dtype
-    ctx.scale = _aux_scale(coeff, scores.shape[1], k, scores.shape[0])
-
-
-def _aux_loss_backward(ctx, grad):
-    (counts,) = ctx.saved_tensors
-    g = (grad * ctx.scale * counts.to(grad.dtype)).to(ctx.dtype)  # [E]
-    return g.expand(ctx.shape), None, None, None
-
-
-_aux_loss.register_autograd(_aux_loss_backward, setup_context=_aux_loss_setup)
-
-
-# ---------------------------------------------------------------------------------------------------
-# seq_aux_loss: mean over sequences of aux_loss computed on each sequence alone
-
-
-def _seq_counts(indices: Tensor, B: int, S: int, E: int) -> Tensor:
-    """[B, E] counts of (token, slot) pairs per sequence and expert; -1 ignored."""
-    flat = indices.reshape(B, S * indices.shape[1]).long()
-    valid = flat >= 0
-    counts = torch.zeros((B, E + 1), dtype=torch.int64, device=indices.device)
-    counts.scatter_add_(1, torch.where(valid, flat, E), valid.long())
-    return counts[:, :E]
 
 
 def _check_seq(scores, indices, seq_len) -> None:
@@ -89,87 +54,6 @@ def _check_seq(scores, indices, seq_len) -> None:
         raise ValueError(f"{op}: `indices` must have at least one slot per token")
 
 
-@torch.library.custom_op("moe_kernels::seq_aux_loss", mutates_args=())
-def _seq_aux_loss(scores: Tensor, indices: Tensor, coeff: float, seq_len: int) -> Tensor:
-    _check_seq(scores, indices, seq_len)
-    rows, E = scores.shape
-    B, S, k = rows // seq_len, seq_len, indices.shape[1]
-    acc = _acc_dtype(scores)
-    if B == 0:
-        return scores.new_zeros((), dtype=acc)
-    per_seq = scores.to(acc).view(B, S, E).sum(1)  # [B, E]
-    counts = _seq_counts(indices, B, S, E).to(acc)
-    return (per_seq * counts).sum(-1).mean() * _aux_scale(coeff, E, k, S)
-
-
-@_seq_aux_loss.register_fake
-def _(scores, indices, coeff, seq_len):
-    _check_seq(scores, indices, seq_len)
-    return scores.new_empty((), dtype=_acc_dtype(scores))
-
-
-def _seq_setup(ctx, inputs, output):
-    scores, indices, coeff, seq_len = inputs
-    rows, E = scores.shape
-    ctx.save_for_backward(indices)
-    ctx.B, ctx.S, ctx.E, ctx.dtype = rows // seq_len, seq_len, E, scores.dtype
-    ctx.scale = _aux_scale(coeff, E, indices.shape[1], seq_len) / max(ctx.B, 1)
-
-
-def _seq_backward(ctx, grad):
-    (indices,) = ctx.saved_tensors
-    counts = _seq_counts(indices, ctx.B, ctx.S, ctx.E).to(grad.dtype)  # [B, E]
-    g = (grad * ctx.scale * counts)[:, None, :].expand(ctx.B, ctx.S, ctx.E)
-    return g.reshape(ctx.B * ctx.S, ctx.E).to(ctx.dtype), None, None, None
-
-
-_seq_aux_loss.register_autograd(_seq_backward, setup_context=_seq_setup)
-
-
-# ---------------------------------------------------------------------------------------------------
-# z_loss = coeff * mean_t logsumexp(logits[t])^2
-
-
-@torch.library.custom_op("moe_kernels::z_loss", mutates_args=())
-def _z_loss(logits: Tensor, coeff: float) -> Tensor:
-    check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
-    acc = _acc_dtype(logits)
-    if logits.shape[0] == 0:
-        return logits.new_zeros((), dtype=acc)
-    return torch.logsumexp(logits.to(acc), dim=-1).square().mean() * coeff
-
-
-@_z_loss.register_fake
-def _(logits, coeff):
-    return logits.new_empty((), dtype=_acc_dtype(logits))
-
-
-def _z_setup(ctx, inputs, output):
-    logits, coeff = inputs
-    ctx.save_for_backward(logits)
-    ctx.coeff = coeff
-
-
-def _z_backward(ctx, grad):
-    (logits,) = ctx.saved_tensors
-    x = logits.to(_acc_dtype(logits))
-    lse = torch.logsumexp(x, dim=-1, keepdim=True)
-    g = grad * ctx.coeff * 2.0 / max(x.shape[0], 1) * lse * torch.softmax(x, dim=-1)
-    return g.to(logits.dtype), None
-
-
-_z_loss.register_autograd(_z_backward, setup_context=_z_setup)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Capacity
-
-
-def capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(T * k / E * capacity_factor)."""
-    return math.ceil(num_tokens * k / num_experts * capacity_factor)
-
-
 def _check_capacity(weights, indices, num_experts, capacity_factor, policy) -> None:
     op = "apply_capacity"
     check_tensor(op, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES)
@@ -182,11 +66,86 @@ def _check_capacity(weights, indices, num_experts, capacity_factor, policy) -> N
         raise ValueError(f"{op}: `policy` must be 'probs' or 'position', got {policy!r}")
 
 
-@torch.library.custom_op("moe_kernels::apply_capacity", mutates_args=())
-def _apply_capacity(
+def _check_bias(bias, tokens_per_expert) -> None:
+    op = "update_expert_bias"
+    check_tensor(op, "bias", bias, ndim=1, dtypes=(torch.float32, torch.float64))
+    check_tensor(op, "tokens_per_expert", tokens_per_expert, ndim=1, device=bias.device)
+    check_shape(op, "tokens_per_expert", tokens_per_expert, bias.shape, "one count per expert")
+
+
+def _check_index_values(indices: Tensor, num_experts: int, op: str) -> None:
+    """ValueError for indices outside [-1, E). Syncs when `indices` is on a GPU (checking mode only)."""
+    bad = (indices < -1) | (indices >= num_experts)
+    if bool(bad.any()):
+        first = indices[bad][0].item()
+        raise ValueError(f"{op}: `indices` holds {first}, outside [-1, {num_experts}) (num_experts={num_experts})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# References: plain PyTorch, the definition of each op (also the fallback on a GPU without kernels)
+
+
+def aux_loss_reference(scores: Tensor, tokens_per_expert: Tensor, k: int, coeff: float) -> Tensor:
+    T, E = scores.shape
+    acc = _acc_dtype(scores)
+    per_expert = scores.to(acc).sum(0)  # [E]
+    return (per_expert * tokens_per_expert.to(acc)).sum() * _aux_scale(coeff, E, k, T)
+
+
+def _seq_counts(indices: Tensor, B: int, S: int, E: int) -> Tensor:
+    """[B, E] int32 counts of (token, slot) pairs per sequence and expert; -1 ignored."""
+    flat = indices.reshape(B, S * indices.shape[1]).long()
+    valid = flat >= 0
+    counts = torch.zeros((B, E + 1), dtype=torch.int64, device=indices.device)
+    counts.scatter_add_(1, torch.where(valid, flat, E), valid.long())
+    return counts[:, :E].to(torch.int32)
+
+
+def seq_aux_loss_reference(scores: Tensor, indices: Tensor, coeff: float, seq_len: int) -> tuple[Tensor, Tensor]:
+    rows, E = scores.shape
+    B, S, k = rows // seq_len, seq_len, indices.shape[1]
+    if indices.device.type == "cpu":
+        _check_index_values(indices, E, "seq_aux_loss")
+    acc = _acc_dtype(scores)
+    counts = _seq_counts(indices, B, S, E)
+    if B == 0:
+        return scores.new_zeros((), dtype=acc), counts
+    per_seq = scores.to(acc).view(B, S, E).sum(1)  # [B, E]
+    return (per_seq * counts.to(acc)).sum(-1).mean() * _aux_scale(coeff, E, k, S), counts
+
+
+def balance_loss_bwd_reference(
+    grad: Tensor, counts: Tensor, num_tokens: int, seq_len: int, scale: float, dtype: torch.dtype
+) -> Tensor:
+    per_seq = grad * scale * counts.to(grad.dtype)  # [B, E]
+    rows = torch.arange(num_tokens, device=counts.device) // seq_len
+    return per_seq[rows].to(dtype)
+
+
+def z_loss_reference(logits: Tensor, coeff: float) -> tuple[Tensor, Tensor]:
+    acc = _acc_dtype(logits)
+    lse = torch.logsumexp(logits.to(acc), dim=-1)
+    if logits.shape[0] == 0:
+        return logits.new_zeros((), dtype=acc), lse
+    return lse.square().mean() * coeff, lse
+
+
+def z_loss_bwd_reference(grad: Tensor, logits: Tensor, lse: Tensor, coeff: float) -> Tensor:
+    x = logits.to(_acc_dtype(logits))
+    g = grad * coeff * 2.0 / max(x.shape[0], 1) * lse[:, None] * torch.exp(x - lse[:, None])
+    return g.to(logits.dtype)
+
+
+def capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
+    """C = ceil(T * k / E * capacity_factor)."""
+    return math.ceil(num_tokens * k / num_experts * capacity_factor)
+
+
+def apply_capacity_reference(
     weights: Tensor, indices: Tensor, num_experts: int, capacity_factor: float, policy: str
 ) -> tuple[Tensor, Tensor]:
-    _check_capacity(weights, indices, num_experts, capacity_factor, policy)
+    if indices.device.type == "cpu":
+        _check_index_values(indices, num_experts, "apply_capacity")
     T, k = indices.shape
     C = capacity(T, k, num_experts, capacity_factor)
     flat_e = indices.reshape(-1).long()
@@ -194,7 +153,7 @@ def _apply_capacity(
     if policy == "probs":  # larger weight first; stable sort keeps ties in token order
         order = order[torch.sort(-weights.reshape(-1), stable=True).indices]
     # Group by expert (dropped slots last), keeping the policy's order inside each expert.
-    key = torch.where(flat_e >= 0, flat_e, num_experts)
+    key = torch.where((flat_e >= 0) & (flat_e < num_experts), flat_e, num_experts)
     order = order[torch.sort(key[order], stable=True).indices]
     sorted_e = key[order]
     counts = torch.bincount(sorted_e, minlength=num_experts + 1)
@@ -204,6 +163,137 @@ def _apply_capacity(
     keep[order] = (rank < C) & (sorted_e < num_experts)
     keep = keep.view(T, k)
     return torch.where(keep, weights, 0.0), torch.where(keep, indices, -1)
+
+
+def update_expert_bias_reference(bias: Tensor, tokens_per_expert: Tensor, rate: float) -> None:
+    c = tokens_per_expert
+    if c.dtype.is_floating_point:
+        c = c.to(bias.dtype)
+        direction = torch.sign(c.mean() - c)
+    else:  # exactly: sign(mean(c) - c_e) = sign(sum(c) - E * c_e)
+        c = c.long()
+        direction = torch.sign(c.sum() - c.numel() * c)
+    bias.add_(direction.to(bias.dtype) * rate)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ops: schema, default (reference) implementation, fake, autograd
+
+
+@torch.library.custom_op("moe_kernels::aux_loss", mutates_args=())
+def _aux_loss(scores: Tensor, tokens_per_expert: Tensor, k: int, coeff: float) -> Tensor:
+    _check_aux(scores, tokens_per_expert, k)
+    return aux_loss_reference(scores, tokens_per_expert, k, coeff)
+
+
+@_aux_loss.register_fake
+def _(scores, tokens_per_expert, k, coeff):
+    _check_aux(scores, tokens_per_expert, k)
+    return scores.new_empty((), dtype=_acc_dtype(scores))
+
+
+def _aux_loss_setup(ctx, inputs, output):
+    scores, counts, k, coeff = inputs
+    ctx.save_for_backward(counts)
+    ctx.T, ctx.dtype = scores.shape[0], scores.dtype
+    ctx.scale = _aux_scale(coeff, scores.shape[1], k, scores.shape[0])
+
+
+def _aux_loss_backward(ctx, grad):
+    (counts,) = ctx.saved_tensors
+    g = torch.ops.moe_kernels.balance_loss_bwd(grad, counts.view(1, -1), ctx.T, max(ctx.T, 1), ctx.scale, ctx.dtype)
+    return g, None, None, None
+
+
+_aux_loss.register_autograd(_aux_loss_backward, setup_context=_aux_loss_setup)
+
+
+@torch.library.custom_op("moe_kernels::seq_aux_loss", mutates_args=())
+def _seq_aux_loss(scores: Tensor, indices: Tensor, coeff: float, seq_len: int) -> tuple[Tensor, Tensor]:
+    _check_seq(scores, indices, seq_len)
+    return seq_aux_loss_reference(scores, indices, coeff, seq_len)
+
+
+@_seq_aux_loss.register_fake
+def _(scores, indices, coeff, seq_len):
+    _check_seq(scores, indices, seq_len)
+    B = scores.shape[0] // seq_len
+    return scores.new_empty((), dtype=_acc_dtype(scores)), indices.new_empty((B, scores.shape[1]), dtype=torch.int32)
+
+
+def _seq_setup(ctx, inputs, output):
+    scores, indices, coeff, seq_len = inputs
+    rows, E = scores.shape
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.T, ctx.S, ctx.dtype = rows, seq_len, scores.dtype
+    ctx.scale = _aux_scale(coeff, E, indices.shape[1], seq_len) / max(rows // seq_len, 1)
+
+
+def _seq_backward(ctx, grad, _grad_counts):
+    (counts,) = ctx.saved_tensors
+    return torch.ops.moe_kernels.balance_loss_bwd(grad, counts, ctx.T, ctx.S, ctx.scale, ctx.dtype), None, None, None
+
+
+_seq_aux_loss.register_autograd(_seq_backward, setup_context=_seq_setup)
+
+
+@torch.library.custom_op("moe_kernels::balance_loss_bwd", mutates_args=())
+def _balance_loss_bwd(
+    grad: Tensor, counts: Tensor, num_tokens: int, seq_len: int, scale: float, dtype: torch.dtype
+) -> Tensor:
+    return balance_loss_bwd_reference(grad, counts, num_tokens, seq_len, scale, dtype)
+
+
+@_balance_loss_bwd.register_fake
+def _(grad, counts, num_tokens, seq_len, scale, dtype):
+    return grad.new_empty((num_tokens, counts.shape[1]), dtype=dtype)
+
+
+@torch.library.custom_op("moe_kernels::z_loss", mutates_args=())
+def _z_loss(logits: Tensor, coeff: float) -> tuple[Tensor, Tensor]:
+    check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    return z_loss_reference(logits, coeff)
+
+
+@_z_loss.register_fake
+def _(logits, coeff):
+    check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    acc = _acc_dtype(logits)
+    return logits.new_empty((), dtype=acc), logits.new_empty((logits.shape[0],), dtype=acc)
+
+
+def _z_setup(ctx, inputs, output):
+    logits, coeff = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.mark_non_differentiable(output[1])
+    ctx.coeff = coeff
+
+
+def _z_backward(ctx, grad, _grad_lse):
+    logits, lse = ctx.saved_tensors
+    return torch.ops.moe_kernels.z_loss_bwd(grad, logits, lse, ctx.coeff), None
+
+
+_z_loss.register_autograd(_z_backward, setup_context=_z_setup)
+
+
+@torch.library.custom_op("moe_kernels::z_loss_bwd", mutates_args=())
+def _z_loss_bwd(grad: Tensor, logits: Tensor, lse: Tensor, coeff: float) -> Tensor:
+    return z_loss_bwd_reference(grad, logits, lse, coeff)
+
+
+@_z_loss_bwd.register_fake
+def _(grad, logits, lse, coeff):
+    return torch.empty_like(logits)
+
+
+@torch.library.custom_op("moe_kernels::apply_capacity", mutates_args=())
+def _apply_capacity(
+    weights: Tensor, indices: Tensor, num_experts: int, capacity_factor: float, policy: str
+) -> tuple[Tensor, Tensor]:
+    _check_capacity(weights, indices, num_experts, capacity_factor, policy)
+    return apply_capacity_reference(weights, indices, num_experts, capacity_factor, policy)
 
 
 @_apply_capacity.register_fake
@@ -218,6 +308,7 @@ def _cap_setup(ctx, inputs, output):
 
 
 def _cap_backward(ctx, grad_weights, _grad_indices):
+    # The mask is one elementwise pass on any device.
     (kept,) = ctx.saved_tensors
     return torch.where(kept >= 0, grad_weights, 0.0), None, None, None, None
 
@@ -225,23 +316,169 @@ def _cap_backward(ctx, grad_weights, _grad_indices):
 _apply_capacity.register_autograd(_cap_backward, setup_context=_cap_setup)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Aux-loss-free balancing
-
-
 @torch.library.custom_op("moe_kernels::update_expert_bias", mutates_args=("bias",))
 def _update_expert_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float) -> None:
-    op = "update_expert_bias"
-    check_tensor(op, "bias", bias, ndim=1, dtypes=(torch.float32, torch.float64))
-    check_tensor(op, "tokens_per_expert", tokens_per_expert, ndim=1, device=bias.device)
-    check_shape(op, "tokens_per_expert", tokens_per_expert, bias.shape, "one count per expert")
-    c = tokens_per_expert.to(bias.dtype)
-    bias.add_(torch.sign(c.mean() - c) * rate)
+    _check_bias(bias, tokens_per_expert)
+    update_expert_bias_reference(bias, tokens_per_expert, rate)
 
 
 @_update_expert_bias.register_fake
 def _(bias, tokens_per_expert, rate):
     return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# CUDA implementations: the kernels for fp32/bf16/fp16 inputs, the references for fp64 (these are
+# small reductions, so fp64 on a GPU stays correct without a dedicated kernel)
+
+
+def _kernels(op: str, t: Tensor, num_experts: int):
+    if t.dtype not in CUDA_FLOAT_DTYPES:
+        return None
+    C = _ext.kernels(op, t)
+    if C is not None and num_experts > C.balance_max_experts:
+        raise ValueError(f"{op}: the CUDA kernel takes num_experts <= {C.balance_max_experts}, got {num_experts}")
+    return C
+
+
+@_aux_loss.register_kernel("cuda")
+def _aux_loss_cuda(scores, tokens_per_expert, k, coeff):
+    _check_aux(scores, tokens_per_expert, k)
+    T, E = scores.shape
+    C = _kernels("aux_loss", scores, E)
+    if C is None:
+        return aux_loss_reference(scores, tokens_per_expert, k, coeff)
+    loss = torch.empty((), dtype=torch.float32, device=scores.device)
+    chunks = C.balance_chunks(T, max(T, 1))
+    partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=scores.device)
+    C.balance_loss_fwd(
+        scores=_ext.ptr(scores), indices=0, counts=_ext.ptr(tokens_per_expert),
+        counts_int64=tokens_per_expert.dtype == torch.int64, partial_sums=_ext.ptr(partial_sums), partial_counts=0,
+        seq_counts=0, loss=loss.data_ptr(), num_tokens=T, num_experts=E, k=k, seq_len=max(T, 1),
+        scale=_aux_scale(coeff, E, k, T), dtype=_ext.dtype_code(scores.dtype), **_ext.launch_args(scores),
+    )
+    return loss
+
+
+@_seq_aux_loss.register_kernel("cuda")
+def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
+    _check_seq(scores, indices, seq_len)
+    rows, E = scores.shape
+    C = _kernels("seq_aux_loss", scores, E)
+    if C is None or _ext.checks_enabled():
+        _check_index_values(indices, E, "seq_aux_loss")
+    if C is None:
+        return seq_aux_loss_reference(scores, indices, coeff, seq_len)
+    B, k = rows // seq_len, indices.shape[1]
+    idx = indices if indices.dtype == torch.int32 else indices.to(torch.int32)
+    loss = torch.empty((), dtype=torch.float32, device=scores.device)
+    seq_counts = torch.empty((B, E), dtype=torch.int32, device=scores.device)
+    chunks = C.balance_chunks(rows, seq_len)
+    partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=scores.device)
+    partial_counts = torch.empty((chunks, E), dtype=torch.int32, device=scores.device)
+    C.balance_loss_fwd(
+        scores=_ext.ptr(scores), indices=_ext.ptr(idx), counts=0, counts_int64=False,
+        partial_sums=_ext.ptr(partial_sums), partial_counts=_ext.ptr(partial_counts),
+        seq_counts=_ext.ptr(seq_counts), loss=loss.data_ptr(), num_tokens=rows, num_experts=E, k=k,
+        seq_len=seq_len, scale=_aux_scale(coeff, E, k, seq_len) / max(B, 1),
+        dtype=_ext.dtype_code(scores.dtype), **_ext.launch_args(scores),
+    )
+    return loss, seq_counts
+
+
+@_balance_loss_bwd.register_kernel("cuda")
+def _balance_loss_bwd_cuda(grad, counts, num_tokens, seq_len, scale, dtype):
+    E = counts.shape[1]
+    probe = grad.new_empty(0, dtype=dtype)
+    C = _kernels("aux loss backward", probe, E)
+    if C is None or grad.dtype != torch.float32:
+        return balance_loss_bwd_reference(grad, counts, num_tokens, seq_len, scale, dtype)
+    out = torch.empty((num_tokens, E), dtype=dtype, device=grad.device)
+    grad = grad.contiguous()  # kept alive until the launch
+    counts = counts.contiguous()
+    C.balance_loss_bwd(
+        grad=grad.data_ptr(), counts=_ext.ptr(counts), counts_int64=counts.dtype == torch.int64,
+        grad_scores=_ext.ptr(out), num_tokens=num_tokens, num_experts=E, seq_len=seq_len, scale=float(scale),
+        dtype=_ext.dtype_code(dtype), **_ext.launch_args(grad),
+    )
+    return out
+
+
+@_z_loss.register_kernel("cuda")
+def _z_loss_cuda(logits, coeff):
+    check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    T, E = logits.shape
+    C = _kernels("z_loss", logits, 0)
+    if C is None:
+        return z_loss_reference(logits, coeff)
+    loss = torch.empty((), dtype=torch.float32, device=logits.device)
+    lse = torch.empty((T,), dtype=torch.float32, device=logits.device)
+    partials = torch.empty((C.z_loss_chunks(T),), dtype=torch.float32, device=logits.device)
+    if E == 0:  # logsumexp over nothing is -inf
+        lse.fill_(-math.inf)
+        return (lse.square().mean() * coeff if T else loss.zero_()), lse
+    C.z_loss_fwd(
+        logits=_ext.ptr(logits), lse=_ext.ptr(lse), partials=_ext.ptr(partials), loss=loss.data_ptr(),
+        num_tokens=T, num_experts=E, coeff=float(coeff), dtype=_ext.dtype_code(logits.dtype),
+        **_ext.launch_args(logits),
+    )
+    return loss, lse
+
+
+@_z_loss_bwd.register_kernel("cuda")
+def _z_loss_bwd_cuda(grad, logits, lse, coeff):
+    T, E = logits.shape
+    C = _kernels("z_loss backward", logits, 0)
+    if C is None or grad.dtype != torch.float32 or E == 0:
+        return z_loss_bwd_reference(grad, logits, lse, coeff)
+    out = torch.empty_like(logits)
+    grad, lse = grad.contiguous(), lse.contiguous()  # kept alive until the launch
+    C.z_loss_bwd(
+        grad=grad.data_ptr(), logits=_ext.ptr(logits), lse=_ext.ptr(lse), grad_logits=_ext.ptr(out),
+        num_tokens=T, num_experts=E, coeff=float(coeff), dtype=_ext.dtype_code(logits.dtype),
+        **_ext.launch_args(logits),
+    )
+    return out
+
+
+@_apply_capacity.register_kernel("cuda")
+def _apply_capacity_cuda(weights, indices, num_experts, capacity_factor, policy):
+    _check_capacity(weights, indices, num_experts, capacity_factor, policy)
+    C = _kernels("apply_capacity", weights, num_experts)
+    if C is None or _ext.checks_enabled():
+        _check_index_values(indices, num_experts, "apply_capacity")
+    if C is None:
+        return apply_capacity_reference(weights, indices, num_experts, capacity_factor, policy)
+    T, k = indices.shape
+    n = T * k
+    if n > _INT32_MAX:
+        raise ValueError(f"apply_capacity: {n} (token, slot) pairs do not fit the int32 kernel; split the batch")
+    cap = min(capacity(T, k, num_experts, capacity_factor), n)
+    weights_out = torch.empty_like(weights)
+    indices_out = torch.empty_like(indices)
+    workspace = torch.empty(C.capacity_workspace_bytes(n, num_experts), dtype=torch.uint8, device=weights.device)
+    C.apply_capacity(
+        weights=_ext.ptr(weights), indices=_ext.ptr(indices), weights_out=_ext.ptr(weights_out),
+        indices_out=_ext.ptr(indices_out), workspace=_ext.ptr(workspace), num_slots=n, num_experts=num_experts,
+        capacity=cap, by_probs=policy == "probs", dtype=_ext.dtype_code(weights.dtype),
+        **_ext.launch_args(weights),
+    )
+    return weights_out, indices_out
+
+
+@_update_expert_bias.register_kernel("cuda")
+def _update_expert_bias_cuda(bias, tokens_per_expert, rate):
+    _check_bias(bias, tokens_per_expert)
+    E = bias.shape[0]
+    C = _kernels("update_expert_bias", bias, E) if tokens_per_expert.dtype in _COUNT_DTYPES else None
+    if C is None or E == 0:
+        update_expert_bias_reference(bias, tokens_per_expert, rate)
+        return
+    C.update_expert_bias(
+        bias=bias.data_ptr(), counts=tokens_per_expert.data_ptr(),
+        counts_int64=tokens_per_expert.dtype == torch.int64, num_experts=E, rate=float(rate),
+        **_ext.launch_args(bias),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -257,12 +494,12 @@ def aux_loss(scores, tokens_per_expert, k: int, coeff: float):
 def seq_aux_loss(scores, indices, coeff: float, *, seq_len: int):
     """Mean over the B = rows / seq_len sequences of aux_loss computed on each sequence alone, with
     k = indices.shape[1] (DeepSeek-V2/V3 sequence-wise balance loss)."""
-    return torch.ops.moe_kernels.seq_aux_loss(scores, indices, float(coeff), seq_len)
+    return torch.ops.moe_kernels.seq_aux_loss(scores, indices, float(coeff), seq_len)[0]
 
 
 def z_loss(logits, coeff: float):
     """coeff * mean_t logsumexp(logits[t])^2."""
-    return torch.ops.moe_kernels.z_loss(logits, float(coeff))
+    return torch.ops.moe_kernels.z_loss(logits, float(coeff))[0]
 
 
 def apply_capacity(weights, indices, num_experts: int, capacity_factor: float, policy: str = "probs"):

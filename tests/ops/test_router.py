@@ -166,6 +166,47 @@ def test_update_expert_bias():
     assert bias.tolist() == pytest.approx([-0.01, 0.01, 0.01, 0.01])
 
 
+def test_update_expert_bias_sign_is_exact():
+    # mean = 5 exactly: the expert at the mean keeps its bias, even with counts past fp32's 2^24.
+    big = 2**26
+    counts = torch.tensor([big + 4, big + 6, big + 5, big + 5], dtype=torch.int64)
+    bias = torch.zeros(4)
+    mk.update_expert_bias(bias, counts, 0.5)
+    assert bias.tolist() == [0.5, -0.5, 0.0, 0.0]
+    # float counts follow the same formula in the bias dtype
+    bias = torch.zeros(3, dtype=torch.float64)
+    mk.update_expert_bias(bias, torch.tensor([1.0, 2.0, 3.0]), 0.25)
+    assert bias.tolist() == [0.25, 0.0, -0.25]
+
+
+def test_losses_return_what_backward_needs():
+    ops = torch.ops.moe_kernels
+    logits = torch.randn(6, 5, dtype=torch.float64)
+    loss, lse = ops.z_loss(logits, 1e-3)
+    assert_exact(lse, torch.logsumexp(logits, -1), "lse")
+    idx = torch.tensor([[0, 1], [1, 2], [-1, 4], [4, 4], [0, 0], [3, -1]], dtype=torch.int32)
+    _, counts = ops.seq_aux_loss(torch.rand(6, 5), idx, 0.1, 3)
+    assert counts.tolist() == [[1, 2, 1, 0, 1], [2, 0, 0, 1, 2]]
+
+
+def test_z_loss_non_finite_follows_logsumexp():
+    logits = torch.randn(4, 6)
+    logits[0, 1] = float("nan")
+    logits[1, 2] = float("inf")
+    logits[2] = float("-inf")
+    _, lse = torch.ops.moe_kernels.z_loss(logits, 1e-3)
+    assert math.isnan(lse[0]) and lse[1] == math.inf and lse[2] == -math.inf and math.isfinite(lse[3])
+
+
+def test_out_of_range_indices_raise_on_cpu():
+    w = torch.rand(4, 2)
+    idx = torch.tensor([[0, 1], [2, 8], [1, 1], [0, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="outside"):
+        mk.apply_capacity(w, idx, 8, 1.0)
+    with pytest.raises(ValueError, match="outside"):
+        mk.seq_aux_loss(torch.rand(4, 8), idx, 0.1, seq_len=2)
+
+
 def test_capacity_probs_and_position():
     # 6 tokens, k=1, E=2, factor 1 -> C = 3.
     w = torch.tensor([[0.1], [0.9], [0.5], [0.5], [0.3], [0.8]])
@@ -239,6 +280,10 @@ def test_opcheck():
     w, i = mk.router_topk(logits.detach(), 2)
     torch.library.opcheck(ops.apply_capacity, (w.requires_grad_(), i, 16, 1.0, "probs"))
     torch.library.opcheck(ops.update_expert_bias, (torch.zeros(16), mk.tokens_per_expert(i, 16), 0.01))
+    counts = torch.randint(0, 9, (2, 16), dtype=torch.int32)
+    torch.library.opcheck(ops.balance_loss_bwd, (torch.tensor(2.0), counts, 6, 3, 0.5, torch.bfloat16))
+    _, lse = ops.z_loss(logits.detach(), 1e-3)
+    torch.library.opcheck(ops.z_loss_bwd, (torch.tensor(1.5), logits.detach(), lse, 1e-3))
 
 
 def test_compile_router_and_losses():

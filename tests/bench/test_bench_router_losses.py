@@ -1,0 +1,72 @@
+"""bench_router_losses: the CPU quick run works end to end; a wrong result is reported, not timed."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import bench_router_losses as bl
+from bench import harness
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def losses_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_router_losses")
+    cmd = [sys.executable, "-m", "bench", "router_losses", "--quick", "--device", "cpu", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out, proc.stdout
+
+
+def test_json_and_stdout(losses_run):
+    out, stdout = losses_run
+    data = json.loads((out / "bench_router_losses.json").read_text())
+    assert data["suite"] == "router_losses" and data["failures"] == []
+    results = data["results"]
+    assert {r["op"] for r in results} == set(bl.OPS)
+    for r in results:
+        assert r["bytes"] == bl.nbytes(r["op"], bl.Case("tiny", 64, *bl.CPU_MODELS["tiny"]))
+        assert set(r["speedup"]) == {"torch_eager"} and math.isfinite(r["speedup"]["torch_eager"])
+        assert r["p20_us"] <= r["us"] <= r["p80_us"]
+    assert (out / "bench_router_losses.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sum(line.startswith("HEADLINE ") for line in stdout.splitlines()) == len(bl.OPS)
+
+
+def test_check_catches_a_wrong_capacity(monkeypatch):
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    c = bl.cases(ctx)[0]
+    s = bl.make_inputs(ctx, c, seed=1)
+    for op in bl.OPS:
+        bl.check(c, op, s)  # ours agrees with the peer
+    real = bl._ours
+
+    def keeps_everything(op, case):
+        if op == "capacity_probs":
+            return lambda w, idx: (w, idx)
+        return real(op, case)
+
+    monkeypatch.setattr(bl, "_ours", keeps_everything)
+    with pytest.raises(AssertionError, match="capacity_probs"):
+        bl.check(c, "capacity_probs", s)
+
+
+def test_check_catches_a_wrong_loss(monkeypatch):
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    c = bl.cases(ctx)[0]
+    s = bl.make_inputs(ctx, c, seed=2)
+    real = bl._ours
+
+    def doubled(op, case):
+        if op == "z_loss_fwd_bwd":
+            return lambda x: tuple(2 * t for t in real(op, case)(x))
+        return real(op, case)
+
+    monkeypatch.setattr(bl, "_ours", doubled)
+    with pytest.raises(AssertionError, match="z_loss"):
+        bl.check(c, "z_loss_fwd_bwd", s)
