@@ -24,6 +24,12 @@ from torch.utils.checkpoint import checkpoint
 
 from moe_kernels.models.config import ModelConfig, YarnConfig
 from moe_kernels.nn import GroupedExperts, MoELayer, Router, SharedExperts
+from moe_kernels.nn.router import recomputation
+
+
+def _checkpoint_contexts():
+    """torch.utils.checkpoint's (forward, recompute) contexts: the recompute does not count tokens again."""
+    return nullcontext(), recomputation()
 
 
 class RMSNorm(nn.Module):
@@ -242,7 +248,7 @@ class MoETransformer(nn.Module):
         aux = torch.zeros((), device=h.device, dtype=torch.float32)
         for block in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                h, layer_aux = checkpoint(block, h, cos, sin, use_reentrant=False)
+                h, layer_aux = checkpoint(block, h, cos, sin, use_reentrant=False, context_fn=_checkpoint_contexts)
             else:
                 h, layer_aux = block(h, cos, sin)
             aux = aux + layer_aux
@@ -255,9 +261,8 @@ class MoETransformer(nn.Module):
         return (block.mlp for block in self.layers if block.is_moe)
 
     def set_activation_checkpointing(self, enabled: bool = True) -> None:
-        """Recompute each block in the backward (torch.utils.checkpoint, use_reentrant=False). The recomputation
-        runs the routers again: in training mode an expert-bias router adds its counts to `tokens_seen` twice,
-        which leaves the sign-based bias update unchanged (every count and the mean double)."""
+        """Recompute each block in the backward (torch.utils.checkpoint, use_reentrant=False). The routers run
+        again in the recomputation but count their tokens (`tokens_seen`) only once."""
         self.activation_checkpointing = bool(enabled)
 
     @torch.no_grad()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +76,26 @@ class RouterConfig:
             raise ValueError("RouterConfig: capacity_policy must be 'probs' or 'position'")
 
 
+_recompute_state = threading.local()
+
+
+@contextmanager
+def recomputation() -> Iterator[None]:
+    """Marks a forward pass that activation checkpointing re-runs in the backward: routers inside it
+    do not add their counts to `tokens_seen` a second time. Pass it to torch.utils.checkpoint as
+    `context_fn=lambda: (nullcontext(), recomputation())`."""
+    depth = getattr(_recompute_state, "depth", 0)
+    _recompute_state.depth = depth + 1
+    try:
+        yield
+    finally:
+        _recompute_state.depth = depth
+
+
+def _recomputing() -> bool:
+    return getattr(_recompute_state, "depth", 0) > 0
+
+
 @dataclass
 class RouterOutput:
     weights: Tensor  # [T, k] fp32, 0 where dropped
@@ -134,7 +156,7 @@ class Router(nn.Module):
             weights, indices = cap(weights, indices, cfg.num_experts, cfg.capacity_factor, cfg.capacity_policy)
         count = tokens_per_expert_reference if reference else tokens_per_expert
         counts = count(indices, cfg.num_experts)
-        if self.tokens_seen is not None and self.training:
+        if self.tokens_seen is not None and self.training and not _recomputing():
             self.tokens_seen.add_(counts)
         return RouterOutput(weights, indices, self._losses(logits, seq_len, reference), logits, counts)
 

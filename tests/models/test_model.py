@@ -117,6 +117,24 @@ def test_activation_checkpointing_same_loss_and_gradients(name):
         torch.testing.assert_close(p.grad, grads[n], msg=lambda m: f"{n}: {m}")
 
 
+def test_activation_checkpointing_counts_tokens_once():
+    # The recomputation in the backward runs the routers again; their expert-bias counts must not double.
+    torch.manual_seed(0)
+    model = build_model(tiny("tiny-deepseek-v3"))
+    layers = list(model.moe_layers())
+    assert layers and all(layer.router.tokens_seen is not None for layer in layers)
+    x = ids(2, 32)
+    lm_loss(model, x).backward()
+    plain = [layer.router.tokens_seen.clone() for layer in layers]
+    assert all(int(c.sum()) == 2 * 32 * layer.router.config.k for c, layer in zip(plain, layers))
+    for layer in layers:
+        layer.router.tokens_seen.zero_()
+    model.set_activation_checkpointing(True)
+    lm_loss(model, x).backward()
+    for c, layer in zip(plain, layers):
+        assert torch.equal(layer.router.tokens_seen, c)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Presets
 
