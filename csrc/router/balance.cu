@@ -56,31 +56,71 @@ __device__ V block_sum(V v, V* smem) {
   return smem[0];
 }
 
+// Row-parallel elementwise geometry for the [T, E] backward kernels: `cols` threads (a power of two,
+// 32..256) walk one row's columns, 256 / cols rows per block; no per-element division.
+struct RowCols {
+  int cols;
+  int rows_per_block;
+};
+
+RowCols row_cols(int32_t E) {
+  int cols = 32;
+  while (cols < 256 && cols < E) cols *= 2;
+  return {cols, 256 / cols};
+}
+
+// Threads split into `cols` column lanes (a power of two, 32..256) x 256 / cols row lanes, so a
+// narrow E still keeps the block busy. Each thread sums its rows of one column in blocks of
+// kSumBlock rows (4 accumulators each), which bounds the fp32 error by the block length rather than
+// the chunk length; the row lanes are then added in a fixed order through shared memory.
+constexpr int64_t kSumBlock = 64;
+
+template <typename T>
+__device__ float column_sum(const T* __restrict__ scores, int64_t E, int64_t e, int64_t r0, int64_t r1, int stride) {
+  float total = 0.f;
+  for (int64_t b0 = r0; b0 < r1; b0 += kSumBlock * stride) {
+    const int64_t b1 = b0 + kSumBlock * stride < r1 ? b0 + kSumBlock * stride : r1;
+    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    int64_t r = b0;
+    for (; r + 3 * stride < b1; r += 4 * stride) {
+      a0 += to_float(scores[r * E + e]);
+      a1 += to_float(scores[(r + stride) * E + e]);
+      a2 += to_float(scores[(r + 2 * stride) * E + e]);
+      a3 += to_float(scores[(r + 3 * stride) * E + e]);
+    }
+    for (; r < b1; r += stride) a0 += to_float(scores[r * E + e]);
+    total += (a0 + a1) + (a2 + a3);
+  }
+  return total;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kPartialThreads)
-    balance_partial_kernel(BalanceParams p, int64_t cps, int64_t rows_per_chunk) {
-  extern __shared__ int32_t hist[];
+    balance_partial_kernel(BalanceParams p, int64_t cps, int64_t rows_per_chunk, int cols) {
+  extern __shared__ int32_t hist[];  // [E] when counting
+  __shared__ float lane_sums[kPartialThreads];
   const int64_t chunk = blockIdx.x;
   const int64_t b = chunk / cps, c = chunk % cps;
   const int64_t seq_end = (b + 1) * p.seq_len;
   const int64_t r0 = b * p.seq_len + c * rows_per_chunk;
   const int64_t r1 = r0 + rows_per_chunk < seq_end ? r0 + rows_per_chunk : seq_end;
-  const int E = p.num_experts;
+  const int64_t E = p.num_experts;
+  const int row_lanes = kPartialThreads / cols;
+  const int col = threadIdx.x % cols, row_lane = threadIdx.x / cols;
   const T* scores = static_cast<const T*>(p.scores);
-  for (int e = threadIdx.x; e < E; e += kPartialThreads) {
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) {
-      a0 += to_float(scores[r * E + e]);
-      a1 += to_float(scores[(r + 1) * E + e]);
-      a2 += to_float(scores[(r + 2) * E + e]);
-      a3 += to_float(scores[(r + 3) * E + e]);
+  for (int64_t e0 = 0; e0 < E; e0 += cols) {
+    const int64_t e = e0 + col;
+    lane_sums[threadIdx.x] = e < E ? column_sum(scores, E, e, r0 + row_lane, r1, row_lanes) : 0.f;
+    __syncthreads();
+    if (row_lane == 0 && e < E) {
+      float sum = 0.f;
+      for (int q = 0; q < row_lanes; ++q) sum += lane_sums[q * cols + col];
+      p.partial_sums[chunk * E + e] = sum;
     }
-    for (; r < r1; ++r) a0 += to_float(scores[r * E + e]);
-    p.partial_sums[chunk * E + e] = (a0 + a1) + (a2 + a3);
+    __syncthreads();
   }
   if (p.indices == nullptr) return;
-  for (int e = threadIdx.x; e < E; e += kPartialThreads) hist[e] = 0;
+  for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) hist[e] = 0;
   __syncthreads();
   const int64_t end = r1 > r0 ? r1 * p.k : r0 * p.k;
   for (int64_t i = r0 * p.k + threadIdx.x; i < end; i += kPartialThreads) {
@@ -88,7 +128,7 @@ __global__ void __launch_bounds__(kPartialThreads)
     if (e >= 0 && e < E) atomicAdd(&hist[e], 1);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += kPartialThreads) p.partial_counts[chunk * E + e] = hist[e];
+  for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) p.partial_counts[chunk * E + e] = hist[e];
 }
 
 __global__ void __launch_bounds__(kFinalThreads) balance_finalize_kernel(BalanceParams p, int64_t B, int64_t cps) {
@@ -113,19 +153,6 @@ __global__ void __launch_bounds__(kFinalThreads) balance_finalize_kernel(Balance
   }
   const double total = block_sum<double, kFinalThreads>(acc, smem);
   if (threadIdx.x == 0) *p.loss = float(total * double(p.scale));
-}
-
-// Row-parallel elementwise geometry for the [T, E] backward kernels: `cols` threads (a power of two,
-// 32..256) walk one row's columns, 256 / cols rows per block; no per-element division.
-struct RowCols {
-  int cols;
-  int rows_per_block;
-};
-
-RowCols row_cols(int32_t E) {
-  int cols = 32;
-  while (cols < 256 && cols < E) cols *= 2;
-  return {cols, 256 / cols};
 }
 
 template <typename T>
@@ -239,8 +266,8 @@ unsigned row_blocks(int64_t rows, const RowCols& g) {
   return unsigned(want < 8192 ? want : 8192);
 }
 
-void check_experts(int32_t E, const char* what) {
-  if (E < 1 || E > kBalanceMaxExperts) {
+void check_experts(int32_t E, const char* what, bool histogram = false) {
+  if (E < 1 || (histogram && E > kBalanceMaxExperts)) {
     throw std::invalid_argument(std::string(what) + ": num_experts out of range");
   }
 }
@@ -254,7 +281,7 @@ int64_t balance_chunks(int64_t num_tokens, int64_t seq_len) {
 
 void balance_loss_fwd(const BalanceParams& p, cudaStream_t stream) {
   const char* what = p.indices != nullptr ? "seq_aux_loss" : "aux_loss";
-  check_experts(p.num_experts, what);
+  check_experts(p.num_experts, what, p.indices != nullptr);
   if (p.seq_len < 1 || p.num_tokens % p.seq_len) throw std::invalid_argument(std::string(what) + ": bad seq_len");
   if (p.num_tokens == 0) {
     check_cuda(cudaMemsetAsync(p.loss, 0, sizeof(float), stream), what);
@@ -263,9 +290,11 @@ void balance_loss_fwd(const BalanceParams& p, cudaStream_t stream) {
   const int64_t B = p.num_tokens / p.seq_len;
   const int64_t cps = chunks_per_seq(p.num_tokens, p.seq_len);
   const int64_t rows_per_chunk = ceil_div(p.seq_len, cps);
+  if (B * cps > INT32_MAX) throw std::invalid_argument(std::string(what) + ": too many sequences for one launch");
   const size_t smem = p.indices != nullptr ? sizeof(int32_t) * p.num_experts : 0;
+  const int cols = row_cols(p.num_experts).cols;
   by_float_dtype(p.dtype, what, [&]<typename T>() {
-    balance_partial_kernel<T><<<unsigned(B * cps), kPartialThreads, smem, stream>>>(p, cps, rows_per_chunk);
+    balance_partial_kernel<T><<<unsigned(B * cps), kPartialThreads, smem, stream>>>(p, cps, rows_per_chunk, cols);
   });
   check_launch("balance_partial_kernel");
   balance_finalize_kernel<<<1, kFinalThreads, 0, stream>>>(p, B, cps);

@@ -14,7 +14,8 @@
 
 namespace moe::router {
 
-// Largest expert count of the loss, capacity and bias kernels (per-block histograms in shared memory).
+// Largest expert count of the kernels that count per expert in shared memory (seq_aux_loss, capacity);
+// aux_loss, z_loss, the backward kernels and the bias update take any E.
 constexpr int kBalanceMaxExperts = 8192;
 
 // aux_loss (counts given, one sequence of T rows) and seq_aux_loss (counts per sequence of `seq_len`

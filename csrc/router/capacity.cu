@@ -123,9 +123,15 @@ __global__ void __launch_bounds__(kSelectThreads)
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int d = threadIdx.x; d < 256; d += kSelectThreads) hist[d] = 0;
     __syncthreads();
-    for (int32_t i = threadIdx.x; i < n; i += kSelectThreads) {
-      const uint32_t key = keys[i];
-      if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 0xffu], 1);
+    // Softmax weights share their top bits, so lanes of a warp mostly hit the same bin: one atomic
+    // per distinct digit in the warp (the loop bound is uniform, so every lane reaches the match).
+    for (int32_t base = 0; base < n; base += kSelectThreads) {
+      const int32_t i = base + int32_t(threadIdx.x);
+      const uint32_t key = i < n ? keys[i] : 0u;
+      const bool mine = i < n && (key & mask) == prefix;
+      const uint32_t digit = mine ? (key >> shift) & 0xffu : 256u;
+      const unsigned peers = __match_any_sync(0xffffffffu, digit);
+      if (mine && (threadIdx.x % 32) == unsigned(__ffs(peers) - 1)) atomicAdd(&hist[digit], __popc(peers));
     }
     __syncthreads();
     if (threadIdx.x < 32) {
@@ -197,6 +203,9 @@ void apply_capacity(const CapacityParams& p, cudaStream_t stream) {
   }
   if (p.num_slots < 0 || p.num_slots > INT32_MAX) throw std::invalid_argument("apply_capacity: too many slots");
   if (p.capacity < 0) throw std::invalid_argument("apply_capacity: negative capacity");
+  if (p.dtype != DType::kFloat32 && p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    throw std::invalid_argument("apply_capacity: weights must be float32, float16 or bfloat16");
+  }
   if (p.num_slots == 0) return;
   const Workspace ws = carve(p.workspace, p.num_slots, p.num_experts);
   permute::PermuteParams route{};

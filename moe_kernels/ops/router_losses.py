@@ -60,8 +60,8 @@ def _check_capacity(weights, indices, num_experts, capacity_factor, policy) -> N
     check_tensor(op, "indices", indices, ndim=2, dtypes=(torch.int32,), device=weights.device)
     check_shape(op, "indices", indices, weights.shape, "same as weights: [T, k]")
     check_int(op, "num_experts", num_experts, minimum=1)
-    if not capacity_factor > 0:
-        raise ValueError(f"{op}: `capacity_factor` must be > 0, got {capacity_factor}")
+    if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
+        raise ValueError(f"{op}: `capacity_factor` must be finite and > 0, got {capacity_factor}")
     if policy not in ("probs", "position"):
         raise ValueError(f"{op}: `policy` must be 'probs' or 'position', got {policy!r}")
 
@@ -199,10 +199,15 @@ def _aux_loss_setup(ctx, inputs, output):
     ctx.scale = _aux_scale(coeff, scores.shape[1], k, scores.shape[0])
 
 
+def _balance_backward(grad, counts, T, S, scale, dtype):
+    # With create_graph the composition keeps the (linear) dependence on `grad` differentiable.
+    bwd = balance_loss_bwd_reference if torch.is_grad_enabled() else torch.ops.moe_kernels.balance_loss_bwd
+    return bwd(grad, counts, T, S, scale, dtype)
+
+
 def _aux_loss_backward(ctx, grad):
     (counts,) = ctx.saved_tensors
-    g = torch.ops.moe_kernels.balance_loss_bwd(grad, counts.view(1, -1), ctx.T, max(ctx.T, 1), ctx.scale, ctx.dtype)
-    return g, None, None, None
+    return _balance_backward(grad, counts.view(1, -1), ctx.T, max(ctx.T, 1), ctx.scale, ctx.dtype), None, None, None
 
 
 _aux_loss.register_autograd(_aux_loss_backward, setup_context=_aux_loss_setup)
@@ -232,7 +237,7 @@ def _seq_setup(ctx, inputs, output):
 
 def _seq_backward(ctx, grad, _grad_counts):
     (counts,) = ctx.saved_tensors
-    return torch.ops.moe_kernels.balance_loss_bwd(grad, counts, ctx.T, ctx.S, ctx.scale, ctx.dtype), None, None, None
+    return _balance_backward(grad, counts, ctx.T, ctx.S, ctx.scale, ctx.dtype), None, None, None
 
 
 _seq_aux_loss.register_autograd(_seq_backward, setup_context=_seq_setup)
@@ -242,11 +247,25 @@ _seq_aux_loss.register_autograd(_seq_backward, setup_context=_seq_setup)
 def _balance_loss_bwd(
     grad: Tensor, counts: Tensor, num_tokens: int, seq_len: int, scale: float, dtype: torch.dtype
 ) -> Tensor:
+    _check_balance_bwd(grad, counts, num_tokens, seq_len, dtype)
     return balance_loss_bwd_reference(grad, counts, num_tokens, seq_len, scale, dtype)
+
+
+def _check_balance_bwd(grad, counts, num_tokens, seq_len, dtype) -> None:
+    op = "balance_loss_bwd"
+    check_tensor(op, "grad", grad, ndim=0, dtypes=(torch.float32, torch.float64))
+    check_tensor(op, "counts", counts, ndim=2, dtypes=_COUNT_DTYPES, device=grad.device)
+    check_int(op, "num_tokens", num_tokens, minimum=0)
+    check_int(op, "seq_len", seq_len, minimum=1)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{op}: `dtype` must be a floating dtype, got {dtype}")
+    if counts.shape[0] < -(-num_tokens // seq_len):
+        raise ValueError(f"{op}: `counts` has {counts.shape[0]} rows, {num_tokens} tokens need {-(-num_tokens // seq_len)}")
 
 
 @_balance_loss_bwd.register_fake
 def _(grad, counts, num_tokens, seq_len, scale, dtype):
+    _check_balance_bwd(grad, counts, num_tokens, seq_len, dtype)
     return grad.new_empty((num_tokens, counts.shape[1]), dtype=dtype)
 
 
@@ -272,6 +291,10 @@ def _z_setup(ctx, inputs, output):
 
 def _z_backward(ctx, grad, _grad_lse):
     logits, lse = ctx.saved_tensors
+    if torch.is_grad_enabled():  # create_graph: a composition that stays differentiable in logits too
+        x = logits.to(_acc_dtype(logits))
+        g = grad * ctx.coeff * 2.0 / max(x.shape[0], 1) * torch.logsumexp(x, -1, keepdim=True) * torch.softmax(x, -1)
+        return g.to(logits.dtype), None
     return torch.ops.moe_kernels.z_loss_bwd(grad, logits, lse, ctx.coeff), None
 
 
@@ -280,11 +303,21 @@ _z_loss.register_autograd(_z_backward, setup_context=_z_setup)
 
 @torch.library.custom_op("moe_kernels::z_loss_bwd", mutates_args=())
 def _z_loss_bwd(grad: Tensor, logits: Tensor, lse: Tensor, coeff: float) -> Tensor:
+    _check_z_bwd(grad, logits, lse)
     return z_loss_bwd_reference(grad, logits, lse, coeff)
+
+
+def _check_z_bwd(grad, logits, lse) -> None:
+    op = "z_loss_bwd"
+    check_tensor(op, "grad", grad, ndim=0, dtypes=(torch.float32, torch.float64))
+    check_tensor(op, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, device=grad.device)
+    check_tensor(op, "lse", lse, ndim=1, dtypes=(torch.float32, torch.float64), device=grad.device)
+    check_shape(op, "lse", lse, (logits.shape[0],), "one log-sum-exp per row of logits")
 
 
 @_z_loss_bwd.register_fake
 def _(grad, logits, lse, coeff):
+    _check_z_bwd(grad, logits, lse)
     return torch.empty_like(logits)
 
 
@@ -332,13 +365,23 @@ def _(bias, tokens_per_expert, rate):
 # small reductions, so fp64 on a GPU stays correct without a dedicated kernel)
 
 
-def _kernels(op: str, t: Tensor, num_experts: int):
-    if t.dtype not in CUDA_FLOAT_DTYPES:
+def _kernels(op: str, t: Tensor, num_experts: int, *, counts_in_shared_memory: bool = False):
+    """The extension, or None where the reference runs instead: fp64, E = 0, no kernels for this GPU,
+    or (for the ops that count per expert in shared memory) E past the kernel's limit."""
+    if t.dtype not in CUDA_FLOAT_DTYPES or num_experts == 0:
         return None
     C = _ext.kernels(op, t)
-    if C is not None and num_experts > C.balance_max_experts:
-        raise ValueError(f"{op}: the CUDA kernel takes num_experts <= {C.balance_max_experts}, got {num_experts}")
+    if C is not None and counts_in_shared_memory and num_experts > C.balance_max_experts:
+        return None
     return C
+
+
+def _as_int32_indices(indices: Tensor, num_experts: int) -> Tensor:
+    """int32 indices for the kernels; an int64 value outside [-1, E) becomes -1 (dropped) instead of
+    wrapping into a valid expert."""
+    if indices.dtype == torch.int32:
+        return indices
+    return torch.where((indices >= -1) & (indices < num_experts), indices, -1).to(torch.int32)
 
 
 @_aux_loss.register_kernel("cuda")
@@ -364,13 +407,13 @@ def _aux_loss_cuda(scores, tokens_per_expert, k, coeff):
 def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
     _check_seq(scores, indices, seq_len)
     rows, E = scores.shape
-    C = _kernels("seq_aux_loss", scores, E)
+    C = _kernels("seq_aux_loss", scores, E, counts_in_shared_memory=True)
     if C is None or _ext.checks_enabled():
         _check_index_values(indices, E, "seq_aux_loss")
     if C is None:
         return seq_aux_loss_reference(scores, indices, coeff, seq_len)
     B, k = rows // seq_len, indices.shape[1]
-    idx = indices if indices.dtype == torch.int32 else indices.to(torch.int32)
+    idx = _as_int32_indices(indices, E)
     loss = torch.empty((), dtype=torch.float32, device=scores.device)
     seq_counts = torch.empty((B, E), dtype=torch.int32, device=scores.device)
     chunks = C.balance_chunks(rows, seq_len)
@@ -388,6 +431,7 @@ def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
 
 @_balance_loss_bwd.register_kernel("cuda")
 def _balance_loss_bwd_cuda(grad, counts, num_tokens, seq_len, scale, dtype):
+    _check_balance_bwd(grad, counts, num_tokens, seq_len, dtype)
     E = counts.shape[1]
     probe = grad.new_empty(0, dtype=dtype)
     C = _kernels("aux loss backward", probe, E)
@@ -408,15 +452,12 @@ def _balance_loss_bwd_cuda(grad, counts, num_tokens, seq_len, scale, dtype):
 def _z_loss_cuda(logits, coeff):
     check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     T, E = logits.shape
-    C = _kernels("z_loss", logits, 0)
+    C = _kernels("z_loss", logits, E)
     if C is None:
         return z_loss_reference(logits, coeff)
     loss = torch.empty((), dtype=torch.float32, device=logits.device)
     lse = torch.empty((T,), dtype=torch.float32, device=logits.device)
     partials = torch.empty((C.z_loss_chunks(T),), dtype=torch.float32, device=logits.device)
-    if E == 0:  # logsumexp over nothing is -inf
-        lse.fill_(-math.inf)
-        return (lse.square().mean() * coeff if T else loss.zero_()), lse
     C.z_loss_fwd(
         logits=_ext.ptr(logits), lse=_ext.ptr(lse), partials=_ext.ptr(partials), loss=loss.data_ptr(),
         num_tokens=T, num_experts=E, coeff=float(coeff), dtype=_ext.dtype_code(logits.dtype),
@@ -427,9 +468,10 @@ def _z_loss_cuda(logits, coeff):
 
 @_z_loss_bwd.register_kernel("cuda")
 def _z_loss_bwd_cuda(grad, logits, lse, coeff):
+    _check_z_bwd(grad, logits, lse)
     T, E = logits.shape
-    C = _kernels("z_loss backward", logits, 0)
-    if C is None or grad.dtype != torch.float32 or E == 0:
+    C = _kernels("z_loss backward", logits, E)
+    if C is None or grad.dtype != torch.float32 or lse.dtype != torch.float32:
         return z_loss_bwd_reference(grad, logits, lse, coeff)
     out = torch.empty_like(logits)
     grad, lse = grad.contiguous(), lse.contiguous()  # kept alive until the launch
@@ -444,7 +486,7 @@ def _z_loss_bwd_cuda(grad, logits, lse, coeff):
 @_apply_capacity.register_kernel("cuda")
 def _apply_capacity_cuda(weights, indices, num_experts, capacity_factor, policy):
     _check_capacity(weights, indices, num_experts, capacity_factor, policy)
-    C = _kernels("apply_capacity", weights, num_experts)
+    C = _kernels("apply_capacity", weights, num_experts, counts_in_shared_memory=True)
     if C is None or _ext.checks_enabled():
         _check_index_values(indices, num_experts, "apply_capacity")
     if C is None:
@@ -507,7 +549,9 @@ def apply_capacity(weights, indices, num_experts: int, capacity_factor: float, p
     weights ("probs", ties to the lower token) or the C lowest tokens ("position"). Dropped pairs get
     index -1 and weight 0; weights are not renormalised."""
     if indices.dtype == torch.int64:
-        indices = indices.to(torch.int32)
+        if indices.device.type == "cpu" or _ext.checks_enabled():
+            _check_index_values(indices, num_experts, "apply_capacity")
+        indices = _as_int32_indices(indices, num_experts)
     return torch.ops.moe_kernels.apply_capacity(weights, indices, num_experts, float(capacity_factor), policy)
 
 

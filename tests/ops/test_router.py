@@ -198,6 +198,25 @@ def test_z_loss_non_finite_follows_logsumexp():
     assert math.isnan(lse[0]) and lse[1] == math.inf and lse[2] == -math.inf and math.isfinite(lse[3])
 
 
+def test_losses_twice_differentiable():
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: mk.z_loss(x, 1e-2), (x,))
+    s = torch.rand(6, 4, dtype=torch.float64, requires_grad=True)
+    idx = torch.randint(0, 4, (6, 2), dtype=torch.int32)
+    assert torch.autograd.gradgradcheck(lambda s: mk.aux_loss(s, mk.tokens_per_expert(idx, 4), 2, 0.1) ** 2, (s,))
+    assert torch.autograd.gradgradcheck(lambda s: mk.seq_aux_loss(s, idx, 0.1, seq_len=3) ** 2, (s,))
+
+
+def test_backward_ops_check_shapes():
+    ops = torch.ops.moe_kernels
+    with pytest.raises(ValueError, match="counts"):
+        ops.balance_loss_bwd(torch.tensor(1.0), torch.zeros(1, 4, dtype=torch.int32), 8, 4, 1.0, torch.float32)
+    with pytest.raises(ValueError, match="lse"):
+        ops.z_loss_bwd(torch.tensor(1.0), torch.randn(4, 3), torch.zeros(5), 1e-3)
+    with pytest.raises(ValueError, match="capacity_factor"):
+        mk.apply_capacity(torch.rand(4, 2), torch.zeros(4, 2, dtype=torch.int32), 2, float("inf"))
+
+
 def test_out_of_range_indices_raise_on_cpu():
     w = torch.rand(4, 2)
     idx = torch.tensor([[0, 1], [2, 8], [1, 1], [0, -1]], dtype=torch.int32)
@@ -205,6 +224,10 @@ def test_out_of_range_indices_raise_on_cpu():
         mk.apply_capacity(w, idx, 8, 1.0)
     with pytest.raises(ValueError, match="outside"):
         mk.seq_aux_loss(torch.rand(4, 8), idx, 0.1, seq_len=2)
+    wide = idx.long()
+    wide[1, 1] = 2**32 + 3  # would wrap to expert 3 in int32
+    with pytest.raises(ValueError, match="outside"):
+        mk.apply_capacity(w, wide, 8, 1.0)
 
 
 def test_capacity_probs_and_position():

@@ -86,6 +86,39 @@ def test_seq_aux_loss_int64_indices_and_checks(cuda, checks_on):
         mk.seq_aux_loss(scores, bad, 0.1, seq_len=16)
 
 
+def test_wide_experts_and_no_experts(cuda):
+    # E past the shared-memory histogram limit runs the reference on the GPU; E = 0 gives 0 like the CPU.
+    E = 10000
+    scores = _scores(64, E, torch.float32, seed=4)
+    idx = random_routing(64, E, 2, seed=5)
+    for seq in (64, 16):
+        got = mk.seq_aux_loss(scores.to(cuda), idx.to(cuda), 0.1, seq_len=seq)
+        torch.testing.assert_close(got.cpu(), mk.seq_aux_loss(scores, idx, 0.1, seq_len=seq), rtol=1e-5, atol=0)
+    counts = mk.tokens_per_expert(idx, E)
+    torch.testing.assert_close(mk.aux_loss(scores.to(cuda), counts.to(cuda), 2, 0.1).cpu(),
+                               mk.aux_loss(scores, counts, 2, 0.1), rtol=1e-5, atol=0)
+    empty = torch.empty(8, 0, device=cuda)
+    assert mk.aux_loss(empty, torch.empty(0, dtype=torch.int32, device=cuda), 1, 0.1).item() == 0.0
+    assert mk.seq_aux_loss(empty, torch.full((8, 1), -1, dtype=torch.int32, device=cuda), 0.1, seq_len=4).item() == 0.0
+
+
+def test_int64_indices_outside_int32_are_dropped(cuda):
+    # Without the checking mode a GPU never syncs to validate: an index past int32 is a dropped slot,
+    # never wrapped into a valid expert.
+    if cuda.type != "cuda":
+        pytest.skip("the CPU raises instead (tested in the CPU tier)")
+    w = torch.rand(4, 2, device=cuda)
+    idx = torch.tensor([[0, 1], [2, 2**32 + 3], [1, 1], [0, -1]], device=cuda)
+    out_w, out_i = mk.apply_capacity(w, idx, 8, 4.0)
+    assert out_i[1, 1].item() == -1 and out_w[1, 1].item() == 0.0
+    assert_exact(out_i[0], idx[0].to(torch.int32), "in-range slots kept")
+    scores = _scores(4, 8, torch.float32, seed=1).to(cuda)
+    clean = idx.clone()
+    clean[1, 1] = -1
+    assert_exact(mk.seq_aux_loss(scores, idx, 0.1, seq_len=2), mk.seq_aux_loss(scores, clean, 0.1, seq_len=2),
+                 "wide index dropped")
+
+
 # ---------------------------------------------------------------------------------------------------
 # z_loss
 

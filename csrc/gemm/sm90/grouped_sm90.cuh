@@ -173,8 +173,7 @@ __global__ void prepare_sm90(const Element* a, const Element* b, Element* d, con
     arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(K), 1});
   } else {
     // An empty group becomes a 0 x 0 problem (skipped); its zeros are written separately.
-    const int mg = m > 0 ? int(N) : 0, ng = m > 0 ? int(K) : 0;
-    arr.shapes[e] = {mg, ng, m};
+    arr.shapes[e] = {m > 0 ? int(N) : 0, m > 0 ? int(K) : 0, m};
     arr.ptr_a[e] = a + r0 * N;
     arr.ptr_b[e] = b + r0 * K;
     arr.ptr_d[e] = d + int64_t(e) * N * K;
