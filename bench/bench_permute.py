@@ -264,11 +264,5 @@ def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
 
 
 def run(ctx: h.Context) -> h.Report:
-    print(f"permute on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
-    results, failures = [], []
-    for c in cases(ctx):
-        try:
-            results += run_case(ctx, c)
-        except AssertionError as e:  # a wrong result is not timed; the other cases still are
-            failures.append(f"{c.name}: {e}")
+    results, failures = h.run_cases(ctx, "permute", cases(ctx), run_case)
     return h.Report(results, headline(ctx, results) if results else [], failures)

@@ -195,12 +195,5 @@ def headline(results: list[h.Result]) -> list[str]:
 
 
 def run(ctx: h.Context) -> h.Report:
-    print(f"router_losses on {ctx.device}: ours runs "
-          f"{'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
-    results, failures = [], []
-    for c in cases(ctx):
-        try:
-            results += run_case(ctx, c)
-        except AssertionError as e:  # a wrong result is not timed; the other cases still are
-            failures.append(f"{c.name}: {e}")
+    results, failures = h.run_cases(ctx, "router_losses", cases(ctx), run_case)
     return h.Report(results, headline(results) if results else [], failures)

@@ -215,6 +215,19 @@ class Report:
     failures: list[str]  # cases not timed because a correctness check failed
 
 
+def run_cases(ctx: Context, family: str, cases: Sequence, run_case: Callable[[Context, Any], list]) -> tuple[list, list[str]]:
+    """Runs each case; a case whose correctness check fails (AssertionError) is reported, not timed, and
+    the other cases still run. Returns (results, failures)."""
+    print(f"{family} on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
+    results, failures = [], []
+    for c in cases:
+        try:
+            results += run_case(ctx, c)
+        except AssertionError as e:
+            failures.append(f"{c.name}: {e}")
+    return results, failures
+
+
 def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtype: torch.dtype,
                 timing: Timing, nbytes: int, flops: int, peers: dict[str, Timing],
                 peer_variant: dict[str, str] | None = None) -> Result:

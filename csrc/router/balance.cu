@@ -12,6 +12,7 @@
 #include "common/check.h"
 #include "common/dispatch.cuh"
 #include "common/vec.cuh"
+#include "common/warp.cuh"
 #include "router/balance.h"
 
 namespace moe::router {
@@ -168,18 +169,6 @@ __global__ void __launch_bounds__(256) balance_bwd_kernel(BalanceBwdParams p, Ro
       out[t * E + e] = from_float<T>(scaled * float(load_count(p.counts, p.counts_int64, b * E + e)));
     }
   }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
 }
 
 // log-sum-exp of one row by one warp, as torch.logsumexp: NaN if any entry is NaN, the infinite

@@ -14,6 +14,7 @@
 #include "common/check.h"
 #include "common/dispatch.cuh"
 #include "common/vec.cuh"
+#include "common/warp.cuh"
 #include "router/router.h"
 
 namespace moe::router {
@@ -54,19 +55,6 @@ __device__ __forceinline__ Best lane_best(const uint32_t* keys, int lo, int hi, 
     if (k > b.key) b = {k, e};
   }
   return b;
-}
-
-// Butterfly reductions: every lane ends with the same value, summed in the same fixed order.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
 }
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
