@@ -13,6 +13,7 @@ BENCHES = {
     "permute": "bench.bench_permute",
     "router": "bench.bench_router",
     "router_losses": "bench.bench_router_losses",
+    "quant": "bench.bench_quant",
     "grouped_mm": "bench.bench_grouped_mm",
     "moe_layer": "bench.bench_moe_layer",
     "train": "bench.bench_train",

@@ -22,6 +22,8 @@ CUDA_OPS = {
     "update_expert_bias": ("update_expert_bias",),
     "grouped_mm": ("grouped_mm",),
     "swiglu": ("swiglu_fwd", "swiglu_bwd"),
+    "quantize_fp8": ("fp8_quantize",),
+    "dequantize_fp8": ("fp8_dequantize",),
 }
 
 # CUDA 13 runtimes need an R580 or newer driver.

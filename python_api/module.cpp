@@ -35,4 +35,5 @@ PYBIND11_MODULE(_C, m) {
   moe::api::register_balance(m);
   moe::api::register_gemm(m);
   moe::api::register_activation(m);
+  moe::api::register_quant(m);
 }

@@ -1,0 +1,104 @@
+"""FP8 quantization (current scaling) at the activation and weight shapes of specs/perf.md.
+
+Bytes, each input read once and each output written once (es = element size of x, bf16):
+  quantize_fp8_<granularity>   x M*K*es -> q M*K + scales 4 per scale
+  dequantize_fp8_block         q M*K + scales -> x M*K*es
+Cases: activations [T, H] ("tensor", "row", "block" = 1x128 along H) and one expert's weight
+[2F, H] stacked over the local experts ("tile" = 128x128), per perf.md model.
+Peer, timed in the same run on the same inputs:
+  torch_eager  moe_kernels' PyTorch reference called directly: abs + amax per scale (padding the last
+               block), one division per scale, multiply, clamp, cast, and a NaN code fix-up; the
+               vectorised composition a user would write.
+Checked before timing, on the first input set: codes and scales bit-identical to the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import moe_kernels
+from moe_kernels.ops.quant import dequantize_fp8_reference, quantize_fp8_reference, scale_shape
+
+from . import harness as h
+
+# name: (H, expert FFN)
+MODELS = {"deepseek-v3": (7168, 2048), "qwen3-235b": (4096, 1536), "mixtral-8x7b": (4096, 14336)}
+TOKENS = (8192, 16384)
+CPU_MODELS = {"tiny": (256, 128)}
+HEADLINE_CASE = "deepseek-v3/T16384"
+ACT_GRANULARITIES = ("tensor", "row", "block")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    T: int
+    H: int
+    F: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/T{self.T}"
+
+
+def cases(ctx: h.Context) -> list[Case]:
+    if ctx.is_cuda:
+        models, tokens = MODELS, ((16384,) if ctx.quick else TOKENS)
+    else:
+        models, tokens = CPU_MODELS, (64,)
+    return [Case(m, T, *models[m]) for m in models for T in tokens]
+
+
+def _nbytes_quant(gran: str, M: int, K: int, es: int) -> int:
+    n_scales = 1
+    for d in scale_shape(gran, M, K):
+        n_scales *= d
+    return M * K * es + M * K + 4 * n_scales
+
+
+def _check(what: str, ours: tuple, ref: tuple) -> None:
+    h.check_exact(f"{what} codes", ours[0].view(torch.uint8), ref[0].view(torch.uint8))
+    h.check_exact(f"{what} scales", ours[1], ref[1])
+
+
+def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
+    dev = ctx.device
+    gen = torch.Generator(device=dev).manual_seed(ctx.seed)
+    acts = [torch.randn(c.T, c.H, generator=gen, device=dev).to(torch.bfloat16) for _ in range(ctx.n_input_sets)]
+    # tile: the gate/up weight [2F, H] of one expert, 8 experts stacked: a weight-sized problem
+    weights = [torch.randn(8 * 2 * c.F, c.H, generator=gen, device=dev).to(torch.bfloat16) * 0.02
+               for _ in range(ctx.n_input_sets)]
+    jobs = [(g, acts) for g in ACT_GRANULARITIES] + [("tile", weights)]
+    results = []
+    for gran, xs in jobs:
+        what = f"{c.name} quantize_fp8_{gran}"
+        _check(what, moe_kernels.quantize_fp8(xs[0], gran), quantize_fp8_reference(xs[0], gran))
+        ours = ctx.time(lambda x, g=gran: moe_kernels.quantize_fp8(x, g), [(x,) for x in xs])
+        peer = ctx.time(lambda x, g=gran: quantize_fp8_reference(x, g), [(x,) for x in xs])
+        M, K = xs[0].shape
+        results.append(h.make_result(ctx, op=f"quantize_fp8_{gran}", case=c.name, shape=dict(M=M, K=K),
+                                     dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_quant(gran, M, K, 2),
+                                     flops=0, peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))
+    quantized = [moe_kernels.quantize_fp8(x, "block") for x in acts]
+    ref = dequantize_fp8_reference(*quantized[0], "block")
+    h.check_exact(f"{c.name} dequantize_fp8_block", moe_kernels.dequantize_fp8(*quantized[0], "block"), ref)
+    ours = ctx.time(lambda q, s: moe_kernels.dequantize_fp8(q, s, "block"), quantized)
+    peer = ctx.time(lambda q, s: dequantize_fp8_reference(q, s, "block"), quantized)
+    results.append(h.make_result(ctx, op="dequantize_fp8_block", case=c.name, shape=dict(M=c.T, K=c.H),
+                                 dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_quant("block", c.T, c.H, 2),
+                                 flops=0, peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))
+    return results
+
+
+def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
+    case = HEADLINE_CASE if any(r.case == HEADLINE_CASE for r in results) else results[0].case
+    copy = ctx.ceilings().copy_gbps
+    return [f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of {copy:.0f} GB/s), "
+            f"{r.speedup['torch_eager']:.2f}x torch eager" for r in results if r.case == case]
+
+
+def run(ctx: h.Context) -> h.Report:
+    results, failures = h.run_cases(ctx, "quant", cases(ctx), run_case)
+    return h.Report(results, headline(ctx, results) if results else [], failures)

@@ -1,0 +1,261 @@
+// FP8 quantization kernels. Amax is a max, exact in any order, so every granularity is deterministic.
+//   tensor: a grid-wide amax (atomicMax on the bits of |x|, NaN above every number) then one
+//           elementwise pass that derives the scale on the device: no host sync.
+//   row:    one block per row: amax pass, then quantize (the second read hits L2).
+//   block:  16 lanes per 1x128 block, 8 elements each (one 16-byte load when the row allows it),
+//           amax by shuffles, then 8 fp8 bytes stored at once.
+//   tile:   one block per 128x128 tile, amax pass then quantize.
+#include <cuda_fp8.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <stdexcept>
+
+#include "common/check.h"
+#include "common/dispatch.cuh"
+#include "common/vec.cuh"
+#include "quant/fp8.h"
+
+namespace moe::quant {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kGroupLanes = 16;                  // lanes per 1x128 block
+constexpr int kGroupItems = kFp8Block / kGroupLanes;  // 8 elements per lane
+constexpr int kGroupsPerBlock = kThreads / kGroupLanes;
+constexpr uint32_t kNanBits = 0x7fc00000u;
+
+// max that propagates NaN (torch.amax does): once NaN, always NaN.
+__device__ __forceinline__ float nan_max(float m, float a) { return (a > m || isnan(a)) ? a : m; }
+
+__device__ __forceinline__ float scale_from_amax(float amax, bool e5m2, bool pow2) {
+  float s = 1.f;
+  if (isfinite(amax) && amax > 0.f) s = fminf(__fdiv_rn(e5m2 ? 57344.f : 448.f, amax), FLT_MAX);
+  if (pow2) s = __uint_as_float(__float_as_uint(s) & 0x7f800000u);
+  return s;
+}
+
+__device__ __forceinline__ uint8_t to_fp8(float v, bool e5m2) {
+  if (isnan(v)) return 0x7f;
+  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3));
+}
+
+__device__ __forceinline__ float from_fp8(uint8_t q, bool e5m2) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(q), e5m2 ? __NV_E5M2 : __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+__device__ __forceinline__ float warp_nan_max(float m, int width = 32) {
+#pragma unroll
+  for (int off = width / 2; off > 0; off /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, off, width));
+  return m;
+}
+
+// amax over the block, returned to every thread.
+__device__ float block_nan_max(float m) {
+  __shared__ float warp_m[kThreads / 32];
+  __shared__ float result;
+  m = warp_nan_max(m);
+  if (threadIdx.x % 32 == 0) warp_m[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float r = 0.f;
+    for (int w = 0; w < kThreads / 32; ++w) r = nan_max(r, warp_m[w]);
+    result = r;
+  }
+  __syncthreads();
+  const float r = result;
+  __syncthreads();  // `result` and `warp_m` may be reused by the next call
+  return r;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) tensor_amax_kernel(const T* __restrict__ x, int64_t n, uint32_t* amax) {
+  float m = 0.f;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) m = nan_max(m, fabsf(to_float(x[i])));
+  m = block_nan_max(m);
+  if (threadIdx.x == 0) atomicMax(amax, isnan(m) ? kNanBits : __float_as_uint(m));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) tensor_quant_kernel(Fp8QuantParams p, int64_t n) {
+  const float s = scale_from_amax(__uint_as_float(*p.amax), p.e5m2, p.pow2);
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.scale[0] = s;
+  const T* x = static_cast<const T*>(p.x);
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) {
+    p.q[i] = to_fp8(__fmul_rn(to_float(x[i]), s), p.e5m2);
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) row_quant_kernel(Fp8QuantParams p) {
+  const T* x = static_cast<const T*>(p.x);
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    const T* row = x + r * p.cols;
+    float m = 0.f;
+    for (int64_t c = threadIdx.x; c < p.cols; c += kThreads) m = nan_max(m, fabsf(to_float(row[c])));
+    const float s = scale_from_amax(block_nan_max(m), p.e5m2, p.pow2);
+    if (threadIdx.x == 0) p.scale[r] = s;
+    uint8_t* q = p.q + r * p.cols;
+    for (int64_t c = threadIdx.x; c < p.cols; c += kThreads) q[c] = to_fp8(__fmul_rn(to_float(row[c]), s), p.e5m2);
+  }
+}
+
+// VEC: each lane's 8 elements are contiguous (cols % 8 == 0, 16-byte aligned rows) or strided by 16.
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p, int64_t blocks_per_row) {
+  const T* x = static_cast<const T*>(p.x);
+  const int lane = threadIdx.x % kGroupLanes;
+  const int64_t total = p.rows * blocks_per_row;
+  for (int64_t base = int64_t(blockIdx.x) * kGroupsPerBlock; base < total; base += int64_t(gridDim.x) * kGroupsPerBlock) {
+    const int64_t g = base + threadIdx.x / kGroupLanes;  // the whole warp runs the shuffles below
+    const bool live = g < total;
+    const int64_t r = live ? g / blocks_per_row : 0;
+    const int64_t c0 = live ? (g % blocks_per_row) * kFp8Block : 0;
+    float v[kGroupItems];
+    float m = 0.f;
+    if constexpr (VEC) {
+      const int64_t c = c0 + lane * kGroupItems;
+      const bool in = live && c < p.cols;
+      Pack<T, kGroupItems> pk;
+      if (in) pk = *reinterpret_cast<const Pack<T, kGroupItems>*>(x + r * p.cols + c);
+#pragma unroll
+      for (int j = 0; j < kGroupItems; ++j) {
+        v[j] = in ? to_float(pk.v[j]) : 0.f;
+        m = nan_max(m, fabsf(v[j]));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kGroupItems; ++j) {
+        const int64_t c = c0 + lane + j * kGroupLanes;
+        v[j] = (live && c < p.cols) ? to_float(x[r * p.cols + c]) : 0.f;
+        m = nan_max(m, fabsf(v[j]));
+      }
+    }
+    const float s = scale_from_amax(warp_nan_max(m, kGroupLanes), p.e5m2, p.pow2);
+    if (!live) continue;
+    if (lane == 0) p.scale[g] = s;
+    uint8_t* q = p.q + r * p.cols;
+    if constexpr (VEC) {
+      const int64_t c = c0 + lane * kGroupItems;
+      if (c < p.cols) {
+        Pack<uint8_t, kGroupItems> out;
+#pragma unroll
+        for (int j = 0; j < kGroupItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[j], s), p.e5m2);
+        *reinterpret_cast<Pack<uint8_t, kGroupItems>*>(q + c) = out;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kGroupItems; ++j) {
+        const int64_t c = c0 + lane + j * kGroupLanes;
+        if (c < p.cols) q[c] = to_fp8(__fmul_rn(v[j], s), p.e5m2);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) tile_quant_kernel(Fp8QuantParams p, int64_t tiles_per_row, int64_t tiles) {
+  const T* x = static_cast<const T*>(p.x);
+  const int col = threadIdx.x % kFp8Block, row0 = threadIdx.x / kFp8Block;
+  constexpr int kRowStep = kThreads / kFp8Block;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t r_begin = (t / tiles_per_row) * kFp8Block;
+    const int64_t r_end = r_begin + kFp8Block < p.rows ? r_begin + kFp8Block : p.rows;
+    const int64_t c = (t % tiles_per_row) * kFp8Block + col;
+    float m = 0.f;
+    if (c < p.cols) {
+      for (int64_t r = r_begin + row0; r < r_end; r += kRowStep) m = nan_max(m, fabsf(to_float(x[r * p.cols + c])));
+    }
+    const float s = scale_from_amax(block_nan_max(m), p.e5m2, p.pow2);
+    if (threadIdx.x == 0) p.scale[t] = s;
+    if (c < p.cols) {
+      for (int64_t r = r_begin + row0; r < r_end; r += kRowStep) {
+        p.q[r * p.cols + c] = to_fp8(__fmul_rn(to_float(x[r * p.cols + c]), s), p.e5m2);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) dequant_kernel(Fp8DequantParams p, int64_t blocks_per_row) {
+  T* out = static_cast<T*>(p.out);
+  for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
+    for (int64_t c = threadIdx.x; c < p.cols; c += kThreads) {
+      int64_t si = 0;
+      switch (p.granularity) {
+        case Granularity::kTensor: si = 0; break;
+        case Granularity::kRow: si = r; break;
+        case Granularity::kBlock: si = r * blocks_per_row + c / kFp8Block; break;
+        case Granularity::kTile: si = (r / kFp8Block) * blocks_per_row + c / kFp8Block; break;
+      }
+      out[r * p.cols + c] = from_float<T>(__fdiv_rn(from_fp8(p.q[r * p.cols + c], p.e5m2), p.scale[si]));
+    }
+  }
+}
+
+unsigned capped_grid(int64_t want) { return unsigned(want < 1 ? 1 : (want < 65536 ? want : 65536)); }
+
+}  // namespace
+
+void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.cols < 0) throw std::invalid_argument("quantize_fp8: negative size");
+  const int64_t n = p.rows * p.cols;
+  const int64_t bpr = (p.cols + kFp8Block - 1) / kFp8Block;
+  by_float_dtype(p.dtype, "quantize_fp8", [&]<typename T>() {
+    switch (p.granularity) {
+      case Granularity::kTensor: {
+        check_cuda(cudaMemsetAsync(p.amax, 0, sizeof(uint32_t), stream), "quantize_fp8 memset");
+        const unsigned grid = capped_grid(std::min<int64_t>((n + kThreads - 1) / kThreads, 1056));
+        if (n > 0) {
+          tensor_amax_kernel<T><<<grid, kThreads, 0, stream>>>(static_cast<const T*>(p.x), n, p.amax);
+          check_launch("fp8 tensor_amax_kernel");
+        }
+        tensor_quant_kernel<T><<<capped_grid((n + kThreads - 1) / kThreads), kThreads, 0, stream>>>(p, n);
+        check_launch("fp8 tensor_quant_kernel");
+        break;
+      }
+      case Granularity::kRow:
+        if (p.rows == 0) return;
+        row_quant_kernel<T><<<capped_grid(p.rows), kThreads, 0, stream>>>(p);
+        check_launch("fp8 row_quant_kernel");
+        break;
+      case Granularity::kBlock: {
+        const int64_t total = p.rows * bpr;
+        if (total == 0) return;
+        const unsigned grid = capped_grid((total + kGroupsPerBlock - 1) / kGroupsPerBlock);
+        const bool vec = p.cols % kGroupItems == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+                         reinterpret_cast<uintptr_t>(p.q) % 8 == 0;
+        if (vec) {
+          block_quant_kernel<T, true><<<grid, kThreads, 0, stream>>>(p, bpr);
+        } else {
+          block_quant_kernel<T, false><<<grid, kThreads, 0, stream>>>(p, bpr);
+        }
+        check_launch("fp8 block_quant_kernel");
+        break;
+      }
+      case Granularity::kTile: {
+        const int64_t tiles = ((p.rows + kFp8Block - 1) / kFp8Block) * bpr;
+        if (tiles == 0) return;
+        tile_quant_kernel<T><<<capped_grid(tiles), kThreads, 0, stream>>>(p, bpr, tiles);
+        check_launch("fp8 tile_quant_kernel");
+        break;
+      }
+      default: throw std::invalid_argument("quantize_fp8: unknown granularity");
+    }
+  });
+}
+
+void fp8_dequantize(const Fp8DequantParams& p, cudaStream_t stream) {
+  if (p.rows < 0 || p.cols < 0) throw std::invalid_argument("dequantize_fp8: negative size");
+  if (p.rows == 0 || p.cols == 0) return;
+  const int64_t bpr = (p.cols + kFp8Block - 1) / kFp8Block;
+  by_float_dtype(p.dtype, "dequantize_fp8", [&]<typename T>() {
+    dequant_kernel<T><<<capped_grid(p.rows), kThreads, 0, stream>>>(p, bpr);
+  });
+  check_launch("fp8 dequant_kernel");
+}
+
+}  // namespace moe::quant

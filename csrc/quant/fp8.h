@@ -1,0 +1,51 @@
+// FP8 quantization (specs/lowprec.md, "FP8 scaling recipes"): current scaling per tensor, per row, per
+// 1x128 block along K (activations, gradients) or per 128x128 tile (weights).
+//
+//   scale = fmax / amax    (fmax 448 for E4M3, 57344 for E5M2; amax of 0, inf or NaN gives 1; a quotient
+//                           past the fp32 range is clamped to the largest finite float)
+//   scale = 2^floor(log2(scale)) with pow2 (the exponent bits only)
+//   q     = fp8(x * scale) round-to-nearest-even, saturated to +-fmax; NaN stays NaN (0x7f)
+//   x'    = q / scale
+// The reference in moe_kernels/ops/quant.py defines the same order of operations; results match it
+// bit for bit.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace moe::quant {
+
+constexpr int kFp8Block = 128;
+
+enum class Granularity : int32_t { kTensor = 0, kRow = 1, kBlock = 2, kTile = 3 };
+
+struct Fp8QuantParams {
+  const void* x;      // [rows, cols], dtype
+  uint8_t* q;         // [rows, cols] fp8 bytes
+  float* scale;       // tensor: [1]; row: [rows]; block: [rows, ceil(cols/128)]; tile: [ceil(rows/128), ceil(cols/128)]
+  uint32_t* amax;     // tensor granularity only: one word of scratch
+  int64_t rows;
+  int64_t cols;
+  Granularity granularity;
+  bool e5m2;
+  bool pow2;
+  DType dtype;
+};
+void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream);
+
+struct Fp8DequantParams {
+  const uint8_t* q;   // [rows, cols] fp8 bytes
+  const float* scale; // as above
+  void* out;          // [rows, cols], dtype
+  int64_t rows;
+  int64_t cols;
+  Granularity granularity;
+  bool e5m2;
+  DType dtype;
+};
+void fp8_dequantize(const Fp8DequantParams& p, cudaStream_t stream);
+
+}  // namespace moe::quant

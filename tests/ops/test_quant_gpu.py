@@ -1,0 +1,86 @@
+"""FP8 quantization: GPU tier, CUDA kernels against the reference bit for bit."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.ops.quant import dequantize_fp8_reference, quantize_fp8_reference
+from moe_kernels.testing import assert_exact
+
+pytestmark = pytest.mark.gpu
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+GRANS = ("tensor", "row", "block", "tile")
+SHAPES = [(0, 128), (1, 1), (7, 300), (128, 128), (130, 7168), (4096, 2048), (33, 8)]
+
+
+def _input(M, K, dtype, seed, specials=False):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-4, 4, K) if K else torch.empty(M, 0)
+    if specials and M * K > 40:
+        flat = x.view(-1)
+        flat[3], flat[17], flat[29] = float("nan"), float("inf"), -float("inf")
+        flat[5:9] = 0.0
+        flat[31] = -0.0
+        flat[33] = 1e-42  # fp32 denormal
+    return x.to(dtype)
+
+
+def _check(x_cpu, x_dev, gran, fp8_dtype, pow2, what):
+    q, s = mk.quantize_fp8(x_dev, gran, fp8_dtype=fp8_dtype, pow2_scale=pow2)
+    rq, rs = quantize_fp8_reference(x_cpu, gran, fp8_dtype, pow2)
+    assert_exact(s.cpu(), rs, f"{what} scales")
+    assert_exact(q.cpu().view(torch.uint8), rq.view(torch.uint8), f"{what} codes")
+    for dt in (torch.float32, torch.bfloat16):
+        out = mk.dequantize_fp8(q, s, gran, dtype=dt)
+        assert_exact(out.cpu(), dequantize_fp8_reference(rq, rs, gran, dt), f"{what} dequant {dt}")
+
+
+@pytest.mark.parametrize("gran", GRANS)
+@pytest.mark.parametrize("M,K", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_quantize_matches_reference(cuda, gran, M, K, dtype):
+    x = _input(M, K, dtype, seed=M + K)
+    _check(x, x.to(cuda), gran, E4M3, False, f"{gran} {M}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("gran", GRANS)
+@pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_specials_formats_and_pow2(cuda, gran, fp8_dtype, pow2):
+    # NaN, +-inf, zeros, -0 and denormals; a block of all zeros; both formats; power-of-two scales.
+    x = _input(260, 515, torch.float32, seed=7, specials=True)
+    x[200:, 256:384] = 0.0
+    _check(x, x.to(cuda), gran, fp8_dtype, pow2, f"{gran} {fp8_dtype} pow2={pow2}")
+
+
+@pytest.mark.parametrize("gran", ["block", "row"])
+def test_misaligned_rows_take_the_scalar_path(cuda, gran):
+    # A contiguous tensor whose storage starts one element in: 16-byte loads are not allowed.
+    x = _input(9, 256, torch.bfloat16, seed=3)
+    base = torch.empty(x.numel() + 1, dtype=x.dtype, device=cuda)
+    dev = base[1:].view(9, 256)
+    dev.copy_(x.to(cuda))
+    assert dev.data_ptr() % 16 != 0
+    _check(x, dev, gran, E4M3, False, f"misaligned {gran}")
+
+
+def test_deterministic(cuda):
+    x = torch.randn(4096, 7168, device=cuda, dtype=torch.bfloat16)
+    first = mk.quantize_fp8(x, "tensor")
+    for _ in range(3):
+        again = mk.quantize_fp8(x, "tensor")
+        assert torch.equal(first[0].view(torch.uint8), again[0].view(torch.uint8)) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.slow
+def test_past_2_31_elements(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("needs GPU memory")
+    M, K = (1 << 18) + 3, 8192  # 2^31 + 24576 elements, bf16: 4 GB in, 2 GB out
+    x = torch.randn(M, K, device=cuda, dtype=torch.bfloat16)
+    q, s = mk.quantize_fp8(x, "block")
+    for r in (0, M // 2, M - 1):
+        rq, rs = quantize_fp8_reference(x[r : r + 1].cpu(), "block")
+        assert_exact(q[r : r + 1].cpu().view(torch.uint8), rq.view(torch.uint8), f"row {r} codes")
+        assert_exact(s[r : r + 1].cpu(), rs, f"row {r} scales")
