@@ -143,3 +143,22 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.moe_kernels.quantize_fp8, (x, gran, E4M3, False), test_utils=utils)
         q, s = mk.quantize_fp8(x, gran)
         torch.library.opcheck(torch.ops.moe_kernels.dequantize_fp8, (q, s, gran, torch.bfloat16), test_utils=utils)
+
+
+def test_payload_and_scales_travel_through_permute():
+    # permute is deterministic: the fp8 rows and their 1x128 scales, permuted separately with the same
+    # routing, land on the same rows; dequantizing after permute equals permuting after dequantizing.
+    from moe_kernels.testing import random_routing
+
+    x = torch.randn(50, 300) * 4
+    q, s = mk.quantize_fp8(x, "block")
+    idx = random_routing(50, 8, 2, kind="zipf", drop=0.1, seed=2)
+    q_perm, row_map, sizes = mk.permute(q, idx, 8, align=128)
+    s_perm, row_map_s, sizes_s = mk.permute(s, idx, 8, align=128)
+    assert_exact(row_map_s, row_map, "row maps")
+    assert_exact(sizes_s, sizes, "group sizes")
+    back = mk.dequantize_fp8(q_perm, s_perm, "block", dtype=torch.float32)
+    expected = mk.dequantize_fp8(q, s, "block", dtype=torch.float32)
+    valid = row_map >= 0
+    tokens = torch.arange(50)[:, None].expand_as(row_map)[valid]
+    assert_exact(back[row_map[valid].long()], expected[tokens], "dequantized rows")

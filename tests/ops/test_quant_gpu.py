@@ -84,3 +84,20 @@ def test_past_2_31_elements(cuda):
         rq, rs = quantize_fp8_reference(x[r : r + 1].cpu(), "block")
         assert_exact(q[r : r + 1].cpu().view(torch.uint8), rq.view(torch.uint8), f"row {r} codes")
         assert_exact(s[r : r + 1].cpu(), rs, f"row {r} scales")
+
+
+def test_payload_and_scales_travel_through_permute(cuda):
+    from moe_kernels.testing import random_routing
+
+    x = (torch.randn(1000, 7168) * 4).to(torch.bfloat16).to(cuda)
+    q, s = mk.quantize_fp8(x, "block")
+    idx = random_routing(1000, 64, 8, kind="zipf", drop=0.05, seed=4).to(cuda)
+    q_perm, row_map, sizes = mk.permute(q, idx, 64, align=128)
+    s_perm, row_map_s, sizes_s = mk.permute(s, idx, 64, align=128)
+    assert_exact(row_map_s, row_map, "row maps")
+    assert_exact(sizes_s, sizes, "group sizes")
+    back = mk.dequantize_fp8(q_perm, s_perm, "block", dtype=torch.float32)
+    expected = mk.dequantize_fp8(q, s, "block", dtype=torch.float32)
+    valid = row_map >= 0
+    tokens = torch.arange(1000, device=cuda)[:, None].expand_as(row_map)[valid]
+    assert_exact(back[row_map[valid].long()], expected[tokens], "dequantized rows")
