@@ -3,6 +3,10 @@
 Bytes, each input read once and each output written once (es = element size of x, bf16):
   quantize_fp8_<granularity>   x M*K*es -> q M*K + scales 4 per scale
   dequantize_fp8_block         q M*K + scales -> x M*K*es
+  quantize_nvfp4_<mode>        x M*K*es (+ the global amax) -> codes M*K/2 + block scales M*K/16 + 4;
+                               modes: given_amax (the perf.md bar: >= 80% of copy bandwidth), 1d (an
+                               amax pass first: x is read twice, counted once), stochastic, tile_2d (weights)
+  dequantize_nvfp4             codes + block scales -> x M*K*es
 Cases: activations [T, H] ("tensor", "row", "block" = 1x128 along H) and one expert's weight
 [2F, H] stacked over the local experts ("tile" = 128x128), per perf.md model.
 Peer, timed in the same run on the same inputs:
@@ -19,7 +23,13 @@ from dataclasses import dataclass
 import torch
 
 import moe_kernels
-from moe_kernels.ops.quant import dequantize_fp8_reference, quantize_fp8_reference, scale_shape
+from moe_kernels.ops.quant import (
+    dequantize_fp8_reference,
+    dequantize_nvfp4_reference,
+    quantize_fp8_reference,
+    quantize_nvfp4_reference,
+    scale_shape,
+)
 
 from . import harness as h
 
@@ -89,6 +99,52 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     results.append(h.make_result(ctx, op="dequantize_fp8_block", case=c.name, shape=dict(M=c.T, K=c.H),
                                  dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_quant("block", c.T, c.H, 2),
                                  flops=0, peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))
+    results += _nvfp4(ctx, c, acts, weights)
+    return results
+
+
+def _nbytes_nvfp4(M: int, K: int, es: int) -> int:
+    return M * K * es + M * K // 2 + M * K // 16 + 4
+
+
+def _nvfp4(ctx: h.Context, c: Case, acts: list, weights: list) -> list[h.Result]:
+    dev = ctx.device
+    amax = [x.float().abs().amax() for x in acts]
+    rng = torch.tensor([1, 0], device=dev)
+    jobs = {
+        "given_amax": ([(x, a) for x, a in zip(acts, amax)], lambda x, a: dict(global_amax=a)),
+        "1d": ([(x, None) for x in acts], lambda x, a: {}),
+        "stochastic": ([(x, None) for x in acts], lambda x, a: dict(rng=rng)),
+        "tile_2d": ([(w, None) for w in weights], lambda x, a: dict(tile_2d=True)),
+    }
+    results = []
+    for mode, (inputs, kw) in jobs.items():
+        x0, a0 = inputs[0]
+        ours0 = moe_kernels.quantize_nvfp4(x0, **kw(x0, a0))
+        k0 = kw(x0, a0)
+        ref0 = quantize_nvfp4_reference(x0, k0.get("global_amax"), k0.get("tile_2d", False), k0.get("rng"))
+        for i, what in enumerate(("codes", "block scales", "global scale")):
+            h.check_exact(f"{c.name} quantize_nvfp4_{mode} {what}", ours0[i].view(torch.uint8) if i == 1 else ours0[i],
+                          ref0[i].view(torch.uint8) if i == 1 else ref0[i])
+        ours = ctx.time(lambda x, a: moe_kernels.quantize_nvfp4(x, **kw(x, a)), inputs)
+
+        def peer_fn(x, a):
+            k = kw(x, a)
+            return quantize_nvfp4_reference(x, k.get("global_amax"), k.get("tile_2d", False), k.get("rng"))
+
+        peer = ctx.time(peer_fn, inputs)
+        M, K = x0.shape
+        results.append(h.make_result(ctx, op=f"quantize_nvfp4_{mode}", case=c.name, shape=dict(M=M, K=K),
+                                     dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_nvfp4(M, K, 2), flops=0,
+                                     peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))
+    quantized = [moe_kernels.quantize_nvfp4(x) for x in acts]
+    h.check_exact(f"{c.name} dequantize_nvfp4", moe_kernels.dequantize_nvfp4(*quantized[0]),
+                  dequantize_nvfp4_reference(*quantized[0]))
+    ours = ctx.time(lambda p, s, g: moe_kernels.dequantize_nvfp4(p, s, g), quantized)
+    peer = ctx.time(lambda p, s, g: dequantize_nvfp4_reference(p, s, g), quantized)
+    results.append(h.make_result(ctx, op="dequantize_nvfp4", case=c.name, shape=dict(M=c.T, K=c.H),
+                                 dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_nvfp4(c.T, c.H, 2), flops=0,
+                                 peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))
     return results
 
 

@@ -24,6 +24,8 @@ CUDA_OPS = {
     "swiglu": ("swiglu_fwd", "swiglu_bwd"),
     "quantize_fp8": ("fp8_quantize",),
     "dequantize_fp8": ("fp8_dequantize",),
+    "quantize_nvfp4": ("nvfp4_quantize",),
+    "dequantize_nvfp4": ("nvfp4_dequantize",),
 }
 
 # CUDA 13 runtimes need an R580 or newer driver.

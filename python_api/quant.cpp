@@ -1,4 +1,5 @@
 #include "quant/fp8.h"
+#include "quant/nvfp4.h"
 
 #include <pybind11/pybind11.h>
 
@@ -35,6 +36,32 @@ void register_quant(py::module_& m) {
       },
       py::arg("q"), py::arg("scale"), py::arg("out"), py::arg("rows"), py::arg("cols"), py::arg("granularity"),
       py::arg("e5m2"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "nvfp4_quantize",
+      [](uintptr_t x, uintptr_t packed, uintptr_t block_scale, uintptr_t global_scale, uintptr_t amax,
+         uintptr_t amax_scratch, uintptr_t tile_amax, uintptr_t rng, int64_t rows, int64_t cols, bool tile_2d,
+         int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        quant::Nvfp4QuantParams p{ptr<const void>(x),      ptr<uint8_t>(packed),      ptr<uint8_t>(block_scale),
+                                  ptr<float>(global_scale), ptr<const float>(amax),   ptr<uint32_t>(amax_scratch),
+                                  ptr<float>(tile_amax),    ptr<const int64_t>(rng),  rows,
+                                  cols,                     tile_2d,                  DType(dtype)};
+        quant::nvfp4_quantize(p, stream(s));
+      },
+      py::arg("x"), py::arg("packed"), py::arg("block_scale"), py::arg("global_scale"), py::arg("amax"),
+      py::arg("amax_scratch"), py::arg("tile_amax"), py::arg("rng"), py::arg("rows"), py::arg("cols"),
+      py::arg("tile_2d"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "nvfp4_dequantize",
+      [](uintptr_t packed, uintptr_t block_scale, uintptr_t global_scale, uintptr_t out, int64_t rows, int64_t cols,
+         int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        quant::Nvfp4DequantParams p{ptr<const uint8_t>(packed), ptr<const uint8_t>(block_scale),
+                                    ptr<const float>(global_scale), ptr<void>(out), rows, cols, DType(dtype)};
+        quant::nvfp4_dequantize(p, stream(s));
+      },
+      py::arg("packed"), py::arg("block_scale"), py::arg("global_scale"), py::arg("out"), py::arg("rows"),
+      py::arg("cols"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
 }
 
 }  // namespace moe::api

@@ -14,19 +14,16 @@
 #include "common/check.h"
 #include "common/dispatch.cuh"
 #include "common/vec.cuh"
+#include "quant/amax.cuh"
 #include "quant/fp8.h"
 
 namespace moe::quant {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kAmaxThreads;
 constexpr int kGroupLanes = 16;                  // lanes per 1x128 block
 constexpr int kGroupItems = kFp8Block / kGroupLanes;  // 8 elements per lane
 constexpr int kGroupsPerBlock = kThreads / kGroupLanes;
-constexpr uint32_t kNanBits = 0x7fc00000u;
-
-// max that propagates NaN (torch.amax does): once NaN, always NaN.
-__device__ __forceinline__ float nan_max(float m, float a) { return (a > m || isnan(a)) ? a : m; }
 
 __device__ __forceinline__ float scale_from_amax(float amax, bool e5m2, bool pow2) {
   float s = 1.f;
@@ -43,39 +40,6 @@ __device__ __forceinline__ uint8_t to_fp8(float v, bool e5m2) {
 __device__ __forceinline__ float from_fp8(uint8_t q, bool e5m2) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(q), e5m2 ? __NV_E5M2 : __NV_E4M3);
   return __half2float(__half(h));
-}
-
-__device__ __forceinline__ float warp_nan_max(float m, int width = 32) {
-#pragma unroll
-  for (int off = width / 2; off > 0; off /= 2) m = nan_max(m, __shfl_xor_sync(0xffffffffu, m, off, width));
-  return m;
-}
-
-// amax over the block, returned to every thread.
-__device__ float block_nan_max(float m) {
-  __shared__ float warp_m[kThreads / 32];
-  __shared__ float result;
-  m = warp_nan_max(m);
-  if (threadIdx.x % 32 == 0) warp_m[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float r = 0.f;
-    for (int w = 0; w < kThreads / 32; ++w) r = nan_max(r, warp_m[w]);
-    result = r;
-  }
-  __syncthreads();
-  const float r = result;
-  __syncthreads();  // `result` and `warp_m` may be reused by the next call
-  return r;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kThreads) tensor_amax_kernel(const T* __restrict__ x, int64_t n, uint32_t* amax) {
-  float m = 0.f;
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  for (int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x; i < n; i += stride) m = nan_max(m, fabsf(to_float(x[i])));
-  m = block_nan_max(m);
-  if (threadIdx.x == 0) atomicMax(amax, isnan(m) ? kNanBits : __float_as_uint(m));
 }
 
 template <typename T>

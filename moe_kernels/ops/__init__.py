@@ -3,7 +3,7 @@
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, tokens_per_expert, unpermute
-from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
+from moe_kernels.ops.quant import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.ops.router import router_aux_scores, router_topk
 from moe_kernels.ops.router_losses import apply_capacity, aux_loss, capacity, seq_aux_loss, update_expert_bias, z_loss
 
@@ -23,4 +23,6 @@ __all__ = [
     "swiglu",
     "quantize_fp8",
     "dequantize_fp8",
+    "quantize_nvfp4",
+    "dequantize_nvfp4",
 ]

@@ -210,3 +210,243 @@ def quantize_fp8(
 def dequantize_fp8(q: Tensor, scale: Tensor, granularity: str = "block", *, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     """q / scale in `dtype`, the inverse of quantize_fp8 up to the FP8 rounding."""
     return torch.ops.moe_kernels.dequantize_fp8(q, scale, granularity, dtype)
+
+
+# ===================================================================================================
+# NVFP4 (specs/lowprec.md, "NVFP4")
+#
+#   packed, block_scale, global_scale = quantize_nvfp4(x)                      # activations: 1x16 blocks
+#   packed, block_scale, global_scale = quantize_nvfp4(w, tile_2d=True)        # weights: 16x16 tiles
+#   g = quantize_nvfp4(grad, rng=torch.tensor([seed, offset], device=...))     # stochastic rounding
+#
+# x [M, K] with K % 16 == 0 -> packed [M, K / 2] uint8 (two E2M1 codes per byte, the first element in the
+# low nibble), block_scale [M, K / 16] float8_e4m3fn (2-D tiles: each tile's scale repeated on its 16
+# rows), global_scale [] fp32. Order of operations (the kernels match it bit for bit):
+#   s_global = 2688 / amax (amax of x unless `global_amax` is given; 1 when 0 or not finite; clamped to
+#              the largest float)
+#   s_block  = e4m3(block_amax / 6 * s_global), saturated at 448
+#   r        = s_global / float(s_block); a block whose s_block is 0 encodes as all zeros
+#   q        = e2m1(x * r): round-to-nearest-even on {0, .5, 1, 1.5, 2, 3, 4, 6} saturating at 6, or
+#              stochastic (with `rng`): the grid point above |v| with probability (|v| - lo) / (hi - lo),
+#              decided by 24 bits of Philox4x32-10 keyed by the seed, counter (element index // 4, offset),
+#              word element index % 4; the caller advances the offset (a device tensor, so a CUDA graph
+#              replays with the offset it finds)
+#   x'       = q * float(s_block) / s_global
+# A NaN makes its block's scale NaN (0x7f) and its own code 0. On Hopper there is no FP4 tensor-core
+# math: the value of NVFP4 there is the numerics (recipe development, checkpoints for Blackwell) and
+# 4x smaller tensors, not speed.
+
+NVFP4_BLOCK = 16
+_E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_MASK32 = 0xFFFFFFFF
+
+
+def _check_nvfp4(x: Tensor, global_amax: Tensor | None, tile_2d: bool, rng: Tensor | None) -> None:
+    op = "quantize_nvfp4"
+    check_tensor(op, "x", x, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
+    if x.shape[1] % NVFP4_BLOCK:
+        raise ValueError(f"{op}: `x` needs a multiple of {NVFP4_BLOCK} columns (blocks along K), got {x.shape[1]}")
+    if global_amax is not None:
+        check_tensor(op, "global_amax", global_amax, dtypes=(torch.float32,), device=x.device)
+        if global_amax.numel() != 1:
+            raise ValueError(f"{op}: `global_amax` must hold one value, got shape {tuple(global_amax.shape)}")
+    if rng is not None:
+        check_tensor(op, "rng", rng, ndim=1, dtypes=(torch.int64,), device=x.device)
+        if rng.shape[0] != 2:
+            raise ValueError(f"{op}: `rng` must be [seed, offset], got shape {tuple(rng.shape)}")
+
+
+def _check_nvfp4_dequant(packed: Tensor, block_scale: Tensor, global_scale: Tensor, dtype: torch.dtype) -> None:
+    op = "dequantize_nvfp4"
+    check_tensor(op, "packed", packed, ndim=2, dtypes=(torch.uint8,))
+    M, half = packed.shape
+    check_tensor(op, "block_scale", block_scale, ndim=2, dtypes=(torch.float8_e4m3fn,), device=packed.device)
+    if half % (NVFP4_BLOCK // 2) or tuple(block_scale.shape) != (M, half * 2 // NVFP4_BLOCK):
+        raise ValueError(f"{op}: `block_scale` must be [{M}, {half * 2 // NVFP4_BLOCK}] for `packed` {tuple(packed.shape)}, "
+                         f"got {tuple(block_scale.shape)}")
+    check_tensor(op, "global_scale", global_scale, dtypes=(torch.float32,), device=packed.device)
+    if global_scale.numel() != 1:
+        raise ValueError(f"{op}: `global_scale` must hold one value, got shape {tuple(global_scale.shape)}")
+    if dtype not in CUDA_FLOAT_DTYPES:
+        raise TypeError(f"{op}: `dtype` must be float32, float16 or bfloat16, got {dtype}")
+
+
+def _mulhilo32(m: int, a: Tensor) -> tuple[Tensor, Tensor]:
+    """(low, high) 32-bit halves of m * a for a in [0, 2^32) held in int64, without overflowing int64."""
+    p_lo = (a & 0xFFFF) * m  # < 2^48
+    p_hi = (a >> 16) * m  # < 2^48
+    mid = p_lo + ((p_hi & 0xFFFF) << 16)
+    return mid & _MASK32, ((p_hi >> 16) + (mid >> 32)) & _MASK32
+
+
+def philox4x32(counter_lo: Tensor, counter_hi: int, offset: int, seed: int) -> Tensor:
+    """Philox4x32-10 on counters (counter_lo | counter_hi << 32, offset): [n, 4] words in [0, 2^32) as int64."""
+    c0 = counter_lo & _MASK32
+    c1 = torch.full_like(c0, counter_hi & _MASK32) if isinstance(counter_hi, int) else counter_hi & _MASK32
+    offset &= 0xFFFFFFFFFFFFFFFF
+    seed &= 0xFFFFFFFFFFFFFFFF
+    c2 = torch.full_like(c0, offset & _MASK32)
+    c3 = torch.full_like(c0, offset >> 32)
+    k0, k1 = seed & _MASK32, seed >> 32
+    for _ in range(10):
+        lo0, hi0 = _mulhilo32(0xD2511F53, c0)
+        lo1, hi1 = _mulhilo32(0xCD9E8D57, c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0, k1 = (k0 + 0x9E3779B9) & _MASK32, (k1 + 0xBB67AE85) & _MASK32
+    return torch.stack([c0, c1, c2, c3], -1)
+
+
+def _random_bits(M: int, K: int, seed: int, offset: int, device) -> Tensor:
+    """[M, K] int64: the 32 random bits of each element (Philox word element % 4 of group element // 4)."""
+    groups = torch.arange(M * K // 4, dtype=torch.int64, device=device)
+    return philox4x32(groups & _MASK32, groups >> 32, offset, seed).reshape(M, K)
+
+
+def _e2m1_rne(a: Tensor) -> Tensor:
+    t = (a > 0.25).long() + (a >= 0.75).long() + (a > 1.25).long() + (a >= 1.75).long()
+    return t + (a > 2.5).long() + (a >= 3.5).long() + (a > 5.0).long()
+
+
+def _e2m1_stochastic(a: Tensor, bits: Tensor) -> Tensor:
+    lo = sum((a >= g).long() for g in _E2M1_GRID[1:])
+    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=a.device)
+    lo_v, hi_v = grid[lo.clamp(max=6)], grid[(lo + 1).clamp(max=7)]
+    frac = (a - lo_v) / (hi_v - lo_v)  # exact: the spacing is a power of two
+    up = (bits >> 8).float() < frac * 16777216.0
+    return torch.where((lo == 7) | torch.isnan(a), lo, lo + up.long())
+
+
+def quantize_nvfp4_reference(
+    x: Tensor, global_amax: Tensor | None = None, tile_2d: bool = False, rng: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    M, K = x.shape
+    nb = K // NVFP4_BLOCK
+    xf = x.float()
+    if global_amax is not None:
+        amax = global_amax.float().reshape(())
+    else:
+        amax = xf.abs().amax() if xf.numel() else xf.new_zeros(())
+    ok = torch.isfinite(amax) & (amax > 0)
+    sg = torch.where(ok, (torch.full_like(amax, 2688.0) / torch.where(ok, amax, 1.0)).clamp(max=_FLT_MAX), 1.0)
+    blocks = xf.view(M, nb, NVFP4_BLOCK)
+    if tile_2d:
+        mb = -(-M // NVFP4_BLOCK)
+        padded = torch.nn.functional.pad(xf.abs(), (0, 0, 0, mb * NVFP4_BLOCK - M))
+        tiles = padded.view(mb, NVFP4_BLOCK, nb, NVFP4_BLOCK).amax((1, 3)) if mb and nb else xf.new_zeros((mb, nb))
+        bamax = tiles.repeat_interleave(NVFP4_BLOCK, 0)[:M]
+    else:
+        bamax = blocks.abs().amax(-1) if M and nb else xf.new_zeros((M, nb))
+    t = (bamax / torch.full_like(bamax, 6.0)) * sg.expand_as(bamax)
+    sb = t.clamp(max=448.0).to(torch.float8_e4m3fn)
+    sb = torch.where(torch.isnan(t), _NAN_FP8, sb.view(torch.uint8)).view(torch.float8_e4m3fn)
+    sbf = sb.float()
+    nonzero = sbf != 0
+    rs = torch.where(nonzero, sg.expand_as(sbf) / torch.where(nonzero, sbf, 1.0), 0.0)
+    v = blocks * rs[..., None].expand_as(blocks)
+    a = v.abs()
+    if rng is None:
+        mag = _e2m1_rne(a)
+    else:
+        seed, offset = (int(t) for t in rng.tolist())
+        mag = _e2m1_stochastic(a, _random_bits(M, K, seed, offset, x.device).view(M, nb, NVFP4_BLOCK))
+    sign = (torch.signbit(v) & ~torch.isnan(v)).long() * 8
+    codes = torch.where(nonzero[..., None], mag | sign, 0).view(M, K)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+    return packed, sb, sg
+
+
+def dequantize_nvfp4_reference(packed: Tensor, block_scale: Tensor, global_scale: Tensor,
+                               dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    M, half = packed.shape
+    K = half * 2
+    p = packed.long()
+    codes = torch.stack([p & 0xF, p >> 4], -1).view(M, K)
+    grid = torch.tensor(_E2M1_GRID, dtype=torch.float32, device=packed.device)
+    q = torch.where(codes >= 8, -grid[codes & 7], grid[codes & 7])
+    sbf = block_scale.float().repeat_interleave(NVFP4_BLOCK, 1)
+    out = (q * sbf) / global_scale.float().reshape(()).expand(M, K)
+    return out.to(dtype)
+
+
+@torch.library.custom_op("moe_kernels::quantize_nvfp4", mutates_args=())
+def _quantize_nvfp4(
+    x: Tensor, global_amax: Tensor | None, tile_2d: bool, rng: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    _check_nvfp4(x, global_amax, tile_2d, rng)
+    return quantize_nvfp4_reference(x, global_amax, tile_2d, rng)
+
+
+@_quantize_nvfp4.register_fake
+def _(x, global_amax, tile_2d, rng):
+    _check_nvfp4(x, global_amax, tile_2d, rng)
+    M, K = x.shape
+    return (x.new_empty((M, K // 2), dtype=torch.uint8),
+            x.new_empty((M, K // NVFP4_BLOCK), dtype=torch.float8_e4m3fn),
+            x.new_empty((), dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_kernels::dequantize_nvfp4", mutates_args=())
+def _dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, dtype: torch.dtype) -> Tensor:
+    _check_nvfp4_dequant(packed, block_scale, global_scale, dtype)
+    return dequantize_nvfp4_reference(packed, block_scale, global_scale, dtype)
+
+
+@_dequantize_nvfp4.register_fake
+def _(packed, block_scale, global_scale, dtype):
+    _check_nvfp4_dequant(packed, block_scale, global_scale, dtype)
+    return packed.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=dtype)
+
+
+@_quantize_nvfp4.register_kernel("cuda")
+def _quantize_nvfp4_cuda(x, global_amax, tile_2d, rng):
+    _check_nvfp4(x, global_amax, tile_2d, rng)
+    C = _ext.kernels("quantize_nvfp4", x)
+    if C is None:
+        return quantize_nvfp4_reference(x, global_amax, tile_2d, rng)
+    M, K = x.shape
+    packed = torch.empty((M, K // 2), dtype=torch.uint8, device=x.device)
+    block_scale = torch.empty((M, K // NVFP4_BLOCK), dtype=torch.float8_e4m3fn, device=x.device)
+    global_scale = torch.empty((), dtype=torch.float32, device=x.device)
+    scratch = torch.empty((1,), dtype=torch.int32, device=x.device) if global_amax is None else None
+    tile_amax = (torch.empty((-(-M // NVFP4_BLOCK), K // NVFP4_BLOCK), dtype=torch.float32, device=x.device)
+                 if tile_2d else None)
+    C.nvfp4_quantize(
+        x=_ext.ptr(x), packed=_ext.ptr(packed), block_scale=_ext.ptr(block_scale), global_scale=global_scale.data_ptr(),
+        amax=_ext.ptr(global_amax), amax_scratch=_ext.ptr(scratch), tile_amax=_ext.ptr(tile_amax), rng=_ext.ptr(rng),
+        rows=M, cols=K, tile_2d=tile_2d, dtype=_ext.dtype_code(x.dtype), **_ext.launch_args(x),
+    )
+    return packed, block_scale, global_scale
+
+
+@_dequantize_nvfp4.register_kernel("cuda")
+def _dequantize_nvfp4_cuda(packed, block_scale, global_scale, dtype):
+    _check_nvfp4_dequant(packed, block_scale, global_scale, dtype)
+    C = _ext.kernels("dequantize_nvfp4", packed)
+    if C is None:
+        return dequantize_nvfp4_reference(packed, block_scale, global_scale, dtype)
+    if packed.data_ptr() % 8:
+        packed = packed.clone()  # the kernel reads 8 bytes (one block) at a time
+    M, K = packed.shape[0], packed.shape[1] * 2
+    out = torch.empty((M, K), dtype=dtype, device=packed.device)
+    C.nvfp4_dequantize(
+        packed=_ext.ptr(packed), block_scale=_ext.ptr(block_scale), global_scale=global_scale.data_ptr(),
+        out=_ext.ptr(out), rows=M, cols=K, dtype=_ext.dtype_code(dtype), **_ext.launch_args(packed),
+    )
+    return out
+
+
+def quantize_nvfp4(
+    x: Tensor, *, global_amax: Tensor | None = None, tile_2d: bool = False, rng: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """NVFP4: x [M, K] (K % 16 == 0) -> (packed [M, K/2] uint8, block_scale [M, K/16] e4m3, global_scale []).
+
+    global_amax: the tensor's amax if known (skips a pass over x). tile_2d: one scale per 16x16 tile (weights,
+    so the row- and column-wise quantized values agree). rng: int64 [seed, offset] on x's device turns on
+    stochastic rounding (gradients); advance the offset between calls."""
+    return torch.ops.moe_kernels.quantize_nvfp4(x, global_amax, bool(tile_2d), rng)
+
+
+def dequantize_nvfp4(packed: Tensor, block_scale: Tensor, global_scale: Tensor, *,
+                     dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """q * float(block_scale) / global_scale as [M, K] in `dtype`."""
+    return torch.ops.moe_kernels.dequantize_nvfp4(packed, block_scale, global_scale, dtype)

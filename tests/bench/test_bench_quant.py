@@ -12,7 +12,9 @@ from bench import bench_quant as bq
 from bench import harness
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = {"quantize_fp8_tensor", "quantize_fp8_row", "quantize_fp8_block", "quantize_fp8_tile", "dequantize_fp8_block"}
+OPS = {"quantize_fp8_tensor", "quantize_fp8_row", "quantize_fp8_block", "quantize_fp8_tile", "dequantize_fp8_block",
+       "quantize_nvfp4_given_amax", "quantize_nvfp4_1d", "quantize_nvfp4_stochastic", "quantize_nvfp4_tile_2d",
+       "dequantize_nvfp4"}
 
 
 @pytest.fixture(scope="module")
@@ -31,10 +33,12 @@ def test_json_and_stdout(quant_run):
     assert {r["op"] for r in data["results"]} == OPS
     T, (H, F) = 64, bq.CPU_MODELS["tiny"]
     for r in data["results"]:
-        M, K = (8 * 2 * F, H) if r["op"] == "quantize_fp8_tile" else (T, H)
+        M, K = (8 * 2 * F, H) if r["op"] in ("quantize_fp8_tile", "quantize_nvfp4_tile_2d") else (T, H)
         assert r["shape"] == {"M": M, "K": K}
-        gran = r["op"].rsplit("_", 1)[1]
-        assert r["bytes"] == bq._nbytes_quant(gran, M, K, 2)
+        if "nvfp4" in r["op"]:
+            assert r["bytes"] == bq._nbytes_nvfp4(M, K, 2)
+        else:
+            assert r["bytes"] == bq._nbytes_quant(r["op"].rsplit("_", 1)[1], M, K, 2)
         assert set(r["speedup"]) == {"torch_eager"}
     assert sum(line.startswith("HEADLINE ") for line in stdout.splitlines()) == len(OPS)
 
