@@ -190,7 +190,9 @@ void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
         const int64_t total = p.rows * bpr;
         if (total == 0) return;
         const unsigned grid = capped_grid((total + kGroupsPerBlock - 1) / kGroupsPerBlock);
-        const bool vec = p.cols % kGroupItems == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0 &&
+        // Pack<T, 8> is 16 bytes for 2-byte types and 32 for float (one 256-bit load on sm_100).
+        const bool vec = p.cols % kGroupItems == 0 &&
+                         reinterpret_cast<uintptr_t>(p.x) % alignof(Pack<T, kGroupItems>) == 0 &&
                          reinterpret_cast<uintptr_t>(p.q) % 8 == 0;
         if (vec) {
           block_quant_kernel<T, true><<<grid, kThreads, 0, stream>>>(p, bpr);

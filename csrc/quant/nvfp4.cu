@@ -192,9 +192,10 @@ unsigned grid_for(int64_t n) {
 
 void nvfp4_quantize(const Nvfp4QuantParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.cols < 0 || p.cols % kNvfp4Block) throw std::invalid_argument("quantize_nvfp4: bad shape");
-  if (p.tile_2d && p.tile_amax == nullptr) throw std::invalid_argument("quantize_nvfp4: 2-D tiles need scratch");
   const int64_t kblocks = p.cols / kNvfp4Block;
   const int64_t n = p.rows * p.cols;
+  if (p.tile_2d && p.tile_amax == nullptr && n > 0) throw std::invalid_argument("quantize_nvfp4: 2-D tiles need scratch");
+  if (reinterpret_cast<uintptr_t>(p.packed) % 8) throw std::invalid_argument("quantize_nvfp4: packed codes not 8-byte aligned");
   by_float_dtype(p.dtype, "quantize_nvfp4", [&]<typename T>() {
     if (p.amax == nullptr) {
       check_cuda(cudaMemsetAsync(p.amax_scratch, 0, sizeof(uint32_t), stream), "quantize_nvfp4 memset");
@@ -223,8 +224,8 @@ void nvfp4_dequantize(const Nvfp4DequantParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.cols < 0 || p.cols % kNvfp4Block) throw std::invalid_argument("dequantize_nvfp4: bad shape");
   if (reinterpret_cast<uintptr_t>(p.packed) % 8) throw std::invalid_argument("dequantize_nvfp4: packed codes not 8-byte aligned");
   const int64_t kblocks = p.cols / kNvfp4Block;
-  if (p.rows * kblocks == 0) return;
   by_float_dtype(p.dtype, "dequantize_nvfp4", [&]<typename T>() {
+    if (p.rows * kblocks == 0) return;
     dequant_kernel<T><<<grid_for(p.rows * kblocks), kThreads, 0, stream>>>(p, kblocks);
   });
   check_launch("nvfp4 dequant_kernel");

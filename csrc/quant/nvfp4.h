@@ -10,7 +10,8 @@
 //              Philox4x32-10 stream keyed by the seed, counter (element index / 4, offset)
 //   x'       = q * float(s_block) / s_global
 // The reference in moe_kernels/ops/quant.py fixes the same order of operations; results match it bit
-// for bit. A NaN makes its block's scale NaN (E4M3 0x7f) and its own code 0.
+// for bit. A NaN makes its block's (or 2-D tile's) scale NaN (E4M3 0x7f) and every code there 0, so the
+// whole block dequantizes to NaN.
 #pragma once
 
 #include <cuda_runtime.h>

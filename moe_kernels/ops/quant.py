@@ -232,7 +232,8 @@ def dequantize_fp8(q: Tensor, scale: Tensor, granularity: str = "block", *, dtyp
 #              word element index % 4; the caller advances the offset (a device tensor, so a CUDA graph
 #              replays with the offset it finds)
 #   x'       = q * float(s_block) / s_global
-# A NaN makes its block's scale NaN (0x7f) and its own code 0. On Hopper there is no FP4 tensor-core
+# A NaN makes its block's (or 2-D tile's) scale NaN (0x7f) and every code there 0: the whole block
+# dequantizes to NaN. On Hopper there is no FP4 tensor-core
 # math: the value of NVFP4 there is the numerics (recipe development, checkpoints for Blackwell) and
 # 4x smaller tensors, not speed.
 

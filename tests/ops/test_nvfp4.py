@@ -166,3 +166,12 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.moe_kernels.quantize_nvfp4, args, test_utils=utils)
     p, sb, sg = mk.quantize_nvfp4(x)
     torch.library.opcheck(torch.ops.moe_kernels.dequantize_nvfp4, (p, sb, sg, torch.bfloat16), test_utils=utils)
+
+
+def test_empty_inputs():
+    for shape in ((0, 16), (5, 0)):
+        for tile_2d in (False, True):
+            p, sb, sg = mk.quantize_nvfp4(torch.empty(shape), tile_2d=tile_2d)
+            assert p.shape == (shape[0], shape[1] // 2) and sb.shape == (shape[0], shape[1] // 16)
+            assert sg.item() == 1.0
+            assert mk.dequantize_nvfp4(p, sb, sg).shape == shape

@@ -101,3 +101,12 @@ def test_payload_and_scales_travel_through_permute(cuda):
     valid = row_map >= 0
     tokens = torch.arange(1000, device=cuda)[:, None].expand_as(row_map)[valid]
     assert_exact(back[row_map[valid].long()], expected[tokens], "dequantized rows")
+
+
+def test_float32_rows_16_bytes_off_32(cuda):
+    # fp32 packs of 8 are 32 bytes: a base 16 bytes off a 32-byte boundary must take the scalar path.
+    x = _input(6, 256, torch.float32, seed=8)
+    base = torch.empty(x.numel() + 4, dtype=x.dtype, device=cuda)
+    dev = base[4:].view(6, 256)
+    dev.copy_(x.to(cuda))
+    _check(x, dev, "block", E4M3, False, "fp32 at 16 mod 32")
