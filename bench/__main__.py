@@ -15,6 +15,7 @@ BENCHES = {
     "router_losses": "bench.bench_router_losses",
     "quant": "bench.bench_quant",
     "grouped_mm": "bench.bench_grouped_mm",
+    "grouped_mm_fp8": "bench.bench_grouped_mm_fp8",
     "moe_layer": "bench.bench_moe_layer",
     "train": "bench.bench_train",
 }

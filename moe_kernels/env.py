@@ -21,6 +21,7 @@ CUDA_OPS = {
     "apply_capacity": ("apply_capacity",),
     "update_expert_bias": ("update_expert_bias",),
     "grouped_mm": ("grouped_mm",),
+    "grouped_mm_fp8": ("grouped_mm",),
     "swiglu": ("swiglu_fwd", "swiglu_bwd"),
     "quantize_fp8": ("fp8_quantize",),
     "dequantize_fp8": ("fp8_dequantize",),

@@ -205,7 +205,13 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 }  // namespace
 
+static bool fp8_blockwise_fits(const GroupedParams& p) {
+  return p.op == GemmOp::kFwd && sm90::compiled() && device_info(p.device).major == 9 && p.K > 0 && p.K % 128 == 0 &&
+         p.N % 16 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.d) && p.sfa != nullptr && p.sfb != nullptr;
+}
+
 Path choose_path(const GroupedParams& p) {
+  if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_fits(p) ? Path::kSm90Fp8Blockwise : Path::kPortable;
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
   if (!half || !sm90::compiled() || device_info(p.device).major != 9) return Path::kPortable;
   if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
@@ -247,6 +253,11 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   if (out_rows == 0 || out_cols == 0) return;  // empty output
   if (reinterpret_cast<uintptr_t>(p.workspace) % 256) throw std::invalid_argument("grouped_mm: workspace must be 256-byte aligned");
   const Path path = choose_path(p);
+  if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise) {
+    throw std::invalid_argument(
+        "grouped_mm fp8: the blockwise kernel needs sm_90a, the forward product, K a multiple of 128, N a "
+        "multiple of 16, 16-byte aligned operands and both scale tensors");
+  }
   const Prepared prep = carve(p.workspace, p.num_groups);
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
   check_launch("grouped_mm prepare_kernel");
@@ -256,6 +267,7 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
     sm90::run(q, path, device_info(p.device).sms, prep.groups, stream);
+    if (p.dtype == DType::kFloat8E4M3) return;  // forward only: nothing past the groups to zero
   } else {
     const int64_t ng = p.op == GemmOp::kFwd ? p.N : p.K;
     const int64_t ytiles = max_row_tiles(p);

@@ -4,6 +4,8 @@
 //   fwd:   d[M, N]    = a[M, K] (x)    @ b[e]^T  with b = w [E, N, K]
 //   dgrad: d[M, K]    = a[M, N] (dout) @ b[e]    with b = w [E, N, K]; rows past the groups are zeroed
 //   wgrad: d[E, N, K] = a_e^T (dout)   @ b_e     with b = x [M, K]; empty groups get zeros
+// FP8 (dtype float8_e4m3, fwd only, sm_90a): a and b are E4M3 with blockwise dequantization scales
+// sfa [M, K / 128] and sfb [E, ceil(N / 128), K / 128] (fp32, K-major); d is bf16.
 // Problem shapes and pointers are built on the device from `group_sizes` (no host sync).
 #pragma once
 
@@ -32,6 +34,8 @@ struct GroupedParams {
   void* workspace;
   size_t workspace_bytes;
   int device;
+  const float* sfa = nullptr;  // FP8 only
+  const float* sfb = nullptr;  // FP8 only
 };
 
 // Row range of each group inside [0, M), written on the device by the prepare kernel.
@@ -43,7 +47,9 @@ struct GroupInfo {
 
 // Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent
 // kernel (ping-pong for few rows per group, cooperative for many). See grouped_mm.cu.
-enum class Path : int32_t { kPortable = 0, kSm90Pingpong = 1, kSm90Cooperative = 2 };
+// FP8 runs only on its sm_90a blockwise kernel; where that cannot run, the Python layer falls back to
+// dequantize + the bf16/fp32 paths before calling here.
+enum class Path : int32_t { kPortable = 0, kSm90Pingpong = 1, kSm90Cooperative = 2, kSm90Fp8Blockwise = 3 };
 Path choose_path(const GroupedParams& p);
 
 size_t grouped_workspace_bytes(const GroupedParams& p);

@@ -21,6 +21,7 @@ MOE_DECLARE(dgrad_fp16_pingpong)
 MOE_DECLARE(dgrad_fp16_cooperative)
 MOE_DECLARE(wgrad_bf16_cooperative)
 MOE_DECLARE(wgrad_fp16_cooperative)
+MOE_DECLARE(fwd_fp8_blockwise)
 #undef MOE_DECLARE
 
 namespace {
@@ -33,6 +34,7 @@ struct Entry {
 #define MOE_ENTRY(NAME) Entry{&NAME##_workspace, &NAME##_run}
 
 Entry pick(const GroupedParams& p, Path path) {
+  if (path == Path::kSm90Fp8Blockwise) return MOE_ENTRY(fwd_fp8_blockwise);
   const bool bf16 = p.dtype == DType::kBFloat16;
   const bool pingpong = path == Path::kSm90Pingpong;
   switch (p.op) {

@@ -2,6 +2,7 @@
 
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, quantize_fp8_experts
 from moe_kernels.ops.permute import permute, tokens_per_expert, unpermute
 from moe_kernels.ops.quant import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.ops.router import router_aux_scores, router_topk
@@ -20,6 +21,8 @@ __all__ = [
     "update_expert_bias",
     "capacity",
     "grouped_mm",
+    "grouped_mm_fp8",
+    "quantize_fp8_experts",
     "swiglu",
     "quantize_fp8",
     "dequantize_fp8",

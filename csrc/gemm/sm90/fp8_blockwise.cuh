@@ -1,0 +1,185 @@
+// FP8 grouped GEMM with blockwise scaling for sm_90a (the DeepSeek-V3 recipe): E4M3 activations with one
+// fp32 dequantization scale per 1x128 block along K, E4M3 weights with one per 128x128 tile, fp32
+// accumulation promoted and scaled per 128 of K inside the mainloop (CUTLASS's FP8 blockwise
+// ptr-array kernel: TMA + WGMMA, warp-specialised cooperative, grouped tile scheduler), bf16 output.
+//
+//   d[rows of e] = sum_kb (a[rows, kb] @ b[e][:, kb]^T) * sfa[rows, kb] * sfb[e][n / 128, kb]
+//
+// Both scale tensors are K-major: sfa [M, K / 128] row-major (a group's rows are one contiguous slice)
+// and sfb [E, N / 128, K / 128]. Shapes, pointers and scale layouts per group are written on the device
+// from the group sizes (no host sync), like the bf16 kernels.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/detail/blockwise_scale_layout.hpp>
+#include <cutlass/epilogue/collective/collective_builder.hpp>
+#include <cutlass/gemm/collective/collective_builder.hpp>
+#include <cutlass/gemm/device/gemm_universal_adapter.h>
+#include <cutlass/gemm/dispatch_policy.hpp>
+#include <cutlass/gemm/group_array_problem_shape.hpp>
+#include <cutlass/gemm/kernel/gemm_universal.hpp>
+#include <cutlass/util/packed_stride.hpp>
+
+#include <cute/tensor.hpp>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+#include "gemm/grouped_mm.h"
+
+namespace moe::gemm::sm90 {
+
+using namespace cute;
+
+struct Fp8BlockwiseGemm {
+  using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
+  using ElementAB = cutlass::float_e4m3_t;
+  using ElementD = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;  // w[e] is N x K with K contiguous
+  using LayoutD = cutlass::layout::RowMajor;
+  static constexpr int kAlignAB = 16;
+  static constexpr int kAlignD = 8;
+  using Tile = Shape<_128, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+
+  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+
+  using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
+      ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, Tile, Cluster,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename CollectiveEpilogue::SharedStorage))>,
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using StrideA = typename Kernel::InternalStrideA;
+  using StrideB = typename Kernel::InternalStrideB;
+  using StrideD = typename Kernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  struct Arrays {
+    Shape3* shapes;
+    const ElementAB** ptr_a;
+    const ElementAB** ptr_b;
+    const float** ptr_sfa;
+    const float** ptr_sfb;
+    ElementD** ptr_d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+    void* cutlass_workspace;
+  };
+
+  static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
+
+  static size_t arrays_bytes(int E) {
+    return round_up(E * sizeof(Shape3)) + 5 * round_up(E * sizeof(void*)) + round_up(E * sizeof(StrideA)) +
+           round_up(E * sizeof(StrideB)) + round_up(E * sizeof(StrideD)) + round_up(E * sizeof(LayoutSFA)) +
+           round_up(E * sizeof(LayoutSFB));
+  }
+
+  template <typename T>
+  static T* take(char*& p, int E) {
+    T* out = reinterpret_cast<T*>(p);
+    p += round_up(E * sizeof(T));
+    return out;
+  }
+
+  static Arrays carve(void* ws, int E) {
+    char* p = static_cast<char*>(ws);
+    Arrays a;
+    a.shapes = take<Shape3>(p, E);
+    a.ptr_a = take<const ElementAB*>(p, E);
+    a.ptr_b = take<const ElementAB*>(p, E);
+    a.ptr_sfa = take<const float*>(p, E);
+    a.ptr_sfb = take<const float*>(p, E);
+    a.ptr_d = take<ElementD*>(p, E);
+    a.stride_a = take<StrideA>(p, E);
+    a.stride_b = take<StrideB>(p, E);
+    a.stride_d = take<StrideD>(p, E);
+    a.layout_sfa = take<LayoutSFA>(p, E);
+    a.layout_sfb = take<LayoutSFB>(p, E);
+    a.cutlass_workspace = p;
+    return a;
+  }
+
+  static typename Gemm::Arguments arguments(const Arrays& arr, int E, int sm_count, int device) {
+    cutlass::KernelHardwareInfo hw;
+    hw.device_id = device;
+    hw.sm_count = sm_count;
+    typename Gemm::Arguments args{
+        cutlass::gemm::GemmUniversalMode::kGrouped,
+        {E, arr.shapes, nullptr},
+        {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa, arr.ptr_sfb, arr.layout_sfb},
+        {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
+        hw};
+    args.epilogue.thread.alpha = 1.0f;
+    args.epilogue.thread.beta = 0.0f;
+    return args;
+  }
+
+  static size_t workspace_bytes(const GroupedParams& p, int sm_count) {
+    Arrays arr{};
+    const auto args = arguments(arr, p.num_groups, sm_count, p.device);
+    return arrays_bytes(p.num_groups) + round_up(Gemm::get_workspace_size(args));
+  }
+
+  static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
+};
+
+__global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
+                                      const float* sfb, cutlass::bfloat16_t* d, const GroupInfo* groups, int E,
+                                      int64_t N, int64_t K, Fp8BlockwiseGemm::Arrays arr) {
+  using G = Fp8BlockwiseGemm;
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= E) return;
+  const int64_t r0 = groups[e].row_start;
+  const int m = groups[e].rows;
+  const int64_t kb = K / 128, nb = (N + 127) / 128;
+  arr.shapes[e] = {m, int(N), int(K)};
+  arr.ptr_a[e] = a + r0 * K;
+  arr.ptr_b[e] = b + int64_t(e) * N * K;
+  arr.ptr_sfa[e] = sfa + r0 * kb;
+  arr.ptr_sfb[e] = sfb + int64_t(e) * nb * kb;
+  arr.ptr_d[e] = d + r0 * N;
+  arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
+  arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
+  arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
+  arr.layout_sfa[e] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, int(N), int(K), 1));
+  arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
+}
+
+inline void Fp8BlockwiseGemm::run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) {
+  const int E = p.num_groups;
+  const Arrays arr = carve(p.workspace, E);
+  prepare_fp8_blockwise<<<(E + 127) / 128, 128, 0, stream>>>(
+      static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
+      static_cast<ElementD*>(p.d), groups, E, p.N, p.K, arr);
+  check_launch("grouped_mm prepare_fp8_blockwise");
+  Gemm gemm;
+  const auto args = arguments(arr, E, sm_count, p.device);
+  auto status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::invalid_argument(std::string("grouped_mm fp8: CUTLASS cannot run this problem: ") +
+                                cutlassGetStatusString(status));
+  }
+  status = gemm.initialize(args, arr.cutlass_workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    throw CudaError(std::string("grouped_mm fp8: CUTLASS kernel failed: ") + cutlassGetStatusString(status));
+  }
+  check_launch("grouped_mm fp8 blockwise kernel");
+}
+
+}  // namespace moe::gemm::sm90

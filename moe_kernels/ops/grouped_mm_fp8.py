@@ -1,0 +1,131 @@
+"""FP8 grouped GEMM with blockwise scaling, forward (specs/lowprec.md, "FP8 scaling recipes").
+
+    x_q, x_scale = quantize_fp8(x_perm, "block")            # [M, K] E4M3 + [M, K / 128]
+    w_q, w_scale = quantize_fp8_experts(w)                  # [E, N, K] E4M3 + [E, ceil(N / 128), K / 128]
+    out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)   # [M, N] bf16
+
+out[rows of e] = dequant(x_q)[rows of e] @ dequant(w_q[e])^T with dequant = q / scale (the scales are
+quantize_fp8's multipliers). On sm_90a with K % 128 == 0 and N % 16 == 0 this runs CUTLASS's FP8
+blockwise ptr-array kernel: E4M3 WGMMA, fp32 accumulators promoted and scaled by the two block scales
+every 128 of K, bf16 output, shapes and scale layouts per group written on the device (no host sync).
+Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast. Rows past the groups
+are unspecified, as in grouped_mm. Forward only: there is no autograd (a training recipe wraps it with
+its own backward).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_kernels import _ext
+from moe_kernels.ops._checks import check_tensor
+from moe_kernels.ops.grouped_mm import _check_sizes_values, grouped_mm, grouped_mm_reference
+from moe_kernels.ops.quant import BLOCK, dequantize_fp8, dequantize_fp8_reference, quantize_fp8
+
+_E4M3 = torch.float8_e4m3fn
+_FWD, _FP8_PATH = 0, 3
+
+
+def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
+    """Expert weights [E, N, K] -> (E4M3 [E, N, K], fp32 [E, ceil(N / 128), K / 128]): one scale per 128x128
+    tile of each expert (tiles never straddle two experts)."""
+    check_tensor("quantize_fp8_experts", "w", w, ndim=3)
+    E, N, K = w.shape
+    if N % BLOCK == 0:
+        q, s = quantize_fp8(w.reshape(E * N, K), "tile", pow2_scale=pow2_scale)
+        return q.view(E, N, K), s.view(E, N // BLOCK, -1)
+    parts = [quantize_fp8(w[e], "tile", pow2_scale=pow2_scale) for e in range(E)]
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    if not parts:
+        return w.new_empty((0, N, K), dtype=_E4M3), w.new_empty((0, nb, kb), dtype=torch.float32)
+    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _check(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> None:
+    op = "grouped_mm_fp8"
+    check_tensor(op, "x_q", x_q, ndim=2, dtypes=(_E4M3,))
+    check_tensor(op, "w_q", w_q, ndim=3, dtypes=(_E4M3,), device=x_q.device)
+    M, K = x_q.shape
+    E, N, Kw = w_q.shape
+    if Kw != K:
+        raise ValueError(f"{op}: `w_q` has K={Kw}, `x_q` has K={K}")
+    if K % BLOCK:
+        raise ValueError(f"{op}: K={K} must be a multiple of {BLOCK} (one scale per 128 along K)")
+    check_tensor(op, "x_scale", x_scale, ndim=2, dtypes=(torch.float32,), device=x_q.device)
+    if tuple(x_scale.shape) != (M, K // BLOCK):
+        raise ValueError(f"{op}: `x_scale` must be [{M}, {K // BLOCK}] (quantize_fp8(x, 'block')), "
+                         f"got {tuple(x_scale.shape)}")
+    check_tensor(op, "w_scale", w_scale, ndim=3, dtypes=(torch.float32,), device=x_q.device)
+    if tuple(w_scale.shape) != (E, -(-N // BLOCK), K // BLOCK):
+        raise ValueError(f"{op}: `w_scale` must be [{E}, {-(-N // BLOCK)}, {K // BLOCK}] (quantize_fp8_experts), "
+                         f"got {tuple(w_scale.shape)}")
+    check_tensor(op, "group_sizes", group_sizes, ndim=1, dtypes=(torch.int32,), device=x_q.device)
+    if group_sizes.shape[0] != E:
+        raise ValueError(f"{op}: `group_sizes` has {group_sizes.shape[0]} entries for {E} experts in `w_q`")
+
+
+def _dequantize_experts(w_q: Tensor, w_scale: Tensor, dequant) -> Tensor:
+    E, N, K = w_q.shape
+    if E == 0:
+        return w_q.new_empty((0, N, K), dtype=torch.float32)
+    return torch.stack([dequant(w_q[e], w_scale[e], "tile", torch.float32) for e in range(E)])
+
+
+def grouped_mm_fp8_reference(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
+    """Dequantize both operands to fp32, per-expert fp32 matmul, bf16 result."""
+    x = dequantize_fp8_reference(x_q, x_scale, "block", torch.float32)
+    w = _dequantize_experts(w_q, w_scale, dequantize_fp8_reference)
+    return grouped_mm_reference(x, w, group_sizes).to(torch.bfloat16)
+
+
+@torch.library.custom_op("moe_kernels::grouped_mm_fp8", mutates_args=())
+def _grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
+    _check(x_q, x_scale, w_q, w_scale, group_sizes)
+    _check_sizes_values(group_sizes, x_q.shape[0], "grouped_mm_fp8")
+    return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes)
+
+
+@_grouped_mm_fp8.register_fake
+def _(x_q, x_scale, w_q, w_scale, group_sizes):
+    _check(x_q, x_scale, w_q, w_scale, group_sizes)
+    return x_q.new_empty((x_q.shape[0], w_q.shape[1]), dtype=torch.bfloat16)
+
+
+@_grouped_mm_fp8.register_kernel("cuda")
+def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
+    _check(x_q, x_scale, w_q, w_scale, group_sizes)
+    M, K = x_q.shape
+    E, N, _ = w_q.shape
+    C = _ext.kernels("grouped_mm_fp8", x_q)
+    if C is None or _ext.checks_enabled():
+        _check_sizes_values(group_sizes, M, "grouped_mm_fp8")
+    if C is None:
+        return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes)
+    if E > C.grouped_mm_max_groups:
+        raise ValueError(f"grouped_mm_fp8: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
+    if M == 0 or N == 0 or E == 0:
+        return out.zero_()
+    # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's.
+    inv_x, inv_w = x_scale.reciprocal(), w_scale.reciprocal()
+    code = _ext.dtype_code(_E4M3)
+    shape = dict(op=_FWD, dtype=code, num_groups=E, M=M, N=N, K=K, a=x_q.data_ptr(), b=w_q.data_ptr(),
+                 d=out.data_ptr(), device=x_q.device.index, sfa=inv_x.data_ptr(), sfb=inv_w.data_ptr())
+    if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or N % 16: the fp32 path
+        x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
+        w = _dequantize_experts(w_q, w_scale, lambda q, s, g, dt: dequantize_fp8(q, s, g, dtype=dt))
+        return grouped_mm(x, w, group_sizes).to(torch.bfloat16)
+    ws = torch.empty(C.grouped_mm_workspace_bytes(**shape), dtype=torch.uint8, device=x_q.device)
+    C.grouped_mm(
+        op=_FWD, a=x_q.data_ptr(), b=w_q.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(),
+        num_groups=E, M=M, N=N, K=K, dtype=code, workspace=_ext.ptr(ws), workspace_bytes=ws.numel(),
+        sfa=inv_x.data_ptr(), sfb=inv_w.data_ptr(), **_ext.launch_args(x_q),
+    )
+    return out
+
+
+def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
+    """[M, N] bf16: group e's rows of dequant(x_q) @ dequant(w_q[e])^T. x_q, x_scale from
+    quantize_fp8(x, "block"); w_q, w_scale from quantize_fp8_experts(w); group_sizes [E] int32 on the device."""
+    return torch.ops.moe_kernels.grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)

@@ -1,0 +1,35 @@
+"""bench_grouped_mm_fp8: the CPU quick run works end to end and checks ours before timing."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import bench_grouped_mm_fp8 as b8
+from bench import harness
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_run_writes_results(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "grouped_mm_fp8", "--quick", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_grouped_mm_fp8.json").read_text())
+    assert data["failures"] == [] and len(data["results"]) == 4
+    for r in data["results"]:
+        assert r["op"] == "grouped_mm_fp8_fwd" and r["shape"]["K"] % 128 == 0
+        assert r["flops"] == 2 * r["shape"]["M"] * r["shape"]["N"] * r["shape"]["K"]
+        assert set(r["speedup"]) == {"moe_kernels_bf16"}
+    assert any(line.startswith("HEADLINE grouped_mm_fp8_fwd") for line in proc.stdout.splitlines())
+
+
+def test_a_wrong_product_fails_the_case(monkeypatch):
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    real = b8.moe_kernels.grouped_mm_fp8
+    monkeypatch.setattr(b8.moe_kernels, "grouped_mm_fp8", lambda *a: real(*a) * 1.05)
+    with pytest.raises(AssertionError, match="grouped_mm_fp8"):
+        b8.run_case(ctx, b8.cases(ctx)[0])

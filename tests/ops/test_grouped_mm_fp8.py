@@ -1,0 +1,79 @@
+"""FP8 blockwise grouped GEMM: CPU tier (the reference against an independent formulation)."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference
+from moe_kernels.testing import assert_exact
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _operands(M, N, K, sizes, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-1, 1, K)
+    w = torch.randn(len(sizes), N, K, generator=g) * 0.05
+    xq, xs = mk.quantize_fp8(x, "block")
+    wq, ws = mk.quantize_fp8_experts(w)
+    return xq, xs, wq, ws, torch.tensor(sizes, dtype=torch.int32)
+
+
+def test_reference_matches_blockwise_sum_in_fp64():
+    # Independent: sum over 128-wide K blocks of (integer-valued fp8 products) times both block scales.
+    xq, xs, wq, ws, gs = _operands(40, 256, 384, [10, 0, 25, 5])
+    out = grouped_mm_fp8_reference(xq, xs, wq, ws, gs)
+    expected = torch.zeros(40, 256, dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(gs.tolist()):
+        for kb in range(3):
+            a = xq[start : start + n, 128 * kb : 128 * (kb + 1)].double()
+            b = wq[e, :, 128 * kb : 128 * (kb + 1)].double()
+            sa = 1.0 / xs[start : start + n, kb].double()[:, None]
+            sb = 1.0 / ws[e, :, kb].double().repeat_interleave(128)[None, :]
+            expected[start : start + n] += (a @ b.t()) * sa * sb
+        start += n
+    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-6)
+
+
+def test_quantize_fp8_experts_tiles_stay_inside_experts():
+    w = torch.randn(3, 200, 256)  # N not a multiple of 128: a per-expert loop
+    wq, ws = mk.quantize_fp8_experts(w)
+    assert wq.shape == (3, 200, 256) and ws.shape == (3, 2, 2)
+    for e in range(3):
+        q, s = mk.quantize_fp8(w[e], "tile")
+        assert_exact(wq[e].view(torch.uint8), q.view(torch.uint8), f"expert {e} codes")
+        assert_exact(ws[e], s, f"expert {e} scales")
+    w = torch.randn(2, 256, 128)
+    wq, ws = mk.quantize_fp8_experts(w)  # fast path: one call over [E * N, K]
+    assert_exact(ws[1], mk.quantize_fp8(w[1], "tile")[1], "fast path scales")
+
+
+def test_close_to_the_bf16_product():
+    xq, xs, wq, ws, gs = _operands(64, 128, 256, [32, 32], seed=1)
+    x = mk.dequantize_fp8(xq, xs, "block", dtype=torch.float32)
+    w = torch.stack([mk.dequantize_fp8(wq[e], ws[e], "tile", dtype=torch.float32) for e in range(2)])
+    torch.testing.assert_close(mk.grouped_mm_fp8(xq, xs, wq, ws, gs).float(), mk.grouped_mm(x, w, gs),
+                               rtol=2**-7, atol=1e-5)
+
+
+def test_bad_input():
+    xq, xs, wq, ws, gs = _operands(8, 128, 256, [4, 4])
+    with pytest.raises(TypeError, match="x_q"):
+        mk.grouped_mm_fp8(xq.float(), xs, wq, ws, gs)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mk.grouped_mm_fp8(xq[:, :200].contiguous(), xs[:, :2].contiguous(), wq[:, :, :200].contiguous(), ws, gs)
+    with pytest.raises(ValueError, match="x_scale"):
+        mk.grouped_mm_fp8(xq, xs[:, :1].contiguous(), wq, ws, gs)
+    with pytest.raises(ValueError, match="w_scale"):
+        mk.grouped_mm_fp8(xq, xs, wq, ws[:, :, :1].contiguous(), gs)
+    with pytest.raises(ValueError, match="group_sizes"):
+        mk.grouped_mm_fp8(xq, xs, wq, ws, gs[:1].contiguous())
+    with pytest.raises(ValueError, match="sums to"):
+        mk.grouped_mm_fp8(xq, xs, wq, ws, torch.tensor([8, 8], dtype=torch.int32))
+
+
+def test_opcheck():
+    xq, xs, wq, ws, gs = _operands(16, 128, 128, [6, 10])
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.moe_kernels.grouped_mm_fp8, (xq, xs, wq, ws, gs), test_utils=utils)

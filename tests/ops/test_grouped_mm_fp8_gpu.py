@@ -1,0 +1,90 @@
+"""FP8 blockwise grouped GEMM: GPU tier, the CUTLASS sm_90a kernel against an fp64 reference."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference
+from moe_kernels.testing import assert_close_to_fp64, random_routing
+
+pytestmark = pytest.mark.gpu
+
+
+def _sizes(M, E, kind, seed):
+    if kind == "one_group":
+        s = torch.zeros(E, dtype=torch.int32)
+        s[E // 2] = M
+        return s
+    idx = random_routing(M, E, 1, kind=kind, seed=seed)
+    return torch.bincount(idx.view(-1).long(), minlength=E).to(torch.int32)
+
+
+def _case(M, N, K, E, kind, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-1, 1, K)
+    w = torch.randn(E, N, K, generator=g) * 0.05
+    xq, xs = mk.quantize_fp8(x, "block")
+    wq, ws = mk.quantize_fp8_experts(w)
+    return xq, xs, wq, ws, _sizes(M, E, kind, seed)
+
+
+def _fp64(xq, xs, wq, ws, gs):
+    x = xq.double() / xs.double().repeat_interleave(128, 1)
+    out = torch.zeros(xq.shape[0], wq.shape[1], dtype=torch.float64)
+    start = 0
+    for e, n in enumerate(gs.tolist()):
+        sb = ws[e].double().repeat_interleave(128, 0)[: wq.shape[1]].repeat_interleave(128, 1)
+        out[start : start + n] = x[start : start + n] @ (wq[e].double() / sb).t()
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("M,N,K,E", [(1, 128, 128, 1), (300, 256, 384, 8), (4096, 2048, 7168, 32),
+                                     (8192, 1536, 4096, 16), (777, 4096, 768, 8), (2048, 1040, 512, 4), (64, 200, 256, 2)])
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "empty", "one_group"])
+def test_matches_fp64_reference(cuda, M, N, K, E, kind):
+    xq, xs, wq, ws, gs = _case(M, N, K, E, kind, seed=M + N + K)
+    dev = [t.to(cuda) for t in (xq, xs, wq, ws, gs)]
+    out = mk.grouped_mm_fp8(*dev).cpu()
+    ref64 = _fp64(xq, xs, wq, ws, gs)
+    rows = int(gs.sum())
+    # bf16 output: the kernel's error against fp64 may be at most twice that of the fp32 reference
+    # rounded to bf16 (plus a floor for Hopper's FP8 accumulation inside each 128-wide K block).
+    baseline = grouped_mm_fp8_reference(xq, xs, wq, ws, gs)
+    assert_close_to_fp64(out[:rows].float(), baseline[:rows].float(), ref64[:rows], f"fp8 {M}x{N}x{K} E={E} {kind}",
+                         floor=1e-3 * float(ref64.abs().max()) + 1e-6)
+
+
+def test_takes_the_blockwise_kernel_on_hopper(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("kernel choice exists on a GPU only")
+    from moe_kernels import _ext
+
+    C = _ext.kernels("grouped_mm_fp8", torch.empty(1, device=cuda))
+    cc = torch.cuda.get_device_capability(cuda)
+    xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(256, 256, 256, 2, "uniform", seed=1))
+    out = torch.empty(256, 256, dtype=torch.bfloat16, device=cuda)
+    path = C.grouped_mm_path(op=0, dtype=3, num_groups=2, M=256, N=256, K=256, a=xq.data_ptr(), b=wq.data_ptr(),
+                             d=out.data_ptr(), device=cuda.index or 0, sfa=xs.data_ptr(), sfb=ws.data_ptr())
+    assert path == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
+
+
+def test_cuda_graph_replay(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("CUDA graphs need a GPU")
+    xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(1024, 512, 1024, 8, "zipf", seed=2))
+    eager = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
+    graph.replay()
+    torch.cuda.synchronize()
+    rows = int(gs.sum())
+    assert torch.equal(out[:rows], eager[:rows])
+
+
+def test_deterministic(cuda):
+    xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(4096, 1024, 2048, 16, "zipf", seed=3))
+    first = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
+    for _ in range(3):
+        assert torch.equal(mk.grouped_mm_fp8(xq, xs, wq, ws, gs), first)
