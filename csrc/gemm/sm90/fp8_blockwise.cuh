@@ -26,6 +26,7 @@
 
 #include "common/check.h"
 #include "gemm/grouped_mm.h"
+#include "gemm/sm90/cutlass_common.cuh"
 
 namespace moe::gemm::sm90 {
 
@@ -81,19 +82,10 @@ struct Fp8BlockwiseGemm {
     void* cutlass_workspace;
   };
 
-  static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
-
   static size_t arrays_bytes(int E) {
     return round_up(E * sizeof(Shape3)) + 5 * round_up(E * sizeof(void*)) + round_up(E * sizeof(StrideA)) +
            round_up(E * sizeof(StrideB)) + round_up(E * sizeof(StrideD)) + round_up(E * sizeof(LayoutSFA)) +
            round_up(E * sizeof(LayoutSFB));
-  }
-
-  template <typename T>
-  static T* take(char*& p, int E) {
-    T* out = reinterpret_cast<T*>(p);
-    p += round_up(E * sizeof(T));
-    return out;
   }
 
   static Arrays carve(void* ws, int E) {
@@ -115,15 +107,12 @@ struct Fp8BlockwiseGemm {
   }
 
   static typename Gemm::Arguments arguments(const Arrays& arr, int E, int sm_count, int device) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = device;
-    hw.sm_count = sm_count;
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {E, arr.shapes, nullptr},
         {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa, arr.ptr_sfb, arr.layout_sfb},
         {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
-        hw};
+        hardware(device, sm_count)};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
     return args;
@@ -167,19 +156,7 @@ inline void Fp8BlockwiseGemm::run(const GroupedParams& p, int sm_count, const Gr
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
       static_cast<ElementD*>(p.d), groups, E, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
-  Gemm gemm;
-  const auto args = arguments(arr, E, sm_count, p.device);
-  auto status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    throw std::invalid_argument(std::string("grouped_mm fp8: CUTLASS cannot run this problem: ") +
-                                cutlassGetStatusString(status));
-  }
-  status = gemm.initialize(args, arr.cutlass_workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    throw CudaError(std::string("grouped_mm fp8: CUTLASS kernel failed: ") + cutlassGetStatusString(status));
-  }
-  check_launch("grouped_mm fp8 blockwise kernel");
+  run_gemm<Gemm>(arguments(arr, E, sm_count, p.device), arr.cutlass_workspace, stream, "grouped_mm fp8 blockwise kernel");
 }
 
 }  // namespace moe::gemm::sm90

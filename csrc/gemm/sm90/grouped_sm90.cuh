@@ -19,6 +19,7 @@
 
 #include "common/check.h"
 #include "gemm/grouped_mm.h"
+#include "gemm/sm90/cutlass_common.cuh"
 
 namespace moe::gemm::sm90 {
 
@@ -94,8 +95,6 @@ struct GroupedGemm {
     void* cutlass_workspace;
   };
 
-  static size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
-
   static size_t arrays_bytes(int E) {
     return round_up(E * sizeof(Shape3)) + 3 * round_up(E * sizeof(void*)) + round_up(E * sizeof(StrideA)) +
            round_up(E * sizeof(StrideB)) + round_up(E * sizeof(StrideD));
@@ -104,34 +103,24 @@ struct GroupedGemm {
   static Arrays carve(void* ws, int E) {
     char* p = static_cast<char*>(ws);
     Arrays a;
-    a.shapes = reinterpret_cast<Shape3*>(p);
-    p += round_up(E * sizeof(Shape3));
-    a.ptr_a = reinterpret_cast<const Element**>(p);
-    p += round_up(E * sizeof(void*));
-    a.ptr_b = reinterpret_cast<const Element**>(p);
-    p += round_up(E * sizeof(void*));
-    a.ptr_d = reinterpret_cast<Element**>(p);
-    p += round_up(E * sizeof(void*));
-    a.stride_a = reinterpret_cast<StrideA*>(p);
-    p += round_up(E * sizeof(StrideA));
-    a.stride_b = reinterpret_cast<StrideB*>(p);
-    p += round_up(E * sizeof(StrideB));
-    a.stride_d = reinterpret_cast<StrideD*>(p);
-    p += round_up(E * sizeof(StrideD));
+    a.shapes = take<Shape3>(p, E);
+    a.ptr_a = take<const Element*>(p, E);
+    a.ptr_b = take<const Element*>(p, E);
+    a.ptr_d = take<Element*>(p, E);
+    a.stride_a = take<StrideA>(p, E);
+    a.stride_b = take<StrideB>(p, E);
+    a.stride_d = take<StrideD>(p, E);
     a.cutlass_workspace = p;
     return a;
   }
 
   static typename Gemm::Arguments arguments(const Arrays& arr, int E, int sm_count, int device) {
-    cutlass::KernelHardwareInfo hw;
-    hw.device_id = device;
-    hw.sm_count = sm_count;
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
         {E, arr.shapes, nullptr},  // no host copy of the shapes: they only exist on the device
         {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
         {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
-        hw};
+        hardware(device, sm_count)};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
     return args;
@@ -193,19 +182,7 @@ void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count
       static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups, E,
       p.N, p.K, arr);
   check_launch("grouped_mm prepare_sm90");
-  Gemm gemm;
-  const auto args = arguments(arr, E, sm_count, p.device);
-  auto status = gemm.can_implement(args);
-  if (status != cutlass::Status::kSuccess) {
-    throw std::invalid_argument(std::string("grouped_mm: CUTLASS cannot run this problem: ") +
-                                cutlassGetStatusString(status));
-  }
-  status = gemm.initialize(args, arr.cutlass_workspace, stream);
-  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
-  if (status != cutlass::Status::kSuccess) {
-    throw CudaError(std::string("grouped_mm: CUTLASS kernel failed: ") + cutlassGetStatusString(status));
-  }
-  check_launch("grouped_mm sm90 kernel");
+  run_gemm<Gemm>(arguments(arr, E, sm_count, p.device), arr.cutlass_workspace, stream, "grouped_mm sm90 kernel");
 }
 
 // One explicit instantiation per translation unit, with named entry points for the dispatcher.

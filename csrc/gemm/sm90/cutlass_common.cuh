@@ -1,0 +1,49 @@
+// Plumbing shared by the sm_90a grouped GEMMs: workspace carving in 256-byte sections, the hardware
+// info for the persistent scheduler, and running an adapter with errors turned into exceptions.
+#pragma once
+
+#include <cutlass/cutlass.h>
+#include <cutlass/kernel_hardware_info.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+
+namespace moe::gemm::sm90 {
+
+inline size_t round_up(size_t n) { return (n + 255) / 256 * 256; }
+
+// The next section of `count` Ts, advancing p.
+template <typename T>
+T* take(char*& p, int count) {
+  T* out = reinterpret_cast<T*>(p);
+  p += round_up(count * sizeof(T));
+  return out;
+}
+
+inline cutlass::KernelHardwareInfo hardware(int device, int sm_count) {
+  cutlass::KernelHardwareInfo hw;
+  hw.device_id = device;
+  hw.sm_count = sm_count;
+  return hw;
+}
+
+template <typename Gemm>
+void run_gemm(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream, const char* what) {
+  Gemm gemm;
+  auto status = gemm.can_implement(args);
+  if (status != cutlass::Status::kSuccess) {
+    throw std::invalid_argument(std::string(what) + ": CUTLASS cannot run this problem: " +
+                                cutlassGetStatusString(status));
+  }
+  status = gemm.initialize(args, workspace, stream);
+  if (status == cutlass::Status::kSuccess) status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) {
+    throw CudaError(std::string(what) + ": CUTLASS kernel failed: " + cutlassGetStatusString(status));
+  }
+  check_launch(what);
+}
+
+}  // namespace moe::gemm::sm90
