@@ -5,7 +5,9 @@
 // Among them, ping-pong (128x128 tiles, two consumer warp groups alternating) when the average group
 // holds <= 256 rows, cooperative (256x128 tiles) otherwise; wgrad always uses cooperative. Everything
 // else (fp32, other GPUs, misaligned shapes) runs the portable tiled kernel: 64x64 tiles, fp32
-// accumulation in a fixed order, any strides.
+// accumulation in a fixed order, any strides. FP8 (forward, E4M3 with blockwise scales) runs only the
+// sm_90a blockwise kernel, when K % 128 == 0 and N % 8 == 0 (bf16 output rows 16-byte aligned); the
+// Python layer falls back to dequantize + fp32 elsewhere.
 #include <cub/block/block_scan.cuh>
 
 #include <mutex>
@@ -207,7 +209,7 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 static bool fp8_blockwise_fits(const GroupedParams& p) {
   return p.op == GemmOp::kFwd && sm90::compiled() && device_info(p.device).major == 9 && p.K > 0 && p.K % 128 == 0 &&
-         p.N % 16 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.d) && p.sfa != nullptr && p.sfb != nullptr;
+         p.N % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.d) && p.sfa != nullptr && p.sfb != nullptr;
 }
 
 Path choose_path(const GroupedParams& p) {
@@ -256,7 +258,7 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise) {
     throw std::invalid_argument(
         "grouped_mm fp8: the blockwise kernel needs sm_90a, the forward product, K a multiple of 128, N a "
-        "multiple of 16, 16-byte aligned operands and both scale tensors");
+        "multiple of 8, 16-byte aligned operands and both scale tensors");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);

@@ -5,10 +5,11 @@
     out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)   # [M, N] bf16
 
 out[rows of e] = dequant(x_q)[rows of e] @ dequant(w_q[e])^T with dequant = q / scale (the scales are
-quantize_fp8's multipliers). On sm_90a with K % 128 == 0 and N % 16 == 0 this runs CUTLASS's FP8
+quantize_fp8's multipliers). On sm_90a with K % 128 == 0 and N % 8 == 0 this runs CUTLASS's FP8
 blockwise ptr-array kernel: E4M3 WGMMA, fp32 accumulators promoted and scaled by the two block scales
 every 128 of K, bf16 output, shapes and scale layouts per group written on the device (no host sync).
-Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast. Rows past the groups
+Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast, and it holds fp32
+copies of both operands. Rows past the groups
 are unspecified, as in grouped_mm. Forward only: there is no autograd (a training recipe wraps it with
 its own backward).
 """
@@ -34,7 +35,7 @@ def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor
     E, N, K = w.shape
     if N % BLOCK == 0:
         q, s = quantize_fp8(w.reshape(E * N, K), "tile", pow2_scale=pow2_scale)
-        return q.view(E, N, K), s.view(E, N // BLOCK, -1)
+        return q.view(E, N, K), s.view(E, N // BLOCK, -(-K // BLOCK))
     parts = [quantize_fp8(w[e], "tile", pow2_scale=pow2_scale) for e in range(E)]
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     if not parts:
@@ -107,15 +108,15 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
     if M == 0 or N == 0 or E == 0:
         return out.zero_()
-    # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's.
-    inv_x, inv_w = x_scale.reciprocal(), w_scale.reciprocal()
     code = _ext.dtype_code(_E4M3)
     shape = dict(op=_FWD, dtype=code, num_groups=E, M=M, N=N, K=K, a=x_q.data_ptr(), b=w_q.data_ptr(),
-                 d=out.data_ptr(), device=x_q.device.index, sfa=inv_x.data_ptr(), sfb=inv_w.data_ptr())
-    if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or N % 16: the fp32 path
+                 d=out.data_ptr(), device=x_q.device.index, sfa=x_scale.data_ptr(), sfb=w_scale.data_ptr())
+    if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or N % 8: the fp32 path (memory: fp32 copies)
         x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
         w = _dequantize_experts(w_q, w_scale, lambda q, s, g, dt: dequantize_fp8(q, s, g, dtype=dt))
         return grouped_mm(x, w, group_sizes).to(torch.bfloat16)
+    # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's.
+    inv_x, inv_w = x_scale.reciprocal(), w_scale.reciprocal()
     ws = torch.empty(C.grouped_mm_workspace_bytes(**shape), dtype=torch.uint8, device=x_q.device)
     C.grouped_mm(
         op=_FWD, a=x_q.data_ptr(), b=w_q.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(),

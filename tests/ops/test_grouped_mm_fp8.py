@@ -44,6 +44,9 @@ def test_quantize_fp8_experts_tiles_stay_inside_experts():
         q, s = mk.quantize_fp8(w[e], "tile")
         assert_exact(wq[e].view(torch.uint8), q.view(torch.uint8), f"expert {e} codes")
         assert_exact(ws[e], s, f"expert {e} scales")
+    for shape in ((0, 256, 128), (2, 0, 128)):  # empty experts or rows
+        wq, ws = mk.quantize_fp8_experts(torch.empty(shape))
+        assert wq.shape == shape and ws.shape == (shape[0], -(-shape[1] // 128), 1)
     w = torch.randn(2, 256, 128)
     wq, ws = mk.quantize_fp8_experts(w)  # fast path: one call over [E * N, K]
     assert_exact(ws[1], mk.quantize_fp8(w[1], "tile")[1], "fast path scales")

@@ -40,7 +40,7 @@ def _fp64(xq, xs, wq, ws, gs):
 
 
 @pytest.mark.parametrize("M,N,K,E", [(1, 128, 128, 1), (300, 256, 384, 8), (4096, 2048, 7168, 32),
-                                     (8192, 1536, 4096, 16), (777, 4096, 768, 8), (2048, 1040, 512, 4), (64, 200, 256, 2)])
+                                     (8192, 1536, 4096, 16), (777, 4096, 768, 8), (2048, 1040, 512, 4), (64, 200, 256, 2), (64, 196, 256, 2)])
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "empty", "one_group"])
 def test_matches_fp64_reference(cuda, M, N, K, E, kind):
     xq, xs, wq, ws, gs = _case(M, N, K, E, kind, seed=M + N + K)

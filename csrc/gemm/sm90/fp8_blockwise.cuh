@@ -6,7 +6,7 @@
 //   d[rows of e] = sum_kb (a[rows, kb] @ b[e][:, kb]^T) * sfa[rows, kb] * sfb[e][n / 128, kb]
 //
 // Both scale tensors are K-major: sfa [M, K / 128] row-major (a group's rows are one contiguous slice)
-// and sfb [E, N / 128, K / 128]. Shapes, pointers and scale layouts per group are written on the device
+// and sfb [E, ceil(N / 128), K / 128]. Shapes, pointers and scale layouts per group are written on the device
 // from the group sizes (no host sync), like the bf16 kernels.
 #pragma once
 
@@ -127,7 +127,7 @@ struct Fp8BlockwiseGemm {
   static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 };
 
-__global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
+static __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
                                       const float* sfb, cutlass::bfloat16_t* d, const GroupInfo* groups, int E,
                                       int64_t N, int64_t K, Fp8BlockwiseGemm::Arrays arr) {
   using G = Fp8BlockwiseGemm;
@@ -145,6 +145,8 @@ __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const floa
   arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
   arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
   arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
+  // In grouped mode CUTLASS rebuilds these layouts from the device problem shapes; they are written
+  // anyway so the arguments stay self-consistent.
   arr.layout_sfa[e] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, int(N), int(K), 1));
   arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
