@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # GPU verification on a machine without network: build, GPU tests, compute-sanitizer, benchmarks.
 #
-#   scripts/gpu_check.sh OUTDIR [build] [test] [sanitize] [bench | bench:OP ...]   (default: all, in order)
+#   scripts/gpu_check.sh OUTDIR [build] [test | test:PATH ...] [sanitize] [bench | bench:OP ...]
+#   (default: build test sanitize bench, in order)
 #
+# `test:PATH` runs the GPU tier of one part of tests/ (e.g. test:tests/ops/test_grouped_mm_gpu.py), for when
+# the whole tier does not fit one command.
 # `bench:OP` runs one benchmark family (permute, router, router_losses, quant, grouped_mm, grouped_mm_fp8, moe_layer, train), for when the whole
 # suite does not fit one command; BENCH_ARGS=--quick runs the short sweep.
 #
@@ -39,8 +42,13 @@ stage_build() {
   echo "$rc"
 }
 
-stage_test() {
-  "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" tests >"$OUT/gpu_tests.log" 2>&1
+test_tag() { [ -n "${1:-}" ] && echo "_$(echo "$1" | tr '/.' '__')"; }
+
+stage_test() {  # [path under the repo]
+  local tag
+  tag=$(test_tag "${1:-}")
+  "$PY" -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests$tag.xml" "${1:-tests}" \
+    >"$OUT/gpu_tests$tag.log" 2>&1
   echo $?
 }
 
@@ -68,7 +76,7 @@ for stage in $STAGES; do
   secs=$(( $(date +%s) - start ))
   case $name in
     build) detail=$(grep -m1 -E "extension_archs" "$OUT/build.log" | tr -s ' ') ;;
-    test) detail=$(tail -n 1 "$OUT/gpu_tests.log") ;;
+    test) detail=$(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}").log") ;;
     sanitize) detail=$(grep -m1 -E "ERROR SUMMARY" "$OUT/sanitizer.log"; tail -n 1 "$OUT/sanitizer.log") ;;
     bench) log="$OUT/bench${arg:+_${arg#:}}.log"; detail=$(grep -E "^HEADLINE" "$log" | tr '\n' ' ') ;;
     *) detail="unknown stage" ;;
