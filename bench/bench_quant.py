@@ -111,29 +111,23 @@ def _nvfp4(ctx: h.Context, c: Case, acts: list, weights: list) -> list[h.Result]
     dev = ctx.device
     amax = [x.float().abs().amax() for x in acts]
     rng = torch.tensor([1, 0], device=dev)
+    # Each input set as the op's arguments (x, global_amax, tile_2d, rng); the reference takes the same.
     jobs = {
-        "given_amax": ([(x, a) for x, a in zip(acts, amax)], lambda x, a: dict(global_amax=a)),
-        "1d": ([(x, None) for x in acts], lambda x, a: {}),
-        "stochastic": ([(x, None) for x in acts], lambda x, a: dict(rng=rng)),
-        "tile_2d": ([(w, None) for w in weights], lambda x, a: dict(tile_2d=True)),
+        "given_amax": [(x, a, False, None) for x, a in zip(acts, amax)],
+        "1d": [(x, None, False, None) for x in acts],
+        "stochastic": [(x, None, False, rng) for x in acts],
+        "tile_2d": [(w, None, True, None) for w in weights],
     }
+    ours_op = torch.ops.moe_kernels.quantize_nvfp4
     results = []
-    for mode, (inputs, kw) in jobs.items():
-        x0, a0 = inputs[0]
-        ours0 = moe_kernels.quantize_nvfp4(x0, **kw(x0, a0))
-        k0 = kw(x0, a0)
-        ref0 = quantize_nvfp4_reference(x0, k0.get("global_amax"), k0.get("tile_2d", False), k0.get("rng"))
-        for i, what in enumerate(("codes", "block scales", "global scale")):
-            h.check_exact(f"{c.name} quantize_nvfp4_{mode} {what}", ours0[i].view(torch.uint8) if i == 1 else ours0[i],
-                          ref0[i].view(torch.uint8) if i == 1 else ref0[i])
-        ours = ctx.time(lambda x, a: moe_kernels.quantize_nvfp4(x, **kw(x, a)), inputs)
-
-        def peer_fn(x, a):
-            k = kw(x, a)
-            return quantize_nvfp4_reference(x, k.get("global_amax"), k.get("tile_2d", False), k.get("rng"))
-
-        peer = ctx.time(peer_fn, inputs)
-        M, K = x0.shape
+    for mode, inputs in jobs.items():
+        ours0, ref0 = ours_op(*inputs[0]), quantize_nvfp4_reference(*inputs[0])
+        what = f"{c.name} quantize_nvfp4_{mode}"
+        h.check_exact(f"{what} codes", ours0[0], ref0[0])
+        h.check_exact(f"{what} block scales", ours0[1].view(torch.uint8), ref0[1].view(torch.uint8))
+        h.check_exact(f"{what} global scale", ours0[2], ref0[2])
+        ours, peer = ctx.time(ours_op, inputs), ctx.time(quantize_nvfp4_reference, inputs)
+        M, K = inputs[0][0].shape
         results.append(h.make_result(ctx, op=f"quantize_nvfp4_{mode}", case=c.name, shape=dict(M=M, K=K),
                                      dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_nvfp4(M, K, 2), flops=0,
                                      peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))

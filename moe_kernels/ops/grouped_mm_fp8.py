@@ -22,7 +22,7 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels.ops._checks import check_tensor
 from moe_kernels.ops.grouped_mm import _check_sizes_values, grouped_mm, grouped_mm_reference
-from moe_kernels.ops.quant import BLOCK, dequantize_fp8, dequantize_fp8_reference, quantize_fp8
+from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8
 
 _E4M3 = torch.float8_e4m3fn
 _FWD, _FP8_PATH = 0, 3
@@ -66,25 +66,33 @@ def _check(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_siz
         raise ValueError(f"{op}: `group_sizes` has {group_sizes.shape[0]} entries for {E} experts in `w_q`")
 
 
-def _dequantize_experts(w_q: Tensor, w_scale: Tensor, dequant) -> Tensor:
+def grouped_mm_fp8_reference(
+    x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor, acc: torch.dtype = torch.float32
+) -> Tensor:
+    """Both operands dequantized in `acc` (q / scale, each element's block scale), per-expert matmul in
+    `acc`; the result in `acc` (the op rounds the fp32 one to bf16; fp64 gives the tests' exact value)."""
+    M, K = x_q.shape
+    E, N, _ = w_q.shape
+    x = x_q.to(acc) / x_scale.to(acc).repeat_interleave(BLOCK, 1)[:, :K]
+    sw = w_scale.to(acc).repeat_interleave(BLOCK, 1)[:, :N].repeat_interleave(BLOCK, 2)[:, :, :K]
+    return grouped_mm_reference(x, w_q.to(acc) / sw, group_sizes)
+
+
+def _dequantize_experts(w_q: Tensor, w_scale: Tensor) -> Tensor:
+    """fp32 [E, N, K] through the dequantize kernels: one call when 128-row tiles never straddle experts."""
     E, N, K = w_q.shape
-    if E == 0:
-        return w_q.new_empty((0, N, K), dtype=torch.float32)
-    return torch.stack([dequant(w_q[e], w_scale[e], "tile", torch.float32) for e in range(E)])
-
-
-def grouped_mm_fp8_reference(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
-    """Dequantize both operands to fp32, per-expert fp32 matmul, bf16 result."""
-    x = dequantize_fp8_reference(x_q, x_scale, "block", torch.float32)
-    w = _dequantize_experts(w_q, w_scale, dequantize_fp8_reference)
-    return grouped_mm_reference(x, w, group_sizes).to(torch.bfloat16)
+    if N % BLOCK == 0 and E:
+        flat = dequantize_fp8(w_q.view(E * N, K), w_scale.view(E * N // BLOCK, -1), "tile", dtype=torch.float32)
+        return flat.view(E, N, K)
+    parts = [dequantize_fp8(w_q[e], w_scale[e], "tile", dtype=torch.float32) for e in range(E)]
+    return torch.stack(parts) if parts else w_q.new_empty((0, N, K), dtype=torch.float32)
 
 
 @torch.library.custom_op("moe_kernels::grouped_mm_fp8", mutates_args=())
 def _grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
     _check(x_q, x_scale, w_q, w_scale, group_sizes)
     _check_sizes_values(group_sizes, x_q.shape[0], "grouped_mm_fp8")
-    return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes)
+    return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes).to(torch.bfloat16)
 
 
 @_grouped_mm_fp8.register_fake
@@ -102,7 +110,7 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     if C is None or _ext.checks_enabled():
         _check_sizes_values(group_sizes, M, "grouped_mm_fp8")
     if C is None:
-        return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes)
+        return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes).to(torch.bfloat16)
     if E > C.grouped_mm_max_groups:
         raise ValueError(f"grouped_mm_fp8: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
@@ -113,8 +121,7 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
                  d=out.data_ptr(), device=x_q.device.index, sfa=x_scale.data_ptr(), sfb=w_scale.data_ptr())
     if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or N % 8: the fp32 path (memory: fp32 copies)
         x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
-        w = _dequantize_experts(w_q, w_scale, lambda q, s, g, dt: dequantize_fp8(q, s, g, dtype=dt))
-        return grouped_mm(x, w, group_sizes).to(torch.bfloat16)
+        return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
     # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's.
     inv_x, inv_w = x_scale.reciprocal(), w_scale.reciprocal()
     ws = torch.empty(C.grouped_mm_workspace_bytes(**shape), dtype=torch.uint8, device=x_q.device)

@@ -15,10 +15,16 @@ import torch
 from torch import Tensor
 
 from moe_kernels import _ext
-from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_int, check_shape, check_tensor
+from moe_kernels.ops._checks import (
+    CUDA_FLOAT_DTYPES,
+    FLOAT_DTYPES,
+    check_int,
+    check_shape,
+    check_tensor,
+)
+from moe_kernels.ops.permute import _INT32_MAX, _check_indices_values
 
 _COUNT_DTYPES = (torch.int32, torch.int64)
-_INT32_MAX = 2**31 - 1
 
 
 def _acc_dtype(t: Tensor) -> torch.dtype:
@@ -73,14 +79,6 @@ def _check_bias(bias, tokens_per_expert) -> None:
     check_shape(op, "tokens_per_expert", tokens_per_expert, bias.shape, "one count per expert")
 
 
-def _check_index_values(indices: Tensor, num_experts: int, op: str) -> None:
-    """ValueError for indices outside [-1, E). Syncs when `indices` is on a GPU (checking mode only)."""
-    bad = (indices < -1) | (indices >= num_experts)
-    if bool(bad.any()):
-        first = indices[bad][0].item()
-        raise ValueError(f"{op}: `indices` holds {first}, outside [-1, {num_experts}) (num_experts={num_experts})")
-
-
 # ---------------------------------------------------------------------------------------------------
 # References: plain PyTorch, the definition of each op (also the fallback on a GPU without kernels)
 
@@ -105,7 +103,7 @@ def seq_aux_loss_reference(scores: Tensor, indices: Tensor, coeff: float, seq_le
     rows, E = scores.shape
     B, S, k = rows // seq_len, seq_len, indices.shape[1]
     if indices.device.type == "cpu":
-        _check_index_values(indices, E, "seq_aux_loss")
+        _check_indices_values(indices, E, "seq_aux_loss")
     acc = _acc_dtype(scores)
     counts = _seq_counts(indices, B, S, E)
     if B == 0:
@@ -145,7 +143,7 @@ def apply_capacity_reference(
     weights: Tensor, indices: Tensor, num_experts: int, capacity_factor: float, policy: str
 ) -> tuple[Tensor, Tensor]:
     if indices.device.type == "cpu":
-        _check_index_values(indices, num_experts, "apply_capacity")
+        _check_indices_values(indices, num_experts, "apply_capacity")
     T, k = indices.shape
     C = capacity(T, k, num_experts, capacity_factor)
     flat_e = indices.reshape(-1).long()
@@ -365,10 +363,11 @@ def _(bias, tokens_per_expert, rate):
 # small reductions, so fp64 on a GPU stays correct without a dedicated kernel)
 
 
-def _kernels(op: str, t: Tensor, num_experts: int, *, counts_in_shared_memory: bool = False):
-    """The extension, or None where the reference runs instead: fp64, E = 0, no kernels for this GPU,
-    or (for the ops that count per expert in shared memory) E past the kernel's limit."""
-    if t.dtype not in CUDA_FLOAT_DTYPES or num_experts == 0:
+def _kernels(op: str, t: Tensor, num_experts: int, *, dtype: torch.dtype | None = None,
+             counts_in_shared_memory: bool = False):
+    """The extension, or None where the reference runs instead: an fp64 `dtype` (default t's), E = 0, no
+    kernels for t's GPU, or (for the ops that count per expert in shared memory) E past the kernel's limit."""
+    if (dtype or t.dtype) not in CUDA_FLOAT_DTYPES or num_experts == 0:
         return None
     C = _ext.kernels(op, t)
     if C is not None and counts_in_shared_memory and num_experts > C.balance_max_experts:
@@ -409,7 +408,7 @@ def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
     rows, E = scores.shape
     C = _kernels("seq_aux_loss", scores, E, counts_in_shared_memory=True)
     if C is None or _ext.checks_enabled():
-        _check_index_values(indices, E, "seq_aux_loss")
+        _check_indices_values(indices, E, "seq_aux_loss")
     if C is None:
         return seq_aux_loss_reference(scores, indices, coeff, seq_len)
     B, k = rows // seq_len, indices.shape[1]
@@ -433,8 +432,7 @@ def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
 def _balance_loss_bwd_cuda(grad, counts, num_tokens, seq_len, scale, dtype):
     _check_balance_bwd(grad, counts, num_tokens, seq_len, dtype)
     E = counts.shape[1]
-    probe = grad.new_empty(0, dtype=dtype)
-    C = _kernels("aux loss backward", probe, E)
+    C = _kernels("aux loss backward", grad, E, dtype=dtype)
     if C is None or grad.dtype != torch.float32:
         return balance_loss_bwd_reference(grad, counts, num_tokens, seq_len, scale, dtype)
     out = torch.empty((num_tokens, E), dtype=dtype, device=grad.device)
@@ -488,7 +486,7 @@ def _apply_capacity_cuda(weights, indices, num_experts, capacity_factor, policy)
     _check_capacity(weights, indices, num_experts, capacity_factor, policy)
     C = _kernels("apply_capacity", weights, num_experts, counts_in_shared_memory=True)
     if C is None or _ext.checks_enabled():
-        _check_index_values(indices, num_experts, "apply_capacity")
+        _check_indices_values(indices, num_experts, "apply_capacity")
     if C is None:
         return apply_capacity_reference(weights, indices, num_experts, capacity_factor, policy)
     T, k = indices.shape
@@ -550,7 +548,7 @@ def apply_capacity(weights, indices, num_experts: int, capacity_factor: float, p
     index -1 and weight 0; weights are not renormalised."""
     if indices.dtype == torch.int64:
         if indices.device.type == "cpu" or _ext.checks_enabled():
-            _check_index_values(indices, num_experts, "apply_capacity")
+            _check_indices_values(indices, num_experts, "apply_capacity")
         indices = _as_int32_indices(indices, num_experts)
     return torch.ops.moe_kernels.apply_capacity(weights, indices, num_experts, float(capacity_factor), policy)
 
