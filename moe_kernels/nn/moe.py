@@ -15,7 +15,7 @@ from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
-from moe_kernels.ops.permute import permute, permute_reference, unpermute, unpermute_reference
+from moe_kernels.ops.permute import permute, permute_reference, permuted_row_values, unpermute, unpermute_reference
 
 BACKENDS = ("kernels", "reference", "torch")
 
@@ -90,26 +90,41 @@ class MoELayer(nn.Module):
             if config.shared_ffn_size
             else None
         )
+        # Expert parallelism (moe_kernels.parallel.apply_expert_parallel) sets a token dispatcher and
+        # keeps only this rank's experts in `experts`; None: every expert is local.
+        self.dispatcher = None
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         cfg = self.config
         if cfg.backend == "torch":
+            if self.dispatcher is not None:
+                raise ValueError("MoELayer: the torch-native backend has no expert-parallel path")
             return self._forward_torch_native(x)
         ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
         routed = self.router(x2, seq_len=shape[-2] if x.dim() >= 3 else None, reference=cfg.backend == "reference")
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
-        x_perm, row_map, group_sizes = ops.permute(autocast_input(x2), routed.indices, cfg.num_experts, cfg.align)
-        row_weights = None
-        if cfg.weights_in_activation:
-            row_weights = _row_weights(routed.weights, row_map, x_perm.shape[0])
-        y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
-        out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
+        x_in = autocast_input(x2)
+        if self.dispatcher is not None:
+            out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
+        else:
+            x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.align)
+            row_weights = None
+            if cfg.weights_in_activation:
+                row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
+            y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+            out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         return out.view(shape), routed.aux_loss
 
+    def _forward_dispatched(self, x: Tensor, weights: Tensor, indices: Tensor, ops) -> Tensor:
+        cfg = self.config
+        d = self.dispatcher.dispatch(x, weights, indices, align=cfg.align)  # rows for the local experts
+        row_weights = d.weights if cfg.weights_in_activation else None
+        y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+        return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)
 
     def _forward_torch_native(self, x: Tensor) -> tuple[Tensor, Tensor]:
         shape = x.shape
@@ -122,14 +137,6 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(x2)
         aux = torch_native.aux_losses(logits, router.config, shape[-2] if x.dim() >= 3 else None)
         return out.view(shape), aux
-
-
-def _row_weights(weights: Tensor, row_map: Tensor, rows: int) -> Tensor:
-    """[R] routing weight of each permuted row (0 for padding), without a host sync: dropped slots go to
-    an extra last row that is cut off."""
-    target = torch.where(row_map >= 0, row_map, rows).flatten().long()
-    out = weights.new_zeros(rows + 1).scatter_(0, target, torch.where(row_map >= 0, weights, 0.0).flatten())
-    return out[:rows]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -402,6 +402,15 @@ def unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tens
     return torch.ops.moe_kernels.unpermute(y, row_map, weights)
 
 
+def permuted_row_values(values: Tensor, row_map: Tensor, num_rows: int, fill: float = 0) -> Tensor:
+    """[num_rows] value of each permuted row (e.g. its routing weight) from per-slot `values` [T, k] and
+    permute's `row_map` [T, k]; `fill` for padding rows. No host sync: dropped slots land on an extra
+    last row that is cut off. Differentiable in `values`."""
+    target = torch.where(row_map >= 0, row_map, num_rows).flatten().long()
+    out = values.new_full((num_rows + 1,), fill)
+    return out.scatter(0, target, torch.where(row_map >= 0, values, fill).flatten())[:num_rows]
+
+
 def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
     """[E] int32 counts of (token, slot) pairs per expert; -1 entries are ignored. No host sync on GPU."""
     return torch.ops.moe_kernels.tokens_per_expert(_as_int32_indices(indices), num_experts)

@@ -1,0 +1,59 @@
+"""All-gather dispatch on torch.distributed: every rank sees every token.
+
+dispatch gathers the tokens, weights and indices of the group (padded to the largest T), and each rank
+permutes the pairs routed to its own experts. combine sums each rank's weighted partial outputs in fp32
+and reduce-scatters them, adding the ranks in rank order (an all-to-all then a local sum, so the order
+does not depend on the communication backend). Static shapes apart from the one exchange of T; good
+for small groups and large k, where most tokens go to most ranks anyway. The result equals the one-rank
+layer within fp32 rounding (the slots are summed per rank, then across ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from moe_kernels.dispatch import collectives
+from moe_kernels.dispatch.base import Dispatched, Dispatcher
+from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
+
+
+@dataclass(eq=False)
+class _AllGatherHandle:
+    row_map: Tensor  # [P * Tmax, k] grouped row of each gathered pair, -1 where not local
+    weights: Tensor  # [P * Tmax, k] gathered weights
+    num_tokens: int  # local T
+
+
+class AllGatherDispatcher(Dispatcher):
+    def __init__(self, num_experts: int, group=None):
+        self.group = group
+        super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
+
+    def dispatch(self, x: Tensor, weights: Tensor, indices: Tensor, *, align: int = 1) -> Dispatched:
+        indices = self._check(x, weights, indices, align)
+        T = x.shape[0]
+        sizes = x.new_empty((self.num_ranks,), dtype=torch.int64)
+        dist.all_gather_into_tensor(sizes, torch.tensor([T], device=x.device), group=self.group)
+        pad = int(sizes.max()) - T  # the sync
+        if pad:
+            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+            weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
+            indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
+        x_all = collectives.all_gather(x, self.group)  # [P * Tmax, H]
+        w_all = collectives.all_gather(weights.float(), self.group)  # [P * Tmax, k]
+        i_all = collectives._AllGather.apply(indices, self.group)  # [P * Tmax, k]
+        lo, El = self.first_expert, self.num_local_experts
+        local_ids = torch.where((i_all >= lo) & (i_all < lo + El), i_all - lo, -1).to(torch.int32)
+        x_grouped, row_map, group_sizes = permute(x_all, local_ids, El, align=align)
+        w_grouped = permuted_row_values(w_all, row_map, x_grouped.shape[0])
+        handle = _AllGatherHandle(row_map, w_all, T)
+        return Dispatched(x_grouped, w_grouped, group_sizes, handle, row_map, local_ids)
+
+    def combine(self, y: Tensor, handle: _AllGatherHandle, *, weighted: bool = True) -> Tensor:
+        partial = unpermute(y.float(), handle.row_map, handle.weights if weighted else None)  # [P * Tmax, H]
+        out = collectives.reduce_scatter(partial, self.group)  # [Tmax, H], ranks added in order
+        return out[: handle.num_tokens].to(y.dtype)

@@ -1,0 +1,29 @@
+"""Runs a test body on P gloo ranks (processes on the CPU), the way the multi-process tier works.
+
+The body is a module-level function `fn(rank, world_size, *args)`; an exception on any rank fails the
+test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn, world_size: int, init_method: str, args: tuple) -> None:
+    torch.set_num_threads(1)  # P processes share the machine's cores
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, *args) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(
+            _entry, args=(fn, world_size, f"file://{tmp}/store", args), nprocs=world_size, start_method="spawn"
+        )

@@ -1,0 +1,105 @@
+"""Expert parallelism on P gloo ranks equals one rank (the equivalence ladder's "EP N equals EP 1").
+
+Every rank builds the same model, then feeds its own tokens. The EP model must give each rank the
+outputs and input gradients the full model gives on that rank's tokens; each rank's expert weights
+must receive the sum over ranks of the full model's gradients for those experts; replicated
+parameters the local gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_kernels.models import PRESETS, build_model
+from moe_kernels.nn.moe import MoELayer, deepseek_v3, qwen3_30b_a3b
+from moe_kernels.parallel import apply_expert_parallel, expert_parameters
+from tests.distributed import run_world
+
+pytestmark = pytest.mark.distributed
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+def _check_grads(rank, P, full: nn.Module, ep: nn.Module, where: str) -> None:
+    sharded = {id(p) for p in expert_parameters(ep)}
+    full_params = dict(full.named_parameters())
+    for name, p in ep.named_parameters():
+        ref = full_params[name].grad
+        if id(p) in sharded:  # [El, ...] slice of the full [E, ...]; every rank's tokens contribute
+            ref = ref.clone()
+            dist.all_reduce(ref)
+            El = p.shape[0]
+            ref = ref[rank * El : (rank + 1) * El]
+        assert p.grad is not None and p.grad.shape == ref.shape, f"{where}: {name}"
+        torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {name}")
+
+
+def _layer_case(rank, P, backend, cfg, name):
+    torch.manual_seed(0)
+    full = MoELayer(cfg)
+    if full.router.expert_bias is not None:  # a non-trivial bias, the same on every rank
+        full.router.expert_bias.copy_(torch.linspace(-0.1, 0.1, cfg.num_experts))
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    assert ep.experts.w13.shape[0] == cfg.num_experts // P and len(list(expert_parameters(ep))) == 2
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(2, 3 + 2 * rank, cfg.hidden_size, generator=gen)  # uneven token counts per rank
+    g = torch.randn(x.shape, generator=gen)
+    where = f"rank {rank}/{P} {backend} {name}"
+    outs = []
+    for model in (full, ep):
+        xi = x.clone().requires_grad_()
+        out, aux = model(xi)
+        ((out * g).sum() + aux).backward()
+        outs.append((out, aux, xi.grad))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, **TOL, msg=where)
+    _check_grads(rank, P, full, ep, where)
+
+
+def _worker_layer(rank, P, backend):
+    small = dict(hidden_size=24, ffn_size=16, num_experts=4 * P)
+    _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=3), "softmax top-3")
+    _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=2, weights_in_activation=True, align=16),
+                "weights in the activation, align 16")
+    _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8),
+                "sigmoid + bias + groups + shared expert")
+    _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("backend", ["all_gather", "all_to_all"])
+def test_moe_layer_expert_parallel_equals_one_rank(backend, world_size):
+    run_world(_worker_layer, world_size, backend)
+
+
+def _worker_model(rank, P, family):
+    torch.manual_seed(0)
+    full = build_model(PRESETS[family](num_experts=4 * P))
+    ep = apply_expert_parallel(copy.deepcopy(full))
+    ep.set_activation_checkpointing(True)  # the recomputed forward dispatches again, on every rank alike
+    ids = torch.randint(0, full.config.vocab_size, (2, 6 + rank), generator=torch.Generator().manual_seed(rank))
+    results = []
+    for model in (full, ep):
+        logits, aux = model(ids)
+        (torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten()) + aux).backward()
+        results.append((logits, aux))
+    where = f"rank {rank}/{P} {family}"
+    for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, **TOL, msg=where)
+    _check_grads(rank, P, full, ep, where)
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        apply_expert_parallel(ep)
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-deepseek-v3"])
+def test_model_expert_parallel_equals_one_rank(family):
+    run_world(_worker_model, 2, family)
+
+
+def test_apply_expert_parallel_needs_moe_layers():
+    with pytest.raises(ValueError, match="no MoELayer"):
+        apply_expert_parallel(nn.Linear(2, 2))
