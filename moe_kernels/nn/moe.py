@@ -78,7 +78,10 @@ class SharedExperts(nn.Module):
 
 
 class MoELayer(nn.Module):
-    """forward(x [..., H]) -> (out [..., H], aux_loss scalar). No process groups inside."""
+    """forward(x [..., H]) -> (out [..., H], aux_loss scalar). No process groups inside.
+
+    The sequence-wise aux loss takes sequences of x.shape[-2] tokens ([B, S, H]: B sequences; [T, H]:
+    one sequence) unless forward(..., seq_len=S) says otherwise (e.g. [B*S, H] input)."""
 
     def __init__(self, config: MoEConfig, *, device=None, dtype=None):
         super().__init__()
@@ -94,16 +97,19 @@ class MoELayer(nn.Module):
         # keeps only this rank's experts in `experts`; None: every expert is local.
         self.dispatcher = None
 
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, *, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         cfg = self.config
+        if x.dim() < 2:
+            raise ValueError(f"MoELayer: x must be [..., T, H], got shape {tuple(x.shape)}")
+        seq_len = x.shape[-2] if seq_len is None else seq_len
         if cfg.backend == "torch":
             if self.dispatcher is not None:
                 raise ValueError("MoELayer: the torch-native backend has no expert-parallel path")
-            return self._forward_torch_native(x)
+            return self._forward_torch_native(x, seq_len)
         ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
-        routed = self.router(x2, seq_len=shape[-2] if x.dim() >= 3 else None, reference=cfg.backend == "reference")
+        routed = self.router(x2, seq_len=seq_len, reference=cfg.backend == "reference")
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
         x_in = autocast_input(x2)
         if self.dispatcher is not None:
@@ -126,7 +132,7 @@ class MoELayer(nn.Module):
         y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
         return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)
 
-    def _forward_torch_native(self, x: Tensor) -> tuple[Tensor, Tensor]:
+    def _forward_torch_native(self, x: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         router = self.router
@@ -135,7 +141,7 @@ class MoELayer(nn.Module):
         out = torch_native.experts(x2, weights, indices, self.experts.w13, self.experts.w2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
-        aux = torch_native.aux_losses(logits, router.config, shape[-2] if x.dim() >= 3 else None)
+        aux = torch_native.aux_losses(logits, router.config, seq_len)
         return out.view(shape), aux
 
 

@@ -107,3 +107,23 @@ def test_backends_under_autocast():
     torch.testing.assert_close(out_n.float(), out.float(), rtol=2e-2, atol=2e-2)
     (out.float().sum() + out_n.float().sum()).backward()
     assert layer.experts.w13.grad.dtype == torch.float32 and native.experts.w13.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["kernels", "reference", "torch"])
+def test_sequence_aux_loss_input_layouts(backend):
+    # [B, S, H] is B sequences; [T, H] one sequence; [B*S, H] with seq_len=S the same as [B, S, H].
+    torch.manual_seed(0)
+    layer = MoELayer(PRESETS["deepseek-v3"](hidden_size=16, num_experts=8, k=2, num_groups=4, group_topk=2,
+                                            ffn_size=8, shared_ffn_size=8, backend=backend))
+    x = torch.randn(3, 5, 16)
+    out3, aux3 = layer(x)
+    out_flat, aux_flat = layer(x.reshape(15, 16), seq_len=5)
+    torch.testing.assert_close(out_flat.view(3, 5, 16), out3, rtol=0, atol=0)
+    torch.testing.assert_close(aux_flat, aux3, rtol=0, atol=0)
+    out1, aux1 = layer(x[0])  # one sequence
+    _, aux1b = layer(x[:1])
+    torch.testing.assert_close(out1, out3[0])  # matmuls of other row counts round differently
+    torch.testing.assert_close(aux1, aux1b, rtol=0, atol=0)
+    assert aux3 > 0 and not torch.equal(aux3, layer(x.reshape(1, 15, 16))[1])  # the grouping matters
+    with pytest.raises(ValueError, match="x must be"):
+        layer(x[0, 0])
