@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import moe_kernels
@@ -24,3 +25,44 @@ def test_collect_is_consistent():
         assert all(v == "PyTorch reference" for v in info["ops"].values())
     if moe_kernels.has_cuda_kernels():
         assert all(a.startswith("sm_") for a in info["extension_archs"])
+
+
+def test_arch_runs_on():
+    from moe_kernels._ext import arch_runs_on
+
+    assert arch_runs_on(["90a"], (9, 0)) and arch_runs_on(["80", "90a"], (8, 0)) and arch_runs_on(["100f"], (10, 0))
+    assert not arch_runs_on(["90a"], (8, 0)) and not arch_runs_on(["90a"], (10, 0)) and not arch_runs_on([], (9, 0))
+
+
+def test_gpu_outside_the_build_falls_back_with_one_warning(monkeypatch):
+    # A build for sm_90a on an sm_80 GPU: the references run (after one warning), never the kernels.
+    import types
+    import warnings
+
+    from moe_kernels import _ext
+
+    extension = types.SimpleNamespace(cuda_archs="90a")
+    monkeypatch.setattr(_ext, "_C", extension)
+    monkeypatch.setattr(_ext, "_device_ok", {})
+    monkeypatch.setattr(_ext, "_warned_fallback", False)
+    capability = {"value": (8, 0)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability["value"])
+    t = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _ext.kernels("permute", t) is None
+        assert _ext.kernels("unpermute", t) is None
+    assert len(caught) == 1 and "sm_80" in str(caught[0].message) and "MOE_KERNELS_CUDA_ARCHS" in str(caught[0].message)
+    monkeypatch.setattr(_ext, "_device_ok", {})
+    capability["value"] = (9, 0)
+    assert _ext.kernels("permute", t) is extension
+
+
+def test_extension_errors_are_python_exceptions():
+    # Without a usable GPU a direct call into the extension raises a Python exception, not a crash.
+    if not moe_kernels.has_cuda_kernels() or torch.cuda.is_available():
+        pytest.skip("needs the built extension on a machine without a GPU")
+    from moe_kernels import _ext
+
+    with pytest.raises(RuntimeError):
+        _ext._C.tokens_per_expert(indices=0, num_slots=1, num_experts=1, counts=0, device=0, stream=0)

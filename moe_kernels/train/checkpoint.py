@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 
 LATEST = "latest"
+_NAME = re.compile(r"step_(\d+)\.pt")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -46,25 +48,57 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def step_of(path: str | Path) -> int | None:
+    """The step number in a checkpoint's name (`step_0000100.pt` -> 100), or None for other names."""
+    match = _NAME.fullmatch(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def checkpoints(directory: str | Path) -> list[Path]:
+    """The checkpoint files in `directory`, oldest step first (by number: padding does not matter)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = [(step_of(p), p) for p in directory.glob("step_*.pt")]
+    return [p for _, p in sorted(item for item in found if item[0] is not None)]
+
+
 def save(directory: str | Path, step: int, state: dict, *, keep: int = 2) -> Path:
-    """Writes `step_XXXXXXX.pt`, points `latest` at it, and removes all but the newest `keep`."""
+    """Writes `step_XXXXXXX.pt`, points `latest` at it, and removes the older checkpoints beyond the newest
+    `keep` (counting the new one). Only checkpoints of earlier steps are removed: never the one just
+    written, the one `latest` points to, or any of a later step."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:07d}.pt"
     _atomic_write(path, lambda f: torch.save(state, f))
     _atomic_write(directory / LATEST, lambda f: f.write(path.name.encode()))
-    for old in sorted(directory.glob("step_*.pt"))[:-keep]:
-        old.unlink()
+    pointed = latest(directory)
+    older = [p for p in checkpoints(directory) if step_of(p) < step]
+    for old in older[: max(len(older) - (keep - 1), 0)]:
+        if old != pointed:
+            old.unlink()
     return path
 
 
 def latest(directory: str | Path) -> Path | None:
+    """The checkpoint `latest` points to, or None when there is no pointer or it names a missing file."""
     directory = Path(directory)
     pointer = directory / LATEST
     if not pointer.exists():
         return None
     path = directory / pointer.read_text().strip()
-    return path if path.exists() else None
+    return path if path.is_file() else None
+
+
+def clear(directory: str | Path) -> None:
+    """Removes the checkpoints, the `latest` pointer and leftovers of interrupted writes in `directory`."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return
+    for path in directory.iterdir():
+        name = path.name.removesuffix(".tmp")
+        if path.is_file() and (name == LATEST or step_of(name) is not None):
+            path.unlink()
 
 
 def load(path: str | Path) -> dict:

@@ -11,6 +11,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 app = typer.Typer(add_completion=False, help=__doc__)
 
+# TrainConfig fields that are options of this command (--batch-size sets batch_size, ...).
+OPTION_FIELDS = ("preset", "num_layers", "data", "batch_size", "seq_len", "lr")
+
 
 @app.command()
 def train(
@@ -24,6 +27,7 @@ def train(
     num_layers: Optional[int] = typer.Option(None, help="Override the preset's number of layers."),
     out: Path = typer.Option(Path("runs/default"), help="Run directory: metrics.jsonl, checkpoints/."),
     resume: bool = typer.Option(False, help="Continue from the latest checkpoint in --out."),
+    overwrite: bool = typer.Option(False, help="Delete the checkpoints and metrics already in --out, then start anew."),
     log_every: int = typer.Option(10),
     eval_every: int = typer.Option(100),
     checkpoint_every: int = typer.Option(100),
@@ -35,7 +39,8 @@ def train(
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
 ) -> None:
     from moe_kernels.models import PRESETS
-    from moe_kernels.train.trainer import TrainConfig, Trainer
+    from moe_kernels.train import checkpoint, metrics
+    from moe_kernels.train.trainer import ResumeMismatchError, TrainConfig, Trainer
 
     console = Console(stderr=True)
     if list_presets:
@@ -51,9 +56,34 @@ def train(
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    checkpoints = out / "checkpoints"
+    if resume and overwrite:
+        raise typer.BadParameter("--overwrite discards what --resume would continue: pass one of them",
+                                 param_hint="'--overwrite'")
+    has_run = bool(checkpoint.checkpoints(checkpoints)) or (checkpoints / checkpoint.LATEST).exists()
+    if has_run and not resume and not overwrite:
+        raise typer.BadParameter(
+            f"{out} already holds checkpoints of a run. Pass --resume to continue it, --overwrite to delete its "
+            f"checkpoints and metrics and start anew, or choose another --out.", param_hint="'--out'",
+        )
     trainer = Trainer(cfg, echo=print)
-    if resume and not trainer.resume():
-        console.print(f"no checkpoint in {out / 'checkpoints'}: starting from step 0")
+    if overwrite:
+        checkpoint.clear(checkpoints)
+        metrics.clear(out)
+    try:
+        resumed = resume and trainer.resume()
+    except ResumeMismatchError as exc:
+        options = [f"'--{name.replace('_', '-')}'" for name in exc.differences if name in OPTION_FIELDS]
+        raise typer.BadParameter(
+            f"{exc}\nResume with the checkpoint's settings, or start a new run with another --out (or --overwrite).",
+            param_hint=", ".join(options) or "'--resume'",
+        ) from exc
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(f"{exc}, or start anew with --overwrite.", param_hint="'--resume'") from exc
+    if resume and not resumed:
+        console.print(f"no checkpoint in {checkpoints}: starting from step 0")
+    elif resumed and trainer.step >= cfg.steps:
+        console.print(f"the checkpoint is at step {trainer.step}, --steps is {cfg.steps}: nothing to train")
     n_params = sum(p.numel() for p in trainer.model.parameters())
     print(
         f"moe-train: {preset} ({n_params / 1e6:.2f}M parameters) on {trainer.device}, "

@@ -9,6 +9,7 @@ an uninterrupted one would.
 from __future__ import annotations
 
 import gzip
+import hashlib
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -43,6 +44,16 @@ def load_tokens(path: str | Path | None) -> tuple[Tensor, int]:
     if not data:
         raise ValueError(f"{path}: empty file")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).long(), BYTE_VOCAB
+
+
+def fingerprint(tokens: Tensor, vocab_size: int, *, sample: int = 1 << 20) -> dict:
+    """Identifies a token stream independently of its file's path: the length, the vocabulary and a hash
+    of the tokens (of `sample` evenly spaced ones for a longer stream)."""
+    n = len(tokens)
+    if n > sample:
+        tokens = tokens[torch.linspace(0, n - 1, sample, dtype=torch.float64).long()]
+    digest = hashlib.sha256(tokens.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+    return {"tokens": n, "vocab_size": vocab_size, "sha256": digest}
 
 
 def decode_bytes(ids: Tensor) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -38,19 +39,57 @@ def format_line(m: dict) -> str:
     )
 
 
+METRICS = "metrics.jsonl"
+TENSORBOARD = "tensorboard"
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Drops the records of steps after `step` (and a torn last line) from a metrics file, atomically."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= step:
+            kept.append(line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def clear(out_dir: Path) -> None:
+    """Removes a run's metrics file and TensorBoard event files from `out_dir`."""
+    (out_dir / METRICS).unlink(missing_ok=True)
+    for path in (out_dir / TENSORBOARD).glob("events.out.tfevents.*"):
+        path.unlink()
+
+
 class MetricsLogger:
-    def __init__(self, out_dir: Path, *, tensorboard: bool = False, echo=print):
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.path = out_dir / "metrics.jsonl"
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._echo = echo
-        self._tb = None
+    """Writes `metrics.jsonl` (and TensorBoard events) under `out_dir`. `resume_step=None` starts a new
+    metrics file; a step continues the existing one after dropping what was logged past that step (by a
+    run that went on beyond its last checkpoint), so a resumed run does not log a step twice."""
+
+    def __init__(self, out_dir: Path, *, tensorboard: bool = False, echo=print, resume_step: int | None = None):
+        writer = None
         if tensorboard:
             try:
-                from torch.utils.tensorboard import SummaryWriter
+                from torch.utils.tensorboard import SummaryWriter as writer
             except ImportError as exc:  # tensorboard is optional
                 raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
-            self._tb = SummaryWriter(str(out_dir / "tensorboard"))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / METRICS
+        if resume_step is not None:
+            _truncate_after(self.path, resume_step)
+        self._file = open(self.path, "w" if resume_step is None else "a", encoding="utf-8")
+        self._echo = echo
+        self._tb = None
+        if writer is not None:
+            # TensorBoard hides the records of earlier event files from purge_step on.
+            purge_step = 0 if resume_step is None else resume_step + 1
+            self._tb = writer(str(out_dir / TENSORBOARD), purge_step=purge_step)
 
     def log(self, record: dict, *, line: str | None = None) -> None:
         self._file.write(json.dumps(record) + "\n")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
 from moe_kernels.train import checkpoint
-from moe_kernels.train.data import TokenData, load_tokens
+from moe_kernels.train.data import TokenData, fingerprint, load_tokens
 from moe_kernels.train.metrics import MetricsLogger, format_line, memory_gib, peak_flops
 
 
@@ -59,6 +59,26 @@ class TrainConfig:
             raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
 
 
+# Settings that a checkpoint's weights, optimizer state and batch stream belong to: resuming with other
+# values would not continue the run. (lr, weight decay and the betas live in the saved optimizer and
+# scheduler state, so new values would be silently ignored.) steps, warmup, logging, eval and checkpoint
+# intervals, device, seed (the saved RNG and data seed are restored) and the like may change.
+RESUME_FIELDS = ("preset", "num_layers", "data", "batch_size", "seq_len", "lr", "weight_decay", "beta1", "beta2")
+
+
+class ResumeMismatchError(ValueError):
+    """A checkpoint was written with settings (RESUME_FIELDS) that differ from the resuming run's."""
+
+    def __init__(self, path: Path, differences: dict[str, tuple]):
+        self.path, self.differences = path, differences
+        lines = [f"  {name}: {old} in the checkpoint, {new} now" for name, (old, new) in differences.items()]
+        super().__init__(f"{path} was written with other settings ({', '.join(differences)}):\n" + "\n".join(lines))
+
+
+def _describe_data(source: str | None, fp: dict) -> str:
+    return f"{source or 'embedded corpus'} ({fp['tokens']:,} tokens, sha256 {fp['sha256'][:12]})"
+
+
 def lr_factor(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to 1, then cosine down to min_lr_ratio at the last step."""
     if step < cfg.warmup_steps:
@@ -84,6 +104,7 @@ class Trainer:
         self._seed_everything(cfg.seed)
         tokens, vocab = load_tokens(cfg.data)
         self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+        self.data_fingerprint = fingerprint(tokens, vocab)
         overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
         if cfg.num_layers is not None:
             overrides["num_layers"] = cfg.num_layers
@@ -97,6 +118,7 @@ class Trainer:
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
+        self._new_metrics = True  # the first train() of a run that did not resume starts a new metrics file
         self.flops_per_token = flops_per_token(self.model_config, cfg.seq_len)
         self.peak = peak_flops(self.device)
 
@@ -125,7 +147,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
-            "data": {"seed": self.data.seed},  # batches are a function of (seed, step)
+            "data": {"seed": self.data.seed, "fingerprint": self.data_fingerprint},  # batches: f(seed, step)
             "train_config": dataclasses.asdict(self.cfg),
         }
 
@@ -133,19 +155,51 @@ class Trainer:
         return checkpoint.save(self.out_dir / "checkpoints", self.step, self.state(), keep=self.cfg.keep_checkpoints)
 
     def resume(self, path: str | Path | None = None) -> bool:
-        """Loads `path`, or the latest checkpoint under out_dir. Returns False when there is none."""
-        path = Path(path) if path else checkpoint.latest(self.out_dir / "checkpoints")
+        """Loads `path`, or the latest checkpoint under out_dir. Returns False when there is none. Raises
+        ResumeMismatchError when the checkpoint was written with other RESUME_FIELDS settings, and
+        FileNotFoundError when out_dir holds checkpoints but `latest` names none of them."""
+        directory = self.out_dir / "checkpoints"
+        path = Path(path) if path else checkpoint.latest(directory)
         if path is None:
+            found = checkpoint.checkpoints(directory)
+            if found:
+                raise FileNotFoundError(
+                    f"{directory / checkpoint.LATEST} is missing or names a missing file, but {directory} holds "
+                    f"{', '.join(p.name for p in found)}: write the name of the one to resume from into "
+                    f"{directory / checkpoint.LATEST}"
+                )
             return False
         state = checkpoint.load(path)
+        self.check_resumable(path, state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.data.seed = state["data"]["seed"]
         self.step = state["step"]
+        self._new_metrics = False
         self.echo(f"resumed from {path} at step {self.step}")
         return True
+
+    def check_resumable(self, path: Path, state: dict) -> None:
+        """Raises ResumeMismatchError listing the RESUME_FIELDS whose saved values differ from this run's.
+        The data are compared by content when the checkpoint has their fingerprint, so a moved file
+        still resumes."""
+        saved = state.get("train_config")
+        if saved is None:
+            return
+        now = dataclasses.asdict(self.cfg)
+        saved_data = state.get("data", {}).get("fingerprint")
+        differences = {}
+        for name in RESUME_FIELDS:
+            if name == "data" and saved_data is not None:
+                if saved_data != self.data_fingerprint:
+                    differences[name] = (_describe_data(saved.get(name), saved_data),
+                                         _describe_data(now[name], self.data_fingerprint))
+            elif name in saved and saved[name] != now[name]:
+                differences[name] = (saved[name], now[name])
+        if differences:
+            raise ResumeMismatchError(Path(path), differences)
 
     # -- loops -------------------------------------------------------------------------------------
 
@@ -173,7 +227,9 @@ class Trainer:
     def train(self, progress=None) -> list[dict]:
         """Runs to cfg.steps; returns the logged records. `progress(step)` is called after each step."""
         cfg = self.cfg
-        logger = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard, echo=self.echo)
+        logger = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard, echo=self.echo,
+                               resume_step=None if self._new_metrics else self.step)
+        self._new_metrics = False
         records: list[dict] = []
         self.model.train()
         window_start, window_steps = time.perf_counter(), 0
