@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -16,6 +17,7 @@ from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
 from moe_kernels.ops.permute import permute, permute_reference, permuted_row_values, unpermute, unpermute_reference
+from moe_kernels.quant import Fp8BlockwiseRecipe
 
 BACKENDS = ("kernels", "reference", "torch")
 
@@ -38,6 +40,7 @@ class MoEConfig:
     align: int = 1  # rows per expert padded to this (16 or 128 for FP8 recipes)
     weights_in_activation: bool = False  # Megatron's fusion; default: weights applied in unpermute
     backend: str = "kernels"  # "reference": the plain references; "torch": the torch-native composition
+    recipe: Fp8BlockwiseRecipe | None = None  # precision of the routed experts' GEMMs; None: the input's
 
     def __post_init__(self):
         if self.ffn_size < 1 or self.shared_ffn_size < 0:
@@ -48,6 +51,15 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.shared_gate and not self.shared_ffn_size:
             raise ValueError("MoEConfig: shared_gate needs shared experts (shared_ffn_size > 0)")
+        if self.recipe is not None:
+            if self.backend == "torch":
+                raise ValueError("MoEConfig: the torch-native backend has no low-precision recipe")
+            self.recipe.check_shapes(self.router.hidden_size, self.ffn_size)
+
+    @property
+    def permute_align(self) -> int:
+        """Rows per expert padded to a multiple of both `align` and the recipe's."""
+        return math.lcm(self.align, self.recipe.align) if self.recipe is not None else self.align
 
     @property
     def hidden_size(self) -> int:
@@ -107,6 +119,8 @@ class MoELayer(nn.Module):
                 raise ValueError("MoELayer: the torch-native backend has no expert-parallel path")
             return self._forward_torch_native(x, seq_len)
         ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
+        if cfg.recipe is not None:
+            ops = SimpleNamespace(**{**vars(ops), "grouped_mm": cfg.recipe.grouped_mm})
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
         routed = self.router(x2, seq_len=seq_len, reference=cfg.backend == "reference")
@@ -115,7 +129,7 @@ class MoELayer(nn.Module):
         if self.dispatcher is not None:
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
         else:
-            x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.align)
+            x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)
             row_weights = None
             if cfg.weights_in_activation:
                 row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
@@ -127,7 +141,7 @@ class MoELayer(nn.Module):
 
     def _forward_dispatched(self, x: Tensor, weights: Tensor, indices: Tensor, ops) -> Tensor:
         cfg = self.config
-        d = self.dispatcher.dispatch(x, weights, indices, align=cfg.align)  # rows for the local experts
+        d = self.dispatcher.dispatch(x, weights, indices, align=cfg.permute_align)  # rows for the local experts
         row_weights = d.weights if cfg.weights_in_activation else None
         y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
         return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)

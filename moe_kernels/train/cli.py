@@ -33,6 +33,8 @@ def train(
     checkpoint_every: int = typer.Option(100),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when available)."),
     bf16: bool = typer.Option(True, help="bf16 autocast on a GPU."),
+    precision: str = typer.Option("bf16", help="Expert GEMMs: bf16 (the autocast precision) or fp8-blockwise "
+                                  "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 128)."),
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
     tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
     seed: int = typer.Option(0),
@@ -51,7 +53,7 @@ def train(
         cfg = TrainConfig(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
             lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
-            eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16,
+            eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
         )
     except ValueError as exc:

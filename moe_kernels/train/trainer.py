@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
+from moe_kernels.quant import RECIPES
 from moe_kernels.train import checkpoint
 from moe_kernels.train.data import TokenData, fingerprint, load_tokens
 from moe_kernels.train.metrics import MetricsLogger, format_line, memory_gib, peak_flops
@@ -44,6 +45,7 @@ class TrainConfig:
     seed: int = 0
     device: str | None = None  # None: cuda if available
     bf16: bool = True  # autocast to bf16 on a GPU (ignored on the CPU)
+    precision: str = "bf16"  # expert GEMMs: "bf16" (the autocast/input precision) or "fp8-blockwise"
     activation_checkpointing: bool = False
     tensorboard: bool = False
 
@@ -57,6 +59,10 @@ class TrainConfig:
             raise ValueError("warmup_steps must be in [0, steps]")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+        if self.precision not in RECIPES:
+            raise ValueError(f"unknown precision {self.precision!r}; choose from {sorted(RECIPES)}")
+        if RECIPES[self.precision] is not None:  # the recipe's shape rules, checked before anything is built
+            PRESETS[self.preset](recipe=RECIPES[self.precision])
 
 
 # Settings that a checkpoint's weights, optimizer state and batch stream belong to: resuming with other
@@ -108,6 +114,8 @@ class Trainer:
         overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
         if cfg.num_layers is not None:
             overrides["num_layers"] = cfg.num_layers
+        if RECIPES[cfg.precision] is not None:
+            overrides["recipe"] = RECIPES[cfg.precision]
         self.model_config = PRESETS[cfg.preset](**overrides)
         self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
         if cfg.activation_checkpointing:

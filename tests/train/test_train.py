@@ -96,3 +96,8 @@ def test_cli_trains_and_loss_falls(tmp_path):
 def test_cli_rejects_bad_options(tmp_path):
     result = CliRunner().invoke(app, ["--preset", "nope", "--out", str(tmp_path)])
     assert result.exit_code != 0 and "preset" in result.output
+    result = CliRunner().invoke(app, ["--precision", "fp9", "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "precision" in result.output
+    result = CliRunner().invoke(app, ["--precision", "fp8-blockwise", "--out", str(tmp_path)])  # tiny: H = 64
+    assert result.exit_code != 0 and "multiples of 128" in result.output
+
