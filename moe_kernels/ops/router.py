@@ -55,6 +55,44 @@ def _check_score(op: str, score: str) -> None:
         raise ValueError(f"{op}: `score` must be one of {SCORES}, got {score!r}")
 
 
+def _check_topk_bwd(grad_weights, logits, indices, score, pre_softmax) -> None:
+    """The backward helper op reads grad_weights[t, j] and logits[t, indices[t, j]]: every shape is tied
+    to logits [T, E] and indices [T, k] here, so no kernel sizes a read from a mismatched tensor."""
+    op = "router_topk_bwd"
+    check_tensor(op, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "indices", indices, ndim=2, dtypes=(torch.int32,), device=logits.device)
+    check_tensor(op, "grad_weights", grad_weights, ndim=2, dtypes=FLOAT_DTYPES, device=logits.device)
+    _check_score(op, score)
+    if pre_softmax and score != "softmax":
+        raise ValueError(f"{op}: `pre_softmax` applies to score='softmax' only, got score={score!r}")
+    T, E = logits.shape
+    k = indices.shape[1]
+    if not 1 <= k <= E:
+        raise ValueError(f"{op}: `indices` must have k in [1, {E}] columns (one per chosen expert), got shape "
+                         f"{tuple(indices.shape)}")
+    check_shape(op, "indices", indices, (T, k), "one row of chosen experts per row of logits")
+    check_shape(op, "grad_weights", grad_weights, (T, k), "same as indices: [T, k]")
+
+
+def _check_topk_bwd_indices_values(indices: Tensor, num_experts: int) -> None:
+    """Raises ValueError for a chosen expert outside [0, E). Syncs when `indices` is on a GPU."""
+    bad = (indices < 0) | (indices >= num_experts)
+    if bool(bad.any()):
+        raise ValueError(
+            f"router_topk_bwd: `indices` holds {indices[bad][0].item()}, outside [0, {num_experts}) (experts of logits)"
+        )
+
+
+def _check_aux_bwd(grad_scores, logits, score) -> None:
+    op = "router_aux_scores_bwd"
+    check_tensor(op, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "grad_scores", grad_scores, ndim=2, dtypes=FLOAT_DTYPES, device=logits.device)
+    _check_score(op, score)
+    if logits.shape[1] < 1:
+        raise ValueError(f"{op}: `logits` must have at least one expert, got shape {tuple(logits.shape)}")
+    check_shape(op, "grad_scores", grad_scores, logits.shape, "same as logits: [T, E]")
+
+
 # ---------------------------------------------------------------------------------------------------
 # References
 
@@ -212,6 +250,8 @@ def _router_topk_bwd(
     grad_weights: Tensor, logits: Tensor, indices: Tensor, score: str, pre_softmax: bool, normalize: bool,
     scaling_factor: float,
 ) -> Tensor:
+    _check_topk_bwd(grad_weights, logits, indices, score, pre_softmax)
+    _check_topk_bwd_indices_values(indices, logits.shape[1])
     return router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor)
 
 
@@ -225,6 +265,7 @@ def _router_aux_scores(logits: Tensor, k: int, score: str) -> tuple[Tensor, Tens
 
 @torch.library.custom_op("moe_kernels::router_aux_scores_bwd", mutates_args=())
 def _router_aux_scores_bwd(grad_scores: Tensor, logits: Tensor, score: str) -> Tensor:
+    _check_aux_bwd(grad_scores, logits, score)
     return router_aux_scores_bwd_reference(grad_scores, logits, score)
 
 
@@ -241,6 +282,7 @@ def _(logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, s
 
 @_router_topk_bwd.register_fake
 def _(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor):
+    _check_topk_bwd(grad_weights, logits, indices, score, pre_softmax)
     return logits.new_empty(logits.shape, dtype=_out_dtype(logits))
 
 
@@ -252,6 +294,7 @@ def _(logits, k, score):
 
 @_router_aux_scores_bwd.register_fake
 def _(grad_scores, logits, score):
+    _check_aux_bwd(grad_scores, logits, score)
     return logits.new_empty(logits.shape, dtype=_out_dtype(logits))
 
 
@@ -335,7 +378,10 @@ def _router_topk_cuda(
 
 @_router_topk_bwd.register_kernel("cuda")
 def _router_topk_bwd_cuda(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor):
+    _check_topk_bwd(grad_weights, logits, indices, score, pre_softmax)
     C = _cuda_prologue("router_topk backward", logits, indices.shape[1])
+    if C is None or _ext.checks_enabled():  # the kernel skips an out-of-range slot; the reference cannot
+        _check_topk_bwd_indices_values(indices, logits.shape[1])
     if C is None:
         return router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor)
     T, E = logits.shape
@@ -370,6 +416,7 @@ def _router_aux_scores_cuda(logits, k, score):
 
 @_router_aux_scores_bwd.register_kernel("cuda")
 def _router_aux_scores_bwd_cuda(grad_scores, logits, score):
+    _check_aux_bwd(grad_scores, logits, score)
     C = _cuda_prologue("router_aux_scores backward", logits, 1)
     if C is None:
         return router_aux_scores_bwd_reference(grad_scores, logits, score)
@@ -420,6 +467,43 @@ def router_topk(
     Returns:
         weights [T, k] fp32 and indices [T, k] int32, ordered by selection score descending, ties to
         the lower expert index (a NaN score ranks as -inf). Gradients flow from weights to logits.
+
+    Non-finite logits follow IEEE fp32 arithmetic through the formulas above, with one ranking rule:
+    a NaN selection score (or group score) ranks as -inf, so NaN and -inf tie with each other and go
+    to the lower expert (group) index. A NaN or -inf expert is therefore chosen only when fewer than
+    k eligible experts score above -inf; the remaining slots then go to the lowest-index experts among
+    those ranked -inf. Per score function:
+
+    - softmax: the selection score is the logit. +inf ranks first (several +inf: lower index first);
+      -inf and NaN rank last. The weights are the softmax over the k chosen logits: a chosen NaN or
+      +inf, or k chosen logits all -inf, makes all k weights NaN (so a row with a +inf logit always has
+      k NaN weights); otherwise a chosen -inf gets weight exactly 0.
+    - softmax with `pre_softmax`: a NaN or +inf logit anywhere in the row, or a row of only -inf, makes
+      the softmax over E NaN everywhere: every expert ranks -inf, the indices are 0, 1, ..., k-1 and all
+      k weights are NaN. Otherwise a -inf logit has score and weight exactly 0, tied with any
+      probability that underflows to 0.
+    - sigmoid: s(NaN) = NaN, s(+inf) = 1, s(-inf) = 0. A -inf logit is not masked: it competes with
+      selection score 0 + expert_bias[e] (like a finite logit whose fp32 sigmoid underflows to 0), with
+      s = 0. A +inf logit competes with 1 + expert_bias[e] (like a logit above about 17), with s = 1.
+      NaN ranks last whatever its bias.
+    - sqrtsoftplus: s(NaN) = NaN, s(+inf) = +inf, s(-inf) = 0. +inf ranks first whatever a finite bias;
+      -inf competes with 0 + expert_bias[e], with s = 0; NaN ranks last.
+    - Weights of sigmoid and sqrtsoftplus: s at each chosen expert, so a chosen NaN gives NaN in its
+      own slot, and a chosen +inf (sqrtsoftplus) gives +inf (times scaling_factor). With `normalize`,
+      a chosen NaN makes all k weights NaN; with a chosen +inf and no NaN the sum is +inf, so each +inf
+      slot gets NaN (inf / inf) and every other slot 0. k chosen scores of 0 (all -inf logits) give
+      weights 0, thanks to the + 1e-20.
+    - Group-limited routing: a group's score is the sum, largest first, of its `group_score_topk`
+      best selection scores, NaN counted as -inf. The group ranks as -inf when that sum takes a -inf
+      (the group has fewer than `group_score_topk` experts scoring above -inf, e.g. because of NaN
+      logits), even beside a +inf (inf + -inf = NaN), and as +inf when it takes a +inf and no -inf.
+      Group ties go to the lower group index. Experts of the dropped groups get selection score -inf
+      and so tie with the NaN and -inf experts of the kept groups: when the kept groups hold fewer
+      than k experts scoring above -inf, the remaining slots go to the lowest-index ones among all of
+      these, possibly in a dropped group, weighted from their own logits as usual.
+
+    The CUDA kernels implement the same rules; tests/ops/test_router_gpu.py compares them with the
+    reference on these inputs (indices exactly, weights NaN-aware).
     """
     G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize)
     return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)

@@ -5,6 +5,7 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels.ops.router import (
+    resolve_topk_options,
     router_aux_scores_bwd_reference,
     router_aux_scores_reference,
     router_group_scores,
@@ -13,6 +14,7 @@ from moe_kernels.ops.router import (
     router_weights_reference,
 )
 from moe_kernels.testing import FP32_EPS, assert_close_to_fp64, assert_exact
+from tests.ops.test_router import router_bwd_bad_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -24,6 +26,8 @@ CONFIGS = {
     "sqrtsoftplus": dict(score="sqrtsoftplus", bias=True, scaling_factor=1.5),
     "sigmoid_unnormalized": dict(score="sigmoid", normalize=False),
 }
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the logits dtypes the kernels take
+DTYPE_IDS = ["fp32", "bf16", "fp16"]
 SHAPES = [(0, 8, 2), (1, 8, 1), (1, 1024, 8), (2048, 8, 8), (2048, 64, 4), (2048, 128, 8), (2048, 1024, 32),
           (16384, 256, 8)]
 
@@ -70,8 +74,19 @@ def _kwargs(cfg, bias):
     return kw
 
 
+def assert_grad_close(grad, d32, d64, dtype, what):
+    """Gradient w.r.t. logits against fp64: <= 2x torch's fp32 error. A bf16/fp16 gradient is the fp32
+    one rounded to the logits dtype, so the baseline gets the same rounding, and the floor (1e-3, about
+    one fp16 step at magnitude 1) covers an element whose fp32 values round to neighbouring values."""
+    assert grad.dtype == dtype
+    if dtype == torch.float32:
+        assert_close_to_fp64(grad, d32, d64, what)
+    else:
+        assert_close_to_fp64(grad.float(), d32.to(dtype).float(), d64, f"{what} ({dtype})", floor=1e-3)
+
+
 @pytest.mark.parametrize("name,T,E,k", list(_cases()))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_router_topk_matches_reference(cuda, name, T, E, k, dtype):
     cfg = CONFIGS[name]
     logits, bias = _inputs(T, E, dtype, cfg, seed=T + E + k)
@@ -95,17 +110,14 @@ def test_router_topk_matches_reference(cuda, name, T, E, k, dtype):
     w.backward(g.to(cuda))
     d32 = router_topk_bwd_reference(g, logits.float(), chosen, *args)
     d64 = router_topk_bwd_reference(g.double(), logits.double(), chosen, *args)
-    assert x.grad.dtype == dtype
-    if dtype == torch.float32:
-        assert_close_to_fp64(x.grad, d32, d64, "grad logits")
-    else:  # the gradient is rounded to bf16 like the logits: compare after the same rounding
-        assert_close_to_fp64(x.grad.float(), d32.to(dtype).float(), d64, "grad logits (bf16)", floor=1e-3)
+    assert_grad_close(x.grad, d32, d64, dtype, "grad logits")
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
 @pytest.mark.parametrize("T,E,k", [(0, 8, 2), (1, 64, 8), (2048, 256, 8), (4096, 1024, 32)])
-def test_aux_scores_match_reference(cuda, score, T, E, k):
-    logits, _ = _inputs(T, E, torch.float32, {}, seed=E + k)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_aux_scores_match_reference(cuda, score, T, E, k, dtype):
+    logits, _ = _inputs(T, E, dtype, {}, seed=E + k)
     ref_scores, ref_idx = router_aux_scores_reference(logits, k, score)
     x = logits.to(cuda, copy=True).requires_grad_()
     scores, idx = mk.router_aux_scores(x, k, score=score)
@@ -116,22 +128,98 @@ def test_aux_scores_match_reference(cuda, score, T, E, k):
     scores.backward(g.to(cuda))
     d32 = router_aux_scores_bwd_reference(g, logits, score)
     d64 = router_aux_scores_bwd_reference(g.double(), logits.double(), score)
-    assert_close_to_fp64(x.grad, d32, d64, "aux scores grad")
+    assert_grad_close(x.grad, d32, d64, dtype, "aux scores grad")
 
 
-def test_non_finite_logits(cuda):
-    logits = torch.randn(64, 32)
-    logits[0, :5] = float("-inf")
-    logits[1, 3] = float("nan")
-    logits[2] = float("nan")
-    logits[3, 7] = float("inf")
-    for kw in (dict(score="softmax"), dict(score="sigmoid"), dict(score="softmax", pre_softmax=True)):
-        ref_w, ref_idx = mk.router_topk(logits, 4, **kw)
-        w, idx = mk.router_topk(logits.to(cuda), 4, **kw)
-        assert_exact(idx.cpu(), ref_idx, f"indices {kw}")
-        assert torch.equal(torch.isnan(w.cpu()), torch.isnan(ref_w)), f"NaN pattern {kw}"
-        finite = ~torch.isnan(ref_w)
-        torch.testing.assert_close(w.cpu()[finite], ref_w[finite], rtol=1e-5, atol=1e-6)
+NON_FINITE_K = 4
+NON_FINITE_CONFIGS = {  # E = 32: groups of 8
+    "softmax": dict(score="softmax"),
+    "softmax_pre": dict(score="softmax", pre_softmax=True),
+    "sigmoid": dict(score="sigmoid"),
+    "sigmoid_unnormalized": dict(score="sigmoid", normalize=False),
+    "sqrtsoftplus": dict(score="sqrtsoftplus", scaling_factor=1.5),
+    "sqrtsoftplus_unnormalized": dict(score="sqrtsoftplus", normalize=False),
+    "sigmoid_bias": dict(score="sigmoid", bias=True),
+    "sqrtsoftplus_bias": dict(score="sqrtsoftplus", normalize=False, bias=True),
+    "deepseek": dict(score="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5, bias=True),
+    "groups_score_top1": dict(score="sigmoid", num_groups=4, group_topk=2, group_score_topk=1),
+    "sqrtsoftplus_groups": dict(score="sqrtsoftplus", num_groups=4, group_topk=2, bias=True),
+    "softmax_groups": dict(score="softmax", num_groups=4, group_topk=2),
+    "softmax_pre_groups": dict(score="softmax", pre_softmax=True, num_groups=4, group_topk=1),
+}
+
+
+def _non_finite_inputs(dtype, with_bias):
+    """[64, 32] logits: rows 0-15 hand-placed NaN/+inf/-inf patterns, the rest sprinkled at random.
+
+    The finite logits are a per-row permutation of 32 values at least 0.12 apart whose pairwise sums
+    differ too (a quadratic term), and the bias takes values 0, 4, 8, so selection and group scores are
+    exactly tied or far apart and the comparison of indices can be bit-exact; `_assert_no_near_ties`
+    checks that on the drawn inputs."""
+    nan, inf = float("nan"), float("inf")
+    gen = torch.Generator().manual_seed(11)
+    T, E = 64, 32
+    m = torch.arange(E) - 16.0
+    grid = 0.25 * m + 0.004 * m**2 + 0.1
+    logits = torch.stack([grid[torch.randperm(E, generator=gen)] for _ in range(T)])
+    logits[0, :5] = -inf
+    logits[1, 3] = nan
+    logits[2] = nan
+    logits[3, 7] = inf
+    logits[4, [2, 9]] = inf
+    logits[5] = -inf
+    logits[6, :3] = torch.tensor([nan, inf, -inf])
+    logits[7, 2:] = nan  # two non-NaN experts: NaN experts fill the other slots
+    logits[8, 8:16] = nan  # a whole group NaN
+    logits[9, 9:16] = nan  # the group holding the best logit has one non-NaN expert
+    logits[9, 8] = 5.0
+    logits[10, 16:24] = nan  # +inf and NaN in one group
+    logits[10, 16] = inf
+    logits[11, 24] = inf  # +inf in a group of finite logits
+    logits[12, [3, 11]] = inf  # two groups at +inf: the lower group wins the tie
+    logits[13, 8:] = nan  # only group 0 has non-NaN experts
+    logits[14, 1::2] = -inf
+    logits[15, 3:] = -inf  # three finite logits: with pre_softmax a probability-0 expert fills the last slot
+    u = torch.rand(T - 16, E, generator=gen)
+    rest = logits[16:]
+    rest[u < 0.05] = nan
+    rest[(u >= 0.05) & (u < 0.1)] = inf
+    rest[(u >= 0.1) & (u < 0.2)] = -inf
+    bias = torch.randint(0, 3, (E,), generator=gen).float() * 4 if with_bias else None
+    return logits.to(dtype), bias
+
+
+def _assert_no_near_ties(scores, what, rel=1e-5):
+    """The finite scores of each row (computed in fp64) are equal or differ by more than `rel`."""
+    for t, row in enumerate(scores.double()):
+        v = torch.unique(row[torch.isfinite(row)])  # sorted
+        if v.numel() > 1:
+            gap = (v[1:] - v[:-1]) / torch.maximum(v[1:].abs(), v[:-1].abs())
+            assert bool((gap > rel).all()), f"{what}: row {t} has near-tied scores; the test input needs another draw"
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("name", list(NON_FINITE_CONFIGS))
+def test_non_finite_logits(cuda, name, dtype):
+    """NaN/+inf/-inf logits: the same experts in the same order as the reference, bit for bit, and the
+    same weights, NaN and +-inf in the same slots (router_topk's docstring gives the rules)."""
+    cfg = NON_FINITE_CONFIGS[name]
+    k, score, pre = NON_FINITE_K, cfg["score"], cfg.get("pre_softmax", False)
+    logits, bias = _non_finite_inputs(dtype, cfg.get("bias", False))
+    kw = _kwargs(cfg, bias)
+    sel = router_selection_scores(logits.double(), score, pre, None if bias is None else bias.double())
+    _assert_no_near_ties(sel, f"{name} selection scores")
+    if "num_groups" in cfg:
+        G, _, gst, _, _ = resolve_topk_options(k, cfg["num_groups"], cfg["group_topk"], cfg.get("group_score_topk"),
+                                               None, None)
+        _assert_no_near_ties(router_group_scores(sel, G, gst), f"{name} group scores")
+
+    ref_w, ref_idx = mk.router_topk(logits, k, **kw)  # CPU reference
+    w, idx = mk.router_topk(logits.to(cuda), k, **{**kw, "expert_bias": None if bias is None else bias.to(cuda)})
+    assert_exact(idx.cpu(), ref_idx, f"indices {name} {dtype}")
+    torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6, equal_nan=True,
+                               msg=lambda m: f"weights {name} {dtype}: {m}")
+    assert not torch.isfinite(ref_w).all(), f"{name}: the inputs should reach non-finite weights"
 
 
 def test_deterministic(cuda):
@@ -163,6 +251,24 @@ def test_bad_input_on_gpu(cuda):
         mk.router_topk(torch.randn(4, 128, device=cuda), 2, num_groups=64, group_topk=2, score="sigmoid")
     with pytest.raises(ValueError, match="expert_bias"):
         mk.router_topk(torch.randn(4, 8, device=cuda), 2, score="sigmoid", expert_bias=torch.zeros(8))
+
+
+def test_backward_ops_check_inputs_on_gpu(cuda):
+    """The backward helper ops, called directly with mismatched inputs, raise before any kernel runs."""
+    for op, args, exc, match in router_bwd_bad_inputs(cuda):
+        with pytest.raises(exc, match=match):
+            op(*args)
+    if cuda.type != "cuda":
+        return
+    logits = torch.randn(6, 8, device=cuda)
+    idx = torch.zeros(6, 2, dtype=torch.int32, device=cuda)
+    with pytest.raises(ValueError, match="grad_weights"):  # on another device than logits
+        torch.ops.moe_kernels.router_topk_bwd(torch.randn(6, 2), logits, idx, "softmax", False, False, 1.0)
+    with pytest.raises(ValueError, match="indices"):
+        torch.ops.moe_kernels.router_topk_bwd(torch.randn(6, 2, device=cuda), logits, idx.cpu(), "softmax", False,
+                                              False, 1.0)
+    with pytest.raises(ValueError, match="grad_scores"):
+        torch.ops.moe_kernels.router_aux_scores_bwd(torch.randn(6, 8), logits, "softmax")
 
 
 def test_losses_on_gpu(cuda):
