@@ -1,5 +1,13 @@
-"""Parallelism applied to a finished model from outside (ARCHITECTURE.md, decision 7)."""
+"""Parallelism applied to a finished model from outside (ARCHITECTURE.md, decision 7).
 
+    apply_expert_parallel(model, ep_group)          # each rank keeps E/P experts, tokens dispatched
+    ...loss.backward()
+    all_reduce_gradients(model, dp_group)           # replicated parameters averaged, experts scaled
+    all_reduce_expert_counts(model, dp_group)       # before router.update_expert_bias()
+    optimizer.step()
+"""
+
+from moe_kernels.parallel.data_parallel import all_reduce_expert_counts, all_reduce_gradients
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 
-__all__ = ["apply_expert_parallel", "expert_parameters"]
+__all__ = ["all_reduce_expert_counts", "all_reduce_gradients", "apply_expert_parallel", "expert_parameters"]

@@ -1,0 +1,76 @@
+"""Training steps with expert parallelism + data parallelism on P gloo ranks equal one process that
+accumulates the same P batches (the step's loss is the mean of the ranks' losses), expert bias included."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_kernels.models import PRESETS, build_model
+from moe_kernels.parallel import all_reduce_expert_counts, all_reduce_gradients, apply_expert_parallel, expert_parameters
+from tests.distributed import run_world
+
+pytestmark = pytest.mark.distributed
+
+
+def _batch(step: int, rank: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model, ids):
+    logits, aux = model(ids[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + aux
+
+
+def _bias_layers(model):
+    return [layer for layer in model.moe_layers() if layer.router.expert_bias is not None]
+
+
+def _worker(rank, P, family, backend, steps):
+    torch.manual_seed(0)
+    ref = build_model(PRESETS[family](num_experts=4 * P))
+    ep = apply_expert_parallel(copy.deepcopy(ref), backend=backend)
+    # SGD: an update linear in the gradient (Adam would turn rounding-level gradients into +-lr steps).
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ref, ep)]
+    vocab = ref.config.vocab_size
+    for step in range(steps):
+        # One process: the P ranks' batches, gradients accumulated with weight 1/P.
+        ref_losses = []
+        for r in range(P):
+            loss = _loss(ref, _batch(step, r, vocab))
+            (loss / P).backward()
+            ref_losses.append(loss.detach())
+        for layer in _bias_layers(ref):
+            layer.router.update_expert_bias()
+        # P ranks: each its own batch.
+        loss = _loss(ep, _batch(step, rank, vocab))
+        loss.backward()
+        all_reduce_gradients(ep)
+        all_reduce_expert_counts(ep)
+        for layer in _bias_layers(ep):
+            layer.router.update_expert_bias()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        torch.testing.assert_close(loss.detach(), ref_losses[rank], rtol=1e-5, atol=1e-6)
+
+    where = f"rank {rank}/{P} {family} {backend}"
+    sharded = {id(p) for p in expert_parameters(ep)}
+    ref_params = dict(ref.named_parameters())
+    for name, p in ep.named_parameters():
+        want = ref_params[name]
+        if id(p) in sharded:
+            El = p.shape[0]
+            want = want[rank * El : (rank + 1) * El]
+        torch.testing.assert_close(p, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
+    for a, b in zip(_bias_layers(ep), _bias_layers(ref)):
+        assert torch.equal(a.router.expert_bias, b.router.expert_bias), where
+    assert any(bool(layer.router.expert_bias.abs().sum()) for layer in _bias_layers(ref)) or not _bias_layers(ref)
+
+
+@pytest.mark.parametrize("family,backend", [("tiny-qwen3-moe", "all_to_all"), ("tiny-deepseek-v3", "all_gather")])
+def test_training_steps_equal_one_process(family, backend):
+    run_world(_worker, 2, family, backend, 3)
