@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_kernels.dispatch import collectives
-from moe_kernels.dispatch.base import Dispatched, Dispatcher
+from moe_kernels.dispatch.base import Dispatched, Dispatcher, padding_scales
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
 
@@ -33,8 +33,8 @@ class AllGatherDispatcher(Dispatcher):
         self.group = group
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
 
-    def dispatch(self, x: Tensor, weights: Tensor, indices: Tensor, *, align: int = 1) -> Dispatched:
-        indices = self._check(x, weights, indices, align)
+    def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
+        indices = self._check(x, weights, indices, align, scales)
         T = x.shape[0]
         sizes = x.new_empty((self.num_ranks,), dtype=torch.int64)
         dist.all_gather_into_tensor(sizes, torch.tensor([T], device=x.device), group=self.group)
@@ -43,6 +43,8 @@ class AllGatherDispatcher(Dispatcher):
             x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
             weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
             indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
+            if scales is not None:
+                scales = torch.cat([scales, scales.new_zeros((pad, scales.shape[1]))])
         x_all = collectives.all_gather(x, self.group)  # [P * Tmax, H]
         w_all = collectives.all_gather(weights.float(), self.group)  # [P * Tmax, k]
         i_all = collectives._AllGather.apply(indices, self.group)  # [P * Tmax, k]
@@ -51,7 +53,11 @@ class AllGatherDispatcher(Dispatcher):
         x_grouped, row_map, group_sizes = permute(x_all, local_ids, El, align=align)
         w_grouped = permuted_row_values(w_all, row_map, x_grouped.shape[0])
         handle = _AllGatherHandle(row_map, w_all, T)
-        return Dispatched(x_grouped, w_grouped, group_sizes, handle, row_map, local_ids)
+        d = Dispatched(x_grouped, w_grouped, group_sizes, handle, row_map, local_ids)
+        if scales is not None:
+            s_all = collectives._AllGather.apply(scales, self.group)
+            d.scales = padding_scales(permute(s_all, local_ids, El, align=align)[0], d.local_indices)
+        return d
 
     def combine(self, y: Tensor, handle: _AllGatherHandle, *, weighted: bool = True) -> Tensor:
         partial = unpermute(y.float(), handle.row_map, handle.weights if weighted else None)  # [P * Tmax, H]

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_kernels.dispatch import collectives
-from moe_kernels.dispatch.base import Dispatched, Dispatcher
+from moe_kernels.dispatch.base import Dispatched, Dispatcher, padding_scales
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
 
@@ -38,8 +38,8 @@ class AllToAllDispatcher(Dispatcher):
         self.group = group
         super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
 
-    def dispatch(self, x: Tensor, weights: Tensor, indices: Tensor, *, align: int = 1) -> Dispatched:
-        indices = self._check(x, weights, indices, align)
+    def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
+        indices = self._check(x, weights, indices, align, scales)
         P, El = self.num_ranks, self.num_local_experts
         x_perm, row_map, counts = permute(x, indices, self.num_experts)  # [T*k, H], [T, k], [E]
         recv_counts = collectives._all_to_all(counts, counts.shape[0], None, None, self.group)  # [P * El]
@@ -56,7 +56,12 @@ class AllToAllDispatcher(Dispatcher):
         x_grouped, recv_row_map, group_sizes = permute(x_recv, local_ids, El, align=align)
         w_grouped = permuted_row_values(w_recv[:, None], recv_row_map, x_grouped.shape[0])
         handle = _AllToAllHandle(row_map, weights, recv_row_map, send_splits, recv_splits, x_perm.shape[0])
-        return Dispatched(x_grouped, w_grouped, group_sizes, handle, recv_row_map, local_ids)
+        d = Dispatched(x_grouped, w_grouped, group_sizes, handle, recv_row_map, local_ids)
+        if scales is not None:  # the same three moves (permute is deterministic: the rows line up)
+            s_perm = permute(scales, indices, self.num_experts)[0][:n_send]
+            s_recv = collectives.all_to_all(s_perm, recv_splits, send_splits, self.group)
+            d.scales = padding_scales(permute(s_recv, local_ids, El, align=align)[0], d.local_indices)
+        return d
 
     def combine(self, y: Tensor, handle: _AllToAllHandle, *, weighted: bool = True) -> Tensor:
         y_recv = unpermute(y, handle.recv_row_map)  # [N, H], one row per received pair (a copy)

@@ -17,6 +17,13 @@ from torch import Tensor
 from moe_kernels.ops._checks import FLOAT_DTYPES, check_int, check_tensor
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
+PAYLOAD_DTYPES = (*FLOAT_DTYPES, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+
+
+def padding_scales(scales: Tensor, local_indices: Tensor) -> Tensor:
+    """Scales of the grouped rows with 1 in the padding rows (permute pads with zeros)."""
+    return torch.where(local_indices[:, None] >= 0, scales, torch.ones((), dtype=scales.dtype))
+
 
 @dataclass(eq=False)
 class Dispatched:
@@ -28,6 +35,8 @@ class Dispatched:
     weights [R] fp32: the routing weight of each row (0 for padding), for experts that apply it inside.
     group_sizes [El] int32: padded rows per local expert, ready for grouped_mm.
     handle: what `combine` needs; opaque.
+    scales [R, S]: the rows of dispatch's `scales` (a quantized payload's scales) moved with x, 1 in the
+    padding rows (so dequantizing padding gives zeros); None when no scales were given.
     """
 
     x: Tensor
@@ -36,6 +45,7 @@ class Dispatched:
     handle: Any
     _row_map: Tensor  # [N, k] rows of the received (token, slot) pairs, for local_indices
     _local_ids: Tensor  # [N, k] their local experts, -1 where not local
+    scales: Tensor | None = None
 
     @functools.cached_property
     def local_indices(self) -> Tensor:
@@ -62,14 +72,24 @@ class Dispatcher(abc.ABC):
         self.first_expert = rank * self.num_local_experts  # this rank owns [first_expert, first_expert + El)
 
     @abc.abstractmethod
-    def dispatch(self, x: Tensor, weights: Tensor, indices: Tensor, *, align: int = 1) -> Dispatched: ...
+    def dispatch(
+        self, x: Tensor, weights: Tensor, indices: Tensor, *, align: int = 1, scales: Tensor | None = None
+    ) -> Dispatched:
+        """x [T, H] in any dtype permute takes (FP8 codes and packed FP4 as uint8 included; only float x
+        is differentiable); `scales` [T, S] fp32 rows that travel with x (quantize_fp8's 'block' or
+        'row' scales, NVFP4 block scales as uint8)."""
 
     @abc.abstractmethod
     def combine(self, y: Tensor, handle: Any, *, weighted: bool = True) -> Tensor: ...
 
-    def _check(self, x: Tensor, weights: Tensor, indices: Tensor, align: int) -> Tensor:
+    def _check(self, x: Tensor, weights: Tensor, indices: Tensor, align: int, scales: Tensor | None = None) -> Tensor:
         op = f"{type(self).__name__}.dispatch"
-        check_tensor(op, "x", x, ndim=2)
+        check_tensor(op, "x", x, ndim=2, dtypes=PAYLOAD_DTYPES)
+        if scales is not None:
+            check_tensor(op, "scales", scales, ndim=2, dtypes=(torch.float32, torch.uint8, torch.float8_e4m3fn),
+                         device=x.device)
+            if scales.shape[0] != x.shape[0]:
+                raise ValueError(f"{op}: `scales` has {scales.shape[0]} rows for {x.shape[0]} tokens in `x`")
         check_tensor(op, "indices", indices, ndim=2, dtypes=(torch.int32, torch.int64), device=x.device)
         check_tensor(op, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES, device=x.device)
         check_int(op, "align", align, minimum=1)
@@ -97,11 +117,14 @@ class LocalDispatcher(Dispatcher):
     def __init__(self, num_experts: int):
         super().__init__(num_experts, 1, 0)
 
-    def dispatch(self, x: Tensor, weights: Tensor, indices: Tensor, *, align: int = 1) -> Dispatched:
-        indices = self._check(x, weights, indices, align)
+    def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
+        indices = self._check(x, weights, indices, align, scales)
         x_perm, row_map, group_sizes = permute(x, indices, self.num_experts, align=align)
         row_weights = permuted_row_values(weights.float(), row_map, x_perm.shape[0])
-        return Dispatched(x_perm, row_weights, group_sizes, _LocalHandle(row_map, weights), row_map, indices)
+        d = Dispatched(x_perm, row_weights, group_sizes, _LocalHandle(row_map, weights), row_map, indices)
+        if scales is not None:
+            d.scales = padding_scales(permute(scales, indices, self.num_experts, align=align)[0], d.local_indices)
+        return d
 
     def combine(self, y: Tensor, handle: _LocalHandle, *, weighted: bool = True) -> Tensor:
         return unpermute(y, handle.row_map, handle.weights if weighted else None)

@@ -14,10 +14,18 @@ import torch.distributed as dist
 from torch import Tensor
 
 
+_BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _wire(t: Tensor) -> Tensor:
+    """FP8 payloads travel as bytes (not every backend has FP8 types)."""
+    return t.view(torch.uint8) if t.dtype in _BYTE_FLOATS else t
+
+
 def _all_to_all(x: Tensor, out_rows: int, out_splits: Sequence[int] | None, in_splits: Sequence[int] | None, group) -> Tensor:
     out = x.new_empty((out_rows, *x.shape[1:]))
     dist.all_to_all_single(
-        out, x.contiguous(),
+        _wire(out), _wire(x.contiguous()),
         output_split_sizes=None if out_splits is None else list(out_splits),
         input_split_sizes=None if in_splits is None else list(in_splits),
         group=group,
@@ -58,7 +66,7 @@ class _AllGather(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         out = x.new_empty((dist.get_world_size(group) * x.shape[0], *x.shape[1:]))
-        dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+        dist.all_gather_into_tensor(_wire(out), _wire(x.contiguous()), group=group)
         return out
 
     @staticmethod

@@ -129,3 +129,50 @@ def test_dispatcher_bad_input():
 def test_make_dispatcher_names_the_backends():
     with pytest.raises(ValueError, match="backend must be one of"):
         make_dispatcher("nvlink", 8)
+
+
+def _worker_fp8_payload(rank, P, backend):
+    # FP8 codes and their block scales travel together: the received payload is exactly the quantized
+    # received rows (quantization is per row), and padding rows dequantize to zeros.
+    from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
+
+    E = 4 * P
+    for case, T, align in (("uniform", 9 + 4 * rank, 16), ("hot", 5, 1), ("uniform", 0 if rank else 6, 8)):
+        gen = torch.Generator().manual_seed(rank + T)
+        x = torch.randn(T, 200, generator=gen)  # two 1x128 blocks, the second partial
+        indices = _routing(case, T, 3, E, P, gen)
+        weights = torch.rand(T, 3, generator=gen)
+        disp = make_dispatcher(backend, E)
+        plain = disp.dispatch(x, weights, indices, align=align)
+        q, s = quantize_fp8(x, "block")
+        d = disp.dispatch(q, weights, indices, align=align, scales=s)
+        where = f"rank {rank}: {backend} {case} T={T} align={align}"
+        rows = int(d.group_sizes.sum())
+        want_q, want_s = quantize_fp8(plain.x[:rows], "block")
+        assert d.x.dtype == torch.float8_e4m3fn and d.scales.shape == (d.x.shape[0], 2), where
+        assert torch.equal(d.x[:rows].view(torch.uint8), want_q.view(torch.uint8)), where
+        assert torch.equal(d.scales[:rows], want_s), where
+        assert torch.equal(d.group_sizes, plain.group_sizes), where
+        deq = dequantize_fp8(d.x[:rows], d.scales[:rows], "block", dtype=torch.float32)
+        pad = d.local_indices[:rows] < 0
+        assert torch.isfinite(deq).all() and torch.all(deq[pad] == 0), where
+
+
+@pytest.mark.parametrize("backend", sorted(BACKENDS))
+def test_fp8_payload_travels_with_its_scales(backend):
+    run_world(_worker_fp8_payload, 2, backend)
+
+
+def test_local_dispatcher_fp8_payload():
+    from moe_kernels.ops.quant import quantize_fp8
+
+    x = torch.randn(7, 256)
+    idx = torch.tensor([[0, 1], [1, -1], [2, 0], [0, 0], [1, 2], [-1, -1], [2, 1]], dtype=torch.int32)
+    w = torch.rand(7, 2)
+    q, s = quantize_fp8(x, "block")
+    disp = LocalDispatcher(3)
+    d, plain = disp.dispatch(q, w, idx, align=4, scales=s), disp.dispatch(x, w, idx, align=4)
+    want_q, want_s = quantize_fp8(plain.x, "block")  # padding rows: codes 0, scale 1
+    assert torch.equal(d.x.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(d.scales, want_s)
+    with pytest.raises(ValueError, match="`scales` has 6 rows"):
+        disp.dispatch(q, w, idx, scales=s[:6])
