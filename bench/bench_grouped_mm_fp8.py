@@ -7,6 +7,12 @@ Peer, timed in the same run on the same problems:
   moe_kernels_bf16   our bf16 grouped_mm on the unquantized operands (the perf.md bar: >= 1.6x)
 Checked before timing, on the first input set: against the fp32 reference of the dequantized operands,
 within twice the error of that reference rounded to bf16 (plus a floor) against fp64.
+
+A second op per case, fp8_recipe_fwd_bwd: Fp8BlockwiseRecipe().grouped_mm forward and backward (dx, dw)
+from bf16 x and w, quantization of x, w and dout included (each training step quantizes them anew),
+against bf16 grouped_mm forward and backward; FLOPs = 3 * 2 * M * N * K. Checked first: out, dx and dw
+within relative L2 error 0.1 of the bf16 ones (FP8 keeps ~3 significant bits; a wrong scale or layout is
+far outside).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch
 
 import moe_kernels
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference
+from moe_kernels.quant import Fp8BlockwiseRecipe
 from moe_kernels.testing import assert_close_to_fp64
 
 from . import bench_grouped_mm as bg
@@ -41,7 +48,34 @@ def _inputs(ctx: h.Context, c: bg.Case, seed: int) -> dict:
     sizes = torch.tensor(c.sizes(seed), dtype=torch.int32, device=ctx.device)
     xq, xs = moe_kernels.quantize_fp8(x, "block")
     wq, ws = moe_kernels.quantize_fp8_experts(w)
-    return dict(x=x, w=w, sizes=sizes, fp8=(xq, xs, wq, ws, sizes))
+    dout = torch.randn(c.M, c.N, generator=g, device=ctx.device).to(torch.bfloat16)
+    return dict(x=x, w=w, sizes=sizes, fp8=(xq, xs, wq, ws, sizes), train=(x.requires_grad_(), w.requires_grad_(), sizes, dout))
+
+
+RECIPE = Fp8BlockwiseRecipe()
+
+
+def _fwd_bwd(mm):
+    def step(x, w, sizes, dout):
+        out = mm(x, w, sizes)
+        return (out, *torch.autograd.grad(out, (x, w), dout))
+    return step
+
+
+def _rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def _check_recipe(c: bg.Case, train: tuple) -> None:
+    rows = int(train[2].sum())
+    ours = _fwd_bwd(RECIPE.grouped_mm)(*train)
+    bf16 = _fwd_bwd(moe_kernels.grouped_mm)(*train)
+    for name, a, b in zip(("out", "dx", "dw"), ours, bf16):
+        if name != "dw":
+            a, b = a[:rows], b[:rows]
+        err = _rel_l2(a, b)
+        if not err <= 0.1:
+            raise AssertionError(f"{c.name} fp8 recipe: {name} relative L2 error {err:.3g} > 0.1 against bf16")
 
 
 def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
@@ -59,17 +93,36 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     peers, variants = {"moe_kernels_bf16": peer}, {"moe_kernels_bf16": "grouped_mm"}
     flops = 2 * c.M * c.N * c.K
     nbytes = c.M * c.K + c.E * c.N * c.K + 4 * (c.M * c.K // 128 + c.E * (-(-c.N // 128)) * (c.K // 128)) + 2 * c.M * c.N
-    return [h.make_result(ctx, op="grouped_mm_fp8_fwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.float8_e4m3fn,
-                          timing=ours, nbytes=nbytes, flops=flops, peers=peers, peer_variant=variants)]
+    fwd = h.make_result(ctx, op="grouped_mm_fp8_fwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.float8_e4m3fn,
+                        timing=ours, nbytes=nbytes, flops=flops, peers=peers, peer_variant=variants)
+
+    _check_recipe(c, s0["train"])
+    ours_train = ctx.time(_fwd_bwd(RECIPE.grouped_mm), [s["train"] for s in sets])
+    peer_train = ctx.time(_fwd_bwd(moe_kernels.grouped_mm), [s["train"] for s in sets])
+    bf16_bytes = 2 * (c.M * c.K + c.E * c.N * c.K + c.M * c.N)  # x, w, dout in; out, dx, dw out: 2x that
+    train = h.make_result(ctx, op="fp8_recipe_fwd_bwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.bfloat16,
+                          timing=ours_train, nbytes=2 * bf16_bytes, flops=3 * flops,
+                          peers={"moe_kernels_bf16": peer_train}, peer_variant={"moe_kernels_bf16": "grouped_mm fwd+bwd"})
+    return [fwd, train]
 
 
 def headline(results: list[h.Result]) -> list[str]:
+    lines = []
+    for op in ("grouped_mm_fp8_fwd", "fp8_recipe_fwd_bwd"):
+        chosen = [r for r in results if r.op == op]
+        if chosen:
+            lines += _headline(op, chosen)
+    return lines
+
+
+def _headline(op: str, results: list[h.Result]) -> list[str]:
     picked = [r for r in results if r.case.startswith(HEADLINE_MODEL)] or results
     s = [r.speedup["moe_kernels_bf16"] for r in picked]
     geo = torch.tensor(s, dtype=torch.float64).log().mean().exp().item()
     best = max(r.tflops or 0.0 for r in picked)
-    return [f"grouped_mm_fp8_fwd {picked[0].case.split('/')[0]}: {geo:.2f}x our bf16 grouped_mm (geomean over "
-            f"{len(s)} cases), up to {best:.0f} TFLOP/s ({BAR})"]
+    bar = f" ({BAR})" if op == "grouped_mm_fp8_fwd" else ""
+    return [f"{op} {picked[0].case.split('/')[0]}: {geo:.2f}x our bf16 grouped_mm (geomean over "
+            f"{len(s)} cases), up to {best:.0f} TFLOP/s{bar}"]
 
 
 def run(ctx: h.Context) -> h.Report:

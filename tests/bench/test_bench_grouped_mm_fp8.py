@@ -19,12 +19,14 @@ def test_cpu_run_writes_results(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     data = json.loads((tmp_path / "bench_grouped_mm_fp8.json").read_text())
-    assert data["failures"] == [] and len(data["results"]) == 4
+    assert data["failures"] == [] and len(data["results"]) == 8
     for r in data["results"]:
-        assert r["op"] == "grouped_mm_fp8_fwd" and r["shape"]["K"] % 128 == 0
-        assert r["flops"] == 2 * r["shape"]["M"] * r["shape"]["N"] * r["shape"]["K"]
+        assert r["op"] in ("grouped_mm_fp8_fwd", "fp8_recipe_fwd_bwd") and r["shape"]["K"] % 128 == 0
+        per_gemm = 2 * r["shape"]["M"] * r["shape"]["N"] * r["shape"]["K"]
+        assert r["flops"] == (per_gemm if r["op"] == "grouped_mm_fp8_fwd" else 3 * per_gemm)
         assert set(r["speedup"]) == {"moe_kernels_bf16"}
-    assert any(line.startswith("HEADLINE grouped_mm_fp8_fwd") for line in proc.stdout.splitlines())
+    for op in ("grouped_mm_fp8_fwd", "fp8_recipe_fwd_bwd"):
+        assert any(line.startswith(f"HEADLINE {op}") for line in proc.stdout.splitlines())
 
 
 def test_a_wrong_product_fails_the_case(monkeypatch):
@@ -32,4 +34,14 @@ def test_a_wrong_product_fails_the_case(monkeypatch):
     real = b8.moe_kernels.grouped_mm_fp8
     monkeypatch.setattr(b8.moe_kernels, "grouped_mm_fp8", lambda *a: real(*a) * 1.05)
     with pytest.raises(AssertionError, match="grouped_mm_fp8"):
+        b8.run_case(ctx, b8.cases(ctx)[0])
+
+
+def test_a_wrong_recipe_product_fails_the_case(monkeypatch):
+    from moe_kernels.quant import recipe
+
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    real = recipe.grouped_mm_fp8
+    monkeypatch.setattr(recipe, "grouped_mm_fp8", lambda *a: real(*a) * 1.5)
+    with pytest.raises(AssertionError, match="fp8 recipe: out"):
         b8.run_case(ctx, b8.cases(ctx)[0])
