@@ -38,6 +38,8 @@ def train(
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
     tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
     seed: int = typer.Option(0),
+    expert_parallel: int = typer.Option(1, help="Under torchrun: ranks per expert-parallel group (divides the "
+                                        "number of ranks); the rest of the model is data-parallel."),
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
 ) -> None:
     from moe_kernels.models import PRESETS
@@ -55,6 +57,7 @@ def train(
             lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
             eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
+            expert_parallel=expert_parallel,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
@@ -68,10 +71,17 @@ def train(
             f"{out} already holds checkpoints of a run. Pass --resume to continue it, --overwrite to delete its "
             f"checkpoints and metrics and start anew, or choose another --out.", param_hint="'--out'",
         )
-    trainer = Trainer(cfg, echo=print)
-    if overwrite:
+    try:
+        trainer = Trainer(cfg, echo=print)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if overwrite and trainer.is_main:
         checkpoint.clear(checkpoints)
         metrics.clear(out)
+    if trainer.par is not None:
+        import torch.distributed as dist
+
+        dist.barrier()
     try:
         resumed = resume and trainer.resume()
     except ResumeMismatchError as exc:
@@ -86,9 +96,19 @@ def train(
         console.print(f"no checkpoint in {checkpoints}: starting from step 0")
     elif resumed and trainer.step >= cfg.steps:
         console.print(f"the checkpoint is at step {trainer.step}, --steps is {cfg.steps}: nothing to train")
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    try:
+        _run(trainer, cfg, console, out)
+    finally:
+        trainer.close()
+
+
+def _run(trainer, cfg, console: Console, out: Path) -> None:
+    if not trainer.is_main:  # one rank reports
+        trainer.train()
+        return
+    n_params = trainer.num_parameters()
     print(
-        f"moe-train: {preset} ({n_params / 1e6:.2f}M parameters) on {trainer.device}, "
+        f"moe-train: {cfg.preset} ({n_params / 1e6:.2f}M parameters) on {trainer.device}{trainer.layout()}, "
         f"{trainer.data.vocab_size}-token vocabulary, {len(trainer.data.train):,} training tokens, "
         f"{trainer.flops_per_token / 1e6:.1f} MFLOP/token"
     )

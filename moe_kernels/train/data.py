@@ -70,6 +70,8 @@ class TokenData:
     batch_size: int
     seed: int = 0
     val_fraction: float = 0.05
+    rank: int = 0  # data-parallel rank and world: each rank takes its slice of the global batch
+    world: int = 1
 
     def __post_init__(self):
         n_val = max(int(len(self.tokens) * self.val_fraction), self.seq_len + 1)
@@ -85,14 +87,17 @@ class TokenData:
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
     def batch(self, step: int) -> tuple[Tensor, Tensor]:
-        """Inputs and next-token targets [B, S] for a training step: random windows seeded by step."""
+        """Inputs and next-token targets [B, S] for a training step: random windows seeded by step (this
+        rank's B of the world's B * world)."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (self.batch_size,), generator=g)
-        return self._windows(self.train, starts)
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (self.batch_size * self.world,), generator=g)
+        return self._windows(self.train, starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
 
     def eval_batches(self, count: int):
-        """The same `count` validation batches every time (evenly spaced windows)."""
+        """The same `count` validation batches every time (evenly spaced windows; each rank its slice)."""
         span = len(self.val) - self.seq_len - 1
-        starts = torch.linspace(0, max(span, 0), count * self.batch_size).long()
+        B, per_batch = self.batch_size, self.batch_size * self.world
+        starts = torch.linspace(0, max(span, 0), count * per_batch).long()
         for i in range(count):
-            yield self._windows(self.val, starts[i * self.batch_size : (i + 1) * self.batch_size])
+            chunk = starts[i * per_batch : (i + 1) * per_batch]
+            yield self._windows(self.val, chunk[self.rank * B : (self.rank + 1) * B])

@@ -15,8 +15,11 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
+from moe_kernels.parallel import expert_parameters
 from moe_kernels.quant import RECIPES
-from moe_kernels.train import checkpoint
+import torch.distributed as dist
+
+from moe_kernels.train import checkpoint, distributed
 from moe_kernels.train.data import TokenData, fingerprint, load_tokens
 from moe_kernels.train.metrics import MetricsLogger, format_line, memory_gib, peak_flops
 
@@ -48,11 +51,13 @@ class TrainConfig:
     precision: str = "bf16"  # expert GEMMs: "bf16" (the autocast/input precision) or "fp8-blockwise"
     activation_checkpointing: bool = False
     tensorboard: bool = False
+    expert_parallel: int = 1  # ranks per expert-parallel group (under torchrun; must divide the world)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {sorted(PRESETS)}")
-        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints"):
+        for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
+                     "expert_parallel"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps <= self.steps:
@@ -104,12 +109,16 @@ def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 class Trainer:
     def __init__(self, cfg: TrainConfig, *, echo=print):
         self.cfg = cfg
-        self.echo = echo
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else distributed.launched_world()
+        self.device = distributed.device_for(world, cfg.device)
+        self.par = distributed.setup(cfg.expert_parallel, self.device)  # None: one process
+        self.is_main = self.par is None or self.par.is_main
+        self.echo = echo if self.is_main else (lambda *args, **kwargs: None)
         self.out_dir = Path(cfg.out_dir)
         self._seed_everything(cfg.seed)
         tokens, vocab = load_tokens(cfg.data)
-        self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed)
+        rank, world = (0, 1) if self.par is None else (self.par.rank, self.par.world)
+        self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=rank, world=world)
         self.data_fingerprint = fingerprint(tokens, vocab)
         overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
         if cfg.num_layers is not None:
@@ -118,6 +127,8 @@ class Trainer:
             overrides["recipe"] = RECIPES[cfg.precision]
         self.model_config = PRESETS[cfg.preset](**overrides)
         self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
+        if self.par is not None:
+            distributed.shard_model(self.model, self.par)
         if cfg.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
         self.optimizer = torch.optim.AdamW(
@@ -146,13 +157,34 @@ class Trainer:
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device, non_blocking=True).flatten())
         return loss, aux.float()
 
+    def num_parameters(self) -> int:
+        """Of the full model (expert shards counted on every rank that holds one)."""
+        sharded = {id(p) for p in expert_parameters(self.model)}
+        P = 1 if self.par is None else self.par.expert_parallel
+        return sum(p.numel() * (P if id(p) in sharded else 1) for p in self.model.parameters())
+
+    def layout(self) -> str:
+        if self.par is None:
+            return ""
+        return f" x {self.par.world} ranks (expert-parallel groups of {self.par.expert_parallel})"
+
+    def close(self) -> None:
+        """Leaves the process group this trainer started (under torchrun)."""
+        if self.par is not None and self.par.owns_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+
     # -- checkpoints -------------------------------------------------------------------------------
 
     def state(self) -> dict:
+        """The full training state (expert shards gathered: every rank must call it)."""
+        if self.par is None:
+            model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+        else:
+            model_state, optimizer_state = distributed.full_state(self.model, self.optimizer, self.par)
         return {
             "step": self.step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
             "data": {"seed": self.data.seed, "fingerprint": self.data_fingerprint},  # batches: f(seed, step)
@@ -160,7 +192,13 @@ class Trainer:
         }
 
     def save(self) -> Path:
-        return checkpoint.save(self.out_dir / "checkpoints", self.step, self.state(), keep=self.cfg.keep_checkpoints)
+        state = self.state()
+        path = self.out_dir / "checkpoints" / f"step_{self.step:07d}.pt"
+        if self.is_main:
+            path = checkpoint.save(self.out_dir / "checkpoints", self.step, state, keep=self.cfg.keep_checkpoints)
+        if self.par is not None:
+            dist.barrier()  # the file exists before any rank goes on (and may resume from it)
+        return path
 
     def resume(self, path: str | Path | None = None) -> bool:
         """Loads `path`, or the latest checkpoint under out_dir. Returns False when there is none. Raises
@@ -179,8 +217,11 @@ class Trainer:
             return False
         state = checkpoint.load(path)
         self.check_resumable(path, state)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.par is None:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            distributed.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"], self.par)
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.data.seed = state["data"]["seed"]
@@ -216,13 +257,19 @@ class Trainer:
         self.model.eval()
         losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
         self.model.train()
-        return float(torch.stack(losses).mean())
+        loss = torch.stack(losses).mean()
+        return float(loss if self.par is None else distributed.mean_over_ranks(loss))
 
     def train_step(self) -> dict:
         inputs, targets = self.data.batch(self.step)
         loss, aux = self._loss(inputs, targets)
         (loss + aux).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        if self.par is None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        else:  # the step's loss is the mean of the ranks' losses; expert-bias counts summed too
+            distributed.reduce_gradients(self.model, self.par)
+            grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip, self.par)
+            loss, aux = distributed.mean_over_ranks(torch.stack([loss.detach(), aux.detach()]))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -235,8 +282,9 @@ class Trainer:
     def train(self, progress=None) -> list[dict]:
         """Runs to cfg.steps; returns the logged records. `progress(step)` is called after each step."""
         cfg = self.cfg
-        logger = MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard, echo=self.echo,
-                               resume_step=None if self._new_metrics else self.step)
+        logger = (MetricsLogger(self.out_dir, tensorboard=cfg.tensorboard, echo=self.echo,
+                                resume_step=None if self._new_metrics else self.step)
+                  if self.is_main else _NoLogger())
         self._new_metrics = False
         records: list[dict] = []
         self.model.train()
@@ -251,8 +299,9 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
-                    tokens_per_s = window_steps * cfg.batch_size * cfg.seq_len / elapsed
-                    flops = tokens_per_s * self.flops_per_token
+                    world = 1 if self.par is None else self.par.world
+                    tokens_per_s = window_steps * cfg.batch_size * cfg.seq_len * world / elapsed  # all ranks
+                    flops = tokens_per_s / world * self.flops_per_token  # per GPU, as MFU is
                     record = {
                         "kind": "train", "step": self.step, "loss": float(out["loss"]),
                         "aux_loss": float(out["aux_loss"]), "grad_norm": float(out["grad_norm"]),
@@ -273,3 +322,13 @@ class Trainer:
         finally:
             logger.close()
         return records
+
+
+class _NoLogger:
+    """Ranks other than 0 log nothing."""
+
+    def log(self, record: dict, *, line: str | None = None) -> None:
+        pass
+
+    def close(self) -> None:
+        pass

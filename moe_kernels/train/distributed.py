@@ -1,0 +1,161 @@
+"""Data + expert parallel training on torch.distributed (torchrun), for the Trainer.
+
+W ranks each train on their own slice of the global batch (batch_size per rank); the experts of every MoE
+layer are spread over expert-parallel groups of P consecutive ranks (P divides W), the rest of the model
+is replicated. Ranks holding the same experts form the expert-data-parallel groups. Checkpoints hold the
+full model and optimizer state (expert shards gathered), so a run saved with one layout resumes with
+another, or on one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_kernels.parallel import all_reduce_expert_counts, all_reduce_gradients, apply_expert_parallel, expert_parameters
+
+
+@dataclass
+class Parallel:
+    rank: int
+    world: int
+    expert_parallel: int
+    ep_group: object  # this rank's expert-parallel group (P ranks)
+    edp_group: object  # the ranks holding the same experts (W / P ranks), None when W == P
+    owns_process_group: bool
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.expert_parallel
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
+    """Joins (or starts, under torchrun) the default process group; None for a one-process run."""
+    initialized = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if initialized else launched_world()
+    if world == 1 and expert_parallel == 1:
+        return None
+    if world % expert_parallel:
+        raise ValueError(f"expert_parallel={expert_parallel} must divide the number of ranks ({world})")
+    owns = False
+    if not initialized:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    rank, world = dist.get_rank(), dist.get_world_size()
+    P = expert_parallel
+    # new_group must be called by every rank for every group, in the same order.
+    ep_groups = [dist.new_group(list(range(s, s + P))) for s in range(0, world, P)] if P < world else [None]
+    edp_groups = [dist.new_group(list(range(r, world, P))) for r in range(P)] if P < world else [None]
+    ep_group = ep_groups[rank // P] if P < world else None  # None: the default group, all ranks
+    edp_group = edp_groups[rank % P] if P < world else None
+    return Parallel(rank, world, P, ep_group, edp_group, owns)
+
+
+def device_for(parallel_world: int, preference: str | None) -> torch.device:
+    """cuda:LOCAL_RANK under torchrun with GPUs, else the preference (default: cuda when available)."""
+    if preference is None and torch.cuda.is_available():
+        if parallel_world > 1:
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda")
+    return torch.device(preference or "cpu")
+
+
+def shard_model(model: nn.Module, par: Parallel) -> None:
+    if par.expert_parallel > 1:
+        apply_expert_parallel(model, par.ep_group)
+
+
+def reduce_gradients(model: nn.Module, par: Parallel) -> None:
+    all_reduce_gradients(model, None, expert_dp_group=par.edp_group if par.expert_parallel > 1 else None)
+    all_reduce_expert_counts(model, None)
+
+
+@torch.no_grad()
+def clip_grad_norm(model: nn.Module, max_norm: float, par: Parallel) -> Tensor:
+    """The global gradient norm of the full model (replicated parameters counted once, every expert shard
+    once), and the gradients scaled as torch.nn.utils.clip_grad_norm_ would scale the full model's."""
+    sharded = {id(p) for p in expert_parameters(model)}
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = [torch.zeros((), device=device, dtype=torch.float32) for _ in range(2)]
+    for p in model.parameters():
+        if p.grad is not None:
+            sq[id(p) in sharded] += p.grad.detach().float().square().sum()
+    if par.expert_parallel > 1:
+        dist.all_reduce(sq[1], group=par.ep_group)
+    norm = (sq[0] + sq[1]).sqrt()
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.mul_(scale.to(g.dtype))
+    return norm
+
+
+def mean_over_ranks(values: Tensor) -> Tensor:
+    out = values.detach().clone()
+    dist.all_reduce(out)
+    return out / dist.get_world_size()
+
+
+# -- full checkpoints from expert shards ------------------------------------------------------------
+
+
+def _expert_names(model: nn.Module) -> set[str]:
+    ids = {id(p) for p in expert_parameters(model)}
+    return {name for name, p in model.named_parameters() if id(p) in ids}
+
+
+def _gather_experts(t: Tensor, par: Parallel) -> Tensor:
+    parts = [torch.empty_like(t) for _ in range(par.expert_parallel)]
+    dist.all_gather(parts, t.contiguous(), group=par.ep_group)
+    return torch.cat(parts)
+
+
+def _slice_experts(t: Tensor, par: Parallel) -> Tensor:
+    n = t.shape[0] // par.expert_parallel
+    return t[par.ep_rank * n : (par.ep_rank + 1) * n].clone()
+
+
+def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter name for each index of optimizer.state_dict()['state'] (the order of its groups)."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Parallel) -> tuple[dict, dict]:
+    """Model and optimizer state dicts of the full model (every rank takes part; all get the result)."""
+    experts = _expert_names(model)
+    model_state = {k: (_gather_experts(v, par) if k in experts else v) for k, v in model.state_dict().items()}
+    opt_state = optimizer.state_dict()
+    names = _optimizer_names(model, optimizer)
+    state = {}
+    for index, entry in opt_state["state"].items():
+        if names[index] in experts:
+            entry = {k: (_gather_experts(v, par) if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in entry.items()}
+        state[index] = entry
+    return model_state, {**opt_state, "state": state}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, opt_state: dict,
+                    par: Parallel) -> None:
+    """Loads full state dicts into an expert-parallel model: each rank keeps its experts' slices."""
+    experts = _expert_names(model)
+    model.load_state_dict({k: (_slice_experts(v, par) if k in experts else v) for k, v in model_state.items()})
+    names = _optimizer_names(model, optimizer)
+    state = {}
+    for index, entry in opt_state["state"].items():
+        if names[int(index)] in experts:
+            entry = {k: (_slice_experts(v, par) if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in entry.items()}
+        state[index] = entry
+    optimizer.load_state_dict({**opt_state, "state": state})
