@@ -4,7 +4,10 @@ dispatch gathers the tokens, weights and indices of the group (padded to the lar
 permutes the pairs routed to its own experts. combine sums each rank's weighted partial outputs in fp32
 and reduce-scatters them, adding the ranks in rank order (an all-to-all then a local sum, so the order
 does not depend on the communication backend). Static shapes apart from the one exchange of T; good
-for small groups and large k, where most tokens go to most ranks anyway. The result equals the one-rank
+for small groups and large k, where most tokens go to most ranks anyway. Memory: each rank's grouped
+rows are sized for the worst case, every gathered pair local (P * Tmax * k rows, about P times what a
+uniform routing uses), and combine's partial sums are [P * Tmax, H] fp32: for large groups use
+all-to-all. The result equals the one-rank
 layer within fp32 rounding (the slots are summed per rank, then across ranks).
 """
 

@@ -71,7 +71,8 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter(grad.contiguous(), ctx.group), None
+        # Sum the ranks' partial gradients in fp32 (as combine sums the forward), then round once.
+        return _reduce_scatter(grad.float().contiguous(), ctx.group).to(grad.dtype), None
 
 
 class _ReduceScatter(torch.autograd.Function):

@@ -123,7 +123,8 @@ class MoELayer(nn.Module):
             ops = SimpleNamespace(**{**vars(ops), "grouped_mm": cfg.recipe.grouped_mm})
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
-        routed = self.router(x2, seq_len=seq_len, reference=cfg.backend == "reference")
+        # An empty batch ([0, H] or [B, 0, H]) still routes (its rank must reach the dispatcher's collectives).
+        routed = self.router(x2, seq_len=seq_len or 1, reference=cfg.backend == "reference")
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
         x_in = autocast_input(x2)
         if self.dispatcher is not None:

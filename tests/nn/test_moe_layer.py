@@ -125,5 +125,8 @@ def test_sequence_aux_loss_input_layouts(backend):
     torch.testing.assert_close(out1, out3[0])  # matmuls of other row counts round differently
     torch.testing.assert_close(aux1, aux1b, rtol=0, atol=0)
     assert aux3 > 0 and not torch.equal(aux3, layer(x.reshape(1, 15, 16))[1])  # the grouping matters
+    for empty in (x[:, :0], x[0, :0]):  # no tokens: an empty output and zero losses
+        out0, aux0 = layer(empty)
+        assert out0.shape == empty.shape and float(aux0) == 0
     with pytest.raises(ValueError, match="x must be"):
         layer(x[0, 0])

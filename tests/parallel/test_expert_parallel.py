@@ -38,7 +38,7 @@ def _check_grads(rank, P, full: nn.Module, ep: nn.Module, where: str) -> None:
         torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {name}")
 
 
-def _layer_case(rank, P, backend, cfg, name):
+def _layer_case(rank, P, backend, cfg, name, empty_rank=None):
     torch.manual_seed(0)
     full = MoELayer(cfg)
     if full.router.expert_bias is not None:  # a non-trivial bias, the same on every rank
@@ -47,6 +47,8 @@ def _layer_case(rank, P, backend, cfg, name):
     assert ep.experts.w13.shape[0] == cfg.num_experts // P and len(list(expert_parameters(ep))) == 2
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(2, 3 + 2 * rank, cfg.hidden_size, generator=gen)  # uneven token counts per rank
+    if rank == empty_rank:  # a rank with an empty batch still takes part in every collective
+        x = x[:, :0]
     g = torch.randn(x.shape, generator=gen)
     where = f"rank {rank}/{P} {backend} {name}"
     outs = []
@@ -68,6 +70,8 @@ def _worker_layer(rank, P, backend):
     _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8),
                 "sigmoid + bias + groups + shared expert")
     _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)")
+    _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2), "rank 1 without tokens",
+                empty_rank=1)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
