@@ -3,8 +3,9 @@
 W ranks each train on their own slice of the global batch (batch_size per rank); the experts of every MoE
 layer are spread over expert-parallel groups of P consecutive ranks (P divides W), the rest of the model
 is replicated. Ranks holding the same experts form the expert-data-parallel groups. Checkpoints hold the
-full model and optimizer state (expert shards gathered), so a run saved with one layout resumes with
-another, or on one process.
+full model and optimizer state (expert shards gathered to rank 0's CPU, which writes them), so a run
+saved with one layout resumes with another, or on one process. Resuming, every rank reads the whole
+file and keeps its slices: fine for the sizes one node trains, not a sharded checkpoint format.
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ def _expert_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
-def _gather_experts(t: Tensor, par: Parallel) -> Tensor:
-    parts = [torch.empty_like(t) for _ in range(par.expert_parallel)]
-    dist.all_gather(parts, t.contiguous(), group=par.ep_group)
-    return torch.cat(parts)
+def _gather_experts(t: Tensor, par: Parallel) -> Tensor | None:
+    """The full tensor on rank 0 (on the CPU, one tensor at a time so the GPU holds one extra tensor at
+    most); None elsewhere. Only rank 0's expert-parallel group takes part (the others hold replicas)."""
+    if par.rank >= par.expert_parallel:
+        return None
+    parts = [torch.empty_like(t) for _ in range(par.expert_parallel)] if par.rank == 0 else None
+    dist.gather(t.contiguous(), parts, dst=0, group=par.ep_group)
+    return torch.cat(parts).cpu() if parts is not None else None
 
 
 def _slice_experts(t: Tensor, par: Parallel) -> Tensor:
@@ -133,8 +138,9 @@ def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list
     return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Parallel) -> tuple[dict, dict]:
-    """Model and optimizer state dicts of the full model (every rank takes part; all get the result)."""
+def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Parallel) -> tuple[dict, dict] | None:
+    """Model and optimizer state dicts of the full model on rank 0 (expert tensors gathered to its CPU);
+    None on the other ranks. Every rank must call it."""
     experts = _expert_names(model)
     model_state = {k: (_gather_experts(v, par) if k in experts else v) for k, v in model.state_dict().items()}
     opt_state = optimizer.state_dict()
@@ -144,7 +150,7 @@ def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Parallel
         if names[index] in experts:
             entry = {k: (_gather_experts(v, par) if torch.is_tensor(v) and v.ndim > 0 else v) for k, v in entry.items()}
         state[index] = entry
-    return model_state, {**opt_state, "state": state}
+    return (model_state, {**opt_state, "state": state}) if par.is_main else None
 
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, opt_state: dict,

@@ -175,12 +175,16 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
-    def state(self) -> dict:
-        """The full training state (expert shards gathered: every rank must call it)."""
+    def state(self) -> dict | None:
+        """The full training state; under torchrun every rank must call it and rank 0 gets it (the others
+        None), expert shards gathered."""
         if self.par is None:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         else:
-            model_state, optimizer_state = distributed.full_state(self.model, self.optimizer, self.par)
+            full = distributed.full_state(self.model, self.optimizer, self.par)
+            if full is None:
+                return None
+            model_state, optimizer_state = full
         return {
             "step": self.step,
             "model": model_state,

@@ -48,6 +48,27 @@ def _worker(rank, world, tmp: str):
         (tmp / "records.json").write_text(json.dumps({str(k): v for k, v in results.items()}))
 
 
+def _worker_groups(rank, world, tmp: str):
+    # Four ranks, experts split over two groups of two (replicas: ranks {0, 2} and {1, 3}).
+    tmp = Path(tmp)
+    results = {}
+    for ep in (1, 2):
+        trainer = Trainer(TrainConfig(**COMMON, out_dir=str(tmp / f"ep{ep}"), expert_parallel=ep), echo=lambda *a: None)
+        results[ep] = trainer.train()
+    if rank == 0:
+        (tmp / "records.json").write_text(json.dumps({str(k): v for k, v in results.items()}))
+
+
+def test_expert_parallel_groups_smaller_than_the_world(tmp_path):
+    run_world(_worker_groups, 4, str(tmp_path))
+    records = json.loads((tmp_path / "records.json").read_text())
+    for a, b in zip(records["2"], records["1"]):
+        assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+    final = [torch.load(tmp_path / f"ep{ep}" / "checkpoints" / "step_0000006.pt", weights_only=False) for ep in (1, 2)]
+    for name, t in final[0]["model"].items():
+        torch.testing.assert_close(final[1]["model"][name], t, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_expert_parallel_training(tmp_path):
     run_world(_worker, 2, str(tmp_path))
     records = {k: v for k, v in json.loads((tmp_path / "records.json").read_text()).items()}
