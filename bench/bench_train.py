@@ -6,6 +6,11 @@ Timing: 3 untimed steps, then 10 timed steps (5 with --quick), each between CUDA
 the CPU); the median is reported. FLOPs per token from moe_kernels.models.flops_per_token (active experts
 only, fwd + bwd); MFU against the GPU's bf16 datasheet peak (989 TFLOP/s on H100/H200) and against the
 matmul ceiling measured in the same run.
+
+A second op, train_step_fp8: the same step with the routed experts on the FP8 blockwise recipe
+(moe_kernels.quant.Fp8BlockwiseRecipe: E4M3 forward and dgrad, bf16 wgrad), against our bf16 step and the
+torch-native one; its first loss must be within 5% of the bf16 step's (FP8 rounding). On the CPU the tiny
+model is widened to 128 (the recipe's block) so this path runs there too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
+from moe_kernels.quant import RECIPES
 from moe_kernels.train.metrics import peak_flops
 
 from . import harness as h
@@ -24,7 +30,7 @@ from . import harness as h
 
 def _cases(ctx: h.Context):
     if not ctx.is_cuda:
-        return [("tiny-qwen3-moe", dict(vocab_size=256), 4, 64)]
+        return [("tiny-qwen3-moe", dict(vocab_size=256, hidden_size=128, ffn_size=128), 4, 64)]
     seq = 1024 if ctx.quick else 2048
     return [("qwen3-30b-a3b-4layers", {}, 4, seq)]
 
@@ -49,9 +55,9 @@ def _time_steps(ctx: h.Context, step, warmup: int, reps: int) -> h.Timing:
     return h.Timing(us=statistics.median(times), p20_us=q[0], p80_us=q[-1])
 
 
-def _build(preset: str, overrides: dict, backend: str, device, state=None):
+def _build(preset: str, overrides: dict, backend: str, device, state=None, recipe=None):
     torch.manual_seed(0)
-    model = build_model(PRESETS[preset](**overrides, backend=backend), device=device)
+    model = build_model(PRESETS[preset](**overrides, backend=backend, recipe=recipe), device=device)
     if state is not None:
         model.load_state_dict(state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
@@ -100,6 +106,7 @@ def run(ctx: h.Context) -> h.Report:
             continue
         peer_timing = _time_steps(ctx, peer_step, warmup, reps)
         del peer, peer_opt, peer_step
+        fp8 = _fp8_step(ctx, preset, overrides, state, x, y, float(first), warmup, reps, case, failures)
         tokens = batch * seq
         flops = flops_per_token(cfg, seq) * tokens
         res = h.make_result(ctx, op="train_step", case=case, shape={"batch": batch, "seq": seq, "layers": cfg.num_layers},
@@ -114,4 +121,33 @@ def run(ctx: h.Context) -> h.Report:
             f"{res.speedup['torch_native']:.2f}x the torch-native composition (bar: >= 1.5x); "
             f"{tflops:.1f} TFLOP/s, {mfu} (bar: >= 35%), {res.pct_of_ceiling:.1f}% of the measured matmul ceiling"
         )
+        if fp8 is not None:
+            res8 = h.make_result(ctx, op="train_step_fp8", case=case, shape=res.shape, dtype=torch.float8_e4m3fn,
+                                 timing=fp8, nbytes=0, flops=flops,
+                                 peers={"moe_kernels_bf16": timing, "torch_native": peer_timing})
+            results.append(res8)
+            headline.append(
+                f"train_step_fp8 {case}: {tokens / fp8.us * 1e6:,.0f} tokens/s, {res8.speedup['moe_kernels_bf16']:.2f}x "
+                f"our bf16 step, {res8.speedup['torch_native']:.2f}x the torch-native composition"
+            )
     return h.Report(results=results, headline=headline, failures=failures)
+
+
+def _fp8_step(ctx, preset, overrides, state, x, y, bf16_loss, warmup, reps, case, failures) -> h.Timing | None:
+    recipe = RECIPES["fp8-blockwise"]
+    try:
+        PRESETS[preset](**overrides, recipe=recipe)
+    except ValueError as e:  # sizes off the recipe's 128 blocks
+        failures.append(f"{case}: no FP8 step ({e})")
+        return None
+    if ctx.is_cuda:
+        torch.cuda.empty_cache()
+    model, opt = _build(preset, overrides, "kernels", ctx.device, state, recipe=recipe)
+    step = _step_fn(ctx, model, opt, x, y)
+    first = float(step())
+    if abs(first - bf16_loss) > 5e-2 * max(1.0, abs(bf16_loss)):
+        failures.append(f"{case}: FP8 first-step loss {first:.4f} vs bf16 {bf16_loss:.4f}")
+        return None
+    timing = _time_steps(ctx, step, warmup, reps)
+    del model, opt, step
+    return timing

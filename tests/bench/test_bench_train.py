@@ -10,9 +10,13 @@ def test_train_bench_runs_on_cpu(tmp_path):
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "bench_train.json").read_text())
-    (res,) = data["results"]
+    assert data["failures"] == []
+    res, res8 = data["results"]
     assert res["op"] == "train_step" and res["us"] > 0 and res["flops"] > 0
     assert res["speedup"]["torch_native"] > 0
+    assert res8["op"] == "train_step_fp8" and res8["flops"] == res["flops"]
+    assert set(res8["speedup"]) == {"moe_kernels_bf16", "torch_native"}
     assert any("torch-native" in line for line in data["headline"])
+    assert "HEADLINE train_step_fp8" in proc.stdout
     assert (tmp_path / "bench_train.png").exists()
     assert "HEADLINE train_step" in proc.stdout
