@@ -75,6 +75,16 @@ def train(
         trainer = Trainer(cfg, echo=print)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
+    try:
+        _start(trainer, cfg, console, out, checkpoints, resume, overwrite)
+    finally:
+        trainer.close()
+
+
+def _start(trainer, cfg, console: Console, out: Path, checkpoints: Path, resume: bool, overwrite: bool) -> None:
+    from moe_kernels.train import checkpoint, metrics
+    from moe_kernels.train.trainer import ResumeMismatchError
+
     if overwrite and trainer.is_main:
         checkpoint.clear(checkpoints)
         metrics.clear(out)
@@ -85,21 +95,21 @@ def train(
     try:
         resumed = resume and trainer.resume()
     except ResumeMismatchError as exc:
-        options = [f"'--{name.replace('_', '-')}'" for name in exc.differences if name in OPTION_FIELDS]
+        names = ["batch_size" if name == "global batch" else name for name in exc.differences]
+        options = [f"'--{name.replace('_', '-')}'" for name in names if name in OPTION_FIELDS]
         raise typer.BadParameter(
             f"{exc}\nResume with the checkpoint's settings, or start a new run with another --out (or --overwrite).",
             param_hint=", ".join(options) or "'--resume'",
         ) from exc
     except FileNotFoundError as exc:
         raise typer.BadParameter(f"{exc}, or start anew with --overwrite.", param_hint="'--resume'") from exc
-    if resume and not resumed:
+    if not trainer.is_main:
+        pass
+    elif resume and not resumed:
         console.print(f"no checkpoint in {checkpoints}: starting from step 0")
     elif resumed and trainer.step >= cfg.steps:
         console.print(f"the checkpoint is at step {trainer.step}, --steps is {cfg.steps}: nothing to train")
-    try:
-        _run(trainer, cfg, console, out)
-    finally:
-        trainer.close()
+    _run(trainer, cfg, console, out)
 
 
 def _run(trainer, cfg, console: Console, out: Path) -> None:

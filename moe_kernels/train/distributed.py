@@ -5,7 +5,12 @@ layer are spread over expert-parallel groups of P consecutive ranks (P divides W
 is replicated. Ranks holding the same experts form the expert-data-parallel groups. Checkpoints hold the
 full model and optimizer state (expert shards gathered to rank 0's CPU, which writes them), so a run
 saved with one layout resumes with another, or on one process. Resuming, every rank reads the whole
-file and keeps its slices: fine for the sizes one node trains, not a sharded checkpoint format.
+file that rank 0 picked and keeps its slices (so --out must be on a file system every rank sees): fine
+for the sizes one node trains, not a sharded checkpoint format.
+
+The routing losses are computed on each rank's own tokens, as Megatron-Core does per micro-batch: the
+global load-balancing loss of W ranks is the mean of W per-rank losses, not the loss of the global batch
+(the sequence-wise loss is per sequence either way).
 """
 
 from __future__ import annotations
@@ -51,8 +56,13 @@ def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
     if world % expert_parallel:
         raise ValueError(f"expert_parallel={expert_parallel} must divide the number of ranks ({world})")
     owns = False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's communicators and barriers use the current device
     if not initialized:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if device.type == "cuda":
+            dist.init_process_group("nccl", device_id=device)
+        else:
+            dist.init_process_group("gloo")
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
     P = expert_parallel
@@ -65,12 +75,28 @@ def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
 
 
 def device_for(parallel_world: int, preference: str | None) -> torch.device:
-    """cuda:LOCAL_RANK under torchrun with GPUs, else the preference (default: cuda when available)."""
-    if preference is None and torch.cuda.is_available():
-        if parallel_world > 1:
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """cuda:LOCAL_RANK under torchrun with GPUs (for --device cuda too), else the preference (default:
+    cuda when available)."""
+    wants_cuda = preference in (None, "cuda") and torch.cuda.is_available()
+    if wants_cuda and parallel_world > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    if wants_cuda:
         return torch.device("cuda")
     return torch.device(preference or "cpu")
+
+
+def all_ranks_ok(ok: bool, device: torch.device) -> bool:
+    """True when `ok` holds on every rank (so a failure on one rank stops all of them, not just it)."""
+    flag = torch.tensor([int(ok)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def broadcast_path(path, device: torch.device):
+    """Rank 0's value on every rank (e.g. which checkpoint to resume from)."""
+    box = [None if path is None else str(path)]
+    dist.broadcast_object_list(box, src=0, device=device if device.type == "cuda" else None)
+    return box[0]
 
 
 def shard_model(model: nn.Module, par: Parallel) -> None:
@@ -124,7 +150,7 @@ def _gather_experts(t: Tensor, par: Parallel) -> Tensor | None:
         return None
     parts = [torch.empty_like(t) for _ in range(par.expert_parallel)] if par.rank == 0 else None
     dist.gather(t.contiguous(), parts, dst=0, group=par.ep_group)
-    return torch.cat(parts).cpu() if parts is not None else None
+    return torch.cat([p.cpu() for p in parts]) if parts is not None else None
 
 
 def _slice_experts(t: Tensor, par: Parallel) -> Tensor:

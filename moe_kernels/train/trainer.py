@@ -4,6 +4,7 @@ optional activation checkpointing, periodic eval, atomic checkpoints, bit-identi
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import random
 import time
@@ -113,6 +114,11 @@ class Trainer:
         self.device = distributed.device_for(world, cfg.device)
         self.par = distributed.setup(cfg.expert_parallel, self.device)  # None: one process
         self.is_main = self.par is None or self.par.is_main
+        if cfg.tensorboard:  # checked on every rank: only rank 0 writes, but all must stop together
+            try:
+                importlib.import_module("torch.utils.tensorboard")
+            except ImportError as exc:
+                raise RuntimeError("--tensorboard needs the tensorboard package: pip install tensorboard") from exc
         self.echo = echo if self.is_main else (lambda *args, **kwargs: None)
         self.out_dir = Path(cfg.out_dir)
         self._seed_everything(cfg.seed)
@@ -191,17 +197,25 @@ class Trainer:
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
             "rng": checkpoint.rng_state(),
-            "data": {"seed": self.data.seed, "fingerprint": self.data_fingerprint},  # batches: f(seed, step)
+            # batches: f(seed, step, rank, world)
+            "data": {"seed": self.data.seed, "fingerprint": self.data_fingerprint, "world": self.data.world},
             "train_config": dataclasses.asdict(self.cfg),
         }
 
     def save(self) -> Path:
         state = self.state()
         path = self.out_dir / "checkpoints" / f"step_{self.step:07d}.pt"
+        error = None
         if self.is_main:
-            path = checkpoint.save(self.out_dir / "checkpoints", self.step, state, keep=self.cfg.keep_checkpoints)
-        if self.par is not None:
-            dist.barrier()  # the file exists before any rank goes on (and may resume from it)
+            try:
+                path = checkpoint.save(self.out_dir / "checkpoints", self.step, state, keep=self.cfg.keep_checkpoints)
+            except Exception as exc:  # disk full, permissions: every rank stops, not rank 0 alone
+                error = exc
+        # Also makes sure the file exists before any rank goes on (and may resume from it).
+        if self.par is not None and not distributed.all_ranks_ok(error is None, self.device):
+            raise RuntimeError(f"saving the step-{self.step} checkpoint failed on rank 0") from error
+        if error is not None:
+            raise error
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
@@ -210,6 +224,9 @@ class Trainer:
         FileNotFoundError when out_dir holds checkpoints but `latest` names none of them."""
         directory = self.out_dir / "checkpoints"
         path = Path(path) if path else checkpoint.latest(directory)
+        if self.par is not None:  # every rank resumes from the checkpoint rank 0 sees
+            chosen = distributed.broadcast_path(path, self.device)
+            path = None if chosen is None else Path(chosen)
         if path is None:
             found = checkpoint.checkpoints(directory)
             if found:
@@ -244,8 +261,14 @@ class Trainer:
         now = dataclasses.asdict(self.cfg)
         saved_data = state.get("data", {}).get("fingerprint")
         differences = {}
+        saved_world = state.get("data", {}).get("world", 1)
         for name in RESUME_FIELDS:
-            if name == "data" and saved_data is not None:
+            if name == "batch_size" and name in saved:  # the global batch: per rank x ranks
+                was, now_global = saved[name] * saved_world, now[name] * self.data.world
+                if was != now_global:
+                    differences["global batch"] = (f"{saved[name]} x {saved_world} ranks = {was}",
+                                                   f"{now[name]} x {self.data.world} ranks = {now_global}")
+            elif name == "data" and saved_data is not None:
                 if saved_data != self.data_fingerprint:
                     differences[name] = (_describe_data(saved.get(name), saved_data),
                                          _describe_data(now[name], self.data_fingerprint))
@@ -315,14 +338,14 @@ class Trainer:
                     logger.log(record, line=format_line(record))
                     records.append(record)
                     window_start, window_steps = time.perf_counter(), 0
+                paused = time.perf_counter()  # eval and checkpoint time stays out of tokens/s
                 if self.step % cfg.eval_every == 0 or self.step == cfg.steps:
                     record = {"kind": "eval", "step": self.step, "loss": self.evaluate()}
                     logger.log(record, line=f"step {self.step:>6}  eval_loss {record['loss']:7.4f}")
                     records.append(record)
-                    window_start = time.perf_counter()
                 if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                     self.save()
-                    window_start = time.perf_counter()
+                window_start += time.perf_counter() - paused
         finally:
             logger.close()
         return records

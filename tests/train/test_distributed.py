@@ -94,3 +94,8 @@ def test_expert_parallel_training(tmp_path):
     single = Trainer(TrainConfig(**{**COMMON, "batch_size": 8}, out_dir=str(tmp_path / "single")), echo=lambda *a: None)
     single.model.load_state_dict(final["model"])
     assert single.evaluate() == pytest.approx(evals["2"][-1], rel=1e-5)
+    # Resuming on one process keeps the global batch (8 = 4 x 2 ranks) or says what changed.
+    resumed = Trainer(TrainConfig(**{**COMMON, "batch_size": 8}, out_dir=str(tmp_path / "ep2")), echo=lambda *a: None)
+    assert resumed.resume() and resumed.step == 6
+    with pytest.raises(ValueError, match="global batch"):
+        Trainer(TrainConfig(**COMMON, out_dir=str(tmp_path / "ep2")), echo=lambda *a: None).resume()

@@ -161,7 +161,7 @@ def test_cli_resume_with_other_settings_is_an_error(tmp_path):
     result = cli(out, "--resume", "--batch-size", "3", "--seq-len", "8", "--steps", "8", "--log-every", "2")
     assert result.exit_code != 0
     message = flat(result.output)
-    assert "batch_size" in message and "seq_len" in message
+    assert "globalbatch" in message and "seq_len" in message
     assert "steps:" not in message and "log_every" not in message
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
     # The run's length, logging and the like may change.
