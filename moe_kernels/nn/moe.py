@@ -17,7 +17,7 @@ from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
 from moe_kernels.ops.permute import permute, permute_reference, permuted_row_values, unpermute, unpermute_reference
-from moe_kernels.quant import Fp8BlockwiseRecipe
+from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
 
 BACKENDS = ("kernels", "reference", "torch")
 
@@ -40,7 +40,7 @@ class MoEConfig:
     align: int = 1  # rows per expert padded to this (16 or 128 for FP8 recipes)
     weights_in_activation: bool = False  # Megatron's fusion; default: weights applied in unpermute
     backend: str = "kernels"  # "reference": the plain references; "torch": the torch-native composition
-    recipe: Fp8BlockwiseRecipe | None = None  # precision of the routed experts' GEMMs; None: the input's
+    recipe: Fp8BlockwiseRecipe | Nvfp4Recipe | None = None  # routed experts' GEMM precision; None: the input's
 
     def __post_init__(self):
         if self.ffn_size < 1 or self.shared_ffn_size < 0:

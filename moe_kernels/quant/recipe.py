@@ -1,4 +1,4 @@
-"""Precision recipes for the routed experts (specs/lowprec.md).
+"""Precision recipes for the routed experts (specs/lowprec.md): FP8 blockwise and NVFP4.
 
 `Fp8BlockwiseRecipe` is DeepSeek-V3's FP8 training recipe on Hopper for the expert GEMMs:
   forward  out = x @ w^T      x: E4M3, one scale per 1x128 block along K; w: E4M3, one per 128x128 tile
@@ -20,7 +20,8 @@ from torch import Tensor
 
 from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, quantize_fp8_experts
-from moe_kernels.ops.quant import BLOCK, quantize_fp8
+from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
+from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, quantize_fp8, quantize_nvfp4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,7 +47,62 @@ class Fp8BlockwiseRecipe:
         return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self)
 
 
-RECIPES = {"bf16": None, "fp8-blockwise": Fp8BlockwiseRecipe()}
+@dataclass(frozen=True, kw_only=True)
+class Nvfp4Recipe:
+    """The NVFP4 training recipe's expert GEMMs (specs/lowprec.md), numerics only on Hopper:
+      forward  x: 1D blocks of 16 along K, round-to-nearest; w: 16x16 tiles, round-to-nearest
+      dgrad    dout: 1D blocks along N, stochastic rounding (a fresh Philox seed from torch's default
+               generator per call, so runs are reproducible under torch.manual_seed); w: its transpose
+               in 16x16 tiles (the same values as the forward's, the point of 2D tiles)
+      wgrad    in the input precision (the recipe's random-Hadamard NVFP4 wgrad is not implemented)
+    Both GEMMs run as grouped_mm_nvfp4: block-scaled values in fp32, fp32 accumulation, global scales last.
+    """
+
+    stochastic_dgrad: bool = True
+
+    @property
+    def align(self) -> int:
+        return 1  # blocks run along K, within each row: no row padding needed
+
+    def check_shapes(self, hidden_size: int, ffn_size: int) -> None:
+        if hidden_size % NVFP4_BLOCK or ffn_size % NVFP4_BLOCK:
+            raise ValueError(
+                f"Nvfp4Recipe: hidden_size ({hidden_size}) and ffn_size ({ffn_size}) must be multiples of "
+                f"{NVFP4_BLOCK} (blocks of 16 along each GEMM's K, 16x16 weight tiles)"
+            )
+
+    def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+        return _Nvfp4GroupedMM.apply(autocast_input(x), w, group_sizes, self)
+
+
+class _Nvfp4GroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Nvfp4Recipe) -> Tensor:
+        x_q, x_s, x_g = quantize_nvfp4(x)
+        w_q, w_s, w_g = quantize_nvfp4_experts(w.detach())
+        ctx.stochastic = recipe.stochastic_dgrad
+        ctx.save_for_backward(x, w, group_sizes)
+        return grouped_mm_nvfp4(x_q, x_s, x_g, w_q, w_s, w_g, group_sizes, out_dtype=x.dtype)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        x, w, group_sizes = ctx.saved_tensors
+        dout = dout.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            rng = None
+            if ctx.stochastic:
+                seed = int(torch.randint(0, 2**62, (1,)))
+                rng = torch.tensor([seed, 0], dtype=torch.int64, device=dout.device)
+            d_q, d_s, d_g = quantize_nvfp4(dout, rng=rng)
+            wt_q, wt_s, wt_g = quantize_nvfp4_experts(w.detach().transpose(1, 2).contiguous())  # [E, K, N]
+            dx = grouped_mm_nvfp4(d_q, d_s, d_g, wt_q, wt_s, wt_g, group_sizes, out_dtype=x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, x, group_sizes).to(w.dtype)
+        return dx, dw, None, None
+
+
+RECIPES = {"bf16": None, "fp8-blockwise": Fp8BlockwiseRecipe(), "nvfp4": Nvfp4Recipe()}
 
 
 class _Fp8GroupedMM(torch.autograd.Function):

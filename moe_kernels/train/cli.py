@@ -33,8 +33,9 @@ def train(
     checkpoint_every: int = typer.Option(100),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when available)."),
     bf16: bool = typer.Option(True, help="bf16 autocast on a GPU."),
-    precision: str = typer.Option("bf16", help="Expert GEMMs: bf16 (the autocast precision) or fp8-blockwise "
-                                  "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 128)."),
+    precision: str = typer.Option("bf16", help="Expert GEMMs: bf16 (the autocast precision), fp8-blockwise "
+                                  "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 128) or nvfp4 "
+                                  "(the NVFP4 recipe's numerics, not faster on Hopper; sizes multiples of 16)."),
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
     tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
     seed: int = typer.Option(0),

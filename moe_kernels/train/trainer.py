@@ -49,7 +49,7 @@ class TrainConfig:
     seed: int = 0
     device: str | None = None  # None: cuda if available
     bf16: bool = True  # autocast to bf16 on a GPU (ignored on the CPU)
-    precision: str = "bf16"  # expert GEMMs: "bf16" (the autocast/input precision) or "fp8-blockwise"
+    precision: str = "bf16"  # expert GEMMs: "bf16" (the autocast/input precision), "fp8-blockwise" or "nvfp4"
     activation_checkpointing: bool = False
     tensorboard: bool = False
     expert_parallel: int = 1  # ranks per expert-parallel group (under torchrun; must divide the world)

@@ -82,7 +82,7 @@ def test_config_checks_and_alignment():
         qwen3_30b_a3b(hidden_size=128, ffn_size=128, num_experts=4, k=2, backend="torch", recipe=Fp8BlockwiseRecipe())
     cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=128, num_experts=4, k=2, align=48, recipe=Fp8BlockwiseRecipe())
     assert cfg.permute_align == 384 and cfg.replace(recipe=None).permute_align == 48
-    assert set(RECIPES) == {"bf16", "fp8-blockwise"}
+    assert set(RECIPES) == {"bf16", "fp8-blockwise", "nvfp4"}
 
 
 def test_moe_layer_with_the_recipe():
