@@ -75,10 +75,17 @@ class Nvfp4Recipe:
         return _Nvfp4GroupedMM.apply(autocast_input(x), w, group_sizes, self)
 
 
+def _rows_in_groups(t: Tensor, group_sizes: Tensor) -> Tensor:
+    """Zeros in the rows past the groups (unspecified, possibly inf or NaN, in permute's and grouped_mm's
+    outputs), which would otherwise enter NVFP4's per-tensor amax. No host sync."""
+    valid = torch.arange(t.shape[0], device=t.device) < group_sizes.sum()
+    return torch.where(valid[:, None], t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
 class _Nvfp4GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Nvfp4Recipe) -> Tensor:
-        x_q, x_s, x_g = quantize_nvfp4(x)
+        x_q, x_s, x_g = quantize_nvfp4(_rows_in_groups(x, group_sizes))
         w_q, w_s, w_g = quantize_nvfp4_experts(w.detach())
         ctx.stochastic = recipe.stochastic_dgrad
         ctx.save_for_backward(x, w, group_sizes)
@@ -94,7 +101,7 @@ class _Nvfp4GroupedMM(torch.autograd.Function):
             if ctx.stochastic:
                 seed = int(torch.randint(0, 2**62, (1,)))
                 rng = torch.tensor([seed, 0], dtype=torch.int64, device=dout.device)
-            d_q, d_s, d_g = quantize_nvfp4(dout, rng=rng)
+            d_q, d_s, d_g = quantize_nvfp4(_rows_in_groups(dout, group_sizes), rng=rng)
             wt_q, wt_s, wt_g = quantize_nvfp4_experts(w.detach().transpose(1, 2).contiguous())  # [E, K, N]
             dx = grouped_mm_nvfp4(d_q, d_s, d_g, wt_q, wt_s, wt_g, group_sizes, out_dtype=x.dtype)
         if ctx.needs_input_grad[1]:

@@ -100,3 +100,20 @@ def test_training_tracks_the_high_precision_loss_curve():
     assert fp4[-5:].mean() < 0.8 * fp4[:5].mean()
     rel = ((fp4 - ref).abs() / ref).max()
     assert rel < 0.03, f"NVFP4 loss curve departs from fp32 by {rel:.3%}"
+
+
+def test_rows_past_the_groups_do_not_reach_the_global_scale():
+    # permute and grouped_mm leave rows past the groups unspecified (inf or NaN on a GPU): the per-tensor
+    # amax must not see them.
+    x, w, gs, dout = _problem()
+    rows = int(gs.sum())
+    dirty_x, dirty_dout = x.detach().clone(), dout.clone()
+    dirty_x[rows:], dirty_dout[rows:] = float("nan"), float("inf")
+    results = []
+    for xi, di in ((x.detach().clone(), dout), (dirty_x, dirty_dout)):
+        xi.requires_grad_()
+        out = Nvfp4Recipe(stochastic_dgrad=False).grouped_mm(xi, w, gs)
+        dx, dw = torch.autograd.grad(out, (xi, w), di)
+        results.append((out[:rows], dx[:rows], dw))
+    for clean, dirty in zip(*results):
+        assert torch.equal(clean, dirty)
