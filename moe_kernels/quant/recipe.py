@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, quantize_fp8_experts
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
-from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, quantize_fp8, quantize_nvfp4
+from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,15 +55,21 @@ class Nvfp4Recipe:
       dgrad    dout: 1D blocks along N, stochastic rounding (a fresh Philox seed from torch's default
                generator per call, so runs are reproducible under torch.manual_seed); w: its transpose
                in 16x16 tiles (the same values as the forward's, the point of 2D tiles)
-      wgrad    in the input precision (the recipe's random-Hadamard NVFP4 wgrad is not implemented)
+      wgrad    random Hadamard transform along the tokens, then NVFP4 (below); or the input precision
     Both GEMMs run as grouped_mm_nvfp4: block-scaled values in fp32, fp32 accumulation, global scales last.
+    With `nvfp4_wgrad` (the default) wgrad follows the recipe too: dout and x get the random Hadamard
+    transform along the token dimension (blocks of 16 rows, R = H16 diag(s) / 4 with a fixed sign vector
+    s; R is orthogonal, so (R dout)^T (R x) = dout^T x), then NVFP4 with 1D blocks along the tokens (dout
+    stochastic, x round-to-nearest, amax after the transform), dequantized and multiplied in fp32. Its
+    blocks must not straddle two experts, so each expert's rows are padded to 16 (`align`).
     """
 
     stochastic_dgrad: bool = True
+    nvfp4_wgrad: bool = True
 
     @property
     def align(self) -> int:
-        return 1  # blocks run along K, within each row: no row padding needed
+        return NVFP4_BLOCK if self.nvfp4_wgrad else 1  # wgrad's blocks run along the tokens
 
     def check_shapes(self, hidden_size: int, ffn_size: int) -> None:
         if hidden_size % NVFP4_BLOCK or ffn_size % NVFP4_BLOCK:
@@ -87,7 +94,7 @@ class _Nvfp4GroupedMM(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Nvfp4Recipe) -> Tensor:
         x_q, x_s, x_g = quantize_nvfp4(_rows_in_groups(x, group_sizes))
         w_q, w_s, w_g = quantize_nvfp4_experts(w.detach())
-        ctx.stochastic = recipe.stochastic_dgrad
+        ctx.stochastic, ctx.nvfp4_wgrad = recipe.stochastic_dgrad, recipe.nvfp4_wgrad
         ctx.save_for_backward(x, w, group_sizes)
         return grouped_mm_nvfp4(x_q, x_s, x_g, w_q, w_s, w_g, group_sizes, out_dtype=x.dtype)
 
@@ -97,16 +104,61 @@ class _Nvfp4GroupedMM(torch.autograd.Function):
         dout = dout.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            rng = None
-            if ctx.stochastic:
-                seed = int(torch.randint(0, 2**62, (1,)))
-                rng = torch.tensor([seed, 0], dtype=torch.int64, device=dout.device)
+            rng = _fresh_rng(dout.device) if ctx.stochastic else None
             d_q, d_s, d_g = quantize_nvfp4(_rows_in_groups(dout, group_sizes), rng=rng)
             wt_q, wt_s, wt_g = quantize_nvfp4_experts(w.detach().transpose(1, 2).contiguous())  # [E, K, N]
             dx = grouped_mm_nvfp4(d_q, d_s, d_g, wt_q, wt_s, wt_g, group_sizes, out_dtype=x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, x, group_sizes).to(w.dtype)
+            if ctx.nvfp4_wgrad:
+                dw = _nvfp4_wgrad(dout, x, group_sizes).to(w.dtype)
+            else:
+                dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, x, group_sizes).to(w.dtype)
         return dx, dw, None, None
+
+
+def _fresh_rng(device: torch.device) -> Tensor:
+    """[seed, offset] for stochastic rounding, the seed drawn from torch's default generator."""
+    return torch.tensor([int(torch.randint(0, 2**62, (1,))), 0], dtype=torch.int64, device=device)
+
+
+def _hadamard_16(device: torch.device, dtype: torch.dtype) -> Tensor:
+    """R = H16 diag(s) / 4: the Sylvester Hadamard matrix with a fixed random sign per column."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < NVFP4_BLOCK:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    signs = torch.randint(0, 2, (NVFP4_BLOCK,), generator=torch.Generator().manual_seed(0x5EED)) * 2.0 - 1.0
+    return (h * signs / 4).to(device=device, dtype=dtype)
+
+
+def random_hadamard_tokens(t: Tensor) -> Tensor:
+    """[M, C] fp32 with M % 16 == 0 -> R applied to every block of 16 consecutive rows."""
+    M, C = t.shape
+    return torch.einsum("ij,bjc->bic", _hadamard_16(t.device, t.dtype), t.view(M // NVFP4_BLOCK, NVFP4_BLOCK, C)).reshape(M, C)
+
+
+def _nvfp4_along_tokens(t: Tensor, rng: Tensor | None) -> Tensor:
+    """Quantize-dequantize [M, C] with 1D NVFP4 blocks along M (the wgrad contraction), fp32."""
+    q, s, g = quantize_nvfp4(t.T.contiguous(), rng=rng)  # [C, M/2], [C, M/16]
+    return dequantize_nvfp4(q, s, g, dtype=torch.float32).T
+
+
+def _nvfp4_wgrad(dout: Tensor, x: Tensor, group_sizes: Tensor) -> Tensor:
+    M = x.shape[0]
+    if group_sizes.device.type == "cpu" or _ext.checks_enabled():
+        if bool((group_sizes % NVFP4_BLOCK != 0).any()):
+            raise ValueError(
+                "Nvfp4Recipe: NVFP4 wgrad needs every group's rows padded to 16 (permute(..., align=16)), got "
+                f"group_sizes {group_sizes.tolist()}"
+            )
+    pad = -M % NVFP4_BLOCK
+
+    def prepare(t: Tensor) -> Tensor:
+        t = _rows_in_groups(t, group_sizes).float()
+        return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+    d = _nvfp4_along_tokens(random_hadamard_tokens(prepare(dout)), _fresh_rng(dout.device))
+    xh = _nvfp4_along_tokens(random_hadamard_tokens(prepare(x)), None)
+    return torch.ops.moe_kernels.grouped_mm_wgrad(d[:M].contiguous(), xh[:M].contiguous(), group_sizes)
 
 
 RECIPES = {"bf16": None, "fp8-blockwise": Fp8BlockwiseRecipe(), "nvfp4": Nvfp4Recipe()}
