@@ -74,6 +74,7 @@ from moe_kernels.ops.router import router_topk
 
 EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
 _PATCH_ATTR = "_moe_kernels_patch"  # on each patched module: (attribute replaced, its previous instance value)
+_RECIPE_ATTR = "_moe_kernels_recipe"  # on patched experts modules given a precision recipe
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -114,10 +115,12 @@ def moe_kernels_experts_forward(
     idx = top_k_index.to(torch.int32)
     if getattr(self, "_is_expert_parallel", False):
         idx = torch.where(idx < E, idx, -1)  # EP sentinels (>= E, weight 0) become dropped slots
-    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E)
-    h = grouped_mm(x_perm, w13, group_sizes)  # [T*k, 2F]
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
+    mm = grouped_mm if recipe is None else recipe.grouped_mm
+    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1 if recipe is None else recipe.align)
+    h = mm(x_perm, w13, group_sizes)  # [R, 2F]
     act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)  # act_fn(gate) * up
-    y = grouped_mm(act.contiguous(), w2, group_sizes)  # [T*k, H]
+    y = mm(act.contiguous(), w2, group_sizes)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
 
@@ -300,6 +303,7 @@ def _install(module: nn.Module, fn: Callable) -> None:
 
 
 def _uninstall(module: nn.Module) -> bool:
+    module.__dict__.pop(_RECIPE_ATTR, None)
     saved = module.__dict__.pop(_PATCH_ATTR, None)
     if saved is None:
         return False
@@ -327,22 +331,37 @@ def is_patched(module: nn.Module) -> bool:
     return any(_PATCH_ATTR in m.__dict__ for m in module.modules())
 
 
-def patch_hf(model: nn.Module) -> nn.Module:
+def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3. Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change
     (see the module docstring). Other MoE-like blocks are left alone and listed in one warning. Patching a
-    patched model changes nothing; `unpatch_hf` undoes it.
+    patched model changes nothing but the recipe; `unpatch_hf` undoes it.
+
+    recipe: a moe_kernels.quant recipe (Fp8BlockwiseRecipe(), Nvfp4Recipe()) for the routed experts' GEMMs
+    (their weights stay as they are; quantization happens in each GEMM), or None for the model's precision.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_hf: expected a torch.nn.Module, got {type(model).__name__}")
+    if recipe is not None and not (hasattr(recipe, "grouped_mm") and hasattr(recipe, "check_shapes")):
+        raise TypeError(f"patch_hf: `recipe` must be a moe_kernels.quant recipe or None, got {type(recipe).__name__}")
     register_experts_implementation()
+    found = list(_scan(model))
+    if recipe is not None:  # every block must fit the recipe before any is patched
+        for path, block, fam, problem in found:
+            if fam is not None and problem is None:
+                F_, H = block.experts.down_proj.shape[-1], block.experts.gate_up_proj.shape[-1]
+                try:
+                    recipe.check_shapes(H, F_)
+                except ValueError as exc:
+                    raise ValueError(f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe: {exc}") from None
     patched, skipped = 0, {}
-    for path, block, fam, problem in _scan(model):
+    for path, block, fam, problem in found:
         if fam is not None and problem is None:
             _install(block.gate, fam.router_forward)
             _install(block.experts, moe_kernels_experts_forward)
+            block.experts.__dict__[_RECIPE_ATTR] = recipe
             patched += 1
         else:
             skipped.setdefault((type(block).__name__, problem), []).append(path or "<root>")

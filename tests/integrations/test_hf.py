@@ -324,6 +324,36 @@ def test_supported_class_with_other_structure_is_unsupported():
     assert hf.is_patched(model.model.layers[0]) and not hf.is_patched(model.model.layers[1])
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_precision_recipe(family):
+    # The routed experts' GEMMs on the NVFP4 recipe: close to the model's own outputs, not equal, training
+    # reaches the original weights; unpatching drops the recipe.
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+
+    model = build(family, layers=1)
+    ids = inputs()
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    mk.patch_hf(model, recipe=Nvfp4Recipe())
+    out = run(model, ids, labels=ids)
+    # NVFP4 keeps about 2 significant bits: each expert GEMM is off by ~15% (relative L2) on random data,
+    # a MoE layer by ~26%; these tiny models put most of their logits through the experts.
+    err = float((out.logits - ref).norm() / ref.norm())
+    assert 0.01 < err < 0.4, err
+    out.loss.backward()
+    experts = moe_blocks(model)[0].experts
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
+    mk.unpatch_hf(model)
+    assert not any(hf._RECIPE_ATTR in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(run(model, ids).logits, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not fit the recipe.*multiples of 128"):
+        mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())  # H = 32
+    assert not hf.is_patched(model)
+    with pytest.raises(TypeError, match="`recipe`"):
+        mk.patch_hf(model, recipe="fp8")
+
+
 def test_model_without_moe_blocks_warns():
     with pytest.warns(UserWarning, match="found no MoE blocks"):
         mk.patch_hf(nn.Sequential(nn.Linear(4, 4)))
