@@ -32,8 +32,8 @@ Ops, each timed per model, T and routing:
   moe_layer_fwd_bwd  the forward, then torch.autograd.grad of (out, aux) with grad (dout, 1) for x and
                      every parameter (ours and torch_native include their aux loss; the Hugging Face
                      blocks compute none: their model adds it outside the block).
-Peers, timed in the same run, on the same inputs, with the same weights (the very same parameter tensors,
-shared, so deepseek-v3's 22.5 GB of experts exist once):
+Peers (built in bench/moe_layer_peers.py), timed in the same run, on the same inputs, with the same
+weights (the very same parameter tensors, shared, so deepseek-v3's 22.5 GB of experts exist once):
   torch_native   MoELayer(backend="torch"): fp32 router with softmax/sigmoid + topk + gather, argsort
                  dispatch, torch._grouped_mm experts, fp32 index_add_ combine (moe_kernels/nn/torch_native.py).
   hf_eager       the Hugging Face block of the family (Qwen3MoeSparseMoeBlock for the qwen3 shapes,
@@ -53,13 +53,13 @@ shared, so deepseek-v3's 22.5 GB of experts exist once):
                  training, and at deepseek-v3's size its slowest and most memory-hungry part.
                  gpt-oss-120b has no Hugging Face peer: its experts add biases and use a clamped SwiGLU,
                  another function.
-Checked before timing, per case (each routing) and peer, on the case's first input set: the tokens
-whose top-k expert set agrees with ours (near-ties may route differently; the fraction is recorded, and
-must be >= 99% for an fp32 router, >= 90% for a bf16 one); on them, the output within bf16 precision;
-then one forward+backward with dout zeroed on the other tokens, and dx, the router weight's gradient,
-w13's and w2's on CHECK_EXPERTS experts (the busiest half and the least loaded half by our router's
-counts, so empty experts are among them where there are any) and the shared experts' within the same
-precision; torch_native's aux loss within rtol 1e-3.
+Checked before timing (bench/moe_layer_checks.py, which holds the tolerances named here), per case (each
+routing) and peer, on the case's first input set: the tokens whose top-k expert set agrees with ours
+(near-ties may route differently; the fraction is recorded, and must be >= 99% for an fp32 router, >= 90%
+for a bf16 one); on them, the output within bf16 precision; then one forward+backward with dout zeroed on
+the other tokens, and dx, the router weight's gradient, w13's and w2's on CHECK_EXPERTS experts (the
+busiest half and the least loaded half by our router's counts, so empty experts are among them where
+there are any) and the shared experts' within the same precision; torch_native's aux loss within rtol 1e-3.
 "Within bf16 precision" (against ours): relative L2 error <= 2^-6, and |peer - ours| <= 2^-5 x s +
 1.6e-2 x |ours| on all but 1e-4 of the elements, none beyond 4x that. s is the larger of rms(ours) and
 the element's local rms: ours viewed as [B, R, C] (the last two dims; B = the expert for the
@@ -88,29 +88,18 @@ judged on those; the zipf case's speedup at the same T is shown beside it.
 from __future__ import annotations
 
 import gc
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from moe_kernels.nn import PRESETS, MoEConfig, MoELayer
-from moe_kernels.nn import torch_native
 
 from . import harness as h
-
-
-@dataclass(frozen=True)
-class Spec:
-    preset: str  # moe_kernels.nn.PRESETS key; also the perf.md shape the case stands for
-    hf: str | None  # transformers family: "qwen3_moe", "deepseek_v3", "mixtral"; None: no peer
-    overrides: tuple[tuple[str, object], ...] = ()  # preset overrides (the tiny CPU shapes)
-    ep: int = 1  # perf.md's expert parallelism: E // ep is the floor when memory forces fewer experts
-    why_no_hf: str = ""
-
+from .moe_layer_checks import check_peer
+from .moe_layer_peers import Impl, Spec, build_peers, ours_impl, reason
 
 MODELS = {
     "qwen3-30b-a3b": Spec("qwen3-30b-a3b", "qwen3_moe"),
@@ -133,20 +122,11 @@ CPU_MODELS = {
 }
 CPU_TOKENS = (64, 256)
 OPS = ("moe_layer_fwd", "moe_layer_fwd_bwd")
-PEERS = ("torch_native", "hf_eager", "hf_grouped_mm")
 HEADLINE_PRESETS = ("qwen3-30b-a3b", "deepseek-v3")
 HEADLINE_T = 8192
 HEADLINE_ROUTING = "uniform"
 BARS = {"hf_eager": 3.0, "hf_grouped_mm": 1.3}  # moe_layer_fwd_bwd, peer time / ours
 
-BF16_RTOL = 1.6e-2  # torch.testing's bf16 rtol
-ATOL_RMS = 2.0**-5  # atol as a fraction of the expected tensor's rms (module docstring)
-REL_L2 = 2.0**-6  # relative L2 error bound of a compared tensor
-OUTLIER_FRAC, OUTLIER_FACTOR = 1e-4, 4.0  # elements allowed beyond the elementwise tolerance, and how far
-_CHUNK = 1 << 26  # elements per piece when comparing on the device
-AUX_RTOL = 1e-3
-MIN_AGREE_FP32, MIN_AGREE_BF16 = 0.99, 0.90  # fraction of tokens with the same top-k set
-CHECK_EXPERTS = 8  # expert-weight gradients compared on this many experts (memory: deepseek-v3's are 22.5 GB)
 EXPERT_BIAS_STD = 0.02
 TIME_BUDGET_S = 15.0  # per implementation and op; on the CPU the tiny shapes never reach it
 MIN_REPS = 5
@@ -161,24 +141,7 @@ INPUT_SEED_OFFSET = 1000  # input set i's seed is ctx.seed + this + i, apart fro
 
 
 # ---------------------------------------------------------------------------------------------------
-# Implementations
-
-
-@dataclass
-class Impl:
-    name: str
-    module: nn.Module
-    variant: str
-    router_weight: nn.Parameter  # the parameter its router multiplies by
-    route: Callable[[Tensor], Tensor] | None  # x [T, H] -> indices [T, k]; None for ours
-    fp32_router: bool = True
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor | None]:
-        out = self.module(x)
-        return out if isinstance(out, tuple) else (out, None)
-
-    def params(self) -> list[Tensor]:
-        return [p for p in self.module.parameters() if p.requires_grad]
+# Our layer
 
 
 def _layer_config(spec: Spec, num_experts: int | None = None) -> MoEConfig:
@@ -237,152 +200,6 @@ def build_ours(ctx: h.Context, cfg: MoEConfig) -> MoELayer:
             layer.router.expert_bias.copy_(
                 torch.randn(cfg.num_experts, generator=g, device=ctx.device) * EXPERT_BIAS_STD)
     return layer.train()
-
-
-def build_torch_native(layer: MoELayer) -> Impl:
-    peer = MoELayer(layer.config.replace(backend="torch"), device="meta")
-    # keep_vars + assign: the peer holds our very parameter and buffer tensors
-    peer.load_state_dict(layer.state_dict(keep_vars=True), assign=True)
-    _assert_no_meta(peer)
-    if not all(a is b for a, b in zip(peer.parameters(), layer.parameters(), strict=True)):
-        raise RuntimeError("bench setup: torch_native does not hold our parameters")
-    cfg, router = layer.config.router, peer.router
-
-    def route(x2):
-        logits = torch_native.router_logits(x2, router.weight)  # as MoELayer(backend="torch") does
-        return torch_native.route(logits, cfg, router.expert_bias)[1]
-
-    return Impl("torch_native", peer.train(), 'MoELayer(backend="torch"): topk routing, argsort dispatch, '
-                "torch._grouped_mm, index_add_", router.weight, route)
-
-
-def _assert_no_meta(peer: nn.Module) -> None:
-    for name, t in [*peer.named_parameters(), *peer.named_buffers()]:
-        if t.is_meta:
-            raise RuntimeError(f"bench setup: the peer's {name} was left on the meta device")
-
-
-def hf_semantics(cfg: MoEConfig, family: str) -> dict:
-    """transformers config kwargs computing the same routing as `cfg`; ValueError where none does."""
-    r = cfg.router
-    kw = dict(hidden_size=r.hidden_size, num_experts_per_tok=r.k, hidden_act="silu")
-    plain_softmax = (r.score == "softmax" and r.num_groups is None and not r.expert_bias
-                     and r.scaling_factor is None and not cfg.shared_ffn_size)
-    if family == "qwen3_moe":
-        if not plain_softmax:
-            raise ValueError("Qwen3-MoE routes by plain softmax top-k, without shared experts")
-        return dict(kw, num_experts=r.num_experts, moe_intermediate_size=cfg.ffn_size,
-                    norm_topk_prob=not r.pre_softmax)
-    if family == "mixtral":
-        if not plain_softmax or r.pre_softmax:
-            raise ValueError("Mixtral renormalises the softmax over the top-k, without shared experts")
-        return dict(kw, num_local_experts=r.num_experts, intermediate_size=cfg.ffn_size, router_jitter_noise=0.0)
-    if family == "deepseek_v3":
-        G, g = r.num_groups or 1, r.group_topk or 1
-        gst = r.group_score_topk if r.group_score_topk is not None else max(1, r.k // g)
-        if r.score != "sigmoid" or not r.expert_bias or (G > 1 and gst != min(2, r.num_experts // G)):
-            raise ValueError("DeepSeek-V3 routes by sigmoid + expert bias, a group scored by its top 2")
-        if not cfg.shared_ffn_size or cfg.shared_ffn_size % cfg.ffn_size or cfg.shared_gate:
-            raise ValueError("DeepSeek-V3's shared experts are n_shared_experts x moe_intermediate_size, ungated")
-        return dict(kw, n_routed_experts=r.num_experts, moe_intermediate_size=cfg.ffn_size,
-                    n_shared_experts=cfg.shared_ffn_size // cfg.ffn_size, n_group=G, topk_group=g,
-                    routed_scaling_factor=r.scaling_factor or 1.0,
-                    norm_topk_prob=r.normalize if r.normalize is not None else r.k > 1)
-    raise ValueError(f"no transformers family {family!r}")
-
-
-_HF_CLASSES = {  # family -> (config class, module, block class)
-    "qwen3_moe": ("Qwen3MoeConfig", "transformers.models.qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock"),
-    "deepseek_v3": ("DeepseekV3Config", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE"),
-    "mixtral": ("MixtralConfig", "transformers.models.mixtral.modeling_mixtral", "MixtralSparseMoeBlock"),
-}
-
-
-def build_hf(layer: MoELayer, family: str, implementation: str, bf16_router: nn.Parameter | None) -> Impl:
-    """The transformers block over our weights (module docstring), experts run by `implementation`."""
-    import importlib
-
-    import transformers
-
-    cfg = layer.config
-    kw = hf_semantics(cfg, family)
-    config_cls, module, block_cls = _HF_CLASSES[family]
-    hf_config = getattr(transformers, config_cls)(**kw, experts_implementation=implementation)
-    with torch.device("meta"):
-        block = getattr(importlib.import_module(module), block_cls)(hf_config)
-    experts = block.experts
-    if experts.config._experts_implementation != implementation:
-        raise RuntimeError(f"transformers did not take experts_implementation={implementation!r}")
-    for hf_w, ours_w in ((experts.gate_up_proj, layer.experts.w13), (experts.down_proj, layer.experts.w2),
-                         (block.gate.weight, layer.router.weight)):
-        if hf_w.shape != ours_w.shape:
-            raise RuntimeError(f"bench setup: the {block_cls} built from {kw} holds {tuple(hf_w.shape)} "
-                               f"where ours is {tuple(ours_w.shape)}")
-    experts.gate_up_proj = layer.experts.w13  # [E, 2F, H], gate rows first: our layout
-    experts.down_proj = layer.experts.w2  # [E, H, F]
-    if family == "deepseek_v3":
-        block.gate.weight = layer.router.weight  # fp32; transformers upcasts to fp32 anyway
-        block.gate.e_score_correction_bias = layer.router.expert_bias
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(block.shared_experts, name, getattr(layer.shared_experts, name))
-    else:
-        block.gate.weight = bf16_router
-    _assert_no_meta(block)
-    gate = block.gate
-    version = getattr(transformers, "__version__", "?")
-    how = {"eager": "per-expert loop", "grouped_mm": hf_grouped_mm_path(layer)}.get(implementation, implementation)
-    return Impl(f"hf_{implementation}", block.train(),
-                f'transformers {version} {block_cls}, experts_implementation="{implementation}" ({how})',
-                gate.weight, lambda x2: gate(x2)[2], fp32_router=family == "deepseek_v3")
-
-
-def hf_grouped_mm_path(layer: MoELayer) -> str:
-    """Which GEMM transformers' grouped_mm experts will call for these weights (its private dispatch)."""
-    try:
-        from transformers.integrations import moe as hf_moe
-
-        w = layer.experts.w13.detach().transpose(-2, -1)
-        x = w.new_zeros(8, w.shape[1])
-        offs = torch.full((w.shape[0],), 8, dtype=torch.int32, device=w.device)
-        if not hf_moe._can_use_grouped_mm(x, w, offs):
-            return "transformers' per-expert fallback loop"
-        return "torch.nn.functional.grouped_mm" if hasattr(F, "grouped_mm") else "torch._grouped_mm"
-    except (ImportError, AttributeError, RuntimeError, TypeError) as e:
-        return f"grouped_mm path unknown: {type(e).__name__}"
-
-
-def build_peers(layer: MoELayer, spec: Spec) -> tuple[dict[str, Impl], dict[str, str]]:
-    """(peer -> Impl, peer -> why it is left out)."""
-    peers, skipped = {}, {}
-    try:
-        peers["torch_native"] = build_torch_native(layer)
-    except (RuntimeError, ValueError, TypeError) as e:
-        skipped["torch_native"] = _why(e)
-    hf_names = ("hf_eager", "hf_grouped_mm")
-    if spec.hf is None:
-        return peers, {**skipped, **{p: spec.why_no_hf for p in hf_names}}
-    try:
-        import transformers  # noqa: F401
-    except ImportError as e:
-        return peers, {**skipped, **{p: f"transformers not importable: {e}" for p in hf_names}}
-    bf16_router = None
-    if spec.hf != "deepseek_v3":
-        bf16_router = nn.Parameter(layer.router.weight.detach().to(torch.bfloat16))
-    for impl in ("eager", "grouped_mm"):
-        try:
-            peers[f"hf_{impl}"] = build_hf(layer, spec.hf, impl, bf16_router)
-        except (ImportError, AttributeError, RuntimeError, ValueError, TypeError, KeyError) as e:
-            skipped[f"hf_{impl}"] = _why(e)
-    return peers, skipped
-
-
-def ours_impl(layer: MoELayer) -> Impl:
-    return Impl("ours", layer, "MoELayer(backend=\"kernels\")", layer.router.weight, None)
-
-
-def _why(e: BaseException) -> str:
-    msg = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {msg}"[:300]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -454,125 +271,6 @@ def routing_skew(layer: MoELayer, x: Tensor) -> dict[str, float]:
     total = max(1, int(c.sum()))  # T*k routed tokens
     return {"max_expert_frac": float(c[0]) / T, "max_over_mean": float(c[0]) * E / total,
             "empty_experts": int((c == 0).sum()), "experts_for_half": int((c.cumsum(0) < total / 2).sum()) + 1}
-
-
-# ---------------------------------------------------------------------------------------------------
-# Checks
-
-
-def _grads(impl: Impl, x: Tensor, dout: Tensor, experts: Tensor, layer: MoELayer) -> dict[str, Tensor]:
-    """dx, the router weight's gradient, w13's and w2's on the given experts (indices) and the shared
-    experts', from out alone (no aux loss), as compact copies."""
-    named = [("dx", x), ("d router weight", impl.router_weight), ("d w13", layer.experts.w13),
-             ("d w2", layer.experts.w2)]
-    if layer.shared_experts is not None:
-        named += [(f"d shared {n}", p) for n, p in layer.shared_experts.named_parameters()]
-    out, _ = impl.forward(x)
-    grads = torch.autograd.grad(out, [t for _, t in named], dout, allow_unused=True)
-    res = {}
-    for (name, _), g in zip(named, grads):
-        if g is None:
-            raise AssertionError(f"{impl.name}: no gradient reaches {name}")
-        res[name] = g[experts] if name in ("d w13", "d w2") else g.clone()
-    return res
-
-
-def _as_slices(t: Tensor) -> Tensor:
-    """t viewed as [B, R, C]: C its last dim, R the one before, B the rest (for the expert-weight
-    gradients [E, N, K], the expert); a vector as one row."""
-    return t.reshape(1, 1, -1) if t.dim() < 2 else t.reshape(-1, t.shape[-2], t.shape[-1])
-
-
-def _close(what: str, actual: Tensor, expected: Tensor) -> None:
-    """Within bf16 precision (module docstring): relative L2 error <= REL_L2, and |a - e| <= atol + rtol*|e|
-    (rtol = BF16_RTOL, atol = ATOL_RMS x the larger of rms(e) and the element's local rms) on all but
-    OUTLIER_FRAC of the elements, none beyond OUTLIER_FACTOR x that. The local rms of element [b, i, j] of
-    e viewed as [B, R, C] (_as_slices) is sqrt(ms(row i) x ms(column j) / ms(slice b)), the mean squares
-    ms taken within slice b; a vector has none (atol = ATOL_RMS x rms(e)). Computed on the device in
-    pieces of whole rows: no copy to the host."""
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
-    a, e = _as_slices(actual), _as_slices(expected)
-    B, R, C = e.shape
-    n = e.numel()
-    if n == 0:
-        return
-    step = max(1, _CHUNK // C)
-    pieces = [(b, slice(i, i + step)) for b in range(B) for i in range(0, R, step)]
-    row_ms = torch.empty((B, R), dtype=torch.float32, device=e.device)
-    col_sq = torch.zeros((B, C), dtype=torch.float64, device=e.device)
-    for b, rows in pieces:
-        sq = e[b, rows].float().square()
-        row_ms[b, rows] = sq.mean(-1)
-        col_sq[b] += sq.sum(0, dtype=torch.float64)
-    slice_sq = col_sq.sum(-1)  # [B]
-    sq_e = float(slice_sq.sum())
-    col_ms = (col_sq / R).float()
-    slice_ms = (slice_sq / (R * C)).float().clamp_min(torch.finfo(torch.float32).tiny)
-    atol_min = max(1e-6, ATOL_RMS * math.sqrt(sq_e / n))
-    sq_d, n_bad, worst = 0.0, 0, 0.0
-    for b, rows in pieces:
-        ai, ei = a[b, rows].float(), e[b, rows].float()
-        atol = atol_min
-        if expected.dim() >= 2:
-            local = (row_ms[b, rows, None] * col_ms[b] / slice_ms[b]).sqrt()  # [rows, C]
-            atol = (ATOL_RMS * local).clamp_min(atol_min)
-        d = (ai - ei).abs()
-        ratio = d / (atol + BF16_RTOL * ei.abs())
-        ratio = torch.where(torch.isnan(ratio), torch.inf, ratio)  # a NaN anywhere fails
-        sq_d += float(d.double().square().sum())
-        n_bad += int((ratio > 1).sum())
-        worst = max(worst, float(ratio.max()))
-    rel = math.sqrt(sq_d / sq_e) if sq_e else (0.0 if sq_d == 0 else math.inf)
-    if not (rel <= REL_L2 and n_bad <= OUTLIER_FRAC * n and worst <= OUTLIER_FACTOR):
-        raise AssertionError(
-            f"{what}: relative L2 error {rel:.3g} (bound {REL_L2:g}); {n_bad} of {n} elements beyond rtol "
-            f"{BF16_RTOL:g}, atol >= {atol_min:.3g} (bound {OUTLIER_FRAC:g} of them); worst {worst:.3g}x that "
-            f"tolerance (bound {OUTLIER_FACTOR:g}x)")
-
-
-def checked_experts(counts: Tensor) -> Tensor:
-    """The experts whose weight gradients are compared, by our router's counts: the CHECK_EXPERTS // 2
-    busiest and the rest of CHECK_EXPERTS least loaded (empty ones, where any); all where E is no more."""
-    E = counts.numel()
-    order = torch.sort(counts.long().cpu(), descending=True, stable=True).indices  # ties: lower index first
-    if E <= CHECK_EXPERTS:
-        return order.sort().values.to(counts.device)
-    hot = CHECK_EXPERTS // 2
-    picked = torch.cat([order[:hot], order[E - (CHECK_EXPERTS - hot):]])
-    return picked.sort().values.to(counts.device)
-
-
-def check_peer(case: str, layer: MoELayer, peer: Impl, x: Tensor, dout: Tensor) -> float:
-    """Raises AssertionError where the peer and ours disagree (module docstring); returns the fraction of
-    tokens whose top-k expert set agrees."""
-    ours = ours_impl(layer)
-    T = x.shape[1]
-    x2 = x.detach().reshape(-1, x.shape[-1])
-    with torch.no_grad():
-        routed = layer.router(x2, seq_len=T)
-        ours_idx = routed.indices.long().sort(-1).values
-        peer_idx = peer.route(x2).long().sort(-1).values
-        agree = (ours_idx == peer_idx).all(-1)  # [T]
-        frac = float(agree.float().mean())
-    floor = MIN_AGREE_FP32 if peer.fp32_router else MIN_AGREE_BF16
-    what = f"{case} vs {peer.name}"
-    if frac < floor:
-        raise AssertionError(f"{what}: routing agrees on {frac:.1%} of {T} tokens (< {floor:.0%})")
-    with torch.no_grad():
-        out_ours, aux_ours = ours.forward(x)
-        out_peer, aux_peer = peer.forward(x)
-    _close(f"{what} output on the {int(agree.sum())} agreeing tokens", out_peer[0][agree], out_ours[0][agree])
-    if peer.name == "torch_native":
-        torch.testing.assert_close(aux_peer, aux_ours, rtol=AUX_RTOL, atol=1e-7,
-                                   msg=lambda m: f"{what} aux loss: {m}")
-    del out_ours, out_peer
-    masked = dout * agree.view(1, T, 1).to(dout.dtype)
-    experts = checked_experts(routed.tokens_per_expert)
-    g_ours = _grads(ours, x, masked, experts, layer)
-    g_peer = _grads(peer, x, masked, experts, layer)
-    for name, g in g_ours.items():
-        _close(f"{what} {name}", g_peer[name], g)
-    return frac
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -650,7 +348,7 @@ def run_case(ctx: h.Context, name: str, spec: Spec, cfg: MoEConfig, setup: str, 
         except AssertionError as e:  # ours and a peer disagree: the case is not timed
             return [], [f"{case}: {e}"]
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:  # e.g. out of memory
-            skipped[p] = _why(e)
+            skipped[p] = reason(e)
         finally:
             _release(ctx)
 
@@ -663,8 +361,8 @@ def run_case(ctx: h.Context, name: str, spec: Spec, cfg: MoEConfig, setup: str, 
             timings["moe_layer_fwd_bwd"][key] = time_impl(ctx, fwd_bwd(impl, impl.params()), sets)
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
             if key == "ours":
-                return [], [f"{case}: ours raised {_why(e)}"]
-            skipped[key] = _why(e)
+                return [], [f"{case}: ours raised {reason(e)}"]
+            skipped[key] = reason(e)
             for op in OPS:
                 timings[op].pop(key, None)
         finally:
@@ -806,7 +504,7 @@ def run(ctx: h.Context) -> h.Report:
                     results += rs
                     failures += fs
         except (RuntimeError, ValueError) as e:  # e.g. out of memory building the layer
-            failures.append(f"{name}: {_why(e)}")
+            failures.append(f"{name}: {reason(e)}")
         finally:
             del layer, peers
             _release(ctx)

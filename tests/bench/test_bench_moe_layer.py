@@ -23,6 +23,8 @@ ROUTER_OPS = {"router_topk_fwd", "router_topk_fwd_bwd"}
 # moe_layer
 
 from bench import bench_moe_layer as bml  # noqa: E402
+from bench import moe_layer_checks as bml_checks  # noqa: E402
+from bench import moe_layer_peers as bml_peers  # noqa: E402
 
 LAYER_OPS = {"moe_layer_fwd", "moe_layer_fwd_bwd"}
 
@@ -79,15 +81,15 @@ def test_moe_layer_json_has_metadata_and_results(layer_run):
         assert r["tokens_per_s"] == pytest.approx(s["T"] / (r["us"] * 1e-6))
         assert r["dtype"] == "bfloat16" and r["ceiling"] in ("copy", "matmul_bf16")
         assert (s["F_shared"] > 0) == (spec.preset == "deepseek-v3") and r["setup"]
-        assert set(r["speedup"]) == set(bml.PEERS) and r["peer_skipped"] == {}  # every peer runs on the CPU
+        assert set(r["speedup"]) == set(bml_peers.PEERS) and r["peer_skipped"] == {}  # every peer runs on the CPU
         assert r["speedup"].keys() == r["peer_us"].keys() == r["peer_variant"].keys()
         assert all(v > 0 and math.isfinite(v) for v in r["speedup"].values())
         assert all(v >= 0 and math.isfinite(v) for v in r["peer_us"].values())
         assert 'experts_implementation="eager"' in r["peer_variant"]["hf_eager"]
         assert 'experts_implementation="grouped_mm"' in r["peer_variant"]["hf_grouped_mm"]
-        assert set(r["routing_agreement"]) == set(bml.PEERS)
+        assert set(r["routing_agreement"]) == set(bml_peers.PEERS)
         assert all(0.9 <= f <= 1 for f in r["routing_agreement"].values())
-        assert r["reps"] == {p: 3 for p in ("ours", *bml.PEERS)}  # the CPU quick run's reps
+        assert r["reps"] == {p: 3 for p in ("ours", *bml_peers.PEERS)}  # the CPU quick run's reps
     by_case = {(r["case"], r["op"]): r for r in results}
     for case in {r["case"] for r in results}:  # fwd+bwd moves and computes more than the forward
         fwd_bwd, fwd = by_case[(case, "moe_layer_fwd_bwd")], by_case[(case, "moe_layer_fwd")]
@@ -125,10 +127,10 @@ def test_moe_layer_png_and_stdout(layer_run):
     lines = stdout.splitlines()
     result_lines = [line for line in lines if line.startswith("RESULT ")]
     assert len(result_lines) == len(data["results"])
-    assert all("us=" in line and "TFLOP/s=" in line and all(f"{p}=" in line for p in bml.PEERS)
+    assert all("us=" in line and "TFLOP/s=" in line and all(f"{p}=" in line for p in bml_peers.PEERS)
                for line in result_lines)
     for op in LAYER_OPS:
-        for p in bml.PEERS:
+        for p in bml_peers.PEERS:
             assert any(line.startswith(f"GEOMEAN {op} vs {p}:") for line in lines), (op, p)
     for preset in bml.HEADLINE_PRESETS:
         for peer in bml.BARS:
@@ -146,8 +148,8 @@ def test_moe_layer_png_and_stdout(layer_run):
 def test_moe_layer_peers_share_weights_and_agree(name, routing):
     pytest.importorskip("transformers", minversion="5.0")
     spec, cfg, layer, x, dout = _tiny_layer(name, routing)
-    peers, skipped = bml.build_peers(layer, spec)
-    assert skipped == {} and set(peers) == set(bml.PEERS)
+    peers, skipped = bml_peers.build_peers(layer, spec)
+    assert skipped == {} and set(peers) == set(bml_peers.PEERS)
     ours = {id(p) for p in layer.parameters()}
     for p, impl in peers.items():
         # the experts (and shared experts) are our tensors; only the Qwen3/Mixtral router is a bf16 copy
@@ -155,7 +157,7 @@ def test_moe_layer_peers_share_weights_and_agree(name, routing):
         assert others == (set() if impl.fp32_router else {id(impl.router_weight)}), p
         assert {id(layer.experts.w13), id(layer.experts.w2)} <= {id(t) for t in impl.params()}, p
         assert (impl.router_weight is layer.router.weight) == impl.fp32_router, p
-        assert bml.check_peer(name, layer, impl, x, dout) >= 0.9
+        assert bml_checks.check_peer(name, layer, impl, x, dout) >= 0.9
     assert peers["hf_eager"].module.experts.config._experts_implementation == "eager"
     assert peers["hf_grouped_mm"].module.experts.config._experts_implementation == "grouped_mm"
 
@@ -163,33 +165,33 @@ def test_moe_layer_peers_share_weights_and_agree(name, routing):
 def test_moe_layer_check_catches_swapped_gate_up():
     pytest.importorskip("transformers", minversion="5.0")
     spec, cfg, layer, x, dout = _tiny_layer()
-    peers, _ = bml.build_peers(layer, spec)
+    peers, _ = bml_peers.build_peers(layer, spec)
     hf_peer = peers["hf_grouped_mm"]
     F_ = cfg.ffn_size
     w13 = layer.experts.w13.detach()
     hf_peer.module.experts.gate_up_proj = torch.nn.Parameter(torch.cat([w13[:, F_:], w13[:, :F_]], dim=1))
     with pytest.raises(AssertionError, match="output on the"):
-        bml.check_peer("tiny", layer, hf_peer, x, dout)
+        bml_checks.check_peer("tiny", layer, hf_peer, x, dout)
 
 
 def test_moe_layer_close_policy():
     g = torch.Generator().manual_seed(0)
     ref = torch.randn(256, 512, generator=g)
     noise = ref + 2.0**-8 * torch.randn(256, 512, generator=g)  # bf16-rounding-sized differences
-    bml._close("noise", noise.to(torch.bfloat16), ref.to(torch.bfloat16))
+    bml_checks._close("noise", noise.to(torch.bfloat16), ref.to(torch.bfloat16))
     few = noise.clone()
     few[0, :5] += 0.05  # 5 of 131072 elements just past the elementwise bound: allowed
-    bml._close("few", few, ref)
+    bml_checks._close("few", few, ref)
     with pytest.raises(AssertionError, match="worst"):
         far = noise.clone()
         far[3, 7] += 1.0  # one element far off
-        bml._close("far", far, ref)
+        bml_checks._close("far", far, ref)
     with pytest.raises(AssertionError, match="relative L2 error"):
         wrong = noise.clone()
         wrong[:, :16] = 0  # a slice of the output lost
-        bml._close("wrong", wrong, ref)
+        bml_checks._close("wrong", wrong, ref)
     with pytest.raises(AssertionError):
-        bml._close("nan", torch.where(ref > 3, torch.nan, ref), ref)
+        bml_checks._close("nan", torch.where(ref > 3, torch.nan, ref), ref)
 
 
 def test_moe_layer_close_follows_the_local_scale():
@@ -198,20 +200,20 @@ def test_moe_layer_close_follows_the_local_scale():
     ref[0] *= 20  # one hot expert's gradient
     hot = ref.clone()
     hot[0] += 20 * 2.0**-7 * torch.randn(64, 64, generator=g)  # bf16-sized there; beyond a global atol
-    bml._close("hot", hot, ref)
+    bml_checks._close("hot", hot, ref)
     cold = ref.clone()
     cold[1:] += 20 * 2.0**-7 * torch.randn(7, 64, 64, generator=g)  # as large on the small experts: wrong
     with pytest.raises(AssertionError, match="elements beyond"):
-        bml._close("cold", cold, ref)
+        bml_checks._close("cold", cold, ref)
     # a few input features much larger than the rest (zipf's shift): each column at its own scale
     wide = torch.randn(256, 512, generator=g) * torch.where(torch.arange(512) < 16, 10.0, 1.0)
-    bml._close("columns", wide + 2.0**-7 * wide.abs().mean(0) * torch.randn(256, 512, generator=g), wide)
+    bml_checks._close("columns", wide + 2.0**-7 * wide.abs().mean(0) * torch.randn(256, 512, generator=g), wide)
     empty = torch.zeros(4, 8, 8)  # an empty expert's gradient must stay zero, up to the global floor
     empty[1:] = torch.randn(3, 8, 8, generator=g)
     off = empty.clone()
     off[0, 0, 0] = 1.0
     with pytest.raises(AssertionError, match="worst"):
-        bml._close("empty expert", off, empty)
+        bml_checks._close("empty expert", off, empty)
 
 
 def test_moe_layer_zipf_shift_sets_the_logit_offsets():
@@ -242,20 +244,22 @@ def test_moe_layer_zipf_shift_sets_the_logit_offsets():
 
 def test_moe_layer_checked_experts_take_the_busiest_and_the_empty():
     counts = torch.tensor([5, 0, 40, 7, 0, 9, 3, 30, 1, 2, 50, 6, 8, 4, 0, 20], dtype=torch.int32)
-    assert bml.CHECK_EXPERTS == 8
-    assert bml.checked_experts(counts).tolist() == [1, 2, 4, 7, 8, 10, 14, 15]  # 4 busiest, 4 least loaded
-    assert bml.checked_experts(counts[:8]).tolist() == list(range(8))
+    assert bml_checks.CHECK_EXPERTS == 8
+    assert bml_checks.checked_experts(counts).tolist() == [1, 2, 4, 7, 8, 10, 14, 15]  # 4 busiest, 4 least loaded
+    assert bml_checks.checked_experts(counts[:8]).tolist() == list(range(8))
 
 
 def test_moe_layer_wrong_result_is_reported_not_timed(monkeypatch, tmp_path):
     pytest.importorskip("transformers", minversion="5.0")
 
-    class Off(bml.Impl):
+    class Off(bml_peers.Impl):
         def forward(self, x):
             out, aux = super().forward(x)
             return out * 1.1, aux
 
-    monkeypatch.setattr(bml, "ours_impl", lambda layer: Off("ours", layer, "off by 10%", layer.router.weight, None))
+    # check_peer takes ours from ours_impl: ours 10% off
+    monkeypatch.setattr(bml_checks, "ours_impl",
+                        lambda layer: Off("ours", layer, "off by 10%", layer.router.weight, None))
     ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=tmp_path)
     rep = bml.run(ctx)
     assert rep.results == [] and len(rep.failures) == len(bml.CPU_MODELS) * len(bml.ROUTINGS)
@@ -268,14 +272,14 @@ def test_moe_layer_wrong_result_is_reported_not_timed(monkeypatch, tmp_path):
 
 def test_moe_layer_peer_left_out_with_reason(monkeypatch, tmp_path):
     pytest.importorskip("transformers", minversion="5.0")
-    real = bml.build_hf
+    real = bml_peers.build_hf
 
     def no_grouped_mm(layer, family, implementation, bf16_router):
         if implementation == "grouped_mm":
             raise RuntimeError("grouped_mm experts unavailable here")
         return real(layer, family, implementation, bf16_router)
 
-    monkeypatch.setattr(bml, "build_hf", no_grouped_mm)
+    monkeypatch.setattr(bml_peers, "build_hf", no_grouped_mm)
     monkeypatch.setattr(bml, "CPU_MODELS", {"tiny-qwen3-30b-a3b": bml.CPU_MODELS["tiny-qwen3-30b-a3b"]})
     rep = bml.run(harness.Context(torch.device("cpu"), quick=True, out_dir=tmp_path))
     assert rep.failures == [] and len(rep.results) == 2 * len(bml.ROUTINGS)
@@ -291,16 +295,16 @@ def test_moe_layer_peer_left_out_with_reason(monkeypatch, tmp_path):
 def test_moe_layer_hf_semantics_refuses_other_routing():
     ds = bml._layer_config(bml.CPU_MODELS["tiny-deepseek-v3"])
     qwen = bml._layer_config(bml.CPU_MODELS["tiny-qwen3-30b-a3b"])
-    assert bml.hf_semantics(ds, "deepseek_v3")["n_shared_experts"] == 1
-    assert bml.hf_semantics(qwen, "qwen3_moe")["norm_topk_prob"] is True
+    assert bml_peers.hf_semantics(ds, "deepseek_v3")["n_shared_experts"] == 1
+    assert bml_peers.hf_semantics(qwen, "qwen3_moe")["norm_topk_prob"] is True
     for cfg, family in ((ds, "qwen3_moe"), (qwen, "deepseek_v3"), (qwen.replace(router=qwen.router.__class__(
             **{**vars(qwen.router), "pre_softmax": True})), "mixtral")):
         with pytest.raises(ValueError):
-            bml.hf_semantics(cfg, family)
+            bml_peers.hf_semantics(cfg, family)
     # transformers scores a group by its top 2; another group_score_topk has no Hugging Face peer
     other = ds.replace(router=ds.router.__class__(**{**vars(ds.router), "group_score_topk": 1}))
     with pytest.raises(ValueError, match="top 2"):
-        bml.hf_semantics(other, "deepseek_v3")
+        bml_peers.hf_semantics(other, "deepseek_v3")
 
 
 def test_moe_layer_full_size_flops_and_setup():
@@ -311,6 +315,6 @@ def test_moe_layer_full_size_flops_and_setup():
     # 2*T*k*3*H*F routed + 2*T*3*H*F_shared + 2*T*H*E router
     assert bml.flops(cfg, 8192) == 2 * 8192 * (8 * 3 * 7168 * 2048 + 3 * 7168 * 2048 + 7168 * 256)
     q, _ = bml.fit_config(ctx, bml.MODELS["qwen3-30b-a3b"], 8192)
-    assert bml.hf_semantics(q, "qwen3_moe") == dict(
+    assert bml_peers.hf_semantics(q, "qwen3_moe") == dict(
         hidden_size=2048, num_experts_per_tok=8, hidden_act="silu", num_experts=128, moe_intermediate_size=768,
         norm_topk_prob=True)
