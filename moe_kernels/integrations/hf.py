@@ -341,21 +341,30 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
 
     recipe: a moe_kernels.quant recipe (Fp8BlockwiseRecipe(), Nvfp4Recipe()) for the routed experts' GEMMs
     (their weights stay as they are; quantization happens in each GEMM), or None for the model's precision.
+    Only patch_hf applies a recipe: the experts implementation registered as "moe_kernels" (for
+    `experts_implementation=`) runs at the model's precision.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_hf: expected a torch.nn.Module, got {type(model).__name__}")
-    if recipe is not None and not (hasattr(recipe, "grouped_mm") and hasattr(recipe, "check_shapes")):
-        raise TypeError(f"patch_hf: `recipe` must be a moe_kernels.quant recipe or None, got {type(recipe).__name__}")
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+
+    if recipe is not None and not isinstance(recipe, (Fp8BlockwiseRecipe, Nvfp4Recipe)):
+        raise TypeError(f"patch_hf: `recipe` must be an Fp8BlockwiseRecipe() or Nvfp4Recipe() instance or None, got "
+                        f"{recipe!r}")
     register_experts_implementation()
     found = list(_scan(model))
     if recipe is not None:  # every block must fit the recipe before any is patched
         for path, block, fam, problem in found:
             if fam is not None and problem is None:
                 F_, H = block.experts.down_proj.shape[-1], block.experts.gate_up_proj.shape[-1]
+                where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
                 try:
                     recipe.check_shapes(H, F_)
                 except ValueError as exc:
-                    raise ValueError(f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe: {exc}") from None
+                    raise ValueError(f"{where}: {exc}") from None
+                if block.experts.gate_up_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"{where}: its expert weights are {block.experts.gate_up_proj.dtype}; the recipes "
+                                     "quantize fp32, bf16 or fp16")
     patched, skipped = 0, {}
     for path, block, fam, problem in found:
         if fam is not None and problem is None:

@@ -16,7 +16,6 @@ import torch
 from torch import Tensor
 
 from moe_kernels.ops._checks import check_tensor
-from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.quant import NVFP4_BLOCK, dequantize_nvfp4, quantize_nvfp4
 
 _E4M3 = torch.float8_e4m3fn
@@ -60,8 +59,10 @@ def grouped_mm_nvfp4(x_q: Tensor, x_scale: Tensor, x_global: Tensor, w_q: Tensor
             raise ValueError(f"{op}: `{name}` must be one fp32 value, got shape {tuple(g.shape)}")
     x = _block_scaled(x_q, x_scale)  # [M, K]
     w = _block_scaled(w_q.reshape(E * N, K2), w_scale.reshape(E * N, -1)).view(E, N, 2 * K2)
-    out = grouped_mm(x, w, group_sizes)  # fp32
-    return (out * (1.0 / (x_global.reshape(()) * w_global.reshape(())))).to(out_dtype)
+    with torch.autocast(x.device.type, enabled=False):  # fp32 even under autocast (the CPU path has matmuls)
+        out = torch.ops.moe_kernels.grouped_mm(x, w, group_sizes)
+    # Two divisions: 1 / (g_x * g_w) would overflow for tiny amaxes (the scales reach 2688 / 1e-38).
+    return (out / x_global.reshape(()) / w_global.reshape(())).to(out_dtype)
 
 
 def grouped_mm_nvfp4_reference(x_q, x_scale, x_global, w_q, w_scale, w_global, group_sizes) -> Tensor:

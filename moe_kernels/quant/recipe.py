@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -107,7 +109,8 @@ class _Nvfp4GroupedMM(torch.autograd.Function):
             rng = _fresh_rng(dout.device) if ctx.stochastic else None
             d_q, d_s, d_g = quantize_nvfp4(_rows_in_groups(dout, group_sizes), rng=rng)
             wt_q, wt_s, wt_g = quantize_nvfp4_experts(w.detach().transpose(1, 2).contiguous())  # [E, K, N]
-            dx = grouped_mm_nvfp4(d_q, d_s, d_g, wt_q, wt_s, wt_g, group_sizes, out_dtype=x.dtype)
+            dx = _rows_in_groups(grouped_mm_nvfp4(d_q, d_s, d_g, wt_q, wt_s, wt_g, group_sizes, out_dtype=x.dtype),
+                                 group_sizes)  # zeros past the groups, as grouped_mm's dgrad
         if ctx.needs_input_grad[1]:
             if ctx.nvfp4_wgrad:
                 dw = _nvfp4_wgrad(dout, x, group_sizes).to(w.dtype)
@@ -117,10 +120,13 @@ class _Nvfp4GroupedMM(torch.autograd.Function):
 
 
 def _fresh_rng(device: torch.device) -> Tensor:
-    """[seed, offset] for stochastic rounding, the seed drawn from torch's default generator."""
-    return torch.tensor([int(torch.randint(0, 2**62, (1,))), 0], dtype=torch.int64, device=device)
+    """[seed, offset] for stochastic rounding: the seed drawn on the device from torch's generator there
+    (no host sync; a CUDA-graph replay draws a new one), offset 0."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)
+    return torch.cat([seed, torch.zeros_like(seed)])
 
 
+@functools.lru_cache(maxsize=None)
 def _hadamard_16(device: torch.device, dtype: torch.dtype) -> Tensor:
     """R = H16 diag(s) / 4: the Sylvester Hadamard matrix with a fixed random sign per column."""
     h = torch.ones(1, 1)
@@ -156,9 +162,10 @@ def _nvfp4_wgrad(dout: Tensor, x: Tensor, group_sizes: Tensor) -> Tensor:
         t = _rows_in_groups(t, group_sizes).float()
         return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
 
-    d = _nvfp4_along_tokens(random_hadamard_tokens(prepare(dout)), _fresh_rng(dout.device))
-    xh = _nvfp4_along_tokens(random_hadamard_tokens(prepare(x)), None)
-    return torch.ops.moe_kernels.grouped_mm_wgrad(d[:M].contiguous(), xh[:M].contiguous(), group_sizes)
+    with torch.autocast(x.device.type, enabled=False):  # the transform and the product in fp32
+        d = _nvfp4_along_tokens(random_hadamard_tokens(prepare(dout)), _fresh_rng(dout.device))
+        xh = _nvfp4_along_tokens(random_hadamard_tokens(prepare(x)), None)
+        return torch.ops.moe_kernels.grouped_mm_wgrad(d[:M].contiguous(), xh[:M].contiguous(), group_sizes)
 
 
 RECIPES = {"bf16": None, "fp8-blockwise": Fp8BlockwiseRecipe(), "nvfp4": Nvfp4Recipe()}
@@ -186,7 +193,7 @@ class _Fp8GroupedMM(torch.autograd.Function):
                 d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=ctx.pow2_scale)  # [M, N], [M, N/128]
                 wt_q = w_q.transpose(1, 2).contiguous()  # [E, K, N]
                 wt_scale = w_scale.transpose(1, 2).contiguous()  # [E, K/128, N/128]
-                dx = grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(x.dtype)
+                dx = _rows_in_groups(grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(x.dtype), group_sizes)
             else:
                 dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.to(dout.dtype), group_sizes)
         if ctx.needs_input_grad[1]:

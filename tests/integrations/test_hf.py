@@ -351,7 +351,15 @@ def test_precision_recipe(family):
         mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())  # H = 32
     assert not hf.is_patched(model)
     with pytest.raises(TypeError, match="`recipe`"):
-        mk.patch_hf(model, recipe="fp8")
+        mk.patch_hf(model, recipe=Nvfp4Recipe)  # the class, not an instance
+    with pytest.raises(ValueError, match="float64"):
+        mk.patch_hf(copy.deepcopy(model).double(), recipe=Nvfp4Recipe())
+    # A deep copy of a model patched with a recipe keeps it, bound to the copy.
+    mk.patch_hf(model, recipe=Nvfp4Recipe())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(run(twin, ids).logits, run(model, ids).logits, rtol=0, atol=0)
+    assert moe_blocks(twin)[0].experts.__dict__[hf._RECIPE_ATTR] == Nvfp4Recipe()
 
 
 def test_model_without_moe_blocks_warns():

@@ -165,3 +165,35 @@ def test_nvfp4_wgrad_follows_the_recipe():
         out = Nvfp4Recipe().grouped_mm(dirty.requires_grad_(), w, torch.tensor([30, 2, 16, 48], dtype=torch.int32))
         torch.autograd.grad(out, (w,), dout)
 
+
+
+def test_hadamard_matrix_and_token_blocks_are_the_recipe_s():
+    # An independent statement of both: R[i, j] = (-1)^popcount(i & j) * s[j] / 4 with some s[j] = -1, and
+    # NVFP4 blocks running along the tokens (one large token coarsens its 15 block neighbours, no others).
+    from moe_kernels.quant.recipe import _hadamard_16
+
+    R = _hadamard_16(torch.device("cpu"), torch.float64)
+    i = torch.arange(16)
+    parity = torch.tensor([[bin(a & b).count("1") % 2 for b in range(16)] for a in range(16)], dtype=torch.float64)
+    signs = (R[0] * 4).round()
+    assert torch.equal(R, (1 - 2 * parity) * signs / 4) and bool((signs == -1).any()) and bool((signs == 1).any())
+    assert torch.equal(signs.abs(), torch.ones(16, dtype=torch.float64)) and i.numel() == 16
+    t = torch.ones(32, 16)
+    t[0] = 1000.0
+    deq = _nvfp4_along_tokens(t, None)
+    assert torch.all(deq[1:16] == 0) and torch.all(deq[16:] > 0.9)  # along channels rows 1-31 would match
+
+
+def test_grouped_mm_is_fp32_under_autocast():
+    x, w, gs, _ = _problem()
+    xq = quantize_nvfp4(x.detach())
+    wq = quantize_nvfp4_experts(w.detach())
+    want = grouped_mm_nvfp4(*xq, *wq, gs, out_dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = grouped_mm_nvfp4(*xq, *wq, gs, out_dtype=torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Tiny amaxes: the two global scales' product overflows fp32, the result must not.
+    tiny = grouped_mm_nvfp4(*quantize_nvfp4(x.detach() * 1e-18), *quantize_nvfp4_experts(w.detach() * 1e-18), gs,
+                            out_dtype=torch.float64)
+    rows = int(gs.sum())
+    torch.testing.assert_close(tiny[:rows] * 1e36, want[:rows].double(), rtol=1e-5, atol=1e-5)
