@@ -67,6 +67,12 @@ def collect() -> dict:
                 }
             )
     info["gpus"] = gpus
+    # Expert/data parallelism (moe_kernels.dispatch, moe-train under torchrun) runs on these backends.
+    dist_ok = torch.distributed.is_available()
+    info["distributed_backends"] = [
+        name for name, ok in (("nccl", dist_ok and torch.distributed.is_nccl_available()),
+                              ("gloo", dist_ok and torch.distributed.is_gloo_available())) if ok
+    ]
     on_gpu = bool(gpus) and gpus[0]["kernels_run_here"]
     info["ops"] = {
         op: ("CUDA kernel" if on_gpu and all(hasattr(C, f) for f in fns) else "PyTorch reference")
@@ -108,6 +114,7 @@ def report() -> str:
             )
     else:
         lines.append(f"  {'gpu':<{width}}none visible to torch")
+    lines.append(f"  {'distributed_backends':<{width}}{', '.join(info['distributed_backends']) or 'none'}")
     lines.append("  ops:")
     for op, backend in info["ops"].items():
         lines.append(f"    {op:<{width - 2}}{backend}")

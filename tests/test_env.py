@@ -10,7 +10,7 @@ from moe_kernels.env import CUDA_OPS, collect
 
 def test_report_runs_and_names_everything():
     out = subprocess.run([sys.executable, "-m", "moe_kernels"], capture_output=True, text=True, check=True).stdout
-    for field in ("torch", "extension_built", "gpu", "ops:"):
+    for field in ("torch", "extension_built", "gpu", "distributed_backends", "ops:"):
         assert field in out
     for op in CUDA_OPS:
         assert op in out
@@ -21,6 +21,9 @@ def test_collect_is_consistent():
     assert info["torch"] == torch.__version__
     assert info["extension_built"] == moe_kernels.has_cuda_kernels()
     assert set(info["ops"]) == set(CUDA_OPS)
+    assert set(info["distributed_backends"]) <= {"nccl", "gloo"}
+    if torch.distributed.is_available() and torch.distributed.is_gloo_available():
+        assert "gloo" in info["distributed_backends"]
     if not torch.cuda.is_available():
         assert all(v == "PyTorch reference" for v in info["ops"].values())
     if moe_kernels.has_cuda_kernels():
