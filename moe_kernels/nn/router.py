@@ -8,6 +8,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -123,6 +124,9 @@ class Router(nn.Module):
         else:
             self.expert_bias = None
             self.tokens_seen = None
+        # Global-batch load balancing (moe_kernels.parallel.apply_global_load_balancing sets it): the aux
+        # loss takes its expert counts over this data-parallel group. None: this rank's tokens only.
+        self.balance_group = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -169,12 +173,16 @@ class Router(nn.Module):
             else:
                 scores, aux_indices = router_aux_scores(logits, cfg.k, score=cfg.score)
             if cfg.aux_loss_coeff > 0:
-                if reference:
-                    counts = tokens_per_expert_reference(aux_indices, cfg.num_experts)
-                    loss = loss + aux_loss_reference(scores, counts, cfg.k, cfg.aux_loss_coeff)
-                else:
-                    counts = tokens_per_expert(aux_indices, cfg.num_experts)
-                    loss = loss + aux_loss(scores, counts, cfg.k, cfg.aux_loss_coeff)
+                count = tokens_per_expert_reference if reference else tokens_per_expert
+                balance = aux_loss_reference if reference else aux_loss
+                counts = count(aux_indices, cfg.num_experts)
+                if self.balance_group is None:
+                    loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff)
+                else:  # f_e over the global batch (W ranks x T tokens), P_e over this rank's tokens
+                    counts = counts.clone()
+                    torch.distributed.all_reduce(counts, group=self.balance_group)
+                    W = torch.distributed.get_world_size(self.balance_group)
+                    loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff) / W
             if cfg.seq_aux_loss_coeff > 0:
                 if seq_len is None:
                     raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")

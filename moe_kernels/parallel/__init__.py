@@ -10,7 +10,13 @@
 ranks holding the same experts (None when the expert-parallel group is the whole world).
 """
 
-from moe_kernels.parallel.data_parallel import all_reduce_expert_counts, all_reduce_gradients
+from moe_kernels.parallel.data_parallel import all_reduce_expert_counts, all_reduce_gradients, apply_global_load_balancing
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 
-__all__ = ["all_reduce_expert_counts", "all_reduce_gradients", "apply_expert_parallel", "expert_parameters"]
+__all__ = [
+    "all_reduce_expert_counts",
+    "all_reduce_gradients",
+    "apply_expert_parallel",
+    "apply_global_load_balancing",
+    "expert_parameters",
+]

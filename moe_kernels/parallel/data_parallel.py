@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_kernels.nn import Router
+from moe_kernels.nn import MoELayer, Router
 from moe_kernels.parallel.expert_parallel import expert_parameters
 
 
@@ -61,3 +61,18 @@ def all_reduce_expert_counts(model: nn.Module, group=None) -> None:
         if isinstance(m, Router) and m.tokens_seen is not None:
             dist.all_reduce(m.tokens_seen, group=group)
 
+
+
+def apply_global_load_balancing(model: nn.Module, group=None) -> nn.Module:
+    """Global-batch load balancing (Qwen's): every router's aux loss takes the expert frequencies f_e over
+    the whole data-parallel batch (its counts summed over `group` in each forward) and the mean scores P_e
+    over its own tokens, divided by the group's size. With equal token counts per rank, the mean of the
+    ranks' losses is then the aux loss of the global batch. Returns the model."""
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    if not routers:
+        raise ValueError("apply_global_load_balancing: the model has no Router")
+    if any(isinstance(m, MoELayer) and m.config.backend == "torch" for m in model.modules()):
+        raise ValueError("apply_global_load_balancing: the torch-native backend computes its own aux loss")
+    for r in routers:
+        r.balance_group = group if group is not None else dist.group.WORLD
+    return model

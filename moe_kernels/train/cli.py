@@ -41,6 +41,8 @@ def train(
     seed: int = typer.Option(0),
     expert_parallel: int = typer.Option(1, help="Under torchrun: ranks per expert-parallel group (divides the "
                                         "number of ranks); the rest of the model is data-parallel."),
+    global_load_balancing: bool = typer.Option(False, help="Under torchrun: the load-balancing loss counts "
+                                               "experts over the global batch (Qwen's global-batch balancing)."),
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
 ) -> None:
     from moe_kernels.models import PRESETS
@@ -58,7 +60,7 @@ def train(
             lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
             eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
-            expert_parallel=expert_parallel,
+            expert_parallel=expert_parallel, global_load_balancing=global_load_balancing,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

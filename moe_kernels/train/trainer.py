@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
-from moe_kernels.parallel import expert_parameters
+from moe_kernels.parallel import apply_global_load_balancing, expert_parameters
 from moe_kernels.quant import RECIPES
 import torch.distributed as dist
 
@@ -53,6 +53,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     tensorboard: bool = False
     expert_parallel: int = 1  # ranks per expert-parallel group (under torchrun; must divide the world)
+    global_load_balancing: bool = False  # under torchrun: the aux loss's expert frequencies over all ranks
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -135,6 +136,8 @@ class Trainer:
         self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
         if self.par is not None:
             distributed.shard_model(self.model, self.par)
+            if cfg.global_load_balancing:
+                apply_global_load_balancing(self.model)
         if cfg.activation_checkpointing:
             self.model.set_activation_checkpointing(True)
         self.optimizer = torch.optim.AdamW(

@@ -74,3 +74,31 @@ def _worker(rank, P, family, backend, steps):
 @pytest.mark.parametrize("family,backend", [("tiny-qwen3-moe", "all_to_all"), ("tiny-deepseek-v3", "all_gather")])
 def test_training_steps_equal_one_process(family, backend):
     run_world(_worker, 2, family, backend, 3)
+
+
+def _worker_global_balance(rank, P):
+    from moe_kernels.nn import Router, RouterConfig
+    from moe_kernels.parallel import apply_global_load_balancing
+
+    torch.manual_seed(0)
+    cfg = RouterConfig(hidden_size=16, num_experts=8, k=2, score="softmax", aux_loss_coeff=1e-2)
+    ref, router = Router(cfg), Router(cfg)
+    router.load_state_dict(ref.state_dict())
+    apply_global_load_balancing(router)
+    xs = [torch.randn(12, 16, generator=torch.Generator().manual_seed(r)) for r in range(P)]
+    for reference in (False, True):
+        aux = router(xs[rank], reference=reference).aux_loss
+        (g,) = torch.autograd.grad(aux / P, router.weight)  # each rank's share of the mean loss
+        mean_aux = aux.detach().clone()
+        torch.distributed.all_reduce(mean_aux)
+        torch.distributed.all_reduce(g)
+        want = ref(torch.cat(xs), reference=reference).aux_loss  # one process, the global batch
+        (want_g,) = torch.autograd.grad(want, ref.weight)
+        torch.testing.assert_close(mean_aux / P, want.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(g, want_g, rtol=1e-4, atol=1e-7)
+        local = ref(xs[rank], reference=reference).aux_loss.detach()
+        assert not torch.allclose(aux.detach(), local)  # the per-rank loss is another function
+
+
+def test_global_load_balancing_is_the_global_batch_aux_loss():
+    run_world(_worker_global_balance, 2)

@@ -31,6 +31,12 @@ def _worker(rank, world, tmp: str):
         assert trainer.num_parameters() == sum(p.numel() for p in Trainer(TrainConfig(**COMMON, out_dir=str(tmp / "x")),
                                                                            echo=lambda *a: None).model.parameters())
 
+    # Global-batch load balancing: every router counts over both ranks, and training runs.
+    glb = Trainer(TrainConfig(**{**COMMON, "steps": 2}, out_dir=str(tmp / "glb"), expert_parallel=2,
+                              global_load_balancing=True), echo=lambda *a: None)
+    assert all(layer.router.balance_group is not None for layer in glb.model.moe_layers())
+    assert glb.train()[-1]["loss"] > 0
+
     # Killed after step 4 (the step-3 checkpoint is on disk), resumed by new trainers: the same run.
     cfg = TrainConfig(**COMMON, out_dir=str(tmp / "killed"), expert_parallel=2)
     trainer = Trainer(cfg, echo=lambda *a: None)
