@@ -10,7 +10,7 @@ Backends: `LocalDispatcher` (one rank, the reference), `AllToAllDispatcher` (the
 
 from moe_kernels.dispatch.all_gather import AllGatherDispatcher
 from moe_kernels.dispatch.all_to_all import AllToAllDispatcher
-from moe_kernels.dispatch.base import Dispatched, Dispatcher, LocalDispatcher
+from moe_kernels.dispatch.base import Dispatched, Dispatcher, GroupDispatcher, LocalDispatcher
 
 BACKENDS = {"all_to_all": AllToAllDispatcher, "all_gather": AllGatherDispatcher}
 
@@ -22,4 +22,7 @@ def make_dispatcher(backend: str, num_experts: int, group=None) -> Dispatcher:
     return BACKENDS[backend](num_experts, group)
 
 
-__all__ = ["AllGatherDispatcher", "AllToAllDispatcher", "BACKENDS", "Dispatched", "Dispatcher", "LocalDispatcher", "make_dispatcher"]
+__all__ = [
+    "AllGatherDispatcher", "AllToAllDispatcher", "BACKENDS", "Dispatched", "Dispatcher", "GroupDispatcher", "LocalDispatcher",
+    "make_dispatcher",
+]

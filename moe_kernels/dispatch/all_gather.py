@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_kernels.dispatch import collectives
-from moe_kernels.dispatch.base import Dispatched, Dispatcher, padding_scales
+from moe_kernels.dispatch.base import Dispatched, GroupDispatcher, padding_scales
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
 
@@ -31,11 +31,7 @@ class _AllGatherHandle:
     num_tokens: int  # local T
 
 
-class AllGatherDispatcher(Dispatcher):
-    def __init__(self, num_experts: int, group=None):
-        self.group = group
-        super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
-
+class AllGatherDispatcher(GroupDispatcher):
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
         T = x.shape[0]

@@ -15,11 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from moe_kernels.dispatch import collectives
-from moe_kernels.dispatch.base import Dispatched, Dispatcher, padding_scales
+from moe_kernels.dispatch.base import Dispatched, GroupDispatcher, padding_scales
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
 
@@ -33,11 +32,7 @@ class _AllToAllHandle:
     source_rows: int  # rows of the source permute (T * k)
 
 
-class AllToAllDispatcher(Dispatcher):
-    def __init__(self, num_experts: int, group=None):
-        self.group = group
-        super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
-
+class AllToAllDispatcher(GroupDispatcher):
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
         P, El = self.num_ranks, self.num_local_experts

@@ -104,6 +104,16 @@ class Dispatcher(abc.ABC):
         return f"{type(self).__name__}(num_experts={self.num_experts}, rank={self.rank}/{self.num_ranks})"
 
 
+class GroupDispatcher(Dispatcher):
+    """A dispatcher over the ranks of a torch.distributed process group (None: the default group)."""
+
+    def __init__(self, num_experts: int, group=None):
+        import torch.distributed as dist
+
+        self.group = group
+        super().__init__(num_experts, dist.get_world_size(group), dist.get_rank(group))
+
+
 @dataclass(eq=False)
 class _LocalHandle:
     row_map: Tensor

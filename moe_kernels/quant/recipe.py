@@ -39,11 +39,7 @@ class Fp8BlockwiseRecipe:
 
     def check_shapes(self, hidden_size: int, ffn_size: int) -> None:
         """Both expert GEMMs contract over H (gate/up) or F (down) in blocks of 128."""
-        if hidden_size % BLOCK or ffn_size % BLOCK:
-            raise ValueError(
-                f"Fp8BlockwiseRecipe: hidden_size ({hidden_size}) and ffn_size ({ffn_size}) must be multiples of "
-                f"{BLOCK} (one scale per 128 along each GEMM's K)"
-            )
+        _check_multiples(self, hidden_size, ffn_size, BLOCK, "one scale per 128 along each GEMM's K")
 
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast)."""
@@ -54,9 +50,9 @@ class Fp8BlockwiseRecipe:
 class Nvfp4Recipe:
     """The NVFP4 training recipe's expert GEMMs (specs/lowprec.md), numerics only on Hopper:
       forward  x: 1D blocks of 16 along K, round-to-nearest; w: 16x16 tiles, round-to-nearest
-      dgrad    dout: 1D blocks along N, stochastic rounding (a fresh Philox seed from torch's default
-               generator per call, so runs are reproducible under torch.manual_seed); w: its transpose
-               in 16x16 tiles (the same values as the forward's, the point of 2D tiles)
+      dgrad    dout: 1D blocks along N, stochastic rounding (a fresh Philox seed per call, drawn on the
+               device from torch's generator there: reproducible under torch.manual_seed, no host sync);
+               w: its transpose in 16x16 tiles (the same values as the forward's, the point of 2D tiles)
       wgrad    random Hadamard transform along the tokens, then NVFP4 (below); or the input precision
     Both GEMMs run as grouped_mm_nvfp4: block-scaled values in fp32, fp32 accumulation, global scales last.
     With `nvfp4_wgrad` (the default) wgrad follows the recipe too: dout and x get the random Hadamard
@@ -74,14 +70,16 @@ class Nvfp4Recipe:
         return NVFP4_BLOCK if self.nvfp4_wgrad else 1  # wgrad's blocks run along the tokens
 
     def check_shapes(self, hidden_size: int, ffn_size: int) -> None:
-        if hidden_size % NVFP4_BLOCK or ffn_size % NVFP4_BLOCK:
-            raise ValueError(
-                f"Nvfp4Recipe: hidden_size ({hidden_size}) and ffn_size ({ffn_size}) must be multiples of "
-                f"{NVFP4_BLOCK} (blocks of 16 along each GEMM's K, 16x16 weight tiles)"
-            )
+        _check_multiples(self, hidden_size, ffn_size, NVFP4_BLOCK, "blocks of 16 along each GEMM's K, 16x16 weight tiles")
 
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         return _Nvfp4GroupedMM.apply(autocast_input(x), w, group_sizes, self)
+
+
+def _check_multiples(recipe, hidden_size: int, ffn_size: int, block: int, why: str) -> None:
+    if hidden_size % block or ffn_size % block:
+        raise ValueError(f"{type(recipe).__name__}: hidden_size ({hidden_size}) and ffn_size ({ffn_size}) must be "
+                         f"multiples of {block} ({why})")
 
 
 def _rows_in_groups(t: Tensor, group_sizes: Tensor) -> Tensor:
