@@ -22,7 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_kernels.parallel import all_reduce_expert_counts, all_reduce_gradients, apply_expert_parallel, expert_parameters
+from moe_kernels.parallel import (
+    all_reduce_expert_counts,
+    all_reduce_gradients,
+    apply_expert_parallel,
+    expert_parallel_mesh,
+    expert_parameters,
+)
 
 
 @dataclass
@@ -65,13 +71,8 @@ def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
             dist.init_process_group("gloo")
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
-    P = expert_parallel
-    # new_group must be called by every rank for every group, in the same order.
-    ep_groups = [dist.new_group(list(range(s, s + P))) for s in range(0, world, P)] if P < world else [None]
-    edp_groups = [dist.new_group(list(range(r, world, P))) for r in range(P)] if P < world else [None]
-    ep_group = ep_groups[rank // P] if P < world else None  # None: the default group, all ranks
-    edp_group = edp_groups[rank % P] if P < world else None
-    return Parallel(rank, world, P, ep_group, edp_group, owns)
+    mesh = expert_parallel_mesh(expert_parallel, device.type)  # ("edp", "ep"): rank = edp * P + ep
+    return Parallel(rank, world, expert_parallel, mesh.ep_group, mesh.edp_group, owns)
 
 
 def device_for(parallel_world: int, preference: str | None) -> torch.device:

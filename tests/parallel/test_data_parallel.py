@@ -102,3 +102,23 @@ def _worker_global_balance(rank, P):
 
 def test_global_load_balancing_is_the_global_batch_aux_loss():
     run_world(_worker_global_balance, 2)
+
+
+def _worker_mesh(rank, P):
+    from moe_kernels.parallel import expert_parallel_mesh
+
+    for ep in (1, 2, 4):
+        mesh = expert_parallel_mesh(ep, "cpu")
+        group = torch.distributed.get_process_group_ranks(mesh.ep_group)
+        first = rank // ep * ep
+        assert group == list(range(first, first + ep)) and mesh.ep_rank == rank % ep and mesh.expert_parallel == ep
+        if ep == P:
+            assert mesh.edp_group is None
+        else:
+            assert torch.distributed.get_process_group_ranks(mesh.edp_group) == list(range(rank % ep, P, ep))
+    with pytest.raises(ValueError, match="must divide"):
+        expert_parallel_mesh(3, "cpu")
+
+
+def test_expert_parallel_mesh_layout():
+    run_world(_worker_mesh, 4)
