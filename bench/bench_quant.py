@@ -54,11 +54,7 @@ class Case:
 
 
 def cases(ctx: h.Context) -> list[Case]:
-    if ctx.is_cuda:
-        models, tokens = MODELS, ((16384,) if ctx.quick else TOKENS)
-    else:
-        models, tokens = CPU_MODELS, (64,)
-    return [Case(m, T, *models[m]) for m in models for T in tokens]
+    return [Case(*c) for c in h.model_sweep(ctx, MODELS, CPU_MODELS, TOKENS, (16384,))]
 
 
 def _nbytes_quant(gran: str, M: int, K: int, es: int) -> int:

@@ -215,6 +215,17 @@ class Report:
     failures: list[str]  # cases not timed because a correctness check failed
 
 
+def model_sweep(ctx: Context, models: dict, cpu_models: dict, tokens: Sequence[int], quick_tokens: Sequence[int],
+                cpu_tokens: Sequence[int] = (64,)) -> list[tuple]:
+    """(model name, T, *model parameters) for every model and token count: the perf.md shapes on a GPU
+    (`quick_tokens` with --quick), the tiny ones on the CPU."""
+    if ctx.is_cuda:
+        chosen, counts = models, (quick_tokens if ctx.quick else tokens)
+    else:
+        chosen, counts = cpu_models, cpu_tokens
+    return [(m, T, *chosen[m]) for m in chosen for T in counts]
+
+
 def run_cases(ctx: Context, family: str, cases: Sequence, run_case: Callable[[Context, Any], list]) -> tuple[list, list[str]]:
     """Runs each case; a case whose correctness check fails (AssertionError) is reported, not timed, and
     the other cases still run. Returns (results, failures)."""

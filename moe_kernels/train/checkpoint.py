@@ -64,7 +64,7 @@ def checkpoints(directory: str | Path) -> list[Path]:
 
 
 def save(directory: str | Path, step: int, state: dict, *, keep: int = 2) -> Path:
-    """Writes `step_XXXXXXX.pt`, points `latest` at it, and removes the older checkpoints beyond the newest
+    """Writes `step_<step, 7 digits>.pt`, points `latest` at it, and removes the older checkpoints beyond the newest
     `keep` (counting the new one). Only checkpoints of earlier steps are removed: never the one just
     written, the one `latest` points to, or any of a later step."""
     directory = Path(directory)
