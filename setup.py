@@ -2,7 +2,12 @@
 
 Environment knobs:
   MOE_KERNELS_CUDA_ARCHS   CUDA architectures, ';'-separated (default "90a").
-  MOE_KERNELS_SKIP_CUDA=1  install the pure-Python package (CPU references only).
+  MOE_KERNELS_SKIP_CUDA=1  do not build `_C` (the GPU kernels); the ops run their references.
+  MOE_KERNELS_SKIP_EMU=1   do not build `_C_emu`, the CPU-executed kernels (tools/cuda_on_cpu) that the
+                           tests run under MOE_KERNELS_EMULATE=1; built by default when a C++ compiler
+                           and the CUDA headers are found.
+  MOE_KERNELS_EMU_SANITIZE=1  also build `_C_emu_asan` (AddressSanitizer + UBSan; MOE_KERNELS_EMULATE=asan
+                           with libasan preloaded).
   CUTLASS_DIR              CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel.
   MAX_JOBS                 parallel compile jobs (default: cores, capped by memory at ~4 GB per job).
   CUDA_HOME / CUDA_PATH    where nvcc lives when it is not on PATH.
@@ -38,6 +43,34 @@ def find_nvcc() -> str | None:
     return str(cand) if cand.exists() else None
 
 
+def find_cuda_include() -> str | None:
+    """The CUDA headers (the directory holding cuda_runtime.h and cuda_fp8.h): the toolkit next to nvcc,
+    CUDA_HOME/CUDA_PATH, /usr/local/cuda, or a pip wheel's include directory."""
+    candidates = []
+    nvcc = find_nvcc()
+    if nvcc:
+        candidates.append(Path(nvcc).resolve().parent.parent / "include")
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]) / "include")
+    candidates.append(Path("/usr/local/cuda/include"))
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        candidates += sorted(Path(root).glob("*/include"))
+    for cand in candidates:
+        if (cand / "cuda_runtime.h").exists() and (cand / "cuda_fp8.h").exists():
+            return str(cand)
+    return None
+
+
+def find_cxx() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++") or shutil.which("c++")
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "0") not in ("", "0")
+
+
 def find_cutlass_root() -> str | None:
     """A CUTLASS source tree: the directory holding include/cutlass/cutlass.h and tools/util/include."""
     candidates = []
@@ -66,12 +99,15 @@ def default_jobs() -> int:
 
 
 class CMakeExtension(Extension):
-    def __init__(self, name: str):
+    def __init__(self, name: str, sanitize: bool = False):
         super().__init__(name, sources=[])
+        self.sanitize = sanitize
 
 
 class CMakeBuild(build_ext):
     def build_extension(self, ext: Extension) -> None:
+        if ext.name.startswith("moe_kernels._C_emu"):
+            return self.build_emulated(ext)
         import pybind11
 
         nvcc = find_nvcc()
@@ -100,15 +136,53 @@ class CMakeBuild(build_ext):
         subprocess.run(["cmake", *args], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", str(jobs)], check=True)
 
+    def build_emulated(self, ext: CMakeExtension) -> None:
+        """`_C_emu` / `_C_emu_asan`: the CUDA kernels compiled by the host compiler (tools/cuda_on_cpu)."""
+        import pybind11
+
+        name = ext.name.rsplit(".", 1)[-1]
+        out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
+        build_dir = Path(self.build_temp).resolve() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            f"-S{ROOT / 'tools' / 'cuda_on_cpu'}",
+            f"-B{build_dir}",
+            "-GNinja",
+            f"-DMOE_KERNELS_ROOT={ROOT}",
+            f"-DCUDA_ON_CPU_INCLUDE={find_cuda_include()}",
+            f"-DCUDA_ON_CPU_MODULE={name}",
+            f"-DCUDA_ON_CPU_OUTPUT_DIR={out_dir}",
+            f"-DCUDA_ON_CPU_SANITIZE={'ON' if ext.sanitize else 'OFF'}",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
+            f"-DPython_EXECUTABLE={sys.executable}",
+        ]
+        if find_cxx():
+            args.append(f"-DCMAKE_CXX_COMPILER={find_cxx()}")
+        if shutil.which("ccache"):
+            args.append("-DCMAKE_CXX_COMPILER_LAUNCHER=ccache")
+        jobs = max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+        _say(f"building {name} (the CUDA kernels executed on the CPU, for the tests) with {jobs} job(s)")
+        subprocess.run(["cmake", *args], check=True)
+        subprocess.run(["cmake", "--build", str(build_dir), "--parallel", str(jobs)], check=True)
+
 
 def extensions() -> list[Extension]:
-    if os.environ.get("MOE_KERNELS_SKIP_CUDA", "0") not in ("", "0"):
-        _say("MOE_KERNELS_SKIP_CUDA is set: installing the pure-Python package (CPU references only).")
-        return []
-    if find_nvcc() is None:
-        _say("no CUDA compiler (nvcc) found: installing the pure-Python package (CPU references only).")
-        return []
-    return [CMakeExtension("moe_kernels._C")]
+    exts = []
+    if _flag("MOE_KERNELS_SKIP_CUDA"):
+        _say("MOE_KERNELS_SKIP_CUDA is set: no GPU kernels (every op runs its PyTorch reference).")
+    elif find_nvcc() is None:
+        _say("no CUDA compiler (nvcc) found: no GPU kernels (every op runs its PyTorch reference).")
+    else:
+        exts.append(CMakeExtension("moe_kernels._C"))
+    if _flag("MOE_KERNELS_SKIP_EMU"):
+        pass
+    elif find_cuda_include() is None or find_cxx() is None:
+        _say("no CUDA headers or no C++ compiler: the CPU-executed kernels (_C_emu, for tests) are not built.")
+    else:
+        exts.append(CMakeExtension("moe_kernels._C_emu"))
+        if _flag("MOE_KERNELS_EMU_SANITIZE"):
+            exts.append(CMakeExtension("moe_kernels._C_emu_asan", sanitize=True))
+    return exts
 
 
 setup(ext_modules=extensions(), cmdclass={"build_ext": CMakeBuild})

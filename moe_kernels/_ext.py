@@ -1,4 +1,10 @@
-"""Access to the compiled extension `moe_kernels._C` and the process-wide checking mode."""
+"""Access to the compiled extension `moe_kernels._C` and the process-wide checking mode.
+
+Emulation (`MOE_KERNELS_EMULATE=1`, or `=asan` for the AddressSanitizer build): the ops' CUDA
+implementations also serve CPU tensors, running our CUDA kernels on the CPU through
+`moe_kernels._C_emu` (tools/cuda_on_cpu), device 0, stream 0. It is test tooling: slow, and off
+unless asked for. It never replaces `_C` for CUDA tensors.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,24 @@ try:
 except ImportError as exc:  # built without CUDA, or not built at all
     _C = None
     _IMPORT_ERROR = str(exc)
+
+_EMULATE = os.environ.get("MOE_KERNELS_EMULATE", "0").strip().lower()
+_EMU_MODULES = {"1": "_C_emu", "true": "_C_emu", "asan": "_C_emu_asan"}
+if _EMULATE in ("", "0", "false"):
+    _EMU = None
+elif _EMULATE in _EMU_MODULES:
+    import importlib
+
+    try:
+        _EMU = importlib.import_module(f"moe_kernels.{_EMU_MODULES[_EMULATE]}")
+    except ImportError as exc:
+        raise ImportError(
+            f"MOE_KERNELS_EMULATE={_EMULATE} needs moe_kernels.{_EMU_MODULES[_EMULATE]}, which is not built "
+            f"({exc}); `pip install -e .` builds _C_emu when a C++ compiler and the CUDA headers are found "
+            "(MOE_KERNELS_EMU_SANITIZE=1 adds _C_emu_asan)"
+        ) from exc
+else:
+    raise ValueError(f"MOE_KERNELS_EMULATE must be 0, 1 or asan, got {_EMULATE!r}")
 
 _DTYPE_CODES = {
     torch.float32: 0,
@@ -35,6 +59,24 @@ def has_cuda_kernels() -> bool:
 
 def import_error() -> str | None:
     return _IMPORT_ERROR
+
+
+def emulation() -> str | None:
+    """The module running CUDA kernels on CPU tensors (`_C_emu` or `_C_emu_asan`), None when off."""
+    return _EMU.__name__.rsplit(".", 1)[-1] if _EMU is not None else None
+
+
+def cuda_impl(op):
+    """Decorator: `fn` is `op`'s CUDA implementation; under emulation it also serves CPU tensors (the
+    references stay available as the `*_reference` functions)."""
+
+    def register(fn):
+        op.register_kernel("cuda")(fn)
+        if _EMU is not None:
+            op.register_kernel("cpu")(fn)
+        return fn
+
+    return register
 
 
 def set_checks(enabled: bool) -> None:
@@ -74,6 +116,8 @@ def kernels(op: str, t: torch.Tensor):
     """The extension module, or None (after one warning) when `t`'s GPU must use the references:
     the extension is not built, or not built for this GPU's architecture."""
     global _warned_fallback
+    if t.device.type == "cpu":  # only reached under emulation (cuda_impl)
+        return _EMU
     reason = None
     if _C is None:
         reason = f"moe_kernels was installed without its CUDA extension ({_IMPORT_ERROR})"
@@ -101,6 +145,8 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 def launch_args(t: torch.Tensor) -> dict:
     """Device index and current stream of the tensor's device, as the extension takes them."""
+    if t.device.type == "cpu":  # emulation: one device, one stream
+        return {"device": 0, "stream": 0}
     return {"device": t.device.index, "stream": torch.cuda.current_stream(t.device).cuda_stream}
 
 

@@ -8,6 +8,12 @@
 
 namespace py = pybind11;
 
+// The same bindings build `_C` (nvcc, the GPU) and `_C_emu` / `_C_emu_asan` (the host compiler, the
+// kernels executed on the CPU by tools/cuda_on_cpu).
+#ifndef MOE_KERNELS_MODULE
+#define MOE_KERNELS_MODULE _C
+#endif
+
 namespace {
 
 int runtime_version() {
@@ -25,8 +31,13 @@ int driver_version() {
 
 }  // namespace
 
-PYBIND11_MODULE(_C, m) {
+PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
   m.doc() = "moe_kernels CUDA kernels (raw pointers in, no torch dependency)";
+#ifdef CUDA_ON_CPU
+  m.attr("emulated") = true;  // the kernels run on the CPU: pointers are host memory
+#else
+  m.attr("emulated") = false;
+#endif
   m.attr("cuda_archs") = MOE_KERNELS_ARCHS;
   m.def("cuda_runtime_version", &runtime_version, "CUDA runtime version this module was built with");
   m.def("cuda_driver_version", &driver_version, "Installed driver's CUDA version, 0 if none");

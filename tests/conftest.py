@@ -5,20 +5,27 @@ import torch
 
 import moe_kernels
 
-# MOE_KERNELS_TEST_DEVICE=cpu runs the GPU tier against the CPU references: a dry run that checks the
-# test code itself on a machine without a GPU (it proves nothing about the kernels).
-_DRY_RUN_DEVICE = os.environ.get("MOE_KERNELS_TEST_DEVICE")
+# MOE_KERNELS_EMULATE=1 (or asan) runs the GPU tier on CPU tensors through the CPU-executed kernels
+# (moe_kernels._C_emu): our CUDA sources, executed. MOE_KERNELS_TEST_DEVICE=cpu runs the GPU tier
+# against the CPU references: a dry run that checks the test code itself (it proves nothing about the
+# kernels).
+EMULATED = moe_kernels._ext.emulation() is not None
+_DRY_RUN_DEVICE = os.environ.get("MOE_KERNELS_TEST_DEVICE") or ("cpu" if EMULATED else None)
 
 
 def pytest_collection_modifyitems(config, items):
-    # GPU tier: skipped without a CUDA device. With a device but no compiled kernels the tests run and
-    # fail, so a broken build never passes quietly on a GPU machine.
-    if torch.cuda.is_available() or _DRY_RUN_DEVICE:
+    # GPU tier: skipped without a CUDA device unless emulated. With a device but no compiled kernels the
+    # tests run and fail, so a broken build never passes quietly on a GPU machine. `cuda_device` tests
+    # need the physical device (CUDA graphs, streams, IPC) even under emulation.
+    if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="no CUDA device")
+    skip_gpu = pytest.mark.skip(reason="no CUDA device")
+    skip_device = pytest.mark.skip(reason="needs a physical CUDA device (graphs, streams or IPC), not emulated")
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "cuda_device" in item.keywords:
+            item.add_marker(skip_device)
+        elif "gpu" in item.keywords and not _DRY_RUN_DEVICE:
+            item.add_marker(skip_gpu)
 
 
 @pytest.fixture

@@ -70,7 +70,7 @@ def _(dout, h, row_weights, need_dw):
     return h.new_empty(h.shape), h.new_empty((h.shape[0],) if need_dw else (0,), dtype=_acc(h.dtype))
 
 
-@_swiglu.register_kernel("cuda")
+@_ext.cuda_impl(_swiglu)
 def _swiglu_cuda(h, row_weights=None):
     _check(h, row_weights)
     check_cuda_dtype("swiglu", "h", h)
@@ -84,7 +84,7 @@ def _swiglu_cuda(h, row_weights=None):
     return out
 
 
-@_swiglu_bwd.register_kernel("cuda")
+@_ext.cuda_impl(_swiglu_bwd)
 def _swiglu_bwd_cuda(dout, h, row_weights, need_dw):
     check_cuda_dtype("swiglu backward", "h", h)
     C = _ext.kernels("swiglu", h)

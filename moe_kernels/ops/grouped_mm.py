@@ -186,7 +186,7 @@ def _cuda_common(op: str, t: Tensor, group_sizes: Tensor, M: int):
     return C
 
 
-@_grouped_mm.register_kernel("cuda")
+@_ext.cuda_impl(_grouped_mm)
 def _grouped_mm_cuda(x, w, group_sizes):
     _check_fwd(x, w, group_sizes)
     M, K = x.shape
@@ -202,7 +202,7 @@ def _grouped_mm_cuda(x, w, group_sizes):
     return out
 
 
-@_grouped_mm_dgrad.register_kernel("cuda")
+@_ext.cuda_impl(_grouped_mm_dgrad)
 def _grouped_mm_dgrad_cuda(dout, w, group_sizes):
     _check_dgrad(dout, w, group_sizes)
     M, N = dout.shape
@@ -218,7 +218,7 @@ def _grouped_mm_dgrad_cuda(dout, w, group_sizes):
     return dx
 
 
-@_grouped_mm_wgrad.register_kernel("cuda")
+@_ext.cuda_impl(_grouped_mm_wgrad)
 def _grouped_mm_wgrad_cuda(dout, x, group_sizes):
     _check_wgrad(dout, x, group_sizes)
     M, N = dout.shape

@@ -101,7 +101,7 @@ def _(x_q, x_scale, w_q, w_scale, group_sizes):
     return x_q.new_empty((x_q.shape[0], w_q.shape[1]), dtype=torch.bfloat16)
 
 
-@_grouped_mm_fp8.register_kernel("cuda")
+@_ext.cuda_impl(_grouped_mm_fp8)
 def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     _check(x_q, x_scale, w_q, w_scale, group_sizes)
     M, K = x_q.shape

@@ -213,7 +213,7 @@ def _check_cuda_experts(op: str, num_experts: int, C) -> None:
         raise ValueError(f"{op}: the CUDA kernel takes num_experts <= {C.permute_max_experts}, got {num_experts}")
 
 
-@_permute.register_kernel("cuda")
+@_ext.cuda_impl(_permute)
 def _permute_cuda(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
     _check_permute(x, indices, num_experts, align)
     check_cuda_dtype("permute", "x", x, PERMUTE_CUDA_DTYPES)
@@ -237,7 +237,7 @@ def _permute_cuda(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) 
     return x_perm, row_map, group_sizes
 
 
-@_unpermute.register_kernel("cuda")
+@_ext.cuda_impl(_unpermute)
 def _unpermute_cuda(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
     _check_unpermute(y, row_map, weights)
     check_cuda_dtype("unpermute", "y", y)
@@ -256,7 +256,7 @@ def _unpermute_cuda(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -
     return out
 
 
-@_unpermute_bwd.register_kernel("cuda")
+@_ext.cuda_impl(_unpermute_bwd)
 def _unpermute_bwd_cuda(
     dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int
 ) -> tuple[Tensor, Tensor]:
@@ -280,7 +280,7 @@ def _unpermute_bwd_cuda(
     return dy, dweights
 
 
-@_tokens_per_expert.register_kernel("cuda")
+@_ext.cuda_impl(_tokens_per_expert)
 def _tokens_per_expert_cuda(indices: Tensor, num_experts: int) -> Tensor:
     check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
     check_int("tokens_per_expert", "num_experts", num_experts, minimum=1)

@@ -161,7 +161,7 @@ def _(q, scale, granularity, dtype):
     return torch.empty_like(q, dtype=dtype)
 
 
-@_quantize_fp8.register_kernel("cuda")
+@_ext.cuda_impl(_quantize_fp8)
 def _quantize_fp8_cuda(x, granularity, fp8_dtype, pow2_scale):
     _check_quant(x, granularity, fp8_dtype)
     C = _ext.kernels("quantize_fp8", x)
@@ -179,7 +179,7 @@ def _quantize_fp8_cuda(x, granularity, fp8_dtype, pow2_scale):
     return q, scale
 
 
-@_dequantize_fp8.register_kernel("cuda")
+@_ext.cuda_impl(_dequantize_fp8)
 def _dequantize_fp8_cuda(q, scale, granularity, dtype):
     _check_dequant(q, scale, granularity, dtype)
     C = _ext.kernels("dequantize_fp8", q)
@@ -398,7 +398,7 @@ def _(packed, block_scale, global_scale, dtype):
     return packed.new_empty((packed.shape[0], packed.shape[1] * 2), dtype=dtype)
 
 
-@_quantize_nvfp4.register_kernel("cuda")
+@_ext.cuda_impl(_quantize_nvfp4)
 def _quantize_nvfp4_cuda(x, global_amax, tile_2d, rng):
     _check_nvfp4(x, global_amax, tile_2d, rng)
     C = _ext.kernels("quantize_nvfp4", x)
@@ -419,7 +419,7 @@ def _quantize_nvfp4_cuda(x, global_amax, tile_2d, rng):
     return packed, block_scale, global_scale
 
 
-@_dequantize_nvfp4.register_kernel("cuda")
+@_ext.cuda_impl(_dequantize_nvfp4)
 def _dequantize_nvfp4_cuda(packed, block_scale, global_scale, dtype):
     _check_nvfp4_dequant(packed, block_scale, global_scale, dtype)
     C = _ext.kernels("dequantize_nvfp4", packed)

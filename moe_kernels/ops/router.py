@@ -352,7 +352,7 @@ def _cuda_prologue(op: str, logits: Tensor, k: int, num_groups: int = 1):
     return C
 
 
-@_router_topk.register_kernel("cuda")
+@_ext.cuda_impl(_router_topk)
 def _router_topk_cuda(
     logits, k, score, pre_softmax, num_groups, group_topk, group_score_topk, scaling_factor, expert_bias, normalize
 ):
@@ -376,7 +376,7 @@ def _router_topk_cuda(
     return weights, indices
 
 
-@_router_topk_bwd.register_kernel("cuda")
+@_ext.cuda_impl(_router_topk_bwd)
 def _router_topk_bwd_cuda(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor):
     _check_topk_bwd(grad_weights, logits, indices, score, pre_softmax)
     C = _cuda_prologue("router_topk backward", logits, indices.shape[1])
@@ -396,7 +396,7 @@ def _router_topk_bwd_cuda(grad_weights, logits, indices, score, pre_softmax, nor
     return grad_logits
 
 
-@_router_aux_scores.register_kernel("cuda")
+@_ext.cuda_impl(_router_aux_scores)
 def _router_aux_scores_cuda(logits, k, score):
     check_tensor("router_aux_scores", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     check_int("router_aux_scores", "k", k, minimum=1, maximum=logits.shape[1])
@@ -414,7 +414,7 @@ def _router_aux_scores_cuda(logits, k, score):
     return scores, indices
 
 
-@_router_aux_scores_bwd.register_kernel("cuda")
+@_ext.cuda_impl(_router_aux_scores_bwd)
 def _router_aux_scores_bwd_cuda(grad_scores, logits, score):
     _check_aux_bwd(grad_scores, logits, score)
     C = _cuda_prologue("router_aux_scores backward", logits, 1)

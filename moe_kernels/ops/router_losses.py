@@ -383,7 +383,7 @@ def _as_int32_indices(indices: Tensor, num_experts: int) -> Tensor:
     return torch.where((indices >= -1) & (indices < num_experts), indices, -1).to(torch.int32)
 
 
-@_aux_loss.register_kernel("cuda")
+@_ext.cuda_impl(_aux_loss)
 def _aux_loss_cuda(scores, tokens_per_expert, k, coeff):
     _check_aux(scores, tokens_per_expert, k)
     T, E = scores.shape
@@ -402,7 +402,7 @@ def _aux_loss_cuda(scores, tokens_per_expert, k, coeff):
     return loss
 
 
-@_seq_aux_loss.register_kernel("cuda")
+@_ext.cuda_impl(_seq_aux_loss)
 def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
     _check_seq(scores, indices, seq_len)
     rows, E = scores.shape
@@ -428,7 +428,7 @@ def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
     return loss, seq_counts
 
 
-@_balance_loss_bwd.register_kernel("cuda")
+@_ext.cuda_impl(_balance_loss_bwd)
 def _balance_loss_bwd_cuda(grad, counts, num_tokens, seq_len, scale, dtype):
     _check_balance_bwd(grad, counts, num_tokens, seq_len, dtype)
     E = counts.shape[1]
@@ -446,7 +446,7 @@ def _balance_loss_bwd_cuda(grad, counts, num_tokens, seq_len, scale, dtype):
     return out
 
 
-@_z_loss.register_kernel("cuda")
+@_ext.cuda_impl(_z_loss)
 def _z_loss_cuda(logits, coeff):
     check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     T, E = logits.shape
@@ -464,7 +464,7 @@ def _z_loss_cuda(logits, coeff):
     return loss, lse
 
 
-@_z_loss_bwd.register_kernel("cuda")
+@_ext.cuda_impl(_z_loss_bwd)
 def _z_loss_bwd_cuda(grad, logits, lse, coeff):
     _check_z_bwd(grad, logits, lse)
     T, E = logits.shape
@@ -481,7 +481,7 @@ def _z_loss_bwd_cuda(grad, logits, lse, coeff):
     return out
 
 
-@_apply_capacity.register_kernel("cuda")
+@_ext.cuda_impl(_apply_capacity)
 def _apply_capacity_cuda(weights, indices, num_experts, capacity_factor, policy):
     _check_capacity(weights, indices, num_experts, capacity_factor, policy)
     C = _kernels("apply_capacity", weights, num_experts, counts_in_shared_memory=True)
@@ -506,7 +506,7 @@ def _apply_capacity_cuda(weights, indices, num_experts, capacity_factor, policy)
     return weights_out, indices_out
 
 
-@_update_expert_bias.register_kernel("cuda")
+@_ext.cuda_impl(_update_expert_bias)
 def _update_expert_bias_cuda(bias, tokens_per_expert, rate):
     _check_bias(bias, tokens_per_expert)
     E = bias.shape[0]

@@ -1,0 +1,106 @@
+// Stand-ins for the CUDA runtime calls our launchers and bindings make. One emulated device (0),
+// compute capability 8.0: not Hopper, so the launchers take their portable paths. Memory is the
+// host's: "device" pointers are CPU tensors' data, copies and fills are memcpy and memset, and work is
+// finished when the call returns (streams are ordered by construction).
+#include <cuda_runtime.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+namespace emu {
+cudaError_t last_error_and_clear();
+cudaError_t peek_last_error();
+}  // namespace emu
+
+namespace {
+constexpr int kSMs = 132;
+}
+
+extern "C" {
+
+cudaError_t cudaGetLastError(void) { return emu::last_error_and_clear(); }
+cudaError_t cudaPeekAtLastError(void) { return emu::peek_last_error(); }
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    default: return "cudaError (emulated)";
+  }
+}
+
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    default: return "error in the CPU execution layer";
+  }
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int device) {
+  if (device != 0) return cudaErrorInvalidDevice;
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = kSMs; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = 8; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = 48 * 1024; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; return cudaSuccess;
+    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
+    case cudaDevAttrWarpSize: *value = 32; return cudaSuccess;
+    case cudaDevAttrMaxGridDimX: *value = 0x7fffffff; return cudaSuccess;
+    case cudaDevAttrMaxGridDimY:
+    case cudaDevAttrMaxGridDimZ: *value = 65535; return cudaSuccess;
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t cudaMemsetAsync(void* p, int value, size_t count, cudaStream_t) {
+  if (count) std::memset(p, value, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemset(void* p, int value, size_t count) { return cudaMemsetAsync(p, value, count, nullptr); }
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind, cudaStream_t) {
+  if (count) std::memmove(dst, src, count);
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
+  return cudaMemcpyAsync(dst, src, count, kind, nullptr);
+}
+
+cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
+
+cudaError_t cudaFuncSetAttribute(const void*, enum cudaFuncAttribute, int) { return cudaSuccess; }
+
+cudaError_t cudaRuntimeGetVersion(int* v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDriverGetVersion(int* v) {
+  *v = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+}  // extern "C"

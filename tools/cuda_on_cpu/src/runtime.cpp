@@ -1,0 +1,603 @@
+// The CPU execution layer: fibers for CUDA threads, warp collectives, block barriers, launches, and
+// the CUDA runtime calls our launchers make.
+#include "cuda_on_cpu/runtime.h"
+
+#include "fiber.h"
+
+#include <pthread.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#include <sanitizer/common_interface_defs.h>
+#define EMU_ASAN 1
+#else
+#define EMU_ASAN 0
+#endif
+
+namespace emu {
+
+thread_local ThreadState* g_thread = nullptr;
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kMaxThreads = 1024;
+constexpr size_t kDefaultSmem = 48 * 1024;  // without cudaFuncSetAttribute opt-in
+constexpr size_t kMaxSmemOptin = 227 * 1024;  // sm_90
+#if EMU_ASAN
+constexpr size_t kStackBytes = 1024 * 1024;
+#else
+constexpr size_t kStackBytes = 256 * 1024;
+#endif
+
+const char* coll_name(Coll op) {
+  switch (op) {
+    case Coll::kShflIdx: return "__shfl_sync";
+    case Coll::kShflUp: return "__shfl_up_sync";
+    case Coll::kShflDown: return "__shfl_down_sync";
+    case Coll::kShflXor: return "__shfl_xor_sync";
+    case Coll::kBallot: return "__ballot_sync";
+    case Coll::kAny: return "__any_sync";
+    case Coll::kAll: return "__all_sync";
+    case Coll::kMatchAny: return "__match_any_sync";
+    case Coll::kMatchAll: return "__match_all_sync";
+    case Coll::kReduceAdd: return "__reduce_add_sync";
+    case Coll::kReduceMin: return "__reduce_min_sync";
+    case Coll::kReduceMax: return "__reduce_max_sync";
+    case Coll::kReduceAnd: return "__reduce_and_sync";
+    case Coll::kReduceOr: return "__reduce_or_sync";
+    case Coll::kReduceXor: return "__reduce_xor_sync";
+    case Coll::kSyncWarp: return "__syncwarp";
+  }
+  return "?";
+}
+
+std::string hex(unsigned m) {
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08x", m);
+  return buf;
+}
+
+std::string where(const char* file, int line) { return std::string(file ? file : "?") + ":" + std::to_string(line); }
+
+enum class Run { kRunnable, kBarrier, kCollective, kDone };
+
+struct Fiber {
+  Context ctx;
+  char* stack = nullptr;  // usable stack above one PROT_NONE guard page
+};
+
+struct Thread {
+  ThreadState st;
+  Run run = Run::kRunnable;
+  Fiber fiber;
+  // Where the thread waits (barrier or collective), for messages.
+  const char* file = nullptr;
+  int line = 0;
+  // Its part in a pending collective, and the result written when the collective completes.
+  CollArgs coll{};
+  unsigned char value[16];
+  unsigned char result[16];
+  int pred_result = 0;
+  int barrier_pred = 0;
+  int barrier_result = 0;
+};
+
+struct PendingColl {
+  unsigned mask;
+  unsigned arrived;
+  Coll op;
+  int width;
+  int size;
+};
+
+struct Warp {
+  unsigned exited = 0;  // lanes that have exited (or do not exist: a partial last warp)
+  std::vector<PendingColl> pending;
+};
+
+struct Block {
+  const LaunchConfig* cfg = nullptr;
+  const std::function<void()>* body = nullptr;
+  std::vector<Thread> threads;
+  std::vector<Warp> warps;
+  int live = 0;
+  int at_barrier = 0;
+  void* smem = nullptr;
+  std::string error;  // set when a thread fails: the launch stops and raises
+};
+
+// Per launching OS thread: the scheduler's context and the running block.
+thread_local Context t_sched;
+#if EMU_ASAN
+thread_local const void* t_sched_bottom = nullptr;  // the scheduler's stack, for ASan's fiber switches
+thread_local size_t t_sched_size = 0;
+#endif
+thread_local Block* t_block = nullptr;
+thread_local Thread* t_running = nullptr;
+thread_local void* t_sched_fake_stack = nullptr;
+
+// Fiber stacks are reused across launches; launches from several OS threads run one at a time
+// (static __shared__ variables are process-wide).
+std::mutex g_launch_mutex;
+std::vector<char*> g_stacks;
+uint64_t g_block_epoch = 0;
+
+size_t page_size() {
+  static const size_t p = size_t(sysconf(_SC_PAGESIZE));
+  return p;
+}
+
+char* stack_for(size_t i) {
+  while (g_stacks.size() <= i) {
+    const size_t guard = page_size();
+    void* p = mmap(nullptr, kStackBytes + guard, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED) throw std::runtime_error("cuda_on_cpu: cannot map a fiber stack");
+    mprotect(p, guard, PROT_NONE);  // a fiber that overflows its stack faults instead of corrupting
+    g_stacks.push_back(static_cast<char*>(p) + guard);
+  }
+  return g_stacks[i];
+}
+
+std::string thread_name(const Block& b, const Thread& t) {
+  std::ostringstream s;
+  s << "kernel " << b.cfg->kernel << ", block (" << t.st.block_idx.x << "," << t.st.block_idx.y << ","
+    << t.st.block_idx.z << "), warp " << t.st.warp << ", lane " << t.st.lane << " (thread " << t.st.thread_idx.x << ","
+    << t.st.thread_idx.y << "," << t.st.thread_idx.z << ")";
+  return s.str();
+}
+
+// Switch from the running fiber back to the scheduler.
+void yield_to_scheduler(bool finished) {
+  Thread* t = t_running;
+#if EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(finished ? nullptr : &fake, t_sched_bottom, t_sched_size);
+#endif
+  switch_context(t->fiber.ctx, t_sched);
+#if EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+  (void)finished;
+}
+
+[[noreturn]] void abort_block(const std::string& msg) {
+  Block* b = t_block;
+  if (b->error.empty()) b->error = msg;
+  // The fiber never resumes; its stack is simply reused by a later launch.
+  yield_to_scheduler(true);
+  std::abort();  // unreachable
+}
+
+void fiber_entry() {
+#if EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
+#endif
+  Block* b = t_block;
+  Thread* t = t_running;
+  try {
+    (*b->body)();
+  } catch (const std::exception& e) {
+    if (b->error.empty()) b->error = thread_name(*b, *t) + ": C++ exception in the kernel: " + e.what();
+  }
+  t->run = Run::kDone;
+  yield_to_scheduler(true);
+}
+
+}  // namespace
+
+[[noreturn]] void fail(const std::string& what, const char* file, int line) {
+  Block* b = t_block;
+  if (b == nullptr || t_running == nullptr) throw std::runtime_error("cuda_on_cpu: " + what + " outside a kernel");
+  abort_block(thread_name(*b, *t_running) + ": " + what + " at " + where(file, line));
+}
+
+void* dynamic_shared() { return t_block->smem; }
+
+void shared_declared(void* p, size_t bytes, uint64_t* epoch) {
+  if (*epoch != g_block_epoch) {
+    std::memset(p, 0xff, bytes);
+    *epoch = g_block_epoch;
+  }
+}
+
+unsigned active_lanes() {
+  const Thread& t = *t_running;
+  return ~t_block->warps[t.st.warp].exited;
+}
+
+namespace {
+
+void release_barrier(Block& b) {
+  int count = 0;
+  for (auto& t : b.threads)
+    if (t.run == Run::kBarrier) count += t.barrier_pred;
+  for (auto& t : b.threads) {
+    if (t.run == Run::kBarrier) {
+      t.run = Run::kRunnable;
+      t.barrier_result = count;
+    }
+  }
+  b.at_barrier = 0;
+}
+
+void resolve(Block& b, int warp, const PendingColl& g) {
+  Thread* lanes = &b.threads[size_t(warp) * kWarp];
+  auto lane_of = [&](int l) -> Thread& { return lanes[l]; };
+  uint32_t vals[kWarp] = {};
+  for (int l = 0; l < kWarp; ++l) {
+    if (g.mask >> l & 1u) std::memcpy(&vals[l], lane_of(l).value, 4);
+  }
+  unsigned ballot = 0;
+  for (int l = 0; l < kWarp; ++l)
+    if ((g.mask >> l & 1u) && vals[l]) ballot |= 1u << l;
+
+  for (int l = 0; l < kWarp; ++l) {
+    if (!(g.mask >> l & 1u)) continue;
+    Thread& t = lane_of(l);
+    unsigned out = 0;
+    switch (g.op) {
+      case Coll::kShflIdx:
+      case Coll::kShflUp:
+      case Coll::kShflDown:
+      case Coll::kShflXor: {
+        // PTX shfl.sync: segments of `width` lanes; a source outside the segment's bounds reads itself.
+        const int seg = kWarp - g.width;  // c[12:8]
+        const int segmask = seg & 31;
+        const int clamp = g.op == Coll::kShflUp ? 0 : 31;
+        const int max_lane = (l & segmask) | (clamp & ~segmask);
+        const int min_lane = l & segmask;
+        const int bval = t.coll.arg & 31;
+        int j = l;
+        bool ok = false;
+        switch (g.op) {
+          case Coll::kShflUp: j = l - bval; ok = j >= max_lane; break;
+          case Coll::kShflDown: j = l + bval; ok = j <= max_lane; break;
+          case Coll::kShflXor: j = l ^ bval; ok = j <= max_lane; break;
+          default: j = min_lane | (bval & ~segmask); ok = j <= max_lane; break;
+        }
+        if (!ok) j = l;
+        if (!(g.mask >> j & 1u)) {
+          b.error = thread_name(b, t) + ": " + coll_name(g.op) + " reads lane " + std::to_string(j) +
+                    ", outside its mask " + hex(g.mask) + " at " + where(t.coll.file, t.coll.line);
+          return;
+        }
+        std::memcpy(t.result, lane_of(j).value, size_t(g.size));
+        t.run = Run::kRunnable;
+        continue;
+      }
+      case Coll::kBallot: out = ballot; break;
+      case Coll::kAny: out = ballot != 0; break;
+      case Coll::kAll: out = ballot == g.mask; break;
+      case Coll::kMatchAny:
+      case Coll::kMatchAll: {
+        unsigned same = 0;
+        for (int o = 0; o < kWarp; ++o)
+          if ((g.mask >> o & 1u) && std::memcmp(lane_of(o).value, t.value, size_t(g.size)) == 0) same |= 1u << o;
+        if (g.op == Coll::kMatchAny) {
+          out = same;
+        } else {
+          t.pred_result = same == g.mask;
+          out = same == g.mask ? g.mask : 0u;
+        }
+        break;
+      }
+      case Coll::kReduceAdd: {
+        uint32_t s = 0;
+        for (int o = 0; o < kWarp; ++o)
+          if (g.mask >> o & 1u) s += vals[o];
+        out = s;
+        break;
+      }
+      case Coll::kReduceMin:
+      case Coll::kReduceMax: {
+        const bool is_signed = t.coll.arg != 0, is_min = g.op == Coll::kReduceMin;
+        bool first = true;
+        uint32_t best = 0;
+        for (int o = 0; o < kWarp; ++o) {
+          if (!(g.mask >> o & 1u)) continue;
+          const uint32_t v = vals[o];
+          bool better;
+          if (is_signed) {
+            better = is_min ? int32_t(v) < int32_t(best) : int32_t(v) > int32_t(best);
+          } else {
+            better = is_min ? v < best : v > best;
+          }
+          if (first || better) best = v;
+          first = false;
+        }
+        out = best;
+        break;
+      }
+      case Coll::kReduceAnd:
+      case Coll::kReduceOr:
+      case Coll::kReduceXor: {
+        uint32_t r = g.op == Coll::kReduceAnd ? ~0u : 0u;
+        for (int o = 0; o < kWarp; ++o) {
+          if (!(g.mask >> o & 1u)) continue;
+          if (g.op == Coll::kReduceAnd) r &= vals[o];
+          else if (g.op == Coll::kReduceOr) r |= vals[o];
+          else r ^= vals[o];
+        }
+        out = r;
+        break;
+      }
+      case Coll::kSyncWarp: break;
+    }
+    std::memcpy(t.result, &out, 4);
+    t.run = Run::kRunnable;
+  }
+}
+
+}  // namespace
+
+void warp_collective(const CollArgs& a, void* out, int* pred) {
+  Block& b = *t_block;
+  Thread& t = *t_running;
+  const int lane = t.st.lane;
+  Warp& w = b.warps[size_t(t.st.warp)];
+  const char* name = coll_name(a.op);
+  if (!(a.mask >> lane & 1u)) fail(std::string(name) + " with mask " + hex(a.mask) + " that does not name the calling lane", a.file, a.line);
+  if (a.mask & w.exited) {
+    fail(std::string(name) + " with mask " + hex(a.mask) + " names lane(s) " + hex(a.mask & w.exited) +
+             " that have exited (or do not exist)", a.file, a.line);
+  }
+  PendingColl* g = nullptr;
+  for (auto& p : w.pending) {
+    if (!(p.mask & a.mask)) continue;
+    if (p.mask != a.mask || p.op != a.op || p.width != a.width || p.size != a.size) {
+      // Name one lane already waiting in the other collective.
+      int other = __builtin_ctz(p.arrived);
+      const Thread& o = b.threads[size_t(t.st.warp) * kWarp + size_t(other)];
+      fail(std::string(name) + " (mask " + hex(a.mask) + ", width " + std::to_string(a.width) + ") meets lane " +
+               std::to_string(other) + " waiting in " + coll_name(p.op) + " (mask " + hex(p.mask) + ", width " +
+               std::to_string(p.width) + ") at " + where(o.coll.file, o.coll.line) + ": lanes of one mask in different collectives",
+           a.file, a.line);
+    }
+    g = &p;
+    break;
+  }
+  if (g == nullptr) {
+    w.pending.push_back(PendingColl{a.mask, 0u, a.op, a.width, a.size});
+    g = &w.pending.back();
+  }
+  t.coll = a;
+  t.file = a.file;
+  t.line = a.line;
+  std::memset(t.value, 0, sizeof t.value);
+  std::memcpy(t.value, a.value, size_t(a.size));
+  g->arrived |= 1u << lane;
+  t.run = Run::kCollective;
+  if (g->arrived == g->mask) {
+    const PendingColl done = *g;
+    w.pending.erase(w.pending.begin() + (g - w.pending.data()));
+    resolve(b, t.st.warp, done);
+    if (!b.error.empty()) abort_block(b.error);
+  } else {
+    yield_to_scheduler(false);
+  }
+  if (!b.error.empty()) abort_block(b.error);
+  std::memcpy(out, t.result, size_t(a.op <= Coll::kShflXor ? a.size : 4));
+  if (pred) *pred = t.pred_result;
+}
+
+int block_barrier(int pred, const char* file, int line) {
+  Block& b = *t_block;
+  Thread& t = *t_running;
+  t.run = Run::kBarrier;
+  t.file = file;
+  t.line = line;
+  t.barrier_pred = pred;
+  if (++b.at_barrier == b.live) {
+    release_barrier(b);
+  } else {
+    yield_to_scheduler(false);
+  }
+  if (!b.error.empty()) abort_block(b.error);
+  return t.barrier_result;
+}
+
+namespace {
+
+void thread_exited(Block& b, Thread& t) {
+  --b.live;
+  Warp& w = b.warps[size_t(t.st.warp)];
+  w.exited |= 1u << t.st.lane;
+  for (const auto& p : w.pending) {
+    if (p.mask >> t.st.lane & 1u) {
+      const int waiting = __builtin_ctz(p.arrived);
+      const Thread& o = b.threads[size_t(t.st.warp) * kWarp + size_t(waiting)];
+      b.error = thread_name(b, t) + ": exited while lane " + std::to_string(waiting) + " waits for it in " +
+                coll_name(p.op) + " (mask " + hex(p.mask) + ") at " + where(o.coll.file, o.coll.line);
+      return;
+    }
+  }
+  if (b.at_barrier > 0 && b.at_barrier == b.live) release_barrier(b);
+}
+
+std::string deadlock_report(const Block& b) {
+  std::ostringstream s;
+  const Thread& first = b.threads.front();
+  s << "kernel " << b.cfg->kernel << ", block (" << first.st.block_idx.x << "," << first.st.block_idx.y << ","
+    << first.st.block_idx.z << ") deadlocked:";
+  int shown = 0;
+  for (const auto& t : b.threads) {
+    if (t.run == Run::kDone) continue;
+    if (shown++ == 8) {
+      s << " ...";
+      break;
+    }
+    s << "\n  warp " << t.st.warp << ", lane " << t.st.lane << " waits in "
+      << (t.run == Run::kBarrier ? "__syncthreads" : coll_name(t.coll.op));
+    if (t.run == Run::kCollective) s << " (mask " << hex(t.coll.mask) << ")";
+    s << " at " << where(t.file, t.line);
+  }
+  return s.str();
+}
+
+cudaError_t g_last_error = cudaSuccess;
+
+bool config_ok(const LaunchConfig& c, std::string& why) {
+  const uint64_t threads = uint64_t(c.block.x) * c.block.y * c.block.z;
+  if (threads == 0 || threads > kMaxThreads || c.block.x > 1024 || c.block.y > 1024 || c.block.z > 64) {
+    why = "block (" + std::to_string(c.block.x) + "," + std::to_string(c.block.y) + "," + std::to_string(c.block.z) + ")";
+    return false;
+  }
+  if (c.grid.x == 0 || c.grid.y == 0 || c.grid.z == 0 || c.grid.x > 0x7fffffffu || c.grid.y > 65535 ||
+      c.grid.z > 65535) {
+    why = "grid (" + std::to_string(c.grid.x) + "," + std::to_string(c.grid.y) + "," + std::to_string(c.grid.z) + ")";
+    return false;
+  }
+  if (c.smem > kDefaultSmem) {
+    why = std::to_string(c.smem) + " bytes of dynamic shared memory (more than 48 KB needs cudaFuncSetAttribute)";
+    return false;
+  }
+  return true;
+}
+
+bool g_verbose_errors = std::getenv("MOE_KERNELS_EMU_ABORT") != nullptr;
+bool g_profile = std::getenv("MOE_KERNELS_EMU_PROFILE") != nullptr;
+
+
+}  // namespace
+
+void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
+  std::string why;
+  if (!config_ok(cfg, why)) {
+    g_last_error = cudaErrorInvalidConfiguration;
+    if (g_verbose_errors) std::fprintf(stderr, "cuda_on_cpu: %s launch refused: %s\n", cfg.kernel, why.c_str());
+    return;
+  }
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  const auto t0 = std::chrono::steady_clock::now();
+  struct Report {
+    const LaunchConfig& cfg;
+    std::chrono::steady_clock::time_point t0;
+    ~Report() {
+      if (!g_profile) return;
+      const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      std::fprintf(stderr, "cuda_on_cpu: %-40s grid (%u,%u,%u) block (%u,%u,%u) smem %zu: %.2f ms\n", cfg.kernel,
+                   cfg.grid.x, cfg.grid.y, cfg.grid.z, cfg.block.x, cfg.block.y, cfg.block.z, cfg.smem, ms);
+    }
+  } report{cfg, t0};
+  const int n = int(cfg.block.x * cfg.block.y * cfg.block.z);
+  const int nwarps = (n + kWarp - 1) / kWarp;
+  Block b;
+  b.cfg = &cfg;
+  b.body = &body;
+  b.threads.resize(size_t(nwarps) * kWarp);
+  b.warps.resize(size_t(nwarps));
+  for (int i = 0; i < n; ++i) stack_for(size_t(i));
+#if EMU_ASAN
+  {
+    // The scheduler's own stack, which fibers switch back to.
+    pthread_attr_t attr;
+    void* addr = nullptr;
+    size_t size = 0;
+    pthread_getattr_np(pthread_self(), &attr);
+    pthread_attr_getstack(&attr, &addr, &size);
+    pthread_attr_destroy(&attr);
+    t_sched_bottom = addr;
+    t_sched_size = size;
+  }
+#endif
+  Block* saved_block = t_block;
+  Thread* saved_running = t_running;
+  ThreadState* saved_thread = g_thread;
+  t_block = &b;
+  for (unsigned bz = 0; bz < cfg.grid.z; ++bz) {
+    for (unsigned by = 0; by < cfg.grid.y; ++by) {
+      for (unsigned bx = 0; bx < cfg.grid.x; ++bx) {
+        ++g_block_epoch;
+        b.live = n;
+        b.at_barrier = 0;
+        for (auto& w : b.warps) {
+          w.pending.clear();
+          w.exited = 0;
+        }
+        if (n % kWarp) b.warps.back().exited = ~0u << (n % kWarp);  // lanes past the block do not exist
+        void* smem = nullptr;
+        if (posix_memalign(&smem, 128, cfg.smem ? cfg.smem : 1) != 0) throw std::bad_alloc();
+        std::memset(smem, 0xff, cfg.smem ? cfg.smem : 1);
+        b.smem = cfg.smem ? smem : nullptr;
+        for (int i = 0; i < n; ++i) {
+          Thread& t = b.threads[size_t(i)];
+          t.run = Run::kRunnable;
+          t.st.block_idx = uint3{bx, by, bz};
+          t.st.block_dim = cfg.block;
+          t.st.grid_dim = cfg.grid;
+          t.st.linear = i;
+          t.st.thread_idx = uint3{unsigned(i) % cfg.block.x, (unsigned(i) / cfg.block.x) % cfg.block.y,
+                                  unsigned(i) / (cfg.block.x * cfg.block.y)};
+          t.st.warp = i / kWarp;
+          t.st.lane = i % kWarp;
+          t.fiber.stack = stack_for(size_t(i));
+#if EMU_ASAN
+          __asan_unpoison_memory_region(t.fiber.stack, kStackBytes);
+#endif
+          make_context(t.fiber.ctx, t.fiber.stack, kStackBytes, fiber_entry);
+        }
+        int done = 0;
+        while (done < n && b.error.empty()) {
+          bool progressed = false;
+          for (int i = 0; i < n && b.error.empty(); ++i) {
+            Thread& t = b.threads[size_t(i)];
+            if (t.run != Run::kRunnable) continue;
+            progressed = true;
+            t_running = &t;
+            g_thread = &t.st;
+#if EMU_ASAN
+            void* fake = nullptr;
+            __sanitizer_start_switch_fiber(&fake, t.fiber.stack, kStackBytes);
+#endif
+            switch_context(t_sched, t.fiber.ctx);
+#if EMU_ASAN
+            __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+            if (t.run == Run::kDone) {
+              ++done;
+              thread_exited(b, t);
+            }
+          }
+          if (!progressed && b.error.empty()) b.error = deadlock_report(b);
+        }
+        std::free(smem);
+        if (!b.error.empty()) {
+          t_block = saved_block;
+          t_running = saved_running;
+          g_thread = saved_thread;
+          std::string msg = "cuda_on_cpu: " + b.error + "\n  (launched at " + where(cfg.file, cfg.line) + ")";
+          std::fprintf(stderr, "%s\n", msg.c_str());
+          if (g_verbose_errors) std::abort();
+          throw std::runtime_error(msg);
+        }
+      }
+    }
+  }
+  t_block = saved_block;
+  t_running = saved_running;
+  g_thread = saved_thread;
+}
+
+cudaError_t last_error_and_clear() {
+  const cudaError_t e = g_last_error;
+  g_last_error = cudaSuccess;
+  return e;
+}
+
+cudaError_t peek_last_error() { return g_last_error; }
+
+}  // namespace emu
