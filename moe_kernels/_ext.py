@@ -93,6 +93,42 @@ def checks_enabled() -> bool:
 
 
 _device_ok: dict[int, bool] = {}
+_driver: list[str | None] = []  # [why the driver cannot run the kernels, or None], once per process
+
+_INSUFFICIENT_DRIVER = 35  # cudaErrorInsufficientDriver
+
+
+def version_str(v: int) -> str:
+    """CUDA's integer versions (12080) as "12.8"."""
+    return f"{v // 1000}.{(v % 1000) // 10}" if v else "none"
+
+
+def driver_problem() -> str | None:
+    """Why the installed NVIDIA driver cannot run the extension's CUDA runtime, or None when it can.
+
+    `_C` links the CUDA runtime statically. Minor-version compatibility lets a 13.x runtime run on any
+    13.0+ driver; an older major version (R535-R570 drivers are CUDA 12) cannot run it at all, and some
+    systems only say so at the first runtime call (cudaErrorInsufficientDriver)."""
+    if _C is None:
+        return None
+    if _driver:
+        return _driver[0]
+    runtime, driver = _C.cuda_runtime_version(), _C.cuda_driver_version()
+    fix = (f"install an R580 or newer driver, or rebuild moe_kernels with a CUDA {driver // 1000}.x toolkit"
+           if driver else "install an R580 or newer NVIDIA driver")
+    reason = None
+    if driver == 0:
+        reason = f"no NVIDIA driver was found, and the kernels need one for CUDA {version_str(runtime)}: {fix}"
+    elif driver // 1000 < runtime // 1000:
+        reason = (f"the NVIDIA driver supports CUDA {version_str(driver)} but the kernels were built with CUDA "
+                  f"{version_str(runtime)}: {fix}")
+    else:
+        probe = getattr(_C, "runtime_probe", None)
+        if probe is not None and probe() == _INSUFFICIENT_DRIVER:
+            reason = (f"the NVIDIA driver (CUDA {version_str(driver)}) is too old for the kernels' CUDA "
+                      f"{version_str(runtime)} runtime (cudaErrorInsufficientDriver): {fix}")
+    _driver.append(reason)
+    return reason
 
 
 def built_archs() -> list[str]:
@@ -114,13 +150,16 @@ def _device_supported(device: torch.device) -> bool:
 
 def kernels(op: str, t: torch.Tensor):
     """The extension module, or None (after one warning) when `t`'s GPU must use the references:
-    the extension is not built, or not built for this GPU's architecture."""
+    the extension is not built, the driver cannot run its CUDA runtime, or it was not built for this
+    GPU's architecture."""
     global _warned_fallback
     if t.device.type == "cpu":  # only reached under emulation (cuda_impl)
         return _EMU
     reason = None
     if _C is None:
         reason = f"moe_kernels was installed without its CUDA extension ({_IMPORT_ERROR})"
+    elif driver_problem() is not None:
+        reason = driver_problem()
     elif not _device_supported(t.device):
         cc = torch.cuda.get_device_capability(t.device)
         reason = (

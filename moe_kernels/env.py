@@ -29,12 +29,7 @@ CUDA_OPS = {
     "dequantize_nvfp4": ("nvfp4_dequantize",),
 }
 
-# CUDA 13 runtimes need an R580 or newer driver.
-_MIN_DRIVER_FOR_CUDA13 = "R580"
-
-
-def _version_str(v: int) -> str:
-    return f"{v // 1000}.{(v % 1000) // 10}" if v else "none"
+_version_str = _ext.version_str
 
 
 def collect() -> dict:
@@ -73,20 +68,19 @@ def collect() -> dict:
         name for name, ok in (("nccl", dist_ok and torch.distributed.is_nccl_available()),
                               ("gloo", dist_ok and torch.distributed.is_gloo_available())) if ok
     ]
+    driver_problem = _ext.driver_problem() if C is not None else None
+    if driver_problem:
+        for g in gpus:
+            g["kernels_run_here"] = False
     on_gpu = bool(gpus) and gpus[0]["kernels_run_here"]
     info["ops"] = {
         op: ("CUDA kernel" if on_gpu and all(hasattr(C, f) for f in fns) else "PyTorch reference")
         for op, fns in CUDA_OPS.items()
     }
     notes = []
-    if C is not None and C.cuda_runtime_version() >= 13000 and C.cuda_driver_version() == 0:
-        notes.append(f"no NVIDIA driver found; the CUDA 13 kernels need a {_MIN_DRIVER_FOR_CUDA13}+ driver")
-    elif C is not None and 0 < C.cuda_driver_version() < C.cuda_runtime_version():
-        notes.append(
-            f"driver supports CUDA {_version_str(C.cuda_driver_version())} but the kernels were built with "
-            f"{_version_str(C.cuda_runtime_version())}: update to an {_MIN_DRIVER_FOR_CUDA13}+ driver"
-        )
-    if gpus and C is not None and not on_gpu:
+    if driver_problem:  # the same rule as the ops' fallback (_ext.kernels)
+        notes.append(f"{driver_problem}; until then every op runs its PyTorch reference")
+    elif gpus and C is not None and not on_gpu:
         notes.append(
             f"the extension was built for {', '.join(info['extension_archs'])}, not this GPU's "
             f"sm_{gpus[0]['compute_capability'].replace('.', '')}: rebuild with MOE_KERNELS_CUDA_ARCHS"

@@ -29,6 +29,13 @@ int driver_version() {
   return v;
 }
 
+// The first runtime call's status: cudaErrorInsufficientDriver (35) when the driver is older than the
+// runtime this module links, which no version number check catches on every system.
+int runtime_probe() {
+  int n = 0;
+  return static_cast<int>(cudaGetDeviceCount(&n));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
@@ -41,6 +48,7 @@ PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
   m.attr("cuda_archs") = MOE_KERNELS_ARCHS;
   m.def("cuda_runtime_version", &runtime_version, "CUDA runtime version this module was built with");
   m.def("cuda_driver_version", &driver_version, "Installed driver's CUDA version, 0 if none");
+  m.def("runtime_probe", &runtime_probe, "cudaError_t of the first runtime call (0: the runtime works here)");
   moe::api::register_permute(m);
   moe::api::register_router(m);
   moe::api::register_balance(m);

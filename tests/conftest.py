@@ -10,6 +10,11 @@ import moe_kernels
 # against the CPU references: a dry run that checks the test code itself (it proves nothing about the
 # kernels).
 EMULATED = moe_kernels._ext.emulation() is not None
+if EMULATED:
+    # Memory a kernel should have written but did not reads as NaN (floats) or the largest integer, not
+    # as the zeros of fresh pages.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
 _DRY_RUN_DEVICE = os.environ.get("MOE_KERNELS_TEST_DEVICE") or ("cpu" if EMULATED else None)
 
 

@@ -44,8 +44,10 @@ def test_gpu_outside_the_build_falls_back_with_one_warning(monkeypatch):
 
     from moe_kernels import _ext
 
-    extension = types.SimpleNamespace(cuda_archs="90a")
+    extension = types.SimpleNamespace(cuda_archs="90a", cuda_runtime_version=lambda: 13000,
+                                      cuda_driver_version=lambda: 13000, runtime_probe=lambda: 0)
     monkeypatch.setattr(_ext, "_C", extension)
+    monkeypatch.setattr(_ext, "_driver", [])
     monkeypatch.setattr(_ext, "_device_ok", {})
     monkeypatch.setattr(_ext, "_warned_fallback", False)
     capability = {"value": (8, 0)}
@@ -59,6 +61,54 @@ def test_gpu_outside_the_build_falls_back_with_one_warning(monkeypatch):
     monkeypatch.setattr(_ext, "_device_ok", {})
     capability["value"] = (9, 0)
     assert _ext.kernels("permute", t) is extension
+
+
+@pytest.mark.parametrize(
+    "runtime,driver,probe,falls_back",
+    [
+        (13000, 12080, 0, True),    # R570 driver, CUDA 13 runtime: a major version apart
+        (13000, 0, 0, True),        # no driver at all
+        (13020, 13000, 0, False),   # minor-version compatibility: 13.2 runtime on a 13.0 driver
+        (13000, 13010, 0, False),
+        (12080, 12040, 0, False),
+        (13000, 13000, 35, True),   # the first runtime call says cudaErrorInsufficientDriver
+    ],
+)
+def test_old_driver_falls_back_with_one_warning(monkeypatch, runtime, driver, probe, falls_back):
+    import types
+    import warnings
+
+    from moe_kernels import _ext, env
+
+    extension = types.SimpleNamespace(cuda_archs="90a", cuda_runtime_version=lambda: runtime,
+                                      cuda_driver_version=lambda: driver, runtime_probe=lambda: probe,
+                                      **{f: None for fns in env.CUDA_OPS.values() for f in fns})
+    monkeypatch.setattr(_ext, "_C", extension)
+    monkeypatch.setattr(_ext, "_driver", [])
+    monkeypatch.setattr(_ext, "_device_ok", {})
+    monkeypatch.setattr(_ext, "_warned_fallback", False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 0))
+    t = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = [_ext.kernels("permute", t), _ext.kernels("router_topk", t)]
+    if falls_back:
+        assert got == [None, None]
+        assert len(caught) == 1
+        message = str(caught[0].message)
+        assert "R580" in message and "reference" in message
+        if driver:
+            assert _ext.version_str(driver) in message and _ext.version_str(runtime) in message
+    else:
+        assert got == [extension, extension] and not caught
+    # The environment report applies the same rule.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
+    info = env.collect()
+    assert info["gpus"][0]["kernels_run_here"] is not falls_back
+    assert set(info["ops"].values()) == {"PyTorch reference" if falls_back else "CUDA kernel"}
+    assert any("R580" in n for n in info["notes"]) is falls_back
 
 
 def test_extension_errors_are_python_exceptions():

@@ -8,6 +8,7 @@ import torch
 import moe_kernels as mk
 from moe_kernels.ops.permute import permute_reference, permuted_rows, unpermute_reference
 from moe_kernels.testing import assert_exact, assert_within_fp32_rounding, random_routing
+from tests.emulation import EMULATED
 
 pytestmark = pytest.mark.gpu
 
@@ -221,3 +222,21 @@ def test_past_2_31_elements(cuda):
     x_perm.requires_grad_()
     dx_perm = torch.autograd.grad(mk.unpermute(x_perm, row_map).float().sum(), x_perm)[0]
     assert bool((dx_perm[: T * k] == 1).all())
+
+
+def test_rows_past_2_31_bytes_emulated(cuda):
+    # Three rows of 2^30 bytes: the last starts at byte 2^31, where a 32-bit row offset wraps. The
+    # emulated counterpart of test_past_2_31_elements (3.2e9 elements, about 7 GB of host memory).
+    if not EMULATED:
+        pytest.skip("on a GPU, test_past_2_31_elements covers 64-bit offsets")
+    H = 2**30
+    x = torch.empty((3, H), dtype=torch.uint8)
+    marks = torch.randint(0, 256, (3, 4096), dtype=torch.uint8, generator=torch.Generator().manual_seed(20))
+    for r in range(3):
+        x[r].fill_(r + 1)
+        x[r, H // 2 : H // 2 + 4096] = marks[r]
+    idx = torch.tensor([[0], [1], [1]], dtype=torch.int32)  # rows 0, 1, 2 of x_perm
+    x_perm, row_map, sizes = mk.permute(x, idx, 2)
+    assert_exact(row_map, torch.tensor([[0], [1], [2]], dtype=torch.int32), "row_map")
+    assert_exact(sizes, torch.tensor([1, 2], dtype=torch.int32), "group_sizes")
+    assert torch.equal(x_perm, x)

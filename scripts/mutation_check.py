@@ -1,0 +1,234 @@
+"""Mutation check of the emulated GPU tier: inject typical kernel bugs one at a time and show that the
+GPU tier, run on the CPU-executed kernels (AddressSanitizer + UBSan build), fails for each.
+
+    python scripts/mutation_check.py [--only NAME ...] [--keep] [--markdown FILE]
+
+It copies the repository (tracked and untracked, not ignored files) to a scratch directory, builds
+`moe_kernels._C_emu_asan` there (tools/cuda_on_cpu), checks that every mutant's tests pass on the
+unmodified sources, then applies each mutant to the copy's csrc/, rebuilds (one translation unit) and
+runs that mutant's tests, which must fail. The repository itself is never modified. Outside CI: it
+takes several minutes (one ASan rebuild and a test subset per mutant).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug: str
+    file: str  # under csrc/
+    before: str  # text in the file, replaced once by `after`
+    after: str
+    tests: tuple[str, ...]  # pytest arguments
+
+
+MUTANTS = (
+    Mutant(
+        "removed barrier",
+        "map_kernel: no __syncwarp between reading a row counter and its leader advancing it",
+        "permute/permute.cu",
+        "    if (s < end) row_map[s] = e >= 0 ? next_row[e] + __popc(peers & lanes_below) : -1;\n    __syncwarp();\n",
+        "    if (s < end) row_map[s] = e >= 0 ? next_row[e] + __popc(peers & lanes_below) : -1;\n",
+        ("tests/ops/test_permute_gpu.py", "-k", "test_matches_reference and 7-8-2 and 16"),
+    ),
+    Mutant(
+        "off-by-one bound",
+        "tokens_per_expert_kernel: the shared histogram cleared up to e <= E",
+        "permute/permute.cu",
+        "  for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = 0;\n",
+        "  for (int e = threadIdx.x; e <= E; e += blockDim.x) hist[e] = 0;\n",
+        ("tests/ops/test_permute_gpu.py", "-k", "test_matches_reference and 7-8-2 and 16"),
+    ),
+    Mutant(
+        "per-lane early return before a shuffle",
+        "topk_fwd_kernel: lanes without an expert return before the warp reductions",
+        "router/router.cu",
+        "  if (t >= p.num_tokens) return;  // whole warps only: no block-wide barriers below\n",
+        "  if (t >= p.num_tokens) return;  // whole warps only: no block-wide barriers below\n"
+        "  if (threadIdx.x % 32 >= p.num_experts) return;\n",
+        ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference"),
+    ),
+    Mutant(
+        "wrong stride",
+        "unpermute_fwd_kernel: routing weights read as [k, T] instead of [T, k]",
+        "permute/unpermute.cu",
+        "        w[b] = live[b] && weights != nullptr ? weights[t * k + j] : 1.f;\n",
+        "        w[b] = live[b] && weights != nullptr ? weights[j * num_tokens + t] : 1.f;\n",
+        ("tests/ops/test_permute_gpu.py", "-k", "test_matches_reference and 7-8-2 and 16"),
+    ),
+    Mutant(
+        "int32 overflow in an offset",
+        "copy_kernel: the destination row offset computed in 32 bits",
+        "permute/permute.cu",
+        "      V* dst = reinterpret_cast<V*>(x_perm + int64_t(r) * row_bytes);\n",
+        "      V* dst = reinterpret_cast<V*>(x_perm + int32_t(r) * int32_t(row_bytes));\n",
+        ("tests/ops/test_permute_gpu.py", "-k", "test_rows_past_2_31_bytes_emulated"),
+    ),
+    Mutant(
+        "wrong vector width",
+        "permute: rows whose width is a multiple of 8 bytes copied with 16-byte vectors",
+        "permute/permute.cu",
+        "    case 8: launch_copy<8>(p, ws, stream); break;\n",
+        "    case 8: launch_copy<16>(p, ws, stream); break;\n",
+        ("tests/ops/test_permute_gpu.py", "-k", "test_skewed_routing_and_dtypes and float32 and hot"),
+    ),
+    Mutant(
+        "missing zeroing of padding rows",
+        "copy_kernel: an expert's padding rows left unwritten",
+        "permute/permute.cu",
+        "      for (int64_t v = threadIdx.x; v < row_vecs; v += blockDim.x) dst[v] = V{};\n",
+        "      for (int64_t v = threadIdx.x; v < row_vecs; v += blockDim.x) (void)dst;\n",
+        ("tests/ops/test_permute_gpu.py", "-k", "test_matches_reference and 7-8-2 and 16"),
+    ),
+    Mutant(
+        "wrong shuffle mask",
+        "warp_max: the butterfly shuffles name only lanes 0-15",
+        "common/warp.cuh",
+        "  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));\n",
+        "  for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0x0000ffffu, v, off));\n",
+        ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference"),
+    ),
+    Mutant(
+        "missing __syncthreads",
+        "portable grouped GEMM: the next K tile loaded while other threads still read the current one",
+        "gemm/grouped_mm.cu",
+        "        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);\n    }\n    __syncthreads();\n",
+        "        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);\n    }\n",
+        ("tests/ops/test_grouped_mm_gpu.py", "-k", "test_portable_path"),
+    ),
+)
+
+
+def _sh(cmd: list[str], cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True)
+
+
+def _copy_repo(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for f in filter(None, files):
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+
+
+def _cuda_include() -> str:
+    """The CUDA headers, found as the build finds them (nvcc's toolkit, CUDA_HOME, /usr/local/cuda)."""
+    cands = [Path(p).resolve().parent.parent / "include" for p in [shutil.which("nvcc")] if p]
+    cands += [Path(os.environ[v]) / "include" for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    cands.append(Path("/usr/local/cuda/include"))
+    for c in cands:
+        if (c / "cuda_runtime.h").exists() and (c / "cuda_fp8.h").exists():
+            return str(c)
+    raise SystemExit("mutation_check: no CUDA headers found")
+
+
+def _configure(copy: Path, build: Path) -> None:
+    import pybind11
+
+    args = ["cmake", f"-S{copy / 'tools' / 'cuda_on_cpu'}", f"-B{build}", "-GNinja", f"-DMOE_KERNELS_ROOT={copy}",
+            f"-DCUDA_ON_CPU_INCLUDE={_cuda_include()}", "-DCUDA_ON_CPU_MODULE=_C_emu_asan",
+            f"-DCUDA_ON_CPU_OUTPUT_DIR={copy / 'moe_kernels'}", "-DCUDA_ON_CPU_SANITIZE=ON",
+            f"-Dpybind11_DIR={pybind11.get_cmake_dir()}", f"-DPython_EXECUTABLE={sys.executable}"]
+    r = _sh(args, copy)
+    if r.returncode:
+        raise SystemExit(f"mutation_check: cmake failed\n{r.stdout}\n{r.stderr}")
+
+
+def _build(build: Path) -> None:
+    r = _sh(["cmake", "--build", str(build), "--parallel", str(os.cpu_count() or 1)], build)
+    if r.returncode:
+        raise SystemExit(f"mutation_check: build failed\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
+
+
+def _test_env() -> dict:
+    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
+    env = dict(os.environ, MOE_KERNELS_EMULATE="asan", LD_PRELOAD=libasan, PYTHONDONTWRITEBYTECODE="1",
+               ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _run_tests(copy: Path, tests: tuple[str, ...]) -> tuple[bool, str, float]:
+    t0 = time.time()
+    r = _sh([sys.executable, "-m", "pytest", "-q", "-x", "-s", "-p", "no:cacheprovider", *tests], copy, _test_env())
+    out = r.stdout + r.stderr
+    return r.returncode == 0, out, time.time() - t0
+
+
+def _why(out: str) -> str:
+    """The first line that says what caught the bug."""
+    for key in ("ERROR: AddressSanitizer", "runtime error:", "cuda_on_cpu:", "AssertionError", "assert ", "Error"):
+        for line in out.splitlines():
+            if key in line:
+                return line.strip()[:160]
+    return out.strip().splitlines()[-1][:160] if out.strip() else "(no output)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="mutant names to run (default: all)")
+    ap.add_argument("--keep", action="store_true", help="keep the scratch directory")
+    ap.add_argument("--markdown", type=Path, help="also write the result table here")
+    args = ap.parse_args(argv)
+    mutants = [m for m in MUTANTS if not args.only or m.name in args.only]
+
+    scratch = Path(tempfile.mkdtemp(prefix="moe_mutation_"))
+    copy, build = scratch / "repo", scratch / "build"
+    try:
+        _copy_repo(copy)
+        _configure(copy, build)
+        print(f"building _C_emu_asan in {build} ...", flush=True)
+        _build(build)
+        for tests in sorted({m.tests for m in mutants}):
+            ok, out, _ = _run_tests(copy, tests)
+            if not ok:
+                raise SystemExit(f"mutation_check: the unmutated sources fail {' '.join(tests)}:\n{out[-3000:]}")
+        rows = []
+        for m in mutants:
+            path = copy / "csrc" / m.file
+            original = path.read_text()
+            if original.count(m.before) != 1:
+                raise SystemExit(f"mutation_check: {m.name}: the text to mutate occurs {original.count(m.before)} "
+                                 f"times in csrc/{m.file}")
+            path.write_text(original.replace(m.before, m.after))
+            try:
+                _build(build)
+                ok, out, secs = _run_tests(copy, m.tests)
+            finally:
+                path.write_text(original)
+            caught = not ok
+            rows.append((m, caught, _why(out) if caught else "tests passed", secs))
+            print(f"{'caught ' if caught else 'MISSED '} {m.name}: {rows[-1][2]}", flush=True)
+        _build(build)
+    finally:
+        if not args.keep:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+    table = ["| mutant | injected bug | caught | by | tests (s) |", "|---|---|---|---|---|"]
+    for m, caught, why, secs in rows:
+        table.append(f"| {m.name} | `{m.file}`: {m.bug} | {'yes' if caught else '**no**'} | "
+                     f"{why.replace('|', '/')} | {secs:.0f} |")
+    text = "\n".join(table)
+    print("\n" + text)
+    if args.markdown:
+        args.markdown.write_text(text + "\n")
+    return 0 if all(caught for _, caught, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
