@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -471,6 +472,21 @@ bool config_ok(const LaunchConfig& c, std::string& why) {
 bool g_verbose_errors = std::getenv("MOE_KERNELS_EMU_ABORT") != nullptr;
 bool g_profile = std::getenv("MOE_KERNELS_EMU_PROFILE") != nullptr;
 
+// MOE_KERNELS_EMU_LAUNCH_LOG=FILE appends one line per distinct (kernel, block threads, dynamic shared
+// bytes): the launch geometry that scripts/kernel_resources.py turns into occupancy.
+void log_launch(const LaunchConfig& c) {
+  static const char* path = std::getenv("MOE_KERNELS_EMU_LAUNCH_LOG");
+  static std::set<std::string> seen;
+  if (path == nullptr || *path == 0) return;
+  const std::string line = std::string(c.kernel) + "\t" + std::to_string(c.block.x * c.block.y * c.block.z) + "\t" +
+                           std::to_string(c.smem);
+  if (!seen.insert(line).second) return;
+  if (FILE* f = std::fopen(path, "a")) {
+    std::fprintf(f, "%s\n", line.c_str());
+    std::fclose(f);
+  }
+}
+
 
 }  // namespace
 
@@ -482,6 +498,7 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
     return;
   }
   std::lock_guard<std::mutex> lock(g_launch_mutex);
+  log_launch(cfg);
   const auto t0 = std::chrono::steady_clock::now();
   struct Report {
     const LaunchConfig& cfg;

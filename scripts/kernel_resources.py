@@ -1,0 +1,264 @@
+"""Kernel resource report without a GPU: registers, local memory (spills), shared memory and theoretical
+occupancy of every kernel in the built `moe_kernels._C`, plus SASS checks, read from the binary with
+cuobjdump (the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels, or the CUDA toolkit's).
+
+    python scripts/kernel_resources.py [--so PATH] [--launch-log FILE] [--out FILE]
+
+Fails (exit 1) when a kernel uses local memory (register spills or a local array: slow on every
+launch) and is not listed in ACCEPTED_LOCAL with a reason, or when a SASS check fails. Occupancy needs
+the block size: `__launch_bounds__` gives it where present; otherwise `--launch-log`, the launch
+geometry the CPU-executed tests recorded (MOE_KERNELS_EMU_LAUNCH_LOG=FILE), gives the largest block
+each kernel was launched with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+# sm_90 (H100/H200) per-SM limits.
+SM_REGS, SM_SMEM, SM_WARPS, SM_BLOCKS, RESERVED_SMEM = 65536, 233472, 64, 32, 1024
+REG_UNIT = 256  # registers are allocated per warp in units of 256
+
+# Kernels allowed to use local memory, with the reason (ptxas -v: bytes of spill stores / loads).
+ACCEPTED_LOCAL: dict[str, str] = {
+    "gemm::prepare_kernel": "one block per grouped GEMM call (group shapes and tile offsets): 1024 threads cap "
+                            "registers at 64, 340 B of spills once per call, not per tile",
+    "permute::copy_kernel<1>": "the 1-byte-vector path, only for rows of an odd number of bytes (fp8/uint8 "
+                               "payloads with odd H); 12 B of spills",
+    "permute::unpermute_bwd_kernel<__half, 8>": "fp16 only (the bf16 and fp32 variants do not spill); 8 B of "
+                                                "spills per thread, against 16 B vectors of dout and y per slot",
+}
+
+# SASS checks: (kernel name pattern, instruction pattern, why).
+SASS_CHECKS = (
+    (r"permute::.*copy_kernel<16>", r"LDG\.E\.128", "the permute copy loads 16-byte vectors"),
+    (r"permute::.*copy_kernel<16>", r"STG\.E\.128", "the permute copy stores 16-byte vectors"),
+    (r"cutlass::device_kernel\[\w+_bf16_", r"HGMMA\.\w+\.F32\.BF16", "the bf16 CUTLASS GEMMs run on WGMMA"),
+    (r"cutlass::device_kernel\[\w+_fp16_", r"HGMMA\.\w+\.F32 ", "the fp16 CUTLASS GEMMs run on WGMMA"),
+    (r"cutlass::device_kernel\[\w+_fp8_", r"QGMMA\.\w+\.F32\.E4M3\.E4M3", "the FP8 CUTLASS GEMM runs on FP8 WGMMA"),
+)
+
+
+@dataclasses.dataclass
+class Kernel:
+    mangled: str
+    source: str
+    regs: int
+    shared: int
+    local: int
+    stack: int
+    name: str = ""
+    max_threads: int | None = None
+    launched: tuple[int, int] | None = None  # (threads, dynamic shared bytes) from the launch log
+
+    @property
+    def block(self) -> tuple[int, int] | None:
+        if self.launched:
+            return (min(self.launched[0], self.max_threads or 1024), self.launched[1])
+        return (self.max_threads, 0) if self.max_threads else None
+
+    def occupancy(self) -> tuple[float, str] | None:
+        """(active warps / 64, the limiting resource) at the kernel's block size."""
+        if self.block is None:
+            return None
+        threads, dyn = self.block
+        warps = math.ceil(threads / 32)
+        regs_per_warp = math.ceil(max(self.regs, 1) * 32 / REG_UNIT) * REG_UNIT
+        limits = {
+            "registers": SM_REGS // (regs_per_warp * warps),
+            "shared memory": SM_SMEM // (self.shared + dyn + RESERVED_SMEM),
+            "warps": SM_WARPS // warps,
+            "blocks": SM_BLOCKS,
+        }
+        blocks = min(limits.values())
+        return blocks * warps / SM_WARPS, min(limits, key=limits.get)
+
+
+def _tool(name: str) -> str:
+    found = shutil.which(name)
+    if found:
+        return found
+    cands = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        cands.append(Path(nvcc).resolve().parent / name)
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        cands += sorted(Path(root).glob(f"*/bin/{name}"))
+    for c in cands:
+        if c.exists():
+            return str(c)
+    raise SystemExit(f"kernel_resources: {name} not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+
+
+def _run(cmd: list[str], env: dict | None = None) -> str:
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode:
+        raise SystemExit(f"kernel_resources: {' '.join(cmd[:2])} failed: {r.stderr.strip()[:500]}")
+    return r.stdout
+
+
+def parse_resources(text: str) -> list[Kernel]:
+    kernels, source = [], "?"
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*identifier = (.+)", line)
+        if m:
+            source = m.group(1).strip()
+        m = re.match(r"\s*Function (\S+):", line)
+        if m and i + 1 < len(lines):
+            vals = dict(re.findall(r"(\w+(?:\[\d+\])?):(\d+)", lines[i + 1]))
+            kernels.append(Kernel(m.group(1), source, int(vals.get("REG", 0)), int(vals.get("SHARED", 0)),
+                                  int(vals.get("LOCAL", 0)), int(vals.get("STACK", 0))))
+    return kernels
+
+
+def parse_max_threads(elf: str) -> dict[str, int]:
+    """EIATTR_MAX_THREADS (from __launch_bounds__) per mangled kernel name."""
+    out, current = {}, None
+    lines = elf.splitlines()
+    for i, line in enumerate(lines):
+        m = re.match(r"\.nv\.info\.(\S+)$", line.strip())
+        if m:
+            current = m.group(1)
+        elif current and "EIATTR_MAX_THREADS" in line:
+            for follow in lines[i + 1 : i + 3]:
+                v = re.search(r"Value:\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)\s+(0x[0-9a-f]+)", follow)
+                if v:
+                    out[current] = math.prod(int(x, 16) for x in v.groups())
+    return out
+
+
+def parse_sass(sass: str) -> dict[str, str]:
+    out, current, buf = {}, None, []
+    for line in sass.splitlines():
+        m = re.match(r"\s*Function : (\S+)", line)
+        if m:
+            if current:
+                out[current] = out.get(current, "") + "\n".join(buf)
+            current, buf = m.group(1), []
+        elif current:
+            buf.append(line)
+    if current:
+        out[current] = out.get(current, "") + "\n".join(buf)
+    return out
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    filt = shutil.which("c++filt")
+    if not filt or not names:
+        return {n: n for n in names}
+    r = subprocess.run([filt], input="\n".join(names), capture_output=True, text=True)
+    return dict(zip(names, r.stdout.splitlines())) if r.returncode == 0 else {n: n for n in names}
+
+
+def short_name(demangled: str, source: str) -> str:
+    """`void moe::permute::(anonymous namespace)::copy_kernel<16>(...)` -> `permute::copy_kernel<16>`;
+    a CUTLASS kernel (one per file) -> `cutlass::device_kernel[fwd_bf16_cooperative]`."""
+    if "cutlass13device_kernel" in demangled or demangled.startswith("void cutlass::device_kernel"):
+        return f"cutlass::device_kernel[{Path(source).stem}]"
+    name = demangled
+    if name.startswith("void "):
+        name = name[5:]
+    depth, cut = 0, len(name)
+    for i, c in enumerate(name):  # drop the parameter list
+        if c == "<":
+            depth += 1
+        elif c == ">":
+            depth -= 1
+        elif c == "(" and depth == 0 and not name.startswith("(anonymous", i):
+            cut = i
+            break
+    name = name[:cut].replace("(anonymous namespace)::", "").replace("moe::", "").replace("cutlass::", "")
+    return name if len(name) <= 100 else name[:97] + "..."
+
+
+def base_identifier(name: str) -> str:
+    return re.split(r"[<(]", name)[0].split("::")[-1]
+
+
+def read_launch_log(path: Path | None) -> dict[str, tuple[int, int]]:
+    out: dict[str, tuple[int, int]] = {}
+    if path is None or not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) != 3:
+            continue
+        key = base_identifier(parts[0])
+        t, s = int(parts[1]), int(parts[2])
+        old = out.get(key, (0, 0))
+        out[key] = (max(old[0], t), max(old[1], s))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--so", type=Path, help="the built extension (default: moe_kernels._C)")
+    ap.add_argument("--launch-log", type=Path, help="MOE_KERNELS_EMU_LAUNCH_LOG output of an emulated test run")
+    ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
+    args = ap.parse_args(argv)
+    so = args.so
+    if so is None:
+        spec = importlib.util.find_spec("moe_kernels._C")
+        if spec is None or spec.origin is None:
+            raise SystemExit("kernel_resources: moe_kernels._C is not built")
+        so = Path(spec.origin)
+    cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
+    env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+    kernels = parse_resources(_run([cuobjdump, "--dump-resource-usage", str(so)]))
+    if not kernels:
+        raise SystemExit(f"kernel_resources: no kernels in {so}")
+    max_threads = parse_max_threads(_run([cuobjdump, "-elf", str(so)]))
+    sass = parse_sass(_run([cuobjdump, "-sass", str(so)], env=env))
+    names = demangle([k.mangled for k in kernels])
+    launches = read_launch_log(args.launch_log)
+    for k in kernels:
+        k.name = short_name(names[k.mangled], k.source)
+        k.max_threads = max_threads.get(k.mangled)
+        k.launched = launches.get(base_identifier(k.name))
+
+    problems = []
+    rows = ["| kernel | source | registers | static smem (B) | local (B) | block (threads) | occupancy | limited by |",
+            "|---|---|---:|---:|---:|---:|---:|---|"]
+    for k in sorted(kernels, key=lambda k: (k.source, k.name)):
+        occ = k.occupancy()
+        block = k.block
+        local = k.local + k.stack
+        if local and k.name not in ACCEPTED_LOCAL:
+            problems.append(f"{k.name}: {local} bytes of local memory (register spills or a local array)")
+        rows.append(f"| `{k.name}` | {Path(k.source).name} | {k.regs} | {k.shared} | {local} | "
+                    f"{block[0] if block else '?'} | {f'{occ[0]:.0%}' if occ else '?'} | {occ[1] if occ else ''} |")
+    checks = ["", "| SASS check | kernels | result |", "|---|---|---|"]
+    for kpat, ipat, why in SASS_CHECKS:
+        matched = [k for k in kernels if re.search(kpat, k.name)]
+        bad = [k.name for k in matched if not re.search(ipat, sass.get(k.mangled, ""))]
+        ok = bool(matched) and not bad
+        if not ok:
+            problems.append(f"SASS: {why}: " + (f"missing in {bad}" if matched else f"no kernel matches {kpat!r}"))
+        checks.append(f"| {why} (`{ipat}`) | {len(matched)} | {'ok' if ok else 'FAILED'} |")
+    report = "\n".join([f"# Kernel resources: {so.name}", "", *rows, *checks, ""])
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+    if problems:
+        print("kernel_resources: FAILED\n  " + "\n  ".join(problems), file=sys.stderr)
+        return 1
+    print(f"kernel_resources: {len(kernels)} kernels, no local memory outside the accepted list, "
+          f"{len(SASS_CHECKS)} SASS checks passed", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
