@@ -13,6 +13,11 @@ namespace py = pybind11;
 #ifndef MOE_KERNELS_MODULE
 #define MOE_KERNELS_MODULE _C
 #endif
+#ifdef CUDA_ON_CPU
+namespace emu {
+void register_selftest(py::module_& m);  // tools/cuda_on_cpu/selftest: the layer's own test kernels
+}
+#endif
 
 namespace {
 
@@ -42,6 +47,7 @@ PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
   m.doc() = "moe_kernels CUDA kernels (raw pointers in, no torch dependency)";
 #ifdef CUDA_ON_CPU
   m.attr("emulated") = true;  // the kernels run on the CPU: pointers are host memory
+  emu::register_selftest(m);
 #else
   m.attr("emulated") = false;
 #endif

@@ -356,20 +356,15 @@ void warp_collective(const CollArgs& a, void* out, int* pred) {
     fail(std::string(name) + " with mask " + hex(a.mask) + " names lane(s) " + hex(a.mask & w.exited) +
              " that have exited (or do not exist)", a.file, a.line);
   }
+  // Lanes join the pending collective of the same kind and mask. Lanes of one warp may wait in
+  // different collectives at once (a half-warp shuffle while the other half waits in __syncwarp);
+  // only when nothing can run any more is a mismatch an error (the deadlock report names it).
   PendingColl* g = nullptr;
   for (auto& p : w.pending) {
-    if (!(p.mask & a.mask)) continue;
-    if (p.mask != a.mask || p.op != a.op || p.width != a.width || p.size != a.size) {
-      // Name one lane already waiting in the other collective.
-      int other = __builtin_ctz(p.arrived);
-      const Thread& o = b.threads[size_t(t.st.warp) * kWarp + size_t(other)];
-      fail(std::string(name) + " (mask " + hex(a.mask) + ", width " + std::to_string(a.width) + ") meets lane " +
-               std::to_string(other) + " waiting in " + coll_name(p.op) + " (mask " + hex(p.mask) + ", width " +
-               std::to_string(p.width) + ") at " + where(o.coll.file, o.coll.line) + ": lanes of one mask in different collectives",
-           a.file, a.line);
+    if (p.mask == a.mask && p.op == a.op && p.width == a.width && p.size == a.size) {
+      g = &p;
+      break;
     }
-    g = &p;
-    break;
   }
   if (g == nullptr) {
     w.pending.push_back(PendingColl{a.mask, 0u, a.op, a.width, a.size});
@@ -429,9 +424,36 @@ void thread_exited(Block& b, Thread& t) {
   if (b.at_barrier > 0 && b.at_barrier == b.live) release_barrier(b);
 }
 
+// Waiting lanes whose collectives can never complete because lanes of one mask wait in another
+// collective (or at __syncthreads): the message for the deadlock that results.
+std::string mismatch(const Block& b) {
+  for (size_t wi = 0; wi < b.warps.size(); ++wi) {
+    const Warp& w = b.warps[wi];
+    for (const auto& p : w.pending) {
+      for (int l = 0; l < kWarp; ++l) {
+        if (!(p.mask >> l & 1u) || (p.arrived >> l & 1u)) continue;
+        const Thread& other = b.threads[wi * kWarp + size_t(l)];
+        const Thread& waiting = b.threads[wi * kWarp + size_t(__builtin_ctz(p.arrived))];
+        if (other.run != Run::kCollective && other.run != Run::kBarrier) continue;
+        const std::string where_other = other.run == Run::kBarrier
+                                            ? std::string("__syncthreads")
+                                            : std::string(coll_name(other.coll.op)) + " (mask " + hex(other.coll.mask) +
+                                                  ", width " + std::to_string(other.coll.width) + ")";
+        return thread_name(b, waiting) + ": waits in " + coll_name(p.op) + " (mask " + hex(p.mask) + ", width " +
+               std::to_string(p.width) + ") at " + where(waiting.coll.file, waiting.coll.line) + " for lane " +
+               std::to_string(l) + ", which waits in " + where_other + " at " + where(other.file, other.line) +
+               ": lanes of one mask in different collectives";
+      }
+    }
+  }
+  return "";
+}
+
 std::string deadlock_report(const Block& b) {
   std::ostringstream s;
   const Thread& first = b.threads.front();
+  const std::string why = mismatch(b);
+  if (!why.empty()) s << why << "\n  ";
   s << "kernel " << b.cfg->kernel << ", block (" << first.st.block_idx.x << "," << first.st.block_idx.y << ","
     << first.st.block_idx.z << ") deadlocked:";
   int shown = 0;

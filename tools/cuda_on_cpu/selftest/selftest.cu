@@ -1,0 +1,113 @@
+// Kernels that exercise the CPU execution layer itself: the collectives' results, and the errors it
+// must report. Compiled into _C_emu only (tests/tools/test_cuda_on_cpu.py).
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "common/check.h"
+
+namespace emu_selftest {
+
+// out[lane * 16 + i]: shuffles with width 8, ballot, match_any, reductions, activemask.
+__global__ void collectives_kernel(int32_t* out) {
+  const int lane = threadIdx.x;
+  int32_t* o = out + lane * 16;
+  o[0] = __shfl_sync(0xffffffffu, lane * 10, 3, 8);         // lane 3 of each segment of 8
+  o[1] = __shfl_up_sync(0xffffffffu, lane * 10, 2, 8);      // lanes below the segment keep their own
+  o[2] = __shfl_down_sync(0xffffffffu, lane * 10, 3, 8);
+  o[3] = __shfl_xor_sync(0xffffffffu, lane * 10, 5);
+  o[4] = int32_t(__ballot_sync(0xffffffffu, lane % 3 == 0));
+  o[5] = int32_t(__match_any_sync(0xffffffffu, lane / 4));
+  o[6] = __reduce_add_sync(0xffffffffu, lane);
+  o[7] = __reduce_min_sync(0xffffffffu, 7 - lane);
+  o[8] = int32_t(__reduce_max_sync(0xffffffffu, unsigned(lane * 3)));
+  o[9] = __any_sync(0xffffffffu, lane == 31);
+  o[10] = __all_sync(0xffffffffu, lane < 31);
+  int pred = 0;
+  o[11] = int32_t(__match_all_sync(0xffffffffu, 5, &pred));
+  o[12] = pred;
+  const double d = __shfl_xor_sync(0xffffffffu, double(lane) + 0.5, 1);
+  o[13] = int32_t(d * 2);
+  if (lane < 16) o[14] = __shfl_xor_sync(0x0000ffffu, lane, 8);  // a half-warp collective
+  __syncwarp();
+  o[15] = int32_t(__reduce_or_sync(0xffffffffu, 1u << (lane % 4)));
+}
+
+// out[t] = a static __shared__ word never written: the poison the layer fills before each block.
+__global__ void poison_kernel(uint32_t* out) {
+  __shared__ uint32_t never_written[64];
+  out[blockIdx.x * 64 + threadIdx.x] = never_written[threadIdx.x];
+  never_written[threadIdx.x] = 0;  // the next block must see the poison again
+}
+
+// Cross-warp exchange through shared memory: correct only with the barrier.
+__global__ void barrier_kernel(int32_t* out) {
+  __shared__ int32_t s[64];
+  s[threadIdx.x] = int32_t(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = s[63 - threadIdx.x];
+}
+
+__global__ void exited_lane_kernel(float* out) {
+  if (threadIdx.x >= 16) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
+}
+
+__global__ void mixed_collectives_kernel(int32_t* out) {
+  if (threadIdx.x < 16) {
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
+  } else {
+    out[threadIdx.x] = int32_t(__ballot_sync(0xffffffffu, 1));
+  }
+}
+
+__global__ void outside_mask_kernel(int32_t* out) {
+  if (threadIdx.x < 16) out[threadIdx.x] = __shfl_sync(0x0000ffffu, 1, 20);
+}
+
+__global__ void deadlock_kernel(int32_t* out) {
+  if (threadIdx.x == 0) {
+    __syncthreads();
+  } else {
+    __syncwarp();
+  }
+  out[threadIdx.x] = 1;
+}
+
+__global__ void empty_kernel(int32_t*) {}
+
+void run(const std::string& name, uintptr_t out) {
+  if (name == "collectives") {
+    collectives_kernel<<<1, 32>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "poison") {
+    poison_kernel<<<2, 64>>>(reinterpret_cast<uint32_t*>(out));
+  } else if (name == "barrier") {
+    barrier_kernel<<<1, 64>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "exited_lane") {
+    exited_lane_kernel<<<1, 32>>>(reinterpret_cast<float*>(out));
+  } else if (name == "mixed_collectives") {
+    mixed_collectives_kernel<<<1, 32>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "outside_mask") {
+    outside_mask_kernel<<<1, 32>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "deadlock") {
+    deadlock_kernel<<<dim3(1, 2), 64>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "bad_block") {
+    empty_kernel<<<1, 2048>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "big_smem") {
+    empty_kernel<<<1, 32, 64 * 1024>>>(reinterpret_cast<int32_t*>(out));
+  } else {
+    throw std::invalid_argument("emu_selftest: unknown case " + name);
+  }
+  moe::check_launch(name.c_str());
+}
+
+}  // namespace emu_selftest
+
+namespace emu {
+void register_selftest(pybind11::module_& m) {
+  m.def("emu_selftest", &emu_selftest::run, pybind11::arg("name"), pybind11::arg("out"),
+        "Runs one of the CPU execution layer's own test kernels on host memory at `out`");
+}
+}  // namespace emu
