@@ -29,7 +29,9 @@
 
 namespace emu {
 
-thread_local ThreadState* g_thread = nullptr;
+// Launches run one at a time (g_launch_mutex), so the scheduler's state is plain globals: a
+// thread_local in a shared library costs a __tls_get_addr call on every threadIdx.
+ThreadState* g_thread = nullptr;
 
 namespace {
 
@@ -120,15 +122,14 @@ struct Block {
   std::string error;  // set when a thread fails: the launch stops and raises
 };
 
-// Per launching OS thread: the scheduler's context and the running block.
-thread_local Context t_sched;
+// The scheduler's context and the running block (one launch at a time).
+Context t_sched;
 #if EMU_ASAN
-thread_local const void* t_sched_bottom = nullptr;  // the scheduler's stack, for ASan's fiber switches
-thread_local size_t t_sched_size = 0;
+const void* t_sched_bottom = nullptr;  // the scheduler's stack, for ASan's fiber switches
+size_t t_sched_size = 0;
 #endif
-thread_local Block* t_block = nullptr;
-thread_local Thread* t_running = nullptr;
-thread_local void* t_sched_fake_stack = nullptr;
+Block* t_block = nullptr;
+Thread* t_running = nullptr;
 
 // Fiber stacks are reused across launches; launches from several OS threads run one at a time
 // (static __shared__ variables are process-wide).
@@ -245,6 +246,29 @@ void resolve(Block& b, int warp, const PendingColl& g) {
   unsigned ballot = 0;
   for (int l = 0; l < kWarp; ++l)
     if ((g.mask >> l & 1u) && vals[l]) ballot |= 1u << l;
+  // __reduce_*_sync: one value for every lane.
+  uint32_t reduced = 0;
+  if (g.op >= Coll::kReduceAdd && g.op <= Coll::kReduceXor) {
+    const bool is_signed = lane_of(__builtin_ctz(g.mask)).coll.arg != 0;
+    bool first = true;
+    for (int o = 0; o < kWarp; ++o) {
+      if (!(g.mask >> o & 1u)) continue;
+      const uint32_t v = vals[o];
+      if (first) {
+        reduced = v;
+        first = false;
+        continue;
+      }
+      switch (g.op) {
+        case Coll::kReduceAdd: reduced += v; break;
+        case Coll::kReduceMin: reduced = (is_signed ? int32_t(v) < int32_t(reduced) : v < reduced) ? v : reduced; break;
+        case Coll::kReduceMax: reduced = (is_signed ? int32_t(v) > int32_t(reduced) : v > reduced) ? v : reduced; break;
+        case Coll::kReduceAnd: reduced &= v; break;
+        case Coll::kReduceOr: reduced |= v; break;
+        default: reduced ^= v; break;
+      }
+    }
+  }
 
   for (int l = 0; l < kWarp; ++l) {
     if (!(g.mask >> l & 1u)) continue;
@@ -296,46 +320,12 @@ void resolve(Block& b, int warp, const PendingColl& g) {
         }
         break;
       }
-      case Coll::kReduceAdd: {
-        uint32_t s = 0;
-        for (int o = 0; o < kWarp; ++o)
-          if (g.mask >> o & 1u) s += vals[o];
-        out = s;
-        break;
-      }
+      case Coll::kReduceAdd:
       case Coll::kReduceMin:
-      case Coll::kReduceMax: {
-        const bool is_signed = t.coll.arg != 0, is_min = g.op == Coll::kReduceMin;
-        bool first = true;
-        uint32_t best = 0;
-        for (int o = 0; o < kWarp; ++o) {
-          if (!(g.mask >> o & 1u)) continue;
-          const uint32_t v = vals[o];
-          bool better;
-          if (is_signed) {
-            better = is_min ? int32_t(v) < int32_t(best) : int32_t(v) > int32_t(best);
-          } else {
-            better = is_min ? v < best : v > best;
-          }
-          if (first || better) best = v;
-          first = false;
-        }
-        out = best;
-        break;
-      }
+      case Coll::kReduceMax:
       case Coll::kReduceAnd:
       case Coll::kReduceOr:
-      case Coll::kReduceXor: {
-        uint32_t r = g.op == Coll::kReduceAnd ? ~0u : 0u;
-        for (int o = 0; o < kWarp; ++o) {
-          if (!(g.mask >> o & 1u)) continue;
-          if (g.op == Coll::kReduceAnd) r &= vals[o];
-          else if (g.op == Coll::kReduceOr) r |= vals[o];
-          else r ^= vals[o];
-        }
-        out = r;
-        break;
-      }
+      case Coll::kReduceXor: out = reduced; break;
       case Coll::kSyncWarp: break;
     }
     std::memcpy(t.result, &out, 4);

@@ -26,7 +26,7 @@ struct ThreadState {
 };
 
 // The running CUDA thread (valid only inside a kernel).
-extern thread_local ThreadState* g_thread;
+extern ThreadState* g_thread;
 inline const ThreadState& self() { return *g_thread; }
 
 enum class Coll : int {
