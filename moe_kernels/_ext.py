@@ -8,6 +8,8 @@ unless asked for. It never replaces `_C` for CUDA tensors.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import warnings
 
@@ -66,14 +68,35 @@ def emulation() -> str | None:
     return _EMU.__name__.rsplit(".", 1)[-1] if _EMU is not None else None
 
 
+_reference_mode = False
+
+
+@contextlib.contextmanager
+def reference_ops():
+    """Inside, the ops on CPU tensors run their references even under emulation: how the GPU tier
+    computes expected values (outside emulation the CPU always runs the references)."""
+    global _reference_mode
+    previous, _reference_mode = _reference_mode, True
+    try:
+        yield
+    finally:
+        _reference_mode = previous
+
+
 def cuda_impl(op):
-    """Decorator: `fn` is `op`'s CUDA implementation; under emulation it also serves CPU tensors (the
-    references stay available as the `*_reference` functions)."""
+    """Decorator: `fn` is `op`'s CUDA implementation; under emulation it also serves CPU tensors,
+    except inside `reference_ops()`, where they get the op's own (reference) implementation."""
 
     def register(fn):
         op.register_kernel("cuda")(fn)
         if _EMU is not None:
-            op.register_kernel("cpu")(fn)
+            reference = op._init_fn  # the custom op's body: checks, then the reference
+
+            @functools.wraps(fn)
+            def on_cpu(*args, **kwargs):
+                return reference(*args, **kwargs) if _reference_mode else fn(*args, **kwargs)
+
+            op.register_kernel("cpu")(on_cpu)
         return fn
 
     return register
@@ -187,6 +210,18 @@ def launch_args(t: torch.Tensor) -> dict:
     if t.device.type == "cpu":  # emulation: one device, one stream
         return {"device": 0, "stream": 0}
     return {"device": t.device.index, "stream": torch.cuda.current_stream(t.device).cuda_stream}
+
+
+_WORKSPACE_ALIGN = 256
+
+
+def workspace(nbytes: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A uint8 workspace of `nbytes` on `like`'s device and its 256-byte aligned address. CUDA's caching
+    allocator already aligns to 512 bytes; host memory (emulation) is padded to align."""
+    pad = _WORKSPACE_ALIGN if like.device.type == "cpu" else 0
+    ws = torch.empty(nbytes + pad, dtype=torch.uint8, device=like.device)
+    p = ws.data_ptr() if ws.numel() else 0
+    return ws, (p + _WORKSPACE_ALIGN - 1) // _WORKSPACE_ALIGN * _WORKSPACE_ALIGN if pad and p else p
 
 
 def ptr(t: torch.Tensor | None) -> int:

@@ -7,7 +7,15 @@ Tolerance policy (one place, every test uses it):
 - Reductions whose order differs from the reference (dot products, GEMMs) are accepted within fp32
   rounding: |a - b| <= 64 * eps_fp32 * sum(|terms|), where sum(|terms|) is the magnitude of the sum.
 - Low-precision results against an fp64 reference: the kernel's error is at most twice the error of
-  plain PyTorch at the same precision (the flash-attention rule), plus a tiny absolute floor.
+  plain PyTorch at the same precision (the flash-attention rule), plus a floor of 8 fp32 ulps of the
+  reference's magnitude (ULP_FLOOR; the caller's floor on top for results below fp32 precision). For whole
+  tensors whose elements' errors are independent rounding noise, the same rule in the L2 norm
+  (assert_norm_close_to_fp64): the max of one draw is not a stable statistic, the norm is.
+- Results rounded to bf16/fp16 after an fp32 accumulation, against the exact result rounded likewise: one
+  ulp plus fp32 rounding (assert_within_rounding_to); "rtol = one ulp" sits at the bound.
+- Quantized (FP8, NVFP4) results against high precision: the quantization error model (below): the relative
+  L2 error of a product is sqrt(sum of the operands' eps^2), eps from the format (E4M3_REL_ERROR) or
+  measured on the operands themselves; QUANT_SLACK = 1.5x allowed.
 - Training curves: a low-precision recipe may move the loss curve less than a change of the
   initialisation seed does (same batches, same machine, measured in the same run). Training amplifies
   any rounding difference chaotically (matmul kernels round differently on Intel and AMD CPUs), so a
@@ -16,10 +24,13 @@ Tolerance policy (one place, every test uses it):
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
 FP32_EPS = torch.finfo(torch.float32).eps
+U_BF16 = 2.0**-8  # bf16's unit roundoff: rounding to nearest moves a value by at most this much of itself
 
 
 def assert_exact(actual: Tensor, expected: Tensor, what: str) -> None:
@@ -50,15 +61,111 @@ def assert_within_fp32_rounding(actual: Tensor, expected: Tensor, magnitude: Ten
         )
 
 
+# The floor every assert_close_to_fp64 adds, relative to the reference's largest magnitude: 8 fp32 ulps. Any
+# fp32 result carries its own rounding (half an ulp) and a reduction's few more, so the baseline's error is
+# one draw of rounding noise, which on a scalar or a few elements can fall to 0 by chance; below a few ulps of
+# the magnitude "twice the baseline's error" says nothing. (Results below fp32 precision pass their own,
+# larger, floor as well.)
+ULP_FLOOR = 8 * FP32_EPS
+
+
 def assert_close_to_fp64(actual: Tensor, baseline: Tensor, reference64: Tensor, what: str, *, floor: float = 1e-6) -> None:
-    """Kernel error vs an fp64 reference is at most 2x plain PyTorch's error at the same precision."""
+    """Kernel error vs an fp64 reference is at most 2x plain PyTorch's error at the same precision, plus
+    `floor` and ULP_FLOOR x max|reference64|."""
     ref = reference64.detach().double().cpu()
     assert actual.shape == ref.shape == baseline.shape, f"{what}: shapes {actual.shape}, {baseline.shape}, {ref.shape}"
     if ref.numel() == 0:
         return
     ours = (actual.detach().double().cpu() - ref).abs().max().item()
     theirs = (baseline.detach().double().cpu() - ref).abs().max().item()
-    assert ours <= 2 * theirs + floor, f"{what}: max error {ours:.3g} > 2 x torch's {theirs:.3g} (+{floor:g})"
+    ulps = ULP_FLOOR * ref.abs().max().item()
+    assert ours <= 2 * theirs + floor + ulps, (
+        f"{what}: max error {ours:.3g} > 2 x torch's {theirs:.3g} (+{floor:g} +{ulps:.3g} = 8 fp32 ulps of max|ref|)")
+
+
+def assert_norm_close_to_fp64(actual: Tensor, baseline: Tensor, reference64: Tensor, what: str, *,
+                              floor: float) -> None:
+    """The flash-attention rule in the L2 norm: ||actual - ref|| <= 2 ||baseline - ref|| + floor x ||ref||.
+    For whole tensors whose elements' errors are independent draws of rounding noise: the norm averages
+    them, so the ratio of two implementations' errors is stable where the max of one draw is not. `floor`
+    is relative to ||ref|| (e.g. 64 eps_fp32 for fp32 results: moe_kernels' fp32-rounding bound with |ref| in
+    place of sum(|terms|), which it never exceeds)."""
+    ref = reference64.detach().double()
+    assert actual.shape == ref.shape == baseline.shape, f"{what}: shapes {actual.shape}, {baseline.shape}, {ref.shape}"
+    ours = float((actual.detach().double().to(ref.device) - ref).norm())
+    theirs = float((baseline.detach().double().to(ref.device) - ref).norm())
+    size = float(ref.norm())
+    assert ours <= 2 * theirs + floor * size, (
+        f"{what}: L2 error {ours:.3g} > 2 x the baseline's {theirs:.3g} + {floor:g} x ||ref|| {size:.3g}")
+
+
+def ulp(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """The spacing of `dtype`'s numbers at |t| (fp64; its smallest subnormal spacing at 0)."""
+    fi = torch.finfo(dtype)
+    m, e = torch.frexp(t.detach().double().abs())  # |t| = m 2^e, m in [0.5, 1): spacing eps 2^(e - 1)
+    spacing = torch.ldexp(torch.full_like(m, fi.eps / 2), e).clamp_min(fi.tiny * fi.eps)
+    return torch.where(m == 0, fi.tiny * fi.eps, spacing)
+
+
+def assert_within_rounding_to(actual: Tensor, expected: Tensor, magnitude: Tensor, dtype: torch.dtype,
+                              what: str) -> None:
+    """`actual`: an fp32-accumulated result rounded to `dtype` (bf16, fp16); `expected`: the exact result
+    rounded to `dtype`. Before their roundings they differ by fp32 rounding, 64 eps_fp32 x sum(|terms|)
+    (`magnitude`); each rounding moves a value by at most half the spacing there, and neither spacing
+    exceeds the one at the larger of the rounded values: |a - e| <= ulp(max(|a|, |e|)) + 64 eps_fp32 x
+    magnitude. (A bound of "rtol = one ulp" sits at the bound wherever the two roundings go opposite ways.)"""
+    a, e, m = (t.detach().double().cpu() for t in (actual, expected, magnitude))
+    tol = ulp(torch.maximum(a.abs(), e.abs()), dtype) + 64 * FP32_EPS * m
+    bad = (a - e).abs() > tol
+    bad |= torch.isnan(a) != torch.isnan(e)
+    if bool(bad.any()):
+        i = tuple(int(v) for v in torch.nonzero(bad)[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} elements beyond one {dtype} ulp + fp32 rounding; first at {i}: "
+            f"{a[i].item()} vs {e[i].item()} (tolerance {tol[i].item():.3g})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Quantization error model (FP8 / NVFP4 recipes)
+#
+# Rounding to nearest with p fraction bits moves a value with significand m in [1, 2) by an error uniform
+# within +-half its spacing 2^-p: a relative error of RMS 2^-p sqrt(E[m^-2] / 12). Data spread over many
+# binades (Gaussian, or anything scaled into a format's range block by block) has a log-uniform
+# significand (density 1 / (m ln 2)), E[m^-2] = 3 / (8 ln 2). A product of quantized operands whose
+# errors are independent of the other operands (round-to-nearest errors are uncorrelated with independent
+# data; stochastic rounding's with anything) has the relative L2 error sqrt(sum of the operands' eps^2), to
+# first order: the errors add in RMS. The bounds allow QUANT_SLACK over that (a statistical bound: the
+# relative L2 error of a product of >= 1e4 elements scatters by ~1% around the model, so 1.5x is far outside
+# the scatter, and a format with one mantissa bit fewer, or truncation instead of rounding, doubles it).
+
+
+def rtn_relative_error(mantissa_bits: int) -> float:
+    """RMS relative error of round-to-nearest with `mantissa_bits` fraction bits (the model above)."""
+    return 2.0**-mantissa_bits * math.sqrt(3 / (8 * math.log(2)) / 12)
+
+
+E4M3_REL_ERROR = rtn_relative_error(3)  # 0.0265
+QUANT_SLACK = 1.5
+
+
+def relative_l2_error(x: Tensor, ref: Tensor) -> float:
+    x, ref = x.detach().double(), ref.detach().double()
+    return float((x - ref).norm() / ref.norm())
+
+
+def sqnr_db(x: Tensor, ref: Tensor) -> float:
+    return -20 * math.log10(relative_l2_error(x, ref))
+
+
+def quantized_product_error(*eps: float) -> float:
+    """The model's relative L2 error of a product of operands quantized with relative errors eps (RMS)."""
+    return math.sqrt(sum(e * e for e in eps))
+
+
+def quantized_sqnr_floor_db(n_operands: int, eps: float = E4M3_REL_ERROR, slack: float = QUANT_SLACK) -> float:
+    """SQNR bound of a result whose error is n_operands quantizations of relative error eps: -20 log10(slack
+    x sqrt(n) x eps) (25.0 dB for one E4M3 GEMM, 22.0 dB for an E4M3 SwiGLU MLP's four operands)."""
+    return -20 * math.log10(slack * quantized_product_error(*[eps] * n_operands))
 
 
 def loss_curve_deviation(curve: Tensor, reference: Tensor) -> float:

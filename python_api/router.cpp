@@ -14,6 +14,10 @@ void register_router(py::module_& m) {
   m.attr("router_max_experts") = router::kMaxExperts;
   m.attr("router_max_k") = router::kMaxK;
   m.attr("router_max_groups") = router::kMaxGroups;
+  m.attr("router_bwd_warps") = router::kRouterBwdWarps;
+  m.attr("router_max_blocks") = router::kMaxRouterBlocks;
+  m.def("router_fwd_warps", &router::router_fwd_warps, py::arg("num_experts"));
+  m.def("router_blocks", &router::router_blocks, py::arg("num_tokens"), py::arg("warps_per_block"));
   m.def(
       "router_topk_fwd",
       [](uintptr_t logits, uintptr_t bias, uintptr_t weights, uintptr_t indices, int64_t num_tokens,
@@ -139,6 +143,7 @@ void register_balance(py::module_& m) {
       py::arg("device"), py::arg("stream"));
   m.def("capacity_workspace_bytes", &router::capacity_workspace_bytes, py::arg("num_slots"),
         py::arg("num_experts"));
+  m.def("capacity_select_passes", &router::capacity_select_passes, py::arg("num_pairs"));
   m.def(
       "apply_capacity",
       [](uintptr_t weights, uintptr_t indices, uintptr_t weights_out, uintptr_t indices_out, uintptr_t workspace,

@@ -18,6 +18,13 @@ namespace moe::router {
 // aux_loss, z_loss, the backward kernels and the bias update take any E.
 constexpr int kBalanceMaxExperts = 8192;
 
+// apply_capacity's per-expert loops take kCapacitySelectThreads pairs a pass over a segment of n pairs (up
+// to 2^31 - 1): counted in 64 bits, where an int32 index stepping by 512 would overflow and never end.
+constexpr int kCapacitySelectThreads = 512;
+__host__ __device__ constexpr int64_t capacity_select_passes(int64_t n) {
+  return (n + kCapacitySelectThreads - 1) / kCapacitySelectThreads;
+}
+
 // aux_loss (counts given, one sequence of T rows) and seq_aux_loss (counts per sequence of `seq_len`
 // rows, taken from `indices`):  loss = scale * sum_b sum_e (sum_{t in b} scores[t, e]) * c_{b,e}.
 struct BalanceParams {

@@ -24,7 +24,8 @@ namespace moe::router {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kSelectThreads = 512;
+constexpr int kSelectThreads = kCapacitySelectThreads;
+static_assert(capacity_select_passes(INT32_MAX) == (int64_t(1) << 22), "a segment of 2^31 - 1 pairs ends");
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
@@ -112,7 +113,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int32_t* slots = all_slots + starts[e];
   if (int64_t(n) <= p.capacity || p.capacity == 0) {
     const bool keep = p.capacity > 0;
-    for (int32_t i = threadIdx.x; i < n; i += kSelectThreads) write_pair<T>(p, slots[i], e, keep);
+    for (int64_t i = threadIdx.x; i < n; i += kSelectThreads) write_pair<T>(p, slots[i], e, keep);
     return;
   }
 
@@ -125,8 +126,8 @@ __global__ void __launch_bounds__(kSelectThreads)
     __syncthreads();
     // Softmax weights share their top bits, so lanes of a warp mostly hit the same bin: one atomic
     // per distinct digit in the warp (the loop bound is uniform, so every lane reaches the match).
-    for (int32_t base = 0; base < n; base += kSelectThreads) {
-      const int32_t i = base + int32_t(threadIdx.x);
+    for (int64_t pass = 0; pass < capacity_select_passes(n); ++pass) {
+      const int64_t i = pass * kSelectThreads + threadIdx.x;
       const uint32_t key = i < n ? keys[i] : 0u;
       const bool mine = i < n && (key & mask) == prefix;
       const uint32_t digit = mine ? (key >> shift) & 0xffu : 256u;
@@ -173,8 +174,8 @@ __global__ void __launch_bounds__(kSelectThreads)
 
   // Keys above the threshold stay; of those equal to it, the first `remaining` in segment order.
   int32_t ties_before = 0;
-  for (int32_t base = 0; base < n; base += kSelectThreads) {
-    const int32_t i = base + int32_t(threadIdx.x);
+  for (int64_t pass = 0; pass < capacity_select_passes(n); ++pass) {
+    const int64_t i = pass * kSelectThreads + threadIdx.x;
     const uint32_t key = i < n ? keys[i] : 0u;
     const int32_t tie = (i < n && key == prefix) ? 1 : 0;
     int32_t rank, total;

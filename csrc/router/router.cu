@@ -23,7 +23,7 @@ namespace {
 constexpr uint32_t kTaken = 0u;
 constexpr float kNormEps = 1e-20f;
 constexpr int kSmemBytes = 48 * 1024;
-constexpr int kBwdWarps = 8;
+constexpr float kSqrtSoftplusTail = -40.f;  // below it e^x < 5e-18: sqrt(softplus(x)) = sqrt(e^x) to rounding
 
 __device__ __forceinline__ uint32_t order_key(float f) {
   if (isnan(f)) f = -INFINITY;
@@ -65,9 +65,11 @@ __device__ __forceinline__ float activation(Score score, float x) {
   return sqrtf(x > 20.f ? x : log1pf(expf(x)));
 }
 
-// ds/dx given s = activation(x).
+// ds/dx given s = activation(x). sqrt-softplus: sigmoid(x) / (2 s), and sqrt(e^x) / 2 below -40 (the same
+// to fp64 rounding there), as the quotient is 0 / 0 where softplus underflows (about -104, or -inf).
 __device__ __forceinline__ float activation_grad(Score score, float x, float s) {
   if (score == Score::kSigmoid) return s * (1.f - s);
+  if (x < kSqrtSoftplusTail) return 0.5f * expf(0.5f * x);
   return (x > 20.f ? 1.f : sigmoid(x)) / (2.f * s);
 }
 
@@ -91,15 +93,11 @@ __device__ __forceinline__ int32_t select_topk(uint32_t* keys, int E, int k, int
   return chosen;
 }
 
+// Each kernel strides over the tokens, one warp per token (router_blocks caps the grid, so any T fits
+// gridDim.x); whole warps only, so no block-wide barriers.
 template <typename T>
-__global__ void topk_fwd_kernel(TopkParams p) {
-  extern __shared__ float smem[];
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = int64_t(blockIdx.x) * warps + warp;
-  if (t >= p.num_tokens) return;  // whole warps only: no block-wide barriers below
+__device__ __forceinline__ void topk_fwd_token(const TopkParams& p, int64_t t, float* xs, uint32_t* keys, int lane) {
   const int E = p.num_experts, k = p.k;
-  float* xs = smem + size_t(warp) * 2 * E;
-  uint32_t* keys = reinterpret_cast<uint32_t*>(xs + E);
   const T* row = static_cast<const T*>(p.logits) + t * E;
 
   float m = -INFINITY;
@@ -178,10 +176,18 @@ __global__ void topk_fwd_kernel(TopkParams p) {
 }
 
 template <typename T>
-__global__ void topk_bwd_kernel(TopkBwdParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
-  if (t >= p.num_tokens) return;
+__global__ void topk_fwd_kernel(TopkParams p) {
+  extern __shared__ float smem[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* xs = smem + size_t(warp) * 2 * p.num_experts;
+  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
+    topk_fwd_token<T>(p, t, xs, reinterpret_cast<uint32_t*>(xs + p.num_experts), lane);
+    __syncwarp();  // the next token reuses this warp's xs and keys
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void topk_bwd_token(const TopkBwdParams& p, int64_t t, int lane) {
   const int E = p.num_experts, k = p.k;
   const T* row = static_cast<const T*>(p.logits) + t * E;
   float* grad = p.grad_logits + t * E;
@@ -228,14 +234,17 @@ __global__ void topk_bwd_kernel(TopkBwdParams p) {
 }
 
 template <typename T>
-__global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
-  extern __shared__ float smem[];
+__global__ void topk_bwd_kernel(TopkBwdParams p) {
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = int64_t(blockIdx.x) * warps + warp;
-  if (t >= p.num_tokens) return;
+  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
+    topk_bwd_token<T>(p, t, lane);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void aux_scores_fwd_token(const AuxScoresParams& p, int64_t t, float* xs, uint32_t* keys,
+                                                     int lane) {
   const int E = p.num_experts;
-  float* xs = smem + size_t(warp) * 2 * E;
-  uint32_t* keys = reinterpret_cast<uint32_t*>(xs + E);
   const T* row = static_cast<const T*>(p.logits) + t * E;
   float* scores = p.scores + t * E;
 
@@ -266,10 +275,18 @@ __global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
 }
 
 template <typename T>
-__global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t = int64_t(blockIdx.x) * (blockDim.x / 32) + warp;
-  if (t >= p.num_tokens) return;
+__global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
+  extern __shared__ float smem[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* xs = smem + size_t(warp) * 2 * p.num_experts;
+  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
+    aux_scores_fwd_token<T>(p, t, xs, reinterpret_cast<uint32_t*>(xs + p.num_experts), lane);
+    __syncwarp();  // the next token reuses this warp's xs and keys
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void aux_scores_bwd_token(const AuxScoresBwdParams& p, int64_t t, int lane) {
   const int E = p.num_experts;
   const T* row = static_cast<const T*>(p.logits) + t * E;
   const float* g = p.grad_scores + t * E;
@@ -303,9 +320,12 @@ __global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
   }
 }
 
-int fwd_warps(int E) {
-  const int w = kSmemBytes / (8 * E);
-  return w < 1 ? 1 : (w > 8 ? 8 : w);
+template <typename T>
+__global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
+    aux_scores_bwd_token<T>(p, t, lane);
+  }
 }
 
 void check_sizes(int E, int k, const char* what) {
@@ -314,6 +334,17 @@ void check_sizes(int E, int k, const char* what) {
 }
 
 }  // namespace
+
+int router_fwd_warps(int num_experts) {
+  const int w = kSmemBytes / (8 * num_experts);
+  return w < 1 ? 1 : (w > 8 ? 8 : w);
+}
+
+int64_t router_blocks(int64_t num_tokens, int warps_per_block) {
+  if (num_tokens < 0 || warps_per_block < 1) throw std::invalid_argument("router_blocks: bad sizes");
+  const int64_t want = (num_tokens + warps_per_block - 1) / warps_per_block;
+  return want < kMaxRouterBlocks ? want : kMaxRouterBlocks;
+}
 
 void topk_fwd(const TopkParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_topk");
@@ -324,8 +355,8 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
     throw std::invalid_argument("router_topk: invalid group configuration");
   }
   if (p.num_tokens == 0) return;
-  const int W = fwd_warps(p.num_experts);
-  const unsigned blocks = unsigned((p.num_tokens + W - 1) / W);
+  const int W = router_fwd_warps(p.num_experts);
+  const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
   const size_t smem = size_t(W) * 8 * p.num_experts;
   by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
     topk_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
@@ -336,9 +367,9 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
 void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_topk backward");
   if (p.num_tokens == 0) return;
-  const unsigned blocks = unsigned((p.num_tokens + kBwdWarps - 1) / kBwdWarps);
+  const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterBwdWarps));
   by_float_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
-    topk_bwd_kernel<T><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
+    topk_bwd_kernel<T><<<blocks, kRouterBwdWarps * 32, 0, stream>>>(p);
   });
   check_launch("router topk_bwd_kernel");
 }
@@ -346,8 +377,8 @@ void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
 void aux_scores_fwd(const AuxScoresParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_aux_scores");
   if (p.num_tokens == 0) return;
-  const int W = fwd_warps(p.num_experts);
-  const unsigned blocks = unsigned((p.num_tokens + W - 1) / W);
+  const int W = router_fwd_warps(p.num_experts);
+  const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
   const size_t smem = size_t(W) * 8 * p.num_experts;
   by_float_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
     aux_scores_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
@@ -358,9 +389,9 @@ void aux_scores_fwd(const AuxScoresParams& p, cudaStream_t stream) {
 void aux_scores_bwd(const AuxScoresBwdParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, 1, "router_aux_scores backward");
   if (p.num_tokens == 0) return;
-  const unsigned blocks = unsigned((p.num_tokens + kBwdWarps - 1) / kBwdWarps);
+  const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterBwdWarps));
   by_float_dtype(p.dtype, "router_aux_scores backward", [&]<typename T>() {
-    aux_scores_bwd_kernel<T><<<blocks, kBwdWarps * 32, 0, stream>>>(p);
+    aux_scores_bwd_kernel<T><<<blocks, kRouterBwdWarps * 32, 0, stream>>>(p);
   });
   check_launch("router aux_scores_bwd_kernel");
 }

@@ -14,6 +14,15 @@ constexpr int kMaxExperts = 4096;  // a token's logits and keys live in shared m
 constexpr int kMaxK = 32;          // one selected expert per lane
 constexpr int kMaxGroups = 32;     // one group score per lane
 
+// Launch geometry: one warp per token, `router_fwd_warps(E)` warps per block in the forward kernels (their
+// logits and keys fill 48 KB of shared memory), kRouterBwdWarps in the backward ones. The grid is capped at
+// kMaxRouterBlocks (more than any GPU holds at once at these sizes) and the kernels stride over the tokens
+// past it: ceil(T / W) blocks would exceed gridDim.x's 2^31 - 1 for very large T when W = 1 (E = 4096).
+constexpr int kRouterBwdWarps = 8;
+constexpr int64_t kMaxRouterBlocks = 4096;
+int router_fwd_warps(int num_experts);
+int64_t router_blocks(int64_t num_tokens, int warps_per_block);
+
 enum class Score : int32_t { kSoftmax = 0, kSigmoid = 1, kSqrtSoftplus = 2 };
 
 struct TopkParams {

@@ -164,14 +164,15 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C) -> None:
     E = group_sizes.shape[0]
-    ws = torch.empty(
-        C.grouped_mm_workspace_bytes(op=_OPS[op], dtype=_ext.dtype_code(a.dtype), num_groups=E, M=M, N=N, K=K,
-                                     a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(), device=a.device.index),
-        dtype=torch.uint8, device=a.device,
-    )
+    # One pointer rule (0 for an empty tensor) for sizing and launching: the path, and so the workspace it
+    # needs, follows the pointers' alignment.
+    ptrs = dict(a=_ext.ptr(a), b=_ext.ptr(b), d=_ext.ptr(out))
+    nbytes = C.grouped_mm_workspace_bytes(op=_OPS[op], dtype=_ext.dtype_code(a.dtype), num_groups=E, M=M, N=N, K=K,
+                                          **ptrs, device=_ext.launch_args(a)["device"])
+    ws, ws_ptr = _ext.workspace(nbytes, a)
     C.grouped_mm(
-        op=_OPS[op], a=_ext.ptr(a), b=_ext.ptr(b), d=_ext.ptr(out), group_sizes=_ext.ptr(group_sizes), num_groups=E,
-        M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=_ext.ptr(ws), workspace_bytes=ws.numel(),
+        op=_OPS[op], **ptrs, group_sizes=_ext.ptr(group_sizes), num_groups=E,
+        M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=ws_ptr, workspace_bytes=nbytes,
         **_ext.launch_args(a),
     )
 
@@ -227,6 +228,8 @@ def _grouped_mm_wgrad_cuda(dout, x, group_sizes):
     C = _cuda_common("grouped_mm_wgrad", dout, group_sizes, M)
     if C is None:
         return grouped_mm_wgrad_reference(dout, x, group_sizes)
+    if M == 0:  # no rows: every group is empty
+        return dout.new_zeros((E, N, K))
     dw = dout.new_empty((E, N, K))
     if E and N and K:
         _launch("wgrad", dout, x, dw, group_sizes, M, N, K, C)

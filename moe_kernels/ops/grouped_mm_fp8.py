@@ -5,13 +5,13 @@
     out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)   # [M, N] bf16
 
 out[rows of e] = dequant(x_q)[rows of e] @ dequant(w_q[e])^T with dequant = q / scale (the scales are
-quantize_fp8's multipliers). On sm_90a with K % 128 == 0 and N % 8 == 0 this runs CUTLASS's FP8
-blockwise ptr-array kernel: E4M3 WGMMA, fp32 accumulators promoted and scaled by the two block scales
-every 128 of K, bf16 output, shapes and scale layouts per group written on the device (no host sync).
-Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast, and it holds fp32
-copies of both operands. Rows past the groups
-are unspecified, as in grouped_mm. Forward only: there is no autograd (a training recipe wraps it with
-its own backward).
+quantize_fp8's multipliers); a block whose scale is 0 is a block of zeros (permute's zero-filled padding
+rows of codes and scales give zeros, not 0 * inf = NaN). On sm_90a with K % 128 == 0 and N % 8 == 0 this
+runs CUTLASS's FP8 blockwise ptr-array kernel: E4M3 WGMMA, fp32 accumulators promoted and scaled by the
+two block scales every 128 of K, bf16 output, shapes and scale layouts per group written on the device
+(no host sync). Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast, and
+it holds fp32 copies of both operands. Rows past the groups are unspecified, as in grouped_mm. Forward
+only: there is no autograd (a training recipe wraps it with its own backward).
 """
 
 from __future__ import annotations
@@ -69,13 +69,15 @@ def _check(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_siz
 def grouped_mm_fp8_reference(
     x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor, acc: torch.dtype = torch.float32
 ) -> Tensor:
-    """Both operands dequantized in `acc` (q / scale, each element's block scale), per-expert matmul in
-    `acc`; the result in `acc` (the op rounds the fp32 one to bf16; fp64 gives the tests' exact value)."""
+    """Both operands dequantized in `acc` (q / scale, each element's block scale; 0 where the scale is 0),
+    per-expert matmul in `acc`; the result in `acc` (the op rounds the fp32 one to bf16; fp64 gives the
+    tests' exact value)."""
     M, K = x_q.shape
     E, N, _ = w_q.shape
-    x = x_q.to(acc) / x_scale.to(acc).repeat_interleave(BLOCK, 1)[:, :K]
+    sx = x_scale.to(acc).repeat_interleave(BLOCK, 1)[:, :K]
     sw = w_scale.to(acc).repeat_interleave(BLOCK, 1)[:, :N].repeat_interleave(BLOCK, 2)[:, :, :K]
-    return grouped_mm_reference(x, w_q.to(acc) / sw, group_sizes)
+    x = torch.where(sx == 0, 0.0, x_q.to(acc) / sx)
+    return grouped_mm_reference(x, torch.where(sw == 0, 0.0, w_q.to(acc) / sw), group_sizes)
 
 
 def _dequantize_experts(w_q: Tensor, w_scale: Tensor) -> Tensor:
@@ -86,6 +88,11 @@ def _dequantize_experts(w_q: Tensor, w_scale: Tensor) -> Tensor:
         return flat.view(E, N, K)
     parts = [dequantize_fp8(w_q[e], w_scale[e], "tile", dtype=torch.float32) for e in range(E)]
     return torch.stack(parts) if parts else w_q.new_empty((0, N, K), dtype=torch.float32)
+
+
+def _inverse_scale(scale: Tensor) -> Tensor:
+    """1 / scale, and 0 where the scale is 0 (a block of zeros)."""
+    return torch.where(scale == 0, 0.0, scale.reciprocal())
 
 
 @torch.library.custom_op("moe_kernels::grouped_mm_fp8", mutates_args=())
@@ -118,16 +125,18 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
         return out.zero_()
     code = _ext.dtype_code(_E4M3)
     shape = dict(op=_FWD, dtype=code, num_groups=E, M=M, N=N, K=K, a=x_q.data_ptr(), b=w_q.data_ptr(),
-                 d=out.data_ptr(), device=x_q.device.index, sfa=x_scale.data_ptr(), sfb=w_scale.data_ptr())
+                 d=out.data_ptr(), device=_ext.launch_args(x_q)["device"], sfa=x_scale.data_ptr(), sfb=w_scale.data_ptr())
     if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or N % 8: the fp32 path (memory: fp32 copies)
         x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
         return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
-    # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's.
-    inv_x, inv_w = x_scale.reciprocal(), w_scale.reciprocal()
-    ws = torch.empty(C.grouped_mm_workspace_bytes(**shape), dtype=torch.uint8, device=x_q.device)
+    # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's, 0 for a
+    # zero scale (permute's padding: zero codes times 0, where 1 / 0 = inf would give 0 * inf = NaN).
+    inv_x, inv_w = _inverse_scale(x_scale), _inverse_scale(w_scale)
+    nbytes = C.grouped_mm_workspace_bytes(**shape)
+    ws, ws_ptr = _ext.workspace(nbytes, x_q)
     C.grouped_mm(
         op=_FWD, a=x_q.data_ptr(), b=w_q.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(),
-        num_groups=E, M=M, N=N, K=K, dtype=code, workspace=_ext.ptr(ws), workspace_bytes=ws.numel(),
+        num_groups=E, M=M, N=N, K=K, dtype=code, workspace=ws_ptr, workspace_bytes=nbytes,
         sfa=inv_x.data_ptr(), sfb=inv_w.data_ptr(), **_ext.launch_args(x_q),
     )
     return out
@@ -135,5 +144,6 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
     """[M, N] bf16: group e's rows of dequant(x_q) @ dequant(w_q[e])^T. x_q, x_scale from
-    quantize_fp8(x, "block"); w_q, w_scale from quantize_fp8_experts(w); group_sizes [E] int32 on the device."""
+    quantize_fp8(x, "block"); w_q, w_scale from quantize_fp8_experts(w); group_sizes [E] int32 on the device.
+    A zero scale is a block of zeros (permute's padding rows), so those rows come out 0."""
     return torch.ops.moe_kernels.grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)

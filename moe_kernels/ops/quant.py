@@ -14,7 +14,8 @@ Rules (bit-exact between the reference and the kernels):
   scale = fmax / amax, fmax = 448 (E4M3) or 57344 (E5M2); amax 0, inf or NaN -> 1; a quotient past the fp32
           range is clamped to the largest finite float; with pow2_scale, rounded down to a power of two
   q     = fp8(x * scale), round-to-nearest-even, saturated to +-fmax; NaN -> NaN (0x7f)
-  x'    = q / scale
+  x'    = q / scale; a scale of 0 (never produced here: permute's zero-filled padding rows) marks a block of
+          zeros, x' = 0 whatever its codes, not 0 / 0 = NaN; grouped_mm_fp8 takes the same rule
 `scale` multiplies on the way in and divides on the way out; a GEMM on the quantized operands takes 1 / scale.
 Last blocks and tiles may be partial (K or M not a multiple of 128): their amax covers the elements present.
 The ops have no autograd (they are the building blocks of a precision recipe's own autograd function).
@@ -129,7 +130,8 @@ def quantize_fp8_reference(
 
 def dequantize_fp8_reference(q: Tensor, scale: Tensor, granularity: str, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     M, K = q.shape
-    return (q.float() / _expand(scale, granularity, M, K)).to(dtype)
+    s = _expand(scale, granularity, M, K)
+    return torch.where(s == 0, 0.0, q.float() / s).to(dtype)  # scale 0: a block of zeros
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -208,7 +210,8 @@ def quantize_fp8(
 
 
 def dequantize_fp8(q: Tensor, scale: Tensor, granularity: str = "block", *, dtype: torch.dtype = torch.bfloat16) -> Tensor:
-    """q / scale in `dtype`, the inverse of quantize_fp8 up to the FP8 rounding."""
+    """q / scale in `dtype`, the inverse of quantize_fp8 up to the FP8 rounding; 0 where the scale is 0 (a block
+    of zeros, e.g. permute's padding rows)."""
     return torch.ops.moe_kernels.dequantize_fp8(q, scale, granularity, dtype)
 
 
@@ -231,7 +234,8 @@ def dequantize_fp8(q: Tensor, scale: Tensor, granularity: str = "block", *, dtyp
 #              decided by 24 bits of Philox4x32-10 keyed by the seed, counter (element index // 4, offset),
 #              word element index % 4; the caller advances the offset (a device tensor, so a CUDA graph
 #              replays with the offset it finds)
-#   x'       = q * float(s_block) / s_global
+#   x'       = q * float(s_block) / s_global: the block scale multiplies, so a zero one (permute's padding
+#              rows) gives zeros, as FP8's zero-scale rule does
 # A NaN makes its block's (or 2-D tile's) scale NaN (0x7f) and every code there 0: the whole block
 # dequantizes to NaN. On Hopper there is no FP4 tensor-core
 # math: the value of NVFP4 there is the numerics (recipe development, checkpoints for Blackwell) and

@@ -174,11 +174,16 @@ def router_topk_reference(
     return w, idx.to(torch.int32)
 
 
+_SQRTSOFTPLUS_TAIL = -40.0  # below it e^x < 5e-18: sqrt(softplus(x)) = sqrt(e^x) to fp64 rounding
+
+
 def _activation_grad(x: Tensor, s: Tensor, score: str) -> Tensor:
-    """ds/dx for s = activation(x)."""
+    """ds/dx for s = activation(x). sqrt-softplus: sigmoid(x) / (2 s), and sqrt(e^x) / 2 below -40 (the same
+    to fp64 rounding there), since the quotient is 0 / 0 where softplus underflows (fp32: about -104; -inf)."""
     if score == "sigmoid":
         return s * (1 - s)
-    return torch.where(x > 20, 1.0, torch.sigmoid(x)) / (2 * s)
+    tail = 0.5 * torch.exp(0.5 * x)
+    return torch.where(x < _SQRTSOFTPLUS_TAIL, tail, torch.where(x > 20, 1.0, torch.sigmoid(x)) / (2 * s))
 
 
 def router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax, normalize, scaling_factor) -> Tensor:
@@ -459,7 +464,7 @@ def router_topk(
             their sum + 1e-20 when `normalize`).
         num_groups, group_topk: group-limited routing (DeepSeek-V3): only experts in the `group_topk`
             best of `num_groups` contiguous groups are eligible; a group's score is the sum of its
-            `group_score_topk` (default k // group_topk) best selection scores.
+            `group_score_topk` (default max(1, k // group_topk)) best selection scores.
         scaling_factor: multiplies the weights last.
         expert_bias: [E] fp32, selection only (aux-loss-free balancing); no gradient.
         normalize: default True when k > 1 (sigmoid and sqrtsoftplus only).
@@ -493,6 +498,11 @@ def router_topk(
       a chosen NaN makes all k weights NaN; with a chosen +inf and no NaN the sum is +inf, so each +inf
       slot gets NaN (inf / inf) and every other slot 0. k chosen scores of 0 (all -inf logits) give
       weights 0, thanks to the + 1e-20.
+    - Gradients under sqrtsoftplus: ds/dx = sigmoid(x) / (2 s) would be 0 / 0 where s = 0, at -inf and
+      wherever softplus underflows (fp32: logits at or below about -104). Below -40 the backward takes
+      sqrt(e^x) / 2 instead (the same value to fp64 rounding there), so a chosen -inf or very negative
+      expert gets a gradient of about 0 (exactly 0 at -inf), not NaN; likewise router_aux_scores, which
+      differentiates every expert (so aux_loss stays finite with masked experts).
     - Group-limited routing: a group's score is the sum, largest first, of its `group_score_topk`
       best selection scores, NaN counted as -inf. The group ranks as -inf when that sum takes a -inf
       (the group has fewer than `group_score_topk` experts scoring above -inf, e.g. because of NaN
@@ -526,5 +536,6 @@ def resolve_topk_options(
 
 def router_aux_scores(logits: Tensor, k: int, *, score: str = "softmax") -> tuple[Tensor, Tensor]:
     """Scores over all experts for load-balancing losses (no bias, no groups): softmax over E, or
-    s / (sum_E s + 1e-20) for sigmoid/sqrtsoftplus; indices = their top-k. Returns ([T, E] fp32, [T, k] int32)."""
+    s / (sum_E s + 1e-20) for sigmoid/sqrtsoftplus; indices = their top-k. Returns ([T, E] fp32, [T, k] int32).
+    Non-finite logits and gradients follow router_topk's rules (a -inf sqrtsoftplus logit: gradient 0)."""
     return torch.ops.moe_kernels.router_aux_scores(logits, k, score)

@@ -41,9 +41,8 @@ def test_kernels_match_fp64_reference(cuda, name):
                          ref_out.reshape(-1, 256)[same], f"{name} layer output", floor=1e-2)
 
 
+@pytest.mark.cuda_device
 def test_graph_capture_forward_backward(cuda):
-    if cuda.type != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
     layer, _ = _layer("deepseek-v3", cuda, torch.bfloat16)
     layer.router.float()
     x = torch.randn(4, 256, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)

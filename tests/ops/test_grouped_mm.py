@@ -119,3 +119,49 @@ def test_autocast_casts_inputs_and_keeps_fp32_grads():
     assert w.grad.dtype == torch.float32
     expected = mk.grouped_mm(x.bfloat16(), w.detach().bfloat16(), gs)
     assert torch.equal(out, expected)
+
+
+class _RecordingExt:
+    """Stands in for the extension: records the pointers each entry point sees and, like the real one,
+    sizes a larger workspace for 16-byte aligned pointers (the CUTLASS path) than for misaligned ones."""
+
+    grouped_mm_max_groups = 1024
+
+    def __init__(self):
+        self.sized, self.launched = [], []
+
+    def grouped_mm_workspace_bytes(self, *, a, b, d, **_):
+        self.sized.append((a, b, d))
+        return 1024 if all(p % 16 == 0 for p in (a, b, d)) else 256
+
+    def grouped_mm(self, *, a, b, d, workspace_bytes, **_):
+        self.launched.append((a, b, d))
+        if workspace_bytes < (1024 if all(p % 16 == 0 for p in (a, b, d)) else 256):
+            raise ValueError("grouped_mm: workspace too small")
+
+
+class _EmptyViewAddress(torch.Tensor):
+    """An empty view whose data_ptr() is its misaligned address, not 0 (torch builds differ on this)."""
+
+    def data_ptr(self):
+        return 4
+
+
+def test_launch_sizes_and_runs_with_the_same_pointers(monkeypatch):
+    # The workspace is sized for the path the launch will take: both see the same pointers, also for an
+    # empty operand whose view is misaligned (data_ptr() says misaligned, the launch would pass 0).
+    import sys
+
+    from moe_kernels import _ext
+
+    gm = sys.modules["moe_kernels.ops.grouped_mm"]  # the module (moe_kernels.ops.grouped_mm is the op)
+    C = _RecordingExt()
+    monkeypatch.setattr(_ext, "kernels", lambda op, t: C)
+    a = torch.Tensor._make_subclass(_EmptyViewAddress, torch.empty(0, 8))
+    b, d, gs = torch.empty(0, 16), torch.empty(2, 8, 16), torch.zeros(2, dtype=torch.int32)
+    gm._launch("wgrad", a, b, d, gs, 0, 8, 16, C)
+    assert C.sized == C.launched
+    # M = 0: zeros for dw, before any launch.
+    C.sized.clear(), C.launched.clear()
+    dw = gm._grouped_mm_wgrad_cuda(torch.empty(0, 8), b, gs)
+    assert dw.shape == (2, 8, 16) and bool((dw == 0).all()) and not C.launched and not C.sized

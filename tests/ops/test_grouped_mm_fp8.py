@@ -5,7 +5,7 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference
-from moe_kernels.testing import assert_exact
+from moe_kernels.testing import assert_exact, assert_within_rounding_to
 
 E4M3 = torch.float8_e4m3fn
 
@@ -24,6 +24,7 @@ def test_reference_matches_blockwise_sum_in_fp64():
     xq, xs, wq, ws, gs = _operands(40, 256, 384, [10, 0, 25, 5])
     out = grouped_mm_fp8_reference(xq, xs, wq, ws, gs).to(torch.bfloat16)
     expected = torch.zeros(40, 256, dtype=torch.float64)
+    magnitude = torch.zeros(40, 256, dtype=torch.float64)  # sum of |terms|
     start = 0
     for e, n in enumerate(gs.tolist()):
         for kb in range(3):
@@ -32,8 +33,10 @@ def test_reference_matches_blockwise_sum_in_fp64():
             sa = 1.0 / xs[start : start + n, kb].double()[:, None]
             sb = 1.0 / ws[e, :, kb].double().repeat_interleave(128)[None, :]
             expected[start : start + n] += (a @ b.t()) * sa * sb
+            magnitude[start : start + n] += (a.abs() @ b.abs().t()) * sa.abs() * sb.abs()
         start += n
-    torch.testing.assert_close(out.double(), expected.to(torch.bfloat16).double(), rtol=2**-7, atol=1e-6)
+    # The reference accumulates in fp32, then rounds to bf16: one bf16 ulp + fp32 rounding from the exact sum.
+    assert_within_rounding_to(out, expected.to(torch.bfloat16), magnitude, torch.bfloat16, "fp8 reference")
 
 
 def test_quantize_fp8_experts_tiles_stay_inside_experts():
@@ -80,3 +83,57 @@ def test_opcheck():
     xq, xs, wq, ws, gs = _operands(16, 128, 128, [6, 10])
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.moe_kernels.grouped_mm_fp8, (xq, xs, wq, ws, gs), test_utils=utils)
+
+
+def permuted_fp8_pipeline(x, idx, weights, w1q, w1s, w2, align, device="cpu"):
+    """quantize -> permute codes and scales -> grouped_mm_fp8 -> grouped_mm -> unpermute, backward of a
+    sum of squares: (h, row_map, sizes, out, dw2). Padding rows get codes 0 and scale 0 from permute."""
+    E = w1q.shape[0]
+    xq, xs = mk.quantize_fp8(x.to(device), "block")
+    idx = idx.to(device)
+    q, row_map, sizes = mk.permute(xq, idx, E, align=align)
+    s, _, _ = mk.permute(xs, idx, E, align=align)
+    h = mk.grouped_mm_fp8(q, s, w1q.to(device), w1s.to(device), sizes).float()
+    w = w2.to(device, copy=True).requires_grad_()
+    out = mk.unpermute(mk.grouped_mm(h, w, sizes), row_map, weights.to(device))
+    out.square().sum().backward()
+    return h, row_map, sizes, out.detach(), w.grad
+
+
+def permuted_fp8_operands(T=40, E=4, K=256, N=128, H=64, k=2, seed=5):
+    from moe_kernels.testing import random_routing
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g) * 2
+    w1q, w1s = mk.quantize_fp8_experts(torch.randn(E, N, K, generator=g) * 0.05)
+    w2 = torch.randn(E, H, N, generator=g) * 0.05
+    return x, random_routing(T, E, k, kind="zipf", seed=seed), torch.rand(T, k, generator=g), w1q, w1s, w2
+
+
+def padding_rows(row_map, sizes):
+    """[sum(sizes)] bool: rows inside the groups that no (token, slot) maps to."""
+    pad = torch.ones(int(sizes.sum()), dtype=torch.bool, device=row_map.device)
+    pad[row_map[row_map >= 0].long()] = False
+    return pad
+
+
+def test_permuted_padding_rows_give_zeros_and_finite_gradients():
+    # A zero scale is a block of zeros: the padding rows' products are 0, not 0 * inf = NaN, so the next
+    # GEMM's wgrad, which sums over every row of its groups, stays finite. Without padding (align=1) the
+    # same rows give the same output and gradient.
+    x, idx, weights, w1q, w1s, w2 = permuted_fp8_operands()
+    h, row_map, sizes, out, dw = permuted_fp8_pipeline(x, idx, weights, w1q, w1s, w2, align=128)
+    pad = padding_rows(row_map, sizes)
+    rows = int(sizes.sum())
+    assert bool(pad.any()), "the case must hold padding rows"
+    assert bool(torch.isfinite(h).all()) and bool((h[:rows][pad] == 0).all()), "padding rows are zeros"
+    assert bool(torch.isfinite(dw).all()), "wgrad over the padding rows"
+    h1, row_map1, _, out1, dw1 = permuted_fp8_pipeline(x, idx, weights, w1q, w1s, w2, align=1)
+    valid = row_map >= 0
+    assert_exact(h[row_map[valid].long()], h1[row_map1[valid].long()], "rows of the tokens")
+    torch.testing.assert_close(out, out1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dw, dw1, rtol=1e-4, atol=1e-6 * float(dw1.abs().max()))  # summation order
+    # The reference takes the same rule (q / 0 is a zero block there too).
+    s = torch.zeros(3, 2)
+    q = torch.full((3, 256), 0.5).to(E4M3)
+    assert bool((grouped_mm_fp8_reference(q, s, w1q[:1], w1s[:1], torch.tensor([3], dtype=torch.int32)) == 0).all())

@@ -5,9 +5,13 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference
+from moe_kernels._ext import reference_ops
 from moe_kernels.testing import assert_close_to_fp64, random_routing
+from tests.emulation import skip_if_too_large
 
 pytestmark = pytest.mark.gpu
+# Emulated, the op dequantizes and runs the portable fp32 GEMM (no sm_90a): GEMM FLOP per case.
+EMULATION_BUDGET = 2.5e8
 
 
 def _sizes(M, E, kind, seed):
@@ -23,8 +27,9 @@ def _case(M, N, K, E, kind, seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g) * torch.logspace(-1, 1, K)
     w = torch.randn(E, N, K, generator=g) * 0.05
-    xq, xs = mk.quantize_fp8(x, "block")
-    wq, ws = mk.quantize_fp8_experts(w)
+    with reference_ops():
+        xq, xs = mk.quantize_fp8(x, "block")
+        wq, ws = mk.quantize_fp8_experts(w)
     return xq, xs, wq, ws, _sizes(M, E, kind, seed)
 
 
@@ -32,6 +37,7 @@ def _case(M, N, K, E, kind, seed):
                                      (8192, 1536, 4096, 16), (777, 4096, 768, 8), (2048, 1040, 512, 4), (64, 200, 256, 2), (64, 196, 256, 2)])
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "empty", "one_group"])
 def test_matches_fp64_reference(cuda, M, N, K, E, kind):
+    skip_if_too_large(2 * M * N * K, EMULATION_BUDGET, "GEMM FLOP")
     xq, xs, wq, ws, gs = _case(M, N, K, E, kind, seed=M + N + K)
     dev = [t.to(cuda) for t in (xq, xs, wq, ws, gs)]
     out = mk.grouped_mm_fp8(*dev).cpu()
@@ -58,9 +64,8 @@ def test_takes_the_blockwise_kernel_on_hopper(cuda):
     assert path == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
 
 
+@pytest.mark.cuda_device
 def test_cuda_graph_replay(cuda):
-    if cuda.type != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
     xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(1024, 512, 1024, 8, "zipf", seed=2))
     eager = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
     graph = torch.cuda.CUDAGraph()
@@ -73,7 +78,36 @@ def test_cuda_graph_replay(cuda):
 
 
 def test_deterministic(cuda):
+    skip_if_too_large(2 * 4096 * 1024 * 2048, EMULATION_BUDGET, "GEMM FLOP")
     xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(4096, 1024, 2048, 16, "zipf", seed=3))
     first = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
     for _ in range(3):
         assert torch.equal(mk.grouped_mm_fp8(xq, xs, wq, ws, gs), first)
+
+
+def test_permuted_padding_rows_give_zeros_and_finite_gradients(cuda):
+    # quantize -> permute(align=128) on the device: padding rows have codes 0 and scale 0, a block of
+    # zeros for the GEMM (the CUTLASS kernel's inverse scale stays 0, not inf), so the next GEMM's wgrad
+    # over those rows is finite. Expected: the references on the CPU, from the device's permuted operands.
+    from moe_kernels.ops.grouped_mm import grouped_mm_wgrad_reference
+    from moe_kernels.ops.permute import unpermute_bwd_reference
+    from tests.ops.test_grouped_mm_fp8 import padding_rows, permuted_fp8_operands, permuted_fp8_pipeline
+
+    with reference_ops():
+        x, idx, weights, w1q, w1s, w2 = permuted_fp8_operands(T=300, E=8, K=512, N=256, H=128, seed=6)
+    h, row_map, sizes, out, dw = (t.cpu() for t in permuted_fp8_pipeline(x, idx, weights, w1q, w1s, w2, 128, cuda))
+    rows = int(sizes.sum())
+    pad = padding_rows(row_map, sizes)
+    assert bool(pad.any()), "the case must hold padding rows"
+    assert bool(torch.isfinite(h[:rows]).all()) and bool((h[:rows][pad] == 0).all()), "padding rows are zeros"
+    assert bool(torch.isfinite(dw).all()), "wgrad over the padding rows"
+    xq, xs = mk.quantize_fp8(x.to(cuda), "block")
+    q, _, _ = mk.permute(xq, idx.to(cuda), 8, align=128)
+    s, _, _ = mk.permute(xs, idx.to(cuda), 8, align=128)
+    ref = grouped_mm_fp8_reference(q.cpu(), s.cpu(), w1q, w1s, sizes).to(torch.bfloat16).float()
+    assert bool(torch.isfinite(ref[:rows]).all()) and bool((ref[:rows][pad] == 0).all()), "reference padding rows"
+    torch.testing.assert_close(h[:rows], ref[:rows], rtol=2**-6, atol=1e-3 * float(ref.abs().max()))
+    # dw2 = dy^T h over the groups, dy from unpermute's backward (zero in the padding rows).
+    dy = unpermute_bwd_reference(2 * out, row_map, weights, None, h.shape[0])[0]
+    dw_ref = grouped_mm_wgrad_reference(dy, h, sizes)
+    torch.testing.assert_close(dw, dw_ref, rtol=1e-4, atol=1e-5 * float(dw_ref.abs().max()))  # fp32 sums

@@ -175,3 +175,23 @@ def test_empty_inputs():
             assert p.shape == (shape[0], shape[1] // 2) and sb.shape == (shape[0], shape[1] // 16)
             assert sg.item() == 1.0
             assert mk.dequantize_nvfp4(p, sb, sg).shape == shape
+
+
+def test_permuted_padding_rows_dequantize_to_zeros():
+    # permute zero-fills padding rows of codes and block scales; the block scale multiplies, so they
+    # dequantize (and enter grouped_mm_nvfp4) as zeros with no special rule, unlike FP8's divided scale.
+    from moe_kernels.testing import random_routing
+
+    p, sb, sg = mk.quantize_nvfp4(torch.randn(30, 64))
+    idx = random_routing(30, 4, 2, kind="zipf", seed=3)
+    p_perm, row_map, sizes = mk.permute(p, idx, 4, align=16)
+    sb_perm, _, _ = mk.permute(sb.view(torch.uint8), idx, 4, align=16)
+    out = mk.dequantize_nvfp4(p_perm, sb_perm.view(torch.float8_e4m3fn), sg, dtype=torch.float32)
+    pad = torch.ones(out.shape[0], dtype=torch.bool)
+    pad[row_map[row_map >= 0].long()] = False
+    assert bool(pad[: int(sizes.sum())].any()) and bool((out[pad] == 0).all())
+    from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
+
+    w_q, w_s, w_g = quantize_nvfp4_experts(torch.randn(4, 32, 64))
+    y = grouped_mm_nvfp4(p_perm, sb_perm.view(torch.float8_e4m3fn), sg, w_q, w_s, w_g, sizes, out_dtype=torch.float32)
+    assert bool(torch.isfinite(y).all()) and bool((y[: int(sizes.sum())][pad[: int(sizes.sum())]] == 0).all())

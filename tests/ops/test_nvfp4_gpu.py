@@ -6,8 +6,10 @@ import torch
 import moe_kernels as mk
 from moe_kernels.ops.quant import dequantize_nvfp4_reference, quantize_nvfp4_reference
 from moe_kernels.testing import assert_exact
+from tests.emulation import skip_if_too_large
 
 pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2**22  # elements per case
 
 SHAPES = [(0, 16), (1, 16), (7, 48), (17, 64), (130, 7168), (4096, 2048)]
 
@@ -40,6 +42,7 @@ def _check(x_cpu, x_dev, what, **kw):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("mode", ["1d", "2d", "stochastic", "given_amax"])
 def test_quantize_matches_reference(cuda, M, K, dtype, mode):
+    skip_if_too_large(M * K, EMULATION_BUDGET, "elements")
     x = _input(M, K, dtype, seed=M + K, specials=True)
     kw = {"1d": {}, "2d": {"tile_2d": True}, "stochastic": {"rng": torch.tensor([2024, 77])},
           "given_amax": {"global_amax": torch.tensor(50.0)}}[mode]
@@ -64,11 +67,10 @@ def test_misaligned_input_takes_the_scalar_path(cuda):
     _check(x, dev, "misaligned, stochastic", rng=torch.tensor([5, 0]))
 
 
+@pytest.mark.cuda_device
 def test_rng_offset_read_on_device_in_cuda_graph(cuda):
     # The (seed, offset) pair is a device tensor: a captured graph reads it at every replay, so the caller
     # advances the offset between replays and gets fresh, reproducible draws.
-    if cuda.type != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
     x = torch.full((32, 256), 1.2, device=cuda)
     x[:, ::16] = 6.0
     rng = torch.tensor([99, 0], device=cuda)
@@ -89,6 +91,7 @@ def test_rng_offset_read_on_device_in_cuda_graph(cuda):
 
 
 def test_deterministic(cuda):
+    skip_if_too_large(4096 * 7168, EMULATION_BUDGET, "elements")
     x = torch.randn(4096, 7168, device=cuda, dtype=torch.bfloat16)
     first = mk.quantize_nvfp4(x)
     for _ in range(3):

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.ops.permute import permute_reference, permuted_rows, unpermute_reference
+from moe_kernels._ext import reference_ops
+from moe_kernels.ops.permute import permute_reference, permuted_rows, tokens_per_expert_reference, unpermute_reference
 from moe_kernels.testing import assert_exact, assert_within_fp32_rounding, random_routing
-from tests.emulation import EMULATED
+from tests.emulation import EMULATED, skip_if_too_large
 
 pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2**22  # permuted elements per case (the copy runs a fiber per 16-byte vector lane)
 
 # (T, E, k): T in {0, 1, 7, 4096}, E in {1, 8, 256}, k in {1, 2, 8}.
 CASES = [
@@ -37,7 +39,7 @@ def _run_and_compare(dev, x, idx, E, align, weights):
     assert_exact(row_map.cpu(), ref_map, "row_map")
     assert_exact(sizes.cpu(), ref_sizes, "group_sizes")
     assert_exact(x_perm[:n].detach().cpu(), ref_perm[:n], "x_perm")
-    assert_exact(mk.tokens_per_expert(idx.to(dev), E).cpu(), mk.tokens_per_expert(idx, E), "tokens_per_expert")
+    assert_exact(mk.tokens_per_expert(idx.to(dev), E).cpu(), tokens_per_expert_reference(idx, E), "tokens_per_expert")
 
     out = mk.unpermute(x_perm, row_map, wg)
     assert_exact(out.detach().cpu(), unpermute_reference(ref_perm, ref_map, weights), "unpermute")
@@ -45,10 +47,11 @@ def _run_and_compare(dev, x, idx, E, align, weights):
 
     dout = torch.randn(x.shape, dtype=x.dtype)
     out.backward(dout.to(dev))
-    # CPU autograd through the same ops (references) for the expected gradients.
+    # CPU autograd through the references for the expected gradients.
     xc, wc = x.clone().requires_grad_(), weights.clone().requires_grad_()
-    pc, mc, _ = mk.permute(xc, idx, E, align=align)
-    mk.unpermute(pc, mc, wc).backward(dout)
+    with reference_ops():
+        pc, mc, _ = mk.permute(xc, idx, E, align=align)
+        mk.unpermute(pc, mc, wc).backward(dout)
     assert_exact(xg.grad.cpu(), xc.grad, "dx")
     rows = ref_map.long().clamp(min=0)
     magnitude = (ref_perm[rows].float() * dout[:, None, :].float()).abs().sum(-1) * (ref_map >= 0)
@@ -59,6 +62,7 @@ def _run_and_compare(dev, x, idx, E, align, weights):
 @pytest.mark.parametrize("align", [1, 16, 128])
 def test_matches_reference(cuda, T, E, k, align):
     H = _hidden(T, E, k)
+    skip_if_too_large(T * k * H, EMULATION_BUDGET, "permuted elements")
     gen = torch.Generator().manual_seed(T * 131 + E * 7 + k)
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
     idx = random_routing(T, E, k, kind="uniform", drop=0.05, seed=T + E + k)
@@ -139,13 +143,13 @@ def test_out_of_range_indices_are_dropped(cuda):
     clean[(clean < -1) | (clean >= E)] = -1
     x = torch.randn(T, H).to(torch.bfloat16)
     ref_perm, ref_map, ref_sizes = permute_reference(x, clean, E, 1)
-    if cuda.type != "cuda":
-        pytest.skip("the CPU path raises instead (tested in the CPU tier)")
+    if cuda.type != "cuda" and not EMULATED:
+        pytest.skip("the CPU references raise instead (tested in the CPU tier)")
     x_perm, row_map, sizes = mk.permute(x.to(cuda), idx.to(cuda), E)
     assert_exact(row_map.cpu(), ref_map, "row_map")
     assert_exact(sizes.cpu(), ref_sizes, "group_sizes")
     assert_exact(x_perm[: int(ref_sizes.sum())].cpu(), ref_perm[: int(ref_sizes.sum())], "x_perm")
-    assert_exact(mk.tokens_per_expert(idx.to(cuda), E).cpu(), mk.tokens_per_expert(clean, E), "counts")
+    assert_exact(mk.tokens_per_expert(idx.to(cuda), E).cpu(), tokens_per_expert_reference(clean, E), "counts")
 
 
 def test_checking_mode_raises(cuda, checks_on):
@@ -158,9 +162,8 @@ def test_checking_mode_raises(cuda, checks_on):
         mk.unpermute(torch.randn(2, 8, device=cuda), torch.tensor([[0, 2]], dtype=torch.int32, device=cuda))
 
 
+@pytest.mark.cuda_device
 def test_bad_input_on_gpu(cuda):
-    if cuda.type != "cuda":
-        pytest.skip("device mismatches need a GPU")
     x = torch.randn(4, 8, device=cuda)
     idx = torch.zeros(4, 2, dtype=torch.int32, device=cuda)
     with pytest.raises(ValueError, match="indices"):
@@ -175,9 +178,8 @@ def test_bad_input_on_gpu(cuda):
         mk.unpermute(x, idx, torch.rand(4, 2))
 
 
+@pytest.mark.cuda_device
 def test_cuda_graph_replay(cuda):
-    if cuda.type != "cuda":
-        pytest.skip("CUDA graphs need a GPU")
     T, E, k, H = 512, 16, 4, 256
     x = torch.randn(T, H, device=cuda, dtype=torch.bfloat16)
     idx = random_routing(T, E, k, seed=17).to(cuda)
@@ -203,10 +205,10 @@ def test_cuda_graph_replay(cuda):
 
 
 @pytest.mark.slow
+@pytest.mark.cuda_device
 def test_past_2_31_elements(cuda):
-    # T*k*H = 32768 * 8 * 8200 > 2^31: 64-bit offsets in every kernel. Checked on the device in chunks.
-    if cuda.type != "cuda":
-        pytest.skip("needs ~10 GB of device memory")
+    # T*k*H = 32768 * 8 * 8200 > 2^31: 64-bit offsets in every kernel. Checked on the device in chunks
+    # (~10 GB of device memory; emulated: test_rows_past_2_31_bytes_emulated).
     T, E, k, H = 32768, 64, 8, 8200
     assert T * k * H > 2**31
     x = torch.randn(T, H, device=cuda, dtype=torch.bfloat16)

@@ -162,3 +162,20 @@ def test_payload_and_scales_travel_through_permute():
     valid = row_map >= 0
     tokens = torch.arange(50)[:, None].expand_as(row_map)[valid]
     assert_exact(back[row_map[valid].long()], expected[tokens], "dequantized rows")
+
+
+def test_zero_scale_is_a_block_of_zeros():
+    # permute's padding rows carry scale 0 (zero-filled codes and scales): such a block dequantizes to 0,
+    # whatever its codes, and -0 likewise, not 0 / 0 = NaN; the other blocks keep q / scale.
+    g = torch.Generator().manual_seed(9)
+    for gran in GRANS:
+        q, s = mk.quantize_fp8(torch.randn(300, 260, generator=g) * 3, gran)
+        zero = torch.rand(s.shape, generator=g) < 0.5
+        zero.view(-1)[0] = True
+        s0 = torch.where(zero, torch.where(torch.rand(s.shape, generator=g) < 0.5, 0.0, -0.0), s)
+        mask = mk.ops.quant._expand(zero, gran, *q.shape)  # [M, K] elements in a zero-scale block
+        for dt in (torch.float32, torch.bfloat16):
+            out = mk.dequantize_fp8(q, s0, gran, dtype=dt)
+            assert_exact(out, dequantize_fp8_reference(q, s0, gran, dt), f"{gran} {dt} op vs reference")
+            assert bool((out[mask] == 0).all()), f"{gran} {dt}: a zero scale gives zeros"
+            assert_exact(out[~mask], mk.dequantize_fp8(q, s, gran, dtype=dt)[~mask], f"{gran} {dt}: other blocks")

@@ -101,6 +101,20 @@ def test_group_score_topk_default_is_k_over_g():
     assert torch.equal(a[1], b[1])
 
 
+def test_group_score_topk_default_is_at_least_one_and_documented():
+    # k < group_topk: k // group_topk is 0, and the group score takes max(1, k // group_topk) = 1 best
+    # score, as the docstring says.
+    from moe_kernels.ops.router import resolve_topk_options
+
+    assert resolve_topk_options(1, 4, 2, None, None, None)[2] == 1
+    assert resolve_topk_options(8, 4, 2, None, None, None)[2] == 4
+    logits = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
+    a = mk.router_topk(logits, 1, score="sigmoid", num_groups=4, group_topk=2)
+    b = mk.router_topk(logits, 1, score="sigmoid", num_groups=4, group_topk=2, group_score_topk=1)
+    assert torch.equal(a[1], b[1])
+    assert "`group_score_topk` (default max(1, k // group_topk))" in " ".join(mk.router_topk.__doc__.split())
+
+
 def test_aux_scores():
     logits = torch.randn(6, 8)
     scores, idx = mk.router_aux_scores(logits, 2)

@@ -13,10 +13,13 @@ from moe_kernels.ops.router import (
     router_topk_bwd_reference,
     router_weights_reference,
 )
+from moe_kernels._ext import reference_ops
 from moe_kernels.testing import FP32_EPS, assert_close_to_fp64, assert_exact
+from tests.emulation import EMULATED, skip_if_too_large
 from tests.ops.test_router import router_bwd_bad_inputs
 
 pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2**18  # logits per case: a warp per token, about twenty collectives each
 
 CONFIGS = {
     "softmax": dict(score="softmax"),
@@ -28,8 +31,8 @@ CONFIGS = {
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the logits dtypes the kernels take
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-SHAPES = [(0, 8, 2), (1, 8, 1), (1, 1024, 8), (2048, 8, 8), (2048, 64, 4), (2048, 128, 8), (2048, 1024, 32),
-          (16384, 256, 8)]
+SHAPES = [(0, 8, 2), (1, 8, 1), (1, 1024, 8), (2048, 8, 8), (2048, 64, 4), (2048, 128, 8), (64, 1024, 32),
+          (2048, 1024, 32), (16384, 256, 8)]
 
 
 def _cases():
@@ -88,10 +91,12 @@ def assert_grad_close(grad, d32, d64, dtype, what):
 @pytest.mark.parametrize("name,T,E,k", list(_cases()))
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_router_topk_matches_reference(cuda, name, T, E, k, dtype):
+    skip_if_too_large(T * E, EMULATION_BUDGET, "logits")
     cfg = CONFIGS[name]
     logits, bias = _inputs(T, E, dtype, cfg, seed=T + E + k)
     kw = _kwargs(cfg, bias)
-    ref_w, ref_idx = mk.router_topk(logits, k, **kw)  # CPU reference
+    with reference_ops():
+        ref_w, ref_idx = mk.router_topk(logits, k, **kw)
     x = logits.to(cuda, copy=True).requires_grad_()
     w, idx = mk.router_topk(x, k, **{**kw, "expert_bias": None if bias is None else bias.to(cuda)})
     assert w.dtype == torch.float32 and idx.dtype == torch.int32 and w.shape == (T, k)
@@ -114,9 +119,10 @@ def test_router_topk_matches_reference(cuda, name, T, E, k, dtype):
 
 
 @pytest.mark.parametrize("score", ["softmax", "sigmoid", "sqrtsoftplus"])
-@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (1, 64, 8), (2048, 256, 8), (4096, 1024, 32)])
+@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (1, 64, 8), (256, 256, 8), (64, 1024, 32), (2048, 256, 8), (4096, 1024, 32)])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_aux_scores_match_reference(cuda, score, T, E, k, dtype):
+    skip_if_too_large(T * E, EMULATION_BUDGET, "logits")
     logits, _ = _inputs(T, E, dtype, {}, seed=E + k)
     ref_scores, ref_idx = router_aux_scores_reference(logits, k, score)
     x = logits.to(cuda, copy=True).requires_grad_()
@@ -214,7 +220,8 @@ def test_non_finite_logits(cuda, name, dtype):
                                                None, None)
         _assert_no_near_ties(router_group_scores(sel, G, gst), f"{name} group scores")
 
-    ref_w, ref_idx = mk.router_topk(logits, k, **kw)  # CPU reference
+    with reference_ops():
+        ref_w, ref_idx = mk.router_topk(logits, k, **kw)
     w, idx = mk.router_topk(logits.to(cuda), k, **{**kw, "expert_bias": None if bias is None else bias.to(cuda)})
     assert_exact(idx.cpu(), ref_idx, f"indices {name} {dtype}")
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6, equal_nan=True,
@@ -223,6 +230,7 @@ def test_non_finite_logits(cuda, name, dtype):
 
 
 def test_deterministic(cuda):
+    skip_if_too_large(4096 * 256, EMULATION_BUDGET, "logits")
     logits = torch.randn(4096, 256, device=cuda, requires_grad=True)
     bias = torch.randn(256, device=cuda) * 0.05
     g = torch.randn(4096, 8, device=cuda)
@@ -239,8 +247,8 @@ def test_deterministic(cuda):
 
 
 def test_bad_input_on_gpu(cuda):
-    if cuda.type != "cuda":
-        pytest.skip("kernel limits apply to the CUDA path")
+    if cuda.type != "cuda" and not EMULATED:
+        pytest.skip("kernel limits apply to the CUDA path (the references take any size)")
     with pytest.raises(TypeError, match="fp64"):
         mk.router_topk(torch.randn(4, 8, device=cuda, dtype=torch.float64), 2)
     with pytest.raises(ValueError, match="experts"):
@@ -249,6 +257,8 @@ def test_bad_input_on_gpu(cuda):
         mk.router_topk(torch.randn(4, 64, device=cuda), 33)
     with pytest.raises(ValueError, match="num_groups"):
         mk.router_topk(torch.randn(4, 128, device=cuda), 2, num_groups=64, group_topk=2, score="sigmoid")
+    if cuda.type != "cuda":
+        return  # device mismatches need a physical device
     with pytest.raises(ValueError, match="expert_bias"):
         mk.router_topk(torch.randn(4, 8, device=cuda), 2, score="sigmoid", expert_bias=torch.zeros(8))
 
@@ -272,16 +282,105 @@ def test_backward_ops_check_inputs_on_gpu(cuda):
 
 
 def test_losses_on_gpu(cuda):
-    logits = torch.randn(512, 64)
-    scores, idx = mk.router_aux_scores(logits, 4)
-    counts = mk.tokens_per_expert(idx, 64)
+    logits = torch.randn(512, 64, generator=torch.Generator().manual_seed(3))
+    with reference_ops():  # expected values
+        scores, idx = mk.router_aux_scores(logits, 4)
+        counts = mk.tokens_per_expert(idx, 64)
+        want = (mk.aux_loss(scores, counts, 4, 0.01), mk.seq_aux_loss(scores, idx, 0.01, seq_len=128),
+                mk.z_loss(logits, 1e-3))
+        w, i = mk.router_topk(logits, 4)
+        rw, ri = mk.apply_capacity(w, i, 64, 1.0)
     gs, gi = scores.to(cuda), idx.to(cuda)
-    torch.testing.assert_close(mk.aux_loss(gs, counts.to(cuda), 4, 0.01).cpu(), mk.aux_loss(scores, counts, 4, 0.01))
-    torch.testing.assert_close(mk.seq_aux_loss(gs, gi, 0.01, seq_len=128).cpu(),
-                               mk.seq_aux_loss(scores, idx, 0.01, seq_len=128))
-    torch.testing.assert_close(mk.z_loss(logits.to(cuda), 1e-3).cpu(), mk.z_loss(logits, 1e-3))
-    w, i = mk.router_topk(logits, 4)
+    torch.testing.assert_close(mk.aux_loss(gs, counts.to(cuda), 4, 0.01).cpu(), want[0])
+    torch.testing.assert_close(mk.seq_aux_loss(gs, gi, 0.01, seq_len=128).cpu(), want[1])
+    torch.testing.assert_close(mk.z_loss(logits.to(cuda), 1e-3).cpu(), want[2])
     cw, ci = mk.apply_capacity(w.to(cuda), i.to(cuda), 64, 1.0)
-    rw, ri = mk.apply_capacity(w, i, 64, 1.0)
     assert_exact(ci.cpu(), ri, "capacity indices")
     assert_exact(cw.cpu(), rw, "capacity weights")
+
+
+def test_launch_grid_fits_any_token_count(cuda):
+    # ceil(T / W) blocks (W = 1 warp per block at E = 4096) would pass gridDim.x's 2^31 - 1 for huge T:
+    # the grid is capped and the kernels stride over the tokens past it.
+    from moe_kernels import _ext
+
+    C = _ext.kernels("router_topk", torch.empty(1, device=cuda))
+    if C is None:
+        pytest.skip("launch geometry is the extension's")
+    assert C.router_fwd_warps(4096) == 1 and C.router_fwd_warps(8) == 8
+    assert 1 <= C.router_max_blocks <= 2**31 - 1
+    for W in (C.router_fwd_warps(4096), C.router_fwd_warps(1024), C.router_bwd_warps):
+        for T in (1, 4097, 2**31, 2**40, 2**62):
+            assert C.router_blocks(T, W) == min(-(-T // W), C.router_max_blocks), f"T={T} W={W}"
+
+
+def test_tokens_past_the_grid(cuda):
+    # More tokens than one capped grid covers (E = 8: 8 warps per block): each warp routes several, in
+    # the forward and backward of router_topk and router_aux_scores. Expected: the references.
+    from moe_kernels import _ext
+    from moe_kernels.ops.router import router_selection_reference
+
+    C = _ext.kernels("router_topk", torch.empty(1, device=cuda))
+    if C is None:
+        pytest.skip("needs the kernels")
+    T, E, k = C.router_max_blocks * 8 + 37, 8, 2
+    assert T > C.router_blocks(T, C.router_fwd_warps(E)) * C.router_fwd_warps(E)
+    logits = torch.randn(T, E, generator=torch.Generator().manual_seed(4))
+    x = logits.to(cuda, copy=True).requires_grad_()
+    w, idx = mk.router_topk(x, k, score="sigmoid")
+    scores, aux_idx = mk.router_aux_scores(x, k, score="softmax")
+    g, gs = torch.randn(T, k), torch.randn(T, E)
+    torch.autograd.backward([w, scores], [g.to(cuda), gs.to(cuda)])
+    sel = router_selection_scores(logits, "sigmoid", False, None)
+    ref_idx = router_selection_reference(logits, k, "sigmoid", False, 1, 1, 1, None)
+    assert_same_choice(idx.cpu(), ref_idx, sel, {}, "router_topk indices")
+    args = ("sigmoid", False, True, 1.0)
+    assert_close_to_fp64(w.detach().cpu(), router_weights_reference(logits, idx.cpu(), *args),
+                         router_weights_reference(logits.double(), idx.cpu(), *args), "weights")
+    ref_scores, ref_idx = router_aux_scores_reference(logits, k, "softmax")
+    ref64 = router_aux_scores_reference(logits.double(), k, "softmax")[0]
+    assert_close_to_fp64(scores.detach().cpu(), ref_scores, ref64, "aux scores")
+    assert_same_choice(aux_idx.cpu(), ref_idx, ref_scores, {}, "aux indices")
+    d32 = (router_topk_bwd_reference(g, logits, idx.cpu(), *args)
+           + router_aux_scores_bwd_reference(gs, logits, "softmax"))
+    d64 = (router_topk_bwd_reference(g.double(), logits.double(), idx.cpu(), *args)
+           + router_aux_scores_bwd_reference(gs.double(), logits.double(), "softmax"))
+    assert_close_to_fp64(x.grad.cpu(), d32, d64, "grad logits")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_sqrtsoftplus_gradient_at_underflow_and_minus_inf(cuda, dtype):
+    # softplus underflows to 0 in fp32 below about -104 and is 0 at -inf: s = 0, where sigmoid / (2 s) is
+    # 0 / 0. The kernels' gradient is finite there, about sqrt(e^x) / 2 (0 at -inf), in router_topk with
+    # every expert chosen (k = E) and in router_aux_scores. Expected: the references in fp32 and fp64,
+    # relative to each element at the tiny ones (a max-error check cannot see them).
+    T, E = 64, 32
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(T, E, generator=gen) * 3
+    u, r = torch.rand(T, E, generator=gen), torch.rand(T, E, generator=gen)
+    logits = torch.where(u < 0.3, -40.0 - 260.0 * r, logits)  # -300 .. -40: through the underflow
+    logits[u < 0.1] = -float("inf")
+    logits = logits.to(dtype)
+    tiny = logits.float() < -40
+    tol = dict(rtol=1e-4, atol=1e-37) if dtype == torch.float32 else dict(rtol=2**-7, atol=1e-37)
+
+    def check(grad, d32, d64, what):
+        assert bool(torch.isfinite(d32).all()) and bool(torch.isfinite(grad).all()), what
+        assert bool((grad.cpu()[torch.isinf(logits)] == 0).all()), f"{what}: -inf"
+        assert_grad_close(grad.cpu(), d32, d64, dtype, what)
+        torch.testing.assert_close(grad.cpu()[tiny].double(), d64[tiny].to(dtype).double(), **tol)
+
+    for normalize in (True, False):
+        x = logits.to(cuda, copy=True).requires_grad_()
+        w, idx = mk.router_topk(x, E, score="sqrtsoftplus", normalize=normalize, scaling_factor=1.5)
+        g = torch.randn(T, E, generator=gen)
+        w.backward(g.to(cuda))
+        args = ("sqrtsoftplus", False, normalize, 1.5)
+        check(x.grad, router_topk_bwd_reference(g, logits.float(), idx.cpu(), *args),
+              router_topk_bwd_reference(g.double(), logits.double(), idx.cpu(), *args), f"topk normalize={normalize}")
+    x = logits.to(cuda, copy=True).requires_grad_()
+    scores, _ = mk.router_aux_scores(x, 4, score="sqrtsoftplus")
+    gs = torch.randn(T, E, generator=gen)
+    scores.backward(gs.to(cuda))
+    check(x.grad, router_aux_scores_bwd_reference(gs, logits.float(), "sqrtsoftplus"),
+          router_aux_scores_bwd_reference(gs.double(), logits.double(), "sqrtsoftplus"), "aux scores")

@@ -225,3 +225,50 @@ def test_non_finite_logits_match_loop(kw):
     assert idx.tolist() == [chosen for chosen, _ in expected]
     torch.testing.assert_close(w, torch.tensor([ws for _, ws in expected]), rtol=1e-5, atol=1e-6, equal_nan=True)
     assert torch.isnan(w).any() and torch.isfinite(w).any()
+
+
+# sqrt-softplus logits at which softplus underflows to 0 in fp32 (about -104 and below) or is 0 (-inf, a
+# masked expert): s = 0 there, and the textbook ds/dx = sigmoid(x) / (2 s) is 0 / 0.
+UNDERFLOW_ROWS = [[1.0, -INF, -104.0, 0.5, -120.0, -60.0, 2.0, -1000.0],
+                  [-INF, -0.5, -200.0, -104.5, 3.0, -INF, -30.0, 0.0]]
+
+
+def sqrtsoftplus_grad64(logits, loss_of_s):
+    """d loss / d logits in fp64 autograd through sqrt(softplus(x)), logits below -700 taken at -700
+    (their true gradient, about sqrt(e^x) / 2, is 0 in fp32 from there down)."""
+    x = logits.detach().double().clamp(min=-700.0).requires_grad_()
+    loss_of_s(torch.sqrt(torch.nn.functional.softplus(x))).backward()
+    return x.grad
+
+
+def test_sqrtsoftplus_gradient_finite_at_underflow_and_minus_inf_aux_loss():
+    # router_aux_scores -> aux_loss: every expert's score is differentiated, the masked ones included.
+    from moe_kernels.ops.router_losses import aux_loss_reference
+
+    logits = torch.tensor(UNDERFLOW_ROWS, requires_grad=True)
+    scores, idx = mk.router_aux_scores(logits, 2, score="sqrtsoftplus")
+    counts = mk.tokens_per_expert(idx, 8)
+    mk.aux_loss(scores, counts, 2, 0.1).backward()
+    assert bool(torch.isfinite(logits.grad).all()), logits.grad
+    assert bool((logits.grad[torch.isinf(logits)] == 0).all())
+    expected = sqrtsoftplus_grad64(
+        logits, lambda s: aux_loss_reference(s / (s.sum(-1, keepdim=True) + 1e-20), counts, 2, 0.1))
+    torch.testing.assert_close(logits.grad, expected.float(), rtol=1e-5, atol=1e-37)
+    assert 0 < abs(float(logits.grad[0, 2])) < 1e-20  # -104: about sqrt(e^-104) / 2 times the loss's slope
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_sqrtsoftplus_gradient_finite_at_underflow_and_minus_inf_topk(normalize):
+    # k = E: the -inf and underflowing experts are chosen (weight 0), and their gradient is about 0.
+    logits = torch.tensor(UNDERFLOW_ROWS, requires_grad=True)
+    g = torch.randn(2, 8, generator=torch.Generator().manual_seed(3))
+    w, idx = mk.router_topk(logits, 8, score="sqrtsoftplus", normalize=normalize, scaling_factor=1.5)
+    (w * g).sum().backward()
+    assert bool(torch.isfinite(logits.grad).all()), logits.grad
+    assert bool((logits.grad[torch.isinf(logits)] == 0).all())
+
+    def loss(s):
+        chosen = s.gather(1, idx.long())
+        return ((chosen / (chosen.sum(-1, keepdim=True) + 1e-20) if normalize else chosen) * 1.5 * g).sum()
+
+    torch.testing.assert_close(logits.grad, sqrtsoftplus_grad64(logits, loss).float(), rtol=1e-5, atol=1e-37)

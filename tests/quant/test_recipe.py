@@ -15,7 +15,7 @@ from moe_kernels.ops.grouped_mm import grouped_mm, grouped_mm_reference
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, quantize_fp8_experts
 from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
 from moe_kernels.quant import RECIPES, Fp8BlockwiseRecipe
-from moe_kernels.testing import assert_tracks_loss_curve
+from moe_kernels.testing import assert_tracks_loss_curve, assert_within_rounding_to, quantized_sqnr_floor_db
 from moe_kernels.train.data import load_tokens
 
 
@@ -51,17 +51,20 @@ def test_forward_and_backward_follow_the_recipe(pow2):
     w_deq = torch.stack([dequantize_fp8(w_q[e], w_s[e], "tile", dtype=torch.float32) for e in range(len(gs))]).double()
     d_deq = dequantize_fp8(d_q, d_s, "block", dtype=torch.float32).double()
     want_dx = torch.cat([d_deq[a:b] @ w_deq[e] for e, (a, b) in enumerate(_ranges(gs))])
-    torch.testing.assert_close(dx[:rows], want_dx.to(torch.bfloat16).float(), rtol=8e-3, atol=1e-5)
+    magnitude = torch.cat([d_deq[a:b].abs() @ w_deq[e].abs() for e, (a, b) in enumerate(_ranges(gs))])
+    # fp32 accumulation vs fp64, then both rounded to bf16: one bf16 ulp + fp32 rounding apart at most.
+    assert_within_rounding_to(dx[:rows], want_dx.to(torch.bfloat16), magnitude, torch.bfloat16, "FP8 dgrad")
 
     # wgrad: the input precision, exactly the grouped wgrad.
     torch.testing.assert_close(dw, torch.ops.moe_kernels.grouped_mm_wgrad(dout, x.detach(), gs), rtol=0, atol=0)
     assert torch.all(dw[1] == 0)  # the empty expert
 
-    # Against the exact product: FP8 keeps about 3 significant bits per operand.
+    # Against the exact product: two E4M3 operands, 3 mantissa bits each (moe_kernels.testing's quantization
+    # error model: 1.5 x sqrt(2) x 0.0265 relative L2 error, 25.0 dB).
     exact = grouped_mm_reference(x.detach().double(), w.detach().double(), gs)
-    assert _sqnr_db(out[:rows], exact[:rows]) > 25
+    assert _sqnr_db(out[:rows], exact[:rows]) > quantized_sqnr_floor_db(2)
     exact_dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout.double(), w.detach().double(), gs)
-    assert _sqnr_db(dx[:rows], exact_dx[:rows]) > 25
+    assert _sqnr_db(dx[:rows], exact_dx[:rows]) > quantized_sqnr_floor_db(2)
 
 
 def _ranges(gs):
@@ -100,7 +103,8 @@ def test_moe_layer_with_the_recipe():
     out, _ = layer(x)
     ref, _ = ref_layer(x)
     assert torch.all(seen[0] % 128 == 0) and int(seen[0].sum()) >= 2 * 37 * 2  # padded groups
-    assert _sqnr_db(out, ref) > 20
+    # The SwiGLU experts quantize four operands (x and w13, the activation and w2): 22.0 dB by the model.
+    assert _sqnr_db(out, ref) > quantized_sqnr_floor_db(4)
     out.square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
 
