@@ -83,6 +83,12 @@ def reference_ops():
         _reference_mode = previous
 
 
+def runs_references(t: torch.Tensor) -> bool:
+    """True when ops on `t` run their references (a CPU tensor, outside emulation), which validate
+    values on the host anyway; the kernels' callers only check values in the checking mode."""
+    return t.device.type == "cpu" and (_EMU is None or _reference_mode)
+
+
 def cuda_impl(op):
     """Decorator: `fn` is `op`'s CUDA implementation; under emulation it also serves CPU tensors,
     except inside `reference_ops()`, where they get the op's own (reference) implementation."""
@@ -216,8 +222,8 @@ _WORKSPACE_ALIGN = 256
 
 
 def workspace(nbytes: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A uint8 workspace of `nbytes` on `like`'s device and its 256-byte aligned address. CUDA's caching
-    allocator already aligns to 512 bytes; host memory (emulation) is padded to align."""
+    """A uint8 workspace of `nbytes` on `like`'s device and its 256-byte aligned address. CUDA's allocators
+    align to at least 256 bytes; host memory (emulation) is padded to align."""
     pad = _WORKSPACE_ALIGN if like.device.type == "cpu" else 0
     ws = torch.empty(nbytes + pad, dtype=torch.uint8, device=like.device)
     p = ws.data_ptr() if ws.numel() else 0

@@ -156,8 +156,9 @@ def _build(build: Path) -> None:
 
 
 def _test_env() -> dict:
-    libasan = subprocess.run(["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
-    env = dict(os.environ, MOE_KERNELS_EMULATE="asan", LD_PRELOAD=libasan, PYTHONDONTWRITEBYTECODE="1",
+    libs = [subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+            for lib in ("libasan.so", "libstdc++.so")]
+    env = dict(os.environ, MOE_KERNELS_EMULATE="asan", LD_PRELOAD=" ".join(libs), PYTHONDONTWRITEBYTECODE="1",
                ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")
     env.pop("PYTHONPATH", None)
     return env

@@ -25,7 +25,7 @@ def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="no CUDA device")
-    skip_device = pytest.mark.skip(reason="needs a physical CUDA device (graphs, streams or IPC), not emulated")
+    skip_device = pytest.mark.skip(reason="needs a physical CUDA device (graphs, streams, device mismatches or device memory), not emulated")
     for item in items:
         if "cuda_device" in item.keywords:
             item.add_marker(skip_device)

@@ -336,13 +336,14 @@ void check_sizes(int E, int k, const char* what) {
 }  // namespace
 
 int router_fwd_warps(int num_experts) {
+  if (num_experts < 1) throw std::invalid_argument("router_fwd_warps: num_experts must be positive");
   const int w = kSmemBytes / (8 * num_experts);
   return w < 1 ? 1 : (w > 8 ? 8 : w);
 }
 
 int64_t router_blocks(int64_t num_tokens, int warps_per_block) {
   if (num_tokens < 0 || warps_per_block < 1) throw std::invalid_argument("router_blocks: bad sizes");
-  const int64_t want = (num_tokens + warps_per_block - 1) / warps_per_block;
+  const int64_t want = num_tokens / warps_per_block + (num_tokens % warps_per_block != 0);  // no overflow at INT64_MAX
   return want < kMaxRouterBlocks ? want : kMaxRouterBlocks;
 }
 

@@ -15,7 +15,9 @@ Rules (bit-exact between the reference and the kernels):
           range is clamped to the largest finite float; with pow2_scale, rounded down to a power of two
   q     = fp8(x * scale), round-to-nearest-even, saturated to +-fmax; NaN -> NaN (0x7f)
   x'    = q / scale; a scale of 0 (never produced here: permute's zero-filled padding rows) marks a block of
-          zeros, x' = 0 whatever its codes, not 0 / 0 = NaN; grouped_mm_fp8 takes the same rule
+          zeros, x' = 0 whatever its codes, not 0 / 0 = NaN; grouped_mm_fp8 takes the same rule for the
+          zero codes permute writes (its sm_90a kernel multiplies by 1 / scale := 0, so a NaN code there
+          would still give NaN)
 `scale` multiplies on the way in and divides on the way out; a GEMM on the quantized operands takes 1 / scale.
 Last blocks and tiles may be partial (K or M not a multiple of 128): their amax covers the elements present.
 The ops have no autograd (they are the building blocks of a precision recipe's own autograd function).

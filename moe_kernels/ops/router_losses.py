@@ -547,7 +547,7 @@ def apply_capacity(weights, indices, num_experts: int, capacity_factor: float, p
     weights ("probs", ties to the lower token) or the C lowest tokens ("position"). Dropped pairs get
     index -1 and weight 0; weights are not renormalised."""
     if indices.dtype == torch.int64:
-        if indices.device.type == "cpu" or _ext.checks_enabled():
+        if _ext.runs_references(indices) or _ext.checks_enabled():
             _check_indices_values(indices, num_experts, "apply_capacity")
         indices = _as_int32_indices(indices, num_experts)
     return torch.ops.moe_kernels.apply_capacity(weights, indices, num_experts, float(capacity_factor), policy)

@@ -288,6 +288,8 @@ def test_moe_layer_routing_near_ties_only():
         top = (tied[t].double() @ w.T).argsort(descending=True)
         if {int(top[1]), int(top[2])} == {a, b}:
             break
+    else:
+        pytest.fail("no token could be moved onto a tie of its 2nd and 3rd experts")
     with torch.no_grad():
         ours = layer.router(tied, seq_len=64).indices.long().sort(-1).values
     pairs = [torch.tensor(sorted((int(top[0]), int(e)))) for e in (a, b)]

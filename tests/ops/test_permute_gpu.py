@@ -226,6 +226,7 @@ def test_past_2_31_elements(cuda):
     assert bool((dx_perm[: T * k] == 1).all())
 
 
+@pytest.mark.slow
 def test_rows_past_2_31_bytes_emulated(cuda):
     # Three rows of 2^30 bytes: the last starts at byte 2^31, where a 32-bit row offset wraps. The
     # emulated counterpart of test_past_2_31_elements (3.2e9 elements, about 7 GB of host memory).

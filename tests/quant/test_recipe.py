@@ -15,13 +15,8 @@ from moe_kernels.ops.grouped_mm import grouped_mm, grouped_mm_reference
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, quantize_fp8_experts
 from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
 from moe_kernels.quant import RECIPES, Fp8BlockwiseRecipe
-from moe_kernels.testing import assert_tracks_loss_curve, assert_within_rounding_to, quantized_sqnr_floor_db
+from moe_kernels.testing import assert_tracks_loss_curve, assert_within_rounding_to, quantized_sqnr_floor_db, sqnr_db
 from moe_kernels.train.data import load_tokens
-
-
-def _sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
-    x, ref = x.detach().double(), ref.detach().double()
-    return float(20 * torch.log10(ref.norm() / (x - ref).norm()))
 
 
 def _problem(M=300, N=384, K=256, sizes=(100, 0, 150, 50), seed=0):
@@ -62,9 +57,9 @@ def test_forward_and_backward_follow_the_recipe(pow2):
     # Against the exact product: two E4M3 operands, 3 mantissa bits each (moe_kernels.testing's quantization
     # error model: 1.5 x sqrt(2) x 0.0265 relative L2 error, 25.0 dB).
     exact = grouped_mm_reference(x.detach().double(), w.detach().double(), gs)
-    assert _sqnr_db(out[:rows], exact[:rows]) > quantized_sqnr_floor_db(2)
+    assert sqnr_db(out[:rows], exact[:rows]) > quantized_sqnr_floor_db(2)
     exact_dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout.double(), w.detach().double(), gs)
-    assert _sqnr_db(dx[:rows], exact_dx[:rows]) > quantized_sqnr_floor_db(2)
+    assert sqnr_db(dx[:rows], exact_dx[:rows]) > quantized_sqnr_floor_db(2)
 
 
 def _ranges(gs):
@@ -104,7 +99,7 @@ def test_moe_layer_with_the_recipe():
     ref, _ = ref_layer(x)
     assert torch.all(seen[0] % 128 == 0) and int(seen[0].sum()) >= 2 * 37 * 2  # padded groups
     # The SwiGLU experts quantize four operands (x and w13, the activation and w2): 22.0 dB by the model.
-    assert _sqnr_db(out, ref) > quantized_sqnr_floor_db(4)
+    assert sqnr_db(out, ref) > quantized_sqnr_floor_db(4)
     out.square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
 

@@ -14,6 +14,7 @@ from moe_kernels.ops.grouped_mm_nvfp4 import quantize_nvfp4_experts
 from moe_kernels.ops.quant import dequantize_nvfp4, quantize_nvfp4
 from moe_kernels.testing import (
     E4M3_REL_ERROR,
+    assert_exact,
     U_BF16,
     assert_within_fp32_rounding,
     random_routing,
@@ -115,7 +116,8 @@ def test_nvfp4_recipe_matches_the_cpu_references(cuda):
     first = grads(Nvfp4Recipe(), cuda)
     torch.manual_seed(11)
     again = grads(Nvfp4Recipe(), cuda)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    for name, a, b in zip(("out", "dx", "dw"), first, again):  # rows past the groups are unspecified
+        assert_exact(a if name == "dw" else a[:rows], b if name == "dw" else b[:rows], f"reproducible {name}")
     exact_dw = grouped_mm_wgrad_reference(dout.double(), x.double(), gs)
     assert relative_l2_error(first[2], exact_dw) < nvfp4_wgrad_error_bound(dout, x, gs)
 

@@ -135,6 +135,10 @@ Thread* t_running = nullptr;
 // (static __shared__ variables are process-wide).
 std::mutex g_launch_mutex;
 std::vector<char*> g_stacks;
+// Stacks whose last fiber was abandoned mid-kernel (a reported error): ASan's redzones of its frames
+// are still poisoned, so the next fiber on it starts from a cleared shadow. A fiber that ends normally
+// has unwound every frame but its entry function's, which the next fiber lays out identically.
+std::vector<bool> g_stack_dirty;
 uint64_t g_block_epoch = 0;
 
 size_t page_size() {
@@ -150,6 +154,7 @@ char* stack_for(size_t i) {
     if (p == MAP_FAILED) throw std::runtime_error("cuda_on_cpu: cannot map a fiber stack");
     mprotect(p, guard, PROT_NONE);  // a fiber that overflows its stack faults instead of corrupting
     g_stacks.push_back(static_cast<char*>(p) + guard);
+    g_stack_dirty.push_back(false);
   }
   return g_stacks[i];
 }
@@ -575,8 +580,13 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
           t.st.lane = i % kWarp;
           t.fiber.stack = stack_for(size_t(i));
 #if EMU_ASAN
-          __asan_unpoison_memory_region(t.fiber.stack, kStackBytes);
+          if (g_stack_dirty[size_t(i)]) {
+            __asan_unpoison_memory_region(t.fiber.stack, kStackBytes);
+          } else {  // the entry frame's redzones, where make_context writes the first frame
+            __asan_unpoison_memory_region(t.fiber.stack + kStackBytes - 4096, 4096);
+          }
 #endif
+          g_stack_dirty[size_t(i)] = false;
           make_context(t.fiber.ctx, t.fiber.stack, kStackBytes, fiber_entry);
         }
         int done = 0;
@@ -605,6 +615,7 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
         }
         std::free(smem);
         if (!b.error.empty()) {
+          for (int i = 0; i < n; ++i) g_stack_dirty[size_t(i)] = b.threads[size_t(i)].run != Run::kDone;
           t_block = saved_block;
           t_running = saved_running;
           g_thread = saved_thread;
