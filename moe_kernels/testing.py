@@ -145,6 +145,10 @@ def rtn_relative_error(mantissa_bits: int) -> float:
 
 
 E4M3_REL_ERROR = rtn_relative_error(3)  # 0.0265
+# A cap on an NVFP4 operand's measured eps, for bounds built from measured eps (they would otherwise grow
+# with a quantizer that lost precision): twice E2M1's round-to-nearest error. Round-to-nearest measures
+# ~0.095 and stochastic rounding ~0.137 on Gaussian blocks; one mantissa bit fewer doubles either.
+NVFP4_EPS_CAP = 2 * rtn_relative_error(1)  # 0.177
 QUANT_SLACK = 1.5
 
 

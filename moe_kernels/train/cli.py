@@ -46,8 +46,8 @@ def train(
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
 ) -> None:
     from moe_kernels.models import PRESETS
-    from moe_kernels.train import checkpoint, metrics
-    from moe_kernels.train.trainer import ResumeMismatchError, TrainConfig, Trainer
+    from moe_kernels.train import checkpoint
+    from moe_kernels.train.trainer import TrainConfig, Trainer
 
     console = Console(stderr=True)
     if list_presets:

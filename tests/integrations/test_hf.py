@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 
 import moe_kernels as mk  # noqa: E402
 from moe_kernels.integrations import hf  # noqa: E402
-from moe_kernels.testing import assert_close_to_fp64, relative_l2_error  # noqa: E402
+from moe_kernels.testing import NVFP4_EPS_CAP, assert_close_to_fp64, relative_l2_error  # noqa: E402
 
 V, H = 64, 32
 COMMON = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, vocab_size=V)
@@ -339,6 +339,7 @@ def _nvfp4_swiglu_error(calls) -> float:
         w_deq = dequantize_nvfp4(q.reshape(-1, q.shape[-1]), s.reshape(-1, s.shape[-1]), g, dtype=torch.float32)
         eps_x = relative_l2_error(dequantize_nvfp4(*quantize_nvfp4(x), dtype=torch.float32), x)
         eps_w = relative_l2_error(w_deq.view(w.shape), w)
+        assert eps_x < NVFP4_EPS_CAP and eps_w < NVFP4_EPS_CAP, (eps_x, eps_w)  # the quantizer itself is sound
         total += (2 if i % 2 == 0 else 1) * (eps_x**2 + eps_w**2)
     return total**0.5
 

@@ -17,7 +17,6 @@ from moe_kernels.ops.router_losses import (
     z_loss_bwd_reference,
     z_loss_reference,
 )
-from moe_kernels._ext import reference_ops
 from moe_kernels.ops.permute import tokens_per_expert_reference
 from moe_kernels.testing import assert_close_to_fp64, assert_exact, assert_within_fp32_rounding, random_routing
 from tests.emulation import EMULATED, skip_if_too_large

@@ -11,7 +11,13 @@ from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, grouped_mm_nvfp4_
 from moe_kernels.ops.quant import dequantize_nvfp4, quantize_nvfp4
 from moe_kernels.quant import RECIPES, Nvfp4Recipe
 from moe_kernels.quant.recipe import _fresh_rng, _nvfp4_along_tokens, random_hadamard_tokens
-from moe_kernels.testing import QUANT_SLACK, assert_tracks_loss_curve, quantized_product_error, relative_l2_error
+from moe_kernels.testing import (
+    NVFP4_EPS_CAP,
+    QUANT_SLACK,
+    assert_tracks_loss_curve,
+    quantized_product_error,
+    relative_l2_error,
+)
 from tests.quant.test_recipe import _train, fp32_curves
 
 
@@ -150,6 +156,7 @@ def nvfp4_wgrad_error_bound(dout: torch.Tensor, x: torch.Tensor, group_sizes: to
     draw = torch.tensor([0x5EED, 0], dtype=torch.int64)  # [seed, offset]; torch's generator left alone
     eps_d = relative_l2_error(_nvfp4_along_tokens(d, draw), d)
     eps_x = relative_l2_error(_nvfp4_along_tokens(xh, None), xh)
+    assert eps_d < NVFP4_EPS_CAP and eps_x < NVFP4_EPS_CAP, (eps_d, eps_x)  # the quantizer itself is sound
     return QUANT_SLACK * quantized_product_error(eps_d, eps_x)
 
 

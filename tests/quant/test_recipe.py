@@ -11,7 +11,7 @@ import torch
 from moe_kernels.models import PRESETS, build_model
 from moe_kernels.nn import MoELayer
 from moe_kernels.nn.moe import qwen3_30b_a3b
-from moe_kernels.ops.grouped_mm import grouped_mm, grouped_mm_reference
+from moe_kernels.ops.grouped_mm import grouped_mm_reference
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, quantize_fp8_experts
 from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
 from moe_kernels.quant import RECIPES, Fp8BlockwiseRecipe
