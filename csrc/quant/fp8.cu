@@ -155,8 +155,9 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(Fp8DequantParams p, i
         case Granularity::kBlock: si = r * blocks_per_row + c / kFp8Block; break;
         case Granularity::kTile: si = (r / kFp8Block) * blocks_per_row + c / kFp8Block; break;
       }
-      const float s = p.scale[si];  // 0: a block of zeros (permute's padding rows), not 0 / 0
-      out[r * p.cols + c] = from_float<T>(s == 0.f ? 0.f : __fdiv_rn(from_fp8(p.q[r * p.cols + c], p.e5m2), s));
+      const float s = p.scale[si];
+      const float v = __fdiv_rn(from_fp8(p.q[r * p.cols + c], p.e5m2), s);
+      out[r * p.cols + c] = from_float<T>(s == 0.f ? 0.f : v);  // 0: a block of zeros (permute's padding), not 0 / 0
     }
   }
 }
