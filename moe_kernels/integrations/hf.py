@@ -16,13 +16,23 @@ Written against the transformers 5.x layout, where every supported sparse MoE bl
 Both weights already have grouped_mm's [E, N, K] layout (out x in, like nn.Linear): they are passed to it as
 they are, read from the module at every call, so nothing is copied and nothing but the model holds them.
 
-Patching replaces two forwards per block, on the instances only (never the classes):
+Patching changes two forwards per block, chosen at call time (nothing is bound to an instance, so a
+patched model survives deepcopy, pickling, `nn.DataParallel` replication and wrappers installed later, such
+as accelerate's offloading hooks; transformers' classes themselves are never modified):
 
-- the router's: the same logits from the router's own weight (F.linear, as transformers computes them), then
-  `router_topk` with the family's routing, returning the same triple, so the recording hook, the router
-  logits and the model's own aux loss are unchanged;
-- the experts': `permute` -> `grouped_mm(gate_up_proj)` -> the module's own gate activation ->
-  `grouped_mm(down_proj)` -> `unpermute` (routing weights applied there, the Hugging Face order).
+- the router's: the router instance's class becomes a subclass of transformers' router class, defined here
+  (`MoeKernels<RouterClass>`, importable, so pickles load in a fresh process), whose forward computes the
+  same logits from the router's own weight (F.linear, as transformers computes them), then `router_topk`
+  with the family's routing, returning the same triple, so the recording hook, the router logits and the
+  model's own aux loss are unchanged;
+- the experts': the block's config selects the "moe_kernels" experts implementation in transformers' own
+  experts interface (the previous choice is remembered for `unpatch_hf`), which runs `permute` ->
+  `grouped_mm(gate_up_proj)` -> the module's own gate activation -> `grouped_mm(down_proj)` -> `unpermute`
+  (routing weights applied there, the Hugging Face order). `model.set_experts_implementation("eager")` (or
+  any other) after `patch_hf` therefore switches the experts away from our ops, as it would without it.
+
+`unpatch_hf` restores the router classes and the experts implementation; a forward captured while patched
+(a wrapper installed after `patch_hf`) still runs and falls back to transformers' code.
 
 The block's own forward still runs: its return type, reshapes, Mixtral's jitter, Qwen2-MoE's gated shared
 expert and DeepSeek-V3's shared experts are transformers' code. Gradients reach the original parameters
@@ -47,10 +57,9 @@ on interleaved gate/up columns, stored transposed ([E, H, 2F], [E, F, H]); group
 in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs from the above (biases,
 transposed or quantised expert weights, a replaced router, transformers 4.x per-expert ModuleLists).
 
-Patching also registers the experts forward in transformers' experts interface as "moe_kernels", so
-`model.set_experts_implementation("moe_kernels")` (or `from_pretrained(..., experts_implementation=
-"moe_kernels")` after a first `patch_hf`/`register_experts_implementation()`) runs the experts on our ops with
-transformers' own router.
+The experts implementation alone (transformers' own router): `model.set_experts_implementation("moe_kernels")`,
+or `from_pretrained(..., experts_implementation="moe_kernels")` after a first `patch_hf` or
+`register_experts_implementation()`.
 
 transformers is imported lazily: importing moe_kernels never imports it.
 """
@@ -73,7 +82,7 @@ from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.router import router_topk
 
 EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
-_PATCH_ATTR = "_moe_kernels_patch"  # on each patched module: (attribute replaced, its previous instance value)
+_PATCH_ATTR = "_moe_kernels_patch"  # router: its previous `_old_forward` (accelerate); experts: previous implementation
 _RECIPE_ATTR = "_moe_kernels_recipe"  # on patched experts modules given a precision recipe
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -134,7 +143,7 @@ def _mixtral_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Ten
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)  # [T, E], as transformers computes (and records) them
     weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
-    return router_logits, weights, indices
+    return router_logits, weights, indices.long()  # int64, as transformers' routers return (eager experts need it)
 
 
 def _qwen_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -142,7 +151,7 @@ def _qwen_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = F.linear(hidden_states, self.weight)
     weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=not self.norm_topk_prob)
-    return router_logits, weights.to(router_logits.dtype), indices
+    return router_logits, weights.to(router_logits.dtype), indices.long()
 
 
 def _deepseek_v3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -163,7 +172,7 @@ def _deepseek_v3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple
         expert_bias=self.e_score_correction_bias.float(),  # a buffer, fp32 in transformers; selection only
         normalize=bool(self.norm_topk_prob),
     )
-    return router_logits, weights, indices
+    return router_logits, weights, indices.long()  # int64, as transformers' routers return (eager experts need it)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -221,10 +230,12 @@ def _family_classes(fam: _Family):
 def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
     """Why this block of a supported class cannot run on our ops, or None."""
     gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
-    if type(gate) is not gate_cls:
+    if _base_class(gate) is not gate_cls:
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
     if not isinstance(experts, experts_cls):
         return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
+    if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
+        return "its experts do not dispatch through transformers' experts interface"
     for flag, expected in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
                            ("has_gate", True), ("has_post_expert_norm", False)):
         if getattr(experts, flag, expected) != expected:
@@ -291,27 +302,72 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
 # Installing and removing forwards
 
 
-def _install(module: nn.Module, fn: Callable) -> None:
-    if _PATCH_ATTR in module.__dict__:
-        return  # already patched: patching again is a no-op
-    bound = types.MethodType(fn, module)  # deepcopy rebinds it to the copy
-    # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls `_old_forward`:
-    # replace what it wraps and keep its hook.
-    attr = "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
-    module.__dict__[_PATCH_ATTR] = (attr, module.__dict__.get(attr))
-    setattr(module, attr, bound)
+_PATCHED_ROUTERS: dict[type, type] = {}  # transformers' router class -> our subclass
+
+
+def _patched_router_class(cls: type, router_forward: Callable) -> type:
+    """`MoeKernels<cls>`: transformers' router class with `router_forward` as its forward, defined in this
+    module (pickle finds it by name; `__getattr__` below defines it in a fresh process). An instance whose
+    class was restored by `unpatch_hf` but that is called through a forward captured while patched (a later
+    wrapper) runs transformers' forward."""
+    sub = _PATCHED_ROUTERS.get(cls)
+    if sub is None:
+
+        def forward(self, *args, **kwargs):
+            if type(self) is not sub:
+                return cls.forward(self, *args, **kwargs)
+            return router_forward(self, *args, **kwargs)
+
+        name = f"MoeKernels{cls.__name__}"
+        sub = type(name, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": name,
+                                  "_moe_kernels_base": cls})
+        _PATCHED_ROUTERS[cls] = globals()[name] = sub
+    return sub
+
+
+def __getattr__(name: str):
+    """Unpickling a patched model in a fresh process: define the router subclass it names."""
+    for fam in FAMILIES:
+        if name == f"MoeKernels{fam.gate}":
+            import importlib
+
+            return _patched_router_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _base_class(module: nn.Module) -> type:
+    return getattr(type(module), "_moe_kernels_base", type(module))
+
+
+def _install(block: nn.Module, fam: _Family, recipe) -> None:
+    gate, experts = block.gate, block.experts
+    if _PATCH_ATTR not in gate.__dict__:
+        sub = _patched_router_class(type(gate), fam.router_forward)
+        saved = None
+        # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls
+        # `_old_forward`, bound when the hook was added: point it at our forward, keep the hook.
+        if hasattr(gate, "_hf_hook") and "_old_forward" in gate.__dict__:
+            saved = gate.__dict__["_old_forward"]
+            gate._old_forward = types.MethodType(sub.forward, gate)
+        gate.__dict__[_PATCH_ATTR] = saved
+        gate.__class__ = sub
+    if _PATCH_ATTR not in experts.__dict__:
+        experts.__dict__[_PATCH_ATTR] = experts.config._experts_implementation
+        experts.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION  # this config only
+    experts.__dict__[_RECIPE_ATTR] = recipe
 
 
 def _uninstall(module: nn.Module) -> bool:
     module.__dict__.pop(_RECIPE_ATTR, None)
-    saved = module.__dict__.pop(_PATCH_ATTR, None)
-    if saved is None:
+    if _PATCH_ATTR not in module.__dict__:
         return False
-    attr, previous = saved
-    if previous is None:
-        module.__dict__.pop(attr, None)  # back to the class's forward
-    else:
-        setattr(module, attr, previous)
+    saved = module.__dict__.pop(_PATCH_ATTR)
+    if type(module) in _PATCHED_ROUTERS.values():  # a router
+        module.__class__ = _base_class(module)
+        if saved is not None:
+            module._old_forward = saved
+    elif module.config._experts_implementation == EXPERTS_IMPLEMENTATION:  # experts: unless changed since
+        module.config._experts_implementation_internal = saved
     return True
 
 
@@ -328,7 +384,9 @@ def register_experts_implementation() -> bool:
 
 def is_patched(module: nn.Module) -> bool:
     """Whether any submodule of `module` runs a moe_kernels forward installed by `patch_hf`."""
-    return any(_PATCH_ATTR in m.__dict__ for m in module.modules())
+    return any(type(m) in _PATCHED_ROUTERS.values() or (
+        _PATCH_ATTR in m.__dict__ and m.config._experts_implementation == EXPERTS_IMPLEMENTATION)
+        for m in module.modules())
 
 
 def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
@@ -368,9 +426,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     patched, skipped = 0, {}
     for path, block, fam, problem in found:
         if fam is not None and problem is None:
-            _install(block.gate, fam.router_forward)
-            _install(block.experts, moe_kernels_experts_forward)
-            block.experts.__dict__[_RECIPE_ATTR] = recipe
+            _install(block, fam, recipe)
             patched += 1
         else:
             skipped.setdefault((type(block).__name__, problem), []).append(path or "<root>")
@@ -395,3 +451,9 @@ def unpatch_hf(model: nn.Module) -> nn.Module:
     for module in model.modules():
         _uninstall(module)
     return model
+
+
+# A model unpickled in a fresh process names the "moe_kernels" experts implementation: register it whenever
+# transformers' experts interface is already loaded (importing it here would make `import moe_kernels` slow).
+if "transformers.integrations.moe" in sys.modules:
+    register_experts_implementation()

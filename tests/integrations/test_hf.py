@@ -4,6 +4,8 @@ within moe_kernels.testing's tolerance policy (gpu tier)."""
 
 import contextlib
 import copy
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -130,9 +132,9 @@ def test_router_matches_transformers(family, overrides):
     ref_logits, ref_w, ref_idx = gate(x)
     mk.patch_hf(model)
     logits, w, idx = gate(x)
-    assert "forward" in gate.__dict__
+    assert "forward" not in gate.__dict__ and type(gate).__name__.startswith("MoeKernels")  # nothing bound
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    assert w.dtype == ref_w.dtype and idx.dtype == torch.int32
+    assert w.dtype == ref_w.dtype and idx.dtype == ref_idx.dtype == torch.int64
     # same experts with the same weights; transformers' order (sorted=False for DeepSeek-V3) may differ
     order, ref_order = idx.long().sort(-1), ref_idx.sort(-1)
     assert torch.equal(order.values, ref_order.values)
@@ -210,11 +212,15 @@ def test_patch_unpatch_patch_is_a_noop_on_outputs():
         first = run(model, ids)
         mk.patch_hf(model)  # again: nothing changes, nothing wraps twice
         blocks = moe_blocks(model)
-        assert all(m.gate.forward.__func__ is hf._qwen_router_forward for m in blocks)
-        assert all(m.experts.forward.__func__ is hf.moe_kernels_experts_forward for m in blocks)
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeTopKRouter
+
+        assert all(type(m.gate).__bases__ == (Qwen2MoeTopKRouter,) for m in blocks)  # one subclass deep, not two
+        assert model.config._experts_implementation == hf.EXPERTS_IMPLEMENTATION
         assert_same_outputs(run(model, ids), first, rtol=0, atol=0)
         assert mk.unpatch_hf(model) is model
         assert not hf.is_patched(model)
+        assert all(type(m.gate).__name__ == "Qwen2MoeTopKRouter" for m in blocks)
+        assert model.config._experts_implementation != hf.EXPERTS_IMPLEMENTATION
         assert all("forward" not in m.gate.__dict__ and "forward" not in m.experts.__dict__ for m in blocks)
         assert_same_outputs(run(model, ids), ref, rtol=0, atol=0)
         mk.patch_hf(model)
@@ -268,6 +274,109 @@ def test_experts_interface_registration():
     ids = inputs()
     with torch.no_grad():
         assert_same_outputs(run(model, ids), run(ref_model, ids))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The patch chosen at call time: later choices, copies, pickles, replicas and wrappers
+
+
+def _count_grouped_mm(monkeypatch) -> list:
+    """Calls of moe_kernels' grouped_mm from the patched experts."""
+    calls, real = [], hf.grouped_mm
+    monkeypatch.setattr(hf, "grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    return calls
+
+
+@pytest.mark.parametrize("impl", ["eager", "batched_mm", "grouped_mm"])
+def test_set_experts_implementation_after_patch_is_honoured(impl, monkeypatch):
+    ref = build("qwen3_moe", norm_topk_prob=True).eval()
+    model = patched_copy(ref)
+    calls = _count_grouped_mm(monkeypatch)
+    ids = inputs()
+    with torch.no_grad():
+        run(model, ids)
+        assert calls, "patched experts run moe_kernels' grouped_mm"
+        calls.clear()
+        model.set_experts_implementation(impl)
+        out = run(model, ids)
+        assert not calls, f"after set_experts_implementation({impl!r}) the experts run transformers' code"
+        ref.set_experts_implementation(impl)
+        assert_same_outputs(out, run(ref, ids))
+        model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+        run(model, ids)
+        assert calls
+    mk.unpatch_hf(model)  # the user's later choice stays
+    model.set_experts_implementation(impl)
+    mk.patch_hf(model)
+    mk.unpatch_hf(model)
+    assert model.config._experts_implementation == impl
+
+
+def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
+    model = patched_copy(build("deepseek_v3", norm_topk_prob=True).eval())
+    ids = inputs()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert hf.is_patched(loaded)
+    calls = _count_grouped_mm(monkeypatch)
+    with torch.no_grad():
+        assert_same_outputs(run(loaded, ids), run(model, ids), rtol=0, atol=0)
+    assert calls
+    # In a fresh process, which has run neither patch_hf nor the registration.
+    script = (
+        "import torch, sys\n"
+        f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "from moe_kernels.integrations import hf\n"
+        "calls = []\nreal = hf.grouped_mm\nhf.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
+        f"ids = torch.tensor({ids.tolist()})\n"
+        "with torch.no_grad():\n    out = m(ids).logits\n"
+        "assert calls and hf.is_patched(m), 'the loaded model runs our ops'\n"
+        f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), run(model, ids).logits, rtol=0, atol=0)
+
+
+def test_unpatch_keeps_wrappers_installed_after_patch(monkeypatch):
+    # accelerate's offloading hooks (add_hook_to_module) and tensor-parallel forwards wrap `forward` on the
+    # instance after patching: unpatching must keep them running, and the modules run transformers' code.
+    ref = build("mixtral").eval()
+    model = patched_copy(ref)
+    wrapped = []
+    for block in moe_blocks(model):
+        for m in (block.gate, block.experts):
+            inner = m.forward
+
+            def forward(*args, _inner=inner, **kwargs):
+                wrapped.append(1)
+                return _inner(*args, **kwargs)
+
+            m.forward = forward
+    calls = _count_grouped_mm(monkeypatch)
+    mk.unpatch_hf(model)
+    ids = inputs()
+    with torch.no_grad():
+        out = run(model, ids)
+        assert wrapped and not calls, "the wrappers run, our ops do not"
+        assert_same_outputs(out, run(ref, ids), rtol=0, atol=0)
+
+
+def test_data_parallel_replicas_use_their_own_weights():
+    # nn.DataParallel copies each module with _replicate_for_data_parallel (a new instance sharing __dict__'s
+    # entries): a replica's router and experts must read the replica's parameters, not the original's.
+    model = patched_copy(build("qwen3_moe", norm_topk_prob=True).eval())
+    block = moe_blocks(model)[0]
+    gate = block.gate._replicate_for_data_parallel()
+    gate._parameters = {"weight": nn.Parameter(torch.zeros_like(block.gate.weight))}  # as replicate() rebinds
+    x = torch.randn(5, H)
+    logits, weights, _ = gate(x)
+    assert bool((logits == 0).all()) and torch.allclose(weights, torch.full_like(weights, 0.5))
+    experts = block.experts._replicate_for_data_parallel()
+    experts._parameters = {k: nn.Parameter(torch.zeros_like(v)) for k, v in block.experts._parameters.items()}
+    idx = torch.zeros(5, 2, dtype=torch.int64)
+    assert bool((experts(x, idx, torch.ones(5, 2)) == 0).all())
+    assert not bool((block.experts(x, idx, torch.ones(5, 2)) == 0).all())
 
 
 # ---------------------------------------------------------------------------------------------------
