@@ -351,8 +351,7 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_topk");
   if (p.num_groups < 1 || p.num_groups > kMaxGroups || p.num_experts % p.num_groups ||
       p.group_topk < 1 || p.group_topk > p.num_groups || p.group_score_topk < 1 ||
-      p.group_score_topk > p.num_experts / p.num_groups ||
-      p.k > p.group_topk * (p.num_experts / p.num_groups)) {
+      p.group_score_topk > p.num_experts / p.num_groups) {
     throw std::invalid_argument("router_topk: invalid group configuration");
   }
   if (p.num_tokens == 0) return;

@@ -145,7 +145,7 @@ class Router(nn.Module):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         if reference:
             options = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
-                                           cfg.scaling_factor, cfg.normalize)
+                                           cfg.scaling_factor, cfg.normalize, cfg.num_experts)
             G, g, gst, scale, norm = options
             weights, indices = router_topk_reference(logits, cfg.k, cfg.score, cfg.pre_softmax, G, g, gst, scale,
                                                      self.expert_bias, norm)

@@ -38,10 +38,6 @@ def _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_sco
     if E % num_groups:
         raise ValueError(f"{op}: `num_groups`={num_groups} must divide the {E} experts")
     check_int(op, "group_topk", group_topk, minimum=1, maximum=num_groups)
-    if k > group_topk * (E // num_groups):
-        raise ValueError(
-            f"{op}: `k`={k} exceeds the {group_topk * (E // num_groups)} experts in the top {group_topk} groups"
-        )
     check_int(op, "group_score_topk", group_score_topk, minimum=1, maximum=E // num_groups)
     if expert_bias is not None:
         if score == "softmax":
@@ -464,7 +460,11 @@ def router_topk(
             their sum + 1e-20 when `normalize`).
         num_groups, group_topk: group-limited routing (DeepSeek-V3): only experts in the `group_topk`
             best of `num_groups` contiguous groups are eligible; a group's score is the sum of its
-            `group_score_topk` (default max(1, k // group_topk)) best selection scores.
+            `group_score_topk` (default max(1, k // group_topk), at most the group's size) best selection
+            scores. When k exceeds
+            the experts of the kept groups, the remaining slots go to experts of the dropped groups,
+            lowest index first (they rank as -inf, the tie rule below), each weighted by its own score;
+            with k = E every expert is chosen, as in transformers' DeepSeek-V3 router.
         scaling_factor: multiplies the weights last.
         expert_bias: [E] fp32, selection only (aux-loss-free balancing); no gradient.
         normalize: default True when k > 1 (sigmoid and sqrtsoftplus only).
@@ -515,20 +515,25 @@ def router_topk(
     The CUDA kernels implement the same rules; tests/ops/test_router_gpu.py compares them with the
     reference on these inputs (indices exactly, weights NaN-aware).
     """
-    G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize)
+    G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize,
+                                                  logits.shape[-1])
     return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
 
 
 def resolve_topk_options(
     k: int, num_groups: int | None, group_topk: int | None, group_score_topk: int | None,
-    scaling_factor: float | None, normalize: bool | None,
+    scaling_factor: float | None, normalize: bool | None, num_experts: int | None = None,
 ) -> tuple[int, int, int, float, bool]:
-    """The public keyword defaults as the op's explicit arguments: (G, g, group_score_topk, scale, normalize)."""
+    """The public keyword defaults as the op's explicit arguments: (G, g, group_score_topk, scale, normalize).
+    The default group_score_topk, max(1, k // group_topk), is capped at the group's size when `num_experts`
+    is given (k past the kept groups' experts)."""
     if (num_groups is None) != (group_topk is None):
         raise ValueError("router_topk: `num_groups` and `group_topk` go together")
     G = 1 if num_groups is None else num_groups
     g = 1 if group_topk is None else group_topk
     gst = 1 if num_groups is None else (group_score_topk if group_score_topk is not None else max(1, k // g))
+    if num_groups is not None and group_score_topk is None and num_experts and num_experts % G == 0:
+        gst = min(gst, num_experts // G)
     norm = (k > 1) if normalize is None else bool(normalize)
     scale = 1.0 if scaling_factor is None else float(scaling_factor)
     return G, g, gst, scale, norm

@@ -312,6 +312,17 @@ def test_set_experts_implementation_after_patch_is_honoured(impl, monkeypatch):
     assert model.config._experts_implementation == impl
 
 
+def test_deepseek_v3_with_k_past_the_kept_groups():
+    # transformers' own DeepSeek-V3 test config: 8 routed experts in 2 groups, 1 kept, k = 8 = E. Every
+    # expert is chosen, the remaining slots from the dropped group, so the patched model equals transformers.
+    ref = build("deepseek_v3", n_routed_experts=8, n_group=2, topk_group=1, num_experts_per_tok=8,
+                first_k_dense_replace=0).eval()
+    model = patched_copy(ref)
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref, ids))
+
+
 def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
     model = patched_copy(build("deepseek_v3", norm_topk_prob=True).eval())
     ids = inputs()

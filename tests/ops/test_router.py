@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.ops.router import router_topk_reference
+from moe_kernels.ops.router import router_topk_reference, router_weights_reference
 from moe_kernels.ops.router_losses import capacity
 from moe_kernels.testing import assert_exact
 
@@ -112,7 +112,9 @@ def test_group_score_topk_default_is_at_least_one_and_documented():
     a = mk.router_topk(logits, 1, score="sigmoid", num_groups=4, group_topk=2)
     b = mk.router_topk(logits, 1, score="sigmoid", num_groups=4, group_topk=2, group_score_topk=1)
     assert torch.equal(a[1], b[1])
-    assert "`group_score_topk` (default max(1, k // group_topk))" in " ".join(mk.router_topk.__doc__.split())
+    assert "`group_score_topk` (default max(1, k // group_topk), at most the group's size)" in " ".join(
+        mk.router_topk.__doc__.split())
+    assert resolve_topk_options(8, 4, 1, None, None, None, 16)[2] == 4  # capped at the group's 4 experts
 
 
 def test_aux_scores():
@@ -395,7 +397,6 @@ def test_compile_router_and_losses():
         (dict(num_groups=3, group_topk=1), ValueError, "num_groups"),
         (dict(num_groups=4), ValueError, "go together"),
         (dict(num_groups=4, group_topk=5), ValueError, "group_topk"),
-        (dict(num_groups=8, group_topk=1, k=4), ValueError, "exceeds"),
         (dict(expert_bias=torch.zeros(16)), ValueError, "expert_bias"),
         (dict(score="sigmoid", expert_bias=torch.zeros(15)), ValueError, "expert_bias"),
         (dict(score="relu"), ValueError, "score"),
@@ -407,6 +408,30 @@ def test_router_bad_input(kw, exc, match):
     k = kw.pop("k", 4)
     with pytest.raises(exc, match=match):
         mk.router_topk(torch.randn(4, 16), k, **kw)
+
+
+@pytest.mark.parametrize("score", ["sigmoid", "softmax"])
+def test_k_past_the_kept_groups_fills_from_the_dropped_groups(score):
+    # 8 experts in 2 groups, 1 kept, k = 6: the 4 kept experts by score, then the dropped group's
+    # experts lowest index first (they rank as -inf), each weighted by its own score.
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(32, 8, generator=g)
+    w, idx = mk.router_topk(logits, 6, score=score, num_groups=2, group_topk=1)
+    s = torch.sigmoid(logits) if score == "sigmoid" else logits
+    kept = s.view(32, 2, 4).sum(-1).argmax(-1)  # group_score_topk: max(1, 6 // 1) capped at the group's 4
+    for t in range(32):
+        lo = int(kept[t]) * 4
+        first4 = sorted(range(lo, lo + 4), key=lambda e: (-float(s[t, e]), e))
+        rest = [e for e in range(8) if not lo <= e < lo + 4][:2]
+        assert idx[t].tolist() == first4 + rest, t
+    want = router_weights_reference(logits, idx, score, False, True, 1.0)
+    torch.testing.assert_close(w, want, rtol=0, atol=0)
+    # k = E: every expert, the same set and weights as without groups.
+    w8, idx8 = mk.router_topk(logits, 8, score=score, num_groups=2, group_topk=1)
+    wall, idxall = mk.router_topk(logits, 8, score=score)
+    assert torch.equal(idx8.sort(-1).values, idxall.sort(-1).values)
+    order8, order = idx8.long().argsort(-1), idxall.long().argsort(-1)
+    torch.testing.assert_close(w8.gather(1, order8), wall.gather(1, order), rtol=1e-6, atol=1e-7)
 
 
 def test_router_bad_tensors():
