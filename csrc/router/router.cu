@@ -93,6 +93,21 @@ __device__ __forceinline__ int32_t select_topk(uint32_t* keys, int E, int k, int
   return chosen;
 }
 
+// Calls token(t, lane, xs, keys) for each token this warp owns (a grid stride past the capped grid). `xs`
+// and `keys` are the warp's slice of dynamic shared memory, 2 * E words (null when `kShared` is false); the
+// next token reuses them, hence the __syncwarp after each.
+template <bool kShared, typename F>
+__device__ __forceinline__ void for_each_token(int64_t num_tokens, int E, F&& token) {
+  extern __shared__ float smem[];
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* xs = kShared ? smem + size_t(warp) * 2 * E : nullptr;
+  uint32_t* keys = kShared ? reinterpret_cast<uint32_t*>(xs + E) : nullptr;
+  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < num_tokens; t += int64_t(gridDim.x) * warps) {
+    token(t, lane, xs, keys);
+    if (kShared) __syncwarp();
+  }
+}
+
 // Each kernel strides over the tokens, one warp per token (router_blocks caps the grid, so any T fits
 // gridDim.x); whole warps only, so no block-wide barriers.
 template <typename T>
@@ -177,13 +192,9 @@ __device__ __forceinline__ void topk_fwd_token(const TopkParams& p, int64_t t, f
 
 template <typename T>
 __global__ void topk_fwd_kernel(TopkParams p) {
-  extern __shared__ float smem[];
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* xs = smem + size_t(warp) * 2 * p.num_experts;
-  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
-    topk_fwd_token<T>(p, t, xs, reinterpret_cast<uint32_t*>(xs + p.num_experts), lane);
-    __syncwarp();  // the next token reuses this warp's xs and keys
-  }
+  for_each_token<true>(p.num_tokens, p.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
+    topk_fwd_token<T>(p, t, xs, keys, lane);
+  });
 }
 
 template <typename T>
@@ -235,10 +246,8 @@ __device__ __forceinline__ void topk_bwd_token(const TopkBwdParams& p, int64_t t
 
 template <typename T>
 __global__ void topk_bwd_kernel(TopkBwdParams p) {
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
-    topk_bwd_token<T>(p, t, lane);
-  }
+  for_each_token<false>(p.num_tokens, p.num_experts,
+                        [&](int64_t t, int lane, float*, uint32_t*) { topk_bwd_token<T>(p, t, lane); });
 }
 
 template <typename T>
@@ -276,13 +285,9 @@ __device__ __forceinline__ void aux_scores_fwd_token(const AuxScoresParams& p, i
 
 template <typename T>
 __global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
-  extern __shared__ float smem[];
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* xs = smem + size_t(warp) * 2 * p.num_experts;
-  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
-    aux_scores_fwd_token<T>(p, t, xs, reinterpret_cast<uint32_t*>(xs + p.num_experts), lane);
-    __syncwarp();  // the next token reuses this warp's xs and keys
-  }
+  for_each_token<true>(p.num_tokens, p.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
+    aux_scores_fwd_token<T>(p, t, xs, keys, lane);
+  });
 }
 
 template <typename T>
@@ -322,10 +327,8 @@ __device__ __forceinline__ void aux_scores_bwd_token(const AuxScoresBwdParams& p
 
 template <typename T>
 __global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < p.num_tokens; t += int64_t(gridDim.x) * warps) {
-    aux_scores_bwd_token<T>(p, t, lane);
-  }
+  for_each_token<false>(p.num_tokens, p.num_experts,
+                        [&](int64_t t, int lane, float*, uint32_t*) { aux_scores_bwd_token<T>(p, t, lane); });
 }
 
 void check_sizes(int E, int k, const char* what) {
