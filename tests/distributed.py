@@ -18,6 +18,9 @@ def _entry(rank: int, fn, world_size: int, init_method: str, args: tuple) -> Non
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Every rank done with its collectives before any tears its group down: a gloo pair torn down
+        # while its peer still sends aborts the peer ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
