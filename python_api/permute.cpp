@@ -28,6 +28,27 @@ void register_permute(py::module_& m) {
       py::arg("workspace"), py::arg("num_tokens"), py::arg("k"), py::arg("row_bytes"), py::arg("num_experts"),
       py::arg("align"), py::arg("device"), py::arg("stream"));
   m.def(
+      "permute_quantize_fp8",
+      [](uintptr_t x, uintptr_t indices, uintptr_t x_perm, uintptr_t codes, uintptr_t scales, uintptr_t row_map,
+         uintptr_t group_sizes, uintptr_t workspace, int64_t num_tokens, int64_t k, int64_t hidden, int32_t dtype,
+         int32_t num_experts, int32_t align, bool pow2, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        permute::PermuteParams p{ptr<const void>(x),   ptr<const int32_t>(indices), ptr<void>(x_perm),
+                                 ptr<int32_t>(row_map), ptr<int32_t>(group_sizes), ptr<void>(workspace),
+                                 num_tokens,            k,                          hidden * dtype_size(DType(dtype)),
+                                 num_experts,           align};
+        p.fp8_codes = ptr<uint8_t>(codes);
+        p.fp8_scales = ptr<float>(scales);
+        p.dtype = DType(dtype);
+        p.pow2 = pow2;
+        permute::permute_fwd(p, stream(s));
+      },
+      "permute with E4M3 1x128-block quantization fused into the copy (x_perm may be 0)", py::arg("x"),
+      py::arg("indices"), py::arg("x_perm"), py::arg("codes"), py::arg("scales"), py::arg("row_map"),
+      py::arg("group_sizes"), py::arg("workspace"), py::arg("num_tokens"), py::arg("k"), py::arg("hidden"),
+      py::arg("dtype"), py::arg("num_experts"), py::arg("align"), py::arg("pow2"), py::arg("device"),
+      py::arg("stream"));
+  m.def(
       "tokens_per_expert",
       [](uintptr_t indices, int64_t num_slots, int32_t num_experts, uintptr_t counts, int device, uintptr_t s) {
         DeviceGuard guard(device);

@@ -5,8 +5,9 @@
 // Among them, ping-pong (128x128 tiles, two consumer warp groups alternating) when the average group
 // holds <= 256 rows, cooperative (256x128 tiles) otherwise; wgrad always uses cooperative. Everything
 // else (fp32, other GPUs, misaligned shapes) runs the portable tiled kernel: 64x64 tiles, fp32
-// accumulation in a fixed order, any strides. FP8 (forward, E4M3 with blockwise scales) runs only the
-// sm_90a blockwise kernel, when K % 128 == 0 and N % 8 == 0 (bf16 output rows 16-byte aligned); the
+// accumulation in a fixed order, any strides. FP8 (E4M3 with blockwise scales) runs only the sm_90a
+// blockwise kernels: forward when K % 128 == 0 and N % 8 == 0 (bf16 output rows 16-byte aligned), wgrad
+// when M % 16 == 0 (TMA's 16-byte row stride over the tokens) and K % 4 == 0 (fp32 output rows); the
 // Python layer falls back to dequantize + fp32 elsewhere.
 #include <cub/block/block_scan.cuh>
 
@@ -208,8 +209,22 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 }  // namespace
 
 static bool fp8_blockwise_fits(const GroupedParams& p) {
-  return p.op == GemmOp::kFwd && sm90::compiled() && device_info(p.device).major == 9 && p.K > 0 && p.K % 128 == 0 &&
-         p.N % 8 == 0 && aligned16(p.a) && aligned16(p.b) && aligned16(p.d) && p.sfa != nullptr && p.sfb != nullptr;
+  if (!sm90::compiled() || device_info(p.device).major != 9) return false;
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || p.sfa == nullptr || p.sfb == nullptr) return false;
+  if (p.op == GemmOp::kFwd) return p.K > 0 && p.K % 128 == 0 && p.N % 8 == 0;
+  if (p.op == GemmOp::kWgrad) return p.M > 0 && p.M % 16 == 0 && p.K % 4 == 0;
+  return false;
+}
+
+// FP8 wgrad: a group whose rows do not start and end on multiples of 128 was skipped by the kernel
+// (its scale blocks would straddle two experts); its output becomes NaN rather than stale memory.
+__global__ void nan_misaligned_groups_kernel(float* __restrict__ d, const GroupInfo* __restrict__ groups, int64_t NK) {
+  const GroupInfo g = groups[blockIdx.y];
+  if (g.rows == 0 || (g.row_start % 128 == 0 && g.rows % 128 == 0)) return;
+  float* out = d + int64_t(blockIdx.y) * NK;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < NK; i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = __int_as_float(0x7fc00000);
+  }
 }
 
 Path choose_path(const GroupedParams& p) {
@@ -233,7 +248,9 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
 
 void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
   const Prepared prep = carve(p.workspace, p.num_groups);
-  by_dtype(p.dtype, [&]<typename T>() {
+  // FP8 writes bf16 (fwd) or fp32 (wgrad).
+  const DType out = p.dtype != DType::kFloat8E4M3 ? p.dtype : (p.op == GemmOp::kWgrad ? DType::kFloat32 : DType::kBFloat16);
+  by_dtype(out, [&]<typename T>() {
     if (p.op == GemmOp::kDgrad) {
       zero_tail_rows_kernel<T><<<264, 256, 0, stream>>>(static_cast<T*>(p.d), prep.total, p.M, p.K);
       check_launch("grouped_mm zero_tail_rows_kernel");
@@ -257,8 +274,8 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   const Path path = choose_path(p);
   if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise) {
     throw std::invalid_argument(
-        "grouped_mm fp8: the blockwise kernel needs sm_90a, the forward product, K a multiple of 128, N a "
-        "multiple of 8, 16-byte aligned operands and both scale tensors");
+        "grouped_mm fp8: the blockwise kernels need sm_90a, 16-byte aligned operands, both scale tensors, and "
+        "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
@@ -269,7 +286,13 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
     sm90::run(q, path, device_info(p.device).sms, prep.groups, stream);
-    if (p.dtype == DType::kFloat8E4M3) return;  // forward only: nothing past the groups to zero
+    if (p.dtype == DType::kFloat8E4M3 && p.op == GemmOp::kFwd) return;  // nothing past the groups to zero
+    if (p.dtype == DType::kFloat8E4M3 && p.N * p.K > 0) {
+      const int64_t nk = p.N * p.K;
+      const unsigned bx = unsigned(std::min<int64_t>((nk + 255) / 256, 64));
+      nan_misaligned_groups_kernel<<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<float*>(p.d), prep.groups, nk);
+      check_launch("grouped_mm nan_misaligned_groups_kernel");
+    }
   } else {
     const int64_t ng = p.op == GemmOp::kFwd ? p.N : p.K;
     const int64_t ytiles = max_row_tiles(p);

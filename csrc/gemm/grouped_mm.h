@@ -4,8 +4,11 @@
 //   fwd:   d[M, N]    = a[M, K] (x)    @ b[e]^T  with b = w [E, N, K]
 //   dgrad: d[M, K]    = a[M, N] (dout) @ b[e]    with b = w [E, N, K]; rows past the groups are zeroed
 //   wgrad: d[E, N, K] = a_e^T (dout)   @ b_e     with b = x [M, K]; empty groups get zeros
-// FP8 (dtype float8_e4m3, fwd only, sm_90a): a and b are E4M3 with blockwise dequantization scales
-// sfa [M, K / 128] and sfb [E, ceil(N / 128), K / 128] (fp32, K-major); d is bf16.
+// FP8 (dtype float8_e4m3, sm_90a only), E4M3 operands with fp32 blockwise dequantization scales:
+//   fwd:   a = x [M, K], sfa [M, K / 128]; b = w [E, N, K], sfb [E, ceil(N / 128), K / 128]; d bf16 [M, N]
+//   wgrad: a = dout^T [N, M], sfa [ceil(M / 128), N]; b = x^T [K, M], sfb [ceil(M / 128), K] (both
+//          quantized along the tokens in 1x128 blocks, scales token-block-major); d fp32 [E, N, K].
+//          Every group's rows must start and end on multiples of 128; a group that does not gets NaN.
 // Problem shapes and pointers are built on the device from `group_sizes` (no host sync).
 #pragma once
 

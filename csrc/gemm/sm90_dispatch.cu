@@ -22,6 +22,7 @@ MOE_DECLARE(dgrad_fp16_cooperative)
 MOE_DECLARE(wgrad_bf16_cooperative)
 MOE_DECLARE(wgrad_fp16_cooperative)
 MOE_DECLARE(fwd_fp8_blockwise)
+MOE_DECLARE(wgrad_fp8_blockwise)
 #undef MOE_DECLARE
 
 namespace {
@@ -34,7 +35,9 @@ struct Entry {
 #define MOE_ENTRY(NAME) Entry{&NAME##_workspace, &NAME##_run}
 
 Entry pick(const GroupedParams& p, Path path) {
-  if (path == Path::kSm90Fp8Blockwise) return MOE_ENTRY(fwd_fp8_blockwise);
+  if (path == Path::kSm90Fp8Blockwise) {
+    return p.op == GemmOp::kWgrad ? MOE_ENTRY(wgrad_fp8_blockwise) : MOE_ENTRY(fwd_fp8_blockwise);
+  }
   const bool bf16 = p.dtype == DType::kBFloat16;
   const bool pingpong = path == Path::kSm90Pingpong;
   switch (p.op) {

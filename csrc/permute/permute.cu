@@ -9,12 +9,19 @@
 //              order within each expert: the result is unique and deterministic.
 //   4. copy:   one row group per token loads x[t] once into registers and stores it to its k rows;
 //              extra blocks zero each expert's padding rows.
+//              With FP8 outputs (permute_quantize_fp8) the copy is quant_copy_kernel instead: 16 lanes
+//              per (token, 1x128 block) load it once, take its amax by shuffles, and store the E4M3
+//              codes and the scale (and the input-precision values, when asked) to each of its k rows.
 #include <cub/block/block_scan.cuh>
 
 #include "common/check.h"
+#include "common/dispatch.cuh"
 #include "common/rows.cuh"
 #include "common/vec.cuh"
 #include "permute/permute.h"
+#include "quant/amax.cuh"
+#include "quant/fp8.h"
+#include "quant/fp8_math.cuh"
 
 namespace moe::permute {
 namespace {
@@ -227,6 +234,117 @@ void launch_copy(const PermuteParams& p, const Workspace& ws, cudaStream_t strea
   check_launch("permute copy_kernel");
 }
 
+constexpr int kQuantThreads = 256;
+constexpr int kQuantLanes = 16;                                // lanes per 1x128 block
+constexpr int kQuantItems = quant::kFp8Block / kQuantLanes;    // 8 elements per lane
+constexpr int kQuantGroups = kQuantThreads / kQuantLanes;      // blocks per thread block and pass
+constexpr int64_t kQuantMaxBlocks = 1 << 16;
+
+// VEC: each lane's 8 elements are contiguous (H % 8 == 0, aligned rows) or strided by 16. The scale and
+// the rounding are quantize_fp8's (quant/fp8_math.cuh), so the codes equal quantize_fp8(permute(x)).
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(kQuantThreads)
+    quant_copy_kernel(const T* __restrict__ x, const int32_t* __restrict__ row_map, T* __restrict__ x_perm,
+                      uint8_t* __restrict__ codes, float* __restrict__ scales, int64_t T_, int64_t k, int64_t H,
+                      int64_t bpr, int64_t quant_blocks, bool pow2, const int32_t* __restrict__ starts,
+                      const int32_t* __restrict__ totals, const int32_t* __restrict__ group_sizes) {
+  if (blockIdx.x >= quant_blocks) {
+    // Padding rows of one expert: zero codes, scale 0, zero values.
+    const int e = int(blockIdx.x - quant_blocks);
+    const int64_t first = int64_t(starts[e]) + totals[e];
+    const int64_t last = int64_t(starts[e]) + group_sizes[e];
+    for (int64_t r = first; r < last; ++r) {
+      for (int64_t c = threadIdx.x; c < H; c += kQuantThreads) {
+        codes[r * H + c] = 0;
+        if (x_perm != nullptr) x_perm[r * H + c] = from_float<T>(0.f);
+      }
+      for (int64_t b = threadIdx.x; b < bpr; b += kQuantThreads) scales[r * bpr + b] = 0.f;
+    }
+    return;
+  }
+  const int lane = threadIdx.x % kQuantLanes;
+  const int64_t total = T_ * bpr;
+  // Every thread of the block runs the same number of passes (the shuffles need whole warps).
+  for (int64_t base = int64_t(blockIdx.x) * kQuantGroups; base < total; base += quant_blocks * kQuantGroups) {
+    const int64_t g = base + threadIdx.x / kQuantLanes;
+    const bool live = g < total;
+    const int64_t t = live ? g / bpr : 0;
+    const int64_t cb = live ? g % bpr : 0;
+    const int64_t c0 = cb * quant::kFp8Block;
+    const T* src = x + t * H;
+    Pack<T, kQuantItems> vals;
+    float m = 0.f;
+    if constexpr (VEC) {
+      const int64_t c = c0 + lane * kQuantItems;
+      const bool in = live && c < H;
+      if (in) vals = *reinterpret_cast<const Pack<T, kQuantItems>*>(src + c);
+#pragma unroll
+      for (int j = 0; j < kQuantItems; ++j) {
+        if (!in) vals.v[j] = from_float<T>(0.f);
+        m = quant::nan_max(m, fabsf(to_float(vals.v[j])));
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kQuantItems; ++j) {
+        const int64_t c = c0 + lane + j * kQuantLanes;
+        vals.v[j] = (live && c < H) ? src[c] : from_float<T>(0.f);
+        m = quant::nan_max(m, fabsf(to_float(vals.v[j])));
+      }
+    }
+    const float s = quant::scale_from_amax(quant::warp_nan_max(m, kQuantLanes), false, pow2);
+    if (!live) continue;
+    Pack<uint8_t, kQuantItems> q;
+#pragma unroll
+    for (int j = 0; j < kQuantItems; ++j) q.v[j] = quant::to_fp8(__fmul_rn(to_float(vals.v[j]), s), false);
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t r = row_map[t * k + j];
+      if (r < 0) continue;
+      const int64_t row = int64_t(r);
+      if (lane == 0) scales[row * bpr + cb] = s;
+      if constexpr (VEC) {
+        const int64_t c = c0 + lane * kQuantItems;
+        if (c < H) {
+          *reinterpret_cast<Pack<uint8_t, kQuantItems>*>(codes + row * H + c) = q;
+          if (x_perm != nullptr) *reinterpret_cast<Pack<T, kQuantItems>*>(x_perm + row * H + c) = vals;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kQuantItems; ++i) {
+          const int64_t c = c0 + lane + i * kQuantLanes;
+          if (c < H) {
+            codes[row * H + c] = q.v[i];
+            if (x_perm != nullptr) x_perm[row * H + c] = vals.v[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+void launch_quant_copy(const PermuteParams& p, const Workspace& ws, cudaStream_t stream) {
+  by_float_dtype(p.dtype, "permute_quantize_fp8", [&]<typename T>() {
+    const int64_t H = p.row_bytes / int64_t(sizeof(T));
+    const int64_t bpr = (H + quant::kFp8Block - 1) / quant::kFp8Block;
+    const int64_t want = (p.num_tokens * bpr + kQuantGroups - 1) / kQuantGroups;
+    const int64_t quant_blocks = want < kQuantMaxBlocks ? want : kQuantMaxBlocks;
+    const int64_t blocks = quant_blocks + (p.align > 1 ? p.num_experts : 0);
+    const bool vec = H % kQuantItems == 0 && reinterpret_cast<uintptr_t>(p.x) % alignof(Pack<T, kQuantItems>) == 0 &&
+                     reinterpret_cast<uintptr_t>(p.x_perm) % alignof(Pack<T, kQuantItems>) == 0 &&
+                     reinterpret_cast<uintptr_t>(p.fp8_codes) % kQuantItems == 0;
+    const dim3 grid{unsigned(blocks)};
+    if (vec) {
+      quant_copy_kernel<T, true><<<grid, kQuantThreads, 0, stream>>>(
+          static_cast<const T*>(p.x), p.row_map, static_cast<T*>(p.x_perm), p.fp8_codes, p.fp8_scales, p.num_tokens,
+          p.k, H, bpr, quant_blocks, p.pow2, ws.starts, ws.totals, p.group_sizes);
+    } else {
+      quant_copy_kernel<T, false><<<grid, kQuantThreads, 0, stream>>>(
+          static_cast<const T*>(p.x), p.row_map, static_cast<T*>(p.x_perm), p.fp8_codes, p.fp8_scales, p.num_tokens,
+          p.k, H, bpr, quant_blocks, p.pow2, ws.starts, ws.totals, p.group_sizes);
+    }
+    check_launch("permute quant_copy_kernel");
+  });
+}
+
 }  // namespace
 
 size_t permute_workspace_bytes(int64_t num_slots, int32_t num_experts) {
@@ -259,6 +377,7 @@ void permute_fwd(const PermuteParams& p, cudaStream_t stream) {
                                                          p.row_map);
   check_launch("permute map_kernel");
   if (p.row_bytes == 0) return;
+  if (p.fp8_codes != nullptr) return launch_quant_copy(p, ws, stream);
 
   const void* ptrs[] = {p.x, p.x_perm};
   switch (widest_vector(p.row_bytes, ptrs, 2)) {

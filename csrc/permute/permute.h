@@ -26,6 +26,15 @@ struct PermuteParams {
   int64_t row_bytes;
   int32_t num_experts;
   int32_t align;
+  // permute_quantize_fp8: with fp8_codes set, each token's row (`dtype` elements) is also quantized to
+  // E4M3 in 1x128 blocks (quantize_fp8's "block" granularity, bit for bit) straight into the permuted
+  // rows: fp8_codes [R, H] and fp8_scales [R, ceil(H / 128)]. x_perm may then be null (no copy in the
+  // input precision); when set, it receives the same rows as plain permute from the same read of x.
+  // Padding rows get zero codes and scale 0 (a block of zeros, as grouped_mm_fp8 reads it).
+  uint8_t* fp8_codes = nullptr;
+  float* fp8_scales = nullptr;
+  DType dtype = DType::kFloat32;
+  bool pow2 = false;
 };
 
 size_t permute_workspace_bytes(int64_t num_slots, int32_t num_experts);

@@ -16,6 +16,7 @@
 #include "common/vec.cuh"
 #include "quant/amax.cuh"
 #include "quant/fp8.h"
+#include "quant/fp8_math.cuh"
 
 namespace moe::quant {
 namespace {
@@ -24,18 +25,6 @@ constexpr int kThreads = kAmaxThreads;
 constexpr int kGroupLanes = 16;                  // lanes per 1x128 block
 constexpr int kGroupItems = kFp8Block / kGroupLanes;  // 8 elements per lane
 constexpr int kGroupsPerBlock = kThreads / kGroupLanes;
-
-__device__ __forceinline__ float scale_from_amax(float amax, bool e5m2, bool pow2) {
-  float s = 1.f;
-  if (isfinite(amax) && amax > 0.f) s = fminf(__fdiv_rn(e5m2 ? 57344.f : 448.f, amax), FLT_MAX);
-  if (pow2) s = __uint_as_float(__float_as_uint(s) & 0x7f800000u);
-  return s;
-}
-
-__device__ __forceinline__ uint8_t to_fp8(float v, bool e5m2) {
-  if (isnan(v)) return 0x7f;
-  return uint8_t(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3));
-}
 
 __device__ __forceinline__ float from_fp8(uint8_t q, bool e5m2) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(q), e5m2 ? __NV_E5M2 : __NV_E4M3);

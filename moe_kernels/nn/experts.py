@@ -40,7 +40,13 @@ class GroupedExperts(nn.Module):
         """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified).
 
         `mm` and `act` are the grouped product and the fused activation (the ops, or their references)."""
-        h = mm(x, self.w13, group_sizes)  # [R, 2F]
+        return self.forward_from_gate_up(mm(x, self.w13, group_sizes), group_sizes, row_weights, mm=mm, act=act)
+
+    def forward_from_gate_up(
+        self, h: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=swiglu
+    ) -> Tensor:
+        """The rest of forward once the gate/up product h = x W13^T [R, 2F] is computed (e.g. fused with
+        the permute by a precision recipe)."""
         return mm(act(h, row_weights), self.w2, group_sizes)  # [R, F] -> [R, H]
 
     @classmethod

@@ -129,6 +129,16 @@ class MoELayer(nn.Module):
         x_in = autocast_input(x2)
         if self.dispatcher is not None:
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
+        elif getattr(cfg.recipe, "fused_permute", False):
+            # The recipe fuses the permute with its first GEMM's input quantization.
+            h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
+                x_in, routed.indices, cfg.num_experts, cfg.permute_align, self.experts.w13
+            )
+            row_weights = None
+            if cfg.weights_in_activation:
+                row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
+            y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+            out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
         else:
             x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)
             row_weights = None

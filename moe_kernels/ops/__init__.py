@@ -2,14 +2,15 @@
 
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
-from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, quantize_fp8_experts
-from moe_kernels.ops.permute import permute, tokens_per_expert, unpermute
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_experts, quantize_fp8_tokens
+from moe_kernels.ops.permute import permute, permute_quantize_fp8, tokens_per_expert, unpermute
 from moe_kernels.ops.quant import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.ops.router import router_aux_scores, router_topk
 from moe_kernels.ops.router_losses import apply_capacity, aux_loss, capacity, seq_aux_loss, update_expert_bias, z_loss
 
 __all__ = [
     "permute",
+    "permute_quantize_fp8",
     "unpermute",
     "tokens_per_expert",
     "router_topk",
@@ -22,7 +23,9 @@ __all__ = [
     "capacity",
     "grouped_mm",
     "grouped_mm_fp8",
+    "grouped_mm_fp8_wgrad",
     "quantize_fp8_experts",
+    "quantize_fp8_tokens",
     "swiglu",
     "quantize_fp8",
     "dequantize_fp8",

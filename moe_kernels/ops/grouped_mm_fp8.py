@@ -21,7 +21,7 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops._checks import check_tensor
-from moe_kernels.ops.grouped_mm import _check_sizes_values, grouped_mm, grouped_mm_reference
+from moe_kernels.ops.grouped_mm import _check_sizes_values, grouped_mm, grouped_mm_reference, grouped_mm_wgrad_reference
 from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8
 
 _E4M3 = torch.float8_e4m3fn
@@ -147,3 +147,133 @@ def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, g
     quantize_fp8(x, "block"); w_q, w_scale from quantize_fp8_experts(w); group_sizes [E] int32 on the device.
     A zero scale is a block of zeros (permute's padding rows), so those rows come out 0."""
     return torch.ops.moe_kernels.grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Weight gradient: the groups split the contraction (the tokens)
+
+
+def quantize_fp8_tokens(t: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
+    """[M, C] -> (E4M3 [C, Mp], fp32 [C, Mp / 128]): quantize_fp8(t^T, "block"), i.e. 1x128 blocks along
+    the tokens, with the tokens zero-padded to Mp = M rounded up to 128 (whole blocks, 16-byte rows).
+    The operands of grouped_mm_fp8_wgrad: with every group 128-aligned, no block straddles two experts."""
+    M, C = t.shape
+    Mp = -(-M // BLOCK) * BLOCK
+    tt = t.new_zeros((C, Mp))
+    tt[:, :M] = t.t()
+    return quantize_fp8(tt, "block", pow2_scale=pow2_scale)
+
+
+def _check_wgrad(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor) -> None:
+    op = "grouped_mm_fp8_wgrad"
+    check_tensor(op, "dout_t_q", a_q, ndim=2, dtypes=(_E4M3,))
+    check_tensor(op, "x_t_q", b_q, ndim=2, dtypes=(_E4M3,), device=a_q.device)
+    N, M = a_q.shape
+    K, Mb = b_q.shape
+    if Mb != M:
+        raise ValueError(f"{op}: `x_t_q` has {Mb} tokens, `dout_t_q` has {M} (both [*, M]: quantize_fp8_tokens)")
+    mb = -(-M // BLOCK)
+    for name, scale, rows in (("dout_t_scale", a_scale, N), ("x_t_scale", b_scale, K)):
+        check_tensor(op, name, scale, ndim=2, dtypes=(torch.float32,), device=a_q.device)
+        if tuple(scale.shape) != (rows, mb):
+            raise ValueError(f"{op}: `{name}` must be [{rows}, {mb}] (one scale per 128 tokens), got {tuple(scale.shape)}")
+    check_tensor(op, "group_sizes", group_sizes, ndim=1, dtypes=(torch.int32,), device=a_q.device)
+
+
+def _check_wgrad_sizes(group_sizes: Tensor, M: int) -> None:
+    """Sizes as grouped_mm's, and each a multiple of 128. Syncs on a GPU."""
+    op = "grouped_mm_fp8_wgrad"
+    _check_sizes_values(group_sizes, M, op)
+    bad = group_sizes % BLOCK != 0
+    if bool(bad.any()):
+        e = int(torch.nonzero(bad)[0])
+        raise ValueError(
+            f"{op}: group {e} has {int(group_sizes[e])} rows; every group must be a multiple of {BLOCK} so that no "
+            f"scale block straddles two experts (permute(..., align=128))"
+        )
+
+
+def _dequantize_tokens(q: Tensor, scale: Tensor, acc: torch.dtype) -> Tensor:
+    """[C, M] codes with [C, ceil(M / 128)] scales -> [M, C] in `acc` (q / scale, 0 where the scale is 0)."""
+    s = scale.to(acc).repeat_interleave(BLOCK, 1)[:, : q.shape[1]]
+    return torch.where(s == 0, 0.0, q.to(acc) / s).t()
+
+
+def grouped_mm_fp8_wgrad_reference(
+    a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor, acc: torch.dtype = torch.float32
+) -> Tensor:
+    """dW[e] = dequant(a)[:, rows of e] @ dequant(b)[:, rows of e]^T in `acc`: [E, N, K]."""
+    return grouped_mm_wgrad_reference(_dequantize_tokens(a_q, a_scale, acc), _dequantize_tokens(b_q, b_scale, acc),
+                                      group_sizes)
+
+
+@torch.library.custom_op("moe_kernels::grouped_mm_fp8_wgrad", mutates_args=())
+def _grouped_mm_fp8_wgrad(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor) -> Tensor:
+    _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    _check_wgrad_sizes(group_sizes, a_q.shape[1])
+    return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
+
+
+@_grouped_mm_fp8_wgrad.register_fake
+def _(a_q, a_scale, b_q, b_scale, group_sizes):
+    _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    return a_q.new_empty((group_sizes.shape[0], a_q.shape[0], b_q.shape[0]), dtype=torch.float32)
+
+
+_WGRAD = 2
+
+
+@_ext.cuda_impl(_grouped_mm_fp8_wgrad)
+def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
+    _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    N, M = a_q.shape
+    K = b_q.shape[0]
+    E = group_sizes.shape[0]
+    C = _ext.kernels("grouped_mm_fp8_wgrad", a_q)
+    if C is None or _ext.checks_enabled():
+        _check_wgrad_sizes(group_sizes, M)
+    if C is None:
+        return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
+    if E > C.grouped_mm_max_groups:
+        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+    if M == 0 or E == 0 or N == 0 or K == 0:
+        return torch.zeros((E, N, K), dtype=torch.float32, device=a_q.device)
+    out = torch.empty((E, N, K), dtype=torch.float32, device=a_q.device)
+    # Dequantization scales (reciprocals, 0 for a zero scale), token-block-major: a group's blocks are one
+    # contiguous slice.
+    inv_a = _inverse_scale(a_scale).t().contiguous()  # [ceil(M / 128), N]
+    inv_b = _inverse_scale(b_scale).t().contiguous()  # [ceil(M / 128), K]
+    code = _ext.dtype_code(_E4M3)
+    shape = dict(op=_WGRAD, dtype=code, num_groups=E, M=M, N=N, K=K, a=a_q.data_ptr(), b=b_q.data_ptr(),
+                 d=out.data_ptr(), device=_ext.launch_args(a_q)["device"], sfa=inv_a.data_ptr(), sfb=inv_b.data_ptr())
+    if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or M % 16, K % 4: fp32 (memory: fp32 copies)
+        a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
+        b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
+        return torch.ops.moe_kernels.grouped_mm_wgrad(a, b, group_sizes)
+    nbytes = C.grouped_mm_workspace_bytes(**shape)
+    ws, ws_ptr = _ext.workspace(nbytes, a_q)
+    C.grouped_mm(
+        op=_WGRAD, a=a_q.data_ptr(), b=b_q.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(),
+        num_groups=E, M=M, N=N, K=K, dtype=code, workspace=ws_ptr, workspace_bytes=nbytes,
+        sfa=inv_a.data_ptr(), sfb=inv_b.data_ptr(), **_ext.launch_args(a_q),
+    )
+    return out
+
+
+def grouped_mm_fp8_wgrad(
+    dout_t_q: Tensor, dout_t_scale: Tensor, x_t_q: Tensor, x_t_scale: Tensor, group_sizes: Tensor
+) -> Tensor:
+    """The weight gradient in FP8, [E, N, K] fp32: dW[e] = dout_e^T x_e over group e's tokens.
+
+    dout_t_q, dout_t_scale = quantize_fp8_tokens(dout)   # [N, M] E4M3, [N, M / 128]
+    x_t_q, x_t_scale = quantize_fp8_tokens(x)            # [K, M] E4M3, [K, M / 128]
+
+    Both operands are quantized along the tokens in 1x128 blocks, so every group's rows must be a
+    multiple of 128 (permute(..., align=128)); sizes that are not raise ValueError where they are checked
+    (CPU tensors, MOE_KERNELS_CHECK=1), and give NaN in that expert's gradient on the sm_90a kernel
+    otherwise (never a silently wrong value). Empty experts give zeros. On sm_90a with M % 16 == 0 and
+    K % 4 == 0 this runs CUTLASS's FP8 blockwise ptr-array kernel with the groups splitting K (per-group
+    problem shapes, pointers and scale slices written on the device, no host sync), fp32 accumulators
+    promoted every 128 tokens; elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
+    """
+    return torch.ops.moe_kernels.grouped_mm_fp8_wgrad(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes)

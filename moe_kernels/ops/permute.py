@@ -13,6 +13,7 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
+from moe_kernels.ops.quant import BLOCK, quantize_fp8_reference
 
 INDEX_DTYPES = (torch.int32,)
 # Permute moves bytes, so low-precision payloads (fp8, packed fp4 as uint8) travel through it too.
@@ -50,6 +51,14 @@ def _check_permute(x: Tensor, indices: Tensor, num_experts: int, align: int) -> 
     rows = permuted_rows(x.shape[0], indices.shape[1], num_experts, align)
     if rows > _INT32_MAX:
         raise ValueError(f"{op}: {rows} permuted rows do not fit the int32 `row_map`; split the batch")
+
+
+def _check_permute_quantize(x: Tensor, indices: Tensor, num_experts: int, align: int) -> None:
+    op = "permute_quantize_fp8"
+    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    if x.dtype == torch.float64:
+        raise ValueError(f"{op}: `x` must be float32, float16 or bfloat16, got torch.float64")
+    _check_permute(x, indices, num_experts, align)
 
 
 def _check_unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None) -> None:
@@ -123,6 +132,18 @@ def permute_reference(x: Tensor, indices: Tensor, num_experts: int, align: int =
     return x_perm, row_map.view(T, k).to(torch.int32), padded.to(torch.int32)
 
 
+def permute_quantize_fp8_reference(
+    x: Tensor, indices: Tensor, num_experts: int, align: int = 128, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """quantize_fp8(permute(x), "block") with scale 0 on every row no slot maps to (padding: a block of
+    zeros); the fifth output is permute's x_perm."""
+    x_perm, row_map, group_sizes = permute_reference(x, indices, num_experts, align)
+    q, scale = quantize_fp8_reference(x_perm, "block", torch.float8_e4m3fn, pow2_scale)
+    mapped = torch.zeros(x_perm.shape[0], dtype=torch.bool, device=x.device)
+    mapped[row_map[row_map >= 0].long()] = True
+    return q, torch.where(mapped[:, None], scale, 0.0), row_map, group_sizes, x_perm
+
+
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -177,6 +198,16 @@ def _permute(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tu
     _check_permute(x, indices, num_experts, align)
     _check_indices_values(indices, num_experts, "permute")
     return permute_reference(x, indices, num_experts, align)
+
+
+@torch.library.custom_op("moe_kernels::permute_quantize_fp8", mutates_args=())
+def _permute_quantize_fp8(
+    x: Tensor, indices: Tensor, num_experts: int, align: int, pow2_scale: bool, keep_rows: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_permute_quantize(x, indices, num_experts, align)
+    _check_indices_values(indices, num_experts, "permute_quantize_fp8")
+    q, scale, row_map, group_sizes, x_perm = permute_quantize_fp8_reference(x, indices, num_experts, align, pow2_scale)
+    return q, scale, row_map, group_sizes, x_perm if keep_rows else x.new_empty((0, x.shape[1]))
 
 
 @torch.library.custom_op("moe_kernels::unpermute", mutates_args=())
@@ -235,6 +266,37 @@ def _permute_cuda(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) 
         row_bytes=H * x.element_size(), num_experts=num_experts, align=align, **_ext.launch_args(x),
     )
     return x_perm, row_map, group_sizes
+
+
+@_ext.cuda_impl(_permute_quantize_fp8)
+def _permute_quantize_fp8_cuda(
+    x: Tensor, indices: Tensor, num_experts: int, align: int, pow2_scale: bool, keep_rows: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    op = "permute_quantize_fp8"
+    _check_permute_quantize(x, indices, num_experts, align)
+    C = _ext.kernels(op, x)
+    if C is None or _ext.checks_enabled():
+        _check_indices_values(indices, num_experts, op)
+    if C is None:
+        q, scale, row_map, group_sizes, x_perm = permute_quantize_fp8_reference(x, indices, num_experts, align, pow2_scale)
+        return q, scale, row_map, group_sizes, x_perm if keep_rows else x.new_empty((0, x.shape[1]))
+    _check_cuda_experts(op, num_experts, C)
+    T, H = x.shape
+    k = indices.shape[1]
+    R = permuted_rows(T, k, num_experts, align)
+    q = torch.empty((R, H), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((R, -(-H // BLOCK)), dtype=torch.float32, device=x.device)
+    x_perm = x.new_empty((R, H) if keep_rows else (0, H))
+    row_map = torch.empty((T, k), dtype=torch.int32, device=x.device)
+    group_sizes = torch.empty((num_experts,), dtype=torch.int32, device=x.device)
+    workspace = torch.empty(C.permute_workspace_bytes(T * k, num_experts), dtype=torch.uint8, device=x.device)
+    C.permute_quantize_fp8(
+        x=_ext.ptr(x), indices=_ext.ptr(indices), x_perm=_ext.ptr(x_perm) if keep_rows else 0, codes=_ext.ptr(q),
+        scales=_ext.ptr(scale), row_map=_ext.ptr(row_map), group_sizes=group_sizes.data_ptr(),
+        workspace=_ext.ptr(workspace), num_tokens=T, k=k, hidden=H, dtype=_ext.dtype_code(x.dtype),
+        num_experts=num_experts, align=align, pow2=pow2_scale, **_ext.launch_args(x),
+    )
+    return q, scale, row_map, group_sizes, x_perm
 
 
 @_ext.cuda_impl(_unpermute)
@@ -311,6 +373,21 @@ def _(x, indices, num_experts, align=1):
         x.new_empty((permuted_rows(T, k, num_experts, align), H)),
         indices.new_empty((T, k), dtype=torch.int32),
         indices.new_empty((num_experts,), dtype=torch.int32),
+    )
+
+
+@_permute_quantize_fp8.register_fake
+def _(x, indices, num_experts, align, pow2_scale, keep_rows):
+    _check_permute_quantize(x, indices, num_experts, align)
+    T, H = x.shape
+    k = indices.shape[1]
+    R = permuted_rows(T, k, num_experts, align)
+    return (
+        x.new_empty((R, H), dtype=torch.float8_e4m3fn),
+        x.new_empty((R, -(-H // BLOCK)), dtype=torch.float32),
+        indices.new_empty((T, k), dtype=torch.int32),
+        indices.new_empty((num_experts,), dtype=torch.int32),
+        x.new_empty((R, H) if keep_rows else (0, H)),
     )
 
 
@@ -394,6 +471,25 @@ def permute(x: Tensor, indices: Tensor, num_experts: int, *, align: int = 1) -> 
         row of each copy (-1 for dropped slots); group_sizes [E] int32, padded counts.
     """
     return torch.ops.moe_kernels.permute(x, _as_int32_indices(indices), num_experts, align)
+
+
+def permute_quantize_fp8(
+    x: Tensor, indices: Tensor, num_experts: int, *, align: int = 128, pow2_scale: bool = False, keep_rows: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """permute fused with FP8 quantization: each token is read once and its E4M3 codes and 1x128-block
+    scales are written straight into its permuted rows.
+
+    Returns (x_q [R, H] float8_e4m3fn, x_scale [R, ceil(H / 128)] fp32, row_map, group_sizes, x_perm):
+    on the groups' rows x_q and x_scale equal quantize_fp8(permute(x, ...)[0], "block") bit for bit;
+    padding rows hold zero codes with scale 0 (a block of zeros for grouped_mm_fp8); rows past the
+    groups are unspecified. row_map and group_sizes are permute's. With `keep_rows`, x_perm is permute's
+    output too, written from the same read (else None). x: float32, float16 or bfloat16. No autograd:
+    the FP8 recipe (moe_kernels.quant) wraps it.
+    """
+    q, scale, row_map, group_sizes, x_perm = torch.ops.moe_kernels.permute_quantize_fp8(
+        x, _as_int32_indices(indices), num_experts, align, pow2_scale, keep_rows
+    )
+    return q, scale, row_map, group_sizes, x_perm if keep_rows else None
 
 
 def unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:

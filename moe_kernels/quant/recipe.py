@@ -1,14 +1,19 @@
 """Precision recipes for the routed experts (specs/lowprec.md): FP8 blockwise and NVFP4.
 
-`Fp8BlockwiseRecipe` is DeepSeek-V3's FP8 training recipe on Hopper for the expert GEMMs:
+`Fp8BlockwiseRecipe` is DeepSeek-V3's FP8 training recipe on Hopper for the expert GEMMs, all three
+products in E4M3:
   forward  out = x @ w^T      x: E4M3, one scale per 1x128 block along K; w: E4M3, one per 128x128 tile
   dgrad    dx  = dout @ w     dout: E4M3 1x128 blocks along N; w: the forward's tiles, transposed (a
                               128x128 tile is its own transpose, so the codes and scales are reused)
-  wgrad    dw  = dout^T @ x   in the input precision (bf16 under autocast): the grouped FP8 kernel
-                              splits M by groups, and wgrad contracts over M
-with fp32 accumulation promoted every 128 of K (grouped_mm_fp8). Scales are current (computed from the
+  wgrad    dw  = dout^T @ x   dout and x: E4M3 in 1x128 blocks along the tokens (the contraction), the
+                              groups splitting it (grouped_mm_fp8_wgrad); fp32 result. `fp8_wgrad=False`
+                              runs it in the input precision instead.
+with fp32 accumulation promoted every 128 of the contraction. Scales are current (computed from the
 tensor itself each step), optionally rounded down to powers of two. Each expert's rows are padded to
-`align` by permute. The saved activations stay in the input precision (wgrad reads them).
+`align` (a multiple of 128 for the FP8 wgrad: its token blocks must not straddle two experts). With
+FP8 wgrad the forward saves x quantized along the tokens (1 byte per element) instead of x itself.
+In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert GEMM's input comes from
+permute_quantize_fp8: the permute, the padding and the forward quantization in one pass over the tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import autocast_input
-from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, quantize_fp8_experts
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_experts, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
+from moe_kernels.ops.permute import permute_quantize_fp8, unpermute
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 
 
@@ -31,19 +37,35 @@ from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize
 class Fp8BlockwiseRecipe:
     pow2_scale: bool = False  # scales rounded down to powers of two (exact rescaling)
     fp8_dgrad: bool = True  # False: dgrad in the input precision too
+    fp8_wgrad: bool = True  # False: wgrad in the input precision (the x saved as is)
+    fused_permute: bool = True  # the MoE layer's first GEMM takes permute_quantize_fp8's output
     align: int = 128  # rows per expert padded to this
 
     def __post_init__(self):
         if self.align < 1:
             raise ValueError("Fp8BlockwiseRecipe: align must be >= 1")
+        if self.fp8_wgrad and self.align % BLOCK:
+            raise ValueError(f"Fp8BlockwiseRecipe: align must be a multiple of {BLOCK} with fp8_wgrad (the weight "
+                             f"gradient's blocks of {BLOCK} tokens must not straddle two experts), got {self.align}")
 
     def check_shapes(self, hidden_size: int, ffn_size: int) -> None:
         """Both expert GEMMs contract over H (gate/up) or F (down) in blocks of 128."""
         _check_multiples(self, hidden_size, ffn_size, BLOCK, "one scale per 128 along each GEMM's K")
 
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
-        """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast)."""
+        """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast).
+        With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128))."""
         return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self)
+
+    def permute_grouped_mm(
+        self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """permute(x, indices, num_experts, align) followed by grouped_mm(., w, group_sizes), with the
+        permute and the forward quantization fused (permute_quantize_fp8): (out [R, N], row_map,
+        group_sizes). Differentiable in x and w; `align` must be a multiple of this recipe's."""
+        if align % self.align:
+            raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
+        return _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -169,31 +191,75 @@ def _nvfp4_wgrad(dout: Tensor, x: Tensor, group_sizes: Tensor) -> Tensor:
 RECIPES = {"bf16": None, "fp8-blockwise": Fp8BlockwiseRecipe(), "nvfp4": Nvfp4Recipe()}
 
 
+def _fp8_forward(
+    x_q: Tensor, x_scale: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor, recipe
+) -> tuple[Tensor, dict, list[Tensor]]:
+    """The forward product from quantized rows, and what the backward needs (`state`)."""
+    w_q, w_scale = quantize_fp8_experts(w.detach(), pow2_scale=recipe.pow2_scale)  # [E, N, K], [E, N/128, K/128]
+    out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(x.dtype)
+    fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
+    state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=x.dtype,
+                 rows=x.shape[0])
+    # wgrad reads x along the tokens: with FP8 wgrad only its token-blocked E4M3 copy is kept.
+    saved_x = quantize_fp8_tokens(x.detach(), pow2_scale=recipe.pow2_scale) if recipe.fp8_wgrad else (x,)
+    state["n_x"] = len(saved_x)
+    return out, state, [*saved_x, w, group_sizes, *((w_q, w_scale) if fp8_dgrad else ())]
+
+
+def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool, need_dw: bool):
+    n_x = state["n_x"]
+    saved_x, (w, group_sizes, *w_fp8) = saved[:n_x], saved[n_x:]
+    dout = dout.contiguous()
+    dx = dw = None
+    if need_dx:
+        if state["fp8_dgrad"]:
+            w_q, w_scale = w_fp8
+            d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
+            wt_q = w_q.transpose(1, 2).contiguous()  # [E, K, N]
+            wt_scale = w_scale.transpose(1, 2).contiguous()  # [E, K/128, N/128]
+            dx = _rows_in_groups(grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(state["x_dtype"]),
+                                 group_sizes)
+        else:
+            dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.to(dout.dtype), group_sizes)
+    if need_dw:
+        if state["fp8_wgrad"]:
+            d_t = quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])  # [N, Mp], [N, Mp/128]
+            dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes).to(w.dtype)
+        else:
+            dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, saved_x[0], group_sizes).to(w.dtype)
+    return dx, dw
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe) -> Tensor:
         x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale)  # [M, K], [M, K/128]
-        w_q, w_scale = quantize_fp8_experts(w.detach(), pow2_scale=recipe.pow2_scale)  # [E, N, K], [E, N/128, K/128]
-        out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(x.dtype)
-        fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
-        ctx.fp8_dgrad, ctx.pow2_scale = fp8_dgrad, recipe.pow2_scale
-        ctx.save_for_backward(x, w, group_sizes, *((w_q, w_scale) if fp8_dgrad else ()))
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe)
+        ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        x, w, group_sizes, *w_fp8 = ctx.saved_tensors
-        dout = dout.contiguous()
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            if ctx.fp8_dgrad:
-                w_q, w_scale = w_fp8
-                d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=ctx.pow2_scale)  # [M, N], [M, N/128]
-                wt_q = w_q.transpose(1, 2).contiguous()  # [E, K, N]
-                wt_scale = w_scale.transpose(1, 2).contiguous()  # [E, K/128, N/128]
-                dx = _rows_in_groups(grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(x.dtype), group_sizes)
-            else:
-                dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.to(dout.dtype), group_sizes)
-        if ctx.needs_input_grad[1]:
-            dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, x, group_sizes).to(w.dtype)
+        dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2])
         return dx, dw, None, None
+
+
+class _Fp8PermuteGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe):
+        # One read of each token: its codes, scales and (for wgrad) its input-precision rows.
+        x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
+            x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=True
+        )
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe)
+        ctx.save_for_backward(*saved, row_map)
+        ctx.mark_non_differentiable(row_map, group_sizes)
+        return out, row_map, group_sizes
+
+    @staticmethod
+    def backward(ctx, dout: Tensor, _grad_row_map, _grad_group_sizes):
+        *saved, row_map = ctx.saved_tensors
+        dx_perm, dw = _fp8_backward(ctx.state, saved, dout, *ctx.needs_input_grad[:2])
+        # permute's backward: dx[t] = sum over its slots of dx_perm[row] (fp32 accumulation).
+        dx = unpermute(dx_perm.contiguous(), row_map, None) if dx_perm is not None else None
+        return dx, dw, None, None, None, None

@@ -15,7 +15,7 @@ from moe_kernels.ops.grouped_mm import grouped_mm_reference
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, quantize_fp8_experts
 from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
 from moe_kernels.quant import RECIPES, Fp8BlockwiseRecipe
-from moe_kernels.testing import assert_tracks_loss_curve, assert_within_rounding_to, quantized_sqnr_floor_db, sqnr_db
+from moe_kernels.testing import assert_tracks_loss_curve, assert_within_fp32_rounding, assert_within_rounding_to, quantized_sqnr_floor_db, sqnr_db
 from moe_kernels.train.data import load_tokens
 
 
@@ -28,8 +28,9 @@ def _problem(M=300, N=384, K=256, sizes=(100, 0, 150, 50), seed=0):
 
 @pytest.mark.parametrize("pow2", [False, True])
 def test_forward_and_backward_follow_the_recipe(pow2):
+    # Groups of any size (100, 150, 50 rows): the input-precision wgrad takes them.
     x, w, gs, dout = _problem()
-    recipe = Fp8BlockwiseRecipe(pow2_scale=pow2)
+    recipe = Fp8BlockwiseRecipe(pow2_scale=pow2, fp8_wgrad=False)
     out = recipe.grouped_mm(x, w, gs)
     dx, dw = torch.autograd.grad(out, (x, w), dout)
     rows = int(gs.sum())
@@ -67,9 +68,62 @@ def _ranges(gs):
     return [(e - int(n), e) for e, n in zip(ends, gs.tolist())]
 
 
+@pytest.mark.parametrize("pow2", [False, True])
+def test_fp8_wgrad_follows_the_recipe(pow2):
+    # 128-aligned groups with an empty expert and 16 rows past the groups (unspecified: NaN here), M not a
+    # multiple of 128.
+    x, w, gs, dout = _problem(M=400, sizes=(128, 0, 256, 0), seed=1)
+    with torch.no_grad():
+        x[384:] = float("nan")
+    recipe = Fp8BlockwiseRecipe(pow2_scale=pow2)
+    out = recipe.grouped_mm(x, w, gs)
+    dout[384:] = float("nan")
+    (dw,) = torch.autograd.grad(out, (w,), dout)
+
+    # dout and x in E4M3 1x128 blocks along the tokens, the product of the dequantized operands.
+    d_deq = _dequantize_along_tokens(dout, pow2)
+    x_deq = _dequantize_along_tokens(x.detach(), pow2)
+    want, magnitude = torch.zeros(dw.shape, dtype=torch.float64), torch.zeros(dw.shape, dtype=torch.float64)
+    for e, (a, b) in enumerate(_ranges(gs)):
+        want[e] = d_deq[a:b].t() @ x_deq[a:b]
+        magnitude[e] = d_deq[a:b].abs().t() @ x_deq[a:b].abs()
+    assert_within_fp32_rounding(dw, want, magnitude, "FP8 wgrad")
+    assert torch.all(dw[1] == 0) and torch.all(dw[3] == 0)  # empty experts
+    # Against the exact product: two E4M3 operands.
+    exact = torch.ops.moe_kernels.grouped_mm_wgrad(dout[:384].double(), x.detach()[:384].double(), gs)
+    assert sqnr_db(dw, exact) > quantized_sqnr_floor_db(2)
+
+
+def _dequantize_along_tokens(t, pow2):
+    """[M, C] -> fp64 [M, C]: E4M3 in 1x128 blocks along the tokens (quantize_fp8 of the transpose), by hand."""
+    q, s = quantize_fp8(t.t().contiguous(), "block", pow2_scale=pow2)
+    return dequantize_fp8(q, s, "block", dtype=torch.float32).double().t()
+
+
+def test_fp8_wgrad_refuses_unaligned_groups():
+    with pytest.raises(ValueError, match="multiple of 128 with fp8_wgrad"):
+        Fp8BlockwiseRecipe(align=64)
+    assert Fp8BlockwiseRecipe(align=64, fp8_wgrad=False).align == 64
+    x, w, gs, dout = _problem()  # groups of 100, 150, 50 rows
+    out = Fp8BlockwiseRecipe().grouped_mm(x, w, gs)
+    with pytest.raises(ValueError, match="group 0 has 100 rows; every group must be a multiple of 128"):
+        out.backward(dout)
+
+
+def test_fp8_wgrad_saves_the_token_blocked_fp8_copy():
+    # With FP8 wgrad the forward keeps x as E4M3 codes + scales (1 byte per element), not x itself.
+    x, w, gs, dout = _problem(M=384, sizes=(128, 0, 256, 0))
+    x = x.detach().to(torch.bfloat16).requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        Fp8BlockwiseRecipe().grouped_mm(x, w, gs)
+    assert not any(t.shape == x.shape and t.dtype == x.dtype for t in saved)
+    assert any(t.dtype == torch.float8_e4m3fn and t.shape == (x.shape[1], 384) for t in saved)
+
+
 def test_dgrad_in_input_precision_when_asked():
     x, w, gs, dout = _problem()
-    out = Fp8BlockwiseRecipe(fp8_dgrad=False).grouped_mm(x, w, gs)
+    out = Fp8BlockwiseRecipe(fp8_dgrad=False, fp8_wgrad=False).grouped_mm(x, w, gs)
     (dx,) = torch.autograd.grad(out, (x,), dout)
     rows = int(gs.sum())
     want = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.detach(), gs)
@@ -86,14 +140,16 @@ def test_config_checks_and_alignment():
     assert set(RECIPES) == {"bf16", "fp8-blockwise", "nvfp4"}
 
 
-def test_moe_layer_with_the_recipe():
+@pytest.mark.parametrize("fused_permute", [True, False])
+def test_moe_layer_with_the_recipe(fused_permute):
     torch.manual_seed(0)
     cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=128, num_experts=4, k=2)
     ref_layer = MoELayer(cfg)
-    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
+    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=fused_permute)))
     layer.load_state_dict(ref_layer.state_dict())
     seen = []
-    layer.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1].clone()))
+    second_gemm = layer.experts.forward_from_gate_up
+    layer.experts.forward_from_gate_up = lambda h, gs, *a, **kw: seen.append(gs.clone()) or second_gemm(h, gs, *a, **kw)
     x = torch.randn(2, 37, 128)
     out, _ = layer(x)
     ref, _ = ref_layer(x)
@@ -102,6 +158,24 @@ def test_moe_layer_with_the_recipe():
     assert sqnr_db(out, ref) > quantized_sqnr_floor_db(4)
     out.square().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
+
+
+def test_fused_permute_is_the_unfused_recipe():
+    # permute_quantize_fp8 + the FP8 GEMM equals permute, then quantize + the FP8 GEMM: forward and gradients.
+    torch.manual_seed(0)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=128, num_experts=6, k=2)
+    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
+    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=False)))
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 41, 256)
+    grads = []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        out, aux = layer(xi)
+        (out.square().sum() + aux).backward()
+        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _train(recipe, steps=20, seed=0):

@@ -1,13 +1,23 @@
-// FP8 grouped GEMM with blockwise scaling for sm_90a (the DeepSeek-V3 recipe): E4M3 activations with one
-// fp32 dequantization scale per 1x128 block along K, E4M3 weights with one per 128x128 tile, fp32
-// accumulation promoted and scaled per 128 of K inside the mainloop (CUTLASS's FP8 blockwise
-// ptr-array kernel: TMA + WGMMA, warp-specialised cooperative, grouped tile scheduler), bf16 output.
+// FP8 grouped GEMMs with blockwise scaling for sm_90a (the DeepSeek-V3 recipe), on CUTLASS's FP8
+// blockwise ptr-array kernel: TMA + WGMMA on K-major E4M3 operands, warp-specialised cooperative,
+// grouped tile scheduler, fp32 accumulators promoted and scaled every 128 of the contraction.
 //
+// fwd (groups split the rows): E4M3 activations with one fp32 dequantization scale per 1x128 block
+// along K, E4M3 weights with one per 128x128 tile, bf16 output.
 //   d[rows of e] = sum_kb (a[rows, kb] @ b[e][:, kb]^T) * sfa[rows, kb] * sfb[e][n / 128, kb]
+//   Both scale tensors K-major: sfa [M, K / 128] (a group's rows are one contiguous slice) and
+//   sfb [E, ceil(N / 128), K / 128].
 //
-// Both scale tensors are K-major: sfa [M, K / 128] row-major (a group's rows are one contiguous slice)
-// and sfb [E, ceil(N / 128), K / 128]. Shapes, pointers and scale layouts per group are written on the device
-// from the group sizes (no host sync), like the bf16 kernels.
+// wgrad (groups split the contraction, the tokens): a = dout^T codes [N, M] and b = x^T codes [K, M],
+// both quantized along the tokens in 1x128 blocks, fp32 output d [E, N, K].
+//   d[e] = sum over the token blocks tb of group e: (a[:, tb] @ b[:, tb]^T) * sfa[tb, n] * sfb[tb, k]
+//   Scales token-block-major: sfa [ceil(M / 128), N], sfb [ceil(M / 128), K], so a group's blocks are
+//   one contiguous slice in the packed layout CUTLASS rebuilds from each group's problem shape. Every
+//   group's first row and size must be multiples of 128 (a block never straddles two experts); a group
+//   that is not is skipped here and filled with NaN by the caller (grouped_mm.cu), never misread.
+//
+// Shapes, pointers and scale layouts per group are written on the device from the group sizes (no
+// host sync), like the bf16 kernels.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -32,18 +42,34 @@ namespace moe::gemm::sm90 {
 
 using namespace cute;
 
+// Per-product choices: scale granularity and major mode, output element.
+template <GemmOp kOp> struct Fp8Traits;
+template <> struct Fp8Traits<GemmOp::kFwd> {
+  using ElementD = cutlass::bfloat16_t;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+};
+template <> struct Fp8Traits<GemmOp::kWgrad> {
+  using ElementD = float;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
+};
+
+constexpr int kFp8Block = 128;
+
+template <GemmOp kOp>
 struct Fp8BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::float_e4m3_t;
-  using ElementD = cutlass::bfloat16_t;
+  using ElementD = typename Fp8Traits<kOp>::ElementD;
+  // Both operands K-major (FP8 WGMMA needs it): fwd a = x [M, K], b = w[e] [N, K]; wgrad a = dout^T
+  // [N, M], b = x^T [K, M] (the contraction runs along the tokens).
   using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;  // w[e] is N x K with K contiguous
+  using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16;
-  static constexpr int kAlignD = 8;
+  static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<_1, _1, _1>;
-  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
+  using ScaleConfig = typename Fp8Traits<kOp>::ScaleConfig;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
@@ -127,14 +153,38 @@ struct Fp8BlockwiseGemm {
   static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 };
 
-static __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
-                                      const float* sfb, cutlass::bfloat16_t* d, const GroupInfo* groups, int E,
-                                      int64_t N, int64_t K, Fp8BlockwiseGemm::Arrays arr) {
-  using G = Fp8BlockwiseGemm;
+template <GemmOp kOp>
+__global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
+                                      const float* sfb, typename Fp8BlockwiseGemm<kOp>::ElementD* d,
+                                      const GroupInfo* groups, int E, int64_t M, int64_t N, int64_t K,
+                                      typename Fp8BlockwiseGemm<kOp>::Arrays arr) {
+  using G = Fp8BlockwiseGemm<kOp>;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t r0 = groups[e].row_start;
   const int m = groups[e].rows;
+  if constexpr (kOp == GemmOp::kWgrad) {
+    // Problem e: [N, m] @ [m, K]. An empty or misaligned group becomes a 0 x 0 problem (skipped).
+    const bool run = m > 0 && r0 % kFp8Block == 0 && m % kFp8Block == 0;
+    const int mm = run ? m : 0;
+    arr.shapes[e] = {run ? int(N) : 0, run ? int(K) : 0, mm};
+    arr.ptr_a[e] = a + r0;
+    arr.ptr_b[e] = b + r0;
+    arr.ptr_sfa[e] = sfa + (r0 / kFp8Block) * N;
+    arr.ptr_sfb[e] = sfb + (r0 / kFp8Block) * K;
+    arr.ptr_d[e] = d + int64_t(e) * N * K;
+    // Rows of a and b hold all M tokens: the leading dimension is M, not the group's size.
+    auto sa = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(N), mm, 1});
+    auto sb = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), mm, 1});
+    cute::get<0>(sa) = M;
+    cute::get<0>(sb) = M;
+    arr.stride_a[e] = sa;
+    arr.stride_b[e] = sb;
+    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(N), int(K), 1});
+    arr.layout_sfa[e] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(int(N), int(K), mm, 1));
+    arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(int(N), int(K), mm, 1));
+    return;
+  }
   const int64_t kb = K / 128, nb = (N + 127) / 128;
   arr.shapes[e] = {m, int(N), int(K)};
   arr.ptr_a[e] = a + r0 * K;
@@ -151,12 +201,13 @@ static __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, con
   arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
-inline void Fp8BlockwiseGemm::run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) {
+template <GemmOp kOp>
+void Fp8BlockwiseGemm<kOp>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) {
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
-  prepare_fp8_blockwise<<<(E + 127) / 128, 128, 0, stream>>>(
+  prepare_fp8_blockwise<kOp><<<(E + 127) / 128, 128, 0, stream>>>(
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
-      static_cast<ElementD*>(p.d), groups, E, p.N, p.K, arr);
+      static_cast<ElementD*>(p.d), groups, E, p.M, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
   run_gemm<Gemm>(arguments(arr, E, sm_count, p.device), arr.cutlass_workspace, stream, "grouped_mm fp8 blockwise kernel");
 }

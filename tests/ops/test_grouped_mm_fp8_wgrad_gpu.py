@@ -1,0 +1,140 @@
+"""FP8 weight gradient: GPU tier, the CUTLASS sm_90a K-grouped kernel against the fp64 reference, and
+against the bf16 weight gradient within FP8's error. Emulated (or off Hopper) the op dequantizes and runs
+the portable fp32 wgrad."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels._ext import reference_ops
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_wgrad_reference
+from moe_kernels.testing import assert_within_fp32_rounding, quantized_sqnr_floor_db, sqnr_db
+from tests.emulation import skip_if_too_large
+
+pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2.5e8  # GEMM FLOP per case (the portable fp32 wgrad)
+
+
+def _sizes(E, blocks, kind, seed):
+    """Group sizes in whole 128-row blocks: `blocks` of them spread by `kind`."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "one_group":
+        s = torch.zeros(E, dtype=torch.int64)
+        s[E // 2] = blocks
+    elif kind == "empty":  # half the experts get nothing
+        s = torch.zeros(E, dtype=torch.int64)
+        live = torch.randperm(E, generator=g)[: max(1, E // 2)]
+        s[live] = torch.bincount(live[torch.randint(0, len(live), (blocks,), generator=g)], minlength=E)[live]
+    else:
+        s = torch.bincount(torch.randint(0, E, (blocks,), generator=g), minlength=E)
+    return (s * 128).to(torch.int32)
+
+
+def _case(M_extra, N, K, E, blocks, kind, seed):
+    """Operands quantized along the tokens (on the CPU, by the reference), M = the groups + M_extra rows."""
+    gs = _sizes(E, blocks, kind, seed)
+    M = int(gs.sum()) + M_extra
+    g = torch.Generator().manual_seed(seed)
+    dout = torch.randn(M, N, generator=g) * torch.logspace(-1, 1, N)
+    x = torch.randn(M, K, generator=g)
+    with reference_ops():
+        a, b = mk.quantize_fp8_tokens(dout), mk.quantize_fp8_tokens(x)
+    return dout, x, a, b, gs
+
+
+def _check(out, a, b, gs, what):
+    ref64 = grouped_mm_fp8_wgrad_reference(*a, *b, gs, acc=torch.float64)
+    abs_a, abs_b = (a[0].float().abs().to(torch.float8_e4m3fn), a[1]), (b[0].float().abs().to(torch.float8_e4m3fn), b[1])
+    magnitude = grouped_mm_fp8_wgrad_reference(*abs_a, *abs_b, gs, acc=torch.float64)
+    # fp32 output. Hopper's FP8 tensor cores keep about 14 bits inside each 128-token block before the fp32
+    # promotion (the DeepSeek-V3 report): 2^-13 of the terms, 16x the 64 eps_fp32 the helper allows per unit.
+    assert_within_fp32_rounding(out, ref64, 16 * magnitude, what)
+
+
+@pytest.mark.parametrize("N,K,E,blocks", [(128, 128, 1, 1), (256, 384, 8, 9), (2048, 7168, 32, 64),
+                                          (1536, 4096, 16, 48), (200, 196, 4, 6), (64, 100, 2, 3)])
+@pytest.mark.parametrize("kind", ["uniform", "empty", "one_group"])
+def test_matches_fp64_reference(cuda, N, K, E, blocks, kind):
+    skip_if_too_large(2 * blocks * 128 * N * K, EMULATION_BUDGET, "GEMM FLOP")
+    _, _, a, b, gs = _case(16, N, K, E, blocks, kind, seed=N + K + E)
+    out = mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs))).cpu()
+    assert out.shape == (E, N, K) and out.dtype == torch.float32
+    _check(out, a, b, gs, f"fp8 wgrad N={N} K={K} E={E} {kind}")
+    assert torch.all(out[gs == 0] == 0), "empty experts give zeros"
+
+
+def test_close_to_the_bf16_weight_gradient(cuda):
+    # Against the bf16 wgrad of the unquantized operands: within FP8's error (two E4M3 operands; bf16's own
+    # rounding, 2^-9 relative, is negligible beside E4M3's 2^-4).
+    dout, x, a, b, gs = _case(0, 256, 256, 4, 8, "uniform", seed=4)
+    out = mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs))).cpu()
+    dw_bf16 = torch.ops.moe_kernels.grouped_mm_wgrad(dout.to(cuda, torch.bfloat16), x.to(cuda, torch.bfloat16), gs.to(cuda))
+    assert sqnr_db(out, dw_bf16.cpu().double()) > quantized_sqnr_floor_db(2)
+
+
+def test_expert_of_exactly_128_rows_and_rows_past_the_groups(cuda):
+    # One 128-row expert between empty ones; the rows past the groups hold NaN and must not leak in.
+    dout, x, a, b, gs = _case(0, 128, 256, 3, 1, "one_group", seed=8)
+    dout = torch.cat([dout, torch.full((100, 128), float("nan"))])
+    x = torch.cat([x, torch.full((100, 256), float("nan"))])
+    with reference_ops():
+        a, b = mk.quantize_fp8_tokens(dout), mk.quantize_fp8_tokens(x)
+    out = mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs))).cpu()
+    assert torch.isfinite(out).all()
+    _check(out, a, b, gs, "128-row expert")
+
+
+def test_misaligned_groups_raise_when_checked(cuda, checks_on):
+    _, _, a, b, _ = _case(0, 64, 64, 2, 4, "uniform", seed=5)
+    bad = torch.tensor([100, 156], dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, bad)))
+
+
+def test_misaligned_groups_give_nan_unchecked_on_hopper(cuda):
+    # Without value checks (no host sync) the sm_90a kernel cannot refuse: a misaligned group gets NaN,
+    # never a plausible wrong value; aligned groups are unaffected.
+    if cuda.type != "cuda" or torch.cuda.get_device_capability(cuda) != (9, 0):
+        pytest.skip("the sm_90a kernel's behaviour")
+    _, _, a, b, _ = _case(0, 128, 128, 3, 4, "uniform", seed=6)
+    gs = torch.tensor([128, 100, 284], dtype=torch.int32)
+    out = mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs))).cpu()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all()
+    _check(out[:1], a, b, gs[:1], "the aligned group")
+
+
+def test_takes_the_blockwise_kernel_on_hopper(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("kernel choice exists on a GPU only")
+    from moe_kernels import _ext
+
+    C = _ext.kernels("grouped_mm_fp8_wgrad", torch.empty(1, device=cuda))
+    cc = torch.cuda.get_device_capability(cuda)
+    _, _, a, b, gs = _case(0, 256, 256, 2, 2, "uniform", seed=1)
+    a, b = [t.to(cuda) for t in a], [t.to(cuda) for t in b]
+    out = torch.empty(2, 256, 256, device=cuda)
+    path = C.grouped_mm_path(op=2, dtype=3, num_groups=2, M=256, N=256, K=256, a=a[0].data_ptr(), b=b[0].data_ptr(),
+                             d=out.data_ptr(), device=cuda.index or 0, sfa=a[1].data_ptr(), sfb=b[1].data_ptr())
+    assert path == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
+
+
+@pytest.mark.cuda_device
+def test_cuda_graph_replay(cuda):
+    _, _, a, b, gs = _case(0, 512, 1024, 8, 24, "uniform", seed=2)
+    args = [t.to(cuda) for t in (*a, *b, gs)]
+    eager = mk.grouped_mm_fp8_wgrad(*args)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mk.grouped_mm_fp8_wgrad(*args)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_deterministic(cuda):
+    skip_if_too_large(2 * 32 * 128 * 1024 * 2048, EMULATION_BUDGET, "GEMM FLOP")
+    _, _, a, b, gs = _case(0, 1024, 2048, 16, 32, "uniform", seed=3)
+    args = [t.to(cuda) for t in (*a, *b, gs)]
+    first = mk.grouped_mm_fp8_wgrad(*args)
+    for _ in range(3):
+        assert torch.equal(mk.grouped_mm_fp8_wgrad(*args), first)

@@ -1,0 +1,104 @@
+"""permute_quantize_fp8: GPU tier, the fused kernel against permute + quantize_fp8's references, bit for bit."""
+
+import itertools
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.ops.permute import permute_quantize_fp8_reference, permuted_rows
+from moe_kernels.testing import assert_exact, random_routing
+from tests.emulation import skip_if_too_large
+
+pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2**21  # token elements read per case (a fiber per 8 elements)
+
+
+def _compare(dev, x, idx, E, align, pow2, keep_rows):
+    """The kernel's outputs against the reference on every row the spec defines: the groups' rows
+    (codes, scales; the tokens' rows and the padding rows alike), row_map and group_sizes."""
+    q, s, row_map, gs, x_perm = mk.permute_quantize_fp8(x.to(dev), idx.to(dev), E, align=align, pow2_scale=pow2,
+                                                        keep_rows=keep_rows)
+    rq, rs, rmap, rgs, rperm = permute_quantize_fp8_reference(x, idx, E, align, pow2)
+    T, k = idx.shape
+    assert q.shape == (permuted_rows(T, k, E, align), x.shape[1]) and s.shape == rs.shape
+    assert_exact(row_map.cpu(), rmap, "row_map")
+    assert_exact(gs.cpu(), rgs, "group_sizes")
+    n = int(rgs.sum())
+    assert_exact(q[:n].cpu().view(torch.uint8), rq[:n].view(torch.uint8), "codes")
+    assert_exact(s[:n].cpu(), rs[:n], "scales")
+    if keep_rows:
+        assert_exact(x_perm[:n].cpu(), rperm[:n], "x_perm")
+    else:
+        assert x_perm is None
+
+
+CASES = list(itertools.product((0, 1, 7, 300), ((1, 1), (8, 2), (64, 8))))
+HIDDEN = (100, 129, 256, 1032)  # under one block, odd, whole blocks, and a ragged last block
+
+
+@pytest.mark.parametrize("T,Ek", CASES)
+@pytest.mark.parametrize("align", [1, 128])
+def test_matches_reference(cuda, T, Ek, align):
+    E, k = Ek
+    H = HIDDEN[(T + E + k) % len(HIDDEN)]
+    skip_if_too_large(T * H, EMULATION_BUDGET, "token elements")
+    gen = torch.Generator().manual_seed(T * 31 + E + k)
+    x = (torch.randn(T, H, generator=gen) * torch.logspace(-3, 3, H)).to(torch.bfloat16)
+    idx = random_routing(T, E, k, kind="uniform", drop=0.05, seed=T + E)
+    _compare(cuda, x, idx, E, align, pow2=False, keep_rows=align == 128)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["hot", "empty", "zipf"])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_dtypes_routing_and_pow2(cuda, dtype, kind, pow2):
+    T, E, k, H = 97, 16, 4, 264  # H % 8 == 0: the vector path (272 would be too: 264 keeps a ragged block)
+    x = (torch.randn(T, H) * 10).to(dtype)
+    idx = random_routing(T, E, k, kind=kind, drop=0.1, seed=5)
+    _compare(cuda, x, idx, E, 16, pow2, keep_rows=True)
+
+
+def test_non_finite_and_zero_blocks(cuda):
+    # A NaN in a block makes its amax NaN (scale 1, NaN codes stay NaN); inf gives scale 1 too; an all-zero
+    # block gets scale 1 and zero codes; huge values saturate at 448.
+    T, H = 6, 384
+    x = torch.randn(T, H)
+    x[0, 5] = float("nan")
+    x[1, 130] = float("inf")
+    x[2, 256:] = 0
+    x[3, :128] = 3e38
+    idx = torch.tensor([[0, 1], [1, -1], [2, 0], [0, 2], [-1, -1], [1, 2]], dtype=torch.int32)
+    _compare(cuda, x, idx, 3, 128, pow2=False, keep_rows=True)
+
+
+def test_unaligned_rows_take_the_scalar_path(cuda):
+    # A contiguous tensor starting one element past the 16-byte grid cannot use vector loads.
+    T, H = 50, 256
+    x = torch.randn(T, H).to(torch.bfloat16)
+    flat = torch.empty(T * H + 1, dtype=torch.bfloat16, device=cuda)
+    shifted = flat[1:].view(T, H)
+    shifted.copy_(x.to(cuda))
+    assert shifted.data_ptr() % 16 != 0
+    idx = random_routing(T, 4, 2, kind="uniform", seed=3)
+    q, s, _, gs, x_perm = mk.permute_quantize_fp8(shifted, idx.to(cuda), 4, keep_rows=True)
+    rq, rs, _, _, rperm = permute_quantize_fp8_reference(x, idx, 4, 128)
+    n = int(gs.sum())
+    assert_exact(q[:n].cpu().view(torch.uint8), rq[:n].view(torch.uint8), "codes")
+    assert_exact(s[:n].cpu(), rs[:n], "scales")
+    assert_exact(x_perm[:n].cpu(), rperm[:n], "x_perm")
+
+
+def test_feeds_grouped_mm_fp8_like_the_unfused_path(cuda):
+    # The fused rows into the FP8 GEMM give the same output as permute + quantize_fp8 (padding rows: zeros).
+    T, E, k, H, N = 64, 4, 2, 256, 128
+    x = torch.randn(T, H).to(torch.bfloat16).to(cuda)
+    idx = random_routing(T, E, k, kind="zipf", seed=9).to(cuda)
+    wq, ws = mk.quantize_fp8_experts((torch.randn(E, N, H) * 0.05).to(cuda))
+    q, s, _, gs, _ = mk.permute_quantize_fp8(x, idx, E)
+    p, _, gs2 = mk.permute(x, idx, E, align=128)
+    q2, s2 = mk.quantize_fp8(p, "block")
+    n = int(gs.sum())
+    fused = mk.grouped_mm_fp8(q, s, wq, ws, gs)[:n]
+    plain = mk.grouped_mm_fp8(q2, s2, wq, ws, gs2)[:n]
+    assert_exact(fused.cpu(), plain.cpu(), "grouped_mm_fp8 on fused vs unfused rows")
