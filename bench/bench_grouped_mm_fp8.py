@@ -8,11 +8,18 @@ Peer, timed in the same run on the same problems:
 Checked before timing, on the first input set: against the fp32 reference of the dequantized operands,
 within twice the error of that reference rounded to bf16 (plus a floor) against fp64.
 
-A second op per case, fp8_recipe_fwd_bwd: Fp8BlockwiseRecipe().grouped_mm forward and backward (dx, dw)
-from bf16 x and w, quantization of x, w and dout included (each training step quantizes them anew),
-against bf16 grouped_mm forward and backward; FLOPs = 3 * 2 * M * N * K. Checked first: out, dx and dw
-within relative L2 error 0.1 of the bf16 ones (FP8 keeps ~3 significant bits; a wrong scale or layout is
-far outside).
+A second op per case, grouped_mm_fp8_wgrad: the weight gradient with the groups splitting the tokens,
+dout and x quantized along the tokens (quantize_fp8_tokens, before timing), each group padded to 128
+rows (Mp rows in all), fp32 output; FLOPs = 2 * Mp * N * K; bytes = dout Mp*N + x Mp*K (1 byte) + their
+scales + dW E*N*K*4. Peer: moe_kernels_bf16, our bf16 grouped_mm_wgrad on the same padded bf16
+operands. Checked first: within fp32 rounding of 16x the terms' magnitude of the fp64 reference on the
+device (Hopper's FP8 accumulation keeps ~14 bits inside each 128-token block).
+
+A third op per case, fp8_recipe_fwd_bwd: Fp8BlockwiseRecipe().grouped_mm forward and backward (dx, dw)
+from bf16 x and w, all three products in FP8, quantization of x, w and dout included (each training step
+quantizes them anew), on the 128-padded groups, against bf16 grouped_mm forward and backward; FLOPs =
+3 * 2 * Mp * N * K. Checked first: out, dx and dw within relative L2 error 0.1 of the bf16 ones (FP8
+keeps ~3 significant bits; a wrong scale or layout is far outside).
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from __future__ import annotations
 import torch
 
 import moe_kernels
-from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, grouped_mm_fp8_wgrad_reference
 from moe_kernels.quant import Fp8BlockwiseRecipe
-from moe_kernels.testing import assert_close_to_fp64
+from moe_kernels.testing import assert_close_to_fp64, assert_within_fp32_rounding
 
 from . import bench_grouped_mm as bg
 from . import harness as h
@@ -48,8 +55,15 @@ def _inputs(ctx: h.Context, c: bg.Case, seed: int) -> dict:
     sizes = torch.tensor(c.sizes(seed), dtype=torch.int32, device=ctx.device)
     xq, xs = moe_kernels.quantize_fp8(x, "block")
     wq, ws = moe_kernels.quantize_fp8_experts(w)
-    dout = torch.randn(c.M, c.N, generator=g, device=ctx.device).to(torch.bfloat16)
-    return dict(x=x, w=w, sizes=sizes, fp8=(xq, xs, wq, ws, sizes), train=(x.requires_grad_(), w.requires_grad_(), sizes, dout))
+    # wgrad and training: each group padded to 128 rows (permute(..., align=128) in the recipe).
+    padded = [-(-n // 128) * 128 for n in c.sizes(seed)]
+    Mp = sum(padded)
+    xp = torch.randn(Mp, c.K, generator=g, device=ctx.device).to(torch.bfloat16)
+    dp = torch.randn(Mp, c.N, generator=g, device=ctx.device).to(torch.bfloat16)
+    psizes = torch.tensor(padded, dtype=torch.int32, device=ctx.device)
+    wgrad = (*moe_kernels.quantize_fp8_tokens(dp), *moe_kernels.quantize_fp8_tokens(xp), psizes)
+    return dict(x=x, w=w, sizes=sizes, fp8=(xq, xs, wq, ws, sizes), Mp=Mp, wgrad=wgrad, wgrad_bf16=(dp, xp, psizes),
+                train=(xp.clone().requires_grad_(), w.requires_grad_(), psizes, dp))
 
 
 RECIPE = Fp8BlockwiseRecipe()
@@ -96,19 +110,37 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     fwd = h.make_result(ctx, op="grouped_mm_fp8_fwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.float8_e4m3fn,
                         timing=ours, nbytes=nbytes, flops=flops, peers=peers, peer_variant=variants)
 
+    Mp = s0["Mp"]
+    _check_wgrad(c, s0["wgrad"])
+    ours_wgrad = ctx.time(lambda *a: moe_kernels.grouped_mm_fp8_wgrad(*a), [s["wgrad"] for s in sets])
+    peer_wgrad = ctx.time(lambda *a: torch.ops.moe_kernels.grouped_mm_wgrad(*a), [s["wgrad_bf16"] for s in sets])
+    wgrad_bytes = Mp * (c.N + c.K) + 4 * (c.N + c.K) * (Mp // 128) + 4 * c.E * c.N * c.K
+    wgrad = h.make_result(ctx, op="grouped_mm_fp8_wgrad", case=c.name, shape=c.shape(ctx.seed),
+                          dtype=torch.float8_e4m3fn, timing=ours_wgrad, nbytes=wgrad_bytes, flops=2 * Mp * c.N * c.K,
+                          peers={"moe_kernels_bf16": peer_wgrad}, peer_variant={"moe_kernels_bf16": "grouped_mm_wgrad"})
+
     _check_recipe(c, s0["train"])
     ours_train = ctx.time(_fwd_bwd(RECIPE.grouped_mm), [s["train"] for s in sets])
     peer_train = ctx.time(_fwd_bwd(moe_kernels.grouped_mm), [s["train"] for s in sets])
-    bf16_bytes = 2 * (c.M * c.K + c.E * c.N * c.K + c.M * c.N)  # x, w, dout in; out, dx, dw out: 2x that
+    bf16_bytes = 2 * (Mp * c.K + c.E * c.N * c.K + Mp * c.N)  # x, w, dout in; out, dx, dw out: 2x that
     train = h.make_result(ctx, op="fp8_recipe_fwd_bwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.bfloat16,
-                          timing=ours_train, nbytes=2 * bf16_bytes, flops=3 * flops,
+                          timing=ours_train, nbytes=2 * bf16_bytes, flops=3 * 2 * Mp * c.N * c.K,
                           peers={"moe_kernels_bf16": peer_train}, peer_variant={"moe_kernels_bf16": "grouped_mm fwd+bwd"})
-    return [fwd, train]
+    return [fwd, wgrad, train]
+
+
+def _check_wgrad(c: bg.Case, args: tuple) -> None:
+    ours = moe_kernels.grouped_mm_fp8_wgrad(*args)
+    a_q, a_s, b_q, b_s, sizes = args
+    ref64 = grouped_mm_fp8_wgrad_reference(*args, acc=torch.float64)
+    absq = lambda q: q.float().abs().to(torch.float8_e4m3fn)  # noqa: E731
+    magnitude = grouped_mm_fp8_wgrad_reference(absq(a_q), a_s, absq(b_q), b_s, sizes, acc=torch.float64)
+    assert_within_fp32_rounding(ours, ref64, 16 * magnitude, f"{c.name} grouped_mm_fp8_wgrad")
 
 
 def headline(results: list[h.Result]) -> list[str]:
     lines = []
-    for op in ("grouped_mm_fp8_fwd", "fp8_recipe_fwd_bwd"):
+    for op in ("grouped_mm_fp8_fwd", "grouped_mm_fp8_wgrad", "fp8_recipe_fwd_bwd"):
         chosen = [r for r in results if r.op == op]
         if chosen:
             lines += _headline(op, chosen)

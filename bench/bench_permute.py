@@ -16,6 +16,12 @@ outputs (x_perm on its first P rows), unpermute, dx and dy bit-exact, dweights w
 (moe_kernels.testing's policy); each peer's forward within its dtype's precision. Peer gradients
 come from torch.autograd and are not checked (the eager permute backward is an index_add_ that
 accumulates in bf16).
+
+A fifth op per case, permute_quantize_fp8: the fused permute + FP8 1x128 quantization as the FP8 recipe
+calls it (keep_rows: E4M3 codes, scales and the bf16 rows, from one read of x), against its peer
+  moe_kernels_unfused  permute, then quantize_fp8(x_perm, "block") (the same outputs, one more pass).
+Bytes: x T*H*2 + indices -> x_perm P*H*2 + codes P*H + scales P*ceil(H/128)*4 + row_map + group_sizes.
+Checked first: codes and scales bit-exact against permute_quantize_fp8's reference on the first P rows.
 """
 
 from __future__ import annotations
@@ -26,7 +32,12 @@ from typing import Callable, Iterator
 import torch
 
 import moe_kernels
-from moe_kernels.ops.permute import permute_reference, unpermute_bwd_reference, unpermute_reference
+from moe_kernels.ops.permute import (
+    permute_quantize_fp8_reference,
+    permute_reference,
+    unpermute_bwd_reference,
+    unpermute_reference,
+)
 from moe_kernels.testing import assert_within_fp32_rounding, random_routing
 
 from . import harness as h
@@ -217,6 +228,26 @@ def timed_ops(c: Case, impl: Impl, sets: list[dict]) -> Iterator[tuple[str, Call
         yield "unpermute_bwd", grad, inputs
 
 
+def fused_permute_quantize(x, indices, E, align):
+    return moe_kernels.permute_quantize_fp8(x, indices, E, align=align, keep_rows=True)
+
+
+def unfused_permute_quantize(x, indices, E, align):
+    x_perm, row_map, group_sizes = moe_kernels.permute(x, indices, E, align=align)
+    q, scale = moe_kernels.quantize_fp8(x_perm, "block")
+    return q, scale, row_map, group_sizes, x_perm
+
+
+def check_fused(c: Case, s: dict[str, torch.Tensor]) -> None:
+    rq, rs, rmap, rgs, rperm = permute_quantize_fp8_reference(s["x"], s["indices"], c.E, c.align)
+    q, scale, row_map, group_sizes, x_perm = fused_permute_quantize(s["x"], s["indices"], c.E, c.align)
+    P = int(rgs.sum())
+    h.check_exact(f"{c.name} permute_quantize_fp8 codes", q[:P].view(torch.uint8), rq[:P].view(torch.uint8))
+    h.check_exact(f"{c.name} permute_quantize_fp8 scales", scale[:P], rs[:P])
+    h.check_exact(f"{c.name} permute_quantize_fp8 x_perm", x_perm[:P], rperm[:P])
+    h.check_exact(f"{c.name} permute_quantize_fp8 row_map", row_map, rmap)
+
+
 def nbytes(op: str, c: Case, s: dict[str, torch.Tensor]) -> int:
     T, k, H, E = c.T, c.k, c.H, c.E
     es = s["x"].element_size()
@@ -228,6 +259,7 @@ def nbytes(op: str, c: Case, s: dict[str, torch.Tensor]) -> int:
         "unpermute_fwd": n * H * es + 2 * idx + T * H * es,
         "permute_bwd": n * H * es + idx + T * H * es,
         "unpermute_bwd": T * H * es + n * H * es + 2 * idx + R * H * es + idx,
+        "permute_quantize_fp8": T * H * es + idx + P * H * (es + 1) + P * -(-H // 128) * 4 + idx + E * 4,
     }[op]
 
 
@@ -248,6 +280,11 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
                 if peer not in best.setdefault(op, {}) or t.us < best[op][peer][0].us:
                     best[op][peer] = (t, variant)
 
+    check_fused(c, sets[0])
+    inputs = [(s["x"], s["indices"], c.E, c.align) for s in sets]
+    ours["permute_quantize_fp8"] = ctx.time(fused_permute_quantize, inputs)
+    best["permute_quantize_fp8"] = {"moe_kernels_unfused": (ctx.time(unfused_permute_quantize, inputs),
+                                                            "permute + quantize_fp8")}
     return [h.make_result(ctx, op=op, case=c.name, shape=c.shape, dtype=torch.bfloat16, timing=t,
                           nbytes=sum(nbytes(op, c, s) for s in sets) // len(sets), flops=0,
                           peers={p: tv[0] for p, tv in best.get(op, {}).items()},
@@ -258,9 +295,16 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
 def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
     case = HEADLINE_CASE if any(r.case == HEADLINE_CASE for r in results) else results[0].case
     copy = ctx.ceilings().copy_gbps
-    return [f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of {copy:.0f} GB/s), "
-            f"{r.speedup['torch_eager']:.2f}x torch eager ({BAR})"
-            for r in results if r.case == case]
+    lines = []
+    for r in results:
+        if r.case != case:
+            continue
+        peer, name = next(((p, n) for p, n in (("torch_eager", "torch eager"), ("moe_kernels_unfused",
+                          "permute + quantize_fp8")) if p in r.speedup))
+        bar = f" ({BAR})" if peer == "torch_eager" else ""
+        lines.append(f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of {copy:.0f} GB/s), "
+                     f"{r.speedup[peer]:.2f}x {name}{bar}")
+    return lines
 
 
 def run(ctx: h.Context) -> h.Report:

@@ -126,8 +126,11 @@ def moe_kernels_experts_forward(
         idx = torch.where(idx < E, idx, -1)  # EP sentinels (>= E, weight 0) become dropped slots
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
     mm = grouped_mm if recipe is None else recipe.grouped_mm
-    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1 if recipe is None else recipe.align)
-    h = mm(x_perm, w13, group_sizes)  # [R, 2F]
+    if getattr(recipe, "fused_permute", False):  # the FP8 recipe: permute fused with the first GEMM's quantization
+        h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
+    else:
+        x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1 if recipe is None else recipe.align)
+        h = mm(x_perm, w13, group_sizes)  # [R, 2F]
     act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)  # act_fn(gate) * up
     y = mm(act.contiguous(), w2, group_sizes)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
