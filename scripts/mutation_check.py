@@ -103,6 +103,22 @@ MUTANTS = (
         ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference"),
     ),
     Mutant(
+        "stale padding scales",
+        "quant_copy_kernel: an expert's padding rows get zero codes but their scales are left unwritten",
+        "permute/permute.cu",
+        "      for (int64_t b = threadIdx.x; b < bpr; b += kQuantThreads) scales[r * bpr + b] = 0.f;\n",
+        "",
+        ("tests/ops/test_permute_quantize_fp8_gpu.py", "-k", "test_matches_reference and 300 and 128"),
+    ),
+    Mutant(
+        "amax over the wrong lanes",
+        "quant_copy_kernel: the 1x128 block's amax reduced over 8 lanes instead of its 16",
+        "permute/permute.cu",
+        "    const float s = quant::scale_from_amax(quant::warp_nan_max(m, kQuantLanes), false, pow2);\n",
+        "    const float s = quant::scale_from_amax(quant::warp_nan_max(m, kQuantLanes / 2), false, pow2);\n",
+        ("tests/ops/test_permute_quantize_fp8_gpu.py", "-k", "test_dtypes_routing_and_pow2"),
+    ),
+    Mutant(
         "missing __syncthreads",
         "portable grouped GEMM: the next K tile loaded while other threads still read the current one",
         "gemm/grouped_mm.cu",
