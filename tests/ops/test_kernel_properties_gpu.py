@@ -1,5 +1,5 @@
-"""Property-based tests of the permute and router kernels against their references: random T, E, k,
-H, align, dropped (-1) slots and hot experts, drawn by hypothesis (derandomized, so every run tries the
+"""Property-based tests of the permute (plain and fused with FP8 quantization) and router kernels against
+their references: random T, E, k, H, align, dropped (-1) slots and hot experts, drawn by hypothesis (derandomized, so every run tries the
 same examples). GPU tier: on a GPU, and on the CPU-executed kernels under MOE_KERNELS_EMULATE=1."""
 
 import pytest
@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moe_kernels as mk
-from moe_kernels.ops.permute import permute_reference, permuted_rows, unpermute_reference
+from moe_kernels.ops.permute import permute_quantize_fp8_reference, permute_reference, permuted_rows, unpermute_reference
 from moe_kernels.ops.router import (
     resolve_topk_options,
     router_selection_scores,
@@ -62,6 +62,32 @@ def test_permute_matches_reference(cuda, routing, H, align, dtype):
         w = torch.rand(T, k, generator=gen)
         out = mk.unpermute(x_perm, row_map, w.to(cuda))
         assert_exact(out.cpu(), unpermute_reference(ref_perm, ref_map, w), "unpermute")
+
+
+@SETTINGS
+@given(
+    routing=routings(),
+    H=st.integers(1, 300),
+    align=st.sampled_from([1, 16, 128]),
+    dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
+    scale=st.sampled_from([1e-30, 1.0, 1e30]),
+    pow2=st.booleans(),
+)
+def test_permute_quantize_fp8_matches_reference(cuda, routing, H, align, dtype, scale, pow2):
+    idx, E, seed = routing
+    T, k = idx.shape
+    gen = torch.Generator().manual_seed(seed + 2)
+    x = (torch.randn(T, H, generator=gen) * torch.logspace(-2, 2, H) * scale).to(dtype)  # overflows to inf in fp16
+    q, s, row_map, sizes, x_perm = mk.permute_quantize_fp8(x.to(cuda), idx.to(cuda), E, align=align, pow2_scale=pow2,
+                                                           keep_rows=True)
+    rq, rs, rmap, rsizes, rperm = permute_quantize_fp8_reference(x, idx, E, align, pow2)
+    n = int(rsizes.sum())
+    assert q.shape == (permuted_rows(T, k, E, align), H)
+    assert_exact(row_map.cpu(), rmap, "row_map")
+    assert_exact(sizes.cpu(), rsizes, "group_sizes")
+    assert_exact(q[:n].cpu().view(torch.uint8), rq[:n].view(torch.uint8), "codes")
+    assert_exact(s[:n].cpu(), rs[:n], "scales (padding rows 0)")
+    assert_exact(x_perm[:n].cpu(), rperm[:n], "x_perm")
 
 
 @st.composite
