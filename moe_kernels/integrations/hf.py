@@ -58,14 +58,17 @@ in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs fro
 transposed or quantised expert weights, a replaced router, transformers 4.x per-expert ModuleLists).
 
 The experts implementation alone (transformers' own router): `model.set_experts_implementation("moe_kernels")`,
-or `from_pretrained(..., experts_implementation="moe_kernels")` after a first `patch_hf` or
-`register_experts_implementation()`.
+or `from_pretrained(..., experts_implementation="moe_kernels")`: "moe_kernels" is registered in
+transformers' experts interface as soon as both moe_kernels and transformers.integrations.moe are imported,
+in either order (a post-import hook when moe_kernels comes first). It covers the experts' GEMMs only and
+runs at the model's precision; `patch_hf` also replaces the routers (router_topk) and takes a recipe.
 
 transformers is imported lazily: importing moe_kernels never imports it.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import re
 import sys
 import types
@@ -117,6 +120,8 @@ def moe_kernels_experts_forward(
             f"moe_kernels experts: {type(self).__name__} has biases, transposed/interleaved weights, no gate "
             "or a post-expert norm; only bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here"
         )
+    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
+        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     E = self.num_experts
     w13 = _grouped_weight(self.gate_up_proj)  # [E, 2F, H]: N = 2F, K = H
     w2 = _grouped_weight(self.down_proj)  # [E, H, F]: N = H, K = F
@@ -228,6 +233,32 @@ def _family_classes(fam: _Family):
         return None
     classes = tuple(getattr(mod, name, None) for name in (fam.block, fam.gate, fam.experts))
     return None if any(c is None for c in classes) else classes
+
+
+_SHARDED = (
+    "holds sharded (DTensor) weights: transformers' tensor or expert parallelism was applied "
+    "(from_pretrained(..., tp_plan= or distributed_config=)). moe_kernels' ops take whole local tensors and do "
+    "not run transformers' sharded experts; load the model without transformers' parallelism to patch it"
+)
+
+
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _parallel_problem(block: nn.Module) -> str | None:
+    """Why a block of a supported class was parallelised in a way patch_hf cannot run, or None."""
+    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if any(_is_dtensor(p) for m in (gate, experts) if isinstance(m, nn.Module) for p in m.parameters()):
+        return _SHARDED
+    if getattr(experts, "_is_expert_parallel", False):
+        return ("holds one rank's experts (transformers' expert parallelism was applied); patch_hf runs whole "
+                "models: load the model without transformers' parallelism to patch it")
+    return None
 
 
 def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
@@ -414,6 +445,9 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
                         f"{recipe!r}")
     register_experts_implementation()
     found = list(_scan(model))
+    for path, block, fam, _ in found:  # refused before anything is patched: such a model would fail later
+        if fam is not None and (problem := _parallel_problem(block)) is not None:
+            raise ValueError(f"patch_hf: the MoE block at {path or '<root>'} {problem}")
     if recipe is not None:  # every block must fit the recipe before any is patched
         for path, block, fam, problem in found:
             if fam is not None and problem is None:
@@ -456,7 +490,67 @@ def unpatch_hf(model: nn.Module) -> nn.Module:
     return model
 
 
-# A model unpickled in a fresh process names the "moe_kernels" experts implementation: register it whenever
-# transformers' experts interface is already loaded (importing it here would make `import moe_kernels` slow).
-if "transformers.integrations.moe" in sys.modules:
+# "moe_kernels" is a valid experts implementation as soon as both moe_kernels and transformers' experts
+# interface are imported, in either order (from_pretrained(..., experts_implementation="moe_kernels") and
+# models unpickled in a fresh process name it). Importing transformers here would add seconds to every
+# `import moe_kernels`, so when it is not loaded yet a post-import hook registers it right after
+# transformers.integrations.moe has executed.
+_INTERFACE_MODULE = "transformers.integrations.moe"
+
+
+def _register_after_import() -> None:
+    try:
+        register_experts_implementation()
+    except Exception as exc:  # never break transformers' import
+        warnings.warn(f"moe_kernels: could not register the 'moe_kernels' experts implementation: {exc!r}",
+                      UserWarning, stacklevel=2)
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """Runs the real loader, then registers our experts implementation. Everything else is the real loader's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def create_module(self, spec):
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module):
+        self._inner.exec_module(module)
+        _remove_import_hook()
+        _register_after_import()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _ImportHook(importlib.abc.MetaPathFinder):
+    """Finds transformers.integrations.moe through the other finders and wraps its loader."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _INTERFACE_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _RegisteringLoader(spec.loader)
+                return spec
+        return None
+
+
+def _remove_import_hook() -> None:
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _ImportHook)]
+
+
+def _install_import_hook() -> None:
+    if not any(isinstance(f, _ImportHook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _ImportHook())
+
+
+if _INTERFACE_MODULE in sys.modules:
     register_experts_implementation()
+else:
+    _install_import_hook()

@@ -350,6 +350,34 @@ def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
         torch.testing.assert_close(torch.load(tmp_path / "out.pt"), run(model, ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("first", ["moe_kernels", "transformers"])
+def test_experts_backend_registered_on_import(tmp_path, first):
+    # from_pretrained(..., experts_implementation="moe_kernels") in a fresh process that imported both, in
+    # either order, and never called patch_hf or the registration; importing moe_kernels alone does not
+    # import transformers.
+    model = build("qwen3_moe").eval()
+    model.save_pretrained(tmp_path / "model")
+    ids = inputs()
+    imports = ("import moe_kernels\nassert 'transformers' not in sys.modules, 'moe_kernels imported transformers'\n"
+               "import transformers\n") if first == "moe_kernels" else "import transformers.integrations.moe\nimport moe_kernels\n"
+    script = (
+        "import sys, torch\n" + imports +
+        "from moe_kernels.integrations import hf\n"
+        "calls = []\nreal = hf.grouped_mm\nhf.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
+        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r}, "
+        "experts_implementation='moe_kernels').eval()\n"
+        f"ids = torch.tensor({ids.tolist()})\n"
+        "with torch.no_grad():\n    out = m(ids).logits\n"
+        "assert calls, 'the experts ran our grouped_mm'\n"
+        f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
+    )
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    # Our experts against transformers' eager experts, both fp32: the GEMMs' summation order differs.
+    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), ref, rtol=1e-5, atol=1e-5)
+
+
 def test_unpatch_keeps_wrappers_installed_after_patch(monkeypatch):
     # accelerate's offloading hooks (add_hook_to_module) and tensor-parallel forwards wrap `forward` on the
     # instance after patching: unpatching must keep them running, and the modules run transformers' code.
@@ -538,6 +566,49 @@ def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
     experts = moe_blocks(model)[0].experts
     for p in (experts.gate_up_proj, experts.down_proj):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+def test_transformers_expert_parallelism_is_refused_at_patch_time():
+    # transformers' expert parallelism leaves each rank its own experts; patch_hf refuses such a model up
+    # front and says why (it used to report "unexpected weight shapes").
+    model = build("qwen3_moe")
+    for block in moe_blocks(model):
+        block.experts._is_expert_parallel = True
+        block.experts.gate_up_proj = nn.Parameter(block.experts.gate_up_proj.detach()[:4].clone())
+        block.experts.down_proj = nn.Parameter(block.experts.down_proj.detach()[:4].clone())
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp holds one rank's experts \(transformers' expert "
+                                         r"parallelism was applied\)"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
+
+
+def _tensor_parallel_refused(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build("qwen3_moe")
+    experts = moe_blocks(model)[0].experts
+    ref = copy.deepcopy(experts)
+    # transformers' tensor plan: gate_up_proj packed column-wise, down_proj row-wise (sharded DTensors).
+    experts.gate_up_proj = nn.Parameter(distribute_tensor(experts.gate_up_proj.detach(), mesh, [Shard(1)]))
+    experts.down_proj = nn.Parameter(distribute_tensor(experts.down_proj.detach(), mesh, [Shard(2)]))
+    with pytest.raises(ValueError, match=r"mlp holds sharded \(DTensor\) weights: transformers' tensor or expert "
+                                         r"parallelism was applied"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
+    # The experts backend called on such weights says the same instead of "mixed torch.Tensor and DTensor".
+    x, idx, w = torch.randn(5, H), torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+    with pytest.raises(NotImplementedError, match="sharded \\(DTensor\\) weights"):
+        hf.moe_kernels_experts_forward(experts, x, idx, w)
+    assert hf.moe_kernels_experts_forward(ref, x, idx, w).shape == (5, H)  # the same call on plain weights runs
+
+
+@pytest.mark.distributed
+def test_transformers_tensor_parallelism_is_refused_at_patch_time():
+    from tests.distributed import run_world
+
+    run_world(_tensor_parallel_refused, 2)
 
 
 def test_model_without_moe_blocks_warns():
