@@ -11,6 +11,9 @@ Environment knobs:
   CUTLASS_DIR              CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel.
   MAX_JOBS                 parallel compile jobs (default: cores, capped by memory at ~4 GB per job).
   CUDA_HOME / CUDA_PATH    where nvcc lives when it is not on PATH.
+  MOE_KERNELS_CUDA_FROM_PIP=1       build with NVIDIA's CUDA compiler wheels (added to the build requirements
+                           by tools/build/moe_build_backend.py; automatic on a GPU machine without a toolkit).
+  MOE_KERNELS_IGNORE_SYSTEM_CUDA=1  ignore any installed toolkit (use the wheels' nvcc).
 """
 
 import importlib.util
@@ -30,30 +33,24 @@ def _say(msg: str) -> None:
     print(f"moe_kernels: {msg}", file=sys.stderr, flush=True)
 
 
-def find_nvcc() -> str | None:
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            cand = Path(os.environ[env]) / "bin" / "nvcc"
-            if cand.exists():
-                return str(cand)
-    found = shutil.which("nvcc")
-    if found:
-        return found
-    cand = Path("/usr/local/cuda/bin/nvcc")
-    return str(cand) if cand.exists() else None
+sys.path.insert(0, str(ROOT / "tools" / "build"))
+from moe_build_backend import find_nvcc, wheel_toolkits  # noqa: E402  (one rule for the backend and this file)
 
 
 def find_cuda_include() -> str | None:
-    """The CUDA headers (the directory holding cuda_runtime.h and cuda_fp8.h): the toolkit next to nvcc,
-    CUDA_HOME/CUDA_PATH, /usr/local/cuda, or a pip wheel's include directory."""
+    """The CUDA headers (the directory holding cuda_runtime.h and cuda_fp8.h): the toolkit of `find_nvcc`,
+    CUDA_HOME/CUDA_PATH, /usr/local/cuda (unless MOE_KERNELS_IGNORE_SYSTEM_CUDA=1), or a pip wheel's include
+    directory."""
     candidates = []
     nvcc = find_nvcc()
     if nvcc:
         candidates.append(Path(nvcc).resolve().parent.parent / "include")
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]) / "include")
-    candidates.append(Path("/usr/local/cuda/include"))
+    if not _flag("MOE_KERNELS_IGNORE_SYSTEM_CUDA"):
+        for env in ("CUDA_HOME", "CUDA_PATH"):
+            if os.environ.get(env):
+                candidates.append(Path(os.environ[env]) / "include")
+        candidates.append(Path("/usr/local/cuda/include"))
+    candidates += [root / "include" for root in wheel_toolkits()]
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         candidates += sorted(Path(root).glob("*/include"))

@@ -55,7 +55,7 @@ class Fp8BlockwiseRecipe:
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast).
         With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128))."""
-        return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self)
+        return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w))
 
     def permute_grouped_mm(
         self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor
@@ -65,7 +65,8 @@ class Fp8BlockwiseRecipe:
         group_sizes). Differentiable in x and w; `align` must be a multiple of this recipe's."""
         if align % self.align:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
-        return _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self)
+        return _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
+                                          _weight_grad_needed(w))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -191,17 +192,29 @@ def _nvfp4_wgrad(dout: Tensor, x: Tensor, group_sizes: Tensor) -> Tensor:
 RECIPES = {"bf16": None, "fp8-blockwise": Fp8BlockwiseRecipe(), "nvfp4": Nvfp4Recipe()}
 
 
+def _weight_grad_needed(w: Tensor) -> bool:
+    """Whether a backward will ask for dW (decided outside the autograd function: grad mode is off inside
+    its forward). Without it (inference, frozen experts) nothing is kept for wgrad."""
+    return torch.is_grad_enabled() and w.requires_grad
+
+
 def _fp8_forward(
-    x_q: Tensor, x_scale: Tensor, x: Tensor, w: Tensor, group_sizes: Tensor, recipe
+    x_q: Tensor, x_scale: Tensor, x: Tensor | None, w: Tensor, group_sizes: Tensor, recipe, need_wgrad: bool,
+    out_dtype: torch.dtype,
 ) -> tuple[Tensor, dict, list[Tensor]]:
-    """The forward product from quantized rows, and what the backward needs (`state`)."""
+    """The forward product from quantized rows, and what the backward needs (`state`). `x` (the rows in the
+    input precision) is read only for wgrad."""
     w_q, w_scale = quantize_fp8_experts(w.detach(), pow2_scale=recipe.pow2_scale)  # [E, N, K], [E, N/128, K/128]
-    out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(x.dtype)
+    out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(out_dtype)
     fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
-    state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=x.dtype,
-                 rows=x.shape[0])
+    state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=out.dtype)
     # wgrad reads x along the tokens: with FP8 wgrad only its token-blocked E4M3 copy is kept.
-    saved_x = quantize_fp8_tokens(x.detach(), pow2_scale=recipe.pow2_scale) if recipe.fp8_wgrad else (x,)
+    if not need_wgrad:
+        saved_x = ()
+    elif recipe.fp8_wgrad:
+        saved_x = quantize_fp8_tokens(x.detach(), pow2_scale=recipe.pow2_scale)
+    else:
+        saved_x = (x,)
     state["n_x"] = len(saved_x)
     return out, state, [*saved_x, w, group_sizes, *((w_q, w_scale) if fp8_dgrad else ())]
 
@@ -222,6 +235,9 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool,
         else:
             dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.to(dout.dtype), group_sizes)
     if need_dw:
+        if not saved_x:
+            raise RuntimeError("Fp8BlockwiseRecipe: the forward ran without a weight gradient in view (grad mode off "
+                               "or w.requires_grad False), so nothing was kept for dW")
         if state["fp8_wgrad"]:
             d_t = quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])  # [N, Mp], [N, Mp/128]
             dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes).to(w.dtype)
@@ -232,26 +248,27 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool,
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool):
         x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale)  # [M, K], [M, K/128]
-        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe)
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2])
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe):
+    def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe,
+                need_wgrad: bool):
         # One read of each token: its codes, scales and (for wgrad) its input-precision rows.
         x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
-            x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=True
+            x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=need_wgrad
         )
-        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe)
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype)
         ctx.save_for_backward(*saved, row_map)
         ctx.mark_non_differentiable(row_map, group_sizes)
         return out, row_map, group_sizes
@@ -262,4 +279,4 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
         dx_perm, dw = _fp8_backward(ctx.state, saved, dout, *ctx.needs_input_grad[:2])
         # permute's backward: dx[t] = sum over its slots of dx_perm[row] (fp32 accumulation).
         dx = unpermute(dx_perm.contiguous(), row_map, None) if dx_perm is not None else None
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None

@@ -121,6 +121,25 @@ def test_fp8_wgrad_saves_the_token_blocked_fp8_copy():
     assert any(t.dtype == torch.float8_e4m3fn and t.shape == (x.shape[1], 384) for t in saved)
 
 
+def test_no_weight_gradient_keeps_nothing_for_wgrad(monkeypatch):
+    # Inference and frozen experts: no token-blocked copy of x is made (nor, fused, the bf16 rows), and dx is
+    # the same as with a weight gradient.
+    from moe_kernels.quant import recipe as recipe_mod
+
+    x, w, gs, dout = _problem(M=384, sizes=(128, 0, 256, 0))
+    calls = []
+    real = recipe_mod.quantize_fp8_tokens
+    monkeypatch.setattr(recipe_mod, "quantize_fp8_tokens", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    recipe = Fp8BlockwiseRecipe()
+    with torch.no_grad():
+        recipe.grouped_mm(x, w, gs)
+    (dx_frozen,) = torch.autograd.grad(recipe.grouped_mm(x, w.detach(), gs), (x,), dout)
+    assert calls == []
+    dx, _ = torch.autograd.grad(recipe.grouped_mm(x, w, gs), (x, w), dout)
+    assert len(calls) == 2  # x in the forward, dout in the backward
+    torch.testing.assert_close(dx_frozen, dx, rtol=0, atol=0)
+
+
 def test_dgrad_in_input_precision_when_asked():
     x, w, gs, dout = _problem()
     out = Fp8BlockwiseRecipe(fp8_dgrad=False, fp8_wgrad=False).grouped_mm(x, w, gs)
