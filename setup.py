@@ -95,6 +95,16 @@ def default_jobs() -> int:
     return max(1, min(cores, int(mem_gb // 4)))
 
 
+def _wheel_toolkit_args(nvcc: str) -> list[str]:
+    """CMake arguments for a toolkit assembled by NVIDIA's pip wheels: its runtime wheel ships only the
+    versioned libcudart.so.N, which FindCUDAToolkit does not look for (we link cudart_static, found as is)."""
+    root = Path(nvcc).resolve().parent.parent
+    if not any(root == t.resolve() for t in wheel_toolkits()):
+        return []
+    shared = sorted((root / "lib").glob("libcudart.so*"))
+    return [f"-DCUDA_CUDART={shared[0]}"] if shared else []
+
+
 class CMakeExtension(Extension):
     def __init__(self, name: str, sanitize: bool = False):
         super().__init__(name, sources=[])
@@ -126,6 +136,7 @@ class CMakeBuild(build_ext):
         cutlass = find_cutlass_root()
         if cutlass:
             args.append(f"-DMOE_KERNELS_CUTLASS_DIR={cutlass}")
+        args += _wheel_toolkit_args(nvcc)
         if shutil.which("ccache"):
             args += ["-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
         jobs = default_jobs()
