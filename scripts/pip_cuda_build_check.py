@@ -5,7 +5,8 @@ of ours with the wheels' nvcc (the flags of CMakeLists.txt's _C target, sm_90a).
     MOE_KERNELS_IGNORE_SYSTEM_CUDA=1 MOE_KERNELS_CUDA_FROM_PIP=1 python scripts/pip_cuda_build_check.py
 
 Fails when the backend would not add the wheels, when they do not install together, when setup.py's
-compiler lookup does not find their nvcc, or when it cannot compile csrc/permute/permute.cu.
+compiler lookup does not find their nvcc, or when it cannot compile csrc/permute/permute.cu and link it
+with the wheels' static runtime.
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ def main() -> int:
         assert f"release {backend.CUDA_MINOR}" in version, version
         start = time.time()
         obj = Path(tmp) / "permute.o"
-        subprocess.run([nvcc, "-std=c++20", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-I", str(ROOT / "csrc"),
-                        "-c", str(ROOT / SOURCE), "-o", str(obj)], check=True, env=env)
+        subprocess.run([nvcc, "-std=c++20", "-O3", "-arch=sm_90a", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC",
+                        "-I", str(ROOT / "csrc"), "-c", str(ROOT / SOURCE), "-o", str(obj)], check=True, env=env)
         assert obj.stat().st_size > 0
-        print(f"compiled {SOURCE} for sm_90a with {nvcc} (CUDA {backend.CUDA_MINOR}) in {time.time() - start:.0f} s")
+        # Linked as a shared module with the static runtime, as _C is: nvcc must find the runtime wheel's libraries.
+        lib = Path(tmp) / "libpermute.so"
+        subprocess.run([nvcc, "-shared", "-arch=sm_90a", "--cudart=static", str(obj), "-o", str(lib)], check=True, env=env)
+        assert lib.stat().st_size > 0
+        print(f"compiled and linked {SOURCE} for sm_90a with {nvcc} (CUDA {backend.CUDA_MINOR}) in {time.time() - start:.0f} s")
     return 0
 
 
