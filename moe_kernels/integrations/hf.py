@@ -80,6 +80,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.router import router_topk
@@ -131,13 +132,14 @@ def moe_kernels_experts_forward(
         idx = torch.where(idx < E, idx, -1)  # EP sentinels (>= E, weight 0) become dropped slots
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
     mm = grouped_mm if recipe is None else recipe.grouped_mm
-    if getattr(recipe, "fused_permute", False):  # the FP8 recipe: permute fused with the first GEMM's quantization
+    lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")  # peft adapters, fused
+    if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
         h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
     else:
         x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1 if recipe is None else recipe.align)
-        h = mm(x_perm, w13, group_sizes)  # [R, 2F]
+        h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
     act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)  # act_fn(gate) * up
-    y = mm(act.contiguous(), w2, group_sizes)  # [R, H]
+    y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
 
@@ -252,7 +254,7 @@ def _is_dtensor(t) -> bool:
 
 def _parallel_problem(block: nn.Module) -> str | None:
     """Why a block of a supported class was parallelised in a way patch_hf cannot run, or None."""
-    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    gate, experts = getattr(block, "gate", None), _experts_of(block)
     if any(_is_dtensor(p) for m in (gate, experts) if isinstance(m, nn.Module) for p in m.parameters()):
         return _SHARDED
     if getattr(experts, "_is_expert_parallel", False):
@@ -261,9 +263,17 @@ def _parallel_problem(block: nn.Module) -> str | None:
     return None
 
 
+def _experts_of(block: nn.Module):
+    """The block's experts module, inside any adapter wrappers (peft's ParamWrapper keeps it as base_layer)."""
+    experts = getattr(block, "experts", None)
+    while isinstance(getattr(experts, "base_layer", None), nn.Module):
+        experts = experts.base_layer
+    return experts
+
+
 def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
     """Why this block of a supported class cannot run on our ops, or None."""
-    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    gate, experts = getattr(block, "gate", None), _experts_of(block)
     if _base_class(gate) is not gate_cls:
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
     if not isinstance(experts, experts_cls):
@@ -374,7 +384,7 @@ def _base_class(module: nn.Module) -> type:
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
-    gate, experts = block.gate, block.experts
+    gate, experts = block.gate, _experts_of(block)
     if _PATCH_ATTR not in gate.__dict__:
         sub = _patched_router_class(type(gate), fam.router_forward)
         saved = None
@@ -451,14 +461,15 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     if recipe is not None:  # every block must fit the recipe before any is patched
         for path, block, fam, problem in found:
             if fam is not None and problem is None:
-                F_, H = block.experts.down_proj.shape[-1], block.experts.gate_up_proj.shape[-1]
+                experts = _experts_of(block)
+                F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
                 try:
                     recipe.check_shapes(H, F_)
                 except ValueError as exc:
                     raise ValueError(f"{where}: {exc}") from None
-                if block.experts.gate_up_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError(f"{where}: its expert weights are {block.experts.gate_up_proj.dtype}; the recipes "
+                if experts.gate_up_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"{where}: its expert weights are {experts.gate_up_proj.dtype}; the recipes "
                                      "quantize fp32, bf16 or fp16")
     patched, skipped = 0, {}
     for path, block, fam, problem in found:
@@ -480,6 +491,9 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
         )
     elif not patched:
         warnings.warn(f"moe_kernels.patch_hf: found no MoE blocks in {type(model).__name__}", UserWarning, stacklevel=2)
+    from moe_kernels.integrations.peft import fuse_lora
+
+    fuse_lora(model)  # peft LoRA on the patched experts: grouped low-rank GEMMs instead of W + BA
     return model
 
 

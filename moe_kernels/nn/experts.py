@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 
@@ -19,6 +20,9 @@ class GroupedExperts(nn.Module):
     `gate_up_proj` order); w2 [E, H, F]. Input rows come grouped by expert (permute's output with its
     group_sizes); `row_weights` [R], when given, scale each row's activation (routing weights applied
     inside the expert instead of in unpermute).
+
+    Low-rank adapters: peft's LoRA with `target_parameters=["...experts.w13", "...experts.w2"]`, made to run as
+    grouped rank-r GEMMs by moe_kernels.integrations.peft.fuse_lora (moe_kernels.nn.lora).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *, device=None, dtype=None):
@@ -40,14 +44,15 @@ class GroupedExperts(nn.Module):
         """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified).
 
         `mm` and `act` are the grouped product and the fused activation (the ops, or their references)."""
-        return self.forward_from_gate_up(mm(x, self.w13, group_sizes), group_sizes, row_weights, mm=mm, act=act)
+        h = grouped_mm_lora(x, self.w13, group_sizes, lora_terms(self, "w13"), mm=mm)  # [R, 2F]
+        return self.forward_from_gate_up(h, group_sizes, row_weights, mm=mm, act=act)
 
     def forward_from_gate_up(
         self, h: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=swiglu
     ) -> Tensor:
         """The rest of forward once the gate/up product h = x W13^T [R, 2F] is computed (e.g. fused with
         the permute by a precision recipe)."""
-        return mm(act(h, row_weights), self.w2, group_sizes)  # [R, F] -> [R, H]
+        return grouped_mm_lora(act(h, row_weights), self.w2, group_sizes, lora_terms(self, "w2"), mm=mm)  # -> [R, H]
 
     @classmethod
     def from_per_expert_linears(

@@ -13,6 +13,7 @@ from torch import Tensor, nn
 
 from moe_kernels.nn import torch_native
 from moe_kernels.nn.experts import GroupedExperts
+from moe_kernels.nn.lora import lora_terms
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
@@ -129,7 +130,7 @@ class MoELayer(nn.Module):
         x_in = autocast_input(x2)
         if self.dispatcher is not None:
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
-        elif getattr(cfg.recipe, "fused_permute", False):
+        elif getattr(cfg.recipe, "fused_permute", False) and not lora_terms(self.experts, "w13"):
             # The recipe fuses the permute with its first GEMM's input quantization.
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
                 x_in, routed.indices, cfg.num_experts, cfg.permute_align, self.experts.w13

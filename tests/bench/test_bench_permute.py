@@ -16,7 +16,8 @@ from moe_kernels.ops.permute import permute_reference, unpermute_reference
 from moe_kernels.testing import assert_exact, random_routing
 
 ROOT = Path(__file__).resolve().parents[2]
-OPS = {"permute_fwd", "unpermute_fwd", "permute_bwd", "unpermute_bwd"}
+OPS = {"permute_fwd", "unpermute_fwd", "permute_bwd", "unpermute_bwd", "permute_quantize_fp8"}
+PEER = {"permute_quantize_fp8": "moe_kernels_unfused"}  # the others' peer: torch_eager
 ROUTER_OPS = {"router_topk_fwd", "router_topk_fwd_bwd"}
 
 
@@ -51,7 +52,7 @@ def test_json_has_metadata_and_results(quick_run):
         assert r["p20_us"] <= r["us"] <= r["p80_us"]
         assert r["bytes"] > 0 and r["ceiling"] == "copy" and r["dtype"] == "bfloat16"
         assert set(r["shape"]) == {"T", "H", "E", "k", "align"}
-        assert "torch_eager" in r["speedup"] and all(s > 0 for s in r["speedup"].values())
+        assert PEER.get(r["op"], "torch_eager") in r["speedup"] and all(s > 0 for s in r["speedup"].values())
         assert r["speedup"].keys() == r["peer_us"].keys() == r["peer_variant"].keys()
 
 
@@ -61,7 +62,10 @@ def test_png_and_stdout(quick_run):
     data = json.loads((out / "bench_permute.json").read_text())
     result_lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert len(result_lines) == len(data["results"])
-    assert all("us=" in line and "GB/s=" in line and "torch_eager=" in line for line in result_lines)
+    for line in result_lines:
+        op = line.split()[1]
+        assert "us=" in line and "GB/s=" in line and f"{PEER.get(op, 'torch_eager')}=" in line, line
+    assert any(line.startswith("HEADLINE permute_quantize_fp8 ") for line in stdout.splitlines())
     assert any(line.startswith("HEADLINE permute_fwd ") for line in stdout.splitlines())
     assert any(line.startswith("GEOMEAN permute_fwd vs torch_eager") for line in stdout.splitlines())
 
@@ -96,3 +100,16 @@ def test_wrong_result_is_reported_not_timed(monkeypatch, tmp_path):
     assert all("x_perm" in f for f in rep.failures)
     json_path, png_path = harness.report(ctx, "permute", rep)
     assert json.loads(json_path.read_text())["failures"] == rep.failures and png_path.exists()
+
+
+def test_a_wrong_fused_quantization_fails_the_case(monkeypatch):
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    real = bp.fused_permute_quantize
+
+    def off_by_one_scale(*args):
+        q, scale, *rest = real(*args)
+        return (q, scale * 1.0001, *rest)
+
+    monkeypatch.setattr(bp, "fused_permute_quantize", off_by_one_scale)
+    with pytest.raises(AssertionError, match="permute_quantize_fp8 scales"):
+        bp.run_case(ctx, bp.cases(ctx)[0])

@@ -1,0 +1,123 @@
+"""peft LoRA on fused expert weights through grouped GEMMs (moe_kernels.nn.lora), in peft's own format.
+
+    model = get_peft_model(model, LoraConfig(r=8, target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    moe_kernels.patch_hf(model)          # or moe_kernels.integrations.peft.fuse_lora(model)
+
+peft wraps each targeted 3D parameter in a `ParamWrapper` that, on every forward, parametrizes the weight
+as W + s B A: a full copy of the expert weights. `fuse_lora` changes the class of every such wrapper whose
+innermost module runs moe_kernels' grouped experts (our `GroupedExperts`, or a transformers experts module
+on the "moe_kernels" experts implementation) to `MoeKernelsParamWrapper`, a subclass that keeps peft's
+parameters, state dict keys, merging and saving, and only replaces how the adapter is applied: its factors
+are handed to the experts' forward (moe_kernels.nn.lora.lora_terms), which adds two rank-r grouped GEMMs.
+Cases the fused path does not cover run peft's own code: several active adapters at once, weights stored
+transposed ([E, K, N]), non-float weights. Adapters saved from a fused model load with
+`PeftModel.from_pretrained`; call `fuse_lora` (or `patch_hf`) again after loading.
+
+peft is imported only when a model holds its wrappers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch import nn
+
+from moe_kernels.nn.lora import LORA_ATTR
+
+_WRAPPER = "MoeKernelsParamWrapper"
+_FLOAT = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _param_wrapper_class():
+    mod = sys.modules.get("peft.tuners.lora.layer")
+    return getattr(mod, "ParamWrapper", None) if mod is not None else None
+
+
+def _innermost(module: nn.Module) -> nn.Module:
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
+
+
+def _runs_grouped_experts(module: nn.Module) -> bool:
+    from moe_kernels.integrations.hf import EXPERTS_IMPLEMENTATION
+    from moe_kernels.nn.experts import GroupedExperts
+
+    if isinstance(module, GroupedExperts):
+        return True
+    config = getattr(module, "config", None)
+    return getattr(config, "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
+
+
+def _make_wrapper_class():
+    ParamWrapper = _param_wrapper_class()
+
+    class MoeKernelsParamWrapper(ParamWrapper):
+        """peft's ParamWrapper whose adapter reaches the grouped experts as low-rank terms (module docstring)."""
+
+        @contextlib.contextmanager
+        def _activate_lora(self, active_adapters):
+            adapters = [a for a in active_adapters if a in self.lora_A]
+            base = self.get_base_layer()
+            param = self.get_param()
+            if (len(adapters) != 1 or self.num_experts == 1 or not self._did_swap_in_out_features
+                    or param.dtype not in _FLOAT or not _runs_grouped_experts(base)):
+                with super()._activate_lora(active_adapters):
+                    yield
+                return
+            b, a, scaling = self.get_delta_factors(adapters[0])  # B [E, N, r], A [E, r, K]
+            entry = (b, a, scaling)
+            terms = base.__dict__.setdefault(LORA_ATTR, {}).setdefault(self.parameter_name, [])
+            terms.append(entry)
+            try:
+                yield
+            finally:
+                terms[:] = [t for t in terms if t is not entry]
+                if not terms:
+                    base.__dict__[LORA_ATTR].pop(self.parameter_name, None)
+
+    MoeKernelsParamWrapper.__module__ = __name__
+    MoeKernelsParamWrapper.__qualname__ = _WRAPPER
+    return MoeKernelsParamWrapper
+
+
+def __getattr__(name: str):
+    # Importable by name (pickles of fused models load in a fresh process), created on first use.
+    if name == _WRAPPER and _param_wrapper_class() is None:
+        import peft.tuners.lora.layer  # noqa: F401
+    if name == _WRAPPER:
+        cls = _make_wrapper_class()
+        globals()[_WRAPPER] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def fuse_lora(model: nn.Module) -> int:
+    """Make every peft `ParamWrapper` around moe_kernels' grouped experts apply its adapter as grouped
+    low-rank GEMMs (module docstring); returns how many wrappers changed. Without peft loaded: 0."""
+    ParamWrapper = _param_wrapper_class()
+    if ParamWrapper is None:
+        return 0
+    cls = __getattr__(_WRAPPER)
+    changed = 0
+    for module in model.modules():
+        if type(module) is ParamWrapper and _runs_grouped_experts(_innermost(module)):
+            module.__class__ = cls
+            changed += 1
+    return changed
+
+
+def unfuse_lora(model: nn.Module) -> int:
+    """Back to peft's own wrappers (W + BA formed on each forward); returns how many changed."""
+    ParamWrapper = _param_wrapper_class()
+    if ParamWrapper is None or _WRAPPER not in globals():
+        return 0
+    changed = 0
+    for module in model.modules():
+        if type(module) is globals()[_WRAPPER]:
+            module.__class__ = ParamWrapper
+            changed += 1
+    return changed

@@ -1,0 +1,40 @@
+"""Low-rank adapters on grouped expert weights, without forming W + BA.
+
+For expert weights W [E, N, K] with adapters (per expert) A [E, r, K] and B [E, N, r] and a scaling s, the
+adapted product over the permuted rows of expert e is
+
+    x W_e^T + s (x A_e^T) B_e^T = grouped_mm(x, W) + s grouped_mm(grouped_mm(x, A), B)
+
+two extra grouped GEMMs of rank r on the same rows: no per-expert loop and no dense delta (peft's
+`target_parameters` path forms W + BA, a full copy of the expert weights, on every forward). Forward and
+backward are grouped_mm's, so gradients reach W (if it trains), A and B.
+
+The terms live on the experts module while an adapter wrapper runs it (moe_kernels.integrations.peft swaps
+peft's wrappers for ones that put them here instead of parametrizing the weight): `lora_terms(module, name)`
+is the list of (B [E, N, r], A [E, r, K], s) for the weight `name`.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from moe_kernels.ops.grouped_mm import grouped_mm
+
+LORA_ATTR = "_moe_kernels_lora"
+
+
+def lora_terms(module: nn.Module, name: str) -> list[tuple[Tensor, Tensor, float]]:
+    """The low-rank terms (B, A, scaling) active on `module`'s weight `name` (empty without adapters)."""
+    return module.__dict__.get(LORA_ATTR, {}).get(name, [])
+
+
+def grouped_mm_lora(x: Tensor, w: Tensor, group_sizes: Tensor, terms, mm=grouped_mm) -> Tensor:
+    """[R, K] rows grouped by expert times (W + sum of s B A)^T per group, as grouped_mm(x, W) plus s x A^T B^T
+    for each term (rank-r grouped GEMMs in x's dtype). `mm` computes the base product (a precision recipe's,
+    or grouped_mm); rows past the groups are unspecified, as in grouped_mm."""
+    out = mm(x, w, group_sizes)
+    for b, a, scaling in terms:
+        a, b = a.to(x.dtype).contiguous(), b.to(x.dtype).contiguous()  # small: E (N + K) r elements
+        low = grouped_mm(grouped_mm(x, a, group_sizes), b, group_sizes)  # [R, r] -> [R, N]
+        out = out + scaling * low.to(out.dtype)
+    return out

@@ -1,0 +1,145 @@
+"""peft LoRA on fused expert weights run as grouped low-rank GEMMs (moe_kernels.integrations.peft,
+moe_kernels.nn.lora): equal to peft's materialised W + BA within the tolerance policy, never forming it,
+training only the adapters, merging, and peft's save/load format."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.nn.utils import parametrize
+
+peft = pytest.importorskip("peft")
+pytest.importorskip("transformers")
+
+import moe_kernels as mk  # noqa: E402
+from moe_kernels.integrations import peft as mk_peft  # noqa: E402
+from moe_kernels.nn import MoELayer  # noqa: E402
+from moe_kernels.nn.moe import qwen3_30b_a3b  # noqa: E402
+from moe_kernels.testing import assert_close_to_fp64  # noqa: E402
+from tests.integrations.test_hf import build, inputs, moe_blocks  # noqa: E402
+
+HF_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def _lora(model, targets=HF_TARGETS, r=4):
+    # init_lora_weights=False: B is random too, so the adapter changes the output from the first step.
+    config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=[], target_parameters=targets,
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    logits.square().mean().backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return logits.detach(), grads
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_fused_lora_equals_peft_within_the_policy(family, monkeypatch):
+    torch.manual_seed(0)
+    peft_model = _lora(build(family, layers=1))
+    ids = inputs()
+    fused = mk.patch_hf(copy.deepcopy(peft_model))
+    peft_model.get_base_model().set_experts_implementation("eager")  # transformers' plain loop: fp64 too
+    ref64_model = copy.deepcopy(peft_model).double()
+    assert sum(type(m).__name__ == "MoeKernelsParamWrapper" for m in fused.modules()) == 2
+    registered = []
+    real = parametrize.register_parametrization
+    monkeypatch.setattr(parametrize, "register_parametrization", lambda *a, **k: registered.append(1) or real(*a, **k))
+    out, grads = _logits_and_grads(fused, ids)
+    assert registered == [], "the fused path never forms W + BA"
+    base, base_grads = _logits_and_grads(peft_model, ids)
+    assert registered, "peft's own path parametrizes the weight"
+    ref, ref_grads = _logits_and_grads(ref64_model, ids)
+    # Error policy: our fp32 result at most 2x peft's fp32 error against the fp64 run (plus 8 ulps).
+    assert_close_to_fp64(out, base, ref, f"{family} logits")
+    lora_names = [n for n in base_grads if "lora_" in n]
+    assert lora_names and set(lora_names) <= set(grads)
+    for name in lora_names:
+        assert_close_to_fp64(grads[name], base_grads[name], ref_grads[name], f"{family} d{name}")
+
+
+def test_fine_tune_changes_only_the_adapters():
+    torch.manual_seed(0)
+    model = build("qwen3_moe")
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
+    peft_model = mk.patch_hf(_lora(model))
+    ids = inputs(batch=4, seq=16)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    assert params and all("lora_" in n for n, p in peft_model.named_parameters() if p.requires_grad)
+    opt = torch.optim.AdamW(params, lr=5e-2)
+    losses = []
+    for _ in range(12):
+        loss = peft_model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < 0.9 * losses[0], losses  # the adapters learn
+    base = peft_model.get_base_model()
+    for name, p in base.named_parameters():
+        if "lora_" not in name:
+            key = name.replace(".base_layer", "")
+            torch.testing.assert_close(p, frozen[key], rtol=0, atol=0, msg=f"{name} changed")
+
+
+def test_merge_and_save_load_round_trip(tmp_path):
+    torch.manual_seed(0)
+    base = build("qwen3_moe")
+    peft_model = mk.patch_hf(_lora(copy.deepcopy(base)))
+    ids = inputs()
+    with torch.no_grad():
+        want = peft_model(ids).logits
+    # peft's format: saved from the fused model, loaded by PeftModel.from_pretrained onto a fresh base.
+    peft_model.save_pretrained(tmp_path / "adapter")
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter")
+    assert mk_peft.fuse_lora(loaded) == 0  # its experts run transformers' code until patched
+    mk.patch_hf(loaded)
+    assert sum(type(m).__name__ == "MoeKernelsParamWrapper" for m in loaded.modules()) == 2 * len(moe_blocks(loaded))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=0)
+        # Merged into the base weights: W + s B A formed once; the same function up to fp32 rounding.
+        merged = loaded.merge_and_unload()
+        assert not any("lora_" in n for n, _ in merged.named_parameters())
+        ref64 = _lora_reference64(base, tmp_path / "adapter", ids)
+        assert_close_to_fp64(merged(ids).logits, want, ref64, "merged logits")
+
+
+def _lora_reference64(base, adapter_dir, ids):
+    model = peft.PeftModel.from_pretrained(copy.deepcopy(base), adapter_dir).double()
+    model.get_base_model().set_experts_implementation("eager")
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_unfuse_returns_to_peft():
+    peft_model = mk.patch_hf(_lora(build("qwen3_moe", layers=1)))
+    assert mk_peft.unfuse_lora(peft_model) == 2
+    assert not any(type(m).__name__ == "MoeKernelsParamWrapper" for m in peft_model.modules())
+    assert mk_peft.fuse_lora(peft_model) == 2
+
+
+def test_grouped_experts_of_our_moe_layer():
+    # peft targets GroupedExperts' w13 / w2 directly; fuse_lora runs the adapters as grouped GEMMs.
+    torch.manual_seed(0)
+    layer = MoELayer(qwen3_30b_a3b(hidden_size=32, ffn_size=16, num_experts=8, k=2))
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.w13", "experts.w2"],
+                             init_lora_weights=False)
+    plain = peft.get_peft_model(layer, config)
+    fused = copy.deepcopy(plain)
+    assert mk_peft.fuse_lora(fused) == 2
+    ref64 = copy.deepcopy(plain).double()
+    x = torch.randn(3, 11, 32)
+    outs = []
+    for model, inp in ((fused, x), (plain, x), (ref64, x.double())):
+        inp = inp.clone().requires_grad_()
+        out, aux = model(inp)
+        (out.square().sum() + aux).backward()
+        grad_a = next(p.grad for n, p in model.named_parameters() if "lora_A" in n)
+        outs.append((out.detach(), inp.grad, grad_a))
+    for i, what in enumerate(("out", "dx", "dlora_A")):
+        assert_close_to_fp64(outs[0][i], outs[1][i], outs[2][i], f"GroupedExperts LoRA {what}")
