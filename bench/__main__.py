@@ -17,6 +17,7 @@ BENCHES = {
     "grouped_mm": "bench.bench_grouped_mm",
     "grouped_mm_fp8": "bench.bench_grouped_mm_fp8",
     "moe_layer": "bench.bench_moe_layer",
+    "lora": "bench.bench_lora",
     "train": "bench.bench_train",
 }
 

@@ -206,6 +206,7 @@ class Result:
     peer_us: dict[str, float]
     speedup: dict[str, float]  # peer time / our time
     peer_variant: dict[str, str] = field(default_factory=dict)  # which variant set the peer's time
+    extra: dict[str, float] = field(default_factory=dict)  # other measurements of the case (e.g. peak memory)
 
 
 @dataclass
