@@ -87,7 +87,8 @@ from moe_kernels.ops.router import router_topk
 
 EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
 _PATCH_ATTR = "_moe_kernels_patch"  # router: its previous `_old_forward` (accelerate); experts: previous implementation
-_RECIPE_ATTR = "_moe_kernels_recipe"  # on patched experts modules given a precision recipe
+_RECIPE_ATTR = "_moe_kernels_recipe"
+DISPATCHER_ATTR = "_moe_kernels_dispatcher"  # on experts sharded by moe_kernels.parallel.apply_expert_parallel  # on patched experts modules given a precision recipe
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -133,10 +134,18 @@ def moe_kernels_experts_forward(
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
     mm = grouped_mm if recipe is None else recipe.grouped_mm
     lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")  # peft adapters, fused
+    align = 1 if recipe is None else recipe.align
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
+    if dispatcher is not None:  # moe_kernels.parallel.apply_expert_parallel: this rank holds E / P experts
+        d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
+        h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
+        act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)
+        y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
+        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
         h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
     else:
-        x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1 if recipe is None else recipe.align)
+        x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
         h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
     act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)  # act_fn(gate) * up
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
@@ -402,6 +411,9 @@ def _install(block: nn.Module, fam: _Family, recipe) -> None:
 
 
 def _uninstall(module: nn.Module) -> bool:
+    if DISPATCHER_ATTR in module.__dict__:
+        raise ValueError("unpatch_hf: the experts are expert-parallel (each rank holds E / P of them); only "
+                         "moe_kernels' experts forward runs them")
     module.__dict__.pop(_RECIPE_ATTR, None)
     if _PATCH_ATTR not in module.__dict__:
         return False

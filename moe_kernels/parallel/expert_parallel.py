@@ -6,6 +6,14 @@ group. The router, shared experts and everything else stay replicated: each rank
 the dispatcher moves them to the experts' owners and back. Build the model identically on every rank
 (same seed or the same checkpoint) before applying it.
 
+transformers models take the same path once their experts run moe_kernels' experts implementation
+(`patch_hf(model)`, or `from_pretrained(..., experts_implementation="moe_kernels")`): each experts module
+keeps its rank's slice of `gate_up_proj` / `down_proj` and a dispatcher, and the experts forward
+dispatches the rows, runs the local grouped GEMMs and combines, while transformers' router, block and
+shared experts run as they are. (transformers' own expert-parallel interface shards through DTensor
+hooks and its own all-to-all; ours keeps plain local tensors and our dispatchers, so the same backends,
+tests and checkpoints serve both kinds of model.)
+
 Gradients: expert weights now differ per rank and already hold the gradient contributions of every
 rank's tokens routed to them; the replicated parameters hold only the local tokens' contributions and
 need the usual data-parallel all-reduce over the group (`expert_parameters` tells them apart). The
@@ -31,15 +39,48 @@ def _local_experts(experts: GroupedExperts, first: int, count: int) -> GroupedEx
     return local
 
 
+def _hf_experts(model: nn.Module) -> list[nn.Module]:
+    """transformers experts modules running moe_kernels' experts implementation."""
+    from moe_kernels.integrations.hf import EXPERTS_IMPLEMENTATION
+
+    return [m for m in model.modules()
+            if getattr(getattr(m, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
+            and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
+
+
+def _shard_hf_experts(experts: nn.Module, backend: str, group) -> None:
+    from moe_kernels.integrations.hf import DISPATCHER_ATTR
+
+    if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
+        raise ValueError("apply_expert_parallel: the model is already expert-parallel")
+    E = experts.num_experts
+    if experts.gate_up_proj.shape[0] != E or experts.down_proj.shape[0] != E:
+        raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
+    dispatcher = make_dispatcher(backend, E, group)
+    lo, El = dispatcher.first_expert, dispatcher.num_local_experts
+    for name in ("gate_up_proj", "down_proj"):
+        w = getattr(experts, name)
+        setattr(experts, name, nn.Parameter(w.detach()[lo : lo + El].clone(), requires_grad=w.requires_grad))
+    experts.__dict__[DISPATCHER_ATTR] = dispatcher
+
+
 def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_to_all") -> nn.Module:
-    """Shard the routed experts of every MoELayer in `model` over `group` (default: the world), in place.
+    """Shard the routed experts of every MoELayer in `model` over `group` (default: the world), in place;
+    also those of a transformers model whose experts run on moe_kernels (module docstring).
 
     backend: "all_to_all" (each (token, expert) pair sent once; the default) or "all_gather" (every rank
     sees every token; for small groups and large k). Returns the model.
     """
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    hf_experts = _hf_experts(model)
+    if hf_experts and not layers:
+        for experts in hf_experts:
+            _shard_hf_experts(experts, backend, group)
+        return model
     if not layers:
-        raise ValueError("apply_expert_parallel: the model has no MoELayer")
+        raise ValueError("apply_expert_parallel: the model has no MoELayer (nor transformers experts on moe_kernels: "
+                         "patch_hf(model) or experts_implementation='moe_kernels' first)")
     for layer in layers:
         if layer.dispatcher is not None:
             raise ValueError("apply_expert_parallel: the model is already expert-parallel")
@@ -56,6 +97,11 @@ def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_t
 
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
     """The parameters sharded by apply_expert_parallel (not to be all-reduced over the expert group)."""
+    from moe_kernels.integrations.hf import DISPATCHER_ATTR
+
     for m in model.modules():
         if isinstance(m, MoELayer) and m.dispatcher is not None:
             yield from m.experts.parameters()
+        elif DISPATCHER_ATTR in m.__dict__:
+            yield m.gate_up_proj
+            yield m.down_proj

@@ -1,0 +1,92 @@
+"""Expert parallelism for transformers models on P gloo ranks equals one rank: apply_expert_parallel on a
+model whose experts run moe_kernels (patch_hf, or the "moe_kernels" experts implementation alone).
+
+As for our own models: every rank builds the same model and feeds its own tokens; the EP model gives each
+rank the full model's logits, loss and gradients on that rank's tokens, each rank's expert weights the sum
+over ranks of the full model's gradients for its experts (tests/parallel/test_expert_parallel.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers")
+
+import moe_kernels as mk  # noqa: E402
+from moe_kernels.integrations import hf  # noqa: E402
+from moe_kernels.parallel import apply_expert_parallel, expert_parameters  # noqa: E402
+from tests.distributed import run_world  # noqa: E402
+from moe_kernels.testing import assert_close_to_fp64  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+
+def _grads(model, shards, rank, P):
+    """Each parameter's gradient; for the experts the full model shards, the sum over ranks of this rank's
+    slice (what the EP model's local experts receive)."""
+    grads = {}
+    for name, p in model.named_parameters():
+        g = p.grad.clone()
+        if name in shards:
+            dist.all_reduce(g)
+            El = g.shape[0] // P
+            g = g[rank * El : (rank + 1) * El]
+        grads[name] = g
+    return grads
+
+
+def _case(rank, P, family, backend, how):
+    from tests.integrations.test_hf import build, moe_blocks
+
+    full = build(family)
+    if how == "patch_hf":
+        mk.patch_hf(full)
+    else:  # transformers' router, our experts
+        full.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+    full64 = copy.deepcopy(full).double()
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    E = moe_blocks(full)[0].experts.num_experts
+    for block in moe_blocks(ep):
+        assert block.experts.gate_up_proj.shape[0] == E // P and block.experts.down_proj.shape[0] == E // P
+    shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
+    assert len(shards) == 2 * len(moe_blocks(ep))
+    ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+    runs = []
+    for model in (ep, full, full64):
+        out = model(ids, labels=ids, output_router_logits=True)
+        loss = out.loss if out.aux_loss is None else out.loss + out.aux_loss
+        loss.backward()
+        runs.append((out.logits, loss, _grads(model, set() if model is ep else shards, rank, P)))
+    (logits, loss, grads), (logits32, loss32, grads32), (logits64, loss64, grads64) = runs
+    where = f"rank {rank}/{P} {family} {backend} {how}"
+    # Error policy: the EP model's fp32 error against the fp64 one-rank model at most twice the fp32 one-rank
+    # model's (the row layouts differ, so the grouped products sum in other orders), plus 8 fp32 ulps.
+    assert_close_to_fp64(logits, logits32, logits64, f"{where}: logits")
+    assert_close_to_fp64(loss, loss32, loss64, f"{where}: loss")
+    for name, g in grads.items():
+        assert_close_to_fp64(g, grads32[name], grads64[name], f"{where}: d {name}")
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        apply_expert_parallel(ep)
+    with pytest.raises(ValueError, match="expert-parallel"):
+        mk.unpatch_hf(ep)
+
+
+def _worker(rank, P, backend):
+    for family in ("qwen3_moe", "deepseek_v3", "mixtral"):
+        _case(rank, P, family, backend, "patch_hf")
+    _case(rank, P, "qwen3_moe", backend, "experts_implementation")
+
+
+@pytest.mark.parametrize("backend", ["all_to_all", "all_gather"])
+def test_transformers_expert_parallel_equals_one_rank(backend):
+    run_world(_worker, 2, backend)
+
+
+def test_unpatched_transformers_model_is_refused():
+    from tests.integrations.test_hf import build
+
+    with pytest.raises(ValueError, match="no MoELayer .*patch_hf"):
+        apply_expert_parallel(build("qwen3_moe"))
