@@ -402,6 +402,26 @@ def test_unpatch_keeps_wrappers_installed_after_patch(monkeypatch):
         assert_same_outputs(out, run(ref, ids), rtol=0, atol=0)
 
 
+def test_accelerate_offloading_hooks_survive_patch_and_unpatch(monkeypatch):
+    # accelerate's cpu_offload (weights on the meta device, loaded by a hook around each forward) installed
+    # after patch_hf: the offloaded model runs our ops and equals the original; after unpatch_hf the hooks
+    # still run (no meta-weight crash) and transformers' code computes the same outputs.
+    accelerate = pytest.importorskip("accelerate")
+    ref = build("qwen3_moe").eval()
+    model = patched_copy(ref)
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))
+    assert any(p.device.type == "meta" for p in model.parameters())
+    ids = inputs()
+    calls = _count_grouped_mm(monkeypatch)
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref, ids))
+        assert calls, "the offloaded patched model runs our ops"
+        calls.clear()
+        mk.unpatch_hf(model)
+        assert_same_outputs(run(model, ids), run(ref, ids), rtol=0, atol=0)
+        assert not calls
+
+
 def test_data_parallel_replicas_use_their_own_weights():
     # nn.DataParallel copies each module with _replicate_for_data_parallel (a new instance sharing __dict__'s
     # entries): a replica's router and experts must read the replica's parameters, not the original's.
