@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_kernels import _ext
+from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
 
 
@@ -117,4 +118,6 @@ _swiglu.register_autograd(_backward, setup_context=_setup)
 
 def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     """[R, 2F] -> [R, F]: silu(gate) * up, times row_weights[r] when given; fp32 math, output in h's dtype."""
+    if _onnx.exporting():
+        return _onnx.swiglu_traceable(h, row_weights)
     return torch.ops.moe_kernels.swiglu(h, row_weights)

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from moe_kernels import _ext
+from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
 
 _OPS = {"fwd": 0, "dgrad": 1, "wgrad": 2}
@@ -250,6 +251,8 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
 
     Under torch.autocast, x and w are cast to the autocast dtype first.
     """
+    if _onnx.exporting():
+        return _onnx.grouped_mm_traceable(autocast_input(x), autocast_input(w), group_sizes)
     return torch.ops.moe_kernels.grouped_mm(autocast_input(x), autocast_input(w), group_sizes)
 
 

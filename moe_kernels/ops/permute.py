@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from moe_kernels import _ext
+from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
 from moe_kernels.ops.quant import BLOCK, quantize_fp8_reference
 
@@ -470,6 +471,8 @@ def permute(x: Tensor, indices: Tensor, num_experts: int, *, align: int = 1) -> 
         order then zero padding (rows past sum(group_sizes) are unspecified); row_map [T, k] int32, the
         row of each copy (-1 for dropped slots); group_sizes [E] int32, padded counts.
     """
+    if _onnx.exporting():
+        return _onnx.permute_traceable(x, _as_int32_indices(indices), num_experts, align)
     return torch.ops.moe_kernels.permute(x, _as_int32_indices(indices), num_experts, align)
 
 
@@ -495,6 +498,8 @@ def permute_quantize_fp8(
 def unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
     """out[t] = sum_j weights[t, j] * y[row_map[t, j]] over j with row_map >= 0, fp32 accumulation in
     ascending j (deterministic). Plain sum when `weights` is None. Output dtype is y's."""
+    if _onnx.exporting():
+        return _onnx.unpermute_traceable(y, row_map, weights)
     return torch.ops.moe_kernels.unpermute(y, row_map, weights)
 
 
@@ -509,4 +514,6 @@ def permuted_row_values(values: Tensor, row_map: Tensor, num_rows: int, fill: fl
 
 def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
     """[E] int32 counts of (token, slot) pairs per expert; -1 entries are ignored. No host sync on GPU."""
+    if _onnx.exporting():
+        return _onnx.tokens_per_expert_traceable(_as_int32_indices(indices), num_experts)
     return torch.ops.moe_kernels.tokens_per_expert(_as_int32_indices(indices), num_experts)

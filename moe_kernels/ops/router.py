@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from moe_kernels import _ext
+from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
 
 SCORES = ("softmax", "sigmoid", "sqrtsoftplus")
@@ -517,6 +518,8 @@ def router_topk(
     """
     G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize,
                                                   logits.shape[-1])
+    if _onnx.exporting():
+        return _onnx.router_topk_traceable(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
     return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
 
 
