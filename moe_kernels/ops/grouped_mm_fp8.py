@@ -123,23 +123,33 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
     if M == 0 or N == 0 or E == 0:
         return out.zero_()
-    code = _ext.dtype_code(_E4M3)
-    shape = dict(op=_FWD, dtype=code, num_groups=E, M=M, N=N, K=K, a=x_q.data_ptr(), b=w_q.data_ptr(),
-                 d=out.data_ptr(), device=_ext.launch_args(x_q)["device"], sfa=x_scale.data_ptr(), sfb=w_scale.data_ptr())
-    if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or N % 8: the fp32 path (memory: fp32 copies)
-        x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
-        return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
     # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's, 0 for a
     # zero scale (permute's padding: zero codes times 0, where 1 / 0 = inf would give 0 * inf = NaN).
-    inv_x, inv_w = _inverse_scale(x_scale), _inverse_scale(w_scale)
+    if _launch_fp8(C, _FWD, x_q, w_q, out, _inverse_scale(x_scale), _inverse_scale(w_scale), group_sizes, M, N, K):
+        return out
+    # Not sm_90a, or N % 8: the fp32 path (memory: fp32 copies).
+    x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
+    return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
+
+
+def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
+                M: int, N: int, K: int) -> bool:
+    """Runs the sm_90a FP8 blockwise kernel for `op` when it takes this problem (False: it does not, nothing
+    ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op."""
+    E = group_sizes.shape[0]
+    code = _ext.dtype_code(_E4M3)
+    shape = dict(op=op, dtype=code, num_groups=E, M=M, N=N, K=K, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
+                 device=_ext.launch_args(a)["device"], sfa=sfa.data_ptr(), sfb=sfb.data_ptr())
+    if C.grouped_mm_path(**shape) != _FP8_PATH:
+        return False
     nbytes = C.grouped_mm_workspace_bytes(**shape)
-    ws, ws_ptr = _ext.workspace(nbytes, x_q)
+    ws, ws_ptr = _ext.workspace(nbytes, a)
     C.grouped_mm(
-        op=_FWD, a=x_q.data_ptr(), b=w_q.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(),
-        num_groups=E, M=M, N=N, K=K, dtype=code, workspace=ws_ptr, workspace_bytes=nbytes,
-        sfa=inv_x.data_ptr(), sfb=inv_w.data_ptr(), **_ext.launch_args(x_q),
+        op=op, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(), num_groups=E,
+        M=M, N=N, K=K, dtype=code, workspace=ws_ptr, workspace_bytes=nbytes, sfa=sfa.data_ptr(), sfb=sfb.data_ptr(),
+        **_ext.launch_args(a),
     )
-    return out
+    return True
 
 
 def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
@@ -243,21 +253,12 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
     # contiguous slice.
     inv_a = _inverse_scale(a_scale).t().contiguous()  # [ceil(M / 128), N]
     inv_b = _inverse_scale(b_scale).t().contiguous()  # [ceil(M / 128), K]
-    code = _ext.dtype_code(_E4M3)
-    shape = dict(op=_WGRAD, dtype=code, num_groups=E, M=M, N=N, K=K, a=a_q.data_ptr(), b=b_q.data_ptr(),
-                 d=out.data_ptr(), device=_ext.launch_args(a_q)["device"], sfa=inv_a.data_ptr(), sfb=inv_b.data_ptr())
-    if C.grouped_mm_path(**shape) != _FP8_PATH:  # not sm_90a, or M % 16, K % 4: fp32 (memory: fp32 copies)
-        a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
-        b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
-        return torch.ops.moe_kernels.grouped_mm_wgrad(a, b, group_sizes)
-    nbytes = C.grouped_mm_workspace_bytes(**shape)
-    ws, ws_ptr = _ext.workspace(nbytes, a_q)
-    C.grouped_mm(
-        op=_WGRAD, a=a_q.data_ptr(), b=b_q.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(),
-        num_groups=E, M=M, N=N, K=K, dtype=code, workspace=ws_ptr, workspace_bytes=nbytes,
-        sfa=inv_a.data_ptr(), sfb=inv_b.data_ptr(), **_ext.launch_args(a_q),
-    )
-    return out
+    if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K):
+        return out
+    # Not sm_90a, or M % 16, K % 4: fp32 (memory: fp32 copies).
+    a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
+    b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
+    return torch.ops.moe_kernels.grouped_mm_wgrad(a, b, group_sizes)
 
 
 def grouped_mm_fp8_wgrad(

@@ -335,19 +335,25 @@ def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
         assert_same_outputs(run(loaded, ids), run(model, ids), rtol=0, atol=0)
     assert calls
     # In a fresh process, which has run neither patch_hf nor the registration.
+    load = f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+    out = _logits_in_fresh_process(tmp_path, load, ids, "assert calls and hf.is_patched(m), 'runs our ops'\n")
+    with torch.no_grad():
+        torch.testing.assert_close(out, run(model, ids).logits, rtol=0, atol=0)
+
+
+def _logits_in_fresh_process(tmp_path, load: str, ids, check: str) -> torch.Tensor:
+    """Runs `load` (lines that define the model `m`) in a fresh interpreter, counts the experts' grouped_mm
+    calls in `calls` (for `check` to assert on) and returns m's logits on `ids`."""
     script = (
-        "import torch, sys\n"
-        f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+        "import sys, torch\n" + load +
         "from moe_kernels.integrations import hf\n"
         "calls = []\nreal = hf.grouped_mm\nhf.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
         f"ids = torch.tensor({ids.tolist()})\n"
-        "with torch.no_grad():\n    out = m(ids).logits\n"
-        "assert calls and hf.is_patched(m), 'the loaded model runs our ops'\n"
+        "with torch.no_grad():\n    out = m(ids).logits\n" + check +
         f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
     )
     subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
-    with torch.no_grad():
-        torch.testing.assert_close(torch.load(tmp_path / "out.pt"), run(model, ids).logits, rtol=0, atol=0)
+    return torch.load(tmp_path / "out.pt")
 
 
 @pytest.mark.parametrize("first", ["moe_kernels", "transformers"])
@@ -360,22 +366,15 @@ def test_experts_backend_registered_on_import(tmp_path, first):
     ids = inputs()
     imports = ("import moe_kernels\nassert 'transformers' not in sys.modules, 'moe_kernels imported transformers'\n"
                "import transformers\n") if first == "moe_kernels" else "import transformers.integrations.moe\nimport moe_kernels\n"
-    script = (
-        "import sys, torch\n" + imports +
-        "from moe_kernels.integrations import hf\n"
-        "calls = []\nreal = hf.grouped_mm\nhf.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
-        f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r}, "
-        "experts_implementation='moe_kernels').eval()\n"
-        f"ids = torch.tensor({ids.tolist()})\n"
-        "with torch.no_grad():\n    out = m(ids).logits\n"
-        "assert calls, 'the experts ran our grouped_mm'\n"
-        f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
-    )
-    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path)
+    load = imports + (f"m = transformers.AutoModelForCausalLM.from_pretrained({str(tmp_path / 'model')!r}, "
+                      "experts_implementation='moe_kernels').eval()\n")
+    out = _logits_in_fresh_process(tmp_path, load, ids, "assert calls, 'the experts ran our grouped_mm'\n")
+    model64 = copy.deepcopy(model).double()
+    model64.set_experts_implementation("eager")  # transformers' default experts take no fp64
     with torch.no_grad():
-        ref = run(model, ids).logits
-    # Our experts against transformers' eager experts, both fp32: the GEMMs' summation order differs.
-    torch.testing.assert_close(torch.load(tmp_path / "out.pt"), ref, rtol=1e-5, atol=1e-5)
+        ref, ref64 = run(model, ids).logits, run(model64, ids).logits
+    # Our experts against transformers' own (fp32, its default experts): within the error policy of fp64.
+    assert_close_to_fp64(out, ref, ref64, "experts backend from a fresh process")
 
 
 def test_unpatch_keeps_wrappers_installed_after_patch(monkeypatch):
