@@ -12,7 +12,7 @@ Environment knobs:
   MAX_JOBS                 parallel compile jobs (default: cores, capped by memory at ~4 GB per job).
   CUDA_HOME / CUDA_PATH    where nvcc lives when it is not on PATH.
   MOE_KERNELS_CUDA_FROM_PIP=1       build with NVIDIA's CUDA compiler wheels (added to the build requirements
-                           by tools/build/moe_build_backend.py; automatic on a GPU machine without a toolkit).
+                           by tools/packaging/moe_build_backend.py; automatic on a GPU machine without a toolkit).
   MOE_KERNELS_IGNORE_SYSTEM_CUDA=1  ignore any installed toolkit (use the wheels' nvcc).
 """
 
@@ -33,7 +33,7 @@ def _say(msg: str) -> None:
     print(f"moe_kernels: {msg}", file=sys.stderr, flush=True)
 
 
-sys.path.insert(0, str(ROOT / "tools" / "build"))
+sys.path.insert(0, str(ROOT / "tools" / "packaging"))
 from moe_build_backend import find_nvcc, wheel_toolkits  # noqa: E402  (one rule for the backend and this file)
 
 

@@ -25,7 +25,7 @@ SOURCE = "csrc/permute/permute.cu"  # includes CUB (the cccl wheel) and our quan
 def main() -> int:
     os.environ["MOE_KERNELS_IGNORE_SYSTEM_CUDA"] = "1"
     os.environ["MOE_KERNELS_CUDA_FROM_PIP"] = "1"
-    sys.path.insert(0, str(ROOT / "tools" / "build"))
+    sys.path.insert(0, str(ROOT / "tools" / "packaging"))
     import moe_build_backend as backend
 
     assert backend.system_nvcc() is None, "MOE_KERNELS_IGNORE_SYSTEM_CUDA=1 must hide the system toolkit"
@@ -38,7 +38,7 @@ def main() -> int:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *wheels],
                        check=True)
         print(f"installed {' '.join(wheels)} in {time.time() - start:.0f} s")
-        env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{ROOT / 'tools' / 'build'}"}
+        env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{ROOT / 'tools' / 'packaging'}"}
         nvcc = subprocess.run([sys.executable, "-c", "from moe_build_backend import find_nvcc; print(find_nvcc())"],
                               env=env, check=True, capture_output=True, text=True).stdout.strip()
         assert nvcc.startswith(str(target)), f"setup.py would use {nvcc}, not the wheels' nvcc"

@@ -1,4 +1,4 @@
-"""The build backend's choice of CUDA compiler (tools/build/moe_build_backend.py): NVIDIA's pip wheels only
+"""The build backend's choice of CUDA compiler (tools/packaging/moe_build_backend.py): NVIDIA's pip wheels only
 on a GPU machine without a toolkit (or when asked), pinned to one CUDA minor version; a CPU-only machine
 downloads nothing. The wheels themselves are installed and used by scripts/pip_cuda_build_check.py (CI)."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "build"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "packaging"))
 import moe_build_backend as backend  # noqa: E402
 
 ENV = ("MOE_KERNELS_CUDA_FROM_PIP", "MOE_KERNELS_IGNORE_SYSTEM_CUDA", "MOE_KERNELS_SKIP_CUDA", "CUDA_HOME", "CUDA_PATH")
