@@ -137,6 +137,9 @@ def moe_kernels_experts_forward(
     align = 1 if recipe is None else recipe.align
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     if dispatcher is not None:  # moe_kernels.parallel.apply_expert_parallel: this rank holds E / P experts
+        if lora13 or lora2:
+            raise NotImplementedError("moe_kernels experts: LoRA adapters on expert-parallel experts are not supported "
+                                      "(the adapters hold every expert, the weights this rank's)")
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
         act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)

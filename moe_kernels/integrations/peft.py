@@ -64,7 +64,8 @@ def _make_wrapper_class():
             base = self.get_base_layer()
             param = self.get_param()
             if (len(adapters) != 1 or self.num_experts == 1 or not self._did_swap_in_out_features
-                    or param.dtype not in _FLOAT or not _runs_grouped_experts(base)):
+                    or param.dtype not in _FLOAT or not _runs_grouped_experts(base)
+                    or not hasattr(self, "get_delta_factors")):  # peft without factor access: its own path
                 with super()._activate_lora(active_adapters):
                     yield
                 return
