@@ -240,17 +240,6 @@ constexpr int kQuantItems = quant::kFp8Block / kQuantLanes;    // 8 elements per
 constexpr int kQuantGroups = kQuantThreads / kQuantLanes;      // blocks per thread block and pass
 constexpr int64_t kQuantMaxBlocks = 1 << 16;
 
-// Zeroes n bytes from p with the block's threads: 16-byte stores over the aligned middle, bytes at the ends.
-__device__ __forceinline__ void zero_bytes(char* p, int64_t n) {
-  const int64_t to_aligned = (16 - int64_t(reinterpret_cast<uintptr_t>(p) % 16)) % 16;
-  const int64_t head = to_aligned < n ? to_aligned : n;
-  const int64_t vecs = (n - head) / 16;
-  for (int64_t i = threadIdx.x; i < head; i += blockDim.x) p[i] = 0;
-  uint4* v = reinterpret_cast<uint4*>(p + head);
-  for (int64_t i = threadIdx.x; i < vecs; i += blockDim.x) v[i] = make_uint4(0, 0, 0, 0);
-  for (int64_t i = head + vecs * 16 + threadIdx.x; i < n; i += blockDim.x) p[i] = 0;
-}
-
 // VEC: each lane's 8 elements are contiguous (H % 8 == 0, aligned rows) or strided by 16. The scale and
 // the rounding are quantize_fp8's (quant/fp8_math.cuh), so the codes equal quantize_fp8(permute(x)).
 template <typename T, bool VEC>
@@ -260,13 +249,17 @@ __global__ void __launch_bounds__(kQuantThreads)
                       int64_t bpr, int64_t quant_blocks, bool pow2, const int32_t* __restrict__ starts,
                       const int32_t* __restrict__ totals, const int32_t* __restrict__ group_sizes) {
   if (blockIdx.x >= quant_blocks) {
-    // Padding rows of one expert, one contiguous range in each output: zero codes, scale 0, zero values.
+    // Padding rows of one expert: zero codes, scale 0, zero values.
     const int e = int(blockIdx.x - quant_blocks);
     const int64_t first = int64_t(starts[e]) + totals[e];
-    const int64_t rows = int64_t(starts[e]) + group_sizes[e] - first;
-    zero_bytes(reinterpret_cast<char*>(codes + first * H), rows * H);
-    zero_bytes(reinterpret_cast<char*>(scales + first * bpr), rows * bpr * int64_t(sizeof(float)));
-    if (x_perm != nullptr) zero_bytes(reinterpret_cast<char*>(x_perm + first * H), rows * H * int64_t(sizeof(T)));
+    const int64_t last = int64_t(starts[e]) + group_sizes[e];
+    for (int64_t r = first; r < last; ++r) {
+      for (int64_t c = threadIdx.x; c < H; c += kQuantThreads) {
+        codes[r * H + c] = 0;
+        if (x_perm != nullptr) x_perm[r * H + c] = from_float<T>(0.f);
+      }
+      for (int64_t b = threadIdx.x; b < bpr; b += kQuantThreads) scales[r * bpr + b] = 0.f;
+    }
     return;
   }
   const int lane = threadIdx.x % kQuantLanes;
