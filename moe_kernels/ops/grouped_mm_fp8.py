@@ -255,10 +255,21 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
     inv_b = _inverse_scale(b_scale).t().contiguous()  # [ceil(M / 128), K]
     if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K):
         return out
-    # Not sm_90a, or M % 16, K % 4: fp32 (memory: fp32 copies).
+    # Not sm_90a, or M % 16, K % 4: fp32 (memory: fp32 copies); misaligned groups NaN, as on the kernel.
     a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
     b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
-    return torch.ops.moe_kernels.grouped_mm_wgrad(a, b, group_sizes)
+    dw = torch.ops.moe_kernels.grouped_mm_wgrad(a, b, group_sizes)
+    return torch.where(_misaligned_groups(group_sizes, M)[:, None, None], float("nan"), dw)
+
+
+def _misaligned_groups(group_sizes: Tensor, M: int) -> Tensor:
+    """[E] bool, on the device without a sync: groups with rows (inside [0, M)) whose first row or size is not a
+    multiple of 128, the groups the sm_90a kernel skips and fills with NaN (grouped_mm.cu)."""
+    sizes = group_sizes.long().clamp(min=0)
+    ends = torch.cumsum(sizes, 0).clamp(max=M)
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    rows = ends - starts
+    return (rows > 0) & ((starts % BLOCK != 0) | (rows % BLOCK != 0))
 
 
 def grouped_mm_fp8_wgrad(
@@ -271,8 +282,8 @@ def grouped_mm_fp8_wgrad(
 
     Both operands are quantized along the tokens in 1x128 blocks, so every group's rows must be a
     multiple of 128 (permute(..., align=128)); sizes that are not raise ValueError where they are checked
-    (CPU tensors, MOE_KERNELS_CHECK=1), and give NaN in that expert's gradient on the sm_90a kernel
-    otherwise (never a silently wrong value). Empty experts give zeros. On sm_90a with M % 16 == 0 and
+    (CPU tensors, MOE_KERNELS_CHECK=1), and otherwise give NaN in that expert's gradient on every CUDA path
+    (never a silently wrong value). Empty experts give zeros. On sm_90a with M % 16 == 0 and
     K % 4 == 0 this runs CUTLASS's FP8 blockwise ptr-array kernel with the groups splitting K (per-group
     problem shapes, pointers and scale slices written on the device, no host sync), fp32 accumulators
     promoted every 128 tokens; elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
