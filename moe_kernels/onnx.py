@@ -20,16 +20,14 @@ static or dynamic batch and sequence dimensions:
 - router_topk: the same scores and weights; selection by `torch.topk` (ONNX TopK), whose ties go to the lower
   index in ONNX, the router's own rule (NaN ranks as -inf, as in the op). The + 1e-20 of the sigmoid /
   sqrtsoftplus normalisation is a tensor, not a scalar constant, so that onnxscript's optimizer keeps it.
-- permute: a sort of the distinct keys expert * T*k + slot (so any sort is the stable one), each slot's row
-  from its expert's padded start and its rank within the expert, and x_perm gathered by row: the same
-  x_perm, row_map and group_sizes, bit for bit, padding rows zero.
+- permute, tokens_per_expert: their references, written with static shapes for this (permute sorts the
+  distinct keys expert * T*k + slot, so any sort is the stable one, and gathers x_perm by row).
 - grouped_mm: x split into its groups' rows by group_sizes, one product per expert, `rows_e @ w[e]^T` in the
   op's accumulation dtype, rows past the groups zero. The group sizes are data: torch.export holds them as
   unbacked sizes, ONNX as a runtime Split, so the graph does the kernel's FLOPs (no dense product over all
   experts) with E products per call in the graph.
 - unpermute, swiglu: their references, which are already static (unpermute sums the k slots in ascending
   order in fp32, as the op does).
-- tokens_per_expert: a scatter-add of ones.
 
 The other ops have no formulation: a model that calls one (the FP8 and NVFP4 ops of a precision recipe,
 router_aux_scores and the losses, the backward ops) fails to export with torch.onnx's "No ONNX function
@@ -101,33 +99,11 @@ def _router_weights(logits: Tensor, indices: Tensor, score: str, pre_softmax: bo
 
 
 def permute_traceable(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
-    """moe_kernels::permute: (x_perm [permuted_rows, H], row_map [T, k] int32, group_sizes [E] int32), equal to
-    permute_reference's outputs including the zero padding rows."""
-    from moe_kernels.ops.permute import _check_permute, permuted_rows
+    """moe_kernels::permute: its reference (static shapes: a sort of distinct keys and gathers)."""
+    from moe_kernels.ops.permute import _check_permute, permute_reference
 
     _check_permute(x, indices, num_experts, align)
-    T, k = indices.shape
-    E, S = num_experts, T * k
-    device = x.device
-    slot = torch.arange(S, device=device)
-    flat = indices.reshape(-1).long()
-    expert = torch.where(flat >= 0, flat, E)  # dropped slots: a last, uncounted expert E
-    counts = torch.zeros(E + 1, dtype=torch.long, device=device).scatter_add(0, expert, torch.ones_like(expert))[:E]
-    padded = (counts + align - 1) // align * align
-    starts = torch.cumsum(padded, 0) - padded  # first row of each expert
-    first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
-    order = torch.sort(expert * S + slot).indices  # distinct keys: (expert, slot) order, dropped slots last
-    sorted_expert = expert[order]
-    e = sorted_expert.clamp(max=E - 1)
-    sorted_rows = torch.where(sorted_expert < E, starts[e] + slot - first[e], -1)
-    row_map = torch.empty_like(sorted_rows).scatter(0, order, sorted_rows)  # [S]
-    R = permuted_rows(T, k, E, align)
-    # Source token of each row; T (a zero row appended to x) for padding. A dropped slot s writes past the R
-    # rows kept, at R + s, so no two slots write the same place.
-    target = torch.where(row_map >= 0, row_map, R + slot)
-    source = torch.full((R + S,), T, dtype=torch.long, device=device).scatter(0, target, slot // k)
-    x_perm = torch.cat([x, x.new_zeros((1, x.shape[1]))])[source[:R]]
-    return x_perm, row_map.view(T, k).to(torch.int32), padded.to(torch.int32)
+    return permute_reference(x, indices, num_experts, align)
 
 
 def unpermute_traceable(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tensor:
@@ -166,12 +142,10 @@ def swiglu_traceable(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
 
 
 def tokens_per_expert_traceable(indices: Tensor, num_experts: int) -> Tensor:
-    """moe_kernels::tokens_per_expert: [E] int32 counts of the slots >= 0."""
-    flat = indices.reshape(-1).long()
-    expert = torch.where(flat >= 0, flat, num_experts)
-    ones = torch.ones_like(expert)
-    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=indices.device).scatter_add(0, expert, ones)
-    return counts[:num_experts].to(torch.int32)
+    """moe_kernels::tokens_per_expert: its reference (a scatter-add into E + 1 bins)."""
+    from moe_kernels.ops.permute import tokens_per_expert_reference
+
+    return tokens_per_expert_reference(indices, num_experts)
 
 
 def decompositions() -> dict[torch._ops.OpOverload, Callable]:

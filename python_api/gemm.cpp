@@ -47,15 +47,16 @@ void register_gemm(py::module_& m) {
       "grouped_mm",
       [](int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t num_groups, int64_t M,
          int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s,
-         uintptr_t sfa, uintptr_t sfb) {
+         uintptr_t sfa, uintptr_t sfb, int32_t group_align) {
         DeviceGuard guard(device);
-        gemm::grouped_mm(
-            make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb),
-            stream(s));
+        auto p = make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb);
+        p.group_align = group_align;
+        gemm::grouped_mm(p, stream(s));
       },
+      "group_align (wgrad): groups whose rows do not start and end on multiples of it get NaN; 0: any",
       py::arg("op"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_sizes"), py::arg("num_groups"),
       py::arg("M"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"),
-      py::arg("device"), py::arg("stream"), py::arg("sfa") = 0, py::arg("sfb") = 0);
+      py::arg("device"), py::arg("stream"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("group_align") = 0);
 }
 
 }  // namespace moe::api

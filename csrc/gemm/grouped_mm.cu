@@ -216,14 +216,16 @@ static bool fp8_blockwise_fits(const GroupedParams& p) {
   return false;
 }
 
-// FP8 wgrad: a group whose rows do not start and end on multiples of 128 was skipped by the kernel
-// (its scale blocks would straddle two experts); its output becomes NaN rather than stale memory.
-__global__ void nan_misaligned_groups_kernel(float* __restrict__ d, const GroupInfo* __restrict__ groups, int64_t NK) {
+// wgrad with group_align: a group whose rows do not start and end on multiples of `align` gets NaN (the
+// FP8 kernel skipped it: its scale blocks would straddle two experts), never stale memory.
+template <typename T>
+__global__ void nan_misaligned_groups_kernel(T* __restrict__ d, const GroupInfo* __restrict__ groups, int64_t NK,
+                                             int32_t align) {
   const GroupInfo g = groups[blockIdx.y];
-  if (g.rows == 0 || (g.row_start % 128 == 0 && g.rows % 128 == 0)) return;
-  float* out = d + int64_t(blockIdx.y) * NK;
+  if (g.rows == 0 || (g.row_start % align == 0 && g.rows % align == 0)) return;
+  T* out = d + int64_t(blockIdx.y) * NK;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < NK; i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = __int_as_float(0x7fc00000);
+    out[i] = from_float<T>(__int_as_float(0x7fc00000));
   }
 }
 
@@ -259,6 +261,12 @@ void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
       const unsigned bx = unsigned(std::min<int64_t>((nk + 255) / 256, 64));
       zero_empty_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), prep.groups, nk);
       check_launch("grouped_mm zero_empty_groups_kernel");
+      const int32_t align = p.dtype == DType::kFloat8E4M3 ? 128 : p.group_align;
+      if (align > 1) {
+        nan_misaligned_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), prep.groups,
+                                                                                     nk, align);
+        check_launch("grouped_mm nan_misaligned_groups_kernel");
+      }
     }
   });
 }
@@ -287,12 +295,6 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     q.workspace_bytes = p.workspace_bytes - base;
     sm90::run(q, path, device_info(p.device).sms, prep.groups, stream);
     if (p.dtype == DType::kFloat8E4M3 && p.op == GemmOp::kFwd) return;  // nothing past the groups to zero
-    if (p.dtype == DType::kFloat8E4M3 && p.N * p.K > 0) {
-      const int64_t nk = p.N * p.K;
-      const unsigned bx = unsigned(std::min<int64_t>((nk + 255) / 256, 64));
-      nan_misaligned_groups_kernel<<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<float*>(p.d), prep.groups, nk);
-      check_launch("grouped_mm nan_misaligned_groups_kernel");
-    }
   } else {
     const int64_t ng = p.op == GemmOp::kFwd ? p.N : p.K;
     const int64_t ytiles = max_row_tiles(p);

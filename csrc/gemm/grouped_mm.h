@@ -8,7 +8,8 @@
 //   fwd:   a = x [M, K], sfa [M, K / 128]; b = w [E, N, K], sfb [E, ceil(N / 128), K / 128]; d bf16 [M, N]
 //   wgrad: a = dout^T [N, M], sfa [ceil(M / 128), N]; b = x^T [K, M], sfb [ceil(M / 128), K] (both
 //          quantized along the tokens in 1x128 blocks, scales token-block-major); d fp32 [E, N, K].
-//          Every group's rows must start and end on multiples of 128; a group that does not gets NaN.
+//          Every group's rows must start and end on multiples of 128; a group that does not gets NaN
+//          (group_align below, on every path).
 // Problem shapes and pointers are built on the device from `group_sizes` (no host sync).
 #pragma once
 
@@ -39,6 +40,9 @@ struct GroupedParams {
   int device;
   const float* sfa = nullptr;  // FP8 only
   const float* sfb = nullptr;  // FP8 only
+  // wgrad: a group whose rows do not start and end on multiples of this gets NaN (blocks of tokens that
+  // would straddle two experts); 0: any rows. The FP8 wgrad always uses 128.
+  int32_t group_align = 0;
 };
 
 // Row range of each group inside [0, M), written on the device by the prepare kernel.
@@ -58,7 +62,8 @@ Path choose_path(const GroupedParams& p);
 size_t grouped_workspace_bytes(const GroupedParams& p);
 void grouped_mm(const GroupedParams& p, cudaStream_t stream);
 
-// Shared by both paths: zero dgrad rows past the groups and wgrad outputs of empty groups.
+// Shared by both paths: zero dgrad rows past the groups and wgrad outputs of empty groups; NaN in wgrad
+// outputs of groups that break group_align.
 void zero_uncovered(const GroupedParams& p, cudaStream_t stream);
 
 namespace sm90 {

@@ -87,8 +87,8 @@ from moe_kernels.ops.router import router_topk
 
 EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
 _PATCH_ATTR = "_moe_kernels_patch"  # router: its previous `_old_forward` (accelerate); experts: previous implementation
-_RECIPE_ATTR = "_moe_kernels_recipe"
-DISPATCHER_ATTR = "_moe_kernels_dispatcher"  # on experts sharded by moe_kernels.parallel.apply_expert_parallel  # on patched experts modules given a precision recipe
+_RECIPE_ATTR = "_moe_kernels_recipe"  # on patched experts modules given a precision recipe
+DISPATCHER_ATTR = "_moe_kernels_dispatcher"  # on experts sharded by moe_kernels.parallel.apply_expert_parallel
 _WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

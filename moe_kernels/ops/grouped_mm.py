@@ -163,7 +163,9 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 # CUDA: one launcher for the three products; it picks the sm_90a CUTLASS kernel or the portable one.
 
 
-def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C) -> None:
+def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C,
+            group_align: int = 0) -> None:
+    """group_align (wgrad): groups whose rows do not start and end on multiples of it come out NaN."""
     E = group_sizes.shape[0]
     # One pointer rule (0 for an empty tensor) for sizing and launching: the path, and so the workspace it
     # needs, follows the pointers' alignment.
@@ -174,7 +176,7 @@ def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: 
     C.grouped_mm(
         op=_OPS[op], **ptrs, group_sizes=_ext.ptr(group_sizes), num_groups=E,
         M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=ws_ptr, workspace_bytes=nbytes,
-        **_ext.launch_args(a),
+        group_align=group_align, **_ext.launch_args(a),
     )
 
 

@@ -21,7 +21,13 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops._checks import check_tensor
-from moe_kernels.ops.grouped_mm import _check_sizes_values, grouped_mm, grouped_mm_reference, grouped_mm_wgrad_reference
+from moe_kernels.ops.grouped_mm import (
+    _check_sizes_values,
+    _launch,
+    grouped_mm,
+    grouped_mm_reference,
+    grouped_mm_wgrad_reference,
+)
 from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8
 
 _E4M3 = torch.float8_e4m3fn
@@ -255,21 +261,12 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
     inv_b = _inverse_scale(b_scale).t().contiguous()  # [ceil(M / 128), K]
     if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K):
         return out
-    # Not sm_90a, or M % 16, K % 4: fp32 (memory: fp32 copies); misaligned groups NaN, as on the kernel.
+    # Not sm_90a, or M % 16, K % 4: the portable fp32 wgrad (memory: fp32 copies), misaligned groups NaN as
+    # on the kernel.
     a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
     b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
-    dw = torch.ops.moe_kernels.grouped_mm_wgrad(a, b, group_sizes)
-    return torch.where(_misaligned_groups(group_sizes, M)[:, None, None], float("nan"), dw)
-
-
-def _misaligned_groups(group_sizes: Tensor, M: int) -> Tensor:
-    """[E] bool, on the device without a sync: groups with rows (inside [0, M)) whose first row or size is not a
-    multiple of 128, the groups the sm_90a kernel skips and fills with NaN (grouped_mm.cu)."""
-    sizes = group_sizes.long().clamp(min=0)
-    ends = torch.cumsum(sizes, 0).clamp(max=M)
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    rows = ends - starts
-    return (rows > 0) & ((starts % BLOCK != 0) | (rows % BLOCK != 0))
+    _launch("wgrad", a, b, out, group_sizes, M, N, K, C, group_align=BLOCK)
+    return out
 
 
 def grouped_mm_fp8_wgrad(

@@ -111,25 +111,29 @@ def _check_row_map_values(row_map: Tensor, num_rows: int, op: str) -> None:
 
 
 def permute_reference(x: Tensor, indices: Tensor, num_experts: int, align: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """Every shape follows from the input shapes (no data-dependent sizes), so this also traces for export
+    (moe_kernels.onnx)."""
     T, k = indices.shape
-    E = num_experts
-    flat = indices.reshape(-1).long()  # [T*k], slot s = t*k + j
-    valid = flat >= 0
-    counts = torch.bincount(flat[valid], minlength=E)  # [E]
+    E, S = num_experts, T * k
+    device = x.device
+    slot = torch.arange(S, device=device)  # slot s = t*k + j
+    flat = indices.reshape(-1).long()
+    expert = torch.where(flat >= 0, flat, E)  # dropped slots: a last, uncounted expert E
+    counts = torch.zeros(E + 1, dtype=torch.long, device=device).scatter_add(0, expert, torch.ones_like(expert))[:E]
     padded = (counts + align - 1) // align * align  # [E]
-    starts = torch.cumsum(padded, 0) - padded  # [E]
-    # A stable sort by expert keeps (token, slot) order inside each expert; dropped slots go last.
-    key = torch.where(valid, flat, E)
-    order = torch.sort(key, stable=True).indices  # [T*k]
-    sorted_e = key[order]
-    n_valid = int(valid.sum())
-    sorted_e, order = sorted_e[:n_valid], order[:n_valid]
-    first_of_expert = torch.cumsum(counts, 0) - counts  # [E], unpadded
-    rank = torch.arange(n_valid, device=x.device) - first_of_expert[sorted_e]
-    row_map = torch.full((T * k,), -1, dtype=torch.int64, device=x.device)
-    row_map[order] = starts[sorted_e] + rank
-    x_perm = x.new_zeros((permuted_rows(T, k, E, align), x.shape[1]))
-    x_perm[row_map[order]] = x[order // k]
+    starts = torch.cumsum(padded, 0) - padded  # first row of each expert
+    first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
+    order = torch.sort(expert * S + slot).indices  # distinct keys: (expert, token, slot) order, dropped last
+    sorted_expert = expert[order]
+    e = sorted_expert.clamp(max=E - 1)
+    sorted_rows = torch.where(sorted_expert < E, starts[e] + slot - first[e], -1)
+    row_map = torch.empty_like(sorted_rows).scatter(0, order, sorted_rows)  # [S]
+    R = permuted_rows(T, k, E, align)
+    # Source token of each row; T (a zero row appended to x) for padding. A dropped slot s writes past the R
+    # rows kept, at R + s, so no two slots write the same place.
+    target = torch.where(row_map >= 0, row_map, R + slot)
+    source = torch.full((R + S,), T, dtype=torch.long, device=device).scatter(0, target, slot // k)
+    x_perm = torch.cat([x, x.new_zeros((1, x.shape[1]))])[source[:R]]
     return x_perm, row_map.view(T, k).to(torch.int32), padded.to(torch.int32)
 
 
@@ -187,7 +191,9 @@ def unpermute_bwd_reference(
 
 def tokens_per_expert_reference(indices: Tensor, num_experts: int) -> Tensor:
     flat = indices.reshape(-1).long()
-    return torch.bincount(flat[flat >= 0], minlength=num_experts).to(torch.int32)
+    expert = torch.where(flat >= 0, flat, num_experts)  # dropped: a last, uncounted bin (static shapes, for export)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=indices.device)
+    return counts.scatter_add(0, expert, torch.ones_like(expert))[:num_experts].to(torch.int32)
 
 
 # ---------------------------------------------------------------------------------------------------
