@@ -61,4 +61,5 @@ PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
   moe::api::register_gemm(m);
   moe::api::register_activation(m);
   moe::api::register_quant(m);
+  moe::api::register_dispatch(m);
 }

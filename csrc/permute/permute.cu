@@ -355,6 +355,10 @@ const int32_t* permute_expert_starts(const void* workspace, int64_t num_slots, i
   return carve(const_cast<void*>(workspace), num_chunks_for(num_slots), num_experts).starts;
 }
 
+int64_t permute_starts_offset(int64_t num_slots, int32_t num_experts) {
+  return num_chunks_for(num_slots) * num_experts * int64_t(sizeof(int32_t));
+}
+
 void permute_fwd(const PermuteParams& p, cudaStream_t stream) {
   const int64_t num_slots = p.num_tokens * p.k;
   const int32_t E = p.num_experts;

@@ -42,6 +42,8 @@ size_t permute_workspace_bytes(int64_t num_slots, int32_t num_experts);
 void permute_fwd(const PermuteParams& p, cudaStream_t stream);
 // After permute_fwd: each expert's first row, [E] int32 inside the workspace.
 const int32_t* permute_expert_starts(const void* workspace, int64_t num_slots, int32_t num_experts);
+// Byte offset of those starts in the workspace; each expert's unpadded row count follows them ([E] int32).
+int64_t permute_starts_offset(int64_t num_slots, int32_t num_experts);
 
 // counts[e] = number of slots with indices == e (slots outside [0, E) ignored).
 void tokens_per_expert(const int32_t* indices, int64_t num_slots, int32_t num_experts, int32_t* counts,

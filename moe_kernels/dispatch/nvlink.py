@@ -1,0 +1,666 @@
+"""NVLink dispatch: our CUDA kernels writing tokens straight into the other ranks' receive buffers.
+
+Within one node every rank maps every other rank's buffers (CUDA IPC handles, exchanged once through the
+process group) and the kernels of csrc/dispatch/nvlink.cu move the rows:
+
+  dispatch  barrier | notify: per destination rank, which tokens go there and the totals into its inbox
+            barrier | send: each token once per destination rank (not once per expert), with its local
+                      experts, weights and scale row, at an offset computed on the device from the inboxes
+            barrier | layout: the receiver groups its rows by local expert (permute, `align` padding)
+  combine   barrier | push: each grouped row back to its source, one row per (token, slot)
+            barrier | reduce: the source sums its slots with unpermute (fp32, ascending slot)
+The backward of dispatch is a combine (push, reduce) and that of combine a dispatch of rows (the source
+writes its per-slot gradient rows, the owners pull them). No phase syncs with the host: buffers are
+sized for the worst case from `max_tokens_per_rank`, counts stay on the device, and a whole MoE layer can
+be captured in a CUDA graph (after one warm-up call has allocated the buffers).
+
+Results are bit-identical to the all-to-all backend and the one-rank layer: the same rows in the same
+order, the same sums in the same order.
+
+Memory per rank (P ranks, M = max_tokens_per_rank, k slots, El local experts, H hidden, b bytes per
+element, S scale bytes per row, C = capacity, X = min(P*M, C)):
+  dispatch buffer  P*M*(8 + 8k) + X*(H*b + S) bytes   (receive rows and their routing)
+  combine buffer   M*k*(H*b + 4) bytes                (one row per own (token, slot))
+  grouped rows     min(C, P*M*min(k, El)) + El*(align - 1) rows per dispatch (torch tensors)
+The default capacity is the worst case, every token of every rank to this rank with all its experts
+here: no token is ever dropped, and the grouped rows are sized for it. A smaller `capacity` (expert rows
+per rank; 2*M*k is twice the balanced load) bounds the buffers; tokens past it are dropped (they count
+as routed nowhere on that rank), counted on the device and reported by `dropped_tokens()`.
+
+`VirtualNvlinkWorld` runs P ranks in one process on one device (buffers all there, the barrier replaced
+by stream order): how the kernels are tested without a node, on the CPU-executed build in CI.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from moe_kernels import _ext
+from moe_kernels.dispatch.base import Dispatched, Dispatcher, GroupDispatcher, padding_scales
+from moe_kernels.ops._checks import check_int
+
+DEFAULT_NUM_SMS = 20
+_FALLBACK = "use backend='all_to_all' (torch.distributed, any devices) instead"
+_DROPPED_INDEX = 65  # Header.dropped as an int64 index: after signals[64] and epoch
+
+
+def _kernels(x: Tensor, who: str):
+    """The extension module running the kernels for `x` (the CUDA one, or the CPU-executed build under
+    MOE_KERNELS_EMULATE), or a ValueError saying what to use instead."""
+    if x.device.type == "cpu" and _ext.emulation() is None:
+        raise ValueError(f"{who}: the nvlink backend runs CUDA kernels on CUDA tensors, got CPU tensors; {_FALLBACK}")
+    C = _ext.kernels("nvlink dispatch", x)
+    if C is None:
+        raise ValueError(f"{who}: the nvlink backend needs moe_kernels' CUDA extension on this GPU; {_FALLBACK}")
+    return C
+
+
+# ---------------------------------------------------------------------------------------------------
+# Buffers: one region kind ("header", "dispatch", "combine") per rank, the same layout on every rank.
+
+
+class _Transport:
+    """Each rank's regions and the device tables of their base addresses (as int64)."""
+
+    num_ranks: int
+    local_ranks: list[int]  # the ranks this process drives
+    device: torch.device
+
+    def __init__(self):
+        self.regions: dict[str, list[Tensor | None]] = {}
+        self.bases: dict[str, Tensor] = {}
+
+    def region(self, kind: str, rank: int) -> Tensor:
+        return self.regions[kind][rank]
+
+    def ensure(self, kind: str, nbytes: int) -> None:
+        """Grow region `kind` to at least `nbytes` on every rank (collective on real ranks)."""
+        have = self.regions.get(kind)
+        local = self.local_ranks[0]
+        if have is not None and have[local].numel() >= nbytes:
+            return
+        self._allocate(kind, max(nbytes, 256))
+
+    def barrier(self, C) -> None:
+        raise NotImplementedError
+
+
+class _VirtualTransport(_Transport):
+    """P ranks' regions as tensors on one device; a barrier is every rank's arrival, then every wait."""
+
+    def __init__(self, num_ranks: int, device: torch.device):
+        super().__init__()
+        self.num_ranks, self.local_ranks, self.device = num_ranks, list(range(num_ranks)), device
+
+    def _allocate(self, kind: str, nbytes: int) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        tensors = [torch.zeros(nbytes + 256, dtype=torch.uint8, device=self.device) for _ in range(self.num_ranks)]
+        # 256-byte aligned views (CUDA allocations are; host memory may not be)
+        views = [t[(-t.data_ptr()) % 256 :][:nbytes] for t in tensors]
+        self._owners = getattr(self, "_owners", {})
+        self._owners[kind] = tensors
+        self.regions[kind] = views
+        self.bases[kind] = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=self.device)
+
+    def barrier(self, C) -> None:
+        bases = self.bases["header"].data_ptr()
+        for mode in (1, 2):  # arrive everywhere, then wait everywhere: no rank waits for one not yet run
+            for r in self.local_ranks:
+                C.nvlink_barrier(rank=r, ranks=self.num_ranks, bases=bases, mode=mode, **_launch(self.device))
+
+
+class _CudaMemory:
+    """A device allocation seen by torch.as_tensor (no copy)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+
+
+class _IpcTransport(_Transport):
+    """This process's rank of a torch.distributed group within one node: its regions are cudaMalloc'd
+    and mapped by every other rank through CUDA IPC handles (exchanged once per region and size)."""
+
+    def __init__(self, group, device: torch.device, C):
+        import torch.distributed as dist
+
+        super().__init__()
+        self.group, self.C, self.device = group, C, device
+        self.num_ranks, rank = dist.get_world_size(group), dist.get_rank(group)
+        self.local_ranks = [rank]
+        self._mine: dict[str, int] = {}  # kind -> own allocation
+        self._opened: dict[str, list[int]] = {}  # kind -> peers' mappings
+        import socket
+
+        infos = [None] * self.num_ranks
+        dist.all_gather_object(infos, (socket.gethostname(), device.index), group=group)
+        hosts = sorted({h for h, _ in infos})
+        if len(hosts) > 1:
+            raise ValueError(f"nvlink dispatch: the group spans {len(hosts)} nodes ({', '.join(hosts)}); peer buffers "
+                             f"work within one node; {_FALLBACK}")
+        for r, (_, dev) in enumerate(infos):
+            if not C.can_access_peer(device.index, dev):
+                raise ValueError(f"nvlink dispatch: GPU {device.index} (rank {rank}) cannot access GPU {dev} (rank {r}) "
+                                 f"directly (no NVLink/PCIe peer access); {_FALLBACK}")
+
+    def _allocate(self, kind: str, nbytes: int) -> None:
+        import torch.distributed as dist
+
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # no rank still uses the old regions
+        self._release(kind)
+        dev = self.device.index
+        ptr = self.C.ipc_malloc(nbytes, dev)
+        self._mine[kind] = ptr
+        handles = [None] * self.num_ranks
+        dist.all_gather_object(handles, self.C.ipc_handle(ptr, dev), group=self.group)
+        me = self.local_ranks[0]
+        bases = []
+        opened = []
+        for r, h in enumerate(handles):
+            if r == me:
+                bases.append(ptr)
+            else:
+                p = self.C.ipc_open(h, dev)
+                opened.append(p)
+                bases.append(p)
+        self._opened[kind] = opened
+        regions = [None] * self.num_ranks
+        regions[me] = torch.as_tensor(_CudaMemory(ptr, nbytes), device=self.device)
+        self.regions[kind] = regions
+        self.bases[kind] = torch.tensor(bases, dtype=torch.int64, device=self.device)
+
+    def _release(self, kind: str) -> None:
+        dev = self.device.index
+        for p in self._opened.pop(kind, []):
+            self.C.ipc_close(p, dev)
+        if kind in self._mine:
+            self.regions.pop(kind, None)
+            self.C.ipc_free(self._mine.pop(kind), dev)
+
+    def close(self) -> None:
+        for kind in list(self._mine):
+            self._release(kind)
+
+    def barrier(self, C) -> None:
+        C.nvlink_barrier(rank=self.local_ranks[0], ranks=self.num_ranks, bases=self.bases["header"].data_ptr(),
+                         mode=3, **_launch(self.device))
+
+    def __del__(self):
+        try:
+            torch.cuda.synchronize(self.device)
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def _launch(device: torch.device) -> dict:
+    if device.type == "cpu":
+        return {"device": 0, "stream": 0}
+    return {"device": device.index, "stream": torch.cuda.current_stream(device).cuda_stream}
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine: the phases of each operation, per rank; `_run` puts a barrier before every phase.
+
+
+@dataclass(eq=False)
+class NvlinkHandle:
+    """What combine and the backward passes need; tensors of this rank's own (not the shared buffers)."""
+
+    rank: int
+    num_tokens: int  # T
+    k: int
+    source_rows: Tensor  # [T, k] row t*k + j of slot j in the combine region, -1: went nowhere
+    weights: Tensor  # [T, k] the dispatch's weights (combine's default)
+    num_received: Tensor  # [1] int32 tokens received (N)
+    src: Tensor  # [P*M, 2] (source rank, source token) of received rows < N
+    row_map: Tensor  # [P*M, k] grouped row of each received slot, -1 none
+    workspace: Tensor  # the layout permute's workspace (expert starts and counts)
+    group_sizes: Tensor  # [El]
+    num_rows: int  # R
+    saved: dict = field(default_factory=dict)
+
+
+class _Engine:
+    def __init__(self, transport: _Transport, num_experts: int, max_tokens: int, capacity: int | None, num_sms: int):
+        P = transport.num_ranks
+        if num_experts % P:
+            raise ValueError(f"nvlink dispatch: num_experts={num_experts} must be a multiple of the {P} ranks")
+        self.t, self.P, self.E, self.M = transport, P, num_experts, max_tokens
+        self.El = num_experts // P
+        self.capacity, self.num_sms = capacity, num_sms
+        self._dropped_seen = [0] * P
+
+    # -- sizes
+    def cap(self, k: int) -> int:
+        worst = self.P * self.M * min(k, self.El)
+        return worst if self.capacity is None else min(self.capacity, worst)
+
+    def x_rows(self, k: int) -> int:
+        return min(self.P * self.M, self.cap(k))
+
+    def _run(self, C, phases) -> None:
+        for phase in phases:
+            self.t.barrier(C)
+            for r in self.t.local_ranks:
+                phase(r)
+
+    # -- dispatch
+    def dispatch(self, C, xs, ws, idxs, scales, align):
+        t, P, M, El = self.t, self.P, self.M, self.El
+        ranks = t.local_ranks
+        k = idxs[0].shape[1]
+        H = xs[0].shape[1]
+        row_bytes = H * xs[0].element_size()
+        scale_bytes = 0 if scales[0] is None else scales[0].shape[1] * scales[0].element_size()
+        X, cap = self.x_rows(k), self.cap(k)
+        layout = C.nvlink_dispatch_layout(P, M, k, X, row_bytes, scale_bytes)
+        t.ensure("header", C.nvlink_header_bytes)
+        t.ensure("dispatch", layout["bytes"])
+        dev = _launch(t.device)
+        hb, db = t.bases["header"].data_ptr(), t.bases["dispatch"].data_ptr()
+        R = min(cap, P * M * min(k, El)) + El * (align - 1)
+        st = {}
+
+        def notify(r):
+            i = ranks.index(r)
+            T = xs[i].shape[0]
+            s = st[r] = {"T": T}
+            s["send_token"] = torch.empty((T, P), dtype=torch.int32, device=t.device)
+            s["send_slot"] = torch.empty((T, P), dtype=torch.int32, device=t.device)
+            C.nvlink_notify(rank=r, ranks=P, header_bases=hb, indices=_ext.ptr(idxs[i]), num_tokens=T, k=k,
+                            local_experts=El, send_token=_ext.ptr(s["send_token"]), send_slot=_ext.ptr(s["send_slot"]),
+                            **dev)
+
+        def send(r):
+            i, s = ranks.index(r), st[r]
+            s["source_rows"] = torch.empty((s["T"], k), dtype=torch.int32, device=t.device)
+            C.nvlink_send(rank=r, ranks=P, header_bases=hb, data_bases=db, x=_ext.ptr(xs[i]),
+                          scales=_ext.ptr(scales[i]), weights=_ext.ptr(ws[i]), indices=_ext.ptr(idxs[i]),
+                          send_token=_ext.ptr(s["send_token"]), send_slot=_ext.ptr(s["send_slot"]),
+                          source_rows=_ext.ptr(s["source_rows"]), num_tokens=s["T"], k=k, row_bytes=row_bytes,
+                          scale_bytes=scale_bytes, max_tokens=M, x_rows=X, capacity=cap, local_experts=El,
+                          num_sms=self.num_sms, **dev)
+
+        def lay_out(r):
+            i, s = ranks.index(r), st[r]
+            region = t.region("dispatch", r)
+            base = region.data_ptr()
+            rows = P * M
+            n = torch.empty((1,), dtype=torch.int32, device=t.device)
+            C.nvlink_prepare(rank=r, ranks=P, header_bases=hb, idx=base + layout["idx"], rows=rows, k=k,
+                             num_received=_ext.ptr(n), **dev)
+            x_g = torch.empty((R, H), dtype=xs[i].dtype, device=t.device)
+            row_map = torch.empty((rows, k), dtype=torch.int32, device=t.device)
+            group_sizes = torch.empty((El,), dtype=torch.int32, device=t.device)
+            ws_t = torch.empty((C.permute_workspace_bytes(rows * k, El),), dtype=torch.uint8, device=t.device)
+            C.permute_fwd(x=base + layout["x"], indices=base + layout["idx"], x_perm=_ext.ptr(x_g),
+                          row_map=_ext.ptr(row_map), group_sizes=group_sizes.data_ptr(), workspace=_ext.ptr(ws_t),
+                          num_tokens=rows, k=k, row_bytes=row_bytes, num_experts=El, align=align, **dev)
+            row_w = torch.zeros((R,), dtype=torch.float32, device=t.device)
+            local = torch.full((R,), -1, dtype=torch.int32, device=t.device)
+            g_scales = None
+            if scales[i] is not None:
+                g_scales = torch.empty((R, scales[i].shape[1]), dtype=scales[i].dtype, device=t.device)
+            src = torch.empty((rows, 2), dtype=torch.int32, device=t.device)
+            C.nvlink_layout_meta(num_received=_ext.ptr(n), src=base + layout["src"], idx=base + layout["idx"],
+                                 w=base + layout["w"], scales=base + layout["scales"] if scale_bytes else 0,
+                                 row_map=_ext.ptr(row_map), handle_src=_ext.ptr(src), row_weights=_ext.ptr(row_w),
+                                 local_indices=_ext.ptr(local), grouped_scales=_ext.ptr(g_scales), rows=rows, k=k,
+                                 scale_bytes=scale_bytes, **dev)
+            handle = NvlinkHandle(r, s["T"], k, s["source_rows"], ws[i], n, src, row_map, ws_t, group_sizes, R)
+            if g_scales is not None:
+                g_scales = padding_scales(g_scales, local)
+            s["out"] = (x_g, row_w, group_sizes, local, g_scales, handle)
+
+        self._run(C, (notify, send, lay_out))
+        return [st[r]["out"] for r in ranks]
+
+    # -- rows back to their sources: push, then each source reduces its (token, slot) rows
+    def _push(self, C, r, h: NvlinkHandle, rows: Tensor, floats: Tensor | None):
+        t = self.t
+        C.nvlink_push(rank=r, ranks=self.P, data_bases=t.bases["combine"].data_ptr(), num_received=_ext.ptr(h.num_received),
+                      src=_ext.ptr(h.src), row_map=_ext.ptr(h.row_map), rows=_ext.ptr(rows), floats=_ext.ptr(floats),
+                      received_rows=self.P * self.M, k=h.k, row_bytes=rows.shape[1] * rows.element_size(),
+                      max_tokens=self.M, num_sms=self.num_sms, starts=0, totals=0, group_sizes=0, local_experts=0,
+                      **_launch(t.device))
+
+    def _slot_rows(self, r, h: NvlinkHandle, H: int, dtype) -> Tensor:
+        """This rank's combine region as [T*k, H] rows of `dtype`."""
+        n = h.num_tokens * h.k * H * torch.empty((), dtype=dtype).element_size()
+        return self.t.region("combine", r)[:n].view(dtype).view(h.num_tokens * h.k, H)
+
+    def _slot_floats(self, r, h: NvlinkHandle, row_bytes: int) -> Tensor:
+        C0 = self.t.region("combine", r)
+        off = self._floats_offset(h.k, row_bytes)
+        return C0[off : off + 4 * h.num_tokens * h.k].view(torch.float32).view(h.num_tokens, h.k)
+
+    def _floats_offset(self, k, row_bytes):
+        return (self.M * k * row_bytes + 255) // 256 * 256
+
+    def combine(self, C, ys, handles, weights, save_rows: bool):
+        """out[t] = sum_j w[t, j] * y[row of (t, j)] (plain sum when weights[i] is None)."""
+        t = self.t
+        H, dtype = ys[0].shape[1], ys[0].dtype
+        row_bytes = H * ys[0].element_size()
+        t.ensure("combine", self.M * handles[0].k * row_bytes + 256 + 4 * self.M * handles[0].k)
+        outs = {}
+
+        def push(r):
+            i = t.local_ranks.index(r)
+            self._push(C, r, handles[i], ys[i], None)
+
+        def reduce(r):
+            i = t.local_ranks.index(r)
+            h = handles[i]
+            slots = self._slot_rows(r, h, H, dtype)
+            out = torch.empty((h.num_tokens, H), dtype=dtype, device=t.device)
+            w = weights[i]
+            if h.num_tokens:
+                C.unpermute_fwd(y=_ext.ptr(slots), row_map=_ext.ptr(h.source_rows), weights=_ext.ptr(w), out=_ext.ptr(out),
+                                num_tokens=h.num_tokens, k=h.k, hidden=H, num_rows=h.num_tokens * h.k,
+                                dtype=_ext.dtype_code(dtype), **_launch(t.device))
+            outs[r] = (out, slots.clone() if save_rows else None)
+
+        self._run(C, (push, reduce))
+        return [outs[r] for r in t.local_ranks]
+
+    def dispatch_backward(self, C, grads_x, grads_w, handles):
+        """The transpose of dispatch: each source sums its slots' gradient rows (a combine without
+        weights); the row weights' gradients travel beside them."""
+        t = self.t
+        H, dtype = grads_x[0].shape[1], grads_x[0].dtype
+        row_bytes = H * grads_x[0].element_size()
+        k = handles[0].k
+        t.ensure("combine", self.M * k * row_bytes + 256 + 4 * self.M * k)
+        outs = {}
+
+        def push(r):
+            i = t.local_ranks.index(r)
+            self._push(C, r, handles[i], grads_x[i], grads_w[i])
+
+        def reduce(r):
+            i = t.local_ranks.index(r)
+            h = handles[i]
+            dx = torch.empty((h.num_tokens, H), dtype=dtype, device=t.device)
+            if h.num_tokens:
+                C.unpermute_fwd(y=_ext.ptr(self._slot_rows(r, h, H, dtype)), row_map=_ext.ptr(h.source_rows), weights=0,
+                                out=_ext.ptr(dx), num_tokens=h.num_tokens, k=h.k, hidden=H,
+                                num_rows=h.num_tokens * h.k, dtype=_ext.dtype_code(dtype), **_launch(t.device))
+            dw = None
+            if grads_w[i] is not None:
+                dw = torch.where(h.source_rows >= 0, self._slot_floats(r, h, row_bytes), 0.0)
+            outs[r] = (dx, dw)
+
+        self._run(C, (push, reduce))
+        return [outs[r] for r in t.local_ranks]
+
+    def combine_backward(self, C, grads, handles, weights, saved_rows):
+        """The transpose of combine: each source writes its per-slot gradient rows (and the weights'
+        gradients) into its own combine region; the experts' owners pull theirs."""
+        t = self.t
+        H, dtype = grads[0].shape[1], grads[0].dtype
+        row_bytes = H * grads[0].element_size()
+        k = handles[0].k
+        t.ensure("combine", self.M * k * row_bytes + 256 + 4 * self.M * k)
+        outs = {}
+        dws = {}
+
+        def write(r):
+            i = t.local_ranks.index(r)
+            h = handles[i]
+            slots = self._slot_rows(r, h, H, dtype)
+            need_dw = weights[i] is not None and saved_rows[i] is not None
+            dw = torch.empty((h.num_tokens, h.k) if need_dw else (0,), dtype=torch.float32, device=t.device)
+            mask = torch.zeros((h.num_tokens * h.k,), dtype=torch.uint8, device=t.device)
+            if h.num_tokens:
+                C.unpermute_bwd(dout=_ext.ptr(grads[i].contiguous()), y=_ext.ptr(saved_rows[i]) if need_dw else 0,
+                                row_map=_ext.ptr(h.source_rows), weights=_ext.ptr(weights[i]), dy=_ext.ptr(slots),
+                                dweights=_ext.ptr(dw) if need_dw else 0, row_mask=_ext.ptr(mask),
+                                num_tokens=h.num_tokens, k=h.k, hidden=H, num_rows=h.num_tokens * h.k,
+                                dtype=_ext.dtype_code(dtype), **_launch(t.device))
+            dws[r] = dw if need_dw else None
+
+        def pull(r):
+            i = t.local_ranks.index(r)
+            h = handles[i]
+            dy = torch.empty((h.num_rows, H), dtype=dtype, device=t.device)
+            ws = h.workspace.data_ptr()
+            starts = ws + C.permute_starts_offset(self.P * self.M * h.k, self.El)
+            C.nvlink_pull(rank=r, ranks=self.P, data_bases=t.bases["combine"].data_ptr(),
+                          num_received=_ext.ptr(h.num_received), src=_ext.ptr(h.src), row_map=_ext.ptr(h.row_map),
+                          rows=_ext.ptr(dy), floats=0, received_rows=self.P * self.M, k=h.k, row_bytes=row_bytes,
+                          max_tokens=self.M, num_sms=self.num_sms, starts=starts, totals=starts + 4 * self.El,
+                          group_sizes=h.group_sizes.data_ptr(), local_experts=self.El, **_launch(t.device))
+            outs[r] = (dy, dws[r])
+
+        self._run(C, (write, pull))
+        return [outs[r] for r in t.local_ranks]
+
+    def dropped_tokens(self) -> int:
+        """(token, rank) copies the local ranks' dispatches dropped for capacity since the last call
+        (syncs with the device); warns when there were any."""
+        total = 0
+        for r in self.t.local_ranks:
+            if "header" not in self.t.regions:
+                continue
+            now = int(self.t.region("header", r).view(torch.int64)[_DROPPED_INDEX])
+            total += now - self._dropped_seen[r]
+            self._dropped_seen[r] = now
+        if total:
+            warnings.warn(f"nvlink dispatch: {total} token copies went past capacity={self.capacity} and were dropped "
+                          "(their experts on those ranks contributed nothing); raise `capacity`", RuntimeWarning,
+                          stacklevel=2)
+        return total
+
+
+# ---------------------------------------------------------------------------------------------------
+# Autograd: one node for all the ranks this process drives (virtual ranks move in lockstep).
+
+
+def _is_float(t: Tensor) -> bool:
+    return t.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+class _DispatchFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine, C, box, align, n, *tensors):
+        xs, ws, idxs, scales = tensors[:n], tensors[n : 2 * n], tensors[2 * n : 3 * n], tensors[3 * n :]
+        outs = engine.dispatch(C, [x.detach() for x in xs], [w.detach().float().contiguous() for w in ws],
+                               list(idxs), [None if s is None else s.detach() for s in scales], align)
+        box.extend(outs)
+        ctx.engine, ctx.C, ctx.n, ctx.handles = engine, C, n, [o[5] for o in outs]
+        ctx.w_dtypes = [w.dtype for w in ws]
+        ctx.x_float = [_is_float(x) for x in xs]
+        xg = [o[0] for o in outs]
+        nondiff = [x for x, f in zip(xg, ctx.x_float) if not f]
+        nondiff += [o[2] for o in outs] + [o[3] for o in outs] + [o[4] for o in outs if o[4] is not None]
+        ctx.mark_non_differentiable(*nondiff)
+        return (*xg, *[o[1] for o in outs], *[o[2] for o in outs], *[o[3] for o in outs],
+                *[o[4] for o in outs])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        gx, gw = list(grads[:n]), list(grads[n : 2 * n])
+        ctx_inputs = ctx.needs_input_grad[5:]
+        need_x, need_w = any(ctx_inputs[:n]), any(ctx_inputs[n : 2 * n])
+        if not (need_x or need_w):
+            return (None,) * (5 + 4 * n)
+        for i, h in enumerate(ctx.handles):
+            if gx[i] is None or not ctx.x_float[i]:  # a non-float payload: its rows carry no gradient
+                gx[i] = torch.zeros((h.num_rows, 1), dtype=torch.float32, device=h.row_map.device)
+            if gw[i] is None and need_w:
+                gw[i] = torch.zeros((h.num_rows,), dtype=torch.float32, device=h.row_map.device)
+        res = ctx.engine.dispatch_backward(ctx.C, [g.contiguous() for g in gx],
+                                           [g.float().contiguous() if need_w else None for g in gw], ctx.handles)
+        dxs = [dx if (ctx.x_float[i] and ctx_inputs[i]) else None for i, (dx, _) in enumerate(res)]
+        dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, dw) in enumerate(res)]
+        return (None, None, None, None, None, *dxs, *dws, *([None] * (2 * n)))
+
+
+class _CombineFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, engine, C, handles, weighted, n, *tensors):
+        ys, ws = tensors[:n], tensors[n:]
+        wf = [w.detach().float().contiguous() if weighted else None for w in ws]
+        save = weighted and any(w.requires_grad for w in ws)
+        outs = engine.combine(C, [y.detach().contiguous() for y in ys], handles, wf, save)
+        ctx.engine, ctx.C, ctx.handles, ctx.n, ctx.wf = engine, C, handles, n, wf
+        ctx.saved_rows = [o[1] for o in outs]
+        ctx.w_dtypes = [None if w is None else w.dtype for w in ws]
+        return tuple(o[0] for o in outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        n = ctx.n
+        res = ctx.engine.combine_backward(ctx.C, [g.contiguous() for g in grads], ctx.handles, ctx.wf, ctx.saved_rows)
+        dys = [dy for dy, _ in res]
+        dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, dw) in enumerate(res)]
+        return (None, None, None, None, None, *dys, *dws)
+
+
+def _check_sizes(op: str, engine: _Engine, xs, idxs, scales) -> None:
+    """What the buffers allow, checked before any kernel (the dispatcher checked the arguments)."""
+    for r, x in enumerate(xs):
+        if x.shape[0] > engine.M:
+            where = f" on rank {r}" if len(xs) > 1 else ""
+            raise ValueError(f"{op}: `x` has {x.shape[0]} tokens{where}, more than max_tokens_per_rank={engine.M} "
+                             "(the buffers are sized for it); raise max_tokens_per_rank")
+    same = {(i.shape[1], x.shape[1], x.dtype, None if s is None else (s.shape[1], s.dtype))
+            for x, i, s in zip(xs, idxs, scales)}
+    if len(same) > 1:
+        raise ValueError(f"{op}: every rank must pass the same k, hidden size, dtype and scales")
+
+
+def _dispatched(out, weights: Tensor) -> Dispatched:
+    x_g, row_w, group_sizes, local, g_scales, handle = out
+    handle.weights = weights
+    d = Dispatched(x_g, row_w, group_sizes, handle, None, None, g_scales)
+    d.__dict__["local_indices"] = local  # the cached property, computed by the layout kernel
+    return d
+
+
+def _check_knobs(who: str, max_tokens_per_rank, capacity, num_sms) -> None:
+    check_int(who, "max_tokens_per_rank", max_tokens_per_rank, minimum=1)
+    if capacity is not None:
+        check_int(who, "capacity", capacity, minimum=1)
+    check_int(who, "num_sms", num_sms, minimum=1)
+
+
+class NvlinkDispatcher(GroupDispatcher):
+    """The NVLink backend on the ranks of a torch.distributed group within one node (module docstring).
+
+    max_tokens_per_rank: the most tokens one rank passes to dispatch (a larger call raises ValueError);
+    sizes the buffers. capacity: expert rows one rank receives at most (None: the worst case, nothing is
+    ever dropped). num_sms: thread blocks of the copy kernels (about 20 of an H100's 132 leave the rest to
+    overlapping compute). The buffers are allocated at the first dispatch (a collective) and shared by
+    every NvlinkDispatcher of the same group and device.
+    """
+
+    _transports: dict = {}
+
+    def __init__(self, num_experts: int, group=None, *, max_tokens_per_rank: int, capacity: int | None = None,
+                 num_sms: int = DEFAULT_NUM_SMS):
+        super().__init__(num_experts, group)
+        _check_knobs("NvlinkDispatcher", max_tokens_per_rank, capacity, num_sms)
+        if self.num_ranks > _max_ranks():
+            raise ValueError(f"NvlinkDispatcher: at most {_max_ranks()} ranks, the group has {self.num_ranks}; {_FALLBACK}")
+        self.max_tokens_per_rank, self.capacity, self.num_sms = max_tokens_per_rank, capacity, num_sms
+        self._engine: _Engine | None = None
+
+    def _engine_for(self, x: Tensor) -> tuple[_Engine, object]:
+        C = _kernels(x, "NvlinkDispatcher")
+        if x.device.type != "cuda":
+            raise ValueError(f"NvlinkDispatcher: peer buffers need CUDA tensors on the ranks' GPUs; {_FALLBACK}")
+        if self._engine is None:
+            key = (id(self.group), x.device)
+            transport = NvlinkDispatcher._transports.get(key)
+            if transport is None:
+                transport = NvlinkDispatcher._transports[key] = _IpcTransport(self.group, x.device, C)
+            self._engine = _Engine(transport, self.num_experts, self.max_tokens_per_rank, self.capacity, self.num_sms)
+        return self._engine, C
+
+    def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
+        indices = self._check(x, weights, indices, align, scales)
+        engine, C = self._engine_for(x)
+        _check_sizes("NvlinkDispatcher.dispatch", engine, [x], [indices], [scales])
+        box: list = []
+        _DispatchFn.apply(engine, C, box, align, 1, x.contiguous(), weights, indices.contiguous(),
+                          None if scales is None else scales.contiguous())
+        return _dispatched(box[0], weights)
+
+    def combine(self, y: Tensor, handle: NvlinkHandle, *, weighted: bool = True) -> Tensor:
+        return _CombineFn.apply(self._engine, _ext.kernels("nvlink dispatch", y), [handle], weighted, 1, y,
+                                handle.weights)
+
+    def dropped_tokens(self) -> int:
+        """Token copies dropped for capacity since the last call (warns when any); syncs."""
+        return 0 if self._engine is None else self._engine.dropped_tokens()
+
+
+def _max_ranks() -> int:
+    return 64
+
+
+class VirtualNvlinkWorld:
+    """P ranks of the NVLink backend in one process on one device (module docstring).
+
+    dispatch(xs, weights, indices) takes every rank's tensors (lists indexed by rank) and returns every
+    rank's `Dispatched`; combine(ys, handles) returns every rank's output. Both are differentiable, as one
+    autograd node for all ranks.
+    """
+
+    def __init__(self, num_experts: int, num_ranks: int, *, max_tokens_per_rank: int, capacity: int | None = None,
+                 num_sms: int = DEFAULT_NUM_SMS, device="cuda"):
+        check_int("VirtualNvlinkWorld", "num_ranks", num_ranks, minimum=1, maximum=_max_ranks())
+        _check_knobs("VirtualNvlinkWorld", max_tokens_per_rank, capacity, num_sms)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.num_ranks = num_ranks
+        self.dispatchers = [_VirtualRank(num_experts, num_ranks, r) for r in range(num_ranks)]
+        self.engine = _Engine(_VirtualTransport(num_ranks, self.device), num_experts, max_tokens_per_rank, capacity,
+                              num_sms)
+
+    def dispatch(self, xs, weights, indices, *, align: int = 1, scales=None) -> list[Dispatched]:
+        P = self.num_ranks
+        scales = [None] * P if scales is None else list(scales)
+        if not (len(xs) == len(weights) == len(indices) == len(scales) == P):
+            raise ValueError(f"VirtualNvlinkWorld.dispatch: pass one tensor per rank ({P}) in each list")
+        for x in xs:
+            if x.device != self.device:
+                raise ValueError(f"VirtualNvlinkWorld.dispatch: `x` is on {x.device}, the world on {self.device}")
+        C = _kernels(xs[0], "VirtualNvlinkWorld")
+        checked = [self.dispatchers[r]._check(xs[r], weights[r], indices[r], align, scales[r]) for r in range(P)]
+        _check_sizes("VirtualNvlinkWorld.dispatch", self.engine, xs, checked, scales)
+        box: list = []
+        _DispatchFn.apply(self.engine, C, box, align, P, *[x.contiguous() for x in xs], *weights,
+                          *[i.contiguous() for i in checked],
+                          *[None if s is None else s.contiguous() for s in scales])
+        return [_dispatched(o, w) for o, w in zip(box, weights)]
+
+    def combine(self, ys, handles, *, weighted: bool = True) -> list[Tensor]:
+        P = self.num_ranks
+        if len(ys) != P or len(handles) != P:
+            raise ValueError(f"VirtualNvlinkWorld.combine: pass one tensor and one handle per rank ({P})")
+        C = _kernels(ys[0], "VirtualNvlinkWorld")
+        return list(_CombineFn.apply(self.engine, C, list(handles), weighted, P, *ys, *[h.weights for h in handles]))
+
+    def dropped_tokens(self) -> int:
+        return self.engine.dropped_tokens()
+
+
+class _VirtualRank(Dispatcher):
+    """Rank r's view (its expert range and argument checks); the world moves the data."""
+
+    def dispatch(self, *a, **kw):
+        raise TypeError("a virtual rank dispatches through VirtualNvlinkWorld.dispatch (all ranks at once)")
+
+    def combine(self, *a, **kw):
+        raise TypeError("a virtual rank combines through VirtualNvlinkWorld.combine (all ranks at once)")
