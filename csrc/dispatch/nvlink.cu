@@ -147,7 +147,7 @@ __device__ __forceinline__ void copy_row(const char* src, char* const* dsts, int
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t v = seg + lane + 32 * u;
-        if (v < vecs) dst[v] = regs[u];
+        if (v < vecs) __stcg(dst + v, regs[u]);  // st.global: peer memory is global memory
       }
     }
   }
@@ -311,7 +311,7 @@ __global__ void __launch_bounds__(kThreads) move_kernel(MoveParams p) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t v = seg + lane + 32 * u;
-          if (v < vecs) to[v] = regs[u];
+          if (v < vecs) __stcg(to + v, regs[u]);
         }
       }
       if (!PULL && p.floats != nullptr && lane == 0) at<float>(base, floats_at)[int64_t(t) * k + j] = p.floats[g];

@@ -624,7 +624,7 @@ class VirtualNvlinkWorld:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_ranks = num_ranks
-        self.dispatchers = [_VirtualRank(num_experts, num_ranks, r) for r in range(num_ranks)]
+        self.dispatchers = [NvlinkVirtualRank(num_experts, num_ranks, r) for r in range(num_ranks)]
         self.engine = _Engine(_VirtualTransport(num_ranks, self.device), num_experts, max_tokens_per_rank, capacity,
                               num_sms)
 
@@ -656,7 +656,7 @@ class VirtualNvlinkWorld:
         return self.engine.dropped_tokens()
 
 
-class _VirtualRank(Dispatcher):
+class NvlinkVirtualRank(Dispatcher):
     """Rank r's view (its expert range and argument checks); the world moves the data."""
 
     def dispatch(self, *a, **kw):

@@ -1,0 +1,225 @@
+"""The NVLink backend's kernels on virtual ranks: P ranks' buffers in one process on one device, the
+barrier replaced by stream order (on a GPU, and on the CPU-executed kernels in CI).
+
+Every rank's output and gradients must equal the one-rank layer on that rank's tokens bit for bit: the
+rows arrive in the same order and combine sums the same products in the same order (fp32, ascending
+slot). The stress cases of specs/dispatch.md: every token to one rank, ranks without tokens, -1 slots,
+T = 0 and 1, odd H, repeated and interleaved calls, FP8 and byte payloads with their scales, capacity
+overflow, T past max_tokens_per_rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moe_kernels import _ext
+from moe_kernels.dispatch import LocalDispatcher
+from moe_kernels.dispatch.nvlink import VirtualNvlinkWorld
+from moe_kernels.ops.permute import tokens_per_expert
+from tests.dispatch.test_dispatch import _expert_fn, _routing
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def device(cuda):
+    if cuda.type == "cpu" and _ext.emulation() is None:
+        pytest.skip("the nvlink backend has no reference path: it needs the kernels (a GPU or MOE_KERNELS_EMULATE=1)")
+    return cuda
+
+
+def _inputs(P, Ts, H, k, E, case, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    xs, ws, idx, gouts = [], [], [], []
+    for r, T in enumerate(Ts):
+        xs.append(torch.randn(T, H, generator=gen).to(dtype).to(device).requires_grad_())
+        idx.append(_routing(case, T, k, E, P, gen).to(device))
+        ws.append(torch.rand(T, k, generator=gen).to(device).requires_grad_())
+        gouts.append(torch.randn(T, H, generator=gen).to(dtype).to(device))
+    return xs, ws, idx, gouts
+
+
+def _layer(world_or_disp, ds, El, scale, shift, weighted):
+    return [_expert_fn(d.x, d.local_indices, r * El, scale, shift, None if weighted else d.weights)
+            for r, d in enumerate(ds)]
+
+
+def _reference(x, w, idx, E, gout, scale, shift, weighted, align):
+    """The one-rank layer on one rank's tokens."""
+    disp = LocalDispatcher(E)
+    x, w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    d = disp.dispatch(x, w, idx, align=align)
+    y = _expert_fn(d.x, d.local_indices, 0, scale, shift, None if weighted else d.weights)
+    out = disp.combine(y, d.handle, weighted=weighted)
+    dx, dw = torch.autograd.grad((out.float() * gout.float()).sum(), (x, w), allow_unused=True)
+    return out, dx, torch.zeros_like(w) if dw is None else dw
+
+
+def _check_world(P, Ts, H, k, E, case, dtype, align, weighted, device, *, seed=0, capacity=None, M=None, world=None):
+    xs, ws, idx, gouts = _inputs(P, Ts, H, k, E, case, dtype, device, seed)
+    El = E // P
+    world = world or VirtualNvlinkWorld(E, P, max_tokens_per_rank=M or max(max(Ts), 1), capacity=capacity,
+                                        device=device)
+    scale = torch.linspace(0.5, 2.0, E, device=device)
+    shift = torch.linspace(-1.0, 1.0, E, device=device)
+    ds = world.dispatch(xs, ws, idx, align=align)
+    outs = world.combine(_layer(world, ds, El, scale, shift, weighted), [d.handle for d in ds], weighted=weighted)
+    loss = sum((o.float() * g.float()).sum() for o, g in zip(outs, gouts))
+    grads = torch.autograd.grad(loss, [*xs, *ws], allow_unused=True)
+    where = f"P={P} T={Ts} H={H} k={k} E={E} {case} {dtype} align={align} weighted={weighted}"
+    counts = tokens_per_expert(torch.cat([i.reshape(-1, 1) for i in idx]).cpu(), E)
+    for r in range(P):
+        ref, rdx, rdw = _reference(xs[r], ws[r], idx[r], E, gouts[r], scale, shift, weighted, align)
+        dx = grads[r] if grads[r] is not None else torch.zeros_like(xs[r])
+        dw = grads[P + r] if grads[P + r] is not None else torch.zeros_like(ws[r])
+        assert outs[r].dtype == dtype and outs[r].shape == (Ts[r], H), where
+        for name, got, want in (("out", outs[r], ref), ("dx", dx, rdx), ("dweights", dw, rdw)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {r} {name}: {where}")
+        # This rank's grouped rows: every rank's pairs for its experts, padded; padding rows carry -1, 0.
+        d = ds[r]
+        mine = counts[r * El : (r + 1) * El].to(device)
+        assert torch.equal(d.group_sizes, ((mine + align - 1) // align * align).int()), where
+        starts = torch.cumsum(d.group_sizes, 0) - d.group_sizes
+        for e in range(El):
+            rows = slice(int(starts[e]), int(starts[e]) + int(d.group_sizes[e]))
+            n = int(mine[e])
+            assert torch.all(d.local_indices[rows][:n] == e) and torch.all(d.local_indices[rows][n:] == -1), where
+            assert torch.all(d.weights[rows][n:] == 0) and torch.all(d.x[rows][n:] == 0), where
+        assert torch.all(d.local_indices[int(d.group_sizes.sum()) :] == -1), where
+    return world, outs, grads
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_nvlink_virtual_ranks_equal_one_rank(P, device):
+    Ts = [[3, 0], [0, 1, 7, 5], [4, 0, 1, 6, 2, 3, 0, 5]][[2, 4, 8].index(P)]
+    E = 2 * P
+    for case in ("uniform", "hot", "one_rank", "dropped"):
+        _check_world(P, Ts, 13, 3, E, case, torch.float32, 1, True, device)  # odd H, 4-byte vectors
+    _check_world(P, Ts, 16, 4, E, "uniform", torch.bfloat16, 8, True, device, seed=1)  # 16-byte vectors, align
+    _check_world(P, Ts, 5, 2, E, "uniform", torch.bfloat16, 1, False, device, seed=2)  # 2-byte vectors, row weights
+
+
+def test_nvlink_one_token_and_k_past_local_experts(device):
+    # T = 1 on every rank; k = 8 of E = 8 over 2 ranks: more slots per token than local experts (k > El).
+    _check_world(2, [1, 1], 8, 8, 8, "uniform", torch.float32, 2, True, device)
+    _check_world(2, [1, 0], 8, 1, 4, "hot", torch.float16, 1, True, device)
+
+
+def test_nvlink_repeated_and_interleaved_calls(device):
+    # The buffers are shared by every call: results are bit-identical run to run, and two dispatches in
+    # flight (two MoE layers: dispatch A, dispatch B, combine B, combine A) keep their own state.
+    P, E, H, k = 4, 8, 12, 2
+    world, outs, grads = _check_world(P, [5, 3, 0, 6], H, k, E, "uniform", torch.float32, 4, True, device)
+    _, outs2, grads2 = _check_world(P, [5, 3, 0, 6], H, k, E, "uniform", torch.float32, 4, True, device, world=world)
+    for a, b in zip([*outs, *grads], [*outs2, *grads2]):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+    xs_a, ws_a, idx_a, _ = _inputs(P, [5, 3, 0, 6], H, k, E, "uniform", torch.float32, device, 7)
+    xs_b, ws_b, idx_b, _ = _inputs(P, [2, 6, 1, 0], H, k, E, "hot", torch.float32, device, 8)
+    da = world.dispatch(xs_a, ws_a, idx_a)
+    db = world.dispatch(xs_b, ws_b, idx_b, align=2)
+    ob = world.combine([d.x * 2 for d in db], [d.handle for d in db])
+    oa = world.combine([d.x * 3 for d in da], [d.handle for d in da])
+    for r in range(P):
+        for xs, ws, idx, o, f, al in ((xs_a, ws_a, idx_a, oa, 3, 1), (xs_b, ws_b, idx_b, ob, 2, 2)):
+            disp = LocalDispatcher(E)
+            d = disp.dispatch(xs[r], ws[r], idx[r], align=al)
+            assert torch.equal(o[r], disp.combine(d.x * f, d.handle)), f"rank {r}"
+
+
+def test_nvlink_payloads_with_scales(device):
+    # FP8 codes with their 1x128 block scales, and a byte payload of odd width with byte scales (NVFP4's
+    # packing): the received rows and scales are exactly the one-rank dispatch's; padding scales are 1.
+    from moe_kernels.ops.quant import quantize_fp8
+
+    P, E = 4, 8
+    Ts = [6, 0, 3, 5]
+    gen = torch.Generator().manual_seed(3)
+    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=6, device=device)
+    for kind in ("fp8", "bytes"):
+        xs, ss, ws, idx = [], [], [], []
+        for T in Ts:
+            if kind == "fp8":
+                q, s = quantize_fp8(torch.randn(T, 200, generator=gen), "block")
+            else:
+                q = torch.randint(0, 256, (T, 7), generator=gen, dtype=torch.uint8)
+                s = torch.randint(0, 256, (T, 3), generator=gen, dtype=torch.uint8)
+            xs.append(q.to(device))
+            ss.append(s.to(device))
+            ws.append(torch.rand(T, 3, generator=gen).to(device))
+            idx.append(_routing("uniform", T, 3, E, P, gen).to(device))
+        ds = world.dispatch(xs, ws, idx, align=4, scales=ss)
+        # The one-rank dispatch of all ranks' tokens (source-rank order) restricted to rank r's experts.
+        x_all, s_all, w_all, i_all = (torch.cat(t) for t in (xs, ss, ws, idx))
+        El = E // P
+        for r, d in enumerate(ds):
+            local = torch.where((i_all >= r * El) & (i_all < (r + 1) * El), i_all - r * El, -1).int()
+            want = LocalDispatcher(El).dispatch(x_all, w_all, local, align=4, scales=s_all)
+            rows = int(want.group_sizes.sum())
+            assert torch.equal(d.group_sizes, want.group_sizes), kind
+            assert torch.equal(d.x[:rows].view(torch.uint8), want.x[:rows].view(torch.uint8)), kind
+            assert torch.equal(d.scales[:rows], want.scales[:rows]), kind
+            assert torch.equal(d.weights[:rows], want.weights[:rows]), kind
+            assert torch.equal(d.local_indices[:rows], want.local_indices[:rows]), kind
+
+
+def _capacity_drops(idx_list, P, El, cap):
+    """The documented rule: per destination, (source rank, token) order, a token whose expert rows end past
+    `cap` is dropped there (its slots on that rank count as routed nowhere)."""
+    used = [0] * P
+    dropped = 0
+    out = []
+    for idx in idx_list:
+        idx = idx.cpu().clone()
+        for t in range(idx.shape[0]):
+            for d in range(P):
+                mine = (idx[t] >= d * El) & (idx[t] < (d + 1) * El)
+                m = int(mine.sum())
+                if not m:
+                    continue
+                if used[d] + m > cap:
+                    idx[t][mine] = -1
+                    dropped += 1
+                used[d] += m
+        out.append(idx)
+    return out, dropped
+
+
+def test_nvlink_capacity_drops_are_counted_never_written_out_of_bounds(device):
+    P, E, k, H, cap = 4, 8, 3, 16, 7
+    Ts = [6, 5, 0, 6]
+    xs, ws, idx, gouts = _inputs(P, Ts, H, k, E, "uniform", torch.float32, device, 11)
+    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=6, capacity=cap, device=device)
+    ds = world.dispatch(xs, ws, idx, align=2)
+    outs = world.combine([d.x * 2 for d in ds], [d.handle for d in ds])
+    kept, n_dropped = _capacity_drops(idx, P, E // P, cap)
+    assert n_dropped > 0
+    for r in range(P):
+        assert int(ds[r].group_sizes.sum()) <= cap + (E // P) * (2 - 1) + (E // P)
+        disp = LocalDispatcher(E)
+        d = disp.dispatch(xs[r], ws[r], kept[r].to(device), align=2)
+        assert torch.equal(outs[r], disp.combine(d.x * 2, d.handle)), f"rank {r}"
+    with pytest.warns(RuntimeWarning, match=f"{n_dropped} token copies went past capacity=7"):
+        assert world.dropped_tokens() == n_dropped
+    assert world.dropped_tokens() == 0  # counted once
+
+
+def test_nvlink_bad_input(device):
+    world = VirtualNvlinkWorld(8, 2, max_tokens_per_rank=4, device=device)
+    x = [torch.randn(5, 8, device=device), torch.randn(2, 8, device=device)]
+    w = [torch.rand(5, 2, device=device), torch.rand(2, 2, device=device)]
+    i = [torch.zeros(5, 2, dtype=torch.int32, device=device), torch.zeros(2, 2, dtype=torch.int32, device=device)]
+    with pytest.raises(ValueError, match="5 tokens on rank 0, more than max_tokens_per_rank=4"):
+        world.dispatch(x, w, i)
+    with pytest.raises(ValueError, match="one tensor per rank"):
+        world.dispatch(x[:1], w[:1], i[:1])
+    x[0], w[0], i[0] = x[0][:3], w[0][:3], i[0][:3]
+    with pytest.raises(ValueError, match="same k, hidden size"):
+        world.dispatch([x[0], torch.randn(2, 4, device=device)], w, i)
+    with pytest.raises(ValueError, match="`weights` and `indices`"):
+        world.dispatch(x, [torch.rand(3, 1, device=device), w[1]], i)
+    with pytest.raises(ValueError, match="max_tokens_per_rank"):
+        VirtualNvlinkWorld(8, 2, max_tokens_per_rank=0, device=device)
+    with pytest.raises(ValueError, match="multiple of the 3 ranks"):
+        VirtualNvlinkWorld(8, 3, max_tokens_per_rank=4, device=device)
