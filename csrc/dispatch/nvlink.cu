@@ -252,6 +252,7 @@ __global__ void prepare_kernel(PrepareParams p) {
   const volatile int32_t* inbox = &header_of(p.header, p.header.rank)->inbox[0][0];
   int64_t n = 0;
   for (int s = 0; s < p.header.ranks; ++s) n += inbox[2 * s];
+  n = n < p.rows ? n : p.rows;  // rows past X hold only dropped tokens (a delivered token's row is < X)
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.num_received = int32_t(n);
   const int64_t total = p.rows * p.k;
   for (int64_t i = n * p.k + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;

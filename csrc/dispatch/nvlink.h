@@ -104,26 +104,27 @@ void send(const SendParams& p, cudaStream_t stream);
 struct PrepareParams {
   World header;
   int32_t* idx;             // this rank's [P*M, k] slot table (in its dispatch region)
-  int64_t rows;             // P*M
+  int64_t rows;             // X: rows the permute reads
   int64_t k;
-  int32_t* num_received;    // [1] out: tokens received (N)
+  int32_t* num_received;    // [1] out: N = min(tokens received, X)
 };
-// N = sum of the inbox; slots of rows [N, P*M) become -1, so the permute that follows sees only this
-// dispatch's rows.
+// N = sum of the inbox, at most X (rows at or past X only ever hold dropped tokens: a delivered token's
+// row is below its expert rows' end, itself at most C); slots of rows [N, X) become -1, so the permute
+// of rows [0, X) that follows sees only this dispatch's rows.
 void prepare(const PrepareParams& p, cudaStream_t stream);
 
 struct LayoutParams {
   const int32_t* num_received;  // [1]
-  const int32_t* src;           // [P*M] pairs, this rank's region
-  const int32_t* idx;           // [P*M, k]
-  const float* w;               // [P*M, k]
+  const int32_t* src;           // [X] pairs, this rank's region
+  const int32_t* idx;           // [X, k]
+  const float* w;               // [X, k]
   const void* scales;           // [X, scale_bytes] or null
-  const int32_t* row_map;       // [P*M, k] from permute: grouped row of each received slot
-  int32_t* handle_src;          // [P*M, 2] out: copy of src (rows < N)
+  const int32_t* row_map;       // [X, k] from permute: grouped row of each received slot
+  int32_t* handle_src;          // [X, 2] out: copy of src (rows < N)
   float* row_weights;           // [R] out: weight of each grouped row (pre-filled with 0)
   int32_t* local_indices;       // [R] out: local expert of each grouped row (pre-filled with -1)
   void* grouped_scales;         // [R, scale_bytes] out or null
-  int64_t rows;                 // P*M
+  int64_t rows;                 // X
   int64_t k;
   int64_t scale_bytes;
 };
@@ -132,11 +133,11 @@ void layout_meta(const LayoutParams& p, cudaStream_t stream);
 struct MoveParams {
   World data;                   // combine regions
   const int32_t* num_received;  // [1]
-  const int32_t* src;           // [P*M, 2] handle copy
-  const int32_t* row_map;       // [P*M, k]
+  const int32_t* src;           // [X, 2] handle copy
+  const int32_t* row_map;       // [X, k]
   void* rows;                   // push: [R, row_bytes] read; pull: [R, row_bytes] written
   const float* floats;          // push only: [R] fp32 sent beside the rows, or null
-  int64_t received_rows;        // P*M
+  int64_t received_rows;        // X
   int64_t k;
   int64_t row_bytes;
   int64_t max_tokens;           // M

@@ -218,8 +218,8 @@ class NvlinkHandle:
     source_rows: Tensor  # [T, k] row t*k + j of slot j in the combine region, -1: went nowhere
     weights: Tensor  # [T, k] the dispatch's weights (combine's default)
     num_received: Tensor  # [1] int32 tokens received (N)
-    src: Tensor  # [P*M, 2] (source rank, source token) of received rows < N
-    row_map: Tensor  # [P*M, k] grouped row of each received slot, -1 none
+    src: Tensor  # [X, 2] (source rank, source token) of received rows < N
+    row_map: Tensor  # [X, k] grouped row of each received slot, -1 none
     workspace: Tensor  # the layout permute's workspace (expert starts and counts)
     group_sizes: Tensor  # [El]
     num_rows: int  # R
@@ -291,7 +291,7 @@ class _Engine:
             i, s = ranks.index(r), st[r]
             region = t.region("dispatch", r)
             base = region.data_ptr()
-            rows = P * M
+            rows = X  # rows past X only ever hold dropped tokens
             n = torch.empty((1,), dtype=torch.int32, device=t.device)
             C.nvlink_prepare(rank=r, ranks=P, header_bases=hb, idx=base + layout["idx"], rows=rows, k=k,
                              num_received=_ext.ptr(n), **dev)
@@ -326,7 +326,7 @@ class _Engine:
         t = self.t
         C.nvlink_push(rank=r, ranks=self.P, data_bases=t.bases["combine"].data_ptr(), num_received=_ext.ptr(h.num_received),
                       src=_ext.ptr(h.src), row_map=_ext.ptr(h.row_map), rows=_ext.ptr(rows), floats=_ext.ptr(floats),
-                      received_rows=self.P * self.M, k=h.k, row_bytes=rows.shape[1] * rows.element_size(),
+                      received_rows=h.row_map.shape[0], k=h.k, row_bytes=rows.shape[1] * rows.element_size(),
                       max_tokens=self.M, num_sms=self.num_sms, starts=0, totals=0, group_sizes=0, local_experts=0,
                       **_launch(t.device))
 
@@ -431,10 +431,10 @@ class _Engine:
             h = handles[i]
             dy = torch.empty((h.num_rows, H), dtype=dtype, device=t.device)
             ws = h.workspace.data_ptr()
-            starts = ws + C.permute_starts_offset(self.P * self.M * h.k, self.El)
+            starts = ws + C.permute_starts_offset(h.row_map.numel(), self.El)
             C.nvlink_pull(rank=r, ranks=self.P, data_bases=t.bases["combine"].data_ptr(),
                           num_received=_ext.ptr(h.num_received), src=_ext.ptr(h.src), row_map=_ext.ptr(h.row_map),
-                          rows=_ext.ptr(dy), floats=0, received_rows=self.P * self.M, k=h.k, row_bytes=row_bytes,
+                          rows=_ext.ptr(dy), floats=0, received_rows=h.row_map.shape[0], k=h.k, row_bytes=row_bytes,
                           max_tokens=self.M, num_sms=self.num_sms, starts=starts, totals=starts + 4 * self.El,
                           group_sizes=h.group_sizes.data_ptr(), local_experts=self.El, **_launch(t.device))
             outs[r] = (dy, dws[r])
