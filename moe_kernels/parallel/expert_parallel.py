@@ -49,7 +49,7 @@ def _hf_experts(model: nn.Module) -> list[nn.Module]:
             and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
 
 
-def _shard_hf_experts(experts: nn.Module, backend: str, group) -> None:
+def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) -> None:
     from moe_kernels.integrations.hf import DISPATCHER_ATTR
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
@@ -57,7 +57,7 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group) -> None:
     E = experts.num_experts
     if experts.gate_up_proj.shape[0] != E or experts.down_proj.shape[0] != E:
         raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
-    dispatcher = make_dispatcher(backend, E, group)
+    dispatcher = make_dispatcher(backend, E, group, **options)
     lo, El = dispatcher.first_expert, dispatcher.num_local_experts
     for name in ("gate_up_proj", "down_proj"):
         w = getattr(experts, name)
@@ -65,18 +65,24 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group) -> None:
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
 
 
-def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_to_all") -> nn.Module:
+def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_to_all",
+                          max_tokens_per_rank: int | None = None, capacity: int | None = None,
+                          num_sms: int | None = None) -> nn.Module:
     """Shard the routed experts of every MoELayer in `model` over `group` (default: the world), in place;
     also those of a transformers model whose experts run on moe_kernels (module docstring).
 
-    backend: "all_to_all" (each (token, expert) pair sent once; the default) or "all_gather" (every rank
-    sees every token; for small groups and large k). Returns the model.
+    backend: "all_to_all" (each (token, expert) pair sent once; the default), "all_gather" (every rank
+    sees every token; for small groups and large k) or "nvlink" (our kernels over peer buffers within one
+    node: each token sent once per rank, no host sync; needs max_tokens_per_rank, the most tokens one
+    rank passes to a layer per call, and takes capacity and num_sms: moe_kernels.dispatch.nvlink).
+    Returns the model.
     """
+    options = {"max_tokens_per_rank": max_tokens_per_rank, "capacity": capacity, "num_sms": num_sms}
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     hf_experts = _hf_experts(model)
     if hf_experts and not layers:
         for experts in hf_experts:
-            _shard_hf_experts(experts, backend, group)
+            _shard_hf_experts(experts, backend, group, options)
         return model
     if not layers:
         raise ValueError("apply_expert_parallel: the model has no MoELayer (nor transformers experts on moe_kernels: "
@@ -89,7 +95,7 @@ def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_t
         if layer.experts.num_experts != layer.config.num_experts:
             raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
     for layer in layers:
-        dispatcher = make_dispatcher(backend, layer.config.num_experts, group)
+        dispatcher = make_dispatcher(backend, layer.config.num_experts, group, **options)
         layer.experts = _local_experts(layer.experts, dispatcher.first_expert, dispatcher.num_local_experts)
         layer.dispatcher = dispatcher
     return model

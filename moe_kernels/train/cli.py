@@ -41,6 +41,9 @@ def train(
     seed: int = typer.Option(0),
     expert_parallel: int = typer.Option(1, help="Under torchrun: ranks per expert-parallel group (divides the "
                                         "number of ranks); the rest of the model is data-parallel."),
+    ep_backend: str = typer.Option("all_to_all", help="Token dispatch between expert-parallel ranks: all_to_all "
+                                   "(torch.distributed, any devices), all_gather (small groups, large k) or nvlink "
+                                   "(our kernels over peer GPU buffers within one node, no host sync)."),
     global_load_balancing: bool = typer.Option(False, help="Under torchrun: the load-balancing loss counts "
                                                "experts over the global batch (Qwen's global-batch balancing)."),
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
@@ -60,7 +63,7 @@ def train(
             lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
             eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
-            expert_parallel=expert_parallel, global_load_balancing=global_load_balancing,
+            expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -100,9 +100,11 @@ def broadcast_path(path, device: torch.device):
     return box[0]
 
 
-def shard_model(model: nn.Module, par: Parallel) -> None:
+def shard_model(model: nn.Module, par: Parallel, backend: str = "all_to_all", max_tokens_per_rank: int | None = None) -> None:
+    """Expert parallelism over each rank's group; `max_tokens_per_rank` sizes the nvlink backend's buffers."""
     if par.expert_parallel > 1:
-        apply_expert_parallel(model, par.ep_group)
+        apply_expert_parallel(model, par.ep_group, backend=backend,
+                              max_tokens_per_rank=max_tokens_per_rank if backend == "nvlink" else None)
 
 
 def reduce_gradients(model: nn.Module, par: Parallel) -> None:

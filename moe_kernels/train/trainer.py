@@ -53,6 +53,7 @@ class TrainConfig:
     activation_checkpointing: bool = False
     tensorboard: bool = False
     expert_parallel: int = 1  # ranks per expert-parallel group (under torchrun; must divide the world)
+    ep_backend: str = "all_to_all"  # token dispatch between the expert-parallel ranks (moe_kernels.dispatch)
     global_load_balancing: bool = False  # under torchrun: the aux loss's expert frequencies over all ranks
 
     def __post_init__(self):
@@ -66,6 +67,13 @@ class TrainConfig:
             raise ValueError("warmup_steps must be in [0, steps]")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError("lr must be > 0 and min_lr_ratio in [0, 1]")
+        from moe_kernels.dispatch import BACKENDS as EP_BACKENDS
+
+        if self.ep_backend not in EP_BACKENDS:
+            raise ValueError(f"unknown ep_backend {self.ep_backend!r}; choose from {sorted(EP_BACKENDS)}")
+        if self.ep_backend != "all_to_all" and self.expert_parallel == 1:
+            raise ValueError(f"ep_backend={self.ep_backend!r} moves tokens between expert-parallel ranks: "
+                             "it needs expert_parallel > 1")
         if self.precision not in RECIPES:
             raise ValueError(f"unknown precision {self.precision!r}; choose from {sorted(RECIPES)}")
         if RECIPES[self.precision] is not None:  # the recipe's shape rules, checked before anything is built
@@ -113,6 +121,9 @@ class Trainer:
         self.cfg = cfg
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else distributed.launched_world()
         self.device = distributed.device_for(world, cfg.device)
+        if cfg.ep_backend == "nvlink" and self.device.type != "cuda":
+            raise ValueError("ep_backend='nvlink' writes into the other GPUs' memory: it needs CUDA devices; "
+                             "use ep_backend='all_to_all' on CPUs")
         self.par = distributed.setup(cfg.expert_parallel, self.device)  # None: one process
         self.is_main = self.par is None or self.par.is_main
         if cfg.tensorboard:  # checked on every rank: only rank 0 writes, but all must stop together
@@ -135,7 +146,8 @@ class Trainer:
         self.model_config = PRESETS[cfg.preset](**overrides)
         self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
         if self.par is not None:
-            distributed.shard_model(self.model, self.par)
+            # The nvlink backend's buffers hold one micro-batch of this rank's tokens.
+            distributed.shard_model(self.model, self.par, cfg.ep_backend, cfg.batch_size * cfg.seq_len)
             if cfg.global_load_balancing:
                 apply_global_load_balancing(self.model)
         if cfg.activation_checkpointing:
@@ -175,7 +187,8 @@ class Trainer:
     def layout(self) -> str:
         if self.par is None:
             return ""
-        return f" x {self.par.world} ranks (expert-parallel groups of {self.par.expert_parallel})"
+        return (f" x {self.par.world} ranks (expert-parallel groups of {self.par.expert_parallel}, "
+                f"{self.cfg.ep_backend} dispatch)")
 
     def close(self) -> None:
         """Leaves the process group this trainer started (under torchrun)."""

@@ -127,8 +127,39 @@ def test_dispatcher_bad_input():
 
 
 def test_make_dispatcher_names_the_backends():
-    with pytest.raises(ValueError, match="backend must be one of"):
+    with pytest.raises(ValueError, match="backend must be one of \\['all_gather', 'all_to_all', 'nvlink'\\]"):
+        make_dispatcher("nccl", 8)
+    with pytest.raises(ValueError, match="backend='nvlink' needs max_tokens_per_rank"):
         make_dispatcher("nvlink", 8)
+    with pytest.raises(ValueError, match="size the nvlink backend's buffers; backend='all_to_all' takes none"):
+        make_dispatcher("all_to_all", 8, max_tokens_per_rank=16)
+    with pytest.raises(TypeError, match="unknown options \\['max_tokens'\\]"):
+        make_dispatcher("nvlink", 8, max_tokens=16)
+
+
+def _worker_nvlink_refuses_cpu(rank, P):
+    # The nvlink backend writes into other GPUs' memory: on CPU tensors (gloo) it refuses before any
+    # kernel or collective, naming the backend that works there; the torch.distributed ones still do.
+    from moe_kernels.models import build_model
+    from moe_kernels.models.presets import tiny_mixtral
+    from moe_kernels.parallel import apply_expert_parallel
+
+    E = 4 * P
+    disp = make_dispatcher("nvlink", E, max_tokens_per_rank=8)
+    x, w = torch.randn(3, 8), torch.rand(3, 2)
+    i = torch.randint(0, E, (3, 2), dtype=torch.int32)
+    with pytest.raises(ValueError, match="CUDA tensors.*backend='all_to_all'"):
+        disp.dispatch(x, w, i)
+    with pytest.raises(ValueError, match="max_tokens_per_rank` must be >= 1"):
+        make_dispatcher("nvlink", E, max_tokens_per_rank=0)
+    torch.manual_seed(0)
+    model = apply_expert_parallel(build_model(tiny_mixtral(num_experts=E)), backend="nvlink", max_tokens_per_rank=64)
+    with pytest.raises(ValueError, match="backend='all_to_all'"):
+        model(torch.randint(0, 256, (2, 8)))
+
+
+def test_nvlink_refuses_cpu_tensors_naming_all_to_all():
+    run_world(_worker_nvlink_refuses_cpu, 2)
 
 
 def _worker_fp8_payload(rank, P, backend):

@@ -101,3 +101,12 @@ def test_cli_rejects_bad_options(tmp_path):
     result = CliRunner().invoke(app, ["--precision", "fp8-blockwise", "--out", str(tmp_path)])  # tiny: H = 64
     assert result.exit_code != 0 and "multiples of 128" in result.output
 
+    result = CliRunner().invoke(app, ["--ep-backend", "mpi", "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "unknown ep_backend 'mpi'" in result.output
+    result = CliRunner().invoke(app, ["--ep-backend", "nvlink", "--out", str(tmp_path)])  # one process
+    assert result.exit_code != 0 and "needs expert_parallel > 1" in result.output
+
+
+def test_nvlink_backend_refused_on_cpu(tmp_path):
+    with pytest.raises(ValueError, match="needs CUDA devices; use ep_backend='all_to_all'"):
+        Trainer(TrainConfig(steps=1, warmup_steps=0, expert_parallel=2, ep_backend="nvlink", device="cpu", out_dir=str(tmp_path)))
