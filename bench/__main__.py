@@ -18,6 +18,7 @@ BENCHES = {
     "grouped_mm_fp8": "bench.bench_grouped_mm_fp8",
     "moe_layer": "bench.bench_moe_layer",
     "lora": "bench.bench_lora",
+    "dispatch": "bench.bench_dispatch",
     "train": "bench.bench_train",
 }
 
