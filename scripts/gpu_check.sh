@@ -6,7 +6,7 @@
 #
 # `test:PATH` runs the GPU tier of one part of tests/ (e.g. test:tests/ops/test_grouped_mm_gpu.py), for when
 # the whole tier does not fit one command.
-# `bench:OP` runs one benchmark family (permute, router, router_losses, quant, grouped_mm, grouped_mm_fp8, moe_layer, train), for when the whole
+# `bench:OP` runs one benchmark family (permute, router, router_losses, quant, grouped_mm, grouped_mm_fp8, moe_layer, lora, dispatch, train), for when the whole
 # suite does not fit one command; BENCH_ARGS=--quick runs the short sweep.
 #
 # Each stage fits in one 10-minute command. OUTDIR keeps few files (a remote runner may return only a
@@ -58,7 +58,8 @@ stage_sanitize() {
     "$PY" -m pytest -q -p no:cacheprovider tests/ops/test_permute_gpu.py tests/ops/test_router_gpu.py \
     tests/ops/test_router_losses_gpu.py tests/ops/test_quant_gpu.py tests/ops/test_nvfp4_gpu.py \
     tests/ops/test_grouped_mm_fp8_gpu.py tests/ops/test_grouped_mm_gpu.py tests/ops/test_activation_gpu.py \
-    -k "sizes_past_m or degenerate_sizes or portable_path or (test_matches_fp64 and (dtype0-empty-8 or dtype1-single-1 or True-dtype0-37-3)) or tiny_and_odd or misaligned or out_of_range or low_precision or (matches_reference and (7-8-2 or 0-1-1 or 1-256-8 or -2048-64-4)) or non_finite or (aux_scores and 1-64-8) or capacity_edge_cases or dtypes_and_specials or (test_aux_loss and 7-64-4) or (test_seq_aux_loss and 3-7-8-2) or (test_z_loss and 7-3) or specials_formats or misaligned_rows or (quantize_matches_reference and (7-300 or 7-48)) or nan_and_inf or misaligned_input or (matches_fp64_reference and (1-128-128-1 or 64-200-256-2 or 64-196-256-2 or 300-256-384-8))" \
+    tests/dispatch/test_nvlink.py \
+    -k "nvlink_capacity or nvlink_payloads or (nvlink_virtual_ranks and 4) or sizes_past_m or degenerate_sizes or portable_path or (test_matches_fp64 and (dtype0-empty-8 or dtype1-single-1 or True-dtype0-37-3)) or tiny_and_odd or misaligned or out_of_range or low_precision or (matches_reference and (7-8-2 or 0-1-1 or 1-256-8 or -2048-64-4)) or non_finite or (aux_scores and 1-64-8) or capacity_edge_cases or dtypes_and_specials or (test_aux_loss and 7-64-4) or (test_seq_aux_loss and 3-7-8-2) or (test_z_loss and 7-3) or specials_formats or misaligned_rows or (quantize_matches_reference and (7-300 or 7-48)) or nan_and_inf or misaligned_input or (matches_fp64_reference and (1-128-128-1 or 64-200-256-2 or 64-196-256-2 or 300-256-384-8))" \
     >"$OUT/sanitizer.log" 2>&1
   echo $?
 }

@@ -12,7 +12,7 @@ from moe_kernels.nn import GroupedExperts
 from tests.dispatch.test_dispatch import _expert_fn, _routing
 from tests.distributed import run_world
 
-pytestmark = pytest.mark.cuda_device
+pytestmark = [pytest.mark.gpu, pytest.mark.cuda_device]
 
 
 def _worker_ipc(rank, P):
