@@ -126,6 +126,30 @@ MUTANTS = (
         "        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);\n    }\n",
         ("tests/ops/test_grouped_mm_gpu.py", "-k", "test_portable_path"),
     ),
+    Mutant(
+        "wrong receive offset",
+        "nvlink send_kernel: a rank's rows placed after its own count instead of after the lower ranks' counts",
+        "dispatch/nvlink.cu",
+        "    for (int s = 0; s < me; ++s) {\n",
+        "    for (int s = 0; s <= me; ++s) {\n",
+        ("tests/dispatch/test_nvlink.py", "-k", "test_nvlink_virtual_ranks_equal_one_rank and 4"),
+    ),
+    Mutant(
+        "capacity checked on the first row only",
+        "nvlink send_kernel: a token whose expert rows straddle the capacity is still delivered",
+        "dispatch/nvlink.cu",
+        "          delivered = first + m <= p.capacity && row < p.x_rows;\n",
+        "          delivered = first < p.capacity && row < p.x_rows;\n",
+        ("tests/dispatch/test_nvlink.py", "-k", "test_nvlink_capacity"),
+    ),
+    Mutant(
+        "padding gradient rows left unwritten",
+        "nvlink pull (combine backward): the experts' padding rows of the gradient not zeroed",
+        "dispatch/nvlink.cu",
+        "  if (PULL && p.local_experts > 0) {\n",
+        "  if (PULL && p.local_experts < 0) {\n",
+        ("tests/dispatch/test_nvlink.py", "-k", "test_nvlink_grouped_experts"),
+    ),
 )
 
 

@@ -260,3 +260,33 @@ def test_nvlink_grouped_experts_equal_one_rank(device):
         torch.testing.assert_close(grads[P + r], ref[P + r], rtol=1e-5, atol=1e-6)
         for j, w in enumerate((ref[2 * P], ref[2 * P + 1])):
             torch.testing.assert_close(grads[2 * P + 2 * r + j], w[r * El : (r + 1) * El], rtol=1e-5, atol=1e-6)
+
+
+def test_nvlink_fp8_payload_row_weight_gradients(device):
+    # Experts that dequantize the FP8 rows and apply the row weights themselves (weighted=False): the
+    # weights' gradient travels back beside the (empty) payload gradient, bit-exact.
+    from moe_kernels.ops.quant import quantize_fp8
+
+    P, E, k = 2, 4, 2
+    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=5, device=device)
+    gen = torch.Generator().manual_seed(0)
+    qs, ss, ws, idx = [], [], [], []
+    for T in (5, 3):
+        q, s = quantize_fp8(torch.randn(T, 128, generator=gen), "block")
+        qs.append(q.to(device))
+        ss.append(s.to(device))
+        ws.append(torch.rand(T, k, generator=gen).to(device).requires_grad_())
+        idx.append(torch.randint(0, E, (T, k), generator=gen, dtype=torch.int32).to(device))
+
+    def expert(d):
+        return d.x.float() * d.scales[:, :1] * d.weights[:, None]
+
+    ds = world.dispatch(qs, ws, idx, scales=ss)
+    outs = world.combine([expert(d) for d in ds], [d.handle for d in ds], weighted=False)
+    gw = torch.autograd.grad(sum(o.sum() for o in outs), ws)
+    for r in range(P):
+        disp = LocalDispatcher(E)
+        w = ws[r].detach().requires_grad_()
+        d = disp.dispatch(qs[r], w, idx[r], scales=ss[r])
+        out = disp.combine(expert(d), d.handle, weighted=False)
+        assert torch.equal(out, outs[r]) and torch.equal(torch.autograd.grad(out.sum(), w)[0], gw[r]), f"rank {r}"
