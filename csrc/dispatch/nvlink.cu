@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyParams p) {
     int32_t* inbox = header_of(p.header, d)->inbox[p.header.rank];
     inbox[0] = run_tokens;
     inbox[1] = run_rows;
+    __threadfence_system();
   }
 }
 
@@ -246,6 +247,7 @@ __global__ void __launch_bounds__(kThreads) send_kernel(SendParams p) {
       copy_bytes(static_cast<const char*>(p.scales) + t * p.scale_bytes, dst_s[warp], n, p.scale_bytes, lane);
     __syncwarp();
   }
+  __threadfence_system();  // this thread's peer writes performed before the barrier kernel's signal
 }
 
 __global__ void prepare_kernel(PrepareParams p) {
@@ -307,7 +309,7 @@ __global__ void __launch_bounds__(kThreads) move_kernel(MoveParams p) {
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int64_t v = seg + lane + 32 * u;
-          if (v < vecs) regs[u] = from[v];
+          if (v < vecs) regs[u] = PULL ? __ldcg(from + v) : from[v];  // peer rows: L2 (the owner's), not L1
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -318,6 +320,7 @@ __global__ void __launch_bounds__(kThreads) move_kernel(MoveParams p) {
       if (!PULL && p.floats != nullptr && lane == 0) at<float>(base, floats_at)[int64_t(t) * k + j] = p.floats[g];
     }
   }
+  if (!PULL) __threadfence_system();  // peer writes performed before the barrier kernel's signal
   if (PULL && p.local_experts > 0) {
     // Padding rows of each local expert get zeros; warps over (expert, row) pairs.
     for (int e = 0; e < p.local_experts; ++e) {
