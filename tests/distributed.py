@@ -10,7 +10,17 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any group exists: see below)
 import torch.multiprocessing as mp
+
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is imported.
+# torch imports it lazily (the first custom-op call pulls in torch._dynamo, which imports it), so on a
+# rank that imports it after init_process_group those defaults hold the gloo group past
+# destroy_process_group: its worker threads are never joined and still drop finished Work objects
+# (and the tensors they hold, which needs the GIL) while the interpreter finalizes at exit; the thread
+# then exits inside a noexcept destructor -> std::terminate -> SIGABRT ("terminate called without an
+# active exception"). Imported here, before the group exists, the defaults are None and
+# destroy_process_group frees the group, joining its threads.
 
 
 def _entry(rank: int, fn, world_size: int, init_method: str, args: tuple) -> None:

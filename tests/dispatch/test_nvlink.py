@@ -166,9 +166,10 @@ def test_nvlink_payloads_with_scales(device):
 
 def _capacity_drops(idx_list, P, El, cap):
     """The documented rule: per destination, (source rank, token) order, a token whose expert rows end past
-    `cap` is dropped there (its slots on that rank count as routed nowhere)."""
+    `cap` is dropped there (its slots on that rank count as routed nowhere). Also counts the dropped tokens
+    whose rows straddle the capacity (start inside it, end past it)."""
     used = [0] * P
-    dropped = 0
+    dropped = straddled = 0
     out = []
     for idx in idx_list:
         idx = idx.cpu().clone()
@@ -181,28 +182,37 @@ def _capacity_drops(idx_list, P, El, cap):
                 if used[d] + m > cap:
                     idx[t][mine] = -1
                     dropped += 1
+                    straddled += used[d] < cap
                 used[d] += m
         out.append(idx)
-    return out, dropped
+    return out, dropped, straddled
 
 
 def test_nvlink_capacity_drops_are_counted_never_written_out_of_bounds(device):
-    P, E, k, H, cap = 4, 8, 3, 16, 7
+    P, E, k, H = 4, 8, 3, 16
     Ts = [6, 5, 0, 6]
-    xs, ws, idx, gouts = _inputs(P, Ts, H, k, E, "uniform", torch.float32, device, 11)
-    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=6, capacity=cap, device=device)
-    ds = world.dispatch(xs, ws, idx, align=2)
-    outs = world.combine([d.x * 2 for d in ds], [d.handle for d in ds])
-    kept, n_dropped = _capacity_drops(idx, P, E // P, cap)
-    assert n_dropped > 0
-    for r in range(P):
-        assert int(ds[r].group_sizes.sum()) <= cap + (E // P) * (2 - 1) + (E // P)
-        disp = LocalDispatcher(E)
-        d = disp.dispatch(xs[r], ws[r], kept[r].to(device), align=2)
-        assert torch.equal(outs[r], disp.combine(d.x * 2, d.handle)), f"rank {r}"
-    with pytest.warns(RuntimeWarning, match=f"{n_dropped} token copies went past capacity=7"):
-        assert world.dropped_tokens() == n_dropped
-    assert world.dropped_tokens() == 0  # counted once
+    straddled = 0
+    for cap, align, seed in ((7, 2, 11), (5, 1, 12), (6, 1, 13), (9, 1, 14), (8, 4, 15)):
+        xs, ws, idx, _ = _inputs(P, Ts, H, k, E, "uniform", torch.float32, device, seed)
+        world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=6, capacity=cap, device=device)
+        ds = world.dispatch(xs, ws, idx, align=align)
+        outs = world.combine([d.x * 2 for d in ds], [d.handle for d in ds])
+        kept, n_dropped, n_straddled = _capacity_drops(idx, P, E // P, cap)
+        straddled += n_straddled
+        assert n_dropped > 0
+        counts = tokens_per_expert(torch.cat([i.reshape(-1, 1) for i in kept]), E).to(device)
+        El = E // P
+        for r in range(P):
+            assert int(ds[r].group_sizes.sum()) <= cap + El * (align - 1)
+            mine = counts[r * El : (r + 1) * El]
+            assert torch.equal(ds[r].group_sizes, ((mine + align - 1) // align * align).int()), f"cap {cap} rank {r}"
+            disp = LocalDispatcher(E)
+            d = disp.dispatch(xs[r], ws[r], kept[r].to(device), align=align)
+            assert torch.equal(outs[r], disp.combine(d.x * 2, d.handle)), f"cap {cap} rank {r}"
+        with pytest.warns(RuntimeWarning, match=f"{n_dropped} token copies went past capacity={cap}"):
+            assert world.dropped_tokens() == n_dropped
+        assert world.dropped_tokens() == 0  # counted once
+    assert straddled > 0  # the cases include tokens whose rows start inside the capacity and end past it
 
 
 def test_nvlink_bad_input(device):
