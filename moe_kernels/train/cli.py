@@ -39,8 +39,20 @@ def train(
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
     tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
     seed: int = typer.Option(0),
-    expert_parallel: int = typer.Option(1, help="Under torchrun: ranks per expert-parallel group (divides the "
-                                        "number of ranks); the rest of the model is data-parallel."),
+    expert_parallel: int = typer.Option(1, "--ep", "--expert-parallel",
+                                        help="Under torchrun: ranks per expert-parallel group (divides the number of "
+                                        "ranks); the rest of the model is data-parallel."),
+    plan: bool = typer.Option(False, "--plan", help="Print the layout's per-GPU memory (parameters, gradients, "
+                              "optimizer state, activations) and whether it fits, without torchrun or weights; exit."),
+    world_size: Optional[int] = typer.Option(None, help="With --plan: the number of GPUs (default: the fewest the "
+                                             "layout allows)."),
+    dp_shard: Optional[int] = typer.Option(None, help="With --plan: FSDP ranks (default: what the world leaves)."),
+    dp_replicate: int = typer.Option(1, help="With --plan: data-parallel replicas."),
+    tp: int = typer.Option(1, help="With --plan: tensor-parallel ranks (attention, dense layers)."),
+    cp: int = typer.Option(1, help="With --plan: context-parallel ranks (each holds part of every sequence)."),
+    pp: int = typer.Option(1, help="With --plan: pipeline stages."),
+    etp: int = typer.Option(1, help="With --plan: expert tensor parallelism (each expert's ffn split)."),
+    gpu_memory_gb: float = typer.Option(80.0, help="With --plan: the GPU memory the verdict compares with."),
     ep_backend: str = typer.Option("all_to_all", help="Token dispatch between expert-parallel ranks: all_to_all "
                                    "(torch.distributed, any devices), all_gather (small groups, large k) or nvlink "
                                    "(our kernels over peer GPU buffers within one node, no host sync)."),
@@ -57,6 +69,20 @@ def train(
         for name in sorted(PRESETS):
             print(name)
         raise typer.Exit()
+    from moe_kernels.parallel.layout import ParallelConfig
+
+    try:
+        layout = ParallelConfig(dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, pp=pp, ep=expert_parallel,
+                                etp=etp)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    if plan:
+        _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb)
+        raise typer.Exit()
+    if layout != ParallelConfig(ep=expert_parallel) or world_size is not None:
+        raise typer.BadParameter(
+            "training runs data + expert parallel layouts (--ep under torchrun); --dp-shard, --dp-replicate, --tp, "
+            "--cp, --pp, --etp and --world-size size a layout for --plan only", param_hint="'--plan'")
     try:
         cfg = TrainConfig(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
@@ -85,6 +111,32 @@ def train(
         _start(trainer, cfg, console, out, checkpoints, resume, overwrite)
     finally:
         trainer.close()
+
+
+def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkpointing: bool, world_size,
+          gpu_memory_gb: float) -> None:
+    """moe-train --plan: the layout, its per-GPU memory table and the verdict; exit 1 for an impossible layout."""
+    from moe_kernels.models import PRESETS
+    from moe_kernels.parallel.plan import plan_memory
+
+    if preset not in PRESETS:
+        raise typer.BadParameter(f"unknown preset {preset!r}; choose from {sorted(PRESETS)}", param_hint="'--preset'")
+    overrides = {"max_seq_len": max(seq_len, PRESETS[preset]().max_seq_len)}
+    if num_layers is not None:
+        overrides["num_layers"] = num_layers
+    cfg = PRESETS[preset](**overrides)
+    try:
+        layout = layout.resolve(world_size)
+        memory = plan_memory(cfg, layout, batch_size=batch_size, seq_len=seq_len,
+                             activation_checkpointing=checkpointing, gpu_bytes=gpu_memory_gb * 1e9)
+    except ValueError as exc:
+        print(f"moe-train --plan: {preset}: {exc}")
+        raise typer.Exit(1) from exc
+    print(f"moe-train --plan: {preset}, {layout.describe()}")
+    print(f"per GPU, {batch_size} x {seq_len} tokens per micro-batch"
+          f"{', activation checkpointing' if checkpointing else ''}:")
+    print(memory.table())
+    print(memory.verdict())
 
 
 def _start(trainer, cfg, console: Console, out: Path, checkpoints: Path, resume: bool, overwrite: bool) -> None:
