@@ -7,20 +7,35 @@
     all_reduce_expert_counts(model, None)           # before router.update_expert_bias()
     optimizer.step()
 
+Sharded data parallelism (FSDP2) folded with expert parallelism in one call, and the memory plan of any
+layout (also `moe-train --plan`):
+
+    par = parallelize(model, ParallelConfig(dp_shard=8, ep=8))   # or dp_replicate x dp_shard, ep
+    ...loss.backward(); par.clip_grad_norm_(1.0); optimizer.step()
+    plan_memory(config, ParallelConfig(tp=2, ep=8).resolve(), batch_size=1, seq_len=4096).verdict()
+
 The gradient group (None: the world) is every rank that trains on its own batch (all expert-parallel
 groups together); `edp_group` the ranks holding the same experts (None when P is the whole world).
 """
 
 from moe_kernels.parallel.data_parallel import all_reduce_expert_counts, all_reduce_gradients, apply_global_load_balancing
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
+from moe_kernels.parallel.layout import ParallelConfig
 from moe_kernels.parallel.mesh import ExpertParallelMesh, expert_parallel_mesh
+from moe_kernels.parallel.parallelize import Parallelized, parallelize
+from moe_kernels.parallel.plan import MemoryPlan, plan_memory
 
 __all__ = [
     "ExpertParallelMesh",
+    "MemoryPlan",
+    "ParallelConfig",
+    "Parallelized",
     "all_reduce_expert_counts",
     "all_reduce_gradients",
     "apply_expert_parallel",
     "apply_global_load_balancing",
     "expert_parallel_mesh",
     "expert_parameters",
+    "parallelize",
+    "plan_memory",
 ]

@@ -1,0 +1,92 @@
+"""parallelize(): FSDP2 folded with expert parallelism on 4 gloo ranks equals one process training on
+the same four batches (the step's loss is the mean of the ranks' losses), within fp32 rounding: the
+losses of every step, the global gradient norm, and every parameter after the optimizer steps."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moe_kernels.models import PRESETS, build_model
+from moe_kernels.parallel.layout import ParallelConfig
+from tests.distributed import run_world
+
+pytestmark = pytest.mark.distributed
+
+
+def _batch(step: int, rank: int, vocab: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def _loss(model, ids):
+    logits, aux = model(ids[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + aux
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _worker(rank, P, family, layout_kw, steps):
+    from moe_kernels.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    ref = build_model(PRESETS[family](num_experts=8))
+    par = parallelize(copy.deepcopy(ref), ParallelConfig(**layout_kw))
+    model, pc = par.model, par.layout
+    # SGD: an update linear in the gradient (Adam turns rounding-level differences into +-lr steps).
+    opts = [torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)]
+    vocab = ref.config.vocab_size
+    where = f"rank {rank}/{P} {family} {pc.describe()}"
+    for step in range(steps):
+        ref_losses = []
+        for r in range(P):
+            loss = _loss(ref, _batch(step, r, vocab))
+            (loss / P).backward()
+            ref_losses.append(loss.detach())
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        loss = _loss(model, _batch(step, rank, vocab))
+        loss.backward()
+        norm = par.clip_grad_norm_(1.0)
+        torch.testing.assert_close(loss.detach(), ref_losses[rank], rtol=1e-5, atol=1e-6, msg=where)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6, msg=where)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    El = 8 // pc.ep
+    ep_rank = rank % pc.ep
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        got, want = _full(p.detach()), ref_params[name].detach()
+        if ".experts." in name and pc.ep > 1:
+            want = want[ep_rank * El : (ep_rank + 1) * El]
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("tiny-qwen3-moe", dict(dp_shard=4)),  # FSDP over every rank
+    ("tiny-deepseek-v3", dict(ep=2)),  # dp_shard 4, experts EP 2 x FSDP 2 (folded)
+    ("tiny-mixtral", dict(dp_replicate=2, ep=2)),  # HSDP 2 x 2, experts EP 2, replicated over the replicas
+])
+def test_sharded_training_equals_one_process(family, layout):
+    run_world(_worker, 4, family, layout, 3)
+
+
+def _worker_refuses(rank, P):
+    from moe_kernels.parallel.parallelize import parallelize
+
+    model = build_model(PRESETS["tiny-qwen3-moe"]())
+    with pytest.raises(NotImplementedError, match="tp=2 is not implemented yet"):
+        parallelize(model, ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match="ep\\*etp = 4\\*1 = 4 must divide dp_shard\\*cp\\*tp = 2\\*1\\*1 = 2"):
+        parallelize(model, ParallelConfig(ep=4))
+    with pytest.raises(ValueError, match="ep=2 must divide the 3 experts"):
+        parallelize(build_model(PRESETS["tiny-qwen3-moe"](num_experts=3)), ParallelConfig(ep=2))
+
+
+def test_parallelize_refuses_what_it_cannot_do():
+    run_world(_worker_refuses, 2)
