@@ -65,6 +65,11 @@ def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's communicators and barriers use the current device
     if not initialized:
+        # torch.distributed.nn.functional binds the default group into its functions' defaults when first
+        # imported (torch imports it lazily, e.g. with torch._dynamo); imported before the group exists,
+        # they hold None, so destroy_process_group frees the group and joins its threads before exit.
+        import torch.distributed.nn  # noqa: F401
+
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)
         else:
