@@ -34,6 +34,7 @@ uintptr_t ipc_malloc(size_t bytes, int device) {
   void* p = nullptr;
   check_cuda(cudaMalloc(&p, bytes), "cudaMalloc (nvlink dispatch buffer)");
   check_cuda(cudaMemset(p, 0, bytes), "cudaMemset (nvlink dispatch buffer)");
+  check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize (nvlink dispatch buffer)");  // zeroed before peers map it
   return reinterpret_cast<uintptr_t>(p);
 #endif
 }
@@ -92,6 +93,32 @@ bool can_access_peer(int device, int peer) {
   int ok = 0;
   check_cuda(cudaDeviceCanAccessPeer(&ok, device, peer), "cudaDeviceCanAccessPeer");
   return ok != 0;
+#endif
+}
+
+// The GPU's PCI bus id ("0000:1b:00.0"), the same in every process whatever CUDA_VISIBLE_DEVICES says.
+std::string pci_bus_id(int device) {
+#ifdef CUDA_ON_CPU
+  (void)device;
+  return "emulated";
+#else
+  char id[32] = {0};
+  check_cuda(cudaDeviceGetPCIBusId(id, sizeof(id), device), "cudaDeviceGetPCIBusId");
+  return std::string(id);
+#endif
+}
+
+// This process's device index of the GPU with that bus id, -1 when it is not visible here.
+int device_by_pci_bus_id(const std::string& id) {
+#ifdef CUDA_ON_CPU
+  return id == "emulated" ? 0 : -1;
+#else
+  int device = -1;
+  if (cudaDeviceGetByPCIBusId(&device, id.c_str()) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
 #endif
 }
 
@@ -214,6 +241,8 @@ void register_dispatch(py::module_& m) {
   m.def("ipc_open", &ipc_open, py::arg("handle"), py::arg("device"));
   m.def("ipc_close", &ipc_close, py::arg("ptr"), py::arg("device"));
   m.def("can_access_peer", &can_access_peer, py::arg("device"), py::arg("peer"));
+  m.def("pci_bus_id", &pci_bus_id, py::arg("device"));
+  m.def("device_by_pci_bus_id", &device_by_pci_bus_id, py::arg("bus_id"));
 }
 
 }  // namespace moe::api

@@ -55,9 +55,19 @@ __device__ __forceinline__ T* at(uint64_t base, int64_t offset) {
 
 __device__ __forceinline__ Header* header_of(const World& w, int r) { return at<Header>(w.bases[r], 0); }
 
-// About 20 s of polling before a wait gives up (a rank died or skipped a collective): trap, so the
-// process fails instead of hanging.
-constexpr uint64_t kMaxPolls = uint64_t(1) << 27;
+// A wait gives up after 10 minutes (NCCL's default watchdog): a rank died, skipped a collective, or
+// raised on a bad argument. It traps, so the job fails instead of hanging.
+constexpr uint64_t kTimeoutNs = uint64_t(600) * 1000000000ull;
+
+__device__ __forceinline__ uint64_t now_ns() {
+#if defined(__CUDA_ARCH__)
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#else
+  return 0;
+#endif
+}
 
 __global__ void barrier_kernel(World w, int mode) {
   __shared__ uint64_t epoch;
@@ -74,17 +84,17 @@ __global__ void barrier_kernel(World w, int mode) {
   }
   if (mode & 2) {
     for (int r = threadIdx.x; r < w.ranks; r += blockDim.x) {
-      uint64_t polls = 0;
+      const uint64_t start = now_ns();
       while (load_acquire_sys(&self->signals[r]) < e) {
 #ifdef CUDA_ON_CPU
         __trap();  // ranks run one after another here: a wait that is not already satisfied never will be
 #endif
-        if (++polls > kMaxPolls) {
-          printf("moe_kernels nvlink barrier: rank %d waited too long for rank %d (epoch %llu)\n", w.rank, r,
+        if (now_ns() - start > kTimeoutNs) {
+          printf("moe_kernels nvlink barrier: rank %d waited 10 minutes for rank %d (epoch %llu)\n", w.rank, r,
                  (unsigned long long)e);
           __trap();
         }
-        __nanosleep(64);
+        __nanosleep(256);
       }
     }
     __syncthreads();

@@ -21,8 +21,8 @@ Memory per rank (P ranks, M = max_tokens_per_rank, k slots, El local experts, H 
 element, S scale bytes per row, C = capacity, X = min(P*M, C)):
   dispatch buffer  P*M*(8 + 8k) + X*(H*b + S) bytes   (receive rows and their routing)
   combine buffer   M*k*(H*b + 4) bytes                (one row per own (token, slot))
-  grouped rows     min(C, P*M*min(k, El)) + El*(align - 1) rows per dispatch (torch tensors)
-The default capacity is the worst case, every token of every rank to this rank with all its experts
+  grouped rows     min(C, P*M*k) + El*(align - 1) rows per dispatch (torch tensors)
+The default capacity is the worst case, every token of every rank to this rank with all its k slots
 here: no token is ever dropped, and the grouped rows are sized for it. A smaller `capacity` (expert rows
 per rank; 2*M*k is twice the balanced load) bounds the buffers; tokens past it are dropped (they count
 as routed nowhere on that rank), counted on the device and reported by `dropped_tokens()`.
@@ -73,6 +73,7 @@ class _Transport:
     def __init__(self):
         self.regions: dict[str, list[Tensor | None]] = {}
         self.bases: dict[str, Tensor] = {}
+        self.dropped_seen: dict[int, int] = {}  # rank -> drop counter value at the last dropped_tokens()
 
     def region(self, kind: str, rank: int) -> Tensor:
         return self.regions[kind][rank]
@@ -137,15 +138,17 @@ class _IpcTransport(_Transport):
         import socket
 
         infos = [None] * self.num_ranks
-        dist.all_gather_object(infos, (socket.gethostname(), device.index), group=group)
+        dist.all_gather_object(infos, (socket.gethostname(), C.pci_bus_id(device.index)), group=group)
         hosts = sorted({h for h, _ in infos})
         if len(hosts) > 1:
             raise ValueError(f"nvlink dispatch: the group spans {len(hosts)} nodes ({', '.join(hosts)}); peer buffers "
                              f"work within one node; {_FALLBACK}")
-        for r, (_, dev) in enumerate(infos):
-            if not C.can_access_peer(device.index, dev):
-                raise ValueError(f"nvlink dispatch: GPU {device.index} (rank {rank}) cannot access GPU {dev} (rank {r}) "
-                                 f"directly (no NVLink/PCIe peer access); {_FALLBACK}")
+        for r, (_, bus) in enumerate(infos):
+            # Bus ids, not device indices: with per-rank CUDA_VISIBLE_DEVICES every rank's GPU is "device 0".
+            peer = C.device_by_pci_bus_id(bus)
+            if peer >= 0 and not C.can_access_peer(device.index, peer):
+                raise ValueError(f"nvlink dispatch: this rank's GPU ({infos[rank][1]}, rank {rank}) cannot access "
+                                 f"rank {r}'s GPU ({bus}) directly (no NVLink/PCIe peer access); {_FALLBACK}")
 
     def _allocate(self, kind: str, nbytes: int) -> None:
         import torch.distributed as dist
@@ -164,11 +167,17 @@ class _IpcTransport(_Transport):
         for r, h in enumerate(handles):
             if r == me:
                 bases.append(ptr)
-            else:
+                continue
+            try:
                 p = self.C.ipc_open(h, dev)
-                opened.append(p)
-                bases.append(p)
+            except RuntimeError as exc:
+                raise ValueError(f"nvlink dispatch: rank {me} cannot map rank {r}'s buffer ({exc}): the GPUs must "
+                                 f"see each other (one node, peer access, no isolating CUDA_VISIBLE_DEVICES); "
+                                 f"{_FALLBACK}") from exc
+            opened.append(p)
+            bases.append(p)
         self._opened[kind] = opened
+        dist.barrier(group=self.group)  # every rank mapped every buffer before any kernel writes into one
         regions = [None] * self.num_ranks
         regions[me] = torch.as_tensor(_CudaMemory(ptr, nbytes), device=self.device)
         self.regions[kind] = regions
@@ -234,11 +243,10 @@ class _Engine:
         self.t, self.P, self.E, self.M = transport, P, num_experts, max_tokens
         self.El = num_experts // P
         self.capacity, self.num_sms = capacity, num_sms
-        self._dropped_seen = [0] * P
 
     # -- sizes
     def cap(self, k: int) -> int:
-        worst = self.P * self.M * min(k, self.El)
+        worst = self.P * self.M * k  # every slot of every token here (repeated experts included)
         return worst if self.capacity is None else min(self.capacity, worst)
 
     def x_rows(self, k: int) -> int:
@@ -264,7 +272,7 @@ class _Engine:
         t.ensure("dispatch", layout["bytes"])
         dev = _launch(t.device)
         hb, db = t.bases["header"].data_ptr(), t.bases["dispatch"].data_ptr()
-        R = min(cap, P * M * min(k, El)) + El * (align - 1)
+        R = cap + El * (align - 1)
         st = {}
 
         def notify(r):
@@ -450,8 +458,9 @@ class _Engine:
             if "header" not in self.t.regions:
                 continue
             now = int(self.t.region("header", r).view(torch.int64)[_DROPPED_INDEX])
-            total += now - self._dropped_seen[r]
-            self._dropped_seen[r] = now
+            seen = self.t.dropped_seen.get(r, 0)  # per transport: every dispatcher of the group shares it
+            total += now - seen
+            self.t.dropped_seen[r] = now
         if total:
             warnings.warn(f"nvlink dispatch: {total} token copies went past capacity={self.capacity} and were dropped "
                           "(their experts on those ranks contributed nothing); raise `capacity`", RuntimeWarning,
@@ -525,8 +534,19 @@ class _CombineFn(torch.autograd.Function):
         return (None, None, None, None, None, *dys, *dws)
 
 
+_PAYLOADS = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8)
+_OUTPUTS = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _check_sizes(op: str, engine: _Engine, xs, idxs, scales) -> None:
-    """What the buffers allow, checked before any kernel (the dispatcher checked the arguments)."""
+    """What the buffers allow, checked before any kernel (the dispatcher checked the arguments).
+
+    Every rank must pass the checks: one that raises here leaves the others waiting in their first
+    barrier until it times out (the check stays on the host, without a collective, so nothing syncs)."""
+    for x in xs:
+        if x.dtype not in _PAYLOADS:
+            raise TypeError(f"{op}: the nvlink kernels move float32, float16, bfloat16, FP8 or uint8 rows, got `x` "
+                            f"in {x.dtype}")
     for r, x in enumerate(xs):
         if x.shape[0] > engine.M:
             where = f" on rank {r}" if len(xs) > 1 else ""
@@ -536,6 +556,20 @@ def _check_sizes(op: str, engine: _Engine, xs, idxs, scales) -> None:
             for x, i, s in zip(xs, idxs, scales)}
     if len(same) > 1:
         raise ValueError(f"{op}: every rank must pass the same k, hidden size, dtype and scales")
+
+
+def _check_combine(op: str, ys, handles) -> None:
+    for r, (y, h) in enumerate(zip(ys, handles)):
+        where = f" on rank {r}" if len(ys) > 1 else ""
+        if not isinstance(h, NvlinkHandle):
+            raise TypeError(f"{op}: `handle` must be the handle of this backend's dispatch, got {type(h).__name__}")
+        if not isinstance(y, Tensor) or y.dim() != 2 or y.shape[0] != h.num_rows:
+            shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
+            raise ValueError(f"{op}: `y` must be [R, H] with R = {h.num_rows} (dispatch's rows){where}, got {shape}")
+        if y.dtype not in _OUTPUTS:
+            raise TypeError(f"{op}: `y` must be float32, float16 or bfloat16{where}, got {y.dtype}")
+    if len({(y.shape[1], y.dtype) for y in ys}) > 1:
+        raise ValueError(f"{op}: every rank's `y` must have the same hidden size and dtype")
 
 
 def _dispatched(out, weights: Tensor) -> Dispatched:
@@ -596,6 +630,8 @@ class NvlinkDispatcher(GroupDispatcher):
         return _dispatched(box[0], weights)
 
     def combine(self, y: Tensor, handle: NvlinkHandle, *, weighted: bool = True) -> Tensor:
+        """y [R, H]: the expert outputs of dispatch's rows (rows past the groups are never read)."""
+        _check_combine("NvlinkDispatcher.combine", [y], [handle])
         return _CombineFn.apply(self._engine, _ext.kernels("nvlink dispatch", y), [handle], weighted, 1, y,
                                 handle.weights)
 
@@ -649,6 +685,7 @@ class VirtualNvlinkWorld:
         P = self.num_ranks
         if len(ys) != P or len(handles) != P:
             raise ValueError(f"VirtualNvlinkWorld.combine: pass one tensor and one handle per rank ({P})")
+        _check_combine("VirtualNvlinkWorld.combine", ys, handles)
         C = _kernels(ys[0], "VirtualNvlinkWorld")
         return list(_CombineFn.apply(self.engine, C, list(handles), weighted, P, *ys, *[h.weights for h in handles]))
 

@@ -300,3 +300,31 @@ def test_nvlink_fp8_payload_row_weight_gradients(device):
         d = disp.dispatch(qs[r], w, idx[r], scales=ss[r])
         out = disp.combine(expert(d), d.handle, weighted=False)
         assert torch.equal(out, outs[r]) and torch.equal(torch.autograd.grad(out.sum(), w)[0], gw[r]), f"rank {r}"
+
+
+def test_nvlink_repeated_experts_fill_the_default_capacity_without_drops(device):
+    # Every slot of every token to one expert (k = 3 > El = 2 local experts): the default capacity is the
+    # true worst case, P*M*k rows, so nothing is dropped even with T = max_tokens_per_rank everywhere.
+    world, _, _ = _check_world(2, [3, 3], 8, 3, 4, "hot", torch.float32, 1, True, device)
+    assert world.dropped_tokens() == 0
+
+
+def test_nvlink_combine_and_payload_checks(device):
+    world = VirtualNvlinkWorld(4, 2, max_tokens_per_rank=4, device=device)
+    xs = [torch.randn(3, 8, device=device), torch.randn(2, 8, device=device)]
+    ws = [torch.rand(3, 2, device=device), torch.rand(2, 2, device=device)]
+    idx = [torch.zeros(3, 2, dtype=torch.int32, device=device), torch.ones(2, 2, dtype=torch.int32, device=device)]
+    with pytest.raises(TypeError, match="float32, float16, bfloat16, FP8 or uint8 rows, got `x` in torch.float64"):
+        world.dispatch([x.double() for x in xs], ws, idx)
+    ds = world.dispatch(xs, ws, idx)
+    handles = [d.handle for d in ds]
+    with pytest.raises(ValueError, match=f"`y` must be \\[R, H\\] with R = {ds[0].x.shape[0]}"):
+        world.combine([ds[0].x[:1], ds[1].x], handles)
+    with pytest.raises(TypeError, match="`y` must be float32, float16 or bfloat16 on rank 1"):
+        world.combine([ds[0].x, ds[1].x.double()], handles)
+    with pytest.raises(ValueError, match="same hidden size and dtype"):
+        world.combine([ds[0].x, ds[1].x.half()], handles)
+    with pytest.raises(TypeError, match="`handle` must be the handle of this backend's dispatch"):
+        world.combine([d.x for d in ds], [None, None])
+    outs = world.combine([d.x for d in ds], handles)  # the checks leave the call working
+    assert [tuple(o.shape) for o in outs] == [(3, 8), (2, 8)]
