@@ -351,59 +351,37 @@ class _Engine:
     def _floats_offset(self, k, row_bytes):
         return (self.M * k * row_bytes + 255) // 256 * 256
 
-    def combine(self, C, ys, handles, weights, save_rows: bool):
-        """out[t] = sum_j w[t, j] * y[row of (t, j)] (plain sum when weights[i] is None)."""
+    def _ensure_combine(self, C, k: int, row_bytes: int) -> None:
+        self.t.ensure("combine", C.nvlink_combine_bytes(self.M, k, row_bytes))
+
+    def combine(self, C, ys, handles, weights, save_rows: bool, floats=None):
+        """out[t] = sum_j w[t, j] * y[row of (t, j)] (plain sum when weights[i] is None), per local rank
+        (out, the [T*k, H] slot rows when save_rows, the floats sent beside the rows as [T, k] or None).
+        The backward of dispatch is this with no weights and the row weights' gradients as `floats`."""
         t = self.t
         H, dtype = ys[0].shape[1], ys[0].dtype
         row_bytes = H * ys[0].element_size()
-        t.ensure("combine", self.M * handles[0].k * row_bytes + 256 + 4 * self.M * handles[0].k)
+        self._ensure_combine(C, handles[0].k, row_bytes)
+        floats = floats or [None] * len(ys)
         outs = {}
 
         def push(r):
             i = t.local_ranks.index(r)
-            self._push(C, r, handles[i], ys[i], None)
+            self._push(C, r, handles[i], ys[i], floats[i])
 
         def reduce(r):
             i = t.local_ranks.index(r)
             h = handles[i]
             slots = self._slot_rows(r, h, H, dtype)
             out = torch.empty((h.num_tokens, H), dtype=dtype, device=t.device)
-            w = weights[i]
             if h.num_tokens:
-                C.unpermute_fwd(y=_ext.ptr(slots), row_map=_ext.ptr(h.source_rows), weights=_ext.ptr(w), out=_ext.ptr(out),
-                                num_tokens=h.num_tokens, k=h.k, hidden=H, num_rows=h.num_tokens * h.k,
-                                dtype=_ext.dtype_code(dtype), **_launch(t.device))
-            outs[r] = (out, slots.clone() if save_rows else None)
-
-        self._run(C, (push, reduce))
-        return [outs[r] for r in t.local_ranks]
-
-    def dispatch_backward(self, C, grads_x, grads_w, handles):
-        """The transpose of dispatch: each source sums its slots' gradient rows (a combine without
-        weights); the row weights' gradients travel beside them."""
-        t = self.t
-        H, dtype = grads_x[0].shape[1], grads_x[0].dtype
-        row_bytes = H * grads_x[0].element_size()
-        k = handles[0].k
-        t.ensure("combine", self.M * k * row_bytes + 256 + 4 * self.M * k)
-        outs = {}
-
-        def push(r):
-            i = t.local_ranks.index(r)
-            self._push(C, r, handles[i], grads_x[i], grads_w[i])
-
-        def reduce(r):
-            i = t.local_ranks.index(r)
-            h = handles[i]
-            dx = torch.empty((h.num_tokens, H), dtype=dtype, device=t.device)
-            if h.num_tokens:
-                C.unpermute_fwd(y=_ext.ptr(self._slot_rows(r, h, H, dtype)), row_map=_ext.ptr(h.source_rows), weights=0,
-                                out=_ext.ptr(dx), num_tokens=h.num_tokens, k=h.k, hidden=H,
+                C.unpermute_fwd(y=_ext.ptr(slots), row_map=_ext.ptr(h.source_rows), weights=_ext.ptr(weights[i]),
+                                out=_ext.ptr(out), num_tokens=h.num_tokens, k=h.k, hidden=H,
                                 num_rows=h.num_tokens * h.k, dtype=_ext.dtype_code(dtype), **_launch(t.device))
-            dw = None
-            if grads_w[i] is not None:
-                dw = torch.where(h.source_rows >= 0, self._slot_floats(r, h, row_bytes), 0.0)
-            outs[r] = (dx, dw)
+            sent = None
+            if floats[i] is not None:  # fresh tensors: the region is reused by the next call
+                sent = torch.where(h.source_rows >= 0, self._slot_floats(r, h, row_bytes), 0.0)
+            outs[r] = (out, slots.clone() if save_rows else None, sent)
 
         self._run(C, (push, reduce))
         return [outs[r] for r in t.local_ranks]
@@ -414,8 +392,7 @@ class _Engine:
         t = self.t
         H, dtype = grads[0].shape[1], grads[0].dtype
         row_bytes = H * grads[0].element_size()
-        k = handles[0].k
-        t.ensure("combine", self.M * k * row_bytes + 256 + 4 * self.M * k)
+        self._ensure_combine(C, handles[0].k, row_bytes)
         outs = {}
         dws = {}
 
@@ -506,10 +483,10 @@ class _DispatchFn(torch.autograd.Function):
                 gx[i] = torch.zeros((h.num_rows, 1), dtype=torch.float32, device=h.row_map.device)
             if gw[i] is None and need_w:
                 gw[i] = torch.zeros((h.num_rows,), dtype=torch.float32, device=h.row_map.device)
-        res = ctx.engine.dispatch_backward(ctx.C, [g.contiguous() for g in gx],
-                                           [g.float().contiguous() if need_w else None for g in gw], ctx.handles)
-        dxs = [dx if (ctx.x_float[i] and ctx_inputs[i]) else None for i, (dx, _) in enumerate(res)]
-        dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, dw) in enumerate(res)]
+        res = ctx.engine.combine(ctx.C, [g.contiguous() for g in gx], ctx.handles, [None] * n, False,
+                                 floats=[g.float().contiguous() for g in gw] if need_w else None)
+        dxs = [dx if (ctx.x_float[i] and ctx_inputs[i]) else None for i, (dx, _, _) in enumerate(res)]
+        dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, _, dw) in enumerate(res)]
         return (None, None, None, None, None, *dxs, *dws, *([None] * (2 * n)))
 
 

@@ -9,6 +9,7 @@ import torch
 
 from moe_kernels.dispatch import LocalDispatcher, VirtualNvlinkWorld, make_dispatcher
 from moe_kernels.nn import GroupedExperts
+from tests.cuda_graphs import capture_and_replay
 from tests.dispatch.test_dispatch import _expert_fn, _routing
 from tests.distributed import run_world
 
@@ -97,24 +98,14 @@ def test_nvlink_cuda_graph_virtual_ranks():
         loss = sum(o.float().square().sum() for o in outs)
         return [o.detach() for o in outs] + list(torch.autograd.grad(loss, [*xs, *ws, *params]))
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    with torch.no_grad():
+    def refresh():
         for x in xs:
             x.copy_(torch.randn_like(x))
         for w in ws:
             w.copy_(torch.rand_like(w))
         for i in idx:
             i.copy_(torch.rand(i.shape[0], E, device=dev).argsort(1)[:, :k].int())
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = step()
+
+    captured, eager = capture_and_replay(step, refresh)
     for i, (a, b) in enumerate(zip(captured, eager)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"graph replay tensor {i}")

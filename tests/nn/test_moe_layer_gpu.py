@@ -5,6 +5,7 @@ import torch
 
 from moe_kernels.nn import PRESETS, MoELayer
 from moe_kernels.testing import assert_close_to_fp64, assert_exact
+from tests.cuda_graphs import capture_and_replay
 
 pytestmark = pytest.mark.gpu
 
@@ -57,19 +58,6 @@ def test_graph_capture_forward_backward(cuda):
         (out.float() * g.float()).sum().add(aux).backward()
         return [out.detach(), x.grad] + [p.grad for p in params]
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    with torch.no_grad():
-        x.copy_(torch.randn_like(x))
-    graph.replay()
-    torch.cuda.synchronize()
-    eager = step()
+    captured, eager = capture_and_replay(step, lambda: x.copy_(torch.randn_like(x)))
     for i, (a, b) in enumerate(zip(captured, eager)):
         assert_exact(a.cpu(), b.cpu(), f"graph replay tensor {i}")

@@ -8,22 +8,13 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model
 from moe_kernels.parallel.layout import ParallelConfig
 from tests.distributed import run_world
+from tests.parallel.test_data_parallel import _batch, _loss
 
 pytestmark = pytest.mark.distributed
-
-
-def _batch(step: int, rank: int, vocab: int) -> torch.Tensor:
-    return torch.randint(0, vocab, (2, 9), generator=torch.Generator().manual_seed(100 * step + rank))
-
-
-def _loss(model, ids):
-    logits, aux = model(ids[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()) + aux
 
 
 def _full(t):
