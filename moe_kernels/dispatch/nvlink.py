@@ -34,7 +34,7 @@ by stream order): how the kernels are tested without a node, on the CPU-executed
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -232,7 +232,6 @@ class NvlinkHandle:
     workspace: Tensor  # the layout permute's workspace (expert starts and counts)
     group_sizes: Tensor  # [El]
     num_rows: int  # R
-    saved: dict = field(default_factory=dict)
 
 
 class _Engine:
@@ -504,7 +503,6 @@ class _CombineFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        n = ctx.n
         res = ctx.engine.combine_backward(ctx.C, [g.contiguous() for g in grads], ctx.handles, ctx.wf, ctx.saved_rows)
         dys = [dy for dy, _ in res]
         dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, dw) in enumerate(res)]

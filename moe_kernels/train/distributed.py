@@ -68,7 +68,7 @@ def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
         # torch.distributed.nn.functional binds the default group into its functions' defaults when first
         # imported (torch imports it lazily, e.g. with torch._dynamo); imported before the group exists,
         # they hold None, so destroy_process_group frees the group and joins its threads before exit.
-        import torch.distributed.nn  # noqa: F401
+        import torch.distributed.nn as _early  # noqa: F401  (bound to another name: `torch` stays the module's)
 
         if device.type == "cuda":
             dist.init_process_group("nccl", device_id=device)

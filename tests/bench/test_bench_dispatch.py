@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from bench import bench_dispatch as bd
 from bench import harness
