@@ -18,6 +18,7 @@ The gradient group (None: the world) is every rank that trains on its own batch 
 groups together); `edp_group` the ranks holding the same experts (None when P is the whole world).
 """
 
+from moe_kernels.parallel.checkpoint import load_sharded, save_sharded
 from moe_kernels.parallel.data_parallel import all_reduce_expert_counts, all_reduce_gradients, apply_global_load_balancing
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.layout import ParallelConfig
@@ -36,6 +37,8 @@ __all__ = [
     "apply_global_load_balancing",
     "expert_parallel_mesh",
     "expert_parameters",
+    "load_sharded",
     "parallelize",
     "plan_memory",
+    "save_sharded",
 ]

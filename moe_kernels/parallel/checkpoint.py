@@ -1,0 +1,52 @@
+"""Sharded checkpoints of a parallelize()d model with torch.distributed.checkpoint (DCP): every rank
+writes its own shards, and a checkpoint saved under one layout loads under another (FSDP over 4 ranks,
+HSDP 2 x 2, ...): DCP reshards the DTensors.
+
+    save_sharded(par, optimizer, "ckpt/step_100")          # every rank calls it
+    load_sharded(par, optimizer, "ckpt/step_100")          # into a model parallelized the same way or not
+
+Not yet: expert-parallel layouts (ep > 1). Their experts are plain local tensors per EP rank (FSDP-sharded
+over edp only), so the checkpoint would not know which experts a shard holds; they need a DTensor
+placement over ep first. The full Hugging Face export (moe_kernels.models.save_hf_checkpoint) works from a
+full state dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _check(par, what: str) -> None:
+    if par.layout.ep > 1:
+        raise NotImplementedError(f"{what}: sharded checkpoints of expert-parallel layouts (ep={par.layout.ep}) are "
+                                  "not implemented yet (their experts are not DTensors over ep)")
+
+
+def save_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
+    """Writes the model's (and the optimizer's) shards of every rank under `path` (a shared directory)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _check(par, "save_sharded")
+    model_sd, optim_sd = get_state_dict(par.model, optimizer if optimizer is not None else [])
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp.save(state, checkpoint_id=str(path))
+
+
+def load_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
+    """Loads `path` into the model (and optimizer), resharding to this layout."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    _check(par, "load_sharded")
+    model_sd, optim_sd = get_state_dict(par.model, optimizer if optimizer is not None else [])
+    state = {"model": model_sd}
+    if optimizer is not None:
+        state["optim"] = optim_sd
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(par.model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                   optim_state_dict=state.get("optim", {}))
