@@ -114,6 +114,7 @@ class _AllToAllVirtual:
         for d in range(P):
             take = lambda rows, s: rows[s][starts[s][d] : starts[s][d] + sizes[s][d]]  # noqa: E731
             x_recv = torch.cat([take([p[0] for p in perms], s) for s in range(P)])
+            # The weights and scale rows travel too (their own exchanges in the backend); only moved here.
             torch.cat([take(w_rows, s) for s in range(P)])
             if s_perm[0] is not None:
                 torch.cat([take(s_perm, s) for s in range(P)])

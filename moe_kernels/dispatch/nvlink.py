@@ -33,6 +33,7 @@ by stream order): how the kernels are tested without a node, on the CPU-executed
 
 from __future__ import annotations
 
+import abc
 import warnings
 from dataclasses import dataclass
 
@@ -44,6 +45,7 @@ from moe_kernels.dispatch.base import Dispatched, Dispatcher, GroupDispatcher, p
 from moe_kernels.ops._checks import check_int
 
 DEFAULT_NUM_SMS = 20
+MAX_RANKS = 64  # kMaxRanks of csrc/dispatch/nvlink.h (the signal words and inbox of the header)
 _FALLBACK = "use backend='all_to_all' (torch.distributed, any devices) instead"
 _DROPPED_INDEX = 65  # Header.dropped as an int64 index: after signals[64] and epoch
 
@@ -63,7 +65,7 @@ def _kernels(x: Tensor, who: str):
 # Buffers: one region kind ("header", "dispatch", "combine") per rank, the same layout on every rank.
 
 
-class _Transport:
+class _Transport(abc.ABC):
     """Each rank's regions and the device tables of their base addresses (as int64)."""
 
     num_ranks: int
@@ -86,8 +88,13 @@ class _Transport:
             return
         self._allocate(kind, max(nbytes, 256))
 
+    @abc.abstractmethod
+    def _allocate(self, kind: str, nbytes: int) -> None:
+        """(Re)allocate region `kind` with `nbytes` on every rank this process drives and map the others'."""
+
+    @abc.abstractmethod
     def barrier(self, C) -> None:
-        raise NotImplementedError
+        """Every rank's earlier writes visible to every rank (the barrier kernel, or stream order)."""
 
 
 class _VirtualTransport(_Transport):
@@ -342,13 +349,10 @@ class _Engine:
         n = h.num_tokens * h.k * H * torch.empty((), dtype=dtype).element_size()
         return self.t.region("combine", r)[:n].view(dtype).view(h.num_tokens * h.k, H)
 
-    def _slot_floats(self, r, h: NvlinkHandle, row_bytes: int) -> Tensor:
-        C0 = self.t.region("combine", r)
-        off = self._floats_offset(h.k, row_bytes)
-        return C0[off : off + 4 * h.num_tokens * h.k].view(torch.float32).view(h.num_tokens, h.k)
-
-    def _floats_offset(self, k, row_bytes):
-        return (self.M * k * row_bytes + 255) // 256 * 256
+    def _slot_floats(self, C, r, h: NvlinkHandle, row_bytes: int) -> Tensor:
+        """The floats sent beside the rows, as [T, k] (where the push kernel writes them)."""
+        off = C.nvlink_combine_floats_offset(self.M, h.k, row_bytes)
+        return self.t.region("combine", r)[off : off + 4 * h.num_tokens * h.k].view(torch.float32).view(h.num_tokens, h.k)
 
     def _ensure_combine(self, C, k: int, row_bytes: int) -> None:
         self.t.ensure("combine", C.nvlink_combine_bytes(self.M, k, row_bytes))
@@ -379,7 +383,7 @@ class _Engine:
                                 num_rows=h.num_tokens * h.k, dtype=_ext.dtype_code(dtype), **_launch(t.device))
             sent = None
             if floats[i] is not None:  # fresh tensors: the region is reused by the next call
-                sent = torch.where(h.source_rows >= 0, self._slot_floats(r, h, row_bytes), 0.0)
+                sent = torch.where(h.source_rows >= 0, self._slot_floats(C, r, h, row_bytes), 0.0)
             outs[r] = (out, slots.clone() if save_rows else None, sent)
 
         self._run(C, (push, reduce))
@@ -578,8 +582,8 @@ class NvlinkDispatcher(GroupDispatcher):
                  num_sms: int = DEFAULT_NUM_SMS):
         super().__init__(num_experts, group)
         _check_knobs("NvlinkDispatcher", max_tokens_per_rank, capacity, num_sms)
-        if self.num_ranks > _max_ranks():
-            raise ValueError(f"NvlinkDispatcher: at most {_max_ranks()} ranks, the group has {self.num_ranks}; {_FALLBACK}")
+        if self.num_ranks > MAX_RANKS:
+            raise ValueError(f"NvlinkDispatcher: at most {MAX_RANKS} ranks, the group has {self.num_ranks}; {_FALLBACK}")
         self.max_tokens_per_rank, self.capacity, self.num_sms = max_tokens_per_rank, capacity, num_sms
         self._engine: _Engine | None = None
 
@@ -615,10 +619,6 @@ class NvlinkDispatcher(GroupDispatcher):
         return 0 if self._engine is None else self._engine.dropped_tokens()
 
 
-def _max_ranks() -> int:
-    return 64
-
-
 class VirtualNvlinkWorld:
     """P ranks of the NVLink backend in one process on one device (module docstring).
 
@@ -629,7 +629,7 @@ class VirtualNvlinkWorld:
 
     def __init__(self, num_experts: int, num_ranks: int, *, max_tokens_per_rank: int, capacity: int | None = None,
                  num_sms: int = DEFAULT_NUM_SMS, device="cuda"):
-        check_int("VirtualNvlinkWorld", "num_ranks", num_ranks, minimum=1, maximum=_max_ranks())
+        check_int("VirtualNvlinkWorld", "num_ranks", num_ranks, minimum=1, maximum=MAX_RANKS)
         _check_knobs("VirtualNvlinkWorld", max_tokens_per_rank, capacity, num_sms)
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:

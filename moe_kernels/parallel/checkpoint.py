@@ -24,29 +24,28 @@ def _check(par, what: str) -> None:
                                   "not implemented yet (their experts are not DTensors over ep)")
 
 
+def _state(par, optimizer, what: str) -> dict:
+    """The model's (and optimizer's) state dicts as DCP sees them: this rank's shards, by name."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    _check(par, what)
+    model_sd, optim_sd = get_state_dict(par.model, optimizer if optimizer is not None else [])
+    return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+
+
 def save_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Writes the model's (and the optimizer's) shards of every rank under `path` (a shared directory)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    _check(par, "save_sharded")
-    model_sd, optim_sd = get_state_dict(par.model, optimizer if optimizer is not None else [])
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(_state(par, optimizer, "save_sharded"), checkpoint_id=str(path))
 
 
 def load_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
     """Loads `path` into the model (and optimizer), resharding to this layout."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    _check(par, "load_sharded")
-    model_sd, optim_sd = get_state_dict(par.model, optimizer if optimizer is not None else [])
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optim"] = optim_sd
+    state = _state(par, optimizer, "load_sharded")
     dcp.load(state, checkpoint_id=str(path))
     set_state_dict(par.model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))
