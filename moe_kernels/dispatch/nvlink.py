@@ -589,15 +589,20 @@ class NvlinkDispatcher(GroupDispatcher):
 
     def _engine_for(self, x: Tensor) -> tuple[_Engine, object]:
         C = _kernels(x, "NvlinkDispatcher")
+        if self._engine is None:
+            self._engine = _Engine(self._transport(x, C), self.num_experts, self.max_tokens_per_rank, self.capacity,
+                                   self.num_sms)
+        return self._engine, C
+
+    def _transport(self, x: Tensor, C) -> _Transport:
+        """The group's peer buffers on x's device: CUDA IPC mappings, made once per group and device."""
         if x.device.type != "cuda":
             raise ValueError(f"NvlinkDispatcher: peer buffers need CUDA tensors on the ranks' GPUs; {_FALLBACK}")
-        if self._engine is None:
-            key = (id(self.group), x.device)
-            transport = NvlinkDispatcher._transports.get(key)
-            if transport is None:
-                transport = NvlinkDispatcher._transports[key] = _IpcTransport(self.group, x.device, C)
-            self._engine = _Engine(transport, self.num_experts, self.max_tokens_per_rank, self.capacity, self.num_sms)
-        return self._engine, C
+        key = (id(self.group), x.device)
+        transport = NvlinkDispatcher._transports.get(key)
+        if transport is None:
+            transport = NvlinkDispatcher._transports[key] = _IpcTransport(self.group, x.device, C)
+        return transport
 
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
@@ -611,8 +616,9 @@ class NvlinkDispatcher(GroupDispatcher):
     def combine(self, y: Tensor, handle: NvlinkHandle, *, weighted: bool = True) -> Tensor:
         """y [R, H]: the expert outputs of dispatch's rows (rows past the groups are never read)."""
         _check_combine("NvlinkDispatcher.combine", [y], [handle])
-        return _CombineFn.apply(self._engine, _ext.kernels("nvlink dispatch", y), [handle], weighted, 1, y,
-                                handle.weights)
+        (out,) = _CombineFn.apply(self._engine, _ext.kernels("nvlink dispatch", y), [handle], weighted, 1, y,
+                                  handle.weights)
+        return out
 
     def dropped_tokens(self) -> int:
         """Token copies dropped for capacity since the last call (warns when any); syncs."""

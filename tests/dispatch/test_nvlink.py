@@ -328,3 +328,41 @@ def test_nvlink_combine_and_payload_checks(device):
         world.combine([d.x for d in ds], [None, None])
     outs = world.combine([d.x for d in ds], handles)  # the checks leave the call working
     assert [tuple(o.shape) for o in outs] == [(3, 8), (2, 8)]
+
+
+def _worker_front_end(rank, P, device_type):
+    # NvlinkDispatcher's own dispatch/combine (the per-rank front end that the IPC path uses) over a
+    # one-rank virtual transport: the same autograd functions and engine as the IPC ranks, only the
+    # buffers differ. Output, dx and dweights equal the one-rank layer bit for bit.
+    from moe_kernels.dispatch import make_dispatcher
+    from moe_kernels.dispatch.nvlink import _VirtualTransport
+
+    dev = torch.device(device_type)
+    E, k, H, M = 6, 3, 24, 40
+    disp = make_dispatcher("nvlink", E, max_tokens_per_rank=M)
+    disp._transport = lambda x, C: _VirtualTransport(1, x.device)
+    scale = torch.linspace(0.5, 2.0, E, device=dev)
+    shift = torch.linspace(-1.0, 1.0, E, device=dev)
+    for step, (case, T, weighted) in enumerate((("uniform", 17, True), ("hot", 3, True), ("uniform", 0, True),
+                                                ("uniform", M, False))):
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(T, H, generator=gen).to(dev, torch.bfloat16).requires_grad_()
+        w = torch.rand(T, k, generator=gen).to(dev).requires_grad_()
+        idx = _routing(case, T, k, E, P, gen).to(dev)
+        gout = torch.randn(T, H, generator=gen).to(dev, torch.bfloat16)
+        d = disp.dispatch(x, w, idx, align=8)
+        y = _expert_fn(d.x, d.local_indices, 0, scale, shift, None if weighted else d.weights)
+        out = disp.combine(y, d.handle, weighted=weighted)
+        assert isinstance(out, torch.Tensor) and out.shape == (T, H) and out.dtype == torch.bfloat16, type(out)
+        dx, dw = torch.autograd.grad((out.float() * gout.float()).sum(), (x, w), allow_unused=True)
+        dw = torch.zeros_like(w) if dw is None else dw
+        ref, rdx, rdw = _reference(x, w, idx, E, gout, scale, shift, weighted, 8)
+        for name, got, want in (("out", out, ref), ("dx", dx, rdx), ("dweights", dw, rdw)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} step {step} {case}")
+    assert disp.dropped_tokens() == 0
+
+
+def test_nvlink_dispatcher_front_end_equals_one_rank(device):
+    from tests.distributed import run_world
+
+    run_world(_worker_front_end, 1, device.type)
