@@ -61,6 +61,15 @@ def assert_within_fp32_rounding(actual: Tensor, expected: Tensor, magnitude: Ten
         )
 
 
+# Hopper's FP8 tensor cores keep about 14 bits of the running sum (the DeepSeek-V3 report: "around 14 bits")
+# until the kernel promotes it to fp32 after each 128-wide K block. Model: each of a block's four k=32 wgmma
+# steps truncates toward zero, at most 2^-13 of the block's sum of |terms|; truncations share their sign, so
+# the four add up: 4 x 2^-13 of the terms, which is this many times the 64 eps_fp32 per unit of magnitude that
+# assert_within_fp32_rounding and assert_within_rounding_to allow. (On an H200 the largest error seen was
+# about 1.2 x 2^-13 of the terms; a 2^-13 bound, one step's worth, was too tight.)
+FP8_MMA_MAGNITUDE = 4 * 2**-13 / (64 * FP32_EPS)
+
+
 # The floor every assert_close_to_fp64 adds, relative to the reference's largest magnitude: 8 fp32 ulps. Any
 # fp32 result carries its own rounding (half an ulp) and a reduction's few more, so the baseline's error is
 # one draw of rounding noise, which on a scalar or a few elements can fall to 0 by chance; below a few ulps of
