@@ -49,7 +49,8 @@ def assert_exact(actual: Tensor, expected: Tensor, what: str) -> None:
 
 def assert_within_fp32_rounding(actual: Tensor, expected: Tensor, magnitude: Tensor, what: str) -> None:
     """`magnitude` = sum of |terms| of each reduced element (same shape as expected)."""
-    a, e, m = actual.detach().double().cpu(), expected.detach().double().cpu(), magnitude.detach().double().cpu()
+    e = expected.detach().double()  # compared where the reference lives
+    a, m = actual.detach().to(e.device).double(), magnitude.detach().to(e.device).double()
     tol = 64 * FP32_EPS * m + 1e-30
     err = (a - e).abs()
     bad = err > tol
@@ -81,12 +82,12 @@ ULP_FLOOR = 8 * FP32_EPS
 def assert_close_to_fp64(actual: Tensor, baseline: Tensor, reference64: Tensor, what: str, *, floor: float = 1e-6) -> None:
     """Kernel error vs an fp64 reference is at most 2x plain PyTorch's error at the same precision, plus
     `floor` and ULP_FLOOR x max|reference64|."""
-    ref = reference64.detach().double().cpu()
+    ref = reference64.detach().double()  # compared where the reference lives (no host copy of large tensors)
     assert actual.shape == ref.shape == baseline.shape, f"{what}: shapes {actual.shape}, {baseline.shape}, {ref.shape}"
     if ref.numel() == 0:
         return
-    ours = (actual.detach().double().cpu() - ref).abs().max().item()
-    theirs = (baseline.detach().double().cpu() - ref).abs().max().item()
+    ours = (actual.detach().to(ref.device).double() - ref).abs().max().item()
+    theirs = (baseline.detach().to(ref.device).double() - ref).abs().max().item()
     ulps = ULP_FLOOR * ref.abs().max().item()
     assert ours <= 2 * theirs + floor + ulps, (
         f"{what}: max error {ours:.3g} > 2 x torch's {theirs:.3g} (+{floor:g} +{ulps:.3g} = 8 fp32 ulps of max|ref|)")

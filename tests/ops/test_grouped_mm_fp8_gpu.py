@@ -40,12 +40,12 @@ def test_matches_fp64_reference(cuda, M, N, K, E, kind):
     skip_if_too_large(2 * M * N * K, EMULATION_BUDGET, "GEMM FLOP")
     xq, xs, wq, ws, gs = _case(M, N, K, E, kind, seed=M + N + K)
     dev = [t.to(cuda) for t in (xq, xs, wq, ws, gs)]
-    out = mk.grouped_mm_fp8(*dev).cpu()
-    ref64 = grouped_mm_fp8_reference(xq, xs, wq, ws, gs, acc=torch.float64)
+    out = mk.grouped_mm_fp8(*dev)
+    ref64 = grouped_mm_fp8_reference(*dev, acc=torch.float64)  # on the device: fp64 GEMMs are slow on a host
     rows = int(gs.sum())
     # bf16 output: the kernel's error against fp64 may be at most twice that of the fp32 reference
     # rounded to bf16 (plus a floor for Hopper's FP8 accumulation inside each 128-wide K block).
-    baseline = grouped_mm_fp8_reference(xq, xs, wq, ws, gs).to(torch.bfloat16)
+    baseline = grouped_mm_fp8_reference(*dev).to(torch.bfloat16)
     assert_close_to_fp64(out[:rows].float(), baseline[:rows].float(), ref64[:rows], f"fp8 {M}x{N}x{K} E={E} {kind}",
                          floor=1e-3 * float(ref64.abs().max()) + 1e-6)
 

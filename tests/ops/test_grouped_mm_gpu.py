@@ -47,7 +47,7 @@ def torch_loop(x, w, gs, what):
 
 
 def check_all(dev, x, w, gs, *, what=""):
-    """fwd, dgrad and wgrad of one problem on `dev`; x [M, K], w [E, N, K] on the CPU, any dtype."""
+    """fwd, dgrad and wgrad of one problem on `dev`; x [M, K], w [E, N, K] on the CPU or `dev`, any dtype."""
     M, n = x.shape[0], int(gs.sum())
     xd, wd, gsd = x.to(dev, copy=True), w.to(dev, copy=True), gs.to(dev)
     xg, wg = xd.clone().requires_grad_(), wd.clone().requires_grad_()
@@ -142,11 +142,13 @@ def test_perf_shapes(cuda, name):
     M = 4096 * k
     skip_if_too_large(3 * 2 * M * H * F * 3, EMULATION_BUDGET, "GEMM FLOP")
     gs = splits("skewed", M, E, seed=3)
-    x = torch.randn(M, H).to(torch.bfloat16)
-    w13 = (torch.randn(E, 2 * F, H) / H**0.5).to(torch.bfloat16)
+    gen = torch.Generator(cuda).manual_seed(3)  # drawn on the device: deepseek-v3's w13 has 940M elements
+    x = torch.randn(M, H, device=cuda, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * F, H, device=cuda, generator=gen) / H**0.5).to(torch.bfloat16)
     check_all(cuda, x, w13, gs, what=f"{name} w13")
-    h = torch.randn(M, F).to(torch.bfloat16)
-    w2 = (torch.randn(E, H, F) / F**0.5).to(torch.bfloat16)
+    del w13
+    h = torch.randn(M, F, device=cuda, generator=gen).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, F, device=cuda, generator=gen) / F**0.5).to(torch.bfloat16)
     check_all(cuda, h, w2, gs, what=f"{name} w2")
 
 
