@@ -127,6 +127,10 @@ class Router(nn.Module):
         # Global-batch load balancing (moe_kernels.parallel.apply_global_load_balancing sets it): the aux
         # loss takes its expert counts over this data-parallel group. None: this rank's tokens only.
         self.balance_group = None
+        # Sequence parallelism (moe_kernels.parallel sets it): the ranks holding the other parts of these
+        # sequences. Counts are summed over it and each rank's losses are its share: the shares of the group
+        # add up to the losses of the whole sequences. None: the sequences are whole here.
+        self.sequence_group = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -165,8 +169,11 @@ class Router(nn.Module):
         return RouterOutput(weights, indices, self._losses(logits, seq_len, reference), logits, counts)
 
     def _losses(self, logits: Tensor, seq_len: int | None, reference: bool = False) -> Tensor:
+        """The configured losses of this rank's tokens. With a sequence group of n ranks (each 1/n of every
+        sequence) each loss is this rank's share; the n shares add up to the loss of the whole sequences."""
         cfg = self.config
         loss = logits.new_zeros(())
+        n_seq = 1 if self.sequence_group is None else torch.distributed.get_world_size(self.sequence_group)
         if cfg.aux_loss_coeff > 0 or cfg.seq_aux_loss_coeff > 0:
             if reference:
                 scores, aux_indices = router_aux_scores_reference(logits, cfg.k, cfg.score)
@@ -176,23 +183,51 @@ class Router(nn.Module):
                 count = tokens_per_expert_reference if reference else tokens_per_expert
                 balance = aux_loss_reference if reference else aux_loss
                 counts = count(aux_indices, cfg.num_experts)
-                if self.balance_group is None:
+                group = self.balance_group if self.balance_group is not None else self.sequence_group
+                if group is None:
                     loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff)
-                else:  # f_e over the global batch (W ranks x T tokens), P_e over this rank's tokens
+                else:
+                    # f_e over the group's tokens (W ranks x T), P_e over this rank's: balance() normalises by
+                    # T^2, so its sum over the W ranks is W^2 times the group's loss, which holds W / n_seq
+                    # batches (each one term of the data-parallel mean): divide by W * n_seq.
                     counts = counts.clone()
-                    torch.distributed.all_reduce(counts, group=self.balance_group)
-                    W = torch.distributed.get_world_size(self.balance_group)
-                    loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff) / W
+                    torch.distributed.all_reduce(counts, group=group)
+                    W = torch.distributed.get_world_size(group)
+                    loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff) / (W * n_seq)
             if cfg.seq_aux_loss_coeff > 0:
                 if seq_len is None:
                     raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")
-                if reference:
+                if self.sequence_group is not None:
+                    loss = loss + self._seq_aux_share(scores, aux_indices, seq_len, n_seq)
+                elif reference:
                     loss = loss + seq_aux_loss_reference(scores, aux_indices, cfg.seq_aux_loss_coeff, seq_len)[0]
                 else:
                     loss = loss + seq_aux_loss(scores, aux_indices, cfg.seq_aux_loss_coeff, seq_len=seq_len)
         if cfg.z_loss_coeff > 0:
-            loss = loss + (z_loss_reference(logits, cfg.z_loss_coeff)[0] if reference else z_loss(logits, cfg.z_loss_coeff))
+            z = z_loss_reference(logits, cfg.z_loss_coeff)[0] if reference else z_loss(logits, cfg.z_loss_coeff)
+            loss = loss + z / n_seq  # a mean over tokens: each rank holds 1/n_seq of them
         return loss
+
+    def _seq_aux_share(self, scores: Tensor, indices: Tensor, seq_len: int, n_seq: int) -> Tensor:
+        """This rank's share of the sequence-wise aux loss when each sequence is split over the sequence group
+        (seq_len of its n_seq * seq_len tokens here): per-sequence counts summed over the group, this rank's
+        scores, the normalisation of the whole sequence; the shares add up to seq_aux_loss of the sequences."""
+        cfg = self.config
+        rows, E = scores.shape
+        B = rows // seq_len
+        if B * seq_len != rows:
+            raise ValueError(f"Router: {rows} tokens are not whole sequences of seq_len={seq_len}")
+        counts = torch.zeros((B, E + 1), dtype=torch.int64, device=indices.device)
+        flat = indices.reshape(B, -1).long()
+        counts.scatter_add_(1, torch.where(flat >= 0, flat, E), (flat >= 0).long())
+        counts = counts[:, :E].contiguous()
+        torch.distributed.all_reduce(counts, group=self.sequence_group)
+        if B == 0:
+            return scores.new_zeros(())
+        acc = torch.promote_types(scores.dtype, torch.float32)
+        per_seq = scores.to(acc).view(B, seq_len, E).sum(1)  # [B, E]
+        S = seq_len * n_seq
+        return (per_seq * counts.to(acc)).sum(-1).mean() * (cfg.seq_aux_loss_coeff * E / (cfg.k * S * S))
 
     @torch.no_grad()
     def update_expert_bias(self, counts: Tensor | None = None) -> None:

@@ -1,29 +1,35 @@
-"""`parallelize(model, ParallelConfig(...))`: sharded data parallelism (FSDP2) folded with expert
-parallelism, applied to a finished model from outside (ARCHITECTURE.md, decision 7).
+"""`parallelize(model, ParallelConfig(...))`: sharded data parallelism (FSDP2), tensor and sequence
+parallelism, folded with expert parallelism, applied to a finished model from outside (ARCHITECTURE.md,
+decision 7).
 
-Two meshes over the same W = dp_replicate * dp_shard ranks (moe_kernels.parallel.layout):
-  attention  ("dp_replicate", "dp_shard")   rank = replica * dp_shard + shard
-  experts    ("edp", "ep")                  rank = edp * ep + ep_rank (ep consecutive ranks of one replica)
-Each MoE layer keeps E / ep experts (apply_expert_parallel over "ep", tokens dispatched), FSDP-sharded
-over all W / ep ranks of "edp" (the replicas included: expert weights are the bulk of a MoE model);
-every other parameter is FSDP-sharded over "dp_shard" (HSDP: replicated over "dp_replicate"), one FSDP
-unit per transformer block plus the root.
+Two meshes over the same W = dp_replicate * dp_shard * tp ranks (moe_kernels.parallel.layout):
+  attention  ("dp_replicate", "dp_shard", "tp")   rank = (replica * dp_shard + shard) * tp + tp_rank
+  experts    ("edp", "ep")                        rank = edp * ep + ep_rank (ep consecutive ranks)
+The tp ranks of one (replica, shard) train on the same batch, each on 1/tp of every sequence
+(moe_kernels.parallel.tensor_parallel: attention heads and dense MLP widths split, everything else on the
+sequence chunk). Each MoE layer keeps E / ep experts (apply_expert_parallel over "ep", tokens dispatched),
+FSDP-sharded over all W / ep ranks of "edp" (the replicas included: expert weights are the bulk of a MoE
+model). The tensor-parallel slices are FSDP-sharded over "dp_shard" (HSDP: replicated over
+"dp_replicate"); the parameters every tp rank holds whole (norms, routers, shared experts, embeddings)
+over "dp_shard" x "tp", one FSDP unit of each kind per transformer block plus the root's.
 
-Gradients: each rank's loss is the mean over its own tokens and the step's objective is the mean over
-ranks. FSDP averages the dense gradients over all W ranks. An expert's gradient already sums the
+Gradients: the step's objective is the mean over the dp_replicate * dp_shard batches of each batch's loss;
+each rank's loss is its share of its batch's (the whole loss without tp: `cross_entropy` and the routers'
+aux losses give shares). FSDP averages the slices' gradients over the batches. The parameters held whole
+sum their tp ranks' parts and divide by the number of batches. An expert's gradient already sums the
 contributions of its EP group's tokens (the dispatcher brought them), so its FSDP reduction, over the
-W / ep ranks holding that expert, divides by W instead of its mesh size: the same mean.
+W / ep ranks holding that expert, also divides by the number of batches instead of its mesh size.
 
 Mixed precision: bf16 parameters for compute and fp32 gradient reduction on CUDA (the fp32 master
 weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process).
 
-Not yet: tensor / sequence parallelism (tp), context parallelism (cp), pipeline parallelism (pp) and
-expert tensor parallelism (etp) raise NotImplementedError; `moe-train --plan` sizes them already.
+Not yet: context parallelism (cp), pipeline parallelism (pp) and expert tensor parallelism (etp) raise
+NotImplementedError; `moe-train --plan` sizes them already.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -31,6 +37,7 @@ from torch import Tensor, nn
 
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.layout import ParallelConfig
+from moe_kernels.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_share, local_chunk
 
 
 @dataclass
@@ -39,15 +46,33 @@ class Parallelized:
 
     model: nn.Module
     layout: ParallelConfig
-    attention_mesh: object  # DeviceMesh ("dp_replicate", "dp_shard")
+    attention_mesh: object  # DeviceMesh ("dp_replicate", "dp_shard", "tp")
     expert_mesh: object  # DeviceMesh ("edp", "ep")
+    tp_group: object = None  # the ranks sharing one batch's sequences (None without tensor parallelism)
+    expert_modules: list = field(default_factory=list)  # the experts FSDP-sharded over edp (held once in all)
+
+    def local_tokens(self, t: Tensor, dim: int = 1) -> Tensor:
+        """This rank's chunk of a batch tensor along the sequence: the tokens its logits cover."""
+        return t if self.tp_group is None else local_chunk(t, self.tp_group, dim)
+
+    def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
+        """This rank's share of the batch's mean cross-entropy: logits from the model, labels [B, S] of the
+        whole batch. Add the model's aux loss (also a share) and call backward on the sum."""
+        return cross_entropy_share(logits, labels, self.tp_group)
+
+    def batch_loss(self, share: Tensor) -> Tensor:
+        """The batch's loss from this rank's share (summed over the tp ranks), for logging; no gradient."""
+        total = share.detach().clone()
+        if self.tp_group is not None:
+            dist.all_reduce(total, group=self.tp_group)
+        return total
 
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
         """The global gradient norm of the full model: every shard's squares summed over all ranks, the
         dense shards' divided by dp_replicate (each replica holds them); expert shards are held once."""
         sq = torch.zeros(2, dtype=torch.float32, device=_device_of(self.model))
-        experts = {id(p) for p in expert_parameters(self.model)}
+        experts = {id(p) for m in self.expert_modules for p in m.parameters()}
         for p in self.model.parameters():
             if p.grad is not None:
                 g = p.grad
@@ -102,16 +127,20 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         raise ValueError("parallelize: initialise torch.distributed first (torchrun, or init_process_group)")
     world = dist.get_world_size()
     pc = layout.resolve(world)
-    missing = [f"{n}={getattr(pc, n)}" for n in ("tp", "cp", "pp", "etp") if getattr(pc, n) != 1]
+    missing = [f"{n}={getattr(pc, n)}" for n in ("cp", "pp", "etp") if getattr(pc, n) != 1]
     if missing:
-        raise NotImplementedError(f"parallelize: {', '.join(missing)} is not implemented yet (data, sharded data and "
-                                  "expert parallelism are); moe-train --plan sizes such layouts")
+        raise NotImplementedError(f"parallelize: {', '.join(missing)} is not implemented yet (data, sharded data, "
+                                  "tensor and expert parallelism are); moe-train --plan sizes such layouts")
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "moe"):
         pc.check_model(cfg, cfg.max_seq_len)
     device_type = torch.device(device).type if device is not None else _device_of(model).type
-    attention = init_device_mesh(device_type, (pc.dp_replicate, pc.dp_shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    attention = init_device_mesh(device_type, (pc.dp_replicate, pc.dp_shard, pc.tp),
+                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     experts = init_device_mesh(device_type, (world // pc.ep, pc.ep), mesh_dim_names=("edp", "ep"))
+    batches = pc.dp_replicate * pc.dp_shard  # the terms of the step's mean (module docstring)
+    tp_group = attention.get_group("tp") if pc.tp > 1 else None
+    replicated = apply_tensor_parallel(model, tp_group) if tp_group is not None else None
     if pc.ep > 1:
         apply_expert_parallel(model, experts.get_group("ep"), backend=ep_backend,
                               max_tokens_per_rank=max_tokens_per_rank)
@@ -119,16 +148,39 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         mixed_precision = device_type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
         MixedPrecisionPolicy()
-    dense_mesh = attention if pc.dp_replicate > 1 else attention["dp_shard"]
+    dense_mesh = attention["dp_replicate", "dp_shard"] if pc.dp_replicate > 1 else attention["dp_shard"]
     expert_mesh = experts["edp"]
+
+    def summed(unit, mesh) -> None:
+        if isinstance(unit, list):  # a unit of several modules shares one FSDP state
+            unit = unit[0]
+        unit.set_gradient_divide_factor(float(batches))
+        # A sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM). Not on one rank, where
+        # there is no collective: torch 2.13's FSDP2 then divides the gradient twice when the sum is forced.
+        if mesh.size() > 1:
+            unit.set_force_sum_reduction_for_comms(True)
+
+    whole_mesh = None
+    if replicated is not None:  # the parameters every tp rank holds whole: sharded over dp_shard x tp
+        whole = init_device_mesh(device_type, (pc.dp_replicate, pc.dp_shard * pc.tp),
+                                 mesh_dim_names=("dp_replicate", "dp_shard_tp"))
+        whole_mesh = whole if pc.dp_replicate > 1 else whole["dp_shard_tp"]
     sharded = {id(p) for p in expert_parameters(model)}
-    for block in _blocks(model):
+    expert_modules = []
+    for i, block in enumerate(_blocks(model)):
+        if replicated is not None:
+            summed(fully_shard(replicated[i], mesh=whole_mesh, mp_policy=mp), whole_mesh)
         for m in block.modules():
-            if getattr(m, "experts", None) is not None and any(id(p) in sharded for p in m.experts.parameters()):
-                unit = fully_shard(m.experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=True)
-                unit.set_gradient_divide_factor(float(world))  # the mean over every rank (module docstring)
-                # A sum, then the division: gloo has no pre-multiplied sum (NCCL's PREMUL_SUM).
-                unit.set_force_sum_reduction_for_comms(True)
+            experts = getattr(m, "experts", None)
+            if experts is None or not isinstance(experts, nn.Module):
+                continue
+            # Expert-parallel experts, and with tp every rank's experts (their gradients are its chunk's part):
+            # summed over edp, which holds the tp ranks too.
+            if any(id(p) in sharded for p in experts.parameters()) or (pc.tp > 1 and any(True for _ in experts.parameters())):
+                summed(fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=True), expert_mesh)
+                expert_modules.append(experts)
         fully_shard(block, mesh=dense_mesh, mp_policy=mp)
+    if replicated is not None:
+        summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp), whole_mesh)
     fully_shard(model, mesh=dense_mesh, mp_policy=mp)
-    return Parallelized(model, pc, attention, experts)
+    return Parallelized(model, pc, attention, experts, tp_group, expert_modules)

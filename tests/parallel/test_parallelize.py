@@ -62,6 +62,7 @@ def _worker(rank, P, family, layout_kw, steps):
     ("tiny-qwen3-moe", dict(dp_shard=4)),  # FSDP over every rank
     ("tiny-deepseek-v3", dict(ep=2)),  # dp_shard 4, experts EP 2 x FSDP 2 (folded)
     ("tiny-mixtral", dict(dp_replicate=2, ep=2)),  # HSDP 2 x 2, experts EP 2, replicated over the replicas
+    ("tiny-deepseek-v3", dict(ep=4)),  # experts EP over every rank: FSDP over a one-rank edp
 ])
 def test_sharded_training_equals_one_process(family, layout):
     run_world(_worker, 4, family, layout, 3)
@@ -71,8 +72,8 @@ def _worker_refuses(rank, P):
     from moe_kernels.parallel.parallelize import parallelize
 
     model = build_model(PRESETS["tiny-qwen3-moe"]())
-    with pytest.raises(NotImplementedError, match="tp=2 is not implemented yet"):
-        parallelize(model, ParallelConfig(tp=2))
+    with pytest.raises(NotImplementedError, match="cp=2 is not implemented yet"):
+        parallelize(model, ParallelConfig(cp=2))
     with pytest.raises(ValueError, match="ep\\*etp = 4\\*1 = 4 must divide dp_shard\\*cp\\*tp = 2\\*1\\*1 = 2"):
         parallelize(model, ParallelConfig(ep=4))
     with pytest.raises(ValueError, match="ep=2 must divide the 3 experts"):

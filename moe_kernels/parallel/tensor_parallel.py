@@ -1,0 +1,228 @@
+"""Tensor parallelism with sequence parallelism for a moe_kernels MoETransformer, applied from outside.
+
+`apply_tensor_parallel(model, group)` splits attention and the dense MLP layers over the n ranks of `group`
+(the Megatron-LM layout) and leaves each rank 1/n of every sequence everywhere else:
+
+    embed_tokens          this rank's chunk of the sequence (positions [t*S/n, (t+1)*S/n)), then
+    input_layernorm       on the chunk
+    self_attn             all-gather of the chunks; q/k/v (MLA: q_b, kv_b) column-wise, i.e. 1/n of the heads;
+                          o_proj row-wise, its partial sums reduce-scattered back to the chunks
+    post_attention_layernorm, the MoE layer (router, experts, shared experts), final norm, lm_head: on the chunk
+    dense MLP layers      all-gather; gate/up column-wise, down row-wise; reduce-scatter
+
+So the model's logits cover this rank's chunk of the sequence and every loss is a share: the MoE routers
+take their counts over the group (Router.sequence_group) and return their share of the aux losses, and the
+cross-entropy share is the sum over the chunk's tokens divided by the batch's token count
+(`cross_entropy_share`). The group's shares add up to the loss of the whole batch.
+
+Parameters come in two kinds, and moe_kernels.parallel.parallelize reduces each kind's gradients over the
+right ranks:
+  split       the column and row slices above: each rank holds other values, the gradient of its slice is
+              complete (the all-gather / reduce-scatter pair sums every rank's part in the backward);
+  replicated  everything else (norms, Qwen3's q/k norms, MLA's latent projections and norms, routers, shared
+              experts, embeddings, lm_head): equal on every rank, each rank's gradient only its chunk's (or its
+              heads') part, summed over the group.
+The autograd functions below are Megatron-LM's pair: the all-gather's backward is a reduce-scatter and the
+reduce-scatter's backward an all-gather. Plain local tensors (no DTensor): the MoE layer's custom ops and
+MLA's rotary key, shared by all heads, need the partial gradients summed where DTensor would not.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_kernels.nn import MoELayer, SharedExperts
+
+
+def _gather_chunks(x: Tensor, group, dim: int) -> Tensor:
+    n = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter_chunks(x: Tensor, group, dim: int) -> Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: a sum, then this rank's chunk
+        total = x.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        return total.chunk(n, dim=dim)[r].contiguous()
+    parts = [c.contiguous() for c in x.chunk(n, dim=dim)]
+    out = torch.empty_like(parts[r])
+    dist.reduce_scatter(out, parts, group=group)
+    return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """The chunks of every rank, concatenated along `dim`; backward: the sum of the ranks' gradients, chunked."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _gather_chunks(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_chunks(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    """The sum of the ranks' partial results, this rank's chunk along `dim`; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_chunks(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_chunks(grad, ctx.group, ctx.dim), None, None
+
+
+def gather_sequence(x: Tensor, group, dim: int = 1) -> Tensor:
+    return _GatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: Tensor, group, dim: int = 1) -> Tensor:
+    return _ReduceScatterSequence.apply(x, group, dim)
+
+
+def local_chunk(t: Tensor, group, dim: int = 1) -> Tensor:
+    """This rank's chunk of `t` along `dim` (the sequence): what its logits cover."""
+    n = dist.get_world_size(group)
+    if t.shape[dim] % n:
+        raise ValueError(f"sequence parallelism over {n} ranks: the sequence length {t.shape[dim]} is not a multiple "
+                         f"of {n}")
+    return t.chunk(n, dim=dim)[dist.get_rank(group)]
+
+
+def cross_entropy_share(logits: Tensor, labels: Tensor, group) -> Tensor:
+    """This rank's share of the mean cross-entropy over the batch: logits [B, S/n, V] of its chunk, labels
+    [B, S] of the whole batch (group None: the plain mean)."""
+    import torch.nn.functional as F
+
+    if group is None:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    local = local_chunk(labels, group)
+    return F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum") / labels.numel()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Splitting the modules
+
+
+def _keep(module: nn.Linear, name: str, value: Tensor) -> None:
+    old = getattr(module, name)
+    setattr(module, name, nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad))
+
+
+def _columns(linear: nn.Linear, n: int, r: int) -> None:
+    """Column-parallel: this rank's 1/n of the output features (rows of the weight)."""
+    out = linear.out_features // n
+    _keep(linear, "weight", linear.weight[r * out : (r + 1) * out])
+    if linear.bias is not None:
+        _keep(linear, "bias", linear.bias[r * out : (r + 1) * out])
+    linear.out_features = out
+
+
+def _rows(linear: nn.Linear, n: int, r: int) -> None:
+    """Row-parallel: this rank's 1/n of the input features (columns of the weight). The outputs are partial
+    sums; a bias would be added once per rank, so a row-parallel layer must have none."""
+    if linear.bias is not None:
+        raise ValueError("apply_tensor_parallel: a row-parallel layer with a bias is not supported")
+    inp = linear.in_features // n
+    _keep(linear, "weight", linear.weight[:, r * inp : (r + 1) * inp])
+    linear.in_features = inp
+
+
+def _gather_input(group):
+    def hook(module, args):
+        return (gather_sequence(args[0], group), *args[1:])
+
+    return hook
+
+
+def _scatter_output(group):
+    def hook(module, args, out):
+        return reduce_scatter_sequence(out, group)
+
+    return hook
+
+
+def _chunk_ids(group):
+    def hook(module, args):
+        return (local_chunk(args[0], group), *args[1:])
+
+    return hook
+
+
+def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
+    """Heads split over the ranks; returns the replicated submodules (their gradients are partial)."""
+    replicated = []
+    if hasattr(attn, "mla"):  # MLAttention
+        if attn.num_heads % n:
+            raise ValueError(f"apply_tensor_parallel: {n} ranks must divide the {attn.num_heads} attention heads")
+        if attn.mla.q_lora_rank is None:
+            _columns(attn.q_proj, n, r)
+        else:
+            _columns(attn.q_b_proj, n, r)
+            replicated += [attn.q_a_proj, attn.q_a_layernorm]
+        _columns(attn.kv_b_proj, n, r)
+        replicated += [attn.kv_a_proj_with_mqa, attn.kv_a_layernorm]
+        attn.num_heads //= n
+    else:
+        nh, nkv = attn.num_heads, attn.num_kv_heads
+        if nh % n or nkv % n:
+            raise NotImplementedError(
+                f"apply_tensor_parallel: {n} ranks must divide the {nh} query and the {nkv} key/value heads "
+                "(key/value heads replicated over the ranks are not supported)")
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            _columns(proj, n, r)
+        replicated += [m for m in (attn.q_norm, attn.k_norm) if m is not None]
+        attn.num_heads, attn.num_kv_heads = nh // n, nkv // n
+    _rows(attn.o_proj, n, r)
+    return replicated
+
+
+def _split_mlp(mlp: SharedExperts, n: int, r: int) -> list[nn.Module]:
+    if mlp.gate_proj.out_features % n:
+        raise ValueError(f"apply_tensor_parallel: {n} ranks must divide the dense ffn size {mlp.gate_proj.out_features}")
+    _columns(mlp.gate_proj, n, r)
+    _columns(mlp.up_proj, n, r)
+    _rows(mlp.down_proj, n, r)
+    return [mlp.gate] if mlp.gate is not None else []
+
+
+def apply_tensor_parallel(model: nn.Module, group) -> list[list[nn.Module]]:
+    """Split `model` (a moe_kernels.models MoETransformer, built identically on every rank) over the ranks of
+    `group`, in place (module docstring). Returns the replicated modules, one list per transformer block and
+    a last one for the embedding, final norm and lm_head: their gradients are this rank's part, to be summed
+    over the group (parallelize puts them in FSDP units over the data-parallel and tensor-parallel ranks)."""
+    layers = getattr(model, "layers", None)
+    if layers is None or not hasattr(model, "embed_tokens"):
+        raise ValueError("apply_tensor_parallel: expected a moe_kernels.models MoETransformer")
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    replicated: list[list[nn.Module]] = []
+    for block in layers:
+        mods = [block.input_layernorm, block.post_attention_layernorm]
+        mods += _split_attention(block.self_attn, n, r)
+        block.self_attn.register_forward_pre_hook(_gather_input(group))
+        block.self_attn.register_forward_hook(_scatter_output(group))
+        if isinstance(block.mlp, MoELayer):
+            if block.mlp.config.backend == "torch":
+                raise ValueError("apply_tensor_parallel: the torch-native MoE backend computes its own aux loss; "
+                                 "use the default backend")
+            block.mlp.router.sequence_group = group
+            mods.append(block.mlp.router)
+            if block.mlp.shared_experts is not None:
+                mods.append(block.mlp.shared_experts)
+        else:
+            mods += _split_mlp(block.mlp, n, r)
+            block.mlp.register_forward_pre_hook(_gather_input(group))
+            block.mlp.register_forward_hook(_scatter_output(group))
+        replicated.append(mods)
+    model.embed_tokens.register_forward_pre_hook(_chunk_ids(group))
+    replicated.append([m for m in (model.embed_tokens, model.norm, model.lm_head) if m is not None])
+    return replicated

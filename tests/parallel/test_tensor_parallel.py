@@ -1,0 +1,94 @@
+"""parallelize() with tensor and sequence parallelism on 4 gloo ranks equals one process training on the
+same batches, within fp32 rounding: every step's batch loss (the sum of its tp ranks' shares), the global
+gradient norm, and every parameter (each rank's slice of it) after the optimizer steps. Layouts: TP 2 x
+FSDP 2 (experts FSDP over all 4 ranks), TP 2 x HSDP 2, and attention TP 2 x DP 2 folded with experts EP 4
+or EP 2."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moe_kernels.models import PRESETS, build_model
+from moe_kernels.parallel.layout import ParallelConfig
+from tests.distributed import run_world
+from tests.parallel.test_data_parallel import _batch, _loss
+
+pytestmark = pytest.mark.distributed
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _slice_of(want: torch.Tensor, got: torch.Tensor, index: int) -> torch.Tensor:
+    """The part of the one-process parameter a rank holds: equal shapes, or 1/n along the one dimension
+    that differs (tensor-parallel rows or columns, or the rank's experts)."""
+    dims = [d for d in range(want.dim()) if want.shape[d] != got.shape[d]]
+    if not dims:
+        return want
+    (d,) = dims
+    return want.chunk(want.shape[d] // got.shape[d], dim=d)[index]
+
+
+def _worker(rank, P, family, layout_kw, steps):
+    from moe_kernels.parallel.parallelize import parallelize
+
+    torch.manual_seed(0)
+    ref = build_model(PRESETS[family](num_experts=8))
+    par = parallelize(copy.deepcopy(ref), ParallelConfig(**layout_kw))
+    model, pc = par.model, par.layout
+    batches = pc.dp_replicate * pc.dp_shard
+    batch, tp_rank, ep_rank = rank // pc.tp, rank % pc.tp, rank % pc.ep
+    opts = [torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)]
+    vocab = ref.config.vocab_size
+    where = f"rank {rank}/{P} {family} {pc.describe()}"
+    for step in range(steps):
+        ref_losses = []
+        for b in range(batches):
+            loss = _loss(ref, _batch(step, b, vocab))
+            (loss / batches).backward()
+            ref_losses.append(loss.detach())
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ids = _batch(step, batch, vocab)
+        logits, aux = model(ids[:, :-1])
+        assert logits.shape[1] == (ids.shape[1] - 1) // pc.tp, where
+        share = par.cross_entropy(logits, ids[:, 1:]) + aux
+        share.backward()
+        norm = par.clip_grad_norm_(1.0)
+        torch.testing.assert_close(par.batch_loss(share), ref_losses[batch], rtol=1e-5, atol=1e-6, msg=where)
+        torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6, msg=where)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+
+    ref_params = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        got = _full(p.detach())
+        want = _slice_of(ref_params[name].detach(), got, ep_rank if ".experts." in name else tp_rank)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
+
+
+@pytest.mark.parametrize("family,layout", [
+    ("tiny-qwen3-moe", dict(tp=2)),  # TP 2 x FSDP 2 (q/k norms held whole); experts FSDP over all 4 ranks
+    ("tiny-deepseek-v3", dict(tp=2, ep=4)),  # folded: attention TP 2 x DP 2 (MLA, a dense layer), experts EP 4
+    ("tiny-mixtral", dict(tp=2, ep=2)),  # experts EP 2 over each tp pair, FSDP 2 over the pairs
+    ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2)),  # TP 2 x HSDP 2 (dp_shard 1)
+])
+def test_tensor_parallel_training_equals_one_process(family, layout):
+    run_world(_worker, 4, family, layout, 2)
+
+
+def _worker_refuses(rank, P):
+    from moe_kernels.parallel.parallelize import parallelize
+
+    with pytest.raises(NotImplementedError, match="4 query and the 2 key/value heads"):
+        parallelize(build_model(PRESETS["tiny-qwen3-moe"]()), ParallelConfig(tp=4))
+    with pytest.raises(ValueError, match="tp=4 must divide the 2 attention heads"):
+        parallelize(build_model(PRESETS["tiny-qwen3-moe"](num_heads=2, num_kv_heads=2)), ParallelConfig(tp=4))
+
+
+def test_tensor_parallel_refusals():
+    run_world(_worker_refuses, 4)
