@@ -33,12 +33,15 @@ def _slice_of(want: torch.Tensor, got: torch.Tensor, index: int) -> torch.Tensor
     return want.chunk(want.shape[d] // got.shape[d], dim=d)[index]
 
 
-def _worker(rank, P, family, layout_kw, steps):
+def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
+    from moe_kernels.parallel import apply_global_load_balancing
     from moe_kernels.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
-    ref = build_model(PRESETS[family](num_experts=8))
+    ref = build_model(PRESETS[family](num_experts=8, **model_kw))
     par = parallelize(copy.deepcopy(ref), ParallelConfig(**layout_kw))
+    if global_balance:  # the aux loss of the global batch: the reference trains on all batches as one
+        apply_global_load_balancing(par.model)
     model, pc = par.model, par.layout
     batches = pc.dp_replicate * pc.dp_shard
     batch, tp_rank, ep_rank = rank // pc.tp, rank % pc.tp, rank % pc.ep
@@ -47,7 +50,9 @@ def _worker(rank, P, family, layout_kw, steps):
     where = f"rank {rank}/{P} {family} {pc.describe()}"
     for step in range(steps):
         ref_losses = []
-        for b in range(batches):
+        if global_balance:
+            _loss(ref, torch.cat([_batch(step, b, vocab) for b in range(batches)])).backward()
+        for b in range(batches if not global_balance else 0):
             loss = _loss(ref, _batch(step, b, vocab))
             (loss / batches).backward()
             ref_losses.append(loss.detach())
@@ -58,7 +63,8 @@ def _worker(rank, P, family, layout_kw, steps):
         share = par.cross_entropy(logits, ids[:, 1:]) + aux
         share.backward()
         norm = par.clip_grad_norm_(1.0)
-        torch.testing.assert_close(par.batch_loss(share), ref_losses[batch], rtol=1e-5, atol=1e-6, msg=where)
+        if not global_balance:
+            torch.testing.assert_close(par.batch_loss(share), ref_losses[batch], rtol=1e-5, atol=1e-6, msg=where)
         torch.testing.assert_close(norm, ref_norm, rtol=1e-5, atol=1e-6, msg=where)
         for opt in opts:
             opt.step()
@@ -71,14 +77,21 @@ def _worker(rank, P, family, layout_kw, steps):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
 
 
-@pytest.mark.parametrize("family,layout", [
-    ("tiny-qwen3-moe", dict(tp=2)),  # TP 2 x FSDP 2 (q/k norms held whole); experts FSDP over all 4 ranks
-    ("tiny-deepseek-v3", dict(tp=2, ep=4)),  # folded: attention TP 2 x DP 2 (MLA, a dense layer), experts EP 4
-    ("tiny-mixtral", dict(tp=2, ep=2)),  # experts EP 2 over each tp pair, FSDP 2 over the pairs
-    ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2)),  # TP 2 x HSDP 2 (dp_shard 1)
+@pytest.mark.parametrize("family,layout,model_kw", [
+    ("tiny-qwen3-moe", dict(tp=2), {}),  # TP 2 x FSDP 2 (q/k norms held whole); experts FSDP over all 4 ranks
+    # folded: attention TP 2 x DP 2 (MLA, a dense layer, shared experts, sequence-wise aux loss), experts EP 4
+    ("tiny-deepseek-v3", dict(tp=2, ep=4), {}),
+    ("tiny-mixtral", dict(tp=2, ep=2), dict(z_loss_coeff=1e-2)),  # experts EP 2 over each tp pair; z-loss
+    ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2), {}),  # TP 2 x HSDP 2 (dp_shard 1)
 ])
-def test_tensor_parallel_training_equals_one_process(family, layout):
-    run_world(_worker, 4, family, layout, 2)
+def test_tensor_parallel_training_equals_one_process(family, layout, model_kw):
+    run_world(_worker, 4, family, layout, 2, model_kw, False)
+
+
+def test_tensor_parallel_with_global_batch_balancing():
+    # The aux loss over both batches' tokens (apply_global_load_balancing): equal to one process training on
+    # the two batches as one (gradient norms and parameters).
+    run_world(_worker, 4, "tiny-mixtral", dict(tp=2), 2, dict(z_loss_coeff=1e-2), True)
 
 
 def _worker_refuses(rank, P):
