@@ -118,6 +118,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, *, interleave: bool = False)
 # Attention
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+    """softmax(q k^T * scale + causal mask) v over [B, h, S, D] (grouped-query when k has fewer heads). Each
+    attention module calls it through its `attend` attribute, which context parallelism replaces from outside
+    (its queries see keys gathered from the other ranks)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Causal grouped-query attention; Qwen3 adds an RMSNorm over each query and key head before the rotation."""
 
@@ -130,6 +137,7 @@ class Attention(nn.Module):
         self.o_proj = linear(nh * D, H)
         self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype=dtype) if cfg.qk_norm else None
+        self.attend = causal_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x.shape
@@ -140,9 +148,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, h, S, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=self.head_dim**-0.5, enable_gqa=self.num_kv_heads != self.num_heads
-        )  # [B, nh, S, D]
+        out = self.attend(q, k, v, self.head_dim**-0.5)  # [B, nh, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -175,6 +181,7 @@ class MLAttention(nn.Module):
         y = cfg.rope_scaling
         if y is not None and y.mscale_all_dim:  # YaRN's attention temperature, on the softmax (DeepSeek only)
             self.scale *= yarn_mscale(_yarn_factor(cfg), y.mscale_all_dim) ** 2
+        self.attend = causal_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, S, _ = x.shape
@@ -189,7 +196,7 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope.view(B, 1, S, m.qk_rope_head_dim), cos, sin, interleave=self.interleave)
         q = torch.cat((q_nope, q_rope), dim=-1)
         k = torch.cat((k_nope, k_rope.expand(B, nh, S, m.qk_rope_head_dim)), dim=-1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, nh, S, v_head]
+        out = self.attend(q, k, v, self.scale)  # [B, nh, S, v_head]
         return self.o_proj(out.transpose(1, 2).reshape(B, S, -1))
 
 

@@ -109,8 +109,10 @@ class ParallelConfig:
         if seq_len % (2 * self.cp) and self.cp > 1:
             problems.append(f"the sequence length {seq_len} must be a multiple of 2*cp = {2 * self.cp} "
                             "(load-balanced causal sharding: two chunks per rank)")
-        if seq_len % self.tp and self.tp > 1:
-            problems.append(f"the sequence length {seq_len} must be a multiple of tp={self.tp} (sequence parallelism)")
+        if self.tp > 1 and (seq_len // self.cp) % self.tp:
+            where = f"each context-parallel rank's {seq_len // self.cp} tokens" if self.cp > 1 else \
+                f"the sequence length {seq_len}"
+            problems.append(f"{where} must be a multiple of tp={self.tp} (sequence parallelism)")
         if problems:
             raise ValueError("impossible layout: " + "; ".join(problems))
 

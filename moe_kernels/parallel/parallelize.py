@@ -37,7 +37,9 @@ from torch import Tensor, nn
 
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.layout import ParallelConfig
-from moe_kernels.parallel.tensor_parallel import apply_tensor_parallel, cross_entropy_share, local_chunk
+from moe_kernels.parallel.context_parallel import apply_context_parallel
+from moe_kernels.parallel.sequence import SequenceSharding, apply_sequence_sharding, cross_entropy_share
+from moe_kernels.parallel.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass
@@ -46,25 +48,25 @@ class Parallelized:
 
     model: nn.Module
     layout: ParallelConfig
-    attention_mesh: object  # DeviceMesh ("dp_replicate", "dp_shard", "tp")
+    attention_mesh: object  # DeviceMesh ("dp_replicate", "dp_shard", "cp", "tp")
     expert_mesh: object  # DeviceMesh ("edp", "ep")
-    tp_group: object = None  # the ranks sharing one batch's sequences (None without tensor parallelism)
+    sharding: SequenceSharding | None = None  # how the cp x tp ranks of a batch split it (None: not split)
     expert_modules: list = field(default_factory=list)  # the experts FSDP-sharded over edp (held once in all)
 
     def local_tokens(self, t: Tensor, dim: int = 1) -> Tensor:
-        """This rank's chunk of a batch tensor along the sequence: the tokens its logits cover."""
-        return t if self.tp_group is None else local_chunk(t, self.tp_group, dim)
+        """This rank's tokens of a batch tensor along the sequence: the tokens its logits cover."""
+        return t if self.sharding is None else self.sharding.local(t, dim)
 
     def cross_entropy(self, logits: Tensor, labels: Tensor) -> Tensor:
         """This rank's share of the batch's mean cross-entropy: logits from the model, labels [B, S] of the
         whole batch. Add the model's aux loss (also a share) and call backward on the sum."""
-        return cross_entropy_share(logits, labels, self.tp_group)
+        return cross_entropy_share(logits, labels, self.sharding)
 
     def batch_loss(self, share: Tensor) -> Tensor:
-        """The batch's loss from this rank's share (summed over the tp ranks), for logging; no gradient."""
+        """The batch's loss from this rank's share (summed over the cp x tp ranks), for logging; no gradient."""
         total = share.detach().clone()
-        if self.tp_group is not None:
-            dist.all_reduce(total, group=self.tp_group)
+        if self.sharding is not None:
+            dist.all_reduce(total, group=self.sharding.group)
         return total
 
     @torch.no_grad()
@@ -127,29 +129,50 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         raise ValueError("parallelize: initialise torch.distributed first (torchrun, or init_process_group)")
     world = dist.get_world_size()
     pc = layout.resolve(world)
-    missing = [f"{n}={getattr(pc, n)}" for n in ("cp", "pp", "etp") if getattr(pc, n) != 1]
+    missing = [f"{n}={getattr(pc, n)}" for n in ("pp", "etp") if getattr(pc, n) != 1]
     if missing:
         raise NotImplementedError(f"parallelize: {', '.join(missing)} is not implemented yet (data, sharded data, "
-                                  "tensor and expert parallelism are); moe-train --plan sizes such layouts")
+                                  "tensor, context and expert parallelism are); moe-train --plan sizes such layouts")
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "moe"):
         pc.check_model(cfg, cfg.max_seq_len)
     device_type = torch.device(device).type if device is not None else _device_of(model).type
-    attention = init_device_mesh(device_type, (pc.dp_replicate, pc.dp_shard, pc.tp),
-                                 mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
-    experts = init_device_mesh(device_type, (world // pc.ep, pc.ep), mesh_dim_names=("edp", "ep"))
-    batches = pc.dp_replicate * pc.dp_shard  # the terms of the step's mean (module docstring)
-    tp_group = attention.get_group("tp") if pc.tp > 1 else None
-    replicated = apply_tensor_parallel(model, tp_group) if tp_group is not None else None
+    R, D, C, T = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp
+    attention = init_device_mesh(device_type, (R, D, C, T), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    expert_mesh2d = init_device_mesh(device_type, (world // pc.ep, pc.ep), mesh_dim_names=("edp", "ep"))
+    batches = R * D  # the terms of the step's mean (module docstring)
+    sharding = None
+    if C * T > 1:  # the cp x tp ranks of one batch: one (sub)group each, and all of them together
+        seq = init_device_mesh(device_type, (R * D, C * T), mesh_dim_names=("dp", "seq")).get_group("seq")
+        sharding = SequenceSharding(attention.get_group("cp") if C > 1 else None,
+                                    attention.get_group("tp") if T > 1 else None, seq)
+    replicated = apply_tensor_parallel(model, sharding.tp_group) if T > 1 else None
+    if sharding is not None:
+        apply_sequence_sharding(model, sharding)
+    if C > 1:
+        apply_context_parallel(model, sharding)
     if pc.ep > 1:
-        apply_expert_parallel(model, experts.get_group("ep"), backend=ep_backend,
+        apply_expert_parallel(model, expert_mesh2d.get_group("ep"), backend=ep_backend,
                               max_tokens_per_rank=max_tokens_per_rank)
     if mixed_precision is None:
         mixed_precision = device_type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
         MixedPrecisionPolicy()
-    dense_mesh = attention["dp_replicate", "dp_shard"] if pc.dp_replicate > 1 else attention["dp_shard"]
-    expert_mesh = experts["edp"]
+    expert_mesh = expert_mesh2d["edp"]
+
+    def flat_mesh(name: str, with_tp: bool):
+        """dp_replicate x (dp_shard x cp [x tp] flattened): the ranks that hold one tp slice (with_tp: all of
+        them), HSDP when dp_replicate > 1."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks = torch.arange(world).view(R, D, C, T)
+        if with_tp:
+            mesh = DeviceMesh(device_type, ranks.reshape(R, D * C * T), mesh_dim_names=("dp_replicate", name))
+        else:  # one mesh per tp rank: this rank's is the one it belongs to
+            ranks = ranks.permute(3, 0, 1, 2).reshape(T, R, D * C)
+            mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("tp", "dp_replicate", name))
+            mesh = mesh["dp_replicate", name]
+        return mesh if R > 1 else mesh[name]
 
     def summed(unit, mesh) -> None:
         if isinstance(unit, list):  # a unit of several modules shares one FSDP state
@@ -160,27 +183,33 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         if mesh.size() > 1:
             unit.set_force_sum_reduction_for_comms(True)
 
-    whole_mesh = None
-    if replicated is not None:  # the parameters every tp rank holds whole: sharded over dp_shard x tp
-        whole = init_device_mesh(device_type, (pc.dp_replicate, pc.dp_shard * pc.tp),
-                                 mesh_dim_names=("dp_replicate", "dp_shard_tp"))
-        whole_mesh = whole if pc.dp_replicate > 1 else whole["dp_shard_tp"]
-    sharded = {id(p) for p in expert_parameters(model)}
+    # The tp slices (every parameter without tp): over dp_shard, their cp ranks' parts summed when cp > 1.
+    split_mesh = flat_mesh("dp_shard_cp", False) if C > 1 else (attention["dp_replicate", "dp_shard"] if R > 1
+                                                                 else attention["dp_shard"])
+    # What every tp rank holds whole: over dp_shard x cp x tp, the parts summed.
+    whole_mesh = flat_mesh("dp_shard_cp_tp", True) if replicated is not None else None
+
+    def shard_split(module) -> None:
+        unit = fully_shard(module, mesh=split_mesh, mp_policy=mp)
+        if C > 1:
+            summed(unit, split_mesh)
+
+    ep_params = {id(p) for p in expert_parameters(model)}
     expert_modules = []
     for i, block in enumerate(_blocks(model)):
         if replicated is not None:
             summed(fully_shard(replicated[i], mesh=whole_mesh, mp_policy=mp), whole_mesh)
         for m in block.modules():
-            experts = getattr(m, "experts", None)
-            if experts is None or not isinstance(experts, nn.Module):
+            routed = getattr(m, "experts", None)
+            if routed is None or not isinstance(routed, nn.Module) or not any(True for _ in routed.parameters()):
                 continue
-            # Expert-parallel experts, and with tp every rank's experts (their gradients are its chunk's part):
-            # summed over edp, which holds the tp ranks too.
-            if any(id(p) in sharded for p in experts.parameters()) or (pc.tp > 1 and any(True for _ in experts.parameters())):
-                summed(fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=True), expert_mesh)
-                expert_modules.append(experts)
-        fully_shard(block, mesh=dense_mesh, mp_policy=mp)
+            # Expert-parallel experts, and with tp or cp every rank's experts (their gradients are its tokens'
+            # part): summed over edp, which holds the tp and cp ranks too.
+            if any(id(p) in ep_params for p in routed.parameters()) or sharding is not None:
+                summed(fully_shard(routed, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=True), expert_mesh)
+                expert_modules.append(routed)
+        shard_split(block)
     if replicated is not None:
         summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp), whole_mesh)
-    fully_shard(model, mesh=dense_mesh, mp_policy=mp)
-    return Parallelized(model, pc, attention, experts, tp_group, expert_modules)
+    shard_split(model)
+    return Parallelized(model, pc, attention, expert_mesh2d, sharding, expert_modules)

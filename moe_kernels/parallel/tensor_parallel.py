@@ -3,17 +3,15 @@
 `apply_tensor_parallel(model, group)` splits attention and the dense MLP layers over the n ranks of `group`
 (the Megatron-LM layout) and leaves each rank 1/n of every sequence everywhere else:
 
-    embed_tokens          this rank's chunk of the sequence (positions [t*S/n, (t+1)*S/n)), then
+    embed_tokens          this rank's chunk of the sequence (moe_kernels.parallel.sequence), then
     input_layernorm       on the chunk
     self_attn             all-gather of the chunks; q/k/v (MLA: q_b, kv_b) column-wise, i.e. 1/n of the heads;
                           o_proj row-wise, its partial sums reduce-scattered back to the chunks
     post_attention_layernorm, the MoE layer (router, experts, shared experts), final norm, lm_head: on the chunk
     dense MLP layers      all-gather; gate/up column-wise, down row-wise; reduce-scatter
 
-So the model's logits cover this rank's chunk of the sequence and every loss is a share: the MoE routers
-take their counts over the group (Router.sequence_group) and return their share of the aux losses, and the
-cross-entropy share is the sum over the chunk's tokens divided by the batch's token count
-(`cross_entropy_share`). The group's shares add up to the loss of the whole batch.
+So the model's logits cover this rank's chunk of the sequence and every loss is a share (SequenceSharding:
+the chunks, the routers' sequence group, the cross-entropy share).
 
 Parameters come in two kinds, and moe_kernels.parallel.parallelize reduces each kind's gradients over the
 right ranks:
@@ -89,26 +87,6 @@ def reduce_scatter_sequence(x: Tensor, group, dim: int = 1) -> Tensor:
     return _ReduceScatterSequence.apply(x, group, dim)
 
 
-def local_chunk(t: Tensor, group, dim: int = 1) -> Tensor:
-    """This rank's chunk of `t` along `dim` (the sequence): what its logits cover."""
-    n = dist.get_world_size(group)
-    if t.shape[dim] % n:
-        raise ValueError(f"sequence parallelism over {n} ranks: the sequence length {t.shape[dim]} is not a multiple "
-                         f"of {n}")
-    return t.chunk(n, dim=dim)[dist.get_rank(group)]
-
-
-def cross_entropy_share(logits: Tensor, labels: Tensor, group) -> Tensor:
-    """This rank's share of the mean cross-entropy over the batch: logits [B, S/n, V] of its chunk, labels
-    [B, S] of the whole batch (group None: the plain mean)."""
-    import torch.nn.functional as F
-
-    if group is None:
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    local = local_chunk(labels, group)
-    return F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum") / labels.numel()
-
-
 # ---------------------------------------------------------------------------------------------------
 # Splitting the modules
 
@@ -147,13 +125,6 @@ def _gather_input(group):
 def _scatter_output(group):
     def hook(module, args, out):
         return reduce_scatter_sequence(out, group)
-
-    return hook
-
-
-def _chunk_ids(group):
-    def hook(module, args):
-        return (local_chunk(args[0], group), *args[1:])
 
     return hook
 
@@ -197,7 +168,7 @@ def _split_mlp(mlp: SharedExperts, n: int, r: int) -> list[nn.Module]:
 
 def apply_tensor_parallel(model: nn.Module, group) -> list[list[nn.Module]]:
     """Split `model` (a moe_kernels.models MoETransformer, built identically on every rank) over the ranks of
-    `group`, in place (module docstring). Returns the replicated modules, one list per transformer block and
+    `group`, in place (module docstring); the sequence chunks come from apply_sequence_sharding. Returns the replicated modules, one list per transformer block and
     a last one for the embedding, final norm and lm_head: their gradients are this rank's part, to be summed
     over the group (parallelize puts them in FSDP units over the data-parallel and tensor-parallel ranks)."""
     layers = getattr(model, "layers", None)
@@ -211,10 +182,6 @@ def apply_tensor_parallel(model: nn.Module, group) -> list[list[nn.Module]]:
         block.self_attn.register_forward_pre_hook(_gather_input(group))
         block.self_attn.register_forward_hook(_scatter_output(group))
         if isinstance(block.mlp, MoELayer):
-            if block.mlp.config.backend == "torch":
-                raise ValueError("apply_tensor_parallel: the torch-native MoE backend computes its own aux loss; "
-                                 "use the default backend")
-            block.mlp.router.sequence_group = group
             mods.append(block.mlp.router)
             if block.mlp.shared_experts is not None:
                 mods.append(block.mlp.shared_experts)
@@ -223,6 +190,5 @@ def apply_tensor_parallel(model: nn.Module, group) -> list[list[nn.Module]]:
             block.mlp.register_forward_pre_hook(_gather_input(group))
             block.mlp.register_forward_hook(_scatter_output(group))
         replicated.append(mods)
-    model.embed_tokens.register_forward_pre_hook(_chunk_ids(group))
     replicated.append([m for m in (model.embed_tokens, model.norm, model.lm_head) if m is not None])
     return replicated

@@ -72,8 +72,8 @@ def _worker_refuses(rank, P):
     from moe_kernels.parallel.parallelize import parallelize
 
     model = build_model(PRESETS["tiny-qwen3-moe"]())
-    with pytest.raises(NotImplementedError, match="cp=2 is not implemented yet"):
-        parallelize(model, ParallelConfig(cp=2))
+    with pytest.raises(NotImplementedError, match="pp=2 is not implemented yet"):
+        parallelize(model, ParallelConfig(pp=2))
     with pytest.raises(ValueError, match="ep\\*etp = 4\\*1 = 4 must divide dp_shard\\*cp\\*tp = 2\\*1\\*1 = 2"):
         parallelize(model, ParallelConfig(ep=4))
     with pytest.raises(ValueError, match="ep=2 must divide the 3 experts"):

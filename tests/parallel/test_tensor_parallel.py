@@ -1,8 +1,8 @@
-"""parallelize() with tensor and sequence parallelism on 4 gloo ranks equals one process training on the
-same batches, within fp32 rounding: every step's batch loss (the sum of its tp ranks' shares), the global
-gradient norm, and every parameter (each rank's slice of it) after the optimizer steps. Layouts: TP 2 x
-FSDP 2 (experts FSDP over all 4 ranks), TP 2 x HSDP 2, and attention TP 2 x DP 2 folded with experts EP 4
-or EP 2."""
+"""parallelize() with tensor / sequence and context parallelism on 4 gloo ranks equals one process training
+on the same batches, within fp32 rounding: every step's batch loss (the sum of its cp x tp ranks' shares),
+the global gradient norm, and every parameter (each rank's slice of it) after the optimizer steps. Layouts:
+TP 2 x FSDP 2 (experts FSDP over all 4 ranks), TP 2 x HSDP 2, attention TP 2 x DP 2 folded with experts EP 4
+or EP 2, CP 2 x FSDP 2, attention CP 2 x DP 2 folded with experts EP 2, and CP 2 x TP 2."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
         apply_global_load_balancing(par.model)
     model, pc = par.model, par.layout
     batches = pc.dp_replicate * pc.dp_shard
-    batch, tp_rank, ep_rank = rank // pc.tp, rank % pc.tp, rank % pc.ep
+    batch, tp_rank, ep_rank = rank // (pc.cp * pc.tp), rank % pc.tp, rank % pc.ep
     opts = [torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)]
     vocab = ref.config.vocab_size
     where = f"rank {rank}/{P} {family} {pc.describe()}"
@@ -59,7 +59,7 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ids = _batch(step, batch, vocab)
         logits, aux = model(ids[:, :-1])
-        assert logits.shape[1] == (ids.shape[1] - 1) // pc.tp, where
+        assert logits.shape[1] == (ids.shape[1] - 1) // (pc.cp * pc.tp), where
         share = par.cross_entropy(logits, ids[:, 1:]) + aux
         share.backward()
         norm = par.clip_grad_norm_(1.0)
@@ -83,7 +83,12 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
     ("tiny-deepseek-v3", dict(tp=2, ep=4), {}),
     ("tiny-mixtral", dict(tp=2, ep=2), dict(z_loss_coeff=1e-2)),  # experts EP 2 over each tp pair; z-loss
     ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2), {}),  # TP 2 x HSDP 2 (dp_shard 1)
-])
+    ("tiny-qwen3-moe", dict(cp=2), {}),  # CP 2 x FSDP 2
+    # folded: attention CP 2 x DP 2, experts EP 2 (MLA, the sequence-wise aux loss over split sequences)
+    ("tiny-deepseek-v3", dict(cp=2, ep=2), {}),
+    ("tiny-mixtral", dict(cp=2, tp=2), dict(z_loss_coeff=1e-2)),  # CP 2 x TP 2: one batch on all 4 ranks
+], ids=["qwen3-tp2", "deepseek-tp2-ep4", "mixtral-tp2-ep2", "qwen3-tp2-hsdp2", "qwen3-cp2", "deepseek-cp2-ep2",
+        "mixtral-cp2-tp2"])
 def test_tensor_parallel_training_equals_one_process(family, layout, model_kw):
     run_world(_worker, 4, family, layout, 2, model_kw, False)
 

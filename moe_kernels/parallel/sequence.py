@@ -1,0 +1,93 @@
+"""How the ranks that share one batch split its sequences (context and sequence parallelism).
+
+The cp x tp ranks of one data-parallel slot hold one batch. Context parallelism cuts every sequence of S
+tokens into 2 * cp chunks and gives rank c chunks c and 2 * cp - 1 - c (load-balanced causal sharding: an
+early chunk, cheap under the causal mask, with a late one); tensor parallelism's sequence parallelism then
+cuts those S / cp tokens into tp contiguous pieces. Each rank embeds, normalises, routes and runs the MoE
+layer on its S / (cp * tp) tokens, and every loss is a share: the shares of the cp x tp ranks add up to the
+batch's loss (`cross_entropy_share`, and the routers' aux losses through Router.sequence_group).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_kernels.nn import MoELayer
+
+
+class SequenceSharding:
+    """cp_group / tp_group: this rank's context- and tensor-parallel groups (None for a size of 1);
+    group: all cp x tp ranks of the batch (the routers' sequence group)."""
+
+    def __init__(self, cp_group, tp_group, group):
+        self.cp_group, self.tp_group, self.group = cp_group, tp_group, group
+        self.cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+
+    def check_length(self, S: int) -> None:
+        if S % (2 * self.cp if self.cp > 1 else 1) or (S // self.cp) % self.tp:
+            need = f"2*cp = {2 * self.cp}" if self.cp > 1 else ""
+            if self.tp > 1:
+                need += (" and " if need else "") + f"tp = {self.tp} (of each context-parallel rank's S/cp)"
+            raise ValueError(f"the sequence length {S} must split into whole chunks: a multiple of {need}")
+
+    def cp_positions(self, S: int, device=None) -> Tensor:
+        """The positions this context-parallel rank holds, in its order: chunk c, then chunk 2cp-1-c."""
+        if self.cp == 1:
+            return torch.arange(S, device=device)
+        n = S // (2 * self.cp)
+        first, second = self.cp_rank, 2 * self.cp - 1 - self.cp_rank
+        return torch.cat([torch.arange(first * n, (first + 1) * n, device=device),
+                          torch.arange(second * n, (second + 1) * n, device=device)])
+
+    def cp_order(self, S: int, device=None) -> Tensor:
+        """Where each position lands when every cp rank's tokens are concatenated in rank order: gathered
+        keys indexed by this are in positional order."""
+        ranks = [SequenceSharding._positions_of(c, self.cp, S) for c in range(self.cp)]
+        concat = torch.cat(ranks)
+        return torch.argsort(concat).to(device)
+
+    @staticmethod
+    def _positions_of(c: int, cp: int, S: int) -> Tensor:
+        n = S // (2 * cp)
+        return torch.cat([torch.arange(c * n, (c + 1) * n), torch.arange((2 * cp - 1 - c) * n, (2 * cp - c) * n)])
+
+    def local(self, t: Tensor, dim: int = 1) -> Tensor:
+        """This rank's tokens of a batch tensor ([B, S, ...] along `dim`): what its logits cover."""
+        S = t.shape[dim]
+        self.check_length(S)
+        if self.cp > 1:
+            t = t.index_select(dim, self.cp_positions(S, t.device))
+        if self.tp > 1:
+            t = t.chunk(self.tp, dim=dim)[self.tp_rank]
+        return t
+
+
+def cross_entropy_share(logits: Tensor, labels: Tensor, sharding: SequenceSharding | None) -> Tensor:
+    """This rank's share of the batch's mean cross-entropy: logits [B, S_local, V] of its tokens, labels [B, S]
+    of the whole batch (sharding None: the plain mean)."""
+    import torch.nn.functional as F
+
+    if sharding is None:
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    local = sharding.local(labels)
+    return F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum") / labels.numel()
+
+
+def apply_sequence_sharding(model: nn.Module, sharding: SequenceSharding) -> None:
+    """The embedding keeps this rank's tokens of every sequence; the routers count over the sharding's group
+    and return loss shares."""
+    def local_ids(module, args):
+        return (sharding.local(args[0]), *args[1:])
+
+    model.embed_tokens.register_forward_pre_hook(local_ids)
+    for m in model.modules():
+        if isinstance(m, MoELayer):
+            if m.config.backend == "torch":
+                raise ValueError("parallelize: the torch-native MoE backend computes its own aux loss over whole "
+                                 "sequences; use the default backend with tp or cp > 1")
+            m.router.sequence_group = sharding.group
