@@ -7,11 +7,13 @@
     all_reduce_expert_counts(model, None)           # before router.update_expert_bias()
     optimizer.step()
 
-Sharded data parallelism (FSDP2) folded with expert parallelism in one call, and the memory plan of any
-layout (also `moe-train --plan`):
+Sharded data parallelism (FSDP2), tensor / sequence and context parallelism folded with expert
+parallelism in one call, and the memory plan of any layout (also `moe-train --plan`):
 
-    par = parallelize(model, ParallelConfig(dp_shard=8, ep=8))   # or dp_replicate x dp_shard, ep
-    ...loss.backward(); par.clip_grad_norm_(1.0); optimizer.step()
+    par = parallelize(model, ParallelConfig(tp=2, cp=2, ep=8))   # dp_shard: what the world leaves
+    logits, aux = par.model(ids[:, :-1])                         # this rank's tokens of each sequence
+    loss = par.cross_entropy(logits, ids[:, 1:]) + aux           # this rank's share of the batch's loss
+    loss.backward(); par.clip_grad_norm_(1.0); optimizer.step()
     plan_memory(config, ParallelConfig(tp=2, ep=8).resolve(), batch_size=1, seq_len=4096).verdict()
 
 The gradient group (None: the world) is every rank that trains on its own batch (all expert-parallel

@@ -1,30 +1,33 @@
-"""`parallelize(model, ParallelConfig(...))`: sharded data parallelism (FSDP2), tensor and sequence
-parallelism, folded with expert parallelism, applied to a finished model from outside (ARCHITECTURE.md,
-decision 7).
+"""`parallelize(model, ParallelConfig(...))`: sharded data parallelism (FSDP2), tensor / sequence and
+context parallelism, folded with expert parallelism, applied to a finished model from outside
+(ARCHITECTURE.md, decision 7).
 
-Two meshes over the same W = dp_replicate * dp_shard * tp ranks (moe_kernels.parallel.layout):
-  attention  ("dp_replicate", "dp_shard", "tp")   rank = (replica * dp_shard + shard) * tp + tp_rank
-  experts    ("edp", "ep")                        rank = edp * ep + ep_rank (ep consecutive ranks)
-The tp ranks of one (replica, shard) train on the same batch, each on 1/tp of every sequence
-(moe_kernels.parallel.tensor_parallel: attention heads and dense MLP widths split, everything else on the
-sequence chunk). Each MoE layer keeps E / ep experts (apply_expert_parallel over "ep", tokens dispatched),
-FSDP-sharded over all W / ep ranks of "edp" (the replicas included: expert weights are the bulk of a MoE
-model). The tensor-parallel slices are FSDP-sharded over "dp_shard" (HSDP: replicated over
-"dp_replicate"); the parameters every tp rank holds whole (norms, routers, shared experts, embeddings)
-over "dp_shard" x "tp", one FSDP unit of each kind per transformer block plus the root's.
+Two meshes over the same W = dp_replicate * dp_shard * cp * tp ranks (moe_kernels.parallel.layout):
+  attention  ("dp_replicate", "dp_shard", "cp", "tp")   rank = ((replica * dp_shard + shard) * cp + c) * tp + t
+  experts    ("edp", "ep")                              rank = edp * ep + ep_rank (ep consecutive ranks)
+The cp x tp ranks of one (replica, shard) train on the same batch, each on its share of every sequence
+(moe_kernels.parallel.sequence): context parallelism gives rank c two of the 2cp chunks and its attention
+gathers every rank's keys and values (context_parallel); tensor parallelism splits attention heads and
+dense MLP widths and leaves each rank 1/tp of the cp rank's tokens elsewhere (tensor_parallel). Each MoE
+layer keeps E / ep experts (apply_expert_parallel over "ep", tokens dispatched), FSDP-sharded over all
+W / ep ranks of "edp" (the replicas included: expert weights are the bulk of a MoE model). The
+tensor-parallel slices (every parameter without tp) are FSDP-sharded over "dp_shard" x "cp" (HSDP:
+replicated over "dp_replicate"); the parameters every tp rank holds whole (norms, routers, shared
+experts, embeddings) over "dp_shard" x "cp" x "tp"; one FSDP unit of each kind per transformer block plus
+the root's.
 
 Gradients: the step's objective is the mean over the dp_replicate * dp_shard batches of each batch's loss;
-each rank's loss is its share of its batch's (the whole loss without tp: `cross_entropy` and the routers'
-aux losses give shares). FSDP averages the slices' gradients over the batches. The parameters held whole
-sum their tp ranks' parts and divide by the number of batches. An expert's gradient already sums the
-contributions of its EP group's tokens (the dispatcher brought them), so its FSDP reduction, over the
-W / ep ranks holding that expert, also divides by the number of batches instead of its mesh size.
+each rank's loss is its share of its batch's (the whole loss without cp and tp: `cross_entropy` and the
+routers' aux losses give shares). Each FSDP reduction sums the parts of the ranks that share a batch and
+divides by the number of batches. An expert's gradient already sums the contributions of its EP group's
+tokens (the dispatcher brought them), so its FSDP reduction, over the W / ep ranks holding that expert,
+also divides by the number of batches instead of its mesh size.
 
 Mixed precision: bf16 parameters for compute and fp32 gradient reduction on CUDA (the fp32 master
 weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process).
 
-Not yet: context parallelism (cp), pipeline parallelism (pp) and expert tensor parallelism (etp) raise
-NotImplementedError; `moe-train --plan` sizes them already.
+Not yet: pipeline parallelism (pp) and expert tensor parallelism (etp) raise NotImplementedError;
+`moe-train --plan` sizes them already.
 """
 
 from __future__ import annotations
