@@ -228,7 +228,7 @@ def test_patched_model_exports_and_runs_in_onnxruntime(family, dynamic):
     if dynamic:
         for batch, seq in ((3, 5), (1, 1)):
             other = inputs(seed=7, batch=batch, seq=seq)
-            with torch.no_grad(), _recorded_routing(model) as picks, _recorded_routing(ref64) as picks64:
+            with torch.no_grad(), _recorded_routing(model) as (picks, _), _recorded_routing(ref64) as (picks64, _):
                 model(other), ref64(other)
             assert all(torch.equal(a, b) for a, b in zip(picks, picks64, strict=True))
             _assert_matches(session, model, ref64, other, f"{family} [{batch}, {seq}]")
