@@ -184,6 +184,9 @@ class Router(nn.Module):
                 balance = aux_loss_reference if reference else aux_loss
                 counts = count(aux_indices, cfg.num_experts)
                 group = self.balance_group if self.balance_group is not None else self.sequence_group
+                if self.balance_group is not None and torch.distributed.get_world_size(group) % n_seq:
+                    raise ValueError(f"Router: the balance group ({torch.distributed.get_world_size(group)} ranks) "
+                                     f"must hold whole sequence groups ({n_seq} ranks share each sequence)")
                 if group is None:
                     loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff)
                 else:

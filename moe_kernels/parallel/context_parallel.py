@@ -34,8 +34,11 @@ def _context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, *
     order = sharding.cp_order(S, q.device)
     k = gather_sequence(k, sharding.cp_group, dim=2).index_select(2, order)
     v = gather_sequence(v, sharding.cp_group, dim=2).index_select(2, order)
+    if k.shape[1] != q.shape[1]:  # grouped-query: whole heads, so a masked call can take a fused kernel
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     mask = sharding.cp_positions(S, q.device)[:, None] >= torch.arange(S, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def apply_context_parallel(model: nn.Module, sharding: SequenceSharding) -> None:

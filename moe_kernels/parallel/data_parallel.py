@@ -67,7 +67,8 @@ def apply_global_load_balancing(model: nn.Module, group=None) -> nn.Module:
     """Global-batch load balancing (Qwen's): every router's aux loss takes the expert frequencies f_e over
     the whole data-parallel batch (its counts summed over `group` in each forward) and the mean scores P_e
     over its own tokens, divided by the group's size. With equal token counts per rank, the mean of the
-    ranks' losses is then the aux loss of the global batch. Returns the model."""
+    ranks' losses is then the aux loss of the global batch. With tensor or context parallelism the group must
+    hold every rank of the batches it covers (the default, the world, does). Returns the model."""
     routers = [m for m in model.modules() if isinstance(m, Router)]
     if not routers:
         raise ValueError("apply_global_load_balancing: the model has no Router")

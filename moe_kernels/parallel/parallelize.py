@@ -41,7 +41,12 @@ from torch import Tensor, nn
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.layout import ParallelConfig
 from moe_kernels.parallel.context_parallel import apply_context_parallel
-from moe_kernels.parallel.sequence import SequenceSharding, apply_sequence_sharding, cross_entropy_share
+from moe_kernels.parallel.sequence import (
+    SequenceSharding,
+    apply_sequence_sharding,
+    check_sequence_parallel,
+    cross_entropy_share,
+)
 from moe_kernels.parallel.tensor_parallel import apply_tensor_parallel
 
 
@@ -139,6 +144,8 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "moe"):
         pc.check_model(cfg, cfg.max_seq_len)
+    if pc.cp * pc.tp > 1:
+        check_sequence_parallel(model, pc.tp)
     device_type = torch.device(device).type if device is not None else _device_of(model).type
     R, D, C, T = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp
     attention = init_device_mesh(device_type, (R, D, C, T), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
@@ -213,6 +220,9 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                 expert_modules.append(routed)
         shard_split(block)
     if replicated is not None:
-        summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp), whole_mesh)
+        # Tied embeddings: the lm_head product reads embed_tokens.weight after the unit's last module (the
+        # final norm) has run, so the unit keeps its parameters gathered until the root's forward ends.
+        tied = getattr(model, "lm_head", None) is None
+        summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp, reshard_after_forward=not tied), whole_mesh)
     shard_split(model)
     return Parallelized(model, pc, attention, expert_mesh2d, sharding, expert_modules)

@@ -27,13 +27,16 @@ class SequenceSharding:
         self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        self._orders: dict = {}
 
     def check_length(self, S: int) -> None:
         if S % (2 * self.cp if self.cp > 1 else 1) or (S // self.cp) % self.tp:
-            need = f"2*cp = {2 * self.cp}" if self.cp > 1 else ""
+            need = []
+            if self.cp > 1:
+                need.append(f"a multiple of 2*cp = {2 * self.cp}")
             if self.tp > 1:
-                need += (" and " if need else "") + f"tp = {self.tp} (of each context-parallel rank's S/cp)"
-            raise ValueError(f"the sequence length {S} must split into whole chunks: a multiple of {need}")
+                need.append(f"S/cp a multiple of tp = {self.tp}" if self.cp > 1 else f"a multiple of tp = {self.tp}")
+            raise ValueError(f"the sequence length {S} must split into whole chunks: {' and '.join(need)}")
 
     def cp_positions(self, S: int, device=None) -> Tensor:
         """The positions this context-parallel rank holds, in its order: chunk c, then chunk 2cp-1-c."""
@@ -46,10 +49,12 @@ class SequenceSharding:
 
     def cp_order(self, S: int, device=None) -> Tensor:
         """Where each position lands when every cp rank's tokens are concatenated in rank order: gathered
-        keys indexed by this are in positional order."""
-        ranks = [SequenceSharding._positions_of(c, self.cp, S) for c in range(self.cp)]
-        concat = torch.cat(ranks)
-        return torch.argsort(concat).to(device)
+        keys indexed by this are in positional order. Cached per length and device (every layer asks)."""
+        key = (S, str(device))
+        if key not in self._orders:
+            concat = torch.cat([SequenceSharding._positions_of(c, self.cp, S) for c in range(self.cp)])
+            self._orders[key] = torch.argsort(concat).to(device)
+        return self._orders[key]
 
     @staticmethod
     def _positions_of(c: int, cp: int, S: int) -> Tensor:
@@ -67,15 +72,31 @@ class SequenceSharding:
         return t
 
 
-def cross_entropy_share(logits: Tensor, labels: Tensor, sharding: SequenceSharding | None) -> Tensor:
-    """This rank's share of the batch's mean cross-entropy: logits [B, S_local, V] of its tokens, labels [B, S]
-    of the whole batch (sharding None: the plain mean)."""
+def cross_entropy_share(logits: Tensor, labels: Tensor, sharding: SequenceSharding | None,
+                        ignore_index: int = -100) -> Tensor:
+    """This rank's share of the batch's mean cross-entropy over its labels other than `ignore_index`: logits
+    [B, S_local, V] of its tokens, labels [B, S] of the whole batch (sharding None: the plain mean)."""
     import torch.nn.functional as F
 
     if sharding is None:
-        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
     local = sharding.local(labels)
-    return F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum") / labels.numel()
+    counted = (labels != ignore_index).sum().clamp(min=1)  # the whole batch's, as the plain mean counts them
+    return F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum", ignore_index=ignore_index) / counted
+
+
+def check_sequence_parallel(model: nn.Module, tp: int) -> None:
+    """What splitting the sequences (and with tp, the dense layers) needs of the model, checked before any
+    module is changed; ValueError naming the numbers."""
+    if getattr(model, "layers", None) is None or not hasattr(model, "embed_tokens"):
+        raise ValueError("parallelize: tp and cp need a moe_kernels.models MoETransformer")
+    for m in model.modules():
+        if isinstance(m, MoELayer) and m.config.backend == "torch":
+            raise ValueError("parallelize: the torch-native MoE backend computes its own aux loss over whole "
+                             "sequences; use the default backend with tp or cp > 1")
+    for block in model.layers:
+        if not isinstance(block.mlp, MoELayer) and block.mlp.gate_proj.out_features % tp:
+            raise ValueError(f"parallelize: tp={tp} must divide the dense ffn size {block.mlp.gate_proj.out_features}")
 
 
 def apply_sequence_sharding(model: nn.Module, sharding: SequenceSharding) -> None:
@@ -87,7 +108,4 @@ def apply_sequence_sharding(model: nn.Module, sharding: SequenceSharding) -> Non
     model.embed_tokens.register_forward_pre_hook(local_ids)
     for m in model.modules():
         if isinstance(m, MoELayer):
-            if m.config.backend == "torch":
-                raise ValueError("parallelize: the torch-native MoE backend computes its own aux loss over whole "
-                                 "sequences; use the default backend with tp or cp > 1")
             m.router.sequence_group = sharding.group

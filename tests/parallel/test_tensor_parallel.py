@@ -10,11 +10,12 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model
 from moe_kernels.parallel.layout import ParallelConfig
 from tests.distributed import run_world
-from tests.parallel.test_data_parallel import _batch, _loss
+from tests.parallel.test_data_parallel import _batch
 
 pytestmark = pytest.mark.distributed
 
@@ -33,7 +34,20 @@ def _slice_of(want: torch.Tensor, got: torch.Tensor, index: int) -> torch.Tensor
     return want.chunk(want.shape[d] // got.shape[d], dim=d)[index]
 
 
-def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
+def _labels(ids, masked):
+    """Next-token labels; masked: the first three positions ignored (-100), unevenly over the chunks."""
+    labels = ids[:, 1:].clone()
+    if masked:
+        labels[:, :3] = -100
+    return labels
+
+
+def _ref_loss(model, ids, masked):
+    logits, aux = model(ids[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1), _labels(ids, masked).flatten()) + aux
+
+
+def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=False):
     from moe_kernels.parallel import apply_global_load_balancing
     from moe_kernels.parallel.parallelize import parallelize
 
@@ -51,16 +65,16 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
     for step in range(steps):
         ref_losses = []
         if global_balance:
-            _loss(ref, torch.cat([_batch(step, b, vocab) for b in range(batches)])).backward()
+            _ref_loss(ref, torch.cat([_batch(step, b, vocab) for b in range(batches)]), masked).backward()
         for b in range(batches if not global_balance else 0):
-            loss = _loss(ref, _batch(step, b, vocab))
+            loss = _ref_loss(ref, _batch(step, b, vocab), masked)
             (loss / batches).backward()
             ref_losses.append(loss.detach())
         ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ids = _batch(step, batch, vocab)
         logits, aux = model(ids[:, :-1])
         assert logits.shape[1] == (ids.shape[1] - 1) // (pc.cp * pc.tp), where
-        share = par.cross_entropy(logits, ids[:, 1:]) + aux
+        share = par.cross_entropy(logits, _labels(ids, masked)) + aux
         share.backward()
         norm = par.clip_grad_norm_(1.0)
         if not global_balance:
@@ -82,7 +96,7 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
     # folded: attention TP 2 x DP 2 (MLA, a dense layer, shared experts, sequence-wise aux loss), experts EP 4
     ("tiny-deepseek-v3", dict(tp=2, ep=4), {}),
     ("tiny-mixtral", dict(tp=2, ep=2), dict(z_loss_coeff=1e-2)),  # experts EP 2 over each tp pair; z-loss
-    ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2), {}),  # TP 2 x HSDP 2 (dp_shard 1)
+    ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2), dict(tie_embeddings=True)),  # TP 2 x HSDP 2, tied embeddings
     ("tiny-qwen3-moe", dict(cp=2), {}),  # CP 2 x FSDP 2
     # folded: attention CP 2 x DP 2, experts EP 2 (MLA, the sequence-wise aux loss over split sequences)
     ("tiny-deepseek-v3", dict(cp=2, ep=2), {}),
@@ -91,6 +105,11 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance):
         "mixtral-cp2-tp2"])
 def test_tensor_parallel_training_equals_one_process(family, layout, model_kw):
     run_world(_worker, 4, family, layout, 2, model_kw, False)
+
+
+def test_ignored_labels():
+    # Labels set to -100 (padding, prompts) are left out of the mean, as F.cross_entropy does in one process.
+    run_world(_worker, 4, "tiny-qwen3-moe", dict(cp=2, tp=2), 1, {}, False, True)
 
 
 def test_tensor_parallel_with_global_batch_balancing():
@@ -106,6 +125,12 @@ def _worker_refuses(rank, P):
         parallelize(build_model(PRESETS["tiny-qwen3-moe"]()), ParallelConfig(tp=4))
     with pytest.raises(ValueError, match="tp=4 must divide the 2 attention heads"):
         parallelize(build_model(PRESETS["tiny-qwen3-moe"](num_heads=2, num_kv_heads=2)), ParallelConfig(tp=4))
+    with pytest.raises(ValueError, match="torch-native MoE backend"):
+        parallelize(build_model(PRESETS["tiny-qwen3-moe"](backend="torch")), ParallelConfig(cp=2))
+    model = build_model(PRESETS["tiny-deepseek-v3"](dense_ffn_size=66))
+    with pytest.raises(ValueError, match="tp=4 must divide the dense ffn size 66"):
+        parallelize(model, ParallelConfig(tp=4))
+    assert model.layers[0].mlp.gate_proj.out_features == 66, "refused before any layer was split"
 
 
 def test_tensor_parallel_refusals():
