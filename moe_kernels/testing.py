@@ -66,8 +66,8 @@ def assert_within_fp32_rounding(actual: Tensor, expected: Tensor, magnitude: Ten
 # until the kernel promotes it to fp32 after each 128-wide K block. Model: each of a block's four k=32 wgmma
 # steps truncates toward zero, at most 2^-13 of the block's sum of |terms|; truncations share their sign, so
 # the four add up: 4 x 2^-13 of the terms, which is this many times the 64 eps_fp32 per unit of magnitude that
-# assert_within_fp32_rounding and assert_within_rounding_to allow. (On an H200 the largest error seen was
-# about 1.2 x 2^-13 of the terms; a 2^-13 bound, one step's worth, was too tight.)
+# assert_within_fp32_rounding and assert_within_rounding_to allow. (On an H200 the failures a 2^-13 bound,
+# one step's worth, reported were errors of about 1.0 to 1.2 x 2^-13 of the terms.)
 FP8_MMA_MAGNITUDE = 4 * 2**-13 / (64 * FP32_EPS)
 
 

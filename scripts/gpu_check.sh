@@ -8,7 +8,7 @@
 # left, and `bench` runs its families in priority order, each capped, skipping those that no longer fit.
 # The GPU tier runs on TEST_WORKERS pytest-xdist workers (default 8; 1 without xdist), each test cut at
 # TEST_TIMEOUT seconds (default 300, with pytest-timeout), verbose, so a run cut short still lists what
-# passed. On an H200 (2026-11-26): build 64 s with 16 jobs, sanitize 21 s, 854 GPU tests in 240 s on 8
+# passed; then the tests marked gpu_memory (tens of GB each) one at a time (gpu_tests_serial.log). On an H200 (2026-11-26): build 64 s with 16 jobs, sanitize 21 s, 854 GPU tests in 240 s on 8
 # workers (before the fp64 references moved to the device), the quick benches 10-90 s a family.
 #
 # `test:PATH` runs the GPU tier of one part of tests/ (e.g. test:tests/ops/test_grouped_mm_gpu.py), for when
@@ -39,6 +39,10 @@ left() {  # seconds left of GPU_CHECK_BUDGET (a large number without one)
 capped() {  # SECONDS CMD...: CMD under `timeout` (SIGINT first, so pytest still prints its summary)
   local secs=$1
   shift
+  if [ "$secs" -lt 1 ]; then  # the budget is spent (timeout 0 would mean no limit at all)
+    echo "skipped: out of time" >&2
+    return 124
+  fi
   timeout -s INT -k 15 "$secs" "$@"
 }
 
@@ -74,9 +78,18 @@ stage_test() {  # [path under the repo]
   local extra=()
   has_module xdist && extra+=(-n "${TEST_WORKERS:-8}")
   has_module pytest_timeout && extra+=(--timeout "${TEST_TIMEOUT:-300}" --timeout-method=thread)
-  capped "$(left)" "$PY" -m pytest -v -rfE --durations=30 -m gpu -p no:cacheprovider "${extra[@]}" \
-    --junitxml="$OUT/gpu_tests$tag.xml" "${1:-tests}" >"$OUT/gpu_tests$tag.log" 2>&1
-  echo $?
+  capped "$(left)" "$PY" -m pytest -v -rfE --durations=30 -m "gpu and not gpu_memory" -p no:cacheprovider \
+    "${extra[@]}" --junitxml="$OUT/gpu_tests$tag.xml" "${1:-tests}" >"$OUT/gpu_tests$tag.log" 2>&1
+  local rc=$?
+  # Tests holding tens of GB each, one at a time (beside seven workers they ran out of an H200's memory).
+  extra=()
+  has_module pytest_timeout && extra+=(--timeout "${TEST_TIMEOUT:-300}" --timeout-method=thread)
+  capped "$(left)" "$PY" -m pytest -v -rfE --durations=30 -m "gpu and gpu_memory" -p no:cacheprovider \
+    "${extra[@]}" --junitxml="$OUT/gpu_tests${tag}_serial.xml" "${1:-tests}" >"$OUT/gpu_tests${tag}_serial.log" 2>&1
+  local rc2=$?
+  [ "$rc2" -eq 5 ] && rc2=0  # none selected under this path
+  [ "$rc" -eq 5 ] && rc=0
+  echo $(( rc != 0 ? rc : rc2 ))
 }
 
 stage_sanitize() {
@@ -121,7 +134,7 @@ for stage in $STAGES; do
   secs=$(( $(date +%s) - start ))
   case $name in
     build) detail=$(grep -m1 -E "extension_archs" "$OUT/build.log" | tr -s ' ') ;;
-    test) detail=$(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}").log") ;;
+    test) detail="$(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}").log"); serial: $(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}")_serial.log")" ;;
     sanitize) detail=$(grep -m1 -E "ERROR SUMMARY" "$OUT/sanitizer.log"; tail -n 1 "$OUT/sanitizer.log") ;;
     bench) log="$OUT/bench${arg:+_${arg#:}}.log"; detail=$(grep -E "^HEADLINE" "$log" | tr '\n' ' ') ;;
     *) detail="unknown stage" ;;

@@ -45,6 +45,7 @@ def _worker_ipc(rank, P):
                       torch.zeros(M + 1, k, dtype=torch.int32, device=dev))
 
 
+@pytest.mark.gpu_memory
 def test_nvlink_ipc_two_processes_one_device():
     run_world(_worker_ipc, 2)
 
@@ -74,6 +75,7 @@ def _worker_ep_layer(rank, P):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"rank {rank}")
 
 
+@pytest.mark.gpu_memory
 def test_nvlink_expert_parallel_model_two_processes_one_device():
     run_world(_worker_ep_layer, 2)
 

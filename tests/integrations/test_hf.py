@@ -685,8 +685,8 @@ def _decisive_ids(model, ref64, k, device):
     error compared against the reference)."""
     for seed in range(50):
         ids = inputs(seed, device=device)
-        with torch.no_grad(), _recorded_routing(model) as (picks, logits), _recorded_routing(ref64) as (picks64, _):
-            run(model, ids)
+        with torch.no_grad(), _recorded_routing(model) as (picks, _), _recorded_routing(ref64) as (picks64, _):
+            logits = run(model, ids).router_logits
             run(ref64, ids)
         boundary = [lg.float().sort(-1, descending=True).values[:, k - 1 : k + 1] for lg in logits]
         if all((b[:, 0] != b[:, 1]).all() for b in boundary) and all(
@@ -715,23 +715,23 @@ def test_gpu_bf16_matches_transformers(cuda, family, overrides):
     model = patched_copy(base)
     k = moe_blocks(model)[0].gate.top_k
     ids = _decisive_ids(base, ref64, k, cuda)
-    outs, routing, router_logits = [], [], []
+    outs, routing = [], []
     for m in (ref64, base, model):
-        with _recorded_routing(m) as (picks, logits):
+        with _recorded_routing(m) as (picks, _):
             out = run(m, ids, labels=ids)
         out.loss.backward()
         outs.append(out)
         routing.append(picks)
-        router_logits.append(logits)
     exact, theirs, ours = outs
     assert len(routing[2]) == len(routing[1]) == len(routing[0]) == 1
     assert torch.equal(routing[2][0], routing[1][0]) and torch.equal(routing[1][0], routing[0][0])
-    exact_rl, theirs_rl, ours_rl = router_logits
-    assert len(exact_rl) == len(ours_rl) == len(theirs_rl) == 1
-    torch.testing.assert_close(ours_rl[0], theirs_rl[0], rtol=0, atol=0)  # same input, same F.linear
+    for a, b in zip(ours.router_logits, theirs.router_logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)  # same input, same F.linear
 
     _assert_bf16_close_to_fp64(ours.logits, theirs.logits, exact.logits, "logits")
-    _assert_bf16_close_to_fp64(ours_rl[0], theirs_rl[0], exact_rl[0], "router logits")
+    assert len(exact.router_logits) == len(ours.router_logits) == len(theirs.router_logits) == 1
+    _assert_bf16_close_to_fp64(ours.router_logits[0], theirs.router_logits[0], exact.router_logits[0],
+                               "router logits")
     assert (ours.aux_loss is None) == (theirs.aux_loss is None) == (exact.aux_loss is None)
     if exact.aux_loss is not None:
         _assert_bf16_close_to_fp64(ours.aux_loss, theirs.aux_loss, exact.aux_loss, "aux loss")

@@ -136,6 +136,7 @@ PERF = {
 }
 
 
+@pytest.mark.gpu_memory
 @pytest.mark.parametrize("name", list(PERF))
 def test_perf_shapes(cuda, name):
     E, H, F, k = PERF[name]

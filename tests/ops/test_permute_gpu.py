@@ -205,6 +205,7 @@ def test_cuda_graph_replay(cuda):
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_memory
 @pytest.mark.cuda_device
 def test_past_2_31_elements(cuda):
     # T*k*H = 32768 * 8 * 8200 > 2^31: 64-bit offsets in every kernel. Checked on the device in chunks

@@ -78,6 +78,7 @@ def test_deterministic(cuda):
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_memory
 def test_past_2_31_elements(cuda):
     M, K = (1 << 18) + 3, 8192  # 2^31 + 24576 elements, bf16: 4 GB in, 2 GB out
     skip_if_too_large(M * K, EMULATION_BUDGET, "elements")

@@ -320,6 +320,7 @@ def test_router_with_losses_in_cuda_graph(cuda):
 
 
 @pytest.mark.slow
+@pytest.mark.gpu_memory
 def test_balance_backward_past_2_31_elements(cuda):
     # [T, E] gradient with T * E > 2^31 (bf16, 4.3 GB): 64-bit offsets in the backward kernel.
     T, E = (1 << 23) + 3, 256
