@@ -19,6 +19,12 @@ _DRY_RUN_DEVICE = os.environ.get("MOE_KERNELS_TEST_DEVICE") or ("cpu" if EMULATE
 
 
 def pytest_collection_modifyitems(config, items):
+    # More cases of families CI covers already (extra parallel layouts): scripts/extended_tests.sh.
+    if not os.environ.get("MOE_KERNELS_EXTENDED"):
+        skip_extended = pytest.mark.skip(reason="extended case: scripts/extended_tests.sh runs it")
+        for item in items:
+            if "extended" in item.keywords:
+                item.add_marker(skip_extended)
     # GPU tier: skipped without a CUDA device unless emulated. With a device but no compiled kernels the
     # tests run and fail, so a broken build never passes quietly on a GPU machine. `cuda_device` tests
     # need the physical device (CUDA graphs, streams, IPC) even under emulation.

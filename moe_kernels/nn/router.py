@@ -22,6 +22,8 @@ from moe_kernels.ops.router import (
     router_topk_reference,
 )
 from moe_kernels.ops.router_losses import (
+    _aux_scale,
+    _seq_counts,
     apply_capacity,
     apply_capacity_reference,
     aux_loss,
@@ -184,18 +186,18 @@ class Router(nn.Module):
                 balance = aux_loss_reference if reference else aux_loss
                 counts = count(aux_indices, cfg.num_experts)
                 group = self.balance_group if self.balance_group is not None else self.sequence_group
-                if self.balance_group is not None and torch.distributed.get_world_size(group) % n_seq:
-                    raise ValueError(f"Router: the balance group ({torch.distributed.get_world_size(group)} ranks) "
-                                     f"must hold whole sequence groups ({n_seq} ranks share each sequence)")
                 if group is None:
                     loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff)
                 else:
                     # f_e over the group's tokens (W ranks x T), P_e over this rank's: balance() normalises by
                     # T^2, so its sum over the W ranks is W^2 times the group's loss, which holds W / n_seq
                     # batches (each one term of the data-parallel mean): divide by W * n_seq.
+                    W = torch.distributed.get_world_size(group)
+                    if W % n_seq:
+                        raise ValueError(f"Router: the balance group ({W} ranks) must hold whole sequence groups "
+                                         f"({n_seq} ranks share each sequence)")
                     counts = counts.clone()
                     torch.distributed.all_reduce(counts, group=group)
-                    W = torch.distributed.get_world_size(group)
                     loss = loss + balance(scores, counts, cfg.k, cfg.aux_loss_coeff) / (W * n_seq)
             if cfg.seq_aux_loss_coeff > 0:
                 if seq_len is None:
@@ -220,17 +222,14 @@ class Router(nn.Module):
         B = rows // seq_len
         if B * seq_len != rows:
             raise ValueError(f"Router: {rows} tokens are not whole sequences of seq_len={seq_len}")
-        counts = torch.zeros((B, E + 1), dtype=torch.int64, device=indices.device)
-        flat = indices.reshape(B, -1).long()
-        counts.scatter_add_(1, torch.where(flat >= 0, flat, E), (flat >= 0).long())
-        counts = counts[:, :E].contiguous()
+        counts = _seq_counts(indices, B, seq_len, E)
         torch.distributed.all_reduce(counts, group=self.sequence_group)
         if B == 0:
             return scores.new_zeros(())
         acc = torch.promote_types(scores.dtype, torch.float32)
         per_seq = scores.to(acc).view(B, seq_len, E).sum(1)  # [B, E]
-        S = seq_len * n_seq
-        return (per_seq * counts.to(acc)).sum(-1).mean() * (cfg.seq_aux_loss_coeff * E / (cfg.k * S * S))
+        scale = _aux_scale(cfg.seq_aux_loss_coeff, E, cfg.k, seq_len * n_seq)  # the whole sequences' length
+        return (per_seq * counts.to(acc)).sum(-1).mean() * scale
 
     @torch.no_grad()
     def update_expert_bias(self, counts: Tensor | None = None) -> None:

@@ -5,10 +5,10 @@ HSDP 2 x 2, ...): DCP reshards the DTensors.
     save_sharded(par, optimizer, "ckpt/step_100")          # every rank calls it
     load_sharded(par, optimizer, "ckpt/step_100")          # into a model parallelized the same way or not
 
-Not yet: expert-parallel layouts (ep > 1) and tensor-parallel ones (tp > 1). Their experts and slices are
+Not yet: expert-parallel layouts (ep > 1 or etp > 1) and tensor-parallel ones (tp > 1). Their experts and slices are
 plain local tensors per rank (FSDP-sharded over the data-parallel ranks only), so the checkpoint would not
-know which experts or which slice a shard holds; they need a DTensor placement over ep and tp first. The full Hugging Face export (moe_kernels.models.save_hf_checkpoint) works from a
-full state dict.
+know which experts or which slice a shard holds; they need a DTensor placement over ep and tp first. The
+full Hugging Face export (moe_kernels.models.save_hf_checkpoint) works from a full state dict.
 """
 
 from __future__ import annotations
@@ -22,6 +22,9 @@ def _check(par, what: str) -> None:
     if par.layout.ep > 1:
         raise NotImplementedError(f"{what}: sharded checkpoints of expert-parallel layouts (ep={par.layout.ep}) are "
                                   "not implemented yet (their experts are not DTensors over ep)")
+    if par.layout.etp > 1:
+        raise NotImplementedError(f"{what}: sharded checkpoints of expert-tensor-parallel layouts (etp={par.layout.etp}) "
+                                  "are not implemented yet (the experts' ffn slices are not DTensors over etp)")
     if par.layout.tp > 1:
         raise NotImplementedError(f"{what}: sharded checkpoints of tensor-parallel layouts (tp={par.layout.tp}) are "
                                   "not implemented yet (the tensor-parallel slices are not DTensors over tp)")

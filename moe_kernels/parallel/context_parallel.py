@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -37,8 +36,7 @@ def _context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, *
     if k.shape[1] != q.shape[1]:  # grouped-query: whole heads, so a masked call can take a fused kernel
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    mask = sharding.cp_positions(S, q.device)[:, None] >= torch.arange(S, device=q.device)[None, :]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=sharding.cp_causal_mask(S, q.device), scale=scale)
 
 
 def apply_context_parallel(model: nn.Module, sharding: SequenceSharding) -> None:

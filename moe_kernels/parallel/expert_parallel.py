@@ -18,25 +18,91 @@ Gradients: expert weights now differ per rank and already hold the gradient cont
 rank's tokens routed to them; the replicated parameters hold only the local tokens' contributions and
 need the usual data-parallel all-reduce over the group (`expert_parameters` tells them apart). The
 router's expert-bias counts are local too: sum `tokens_seen` over the group before updating the bias.
+
+Expert tensor parallelism (`etp_group`, n ranks): each of the rank's experts keeps 1/n of its ffn width, the
+rows [t*F/n, (t+1)*F/n) of the gate and, separately, of the up projection (contiguous halves of w13 would
+break SwiGLU), and the same columns of w2. The n ranks of an etp group gather their tokens (tokens, routing
+weights and expert choices: every rank of the group then dispatches the same pairs over its ep group and its
+experts see the same rows), each computes its slice's part of every expert output, combines it over the ep
+group, and the group reduce-scatters the parts in fp32, each rank keeping the sums for its own tokens. The
+all-gather's backward is a reduce-scatter and the reduce-scatter's an all-gather, so a slice's gradient
+holds every token of the group's ranks, as the ep dispatch gives the experts theirs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
-from torch import nn
+import torch.distributed as dist
+from torch import Tensor, nn
 
-from moe_kernels.dispatch import make_dispatcher
+from moe_kernels.dispatch import LocalDispatcher, collectives, make_dispatcher
+from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
+from moe_kernels.nn.lora import lora_terms
 
 
-def _local_experts(experts: GroupedExperts, first: int, count: int) -> GroupedExperts:
-    local = GroupedExperts(count, experts.hidden_size, experts.ffn_size, device="meta", dtype=experts.w13.dtype)
-    with torch.no_grad():
-        local.w13 = nn.Parameter(experts.w13[first : first + count].clone(), requires_grad=experts.w13.requires_grad)
-        local.w2 = nn.Parameter(experts.w2[first : first + count].clone(), requires_grad=experts.w2.requires_grad)
+def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 0, parts: int = 1) -> GroupedExperts:
+    """Experts [first, first + count), each with the part-th of `parts` slices of its ffn width."""
+    F = experts.ffn_size
+    f, lo = F // parts, part * (F // parts)
+    local = GroupedExperts(count, experts.hidden_size, f, device="meta", dtype=experts.w13.dtype)
+    w13 = experts.w13.detach()[first : first + count]
+    if parts > 1:  # the gate rows' slice, then the up rows' slice
+        w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1)
+    w2 = experts.w2.detach()[first : first + count, :, lo : lo + f]
+    local.w13 = nn.Parameter(w13.clone(), requires_grad=experts.w13.requires_grad)
+    local.w2 = nn.Parameter(w2.contiguous().clone(), requires_grad=experts.w2.requires_grad)
     return local
+
+
+@dataclass(eq=False)
+class _EtpHandle:
+    inner: Any  # the ep dispatcher's handle
+    num_tokens: int  # this rank's T
+
+
+class ExpertTensorParallelDispatcher(Dispatcher):
+    """A token dispatcher over an ep group, run by the n ranks of an etp group on their gathered tokens
+    (module docstring). dispatch takes this rank's tokens; combine returns this rank's outputs, the sums of
+    the n slices' parts. The group's ranks may hold different numbers of tokens (one exchange of T)."""
+
+    def __init__(self, inner: Dispatcher, group):
+        self.inner, self.group = inner, group
+        self.etp = dist.get_world_size(group)
+        super().__init__(inner.num_experts, inner.num_ranks, inner.rank)
+
+    def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
+        indices = self._check(x, weights, indices, align, scales)
+        T = x.shape[0]
+        sizes = torch.empty(self.etp, dtype=torch.int64, device=x.device)
+        dist.all_gather_into_tensor(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=self.group)
+        pad = int(sizes.max()) - T  # the sync
+        if pad:  # padding tokens route nowhere (-1) and weigh 0
+            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+            weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
+            indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
+            if scales is not None:
+                scales = torch.cat([scales, scales.new_zeros((pad, scales.shape[1]))])
+        x_all = collectives.all_gather(x, self.group)  # [n * Tmax, H], rank r's tokens at [r*Tmax, (r+1)*Tmax)
+        w_all = collectives.all_gather(weights.float(), self.group)
+        i_all = collectives._AllGather.apply(indices, self.group)
+        s_all = None if scales is None else collectives._AllGather.apply(scales, self.group)
+        d = self.inner.dispatch(x_all, w_all, i_all, align=align, scales=s_all)
+        d.handle = _EtpHandle(d.handle, T)
+        return d
+
+    def combine(self, y: Tensor, handle: _EtpHandle, *, weighted: bool = True) -> Tensor:
+        part = self.inner.combine(y, handle.inner, weighted=weighted)  # [n * Tmax, H]: this slice's part
+        out = collectives.reduce_scatter(part.float(), self.group)  # the parts summed in rank order, in fp32
+        return out[: handle.num_tokens].to(y.dtype)
+
+    def __repr__(self) -> str:
+        return f"ExpertTensorParallelDispatcher({self.inner!r}, etp={self.etp})"
 
 
 def _hf_experts(model: nn.Module) -> list[nn.Module]:
@@ -65,21 +131,32 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
 
 
-def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_to_all",
+def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backend: str = "all_to_all",
                           max_tokens_per_rank: int | None = None, capacity: int | None = None,
                           num_sms: int | None = None) -> nn.Module:
     """Shard the routed experts of every MoELayer in `model` over `group` (default: the world), in place;
     also those of a transformers model whose experts run on moe_kernels (module docstring).
 
+    etp_group: expert tensor parallelism over its ranks (each expert's ffn width split; module docstring);
+    `group` is then the expert-parallel group (a group of one rank: every expert on every rank).
     backend: "all_to_all" (each (token, expert) pair sent once; the default), "all_gather" (every rank
     sees every token; for small groups and large k) or "nvlink" (our kernels over peer buffers within one
     node: each token sent once per rank, no host sync; needs max_tokens_per_rank, the most tokens one
     rank passes to a layer per call, and takes capacity and num_sms: moe_kernels.dispatch.nvlink).
     Returns the model.
     """
+    etp = 1 if etp_group is None else dist.get_world_size(etp_group)
+    if etp > 1 and group is None:
+        raise ValueError("apply_expert_parallel: with etp_group, pass the expert-parallel group as `group` too "
+                         "(the world would hold the etp ranks twice)")
+    if etp > 1 and max_tokens_per_rank is not None:
+        max_tokens_per_rank *= etp  # the ep dispatch carries the etp group's gathered tokens
     options = {"max_tokens_per_rank": max_tokens_per_rank, "capacity": capacity, "num_sms": num_sms}
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     hf_experts = _hf_experts(model)
+    if hf_experts and not layers and etp > 1:
+        raise NotImplementedError("apply_expert_parallel: expert tensor parallelism (etp_group) is for "
+                                  "moe_kernels models; transformers experts take expert parallelism only")
     if hf_experts and not layers:
         for experts in hf_experts:
             _shard_hf_experts(experts, backend, group, options)
@@ -94,10 +171,19 @@ def apply_expert_parallel(model: nn.Module, group=None, *, backend: str = "all_t
             raise ValueError("apply_expert_parallel: the torch-native backend has no expert-parallel path")
         if layer.experts.num_experts != layer.config.num_experts:
             raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
+        if etp > 1 and layer.config.ffn_size % etp:
+            raise ValueError(f"apply_expert_parallel: the {etp} ranks of etp_group must divide the expert ffn size "
+                             f"{layer.config.ffn_size}")
+        if etp > 1 and (lora_terms(layer.experts, "w13") or lora_terms(layer.experts, "w2")):
+            raise NotImplementedError("apply_expert_parallel: LoRA adapters on experts split by etp_group")
+    etp_rank = 0 if etp == 1 else dist.get_rank(etp_group)
     for layer in layers:
-        dispatcher = make_dispatcher(backend, layer.config.num_experts, group, **options)
-        layer.experts = _local_experts(layer.experts, dispatcher.first_expert, dispatcher.num_local_experts)
-        layer.dispatcher = dispatcher
+        E = layer.config.num_experts
+        one_rank = group is not None and dist.get_world_size(group) == 1
+        dispatcher = LocalDispatcher(E) if one_rank and etp > 1 else make_dispatcher(backend, E, group, **options)
+        layer.experts = _local_experts(layer.experts, dispatcher.first_expert, dispatcher.num_local_experts,
+                                       etp_rank, etp)
+        layer.dispatcher = dispatcher if etp == 1 else ExpertTensorParallelDispatcher(dispatcher, etp_group)
     return model
 
 

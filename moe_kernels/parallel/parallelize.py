@@ -4,13 +4,14 @@ context parallelism, folded with expert parallelism, applied to a finished model
 
 Two meshes over the same W = dp_replicate * dp_shard * cp * tp ranks (moe_kernels.parallel.layout):
   attention  ("dp_replicate", "dp_shard", "cp", "tp")   rank = ((replica * dp_shard + shard) * cp + c) * tp + t
-  experts    ("edp", "ep")                              rank = edp * ep + ep_rank (ep consecutive ranks)
+  experts    ("edp", "ep", "etp")                       rank = (edp * ep + ep_rank) * etp + etp_rank
 The cp x tp ranks of one (replica, shard) train on the same batch, each on its share of every sequence
 (moe_kernels.parallel.sequence): context parallelism gives rank c two of the 2cp chunks and its attention
 gathers every rank's keys and values (context_parallel); tensor parallelism splits attention heads and
 dense MLP widths and leaves each rank 1/tp of the cp rank's tokens elsewhere (tensor_parallel). Each MoE
-layer keeps E / ep experts (apply_expert_parallel over "ep", tokens dispatched), FSDP-sharded over all
-W / ep ranks of "edp" (the replicas included: expert weights are the bulk of a MoE model). The
+layer keeps E / ep experts (apply_expert_parallel over "ep", tokens dispatched), each with 1/etp of its ffn
+width (the etp ranks gather their tokens first and reduce-scatter the outputs), FSDP-sharded over all
+W / (ep * etp) ranks of "edp" (the replicas included: expert weights are the bulk of a MoE model). The
 tensor-parallel slices (every parameter without tp) are FSDP-sharded over "dp_shard" x "cp" (HSDP:
 replicated over "dp_replicate"); the parameters every tp rank holds whole (norms, routers, shared
 experts, embeddings) over "dp_shard" x "cp" x "tp"; one FSDP unit of each kind per transformer block plus
@@ -20,14 +21,13 @@ Gradients: the step's objective is the mean over the dp_replicate * dp_shard bat
 each rank's loss is its share of its batch's (the whole loss without cp and tp: `cross_entropy` and the
 routers' aux losses give shares). Each FSDP reduction sums the parts of the ranks that share a batch and
 divides by the number of batches. An expert's gradient already sums the contributions of its EP group's
-tokens (the dispatcher brought them), so its FSDP reduction, over the W / ep ranks holding that expert,
-also divides by the number of batches instead of its mesh size.
+tokens (the dispatcher brought them; with etp the group's gathered tokens), so its FSDP reduction, over the
+W / (ep * etp) ranks holding that slice, also divides by the number of batches instead of its mesh size.
 
 Mixed precision: bf16 parameters for compute and fp32 gradient reduction on CUDA (the fp32 master
 weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process).
 
-Not yet: pipeline parallelism (pp) and expert tensor parallelism (etp) raise NotImplementedError;
-`moe-train --plan` sizes them already.
+Not yet: pipeline parallelism (pp) raises NotImplementedError; `moe-train --plan` sizes it already.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe_kernels.parallel.context_parallel import apply_context_parallel
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.layout import ParallelConfig
-from moe_kernels.parallel.context_parallel import apply_context_parallel
 from moe_kernels.parallel.sequence import (
     SequenceSharding,
     apply_sequence_sharding,
@@ -57,7 +57,7 @@ class Parallelized:
     model: nn.Module
     layout: ParallelConfig
     attention_mesh: object  # DeviceMesh ("dp_replicate", "dp_shard", "cp", "tp")
-    expert_mesh: object  # DeviceMesh ("edp", "ep")
+    expert_mesh: object  # DeviceMesh ("edp", "ep", "etp")
     sharding: SequenceSharding | None = None  # how the cp x tp ranks of a batch split it (None: not split)
     expert_modules: list = field(default_factory=list)  # the experts FSDP-sharded over edp (held once in all)
 
@@ -137,10 +137,10 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         raise ValueError("parallelize: initialise torch.distributed first (torchrun, or init_process_group)")
     world = dist.get_world_size()
     pc = layout.resolve(world)
-    missing = [f"{n}={getattr(pc, n)}" for n in ("pp", "etp") if getattr(pc, n) != 1]
-    if missing:
-        raise NotImplementedError(f"parallelize: {', '.join(missing)} is not implemented yet (data, sharded data, "
-                                  "tensor, context and expert parallelism are); moe-train --plan sizes such layouts")
+    if pc.pp != 1:
+        raise NotImplementedError(f"parallelize: pp={pc.pp} is not implemented yet (data, sharded data, tensor, "
+                                  "context, expert and expert tensor parallelism are); moe-train --plan sizes such "
+                                  "layouts")
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "moe"):
         pc.check_model(cfg, cfg.max_seq_len)
@@ -149,7 +149,8 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     device_type = torch.device(device).type if device is not None else _device_of(model).type
     R, D, C, T = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp
     attention = init_device_mesh(device_type, (R, D, C, T), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
-    expert_mesh2d = init_device_mesh(device_type, (world // pc.ep, pc.ep), mesh_dim_names=("edp", "ep"))
+    EP, ETP = pc.ep, pc.etp
+    expert_mesh3d = init_device_mesh(device_type, (world // (EP * ETP), EP, ETP), mesh_dim_names=("edp", "ep", "etp"))
     batches = R * D  # the terms of the step's mean (module docstring)
     sharding = None
     if C * T > 1:  # the cp x tp ranks of one batch: one (sub)group each, and all of them together
@@ -161,14 +162,15 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         apply_sequence_sharding(model, sharding)
     if C > 1:
         apply_context_parallel(model, sharding)
-    if pc.ep > 1:
-        apply_expert_parallel(model, expert_mesh2d.get_group("ep"), backend=ep_backend,
+    if EP * ETP > 1:
+        apply_expert_parallel(model, expert_mesh3d.get_group("ep"), backend=ep_backend,
+                              etp_group=expert_mesh3d.get_group("etp") if ETP > 1 else None,
                               max_tokens_per_rank=max_tokens_per_rank)
     if mixed_precision is None:
         mixed_precision = device_type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
         MixedPrecisionPolicy()
-    expert_mesh = expert_mesh2d["edp"]
+    expert_mesh = expert_mesh3d["edp"]
 
     def flat_mesh(name: str, with_tp: bool):
         """dp_replicate x (dp_shard x cp [x tp] flattened): the ranks that hold one tp slice (with_tp: all of
@@ -225,4 +227,4 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         tied = getattr(model, "lm_head", None) is None
         summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp, reshard_after_forward=not tied), whole_mesh)
     shard_split(model)
-    return Parallelized(model, pc, attention, expert_mesh2d, sharding, expert_modules)
+    return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules)

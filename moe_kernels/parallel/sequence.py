@@ -27,7 +27,13 @@ class SequenceSharding:
         self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
-        self._orders: dict = {}
+        self._cache: dict = {}
+
+    def _cached(self, key: tuple, make):
+        """Per (what, length, device): every layer asks for the same small tensors in every forward."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
 
     def check_length(self, S: int) -> None:
         if S % (2 * self.cp if self.cp > 1 else 1) or (S // self.cp) % self.tp:
@@ -38,28 +44,28 @@ class SequenceSharding:
                 need.append(f"S/cp a multiple of tp = {self.tp}" if self.cp > 1 else f"a multiple of tp = {self.tp}")
             raise ValueError(f"the sequence length {S} must split into whole chunks: {' and '.join(need)}")
 
-    def cp_positions(self, S: int, device=None) -> Tensor:
-        """The positions this context-parallel rank holds, in its order: chunk c, then chunk 2cp-1-c."""
+    def _positions_of(self, c: int, S: int) -> Tensor:
+        """The positions context-parallel rank c holds, in its order: chunk c, then chunk 2cp-1-c."""
         if self.cp == 1:
-            return torch.arange(S, device=device)
+            return torch.arange(S)
         n = S // (2 * self.cp)
-        first, second = self.cp_rank, 2 * self.cp - 1 - self.cp_rank
-        return torch.cat([torch.arange(first * n, (first + 1) * n, device=device),
-                          torch.arange(second * n, (second + 1) * n, device=device)])
+        second = 2 * self.cp - 1 - c
+        return torch.cat([torch.arange(c * n, (c + 1) * n), torch.arange(second * n, (second + 1) * n)])
+
+    def cp_positions(self, S: int, device=None) -> Tensor:
+        """The positions this context-parallel rank holds, in its order."""
+        return self._cached(("positions", S, str(device)), lambda: self._positions_of(self.cp_rank, S).to(device))
 
     def cp_order(self, S: int, device=None) -> Tensor:
         """Where each position lands when every cp rank's tokens are concatenated in rank order: gathered
-        keys indexed by this are in positional order. Cached per length and device (every layer asks)."""
-        key = (S, str(device))
-        if key not in self._orders:
-            concat = torch.cat([SequenceSharding._positions_of(c, self.cp, S) for c in range(self.cp)])
-            self._orders[key] = torch.argsort(concat).to(device)
-        return self._orders[key]
+        keys indexed by this are in positional order."""
+        return self._cached(("order", S, str(device)), lambda: torch.argsort(
+            torch.cat([self._positions_of(c, S) for c in range(self.cp)])).to(device))
 
-    @staticmethod
-    def _positions_of(c: int, cp: int, S: int) -> Tensor:
-        n = S // (2 * cp)
-        return torch.cat([torch.arange(c * n, (c + 1) * n), torch.arange((2 * cp - 1 - c) * n, (2 * cp - c) * n)])
+    def cp_causal_mask(self, S: int, device=None) -> Tensor:
+        """[S/cp, S] bool: this rank's queries (its positions) may see the keys at or before them."""
+        return self._cached(("mask", S, str(device)), lambda: self.cp_positions(S, device)[:, None]
+                            >= torch.arange(S, device=device)[None, :])
 
     def local(self, t: Tensor, dim: int = 1) -> Tensor:
         """This rank's tokens of a batch tensor ([B, S, ...] along `dim`): what its logits cover."""
@@ -95,6 +101,11 @@ def check_sequence_parallel(model: nn.Module, tp: int) -> None:
             raise ValueError("parallelize: the torch-native MoE backend computes its own aux loss over whole "
                              "sequences; use the default backend with tp or cp > 1")
     for block in model.layers:
+        attn = block.self_attn
+        if not hasattr(attn, "mla") and (attn.num_heads % tp or attn.num_kv_heads % tp):
+            raise NotImplementedError(
+                f"parallelize: tp={tp} must divide the {attn.num_heads} query and the {attn.num_kv_heads} key/value "
+                "heads (key/value heads replicated over the ranks are not supported)")
         if not isinstance(block.mlp, MoELayer) and block.mlp.gate_proj.out_features % tp:
             raise ValueError(f"parallelize: tp={tp} must divide the dense ffn size {block.mlp.gate_proj.out_features}")
 

@@ -53,38 +53,27 @@ def _reduce_scatter_chunks(x: Tensor, group, dim: int) -> Tensor:
     return out
 
 
-class _GatherSequence(torch.autograd.Function):
-    """The chunks of every rank, concatenated along `dim`; backward: the sum of the ranks' gradients, chunked."""
+class _SequenceCollective(torch.autograd.Function):
+    """gather: the chunks of every rank concatenated along `dim`, whose backward is a reduce-scatter (the sum of
+    the ranks' gradients, chunked); else the reduce-scatter of the ranks' partial results, whose backward is
+    an all-gather."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gather_chunks(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_chunks(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterSequence(torch.autograd.Function):
-    """The sum of the ranks' partial results, this rank's chunk along `dim`; backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter_chunks(x, group, dim)
+    def forward(ctx, x, group, dim, gather):
+        ctx.group, ctx.dim, ctx.gather = group, dim, gather
+        return (_gather_chunks if gather else _reduce_scatter_chunks)(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_chunks(grad, ctx.group, ctx.dim), None, None
+        return (_reduce_scatter_chunks if ctx.gather else _gather_chunks)(grad, ctx.group, ctx.dim), None, None, None
 
 
 def gather_sequence(x: Tensor, group, dim: int = 1) -> Tensor:
-    return _GatherSequence.apply(x, group, dim)
+    return _SequenceCollective.apply(x, group, dim, True)
 
 
 def reduce_scatter_sequence(x: Tensor, group, dim: int = 1) -> Tensor:
-    return _ReduceScatterSequence.apply(x, group, dim)
+    return _SequenceCollective.apply(x, group, dim, False)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,8 +122,6 @@ def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
     """Heads split over the ranks; returns the replicated submodules (their gradients are partial)."""
     replicated = []
     if hasattr(attn, "mla"):  # MLAttention
-        if attn.num_heads % n:
-            raise ValueError(f"apply_tensor_parallel: {n} ranks must divide the {attn.num_heads} attention heads")
         if attn.mla.q_lora_rank is None:
             _columns(attn.q_proj, n, r)
         else:
@@ -145,10 +132,6 @@ def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
         attn.num_heads //= n
     else:
         nh, nkv = attn.num_heads, attn.num_kv_heads
-        if nh % n or nkv % n:
-            raise NotImplementedError(
-                f"apply_tensor_parallel: {n} ranks must divide the {nh} query and the {nkv} key/value heads "
-                "(key/value heads replicated over the ranks are not supported)")
         for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
             _columns(proj, n, r)
         replicated += [m for m in (attn.q_norm, attn.k_norm) if m is not None]
@@ -158,8 +141,6 @@ def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
 
 
 def _split_mlp(mlp: SharedExperts, n: int, r: int) -> list[nn.Module]:
-    if mlp.gate_proj.out_features % n:
-        raise ValueError(f"apply_tensor_parallel: {n} ranks must divide the dense ffn size {mlp.gate_proj.out_features}")
     _columns(mlp.gate_proj, n, r)
     _columns(mlp.up_proj, n, r)
     _rows(mlp.down_proj, n, r)
@@ -167,16 +148,15 @@ def _split_mlp(mlp: SharedExperts, n: int, r: int) -> list[nn.Module]:
 
 
 def apply_tensor_parallel(model: nn.Module, group) -> list[list[nn.Module]]:
-    """Split `model` (a moe_kernels.models MoETransformer, built identically on every rank) over the ranks of
-    `group`, in place (module docstring); the sequence chunks come from apply_sequence_sharding. Returns the replicated modules, one list per transformer block and
-    a last one for the embedding, final norm and lm_head: their gradients are this rank's part, to be summed
-    over the group (parallelize puts them in FSDP units over the data-parallel and tensor-parallel ranks)."""
-    layers = getattr(model, "layers", None)
-    if layers is None or not hasattr(model, "embed_tokens"):
-        raise ValueError("apply_tensor_parallel: expected a moe_kernels.models MoETransformer")
+    """Split `model` (a moe_kernels.models MoETransformer, built identically on every rank, checked by
+    sequence.check_sequence_parallel) over the ranks of `group`, in place (module docstring); the sequence
+    chunks come from apply_sequence_sharding. Returns the replicated modules, one list per transformer block
+    and a last one for the embedding, final norm and lm_head: their gradients are this rank's part, to be
+    summed over the group (parallelize puts them in FSDP units over the data-parallel and tensor-parallel
+    ranks)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     replicated: list[list[nn.Module]] = []
-    for block in layers:
+    for block in model.layers:
         mods = [block.input_layernorm, block.post_attention_layernorm]
         mods += _split_attention(block.self_attn, n, r)
         block.self_attn.register_forward_pre_hook(_gather_input(group))

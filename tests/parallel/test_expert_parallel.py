@@ -107,3 +107,78 @@ def test_model_expert_parallel_equals_one_rank(family):
 def test_apply_expert_parallel_needs_moe_layers():
     with pytest.raises(ValueError, match="no MoELayer"):
         apply_expert_parallel(nn.Linear(2, 2))
+
+
+def _worker_etp(rank, P, backend):
+    """EP 2 x ETP 2 on 4 ranks (rank = ep_rank * 2 + etp_rank): each rank's outputs, input gradients and
+    replicated gradients equal the full layer's on its own tokens; each expert slice's gradient is the slice of
+    the full gradient summed over all ranks (the etp pair gathers its tokens, the ep pair dispatches them)."""
+    from tests.parallel.test_tensor_parallel import _expert_slice
+
+    ep, etp = 2, 2
+    etp_groups = [dist.new_group([e * etp + t for t in range(etp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * etp + t for e in range(ep)]) for t in range(etp)]
+    e_rank, t_rank = rank // etp, rank % etp
+    small = dict(hidden_size=24, ffn_size=16, num_experts=8)
+    cases = [
+        (qwen3_30b_a3b(**small, k=3), "softmax top-3", None),
+        (qwen3_30b_a3b(**small, k=2, weights_in_activation=True, align=16), "weights in the activation", None),
+        (deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8), "sigmoid + groups + shared", None),
+        (qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)", None),
+        (qwen3_30b_a3b(**small, k=2), "rank 1 without tokens", 1),
+    ]
+    for cfg, name, empty_rank in cases:
+        torch.manual_seed(0)
+        full = MoELayer(cfg)
+        par = apply_expert_parallel(copy.deepcopy(full), ep_groups[t_rank], etp_group=etp_groups[e_rank],
+                                    backend=backend)
+        assert par.experts.w13.shape == (cfg.num_experts // ep, 2 * cfg.ffn_size // etp, cfg.hidden_size)
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(2, 3 + 2 * rank, cfg.hidden_size, generator=gen)  # uneven token counts per rank
+        if rank == empty_rank:
+            x = x[:, :0]
+        g = torch.randn(x.shape, generator=gen)
+        where = f"rank {rank}/{P} {backend} ep 2 x etp 2 {name}"
+        outs = []
+        for model in (full, par):
+            xi = x.clone().requires_grad_()
+            out, aux = model(xi)
+            ((out * g).sum() + aux).backward()
+            outs.append((out, aux, xi.grad))
+        for got, want in zip(outs[1], outs[0]):
+            torch.testing.assert_close(got, want, **TOL, msg=where)
+        sharded = {id(p) for p in expert_parameters(par)}
+        full_params = dict(full.named_parameters())
+        for pname, p in par.named_parameters():
+            ref = full_params[pname].grad
+            if id(p) in sharded:
+                ref = ref.clone()
+                dist.all_reduce(ref)
+                ref = _expert_slice(ref, pname, e_rank, ep, t_rank, etp)
+            torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {pname}")
+
+
+@pytest.mark.parametrize("backend", [pytest.param("all_gather", marks=pytest.mark.extended), "all_to_all"])
+def test_moe_layer_expert_tensor_parallel_equals_one_rank(backend):
+    run_world(_worker_etp, 4, backend)
+
+
+def _worker_etp_only(rank, P):
+    # ETP 2 without EP (an ep group of one rank): every rank holds every expert's half.
+    group = dist.new_group([0, 1])
+    ones = [dist.new_group([r]) for r in range(P)]
+    torch.manual_seed(0)
+    full = MoELayer(qwen3_30b_a3b(hidden_size=24, ffn_size=16, num_experts=4, k=2))
+    par = apply_expert_parallel(copy.deepcopy(full), ones[rank], etp_group=group)
+    assert par.experts.w2.shape == (4, 24, 8)
+    x = torch.randn(5 + rank, 24, generator=torch.Generator().manual_seed(rank))
+    torch.testing.assert_close(par(x)[0], full(x)[0], **TOL, msg=f"rank {rank}")
+    with pytest.raises(ValueError, match="pass the expert-parallel group"):
+        apply_expert_parallel(copy.deepcopy(full), etp_group=group)
+    with pytest.raises(ValueError, match="must divide the expert ffn size 15"):
+        apply_expert_parallel(MoELayer(qwen3_30b_a3b(hidden_size=24, ffn_size=15, num_experts=4, k=2)), ones[rank],
+                              etp_group=group)
+
+
+def test_expert_tensor_parallel_without_expert_parallel():
+    run_world(_worker_etp_only, 2)

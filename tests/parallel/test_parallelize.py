@@ -78,6 +78,8 @@ def _worker_refuses(rank, P):
         parallelize(model, ParallelConfig(ep=4))
     with pytest.raises(ValueError, match="ep=2 must divide the 3 experts"):
         parallelize(build_model(PRESETS["tiny-qwen3-moe"](num_experts=3)), ParallelConfig(ep=2))
+    with pytest.raises(ValueError, match="etp=2 must divide the expert ffn size 33"):
+        parallelize(build_model(PRESETS["tiny-qwen3-moe"](ffn_size=33)), ParallelConfig(etp=2))
 
 
 def test_parallelize_refuses_what_it_cannot_do():

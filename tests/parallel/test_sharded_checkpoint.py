@@ -60,6 +60,9 @@ def _worker(rank, P, tmp):
 
     with pytest.raises(NotImplementedError, match="expert-parallel layouts \\(ep=2\\)"):
         save_sharded(ep, None, f"{tmp}/b")
+    etp, _ = _train(dict(etp=2), 0)
+    with pytest.raises(NotImplementedError, match="expert-tensor-parallel layouts \\(etp=2\\)"):
+        save_sharded(etp, None, f"{tmp}/c")
 
 
 def test_sharded_checkpoint_resumes_and_reshards(tmp_path):

@@ -2,7 +2,9 @@
 on the same batches, within fp32 rounding: every step's batch loss (the sum of its cp x tp ranks' shares),
 the global gradient norm, and every parameter (each rank's slice of it) after the optimizer steps. Layouts:
 TP 2 x FSDP 2 (experts FSDP over all 4 ranks), TP 2 x HSDP 2, attention TP 2 x DP 2 folded with experts EP 4
-or EP 2, CP 2 x FSDP 2, attention CP 2 x DP 2 folded with experts EP 2, and CP 2 x TP 2."""
+or EP 2, CP 2 x FSDP 2, attention CP 2 x DP 2 folded with experts EP 2, and CP 2 x TP 2; expert tensor
+parallelism: FSDP 4 with experts EP 2 x ETP 2, attention CP 2 x DP 2 folded with experts EP 2 x ETP 2, and
+attention TP 2 x FSDP 2 with experts ETP 2."""
 
 from __future__ import annotations
 
@@ -34,6 +36,18 @@ def _slice_of(want: torch.Tensor, got: torch.Tensor, index: int) -> torch.Tensor
     return want.chunk(want.shape[d] // got.shape[d], dim=d)[index]
 
 
+def _expert_slice(want: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int) -> torch.Tensor:
+    """The part of a one-process expert weight a rank holds: its ep rank's experts, and with etp its slice of
+    each expert's ffn width (the gate rows' slice then the up rows' of w13; w2's columns)."""
+    want = want.chunk(ep, dim=0)[ep_rank]
+    if etp == 1:
+        return want
+    if name.endswith("w2"):
+        return want.chunk(etp, dim=2)[etp_rank]
+    gate, up = want.chunk(2, dim=1)
+    return torch.cat([gate.chunk(etp, dim=1)[etp_rank], up.chunk(etp, dim=1)[etp_rank]], dim=1)
+
+
 def _labels(ids, masked):
     """Next-token labels; masked: the first three positions ignored (-100), unevenly over the chunks."""
     labels = ids[:, 1:].clone()
@@ -58,7 +72,8 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=
         apply_global_load_balancing(par.model)
     model, pc = par.model, par.layout
     batches = pc.dp_replicate * pc.dp_shard
-    batch, tp_rank, ep_rank = rank // (pc.cp * pc.tp), rank % pc.tp, rank % pc.ep
+    batch, tp_rank = rank // (pc.cp * pc.tp), rank % pc.tp
+    etp_rank, ep_rank = rank % pc.etp, (rank // pc.etp) % pc.ep
     opts = [torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)]
     vocab = ref.config.vocab_size
     where = f"rank {rank}/{P} {family} {pc.describe()}"
@@ -87,7 +102,10 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         got = _full(p.detach())
-        want = _slice_of(ref_params[name].detach(), got, ep_rank if ".experts." in name else tp_rank)
+        if ".experts." in name:
+            want = _expert_slice(ref_params[name].detach(), name, ep_rank, pc.ep, etp_rank, pc.etp)
+        else:
+            want = _slice_of(ref_params[name].detach(), got, tp_rank)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
 
 
@@ -101,8 +119,14 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=
     # folded: attention CP 2 x DP 2, experts EP 2 (MLA, the sequence-wise aux loss over split sequences)
     ("tiny-deepseek-v3", dict(cp=2, ep=2), {}),
     ("tiny-mixtral", dict(cp=2, tp=2), dict(z_loss_coeff=1e-2)),  # CP 2 x TP 2: one batch on all 4 ranks
+    # FSDP 4; experts EP 2 x ETP 2 (4 batches, 2 experts' slices each)
+    pytest.param("tiny-mixtral", dict(ep=2, etp=2), {}, marks=pytest.mark.extended),
+    # folded: attention CP 2 x DP 2, experts EP 2 x ETP 2 (MLA, shared experts, sequence-wise aux loss)
+    ("tiny-deepseek-v3", dict(cp=2, ep=2, etp=2), {}),
+    # attention TP 2 x FSDP 2; every expert split over each tp pair
+    pytest.param("tiny-qwen3-moe", dict(tp=2, etp=2), {}, marks=pytest.mark.extended),
 ], ids=["qwen3-tp2", "deepseek-tp2-ep4", "mixtral-tp2-ep2", "qwen3-tp2-hsdp2", "qwen3-cp2", "deepseek-cp2-ep2",
-        "mixtral-cp2-tp2"])
+        "mixtral-cp2-tp2", "mixtral-ep2-etp2", "deepseek-cp2-ep2-etp2", "qwen3-tp2-etp2"])
 def test_tensor_parallel_training_equals_one_process(family, layout, model_kw):
     run_world(_worker, 4, family, layout, 2, model_kw, False)
 
