@@ -79,9 +79,9 @@ class ExpertTensorParallelDispatcher(Dispatcher):
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
         T = x.shape[0]
-        sizes = torch.empty(self.etp, dtype=torch.int64, device=x.device)
-        dist.all_gather_into_tensor(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=self.group)
-        pad = int(sizes.max()) - T  # the sync
+        sizes = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(self.etp)]
+        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=self.group)
+        pad = int(torch.cat(sizes).max()) - T  # the sync
         if pad:  # padding tokens route nowhere (-1) and weigh 0
             x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
             weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])

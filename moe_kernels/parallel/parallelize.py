@@ -102,6 +102,20 @@ class Parallelized:
                 p.grad.mul_(scale.to(p.grad.dtype))
         return norm
 
+    def full_state(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None] | None:
+        """The full model's (and optimizer's) state dicts, as one process would write them, on rank 0 (None
+        elsewhere); every rank calls it (moe_kernels.parallel.full_state)."""
+        from moe_kernels.parallel.full_state import full_state
+
+        return full_state(self, optimizer)
+
+    def load_full_state(self, model_state: dict, optimizer: torch.optim.Optimizer | None = None,
+                        optim_state: dict | None = None) -> None:
+        """Loads full (one-process) state dicts, each rank keeping its pieces; every rank calls it."""
+        from moe_kernels.parallel.full_state import load_full_state
+
+        load_full_state(self, optimizer, model_state, optim_state)
+
     def reduce_expert_counts(self) -> None:
         """Sums the routers' expert-bias counts over every rank (all saw tokens) before update_expert_bias()."""
         from moe_kernels.parallel.data_parallel import all_reduce_expert_counts

@@ -80,17 +80,22 @@ def reduce_scatter_sequence(x: Tensor, group, dim: int = 1) -> Tensor:
 # Splitting the modules
 
 
-def _keep(module: nn.Linear, name: str, value: Tensor) -> None:
+# On each split module: {parameter name: the dimension split over the tp group} (for full checkpoints).
+SPLIT_DIMS = "_tp_split_dims"
+
+
+def _keep(module: nn.Linear, name: str, value: Tensor, dim: int) -> None:
     old = getattr(module, name)
     setattr(module, name, nn.Parameter(value.detach().clone(), requires_grad=old.requires_grad))
+    module.__dict__.setdefault(SPLIT_DIMS, {})[name] = dim
 
 
 def _columns(linear: nn.Linear, n: int, r: int) -> None:
     """Column-parallel: this rank's 1/n of the output features (rows of the weight)."""
     out = linear.out_features // n
-    _keep(linear, "weight", linear.weight[r * out : (r + 1) * out])
+    _keep(linear, "weight", linear.weight[r * out : (r + 1) * out], 0)
     if linear.bias is not None:
-        _keep(linear, "bias", linear.bias[r * out : (r + 1) * out])
+        _keep(linear, "bias", linear.bias[r * out : (r + 1) * out], 0)
     linear.out_features = out
 
 
@@ -100,7 +105,7 @@ def _rows(linear: nn.Linear, n: int, r: int) -> None:
     if linear.bias is not None:
         raise ValueError("apply_tensor_parallel: a row-parallel layer with a bias is not supported")
     inp = linear.in_features // n
-    _keep(linear, "weight", linear.weight[:, r * inp : (r + 1) * inp])
+    _keep(linear, "weight", linear.weight[:, r * inp : (r + 1) * inp], 1)
     linear.in_features = inp
 
 

@@ -46,12 +46,13 @@ def train(
                               "optimizer state, activations) and whether it fits, without torchrun or weights; exit."),
     world_size: Optional[int] = typer.Option(None, help="With --plan: the number of GPUs (default: the fewest the "
                                              "layout allows)."),
-    dp_shard: Optional[int] = typer.Option(None, help="With --plan: FSDP ranks (default: what the world leaves)."),
-    dp_replicate: int = typer.Option(1, help="With --plan: data-parallel replicas."),
-    tp: int = typer.Option(1, help="With --plan: tensor-parallel ranks (attention, dense layers)."),
-    cp: int = typer.Option(1, help="With --plan: context-parallel ranks (each holds part of every sequence)."),
-    pp: int = typer.Option(1, help="With --plan: pipeline stages."),
-    etp: int = typer.Option(1, help="With --plan: expert tensor parallelism (each expert's ffn split)."),
+    dp_shard: Optional[int] = typer.Option(None, help="FSDP ranks (default: what the world leaves; given, the run "
+                                           "shards parameters, gradients and optimizer state)."),
+    dp_replicate: int = typer.Option(1, help="Data-parallel replicas (HSDP with --dp-shard)."),
+    tp: int = typer.Option(1, help="Tensor-parallel ranks (attention heads, dense layers; sequence parallel)."),
+    cp: int = typer.Option(1, help="Context-parallel ranks (each holds part of every sequence)."),
+    pp: int = typer.Option(1, help="With --plan only: pipeline stages (training with pp is not implemented yet)."),
+    etp: int = typer.Option(1, help="Expert tensor parallelism (each expert's ffn split over etp ranks)."),
     gpu_memory_gb: float = typer.Option(80.0, help="With --plan: the GPU memory the verdict compares with."),
     ep_backend: str = typer.Option("all_to_all", help="Token dispatch between expert-parallel ranks: all_to_all "
                                    "(torch.distributed, any devices), all_gather (small groups, large k) or nvlink "
@@ -79,10 +80,10 @@ def train(
     if plan:
         _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb)
         raise typer.Exit()
-    if layout != ParallelConfig(ep=expert_parallel) or world_size is not None:
+    if pp != 1 or world_size is not None:
         raise typer.BadParameter(
-            "training runs data + expert parallel layouts (--ep under torchrun); --dp-shard, --dp-replicate, --tp, "
-            "--cp, --pp, --etp and --world-size size a layout for --plan only", param_hint="'--plan'")
+            "--pp and --world-size are for --plan only (training with pipeline parallelism is not implemented "
+            "yet; the world size is torchrun's)", param_hint="'--plan'")
     try:
         cfg = TrainConfig(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
@@ -90,6 +91,7 @@ def train(
             eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
+            dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

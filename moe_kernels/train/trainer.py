@@ -53,6 +53,14 @@ class TrainConfig:
     activation_checkpointing: bool = False
     tensorboard: bool = False
     expert_parallel: int = 1  # ranks per expert-parallel group (under torchrun; must divide the world)
+    # A parallelize() layout (under torchrun): sharded data, tensor / sequence, context and expert tensor
+    # parallelism; any of them set trains through moe_kernels.parallel.parallelize (dp_shard None: what the
+    # world leaves).
+    dp_shard: int | None = None
+    dp_replicate: int = 1
+    tp: int = 1
+    cp: int = 1
+    etp: int = 1
     ep_backend: str = "all_to_all"  # token dispatch between the expert-parallel ranks (moe_kernels.dispatch)
     global_load_balancing: bool = False  # under torchrun: the aux loss's expert frequencies over all ranks
 
@@ -74,10 +82,26 @@ class TrainConfig:
         if self.ep_backend != "all_to_all" and self.expert_parallel == 1:
             raise ValueError(f"ep_backend={self.ep_backend!r} moves tokens between expert-parallel ranks: "
                              "it needs expert_parallel > 1")
+        for name in ("dp_replicate", "tp", "cp", "etp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dp_shard is not None and self.dp_shard < 1:
+            raise ValueError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.precision not in RECIPES:
             raise ValueError(f"unknown precision {self.precision!r}; choose from {sorted(RECIPES)}")
         if RECIPES[self.precision] is not None:  # the recipe's shape rules, checked before anything is built
             PRESETS[self.preset](recipe=RECIPES[self.precision])
+
+    @property
+    def sharded(self) -> bool:
+        """Trains through parallelize() (a layout beyond replicated data + expert parallelism)."""
+        return self.dp_shard is not None or self.dp_replicate > 1 or self.tp > 1 or self.cp > 1 or self.etp > 1
+
+    def parallel_config(self):
+        from moe_kernels.parallel.layout import ParallelConfig
+
+        return ParallelConfig(dp_shard=self.dp_shard, dp_replicate=self.dp_replicate, tp=self.tp, cp=self.cp,
+                              ep=self.expert_parallel, etp=self.etp)
 
 
 # Settings that a checkpoint's weights, optimizer state and batch stream belong to: resuming with other
@@ -124,7 +148,13 @@ class Trainer:
         if cfg.ep_backend == "nvlink" and self.device.type != "cuda":
             raise ValueError("ep_backend='nvlink' writes into the other GPUs' memory: it needs CUDA devices; "
                              "use ep_backend='all_to_all' on CPUs")
-        self.par = distributed.setup(cfg.expert_parallel, self.device)  # None: one process
+        layout = None
+        if cfg.sharded:  # checked before the process group starts: a clear error, not a hang
+            layout = cfg.parallel_config().resolve(world)
+            if world == 1:  # every dimension 1: one process
+                layout = None
+        # None: one process. With a parallelize() layout the process group only (the layout has its meshes).
+        self.par = distributed.setup(1 if layout is not None else cfg.expert_parallel, self.device)
         self.is_main = self.par is None or self.par.is_main
         if cfg.tensorboard:  # checked on every rank: only rank 0 writes, but all must stop together
             try:
@@ -136,6 +166,8 @@ class Trainer:
         self._seed_everything(cfg.seed)
         tokens, vocab = load_tokens(cfg.data)
         rank, world = (0, 1) if self.par is None else (self.par.rank, self.par.world)
+        if layout is not None:  # the cp x tp ranks of one batch read the same batch
+            rank, world = rank // (layout.cp * layout.tp), layout.dp_replicate * layout.dp_shard
         self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=rank, world=world)
         self.data_fingerprint = fingerprint(tokens, vocab)
         overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
@@ -145,13 +177,23 @@ class Trainer:
             overrides["recipe"] = RECIPES[cfg.precision]
         self.model_config = PRESETS[cfg.preset](**overrides)
         self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
-        if self.par is not None:
+        self._num_parameters = sum(p.numel() for p in self.model.parameters())
+        self.parallelized = None  # moe_kernels.parallel.Parallelized with a parallelize() layout
+        if cfg.activation_checkpointing:
+            self.model.set_activation_checkpointing(True)
+        if layout is not None:
+            from moe_kernels.parallel.parallelize import parallelize
+
+            tokens_per_rank = cfg.batch_size * cfg.seq_len // (layout.cp * layout.tp)
+            self.parallelized = parallelize(self.model, layout, self.device, ep_backend=cfg.ep_backend,
+                                            max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None)
+            if cfg.global_load_balancing:
+                apply_global_load_balancing(self.model)
+        elif self.par is not None:
             # The nvlink backend's buffers hold one micro-batch of this rank's tokens.
             distributed.shard_model(self.model, self.par, cfg.ep_backend, cfg.batch_size * cfg.seq_len)
             if cfg.global_load_balancing:
                 apply_global_load_balancing(self.model)
-        if cfg.activation_checkpointing:
-            self.model.set_activation_checkpointing(True)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             fused=self.device.type == "cuda",
@@ -175,16 +217,26 @@ class Trainer:
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with self._autocast():
             logits, aux = self.model(inputs.to(self.device, non_blocking=True))
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.to(self.device, non_blocking=True).flatten())
+        targets = targets.to(self.device, non_blocking=True)
+        if self.parallelized is not None:  # this rank's shares of the batch's losses
+            return self.parallelized.cross_entropy(logits.float(), targets), aux.float()
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, aux.float()
 
+    def _batch_mean(self, values: torch.Tensor) -> torch.Tensor:
+        """The mean over the step's batches of each batch's value, from this rank's values (shares with a
+        parallelize() layout)."""
+        if self.parallelized is not None:
+            values = self.parallelized.batch_loss(values)  # every rank of a batch then holds the batch's
+        return distributed.mean_over_ranks(values)
+
     def num_parameters(self) -> int:
-        """Of the full model (expert shards counted on every rank that holds one)."""
-        sharded = {id(p) for p in expert_parameters(self.model)}
-        P = 1 if self.par is None else self.par.expert_parallel
-        return sum(p.numel() * (P if id(p) in sharded else 1) for p in self.model.parameters())
+        """Of the full model."""
+        return self._num_parameters
 
     def layout(self) -> str:
+        if self.parallelized is not None:
+            return f" ({self.parallelized.layout.describe()}, {self.cfg.ep_backend} dispatch)"
         if self.par is None:
             return ""
         return (f" x {self.par.world} ranks (expert-parallel groups of {self.par.expert_parallel}, "
@@ -203,7 +255,8 @@ class Trainer:
         if self.par is None:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
         else:
-            full = distributed.full_state(self.model, self.optimizer, self.par)
+            full = (self.parallelized.full_state(self.optimizer) if self.parallelized is not None else
+                    distributed.full_state(self.model, self.optimizer, self.par))
             if full is None:
                 return None
             model_state, optimizer_state = full
@@ -257,6 +310,8 @@ class Trainer:
         if self.par is None:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
+        elif self.parallelized is not None:
+            self.parallelized.load_full_state(state["model"], self.optimizer, state["optimizer"])
         else:
             distributed.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"], self.par)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -301,7 +356,7 @@ class Trainer:
         losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
         self.model.train()
         loss = torch.stack(losses).mean()
-        return float(loss if self.par is None else distributed.mean_over_ranks(loss))
+        return float(loss if self.par is None else self._batch_mean(loss))
 
     def train_step(self) -> dict:
         inputs, targets = self.data.batch(self.step)
@@ -309,6 +364,10 @@ class Trainer:
         (loss + aux).backward()
         if self.par is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        elif self.parallelized is not None:  # FSDP reduced the gradients; the norm is over every mesh
+            grad_norm = self.parallelized.clip_grad_norm_(self.cfg.grad_clip)
+            self.parallelized.reduce_expert_counts()
+            loss, aux = self._batch_mean(torch.stack([loss.detach(), aux.detach()]))
         else:  # the step's loss is the mean of the ranks' losses; expert-bias counts summed too
             distributed.reduce_gradients(self.model, self.par)
             grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip, self.par)
@@ -342,9 +401,10 @@ class Trainer:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
-                    world = 1 if self.par is None else self.par.world
-                    tokens_per_s = window_steps * cfg.batch_size * cfg.seq_len * world / elapsed  # all ranks
-                    flops = tokens_per_s / world * self.flops_per_token  # per GPU, as MFU is
+                    ranks = 1 if self.par is None else self.par.world
+                    # all ranks: batch_size sequences per batch, data.world batches a step
+                    tokens_per_s = window_steps * cfg.batch_size * cfg.seq_len * self.data.world / elapsed
+                    flops = tokens_per_s / ranks * self.flops_per_token  # per GPU, as MFU is
                     record = {
                         "kind": "train", "step": self.step, "loss": float(out["loss"]),
                         "aux_loss": float(out["aux_loss"]), "grad_norm": float(out["grad_norm"]),

@@ -86,10 +86,12 @@ def test_cli_plan_prints_the_table_and_a_verdict(preset):
         assert verdict.startswith("does not fit") and "parameters + gradients + optimizer state" in verdict
 
 
-def test_cli_plan_impossible_layouts_exit_nonzero_with_the_reason():
+def test_cli_plan_impossible_layouts_exit_nonzero_with_the_reason(tmp_path):
     r = CliRunner().invoke(app, ["--plan", "--preset", "qwen3-30b-a3b", "--ep", "7", "--world-size", "14"])
     assert r.exit_code == 1 and "ep=7 must divide the 128 experts" in r.output
     r = CliRunner().invoke(app, ["--plan", "--preset", "deepseek-v3", "--tp", "2", "--ep", "8", "--world-size", "4"])
     assert r.exit_code == 1 and "must divide dp_shard*cp*tp = 2*1*2 = 4" in r.output
-    r = CliRunner().invoke(app, ["--tp", "2", "--out", "unused"])  # training: only data + expert parallel today
-    assert r.exit_code != 0 and "size a layout for --plan only" in r.output
+    r = CliRunner().invoke(app, ["--pp", "2", "--out", str(tmp_path / "a")])  # training: no pipeline stages yet
+    assert r.exit_code != 0 and "are for --plan only" in r.output
+    r = CliRunner().invoke(app, ["--tp", "2", "--steps", "1", "--out", str(tmp_path / "b")])  # one process, tp 2
+    assert r.exit_code != 0 and "is not a multiple of" in r.output
