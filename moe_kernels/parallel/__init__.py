@@ -26,6 +26,7 @@ from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_p
 from moe_kernels.parallel.layout import ParallelConfig
 from moe_kernels.parallel.mesh import ExpertParallelMesh, expert_parallel_mesh
 from moe_kernels.parallel.parallelize import Parallelized, parallelize
+from moe_kernels.parallel.pipeline import Pipelined, apply_pipeline_parallel
 from moe_kernels.parallel.plan import MemoryPlan, plan_memory
 
 __all__ = [
@@ -33,10 +34,12 @@ __all__ = [
     "MemoryPlan",
     "ParallelConfig",
     "Parallelized",
+    "Pipelined",
     "all_reduce_expert_counts",
     "all_reduce_gradients",
     "apply_expert_parallel",
     "apply_global_load_balancing",
+    "apply_pipeline_parallel",
     "expert_parallel_mesh",
     "expert_parameters",
     "load_sharded",

@@ -27,7 +27,8 @@ W / (ep * etp) ranks holding that slice, also divides by the number of batches i
 Mixed precision: bf16 parameters for compute and fp32 gradient reduction on CUDA (the fp32 master
 weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process).
 
-Not yet: pipeline parallelism (pp) raises NotImplementedError; `moe-train --plan` sizes it already.
+Not yet: pipeline parallelism (pp) composed with the rest raises NotImplementedError
+(`apply_pipeline_parallel` runs pipeline stages alone); `moe-train --plan` sizes it already.
 """
 
 from __future__ import annotations
@@ -152,9 +153,9 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     world = dist.get_world_size()
     pc = layout.resolve(world)
     if pc.pp != 1:
-        raise NotImplementedError(f"parallelize: pp={pc.pp} is not implemented yet (data, sharded data, tensor, "
-                                  "context, expert and expert tensor parallelism are); moe-train --plan sizes such "
-                                  "layouts")
+        raise NotImplementedError(f"parallelize: pp={pc.pp} is not composed with the other dimensions yet "
+                                  "(moe_kernels.parallel.apply_pipeline_parallel runs pipeline stages alone); "
+                                  "moe-train --plan sizes such layouts")
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "moe"):
         pc.check_model(cfg, cfg.max_seq_len)
