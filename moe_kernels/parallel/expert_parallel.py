@@ -24,7 +24,8 @@ rows [t*F/n, (t+1)*F/n) of the gate and, separately, of the up projection (conti
 break SwiGLU), and the same columns of w2. The n ranks of an etp group gather their tokens (tokens, routing
 weights and expert choices: every rank of the group then dispatches the same pairs over its ep group and its
 experts see the same rows), each computes its slice's part of every expert output, combines it over the ep
-group, and the group reduce-scatters the parts in fp32, each rank keeping the sums for its own tokens. The
+group (in the experts' output dtype), and the group reduce-scatters the parts in fp32, each rank keeping the
+sums for its own tokens. The
 all-gather's backward is a reduce-scatter and the reduce-scatter's an all-gather, so a slice's gradient
 holds every token of the group's ranks, as the ep dispatch gives the experts theirs.
 """
@@ -97,7 +98,7 @@ class ExpertTensorParallelDispatcher(Dispatcher):
         return d
 
     def combine(self, y: Tensor, handle: _EtpHandle, *, weighted: bool = True) -> Tensor:
-        part = self.inner.combine(y, handle.inner, weighted=weighted)  # [n * Tmax, H]: this slice's part
+        part = self.inner.combine(y, handle.inner, weighted=weighted)  # [n * Tmax, H]: this slice's part, y's dtype
         out = collectives.reduce_scatter(part.float(), self.group)  # the parts summed in rank order, in fp32
         return out[: handle.num_tokens].to(y.dtype)
 
@@ -149,6 +150,11 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
     if etp > 1 and group is None:
         raise ValueError("apply_expert_parallel: with etp_group, pass the expert-parallel group as `group` too "
                          "(the world would hold the etp ranks twice)")
+    if etp > 1:
+        shared = set(dist.get_process_group_ranks(group)) & set(dist.get_process_group_ranks(etp_group))
+        if shared != {dist.get_rank()}:
+            raise ValueError(f"apply_expert_parallel: `group` and `etp_group` must share this rank only (an etp "
+                             f"group's ranks each in another ep group); they share ranks {sorted(shared)}")
     if etp > 1 and max_tokens_per_rank is not None:
         max_tokens_per_rank *= etp  # the ep dispatch carries the etp group's gathered tokens
     options = {"max_tokens_per_rank": max_tokens_per_rank, "capacity": capacity, "num_sms": num_sms}

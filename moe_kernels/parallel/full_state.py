@@ -75,6 +75,21 @@ def _piece(full: Tensor, splits: list[Split]) -> Tensor:
     return full
 
 
+def _full_shape(local: tuple, splits: list[Split]) -> tuple:
+    """The full tensor's shape from this rank's logical shape."""
+    shape = list(local)
+    for _, group, dim in splits:
+        shape[dim] *= dist.get_world_size(group)
+    return tuple(shape)
+
+
+def _check_shape(what: str, full: Tensor, local: tuple, splits: list[Split]) -> None:
+    # Checked against the full shape (the same on every rank), so every rank raises or none does.
+    want = _full_shape(local, splits)
+    if tuple(full.shape) != want:
+        raise ValueError(f"load_full_state: {what} has shape {tuple(full.shape)}; this layout's model needs {want}")
+
+
 def _place(piece: Tensor, like: Tensor) -> Tensor:
     """`piece` (this rank's logical tensor) laid out as `like`: its FSDP shard for a DTensor."""
     piece = piece.to(device=like.device, dtype=like.dtype)
@@ -123,16 +138,28 @@ def load_full_state(par, optimizer: torch.optim.Optimizer | None, model_state: d
     if missing or unexpected:
         raise KeyError(f"load_full_state: the state dict does not fit the model: missing {missing[:5]}, "
                        f"unexpected {unexpected[:5]}")
+    names = params = None
+    if optimizer is not None and optim_state is not None:
+        names = _optimizer_names(par.model, optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if len(optim_state["state"]) > len(params):
+            raise ValueError(f"load_full_state: the optimizer state holds {len(optim_state['state'])} parameters, "
+                             f"the optimizer {len(params)}")
+    # Every shape first: nothing is loaded unless everything fits.
+    for name, t in own.items():
+        _check_shape(name, model_state[name], tuple(t.shape), splits.get(name, []))
+    if params is not None:
+        for index, entry in optim_state["state"].items():
+            i = int(index)
+            for k, v in entry.items():
+                if torch.is_tensor(v) and v.ndim > 0:
+                    _check_shape(f"the optimizer's {k} of {names[i]}", v, tuple(params[i].shape),
+                                 splits.get(names[i], []))
     for name, t in own.items():
         value = _place(_piece(model_state[name], splits.get(name, [])), t)
-        if tuple(value.shape) != tuple(t.shape):
-            raise ValueError(f"load_full_state: {name} has shape {tuple(model_state[name].shape)}, which does not "
-                             f"split into this rank's {tuple(t.shape)}")
         (t.to_local() if _is_dtensor(t) else t).copy_(value.to_local() if _is_dtensor(value) else value)
-    if optimizer is None or optim_state is None:
+    if params is None:
         return
-    names = _optimizer_names(par.model, optimizer)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
     state = {}
     for index, entry in optim_state["state"].items():
         i = int(index)

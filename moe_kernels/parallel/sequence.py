@@ -30,10 +30,12 @@ class SequenceSharding:
         self._cache: dict = {}
 
     def _cached(self, key: tuple, make):
-        """Per (what, length, device): every layer asks for the same small tensors in every forward."""
-        if key not in self._cache:
-            self._cache[key] = make()
-        return self._cache[key]
+        """Per (what, length, device): every layer asks for the same tensors in every forward. One length
+        and device kept per kind (the mask is [S/cp, S]: large for long sequences)."""
+        held = self._cache.get(key[0])
+        if held is None or held[0] != key:
+            held = self._cache[key[0]] = (key, make())
+        return held[1]
 
     def check_length(self, S: int) -> None:
         if S % (2 * self.cp if self.cp > 1 else 1) or (S // self.cp) % self.tp:

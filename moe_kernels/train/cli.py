@@ -83,7 +83,7 @@ def train(
     if pp != 1 or world_size is not None:
         raise typer.BadParameter(
             "--pp and --world-size are for --plan only (training with pipeline parallelism is not implemented "
-            "yet; the world size is torchrun's)", param_hint="'--plan'")
+            "yet; the world size is torchrun's)", param_hint="'--pp', '--world-size'")
     try:
         cfg = TrainConfig(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
-from moe_kernels.parallel import apply_global_load_balancing, expert_parameters
+from moe_kernels.parallel import apply_global_load_balancing
 from moe_kernels.quant import RECIPES
 import torch.distributed as dist
 

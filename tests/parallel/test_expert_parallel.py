@@ -175,6 +175,8 @@ def _worker_etp_only(rank, P):
     torch.testing.assert_close(par(x)[0], full(x)[0], **TOL, msg=f"rank {rank}")
     with pytest.raises(ValueError, match="pass the expert-parallel group"):
         apply_expert_parallel(copy.deepcopy(full), etp_group=group)
+    with pytest.raises(ValueError, match="must share this rank only"):
+        apply_expert_parallel(copy.deepcopy(full), group, etp_group=group)
     with pytest.raises(ValueError, match="must divide the expert ffn size 15"):
         apply_expert_parallel(MoELayer(qwen3_30b_a3b(hidden_size=24, ffn_size=15, num_experts=4, k=2)), ones[rank],
                               etp_group=group)

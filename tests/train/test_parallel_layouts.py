@@ -34,6 +34,16 @@ def _worker(rank, world, tmp: str):
     assert trainer.num_parameters() == Trainer(TrainConfig(**{**COMMON, "steps": 1}, batch_size=2,
                                                            out_dir=str(tmp / "x")), echo=_quiet).num_parameters()
     straight = trainer.train()
+    # A full state dict of another shape is refused on every rank before anything is loaded.
+    from moe_kernels.models import build_model
+
+    full = build_model(trainer.model_config).state_dict()
+    full["layers.0.mlp.experts.w2"] = full["layers.0.mlp.experts.w2"][..., :-1]
+    before = trainer.model.state_dict()["layers.0.input_layernorm.weight"].full_tensor().clone()
+    with pytest.raises(ValueError, match="layers.0.mlp.experts.w2 has shape .* this layout's model needs"):
+        trainer.parallelized.load_full_state(full)
+    after = trainer.model.state_dict()["layers.0.input_layernorm.weight"].full_tensor()
+    assert after.equal(before)
     resumed = Trainer(cfg, echo=_quiet)
     assert resumed.resume(tmp / "layout" / "checkpoints" / "step_0000002.pt") and resumed.step == 2
     again = resumed.train()
