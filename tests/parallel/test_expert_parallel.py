@@ -38,6 +38,24 @@ def _check_grads(rank, P, full: nn.Module, ep: nn.Module, where: str) -> None:
         torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {name}")
 
 
+def _compare_layers(rank, full: nn.Module, par: nn.Module, hidden: int, empty_rank, where: str) -> None:
+    """Both layers on this rank's tokens (uneven counts per rank; none on empty_rank, which still takes part in
+    every collective): outputs, aux losses and input gradients equal."""
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(2, 3 + 2 * rank, hidden, generator=gen)
+    if rank == empty_rank:
+        x = x[:, :0]
+    g = torch.randn(x.shape, generator=gen)
+    outs = []
+    for model in (full, par):
+        xi = x.clone().requires_grad_()
+        out, aux = model(xi)
+        ((out * g).sum() + aux).backward()
+        outs.append((out, aux, xi.grad))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, **TOL, msg=where)
+
+
 def _layer_case(rank, P, backend, cfg, name, empty_rank=None):
     torch.manual_seed(0)
     full = MoELayer(cfg)
@@ -45,20 +63,8 @@ def _layer_case(rank, P, backend, cfg, name, empty_rank=None):
         full.router.expert_bias.copy_(torch.linspace(-0.1, 0.1, cfg.num_experts))
     ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
     assert ep.experts.w13.shape[0] == cfg.num_experts // P and len(list(expert_parameters(ep))) == 2
-    gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(2, 3 + 2 * rank, cfg.hidden_size, generator=gen)  # uneven token counts per rank
-    if rank == empty_rank:  # a rank with an empty batch still takes part in every collective
-        x = x[:, :0]
-    g = torch.randn(x.shape, generator=gen)
     where = f"rank {rank}/{P} {backend} {name}"
-    outs = []
-    for model in (full, ep):
-        xi = x.clone().requires_grad_()
-        out, aux = model(xi)
-        ((out * g).sum() + aux).backward()
-        outs.append((out, aux, xi.grad))
-    for got, want in zip(outs[1], outs[0]):
-        torch.testing.assert_close(got, want, **TOL, msg=where)
+    _compare_layers(rank, full, ep, cfg.hidden_size, empty_rank, where)
     _check_grads(rank, P, full, ep, where)
 
 
@@ -133,20 +139,8 @@ def _worker_etp(rank, P, backend):
         par = apply_expert_parallel(copy.deepcopy(full), ep_groups[t_rank], etp_group=etp_groups[e_rank],
                                     backend=backend)
         assert par.experts.w13.shape == (cfg.num_experts // ep, 2 * cfg.ffn_size // etp, cfg.hidden_size)
-        gen = torch.Generator().manual_seed(rank)
-        x = torch.randn(2, 3 + 2 * rank, cfg.hidden_size, generator=gen)  # uneven token counts per rank
-        if rank == empty_rank:
-            x = x[:, :0]
-        g = torch.randn(x.shape, generator=gen)
         where = f"rank {rank}/{P} {backend} ep 2 x etp 2 {name}"
-        outs = []
-        for model in (full, par):
-            xi = x.clone().requires_grad_()
-            out, aux = model(xi)
-            ((out * g).sum() + aux).backward()
-            outs.append((out, aux, xi.grad))
-        for got, want in zip(outs[1], outs[0]):
-            torch.testing.assert_close(got, want, **TOL, msg=where)
+        _compare_layers(rank, full, par, cfg.hidden_size, empty_rank, where)
         sharded = {id(p) for p in expert_parameters(par)}
         full_params = dict(full.named_parameters())
         for pname, p in par.named_parameters():
