@@ -91,7 +91,10 @@ def test_cli_plan_impossible_layouts_exit_nonzero_with_the_reason(tmp_path):
     assert r.exit_code == 1 and "ep=7 must divide the 128 experts" in r.output
     r = CliRunner().invoke(app, ["--plan", "--preset", "deepseek-v3", "--tp", "2", "--ep", "8", "--world-size", "4"])
     assert r.exit_code == 1 and "must divide dp_shard*cp*tp = 2*1*2 = 4" in r.output
+    def said(r) -> str:  # the error box's text on one line (rich wraps it to the terminal's width)
+        return " ".join(r.output.replace("│", " ").split())
+
     r = CliRunner().invoke(app, ["--pp", "2", "--out", str(tmp_path / "a")])  # training: no pipeline stages yet
-    assert r.exit_code != 0 and "are for --plan only" in r.output
+    assert r.exit_code != 0 and "--pp and --world-size are for --plan only" in said(r)
     r = CliRunner().invoke(app, ["--tp", "2", "--steps", "1", "--out", str(tmp_path / "b")])  # one process, tp 2
-    assert r.exit_code != 0 and "is not a multiple of" in r.output
+    assert r.exit_code != 0 and "is not a multiple of pp*dp_replicate*cp*tp = 1*1*1*2 = 2" in said(r)
