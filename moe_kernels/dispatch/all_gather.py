@@ -24,6 +24,27 @@ from moe_kernels.dispatch.base import Dispatched, GroupDispatcher, padding_scale
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
 
+def gather_tokens(x: Tensor, weights: Tensor, indices: Tensor, scales: Tensor | None, group):
+    """Every rank's tokens, routing weights (fp32), expert choices and scales, rank r's at [r*Tmax, (r+1)*Tmax)
+    (the ranks' T may differ: padding tokens route nowhere, -1, and weigh 0; one exchange of T, a host sync).
+    Differentiable in x and weights: the backward sums every rank's gradients onto the owner."""
+    T = x.shape[0]
+    sizes = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=group)
+    pad = int(torch.cat(sizes).max()) - T  # the sync
+    if pad:
+        x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
+        weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
+        indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
+        if scales is not None:
+            scales = torch.cat([scales, scales.new_zeros((pad, scales.shape[1]))])
+    x_all = collectives.all_gather(x, group)  # [P * Tmax, H]
+    w_all = collectives.all_gather(weights.float(), group)  # [P * Tmax, k]
+    i_all = collectives._AllGather.apply(indices, group)  # [P * Tmax, k]
+    s_all = None if scales is None else collectives._AllGather.apply(scales, group)
+    return x_all, w_all, i_all, s_all
+
+
 @dataclass(eq=False)
 class _AllGatherHandle:
     row_map: Tensor  # [P * Tmax, k] grouped row of each gathered pair, -1 where not local
@@ -35,26 +56,14 @@ class AllGatherDispatcher(GroupDispatcher):
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
         T = x.shape[0]
-        sizes = x.new_empty((self.num_ranks,), dtype=torch.int64)
-        dist.all_gather_into_tensor(sizes, torch.tensor([T], device=x.device), group=self.group)
-        pad = int(sizes.max()) - T  # the sync
-        if pad:
-            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
-            weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
-            indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
-            if scales is not None:
-                scales = torch.cat([scales, scales.new_zeros((pad, scales.shape[1]))])
-        x_all = collectives.all_gather(x, self.group)  # [P * Tmax, H]
-        w_all = collectives.all_gather(weights.float(), self.group)  # [P * Tmax, k]
-        i_all = collectives._AllGather.apply(indices, self.group)  # [P * Tmax, k]
+        x_all, w_all, i_all, s_all = gather_tokens(x, weights, indices, scales, self.group)
         lo, El = self.first_expert, self.num_local_experts
         local_ids = torch.where((i_all >= lo) & (i_all < lo + El), i_all - lo, -1).to(torch.int32)
         x_grouped, row_map, group_sizes = permute(x_all, local_ids, El, align=align)
         w_grouped = permuted_row_values(w_all, row_map, x_grouped.shape[0])
         handle = _AllGatherHandle(row_map, w_all, T)
         d = Dispatched(x_grouped, w_grouped, group_sizes, handle, row_map, local_ids)
-        if scales is not None:
-            s_all = collectives._AllGather.apply(scales, self.group)
+        if s_all is not None:
             d.scales = padding_scales(permute(s_all, local_ids, El, align=align)[0], d.local_indices)
         return d
 

@@ -25,15 +25,14 @@ break SwiGLU), and the same columns of w2. The n ranks of an etp group gather th
 weights and expert choices: every rank of the group then dispatches the same pairs over its ep group and its
 experts see the same rows), each computes its slice's part of every expert output, combines it over the ep
 group (in the experts' output dtype), and the group reduce-scatters the parts in fp32, each rank keeping the
-sums for its own tokens. The
-all-gather's backward is a reduce-scatter and the reduce-scatter's an all-gather, so a slice's gradient
-holds every token of the group's ranks, as the ep dispatch gives the experts theirs.
+sums for its own tokens. The all-gather's backward is a reduce-scatter and the reduce-scatter's an
+all-gather, so a slice's gradient holds every token of the group's ranks, as the ep dispatch gives the
+experts theirs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_kernels.dispatch import LocalDispatcher, collectives, make_dispatcher
+from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
 from moe_kernels.nn.lora import lora_terms
@@ -53,11 +53,11 @@ def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 
     f, lo = F // parts, part * (F // parts)
     local = GroupedExperts(count, experts.hidden_size, f, device="meta", dtype=experts.w13.dtype)
     w13 = experts.w13.detach()[first : first + count]
-    if parts > 1:  # the gate rows' slice, then the up rows' slice
-        w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1)
-    w2 = experts.w2.detach()[first : first + count, :, lo : lo + f]
-    local.w13 = nn.Parameter(w13.clone(), requires_grad=experts.w13.requires_grad)
-    local.w2 = nn.Parameter(w2.contiguous().clone(), requires_grad=experts.w2.requires_grad)
+    # The gate rows' slice, then the up rows' slice (cat copies; a whole-width slice is cloned).
+    w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1) if parts > 1 else w13.clone()
+    w2 = experts.w2.detach()[first : first + count, :, lo : lo + f].clone(memory_format=torch.contiguous_format)
+    local.w13 = nn.Parameter(w13, requires_grad=experts.w13.requires_grad)
+    local.w2 = nn.Parameter(w2, requires_grad=experts.w2.requires_grad)
     return local
 
 
@@ -79,22 +79,9 @@ class ExpertTensorParallelDispatcher(Dispatcher):
 
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
-        T = x.shape[0]
-        sizes = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(self.etp)]
-        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=self.group)
-        pad = int(torch.cat(sizes).max()) - T  # the sync
-        if pad:  # padding tokens route nowhere (-1) and weigh 0
-            x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
-            weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])
-            indices = torch.cat([indices, indices.new_full((pad, indices.shape[1]), -1)])
-            if scales is not None:
-                scales = torch.cat([scales, scales.new_zeros((pad, scales.shape[1]))])
-        x_all = collectives.all_gather(x, self.group)  # [n * Tmax, H], rank r's tokens at [r*Tmax, (r+1)*Tmax)
-        w_all = collectives.all_gather(weights.float(), self.group)
-        i_all = collectives._AllGather.apply(indices, self.group)
-        s_all = None if scales is None else collectives._AllGather.apply(scales, self.group)
+        x_all, w_all, i_all, s_all = gather_tokens(x, weights, indices, scales, self.group)
         d = self.inner.dispatch(x_all, w_all, i_all, align=align, scales=s_all)
-        d.handle = _EtpHandle(d.handle, T)
+        d.handle = _EtpHandle(d.handle, x.shape[0])
         return d
 
     def combine(self, y: Tensor, handle: _EtpHandle, *, weighted: bool = True) -> Tensor:
@@ -183,9 +170,9 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         if etp > 1 and (lora_terms(layer.experts, "w13") or lora_terms(layer.experts, "w2")):
             raise NotImplementedError("apply_expert_parallel: LoRA adapters on experts split by etp_group")
     etp_rank = 0 if etp == 1 else dist.get_rank(etp_group)
+    one_rank = group is not None and dist.get_world_size(group) == 1
     for layer in layers:
         E = layer.config.num_experts
-        one_rank = group is not None and dist.get_world_size(group) == 1
         dispatcher = LocalDispatcher(E) if one_rank and etp > 1 else make_dispatcher(backend, E, group, **options)
         layer.experts = _local_experts(layer.experts, dispatcher.first_expert, dispatcher.num_local_experts,
                                        etp_rank, etp)

@@ -100,7 +100,8 @@ def _place(piece: Tensor, like: Tensor) -> Tensor:
     return piece.contiguous()
 
 
-def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Parameter name for each index of optimizer.state_dict()['state'] (the order of its groups)."""
     by_id = {id(p): name for name, p in model.named_parameters()}
     return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
@@ -119,7 +120,7 @@ def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict
     optim_state = None
     if optimizer is not None:
         sd = optimizer.state_dict()
-        names = _optimizer_names(par.model, optimizer)
+        names = optimizer_names(par.model, optimizer)
         state = {}
         for index, entry in sd["state"].items():
             state[index] = {k: (full(v, names[index]) if torch.is_tensor(v) and v.ndim > 0 else
@@ -140,7 +141,7 @@ def load_full_state(par, optimizer: torch.optim.Optimizer | None, model_state: d
                        f"unexpected {unexpected[:5]}")
     names = params = None
     if optimizer is not None and optim_state is not None:
-        names = _optimizer_names(par.model, optimizer)
+        names = optimizer_names(par.model, optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if len(optim_state["state"]) > len(params):
             raise ValueError(f"load_full_state: the optimizer state holds {len(optim_state['state'])} parameters, "

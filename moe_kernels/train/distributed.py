@@ -29,6 +29,7 @@ from moe_kernels.parallel import (
     expert_parallel_mesh,
     expert_parameters,
 )
+from moe_kernels.parallel.full_state import optimizer_names
 
 
 @dataclass
@@ -166,19 +167,13 @@ def _slice_experts(t: Tensor, par: Parallel) -> Tensor:
     return t[par.ep_rank * n : (par.ep_rank + 1) * n].clone()
 
 
-def _optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """Parameter name for each index of optimizer.state_dict()['state'] (the order of its groups)."""
-    by_id = {id(p): name for name, p in model.named_parameters()}
-    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
-
-
 def full_state(model: nn.Module, optimizer: torch.optim.Optimizer, par: Parallel) -> tuple[dict, dict] | None:
     """Model and optimizer state dicts of the full model on rank 0 (expert tensors gathered to its CPU);
     None on the other ranks. Every rank must call it."""
     experts = _expert_names(model)
     model_state = {k: (_gather_experts(v, par) if k in experts else v) for k, v in model.state_dict().items()}
     opt_state = optimizer.state_dict()
-    names = _optimizer_names(model, optimizer)
+    names = optimizer_names(model, optimizer)
     state = {}
     for index, entry in opt_state["state"].items():
         if names[index] in experts:
@@ -192,7 +187,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer, model_st
     """Loads full state dicts into an expert-parallel model: each rank keeps its experts' slices."""
     experts = _expert_names(model)
     model.load_state_dict({k: (_slice_experts(v, par) if k in experts else v) for k, v in model_state.items()})
-    names = _optimizer_names(model, optimizer)
+    names = optimizer_names(model, optimizer)
     state = {}
     for index, entry in opt_state["state"].items():
         if names[int(index)] in experts:
