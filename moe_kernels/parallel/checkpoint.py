@@ -1,14 +1,20 @@
-"""Sharded checkpoints of a parallelize()d model with torch.distributed.checkpoint (DCP): every rank
-writes its own shards, and a checkpoint saved under one layout loads under another (FSDP over 4 ranks,
-HSDP 2 x 2, ...): DCP reshards the DTensors.
+"""Sharded checkpoints of a parallelize()d model with torch.distributed.checkpoint (DCP): every rank writes
+its own shards, and a checkpoint saved under one layout loads under any other (FSDP over 4 ranks, HSDP
+2 x 2, TP 2 x FSDP 2 with experts EP 2 x ETP 2, ...) or into one process's model: DCP reshards.
 
     save_sharded(par, optimizer, "ckpt/step_100")          # every rank calls it
     load_sharded(par, optimizer, "ckpt/step_100")          # into a model parallelized the same way or not
+    load_sharded(model, None, "ckpt/step_100")             # one process, no process group: the full model
 
-Not yet: expert-parallel layouts (ep > 1 or etp > 1) and tensor-parallel ones (tp > 1). Their experts and slices are
-plain local tensors per rank (FSDP-sharded over the data-parallel ranks only), so the checkpoint would not
-know which experts or which slice a shard holds; they need a DTensor placement over ep and tp first. The
-full Hugging Face export (moe_kernels.models.save_hf_checkpoint) works from a full state dict.
+What a checkpoint holds: every parameter (and its optimizer states) under the unsplit model's name, as one
+global tensor of the unsplit model's shape, each rank's shard placed in it. The tensor-parallel slices,
+the experts of an ep rank and their etp slices are plain local tensors in the model (tensor_parallel,
+expert_parallel), FSDP-sharded over their data-parallel ranks; here each becomes a DTensor over a mesh of
+the same ranks whose outer dimensions are the splits (tp: the dimension it split; ep: the experts; etp:
+the ffn slice) and whose inner ones are FSDP's, so DCP knows where every shard sits. One exception to the
+model's shapes: a GroupedExperts' w13 [E, 2F, H] is stored as [E, 2, F, H] (gate, up), where an etp slice,
+rows of the gate and rows of the up projection, is one block. Those meshes are bookkeeping for DCP only
+(no process groups are created for them).
 """
 
 from __future__ import annotations
@@ -16,42 +22,187 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 
 
-def _check(par, what: str) -> None:
-    if par.layout.ep > 1:
-        raise NotImplementedError(f"{what}: sharded checkpoints of expert-parallel layouts (ep={par.layout.ep}) are "
-                                  "not implemented yet (their experts are not DTensors over ep)")
-    if par.layout.etp > 1:
-        raise NotImplementedError(f"{what}: sharded checkpoints of expert-tensor-parallel layouts (etp={par.layout.etp}) "
-                                  "are not implemented yet (the experts' ffn slices are not DTensors over etp)")
-    if par.layout.tp > 1:
-        raise NotImplementedError(f"{what}: sharded checkpoints of tensor-parallel layouts (tp={par.layout.tp}) are "
-                                  "not implemented yet (the tensor-parallel slices are not DTensors over tp)")
+def _is_dtensor(t) -> bool:
+    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
 
 
-def _state(par, optimizer, what: str) -> dict:
-    """The model's (and optimizer's) state dicts as DCP sees them: this rank's shards, by name."""
+def _model_of(par) -> nn.Module:
+    return par if isinstance(par, nn.Module) else par.model
+
+
+def _splits(par) -> dict:
+    from moe_kernels.parallel.full_state import splits_of
+
+    if isinstance(par, nn.Module):
+        return {}
+    return splits_of(par.model, None if par.sharding is None else par.sharding.tp_group)
+
+
+def _gate_up_names(model: nn.Module) -> set[str]:
+    """The w13 parameters of GroupedExperts, stored as [E, 2, F, H]."""
+    from moe_kernels.nn import GroupedExperts
+
+    return {f"{name}.w13" if name else "w13" for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
+
+
+def _check_experts(model: nn.Module, splits: dict) -> None:
+    from moe_kernels.nn import MoELayer
+
+    for name, m in model.named_modules():
+        if isinstance(m, MoELayer) and m.dispatcher is not None:
+            prefix = f"{name}.experts." if name else "experts."
+            other = [prefix + n for n, _ in m.experts.named_parameters() if prefix + n not in splits]
+            if other:
+                raise NotImplementedError(f"sharded checkpoints: the expert-parallel experts hold parameters the "
+                                          f"checkpoint cannot place ({other[:3]}; LoRA adapters on split experts)")
+
+
+class _Meshes:
+    """The DCP meshes of the split tensors: (split groups..., the FSDP mesh's dimensions...) over the same
+    ranks. Every rank lists what it needs in the same order (the state dicts' order), then one all-gather
+    of every rank's coordinates lays them out."""
+
+    def __init__(self):
+        self.keys: list = []
+        self.coords: list = []
+        self.sizes: list = []
+        self.device_types: list = []
+        self.meshes: dict = {}
+
+    @staticmethod
+    def key(splits, fsdp_mesh):
+        return tuple(id(group) for _, group, _ in splits), None if fsdp_mesh is None else id(fsdp_mesh)
+
+    def need(self, splits, fsdp_mesh, device_type: str) -> None:
+        k = self.key(splits, fsdp_mesh)
+        if k in self.keys:
+            return
+        self.keys.append(k)
+        groups = [group for _, group, _ in splits]
+        coords = [dist.get_rank(g) for g in groups] + ([] if fsdp_mesh is None else list(fsdp_mesh.get_coordinate()))
+        sizes = [dist.get_world_size(g) for g in groups] + ([] if fsdp_mesh is None else list(fsdp_mesh.shape))
+        self.coords.append(coords)
+        self.sizes.append(sizes)
+        self.device_types.append(device_type)
+
+    def build(self) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if not self.keys:
+            return
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, self.coords)
+        for i, k in enumerate(self.keys):
+            ranks = torch.full(self.sizes[i], -1, dtype=torch.int64)
+            for r, coords in enumerate(everyone):
+                ranks[tuple(coords[i])] = r
+            if ranks.numel() != len(everyone) or bool((ranks < 0).any()):
+                raise RuntimeError(f"sharded checkpoints: the split groups and FSDP mesh (sizes {self.sizes[i]}) do "
+                                   f"not tile the {len(everyone)} ranks")
+            self.meshes[k] = DeviceMesh(self.device_types[i], ranks, _init_backend=False)
+
+    def get(self, splits, fsdp_mesh):
+        return self.meshes[self.key(splits, fsdp_mesh)]
+
+
+def _contiguous_stride(shape) -> tuple:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= n
+    return tuple(reversed(stride))
+
+
+def _global_view(t: Tensor, splits: list, gate_up: bool, meshes: _Meshes):
+    """`t` (this rank's parameter or optimizer state: an FSDP DTensor or a plain tensor) as DCP should store
+    it: a view of its storage, in the checkpoint's global shape."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from moe_kernels.parallel.full_state import _full_shape
+
+    if not splits and not gate_up:
+        return t
+    dtensor = _is_dtensor(t)
+    fsdp_mesh = t.device_mesh if dtensor else None
+    local = t.to_local() if dtensor else t
+    full = list(_full_shape(tuple(t.shape), splits))
+    shift = (lambda d: d if d == 0 else d + 1) if gate_up else (lambda d: d)
+    placements = [Shard(shift(d)) for _, _, d in splits]
+    if dtensor:
+        for p in t.placements:
+            placements.append(Shard(shift(p.dim)) if isinstance(p, Shard) else p)
+    if gate_up:
+        E, F2, H = full
+        if F2 % 2 or local.shape[1] % 2:
+            raise ValueError(f"sharded checkpoints: w13 of shape {tuple(t.shape)} has no gate and up halves")
+        full = [E, 2, F2 // 2, H]
+        local = local.view(local.shape[0], 2, local.shape[1] // 2, local.shape[2])
+    if not placements:  # one process: a plain tensor, viewed
+        return local
+    mesh = meshes.get(splits, fsdp_mesh) if splits else fsdp_mesh
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(full),
+                              stride=_contiguous_stride(full))
+
+
+def _state(par, optimizer) -> tuple[dict, dict]:
+    """(the state dicts, as get_state_dict gives them: this rank's tensors by name; the same in the checkpoint's
+    global views, for DCP)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    _check(par, what)
-    model_sd, optim_sd = get_state_dict(par.model, optimizer if optimizer is not None else [])
-    return {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+    model = _model_of(par)
+    splits = _splits(par)
+    _check_experts(model, splits)
+    gate_up = _gate_up_names(model)
+    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
+    state = {"model": model_sd} if optimizer is None else {"model": model_sd, "optim": optim_sd}
+
+    def entries():
+        for name, t in model_sd.items():
+            yield model_sd, name, name, t
+        if optimizer is not None:
+            for name, entry in optim_sd["state"].items():
+                for k, v in entry.items():
+                    if torch.is_tensor(v) and v.ndim > 0:
+                        yield entry, k, name, v
+
+    items = list(entries())
+    meshes = _Meshes()
+    distributed = dist.is_available() and dist.is_initialized()
+    for _, _, name, t in items:
+        if splits.get(name):
+            meshes.need(splits[name], t.device_mesh if _is_dtensor(t) else None,
+                        (t.to_local() if _is_dtensor(t) else t).device.type)
+    if distributed:
+        meshes.build()
+    views = {"model": dict(model_sd)}
+    if optimizer is not None:
+        views["optim"] = {**optim_sd, "state": {n: dict(e) for n, e in optim_sd["state"].items()}}
+    for container, key, name, t in items:
+        target = views["model"] if container is model_sd else views["optim"]["state"][name]
+        target[key] = _global_view(t, splits.get(name, []), name in gate_up, meshes)
+    return state, views
 
 
 def save_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
-    """Writes the model's (and the optimizer's) shards of every rank under `path` (a shared directory)."""
+    """Writes the model's (and the optimizer's) shards of every rank under `path` (a shared directory).
+    `par`: a Parallelized (every rank calls it) or a model in one process."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(par, optimizer, "save_sharded"), checkpoint_id=str(path))
+    _, views = _state(par, optimizer)
+    dcp.save(views, checkpoint_id=str(path))
 
 
 def load_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
-    """Loads `path` into the model (and optimizer), resharding to this layout."""
+    """Loads `path` into the model (and optimizer), resharding to this layout. `par`: a Parallelized (every
+    rank calls it) or a model in one process (without a process group: the full model)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _state(par, optimizer, "load_sharded")
-    dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(par.model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+    state, views = _state(par, optimizer)
+    dcp.load(views, checkpoint_id=str(path))  # into the views: the state dicts' own storage
+    set_state_dict(_model_of(par), optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))

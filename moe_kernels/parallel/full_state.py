@@ -106,6 +106,13 @@ def optimizer_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[
     return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
+def _scalar(v: Any) -> Any:
+    """A 0-d optimizer state (Adam's step) as a copy: the optimizer keeps updating its own in place."""
+    if not torch.is_tensor(v):
+        return v
+    return (v.full_tensor() if _is_dtensor(v) else v).detach().cpu().clone()
+
+
 def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None] | None:
     """(model state dict, optimizer state dict or None) of the full model on rank 0 (CPU tensors); None on
     the other ranks. Every rank must call it."""
@@ -123,8 +130,8 @@ def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict
         names = optimizer_names(par.model, optimizer)
         state = {}
         for index, entry in sd["state"].items():
-            state[index] = {k: (full(v, names[index]) if torch.is_tensor(v) and v.ndim > 0 else
-                                (v.full_tensor() if _is_dtensor(v) else v)) for k, v in entry.items()}
+            state[index] = {k: (full(v, names[index]) if torch.is_tensor(v) and v.ndim > 0 else _scalar(v))
+                            for k, v in entry.items()}
         optim_state = {**sd, "state": state}
     return (model_state, optim_state) if main else None
 
