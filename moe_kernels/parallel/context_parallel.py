@@ -22,7 +22,7 @@ from functools import partial
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_kernels.parallel.sequence import SequenceSharding
+from moe_kernels.parallel.sequence import SequenceSharding, blocks_of
 from moe_kernels.parallel.tensor_parallel import gather_sequence
 
 
@@ -42,7 +42,7 @@ def _context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, *
 def apply_context_parallel(model: nn.Module, sharding: SequenceSharding) -> None:
     """Every attention module of `model` attends across the cp ranks of `sharding` (module docstring), in place.
     The sequence chunks themselves come from apply_sequence_sharding."""
-    for block in model.layers:
+    for block in blocks_of(model):
         attn = block.self_attn
         seq_len: list = [0]  # the whole sequence's length, seen in each forward (the rotary tables' rows)
 

@@ -2,9 +2,10 @@
 context parallelism, folded with expert parallelism, applied to a finished model from outside
 (ARCHITECTURE.md, decision 7).
 
-Two meshes over the same W = dp_replicate * dp_shard * cp * tp ranks (moe_kernels.parallel.layout):
-  attention  ("dp_replicate", "dp_shard", "cp", "tp")   rank = ((replica * dp_shard + shard) * cp + c) * tp + t
-  experts    ("edp", "ep", "etp")                       rank = (edp * ep + ep_rank) * etp + etp_rank
+Two meshes over the same W = pp * dp_replicate * dp_shard * cp * tp ranks (moe_kernels.parallel.layout), each
+stage's W / pp ranks consecutive (pipeline parallelism below; pp = 1 without it):
+  attention  ("pp", "dp_replicate", "dp_shard", "cp", "tp")  rank in a stage = ((replica * dp_shard + shard) * cp + c) * tp + t
+  experts    ("pp", "edp", "ep", "etp")                      rank in a stage = (edp * ep + ep_rank) * etp + etp_rank
 The cp x tp ranks of one (replica, shard) train on the same batch, each on its share of every sequence
 (moe_kernels.parallel.sequence): context parallelism gives rank c two of the 2cp chunks and its attention
 gathers every rank's keys and values (context_parallel); tensor parallelism splits attention heads and
@@ -27,13 +28,21 @@ W / (ep * etp) ranks holding that slice, also divides by the number of batches i
 Mixed precision: bf16 parameters for compute and fp32 gradient reduction on CUDA (the fp32 master
 weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process).
 
-Not yet: pipeline parallelism (pp) composed with the rest raises NotImplementedError
-(`apply_pipeline_parallel` runs pipeline stages alone); `moe-train --plan` sizes it already.
+Pipeline parallelism (pp > 1, `num_microbatches=`, `schedule=`): the pp dimension is the outermost of both
+meshes (rank = pp_rank * W / pp + the rank within the stage). Each rank keeps its stage's blocks
+(moe_kernels.parallel.pipeline; the embedding on the first stage, the final norm and lm_head on the last)
+and shards them over its stage's ranks as above, one FSDP root per stage module, so
+`Parallelized.model` holds this rank's part of the model under the full model's names. A step runs through
+`forward_backward(inputs, labels)`: the schedule's micro-batches, each stage's hidden states sent over the
+pp group (S / (cp * tp) tokens a rank), the last stage's loss a share of its micro-batch's; the schedule
+divides the gradients by the number of micro-batches, FSDP by the number of batches. Tied embeddings are
+refused with pp.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -42,9 +51,11 @@ from torch import Tensor, nn
 from moe_kernels.parallel.context_parallel import apply_context_parallel
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.layout import ParallelConfig
+from moe_kernels.parallel.pipeline import LocalStages, Pipelined, check_pipeline, stage_modules
 from moe_kernels.parallel.sequence import (
     SequenceSharding,
     apply_sequence_sharding,
+    blocks_of,
     check_sequence_parallel,
     cross_entropy_share,
 )
@@ -61,6 +72,20 @@ class Parallelized:
     expert_mesh: object  # DeviceMesh ("edp", "ep", "etp")
     sharding: SequenceSharding | None = None  # how the cp x tp ranks of a batch split it (None: not split)
     expert_modules: list = field(default_factory=list)  # the experts FSDP-sharded over edp (held once in all)
+    pipeline: object = None  # Pipelined: this rank's stages and the schedule (pp > 1), else None
+    stage_group: object = None  # the ranks of this rank's pipeline stage (pp > 1), else None (the world)
+
+    def forward_backward(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """One batch's forward and backward on this rank: inputs and labels [B, S], the whole batch of this
+        rank's data-parallel slot (every cp x tp rank, and with pp every stage, passes the same). Returns the
+        batch's cross-entropy and aux loss (detached, equal on the ranks that share the batch); the gradients
+        are accumulated. With pp the objective is the mean over micro-batches of each one's losses."""
+        if self.pipeline is not None:
+            return self.pipeline.step(inputs, labels)
+        logits, aux = self.model(inputs)
+        ce = self.cross_entropy(logits, labels)
+        (ce + aux).backward()
+        return self.batch_loss(ce), self.batch_loss(aux)
 
     def local_tokens(self, t: Tensor, dim: int = 1) -> Tensor:
         """This rank's tokens of a batch tensor along the sequence: the tokens its logits cover."""
@@ -121,7 +146,7 @@ class Parallelized:
         """Sums the routers' expert-bias counts over every rank (all saw tokens) before update_expert_bias()."""
         from moe_kernels.parallel.data_parallel import all_reduce_expert_counts
 
-        all_reduce_expert_counts(self.model, None)
+        all_reduce_expert_counts(self.model, self.stage_group)
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -130,20 +155,21 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
-    layers = getattr(model, "layers", None)
-    if layers is None:
+    if getattr(model, "layers", None) is None:
         raise ValueError("parallelize: the model has no `layers` (a moe_kernels.models MoETransformer is expected)")
-    return list(layers)
+    return blocks_of(model)
 
 
 def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device | str | None = None, *,
                 mixed_precision: bool | None = None, ep_backend: str = "all_to_all",
-                max_tokens_per_rank: int | None = None) -> Parallelized:
+                max_tokens_per_rank: int | None = None, num_microbatches: int | None = None,
+                schedule: str = "1f1b", stages_per_rank: int = 1) -> Parallelized:
     """Shard `model` (built identically on every rank) over the default process group's ranks, in place.
 
     layout: the sizes (dp_shard None: what the world leaves). device: the ranks' device type (default: the
     model's). mixed_precision: bf16 compute + fp32 reduction (default: on CUDA). ep_backend and
-    max_tokens_per_rank: the token dispatcher of the experts (apply_expert_parallel).
+    max_tokens_per_rank: the token dispatcher of the experts (apply_expert_parallel). num_microbatches,
+    schedule ("1f1b", "gpipe", "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -152,26 +178,43 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         raise ValueError("parallelize: initialise torch.distributed first (torchrun, or init_process_group)")
     world = dist.get_world_size()
     pc = layout.resolve(world)
-    if pc.pp != 1:
-        raise NotImplementedError(f"parallelize: pp={pc.pp} is not composed with the other dimensions yet "
-                                  "(moe_kernels.parallel.apply_pipeline_parallel runs pipeline stages alone); "
-                                  "moe-train --plan sizes such layouts")
+    PP = pc.pp
+    if PP > 1:
+        if num_microbatches is None:
+            raise ValueError(f"parallelize: pp={PP} needs num_microbatches (the micro-batches of a step)")
+        check_pipeline(model, PP, num_microbatches, schedule, stages_per_rank)
+    elif num_microbatches is not None or stages_per_rank != 1:
+        raise ValueError("parallelize: num_microbatches and stages_per_rank are for pp > 1")
     cfg = getattr(model, "config", None)
     if cfg is not None and hasattr(cfg, "moe"):
         pc.check_model(cfg, cfg.max_seq_len)
     if pc.cp * pc.tp > 1:
         check_sequence_parallel(model, pc.tp)
     device_type = torch.device(device).type if device is not None else _device_of(model).type
+    if mixed_precision is None:
+        mixed_precision = device_type == "cuda"
     R, D, C, T = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp
-    attention = init_device_mesh(device_type, (R, D, C, T), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    attention = init_device_mesh(device_type, (PP, R, D, C, T),
+                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     EP, ETP = pc.ep, pc.etp
-    expert_mesh3d = init_device_mesh(device_type, (world // (EP * ETP), EP, ETP), mesh_dim_names=("edp", "ep", "etp"))
+    stage_size = world // PP
+    expert_mesh3d = init_device_mesh(device_type, (PP, stage_size // (EP * ETP), EP, ETP),
+                                     mesh_dim_names=("pp", "edp", "ep", "etp"))
     batches = R * D  # the terms of the step's mean (module docstring)
     sharding = None
     if C * T > 1:  # the cp x tp ranks of one batch: one (sub)group each, and all of them together
-        seq = init_device_mesh(device_type, (R * D, C * T), mesh_dim_names=("dp", "seq")).get_group("seq")
+        seq = init_device_mesh(device_type, (PP * R * D, C * T), mesh_dim_names=("dp", "seq")).get_group("seq")
         sharding = SequenceSharding(attention.get_group("cp") if C > 1 else None,
                                     attention.get_group("tp") if T > 1 else None, seq)
+    pipeline = stage_group = None
+    if PP > 1:
+        stage_group = init_device_mesh(device_type, (PP, stage_size), mesh_dim_names=("pp", "stage")).get_group("stage")
+        modules, ids, num_stages = stage_modules(model, PP, attention.get_local_rank("pp"), stages_per_rank)
+        pipeline = Pipelined(modules, ids, num_stages, schedule, attention.get_group("pp"), num_microbatches,
+                             loss_fn=partial(cross_entropy_share, sharding=sharding),
+                             seq_group=None if sharding is None else sharding.group, seq_split=C * T,
+                             activation_dtype=torch.bfloat16 if mixed_precision else None)
+        model = LocalStages(model, modules)
     replicated = apply_tensor_parallel(model, sharding.tp_group) if T > 1 else None
     if sharding is not None:
         apply_sequence_sharding(model, sharding)
@@ -181,8 +224,6 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         apply_expert_parallel(model, expert_mesh3d.get_group("ep"), backend=ep_backend,
                               etp_group=expert_mesh3d.get_group("etp") if ETP > 1 else None,
                               max_tokens_per_rank=max_tokens_per_rank)
-    if mixed_precision is None:
-        mixed_precision = device_type == "cuda"
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
         MixedPrecisionPolicy()
     expert_mesh = expert_mesh3d["edp"]
@@ -192,13 +233,13 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         them), HSDP when dp_replicate > 1."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks = torch.arange(world).view(R, D, C, T)
+        ranks = torch.arange(world).view(PP, R, D, C, T)
         if with_tp:
-            mesh = DeviceMesh(device_type, ranks.reshape(R, D * C * T), mesh_dim_names=("dp_replicate", name))
-        else:  # one mesh per tp rank: this rank's is the one it belongs to
-            ranks = ranks.permute(3, 0, 1, 2).reshape(T, R, D * C)
-            mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("tp", "dp_replicate", name))
-            mesh = mesh["dp_replicate", name]
+            mesh = DeviceMesh(device_type, ranks.reshape(PP, R, D * C * T), mesh_dim_names=("pp", "dp_replicate", name))
+        else:  # one mesh per pp and tp rank: this rank's is the one it belongs to
+            ranks = ranks.permute(0, 4, 1, 2, 3).reshape(PP, T, R, D * C)
+            mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "tp", "dp_replicate", name))
+        mesh = mesh["dp_replicate", name]
         return mesh if R > 1 else mesh[name]
 
     def summed(unit, mesh) -> None:
@@ -236,10 +277,11 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                 summed(fully_shard(routed, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=True), expert_mesh)
                 expert_modules.append(routed)
         shard_split(block)
-    if replicated is not None:
+    if replicated is not None and replicated[-1]:
         # Tied embeddings: the lm_head product reads embed_tokens.weight after the unit's last module (the
         # final norm) has run, so the unit keeps its parameters gathered until the root's forward ends.
-        tied = getattr(model, "lm_head", None) is None
+        tied = getattr(model, "lm_head", None) is None and PP == 1
         summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp, reshard_after_forward=not tied), whole_mesh)
-    shard_split(model)
-    return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules)
+    for root in (pipeline.modules if pipeline is not None else [model]):  # one FSDP root per stage module
+        shard_split(root)
+    return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules, pipeline, stage_group)

@@ -18,9 +18,10 @@ every gradient by the number of micro-batches, as it does the cross-entropy's). 
 model's parameter names (`layers.7.mlp.experts.w13` stays so), so a checkpoint of each stage's state dict
 merges into the full model's.
 
-Not yet composed with the other dimensions (parallelize() refuses pp > 1): pipeline stages over the whole
-world, data parallelism by replicas of the pipeline only through the caller's own gradient all-reduce.
-Tied embeddings across the first and last stage are refused.
+`parallelize(model, ParallelConfig(pp=..., ...), num_microbatches=...)` composes the stages with the other
+dimensions: each stage's ranks shard its blocks (FSDP, tp, cp, ep, etp) as they would the whole model, and
+the pipeline runs over the pp group (`Parallelized.forward_backward`). Tied embeddings across the first and
+last stage are refused.
 """
 
 from __future__ import annotations
@@ -63,12 +64,16 @@ class PipelineStageModule(nn.Module):
         self.lm_head = model.lm_head if is_last else None
         self.activation_checkpointing = model.activation_checkpointing
         self.aux_values: list[Tensor] = []  # this stage's aux loss of each micro-batch of the step (detached)
+        # The sequences' length (the rotary tables' rows): the hidden states hold fewer tokens a rank under
+        # sequence or context parallelism. None: the hidden states' length.
+        self.seq_len: int | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         from moe_kernels.models.transformer import _checkpoint_contexts, rope_cos_sin
 
+        S = x.shape[1] if self.is_first or self.seq_len is None else self.seq_len
         h = self.embed_tokens(x) if self.is_first else x
-        cos, sin = rope_cos_sin(self.config, h.shape[1], h.device, h.dtype)
+        cos, sin = rope_cos_sin(self.config, S, h.device, h.dtype)
         aux = torch.zeros((), device=h.device, dtype=torch.float32)
         for block in self.layers.values():
             if self.activation_checkpointing and torch.is_grad_enabled():
@@ -83,6 +88,32 @@ class PipelineStageModule(nn.Module):
 
     def moe_layers(self):
         return (block.mlp for block in self.layers.values() if block.is_moe)
+
+
+class LocalStages(nn.Module):
+    """The part of a MoETransformer one pipeline rank holds, under the full model's names (`layers.7...`):
+    its stages' blocks, the embedding on the first stage's rank, the final norm and lm_head on the last's.
+    For state dicts, parameters and the MoE layers; the stages run through Pipelined."""
+
+    def __init__(self, model: nn.Module, modules: list[PipelineStageModule]):
+        super().__init__()
+        self.config = model.config
+        first = next((m for m in modules if m.is_first), None)
+        last = next((m for m in modules if m.is_last), None)
+        self.embed_tokens = first.embed_tokens if first is not None else None
+        self.layers = nn.ModuleDict({k: b for m in modules for k, b in m.layers.items()})
+        self.norm = last.norm if last is not None else None
+        self.lm_head = last.lm_head if last is not None else None
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline rank's stages run through the schedule: Parallelized.forward_backward(inputs, "
+                           "labels)")
+
+    def moe_layers(self):
+        return (block.mlp for block in self.layers.values() if block.is_moe)
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        raise RuntimeError("set activation checkpointing on the model before parallelize()")
 
 
 def _cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
@@ -102,6 +133,10 @@ class Pipelined:
     schedule_name: str
     group: object
     num_microbatches: int
+    loss_fn: object = _cross_entropy  # (logits, the micro-batch's labels) -> its loss, or this rank's share
+    seq_group: object = None  # the ranks that share a batch's sequences (their losses are shares), or None
+    seq_split: int = 1  # the tokens of a sequence a rank holds: S / seq_split
+    activation_dtype: torch.dtype | None = None  # the hidden states' dtype between stages (None: the parameters')
     schedule: object = None
     _shapes: tuple | None = None
 
@@ -118,10 +153,16 @@ class Pipelined:
             return
         cfg = self.modules[0].config
         p = next(self.modules[0].parameters())
-        hidden = torch.empty(mb, S, cfg.hidden_size, dtype=p.dtype, device="meta")
-        logits_dtype = torch.get_autocast_dtype(p.device.type) if shapes[2] else p.dtype
-        logits = torch.empty(mb, S, cfg.vocab_size, dtype=logits_dtype, device="meta")
+        dtype = self.activation_dtype or p.dtype
+        if S % self.seq_split:
+            raise ValueError(f"Pipelined.step: sequences of {S} tokens do not split over {self.seq_split} ranks")
+        local = S // self.seq_split
+        hidden = torch.empty(mb, local, cfg.hidden_size, dtype=dtype, device="meta")
+        logits_dtype = torch.get_autocast_dtype(p.device.type) if shapes[2] else dtype
+        logits = torch.empty(mb, local, cfg.vocab_size, dtype=logits_dtype, device="meta")
         stages = []
+        for m in self.modules:
+            m.seq_len = S
         for m, s in zip(self.modules, self.stage_ids):
             # A hidden input requires its gradient (the previous stage's backward needs it).
             first = (torch.empty(mb, S, dtype=inputs.dtype, device="meta") if m.is_first else
@@ -131,10 +172,10 @@ class Pipelined:
                                         input_grads=(None,) if m.is_first else hidden,
                                         output_grads=(None,) if m.is_last else hidden, group=self.group))
         if self.schedule_name == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, self.num_microbatches, loss_fn=_cross_entropy)
+            self.schedule = ScheduleInterleaved1F1B(stages, self.num_microbatches, loss_fn=self.loss_fn)
         else:
             cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-            self.schedule = cls(stages[0], self.num_microbatches, loss_fn=_cross_entropy)
+            self.schedule = cls(stages[0], self.num_microbatches, loss_fn=self.loss_fn)
         self._shapes = shapes
 
     def _device(self) -> torch.device:
@@ -182,6 +223,8 @@ class Pipelined:
         ce = torch.stack(losses).sum().detach() if losses else torch.zeros((), device=device)
         out = torch.stack([ce.float(), aux.float()])
         dist.all_reduce(out, group=self.group)  # the last stage's losses, every stage's aux losses
+        if self.seq_group is not None:  # the shares of the ranks that hold the batch's sequences
+            dist.all_reduce(out, group=self.seq_group)
         return out[0] / self.num_microbatches, out[1] / self.num_microbatches
 
     @torch.no_grad()
@@ -225,9 +268,15 @@ def apply_pipeline_parallel(model: nn.Module, group=None, *, num_microbatches: i
     """Pipeline stages of `model` (a moe_kernels MoETransformer, built identically on every rank) over the
     ranks of `group` (default: the world); module docstring. Rank r holds stage r (interleaved: stages
     r, r + P, ...)."""
+    check_pipeline(model, dist.get_world_size(group), num_microbatches, schedule, stages_per_rank)
+    return Pipelined(*stage_modules(model, dist.get_world_size(group), dist.get_rank(group), stages_per_rank),
+                     schedule, group, num_microbatches)
+
+
+def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: str, stages_per_rank: int) -> None:
+    """ValueError (NotImplementedError for tied embeddings) when `model` cannot run as P ranks' stages."""
     if schedule not in SCHEDULES:
         raise ValueError(f"apply_pipeline_parallel: schedule must be one of {SCHEDULES}, got {schedule!r}")
-    P, r = dist.get_world_size(group), dist.get_rank(group)
     v = stages_per_rank
     if v < 1 or (v > 1) != (schedule == "interleaved-1f1b"):
         raise ValueError(f"apply_pipeline_parallel: stages_per_rank={v}: more than 1 with schedule="
@@ -247,7 +296,11 @@ def apply_pipeline_parallel(model: nn.Module, group=None, *, num_microbatches: i
     if len(layers) < S:
         raise ValueError(f"apply_pipeline_parallel: {len(layers)} layers do not fill {S} stages ({P} ranks x "
                          f"stages_per_rank={v})")
-    bounds = stage_bounds(len(layers), S)
+
+
+def stage_modules(model: nn.Module, P: int, r: int, v: int = 1) -> tuple[list[PipelineStageModule], list[int], int]:
+    """Pipeline rank r's stage modules (of P * v stages), their stage ids, and the number of stages."""
+    S = P * v
+    bounds = stage_bounds(len(model.layers), S)
     ids = [r + k * P for k in range(v)]
-    modules = [PipelineStageModule(model, *bounds[s], s == 0, s == S - 1) for s in ids]
-    return Pipelined(modules, ids, S, schedule, group, num_microbatches)
+    return [PipelineStageModule(model, *bounds[s], s == 0, s == S - 1) for s in ids], ids, S

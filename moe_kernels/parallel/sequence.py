@@ -17,6 +17,13 @@ from torch import Tensor, nn
 from moe_kernels.nn import MoELayer
 
 
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks of a MoETransformer (`layers`, a ModuleList) or of a pipeline rank's stages
+    (a ModuleDict under the full model's indices)."""
+    layers = model.layers
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+
+
 class SequenceSharding:
     """cp_group / tp_group: this rank's context- and tensor-parallel groups (None for a size of 1);
     group: all cp x tp ranks of the batch (the routers' sequence group)."""
@@ -102,7 +109,7 @@ def check_sequence_parallel(model: nn.Module, tp: int) -> None:
         if isinstance(m, MoELayer) and m.config.backend == "torch":
             raise ValueError("parallelize: the torch-native MoE backend computes its own aux loss over whole "
                              "sequences; use the default backend with tp or cp > 1")
-    for block in model.layers:
+    for block in blocks_of(model):
         attn = block.self_attn
         if not hasattr(attn, "mla") and (attn.num_heads % tp or attn.num_kv_heads % tp):
             raise NotImplementedError(
@@ -118,7 +125,8 @@ def apply_sequence_sharding(model: nn.Module, sharding: SequenceSharding) -> Non
     def local_ids(module, args):
         return (sharding.local(args[0]), *args[1:])
 
-    model.embed_tokens.register_forward_pre_hook(local_ids)
+    if model.embed_tokens is not None:  # (not on a pipeline rank without the first stage: its inputs are local)
+        model.embed_tokens.register_forward_pre_hook(local_ids)
     for m in model.modules():
         if isinstance(m, MoELayer):
             m.router.sequence_group = sharding.group

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_kernels.nn import MoELayer, SharedExperts
+from moe_kernels.parallel.sequence import blocks_of
 
 
 def _gather_chunks(x: Tensor, group, dim: int) -> Tensor:
@@ -161,7 +162,7 @@ def apply_tensor_parallel(model: nn.Module, group) -> list[list[nn.Module]]:
     ranks)."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
     replicated: list[list[nn.Module]] = []
-    for block in model.layers:
+    for block in blocks_of(model):
         mods = [block.input_layernorm, block.post_attention_layernorm]
         mods += _split_attention(block.self_attn, n, r)
         block.self_attn.register_forward_pre_hook(_gather_input(group))
