@@ -115,9 +115,12 @@ def _scalar(v: Any) -> Any:
 
 def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict | None] | None:
     """(model state dict, optimizer state dict or None) of the full model on rank 0 (CPU tensors); None on
-    the other ranks. Every rank must call it."""
+    the other ranks. Every rank must call it. The optimizer's state dict also lists the parameter of each
+    index under "param_names" (the full model's names), so any layout, pipeline stages included, finds its own.
+    With pipeline parallelism each stage gathers its part on its first rank, which sends it to rank 0."""
     splits = splits_of(par.model, None if par.sharding is None else par.sharding.tp_group)
-    main = dist.get_rank() == 0
+    stage_group = getattr(par, "stage_group", None)
+    main = dist.get_rank(stage_group) == 0 if stage_group is not None else dist.get_rank() == 0
 
     def full(t: Tensor, name: str) -> Tensor | None:
         t = _gather(t.detach(), splits.get(name, []))
@@ -132,34 +135,90 @@ def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict
         for index, entry in sd["state"].items():
             state[index] = {k: (full(v, names[index]) if torch.is_tensor(v) and v.ndim > 0 else _scalar(v))
                             for k, v in entry.items()}
-        optim_state = {**sd, "state": state}
-    return (model_state, optim_state) if main else None
+        optim_state = {**sd, "state": state, "param_names": names}
+    if not main:
+        return None
+    pipeline = getattr(par, "pipeline", None)
+    if pipeline is None:
+        return model_state, optim_state
+    parts = [None] * dist.get_world_size(pipeline.group) if dist.get_rank() == 0 else None
+    dist.gather_object((model_state, optim_state), parts, dst=0, group=pipeline.group)
+    return _merge_stages(parts, par.full_names) if dist.get_rank() == 0 else None
+
+
+def _merge_stages(parts: list, full_names: list[str]) -> tuple[dict, dict | None]:
+    """One state dict pair from the pipeline stages' (model, optimizer) parts: the model's entries in the full
+    model's order, the optimizer's indexed as one process's optimizer with the same groups would index them
+    (group by group, each group's parameters in the model's order)."""
+    order = {n: i for i, n in enumerate(full_names)}
+    model_state: dict = {}
+    for m, _ in parts:
+        model_state.update(m)
+    model_state = dict(sorted(model_state.items(), key=lambda kv: order.get(kv[0], len(order))))
+    optims = [o for _, o in parts]
+    if optims[0] is None:
+        return model_state, None
+    groups = len(optims[0]["param_groups"])
+    if any(len(o["param_groups"]) != groups for o in optims):
+        raise ValueError("full_state: the pipeline stages' optimizers have different numbers of parameter groups")
+    names, entries, param_groups = [], {}, []
+    for g in range(groups):
+        members = []
+        for o in optims:
+            for i in o["param_groups"][g]["params"]:
+                members.append(o["param_names"][i])
+                if i in o["state"]:
+                    entries[o["param_names"][i]] = o["state"][i]
+        members.sort(key=lambda n: order.get(n, len(order)))
+        first = len(names)
+        names += members
+        hyper = {k: v for k, v in optims[0]["param_groups"][g].items() if k != "params"}
+        param_groups.append({**hyper, "params": list(range(first, len(names)))})
+    state = {i: entries[n] for i, n in enumerate(names) if n in entries}
+    return model_state, {"state": state, "param_groups": param_groups, "param_names": names}
 
 
 @torch.no_grad()
 def load_full_state(par, optimizer: torch.optim.Optimizer | None, model_state: dict, optim_state: dict | None) -> None:
-    """Loads full (one-process) state dicts: every rank keeps its pieces."""
+    """Loads full (one-process) state dicts: every rank keeps its pieces (with pipeline parallelism, its
+    stages'). The optimizer's entries are found by parameter name when the state dict lists them
+    ("param_names"), else by index (the same model's order)."""
     splits = splits_of(par.model, None if par.sharding is None else par.sharding.tp_group)
     own = par.model.state_dict()
+    known = set(getattr(par, "full_names", None) or own)
     missing = sorted(set(own) - set(model_state))
-    unexpected = sorted(set(model_state) - set(own))
+    unexpected = sorted(set(model_state) - known)
     if missing or unexpected:
         raise KeyError(f"load_full_state: the state dict does not fit the model: missing {missing[:5]}, "
                        f"unexpected {unexpected[:5]}")
-    names = params = None
+    names = params = source = None
     if optimizer is not None and optim_state is not None:
         names = optimizer_names(par.model, optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if len(optim_state["state"]) > len(params):
-            raise ValueError(f"load_full_state: the optimizer state holds {len(optim_state['state'])} parameters, "
-                             f"the optimizer {len(params)}")
+        saved_names = optim_state.get("param_names")
+        if saved_names is not None:
+            position = {n: i for i, n in enumerate(saved_names)}
+            absent = [n for n in names if n not in position]
+            if absent:
+                raise KeyError(f"load_full_state: the optimizer state has no entries for {absent[:5]}")
+            source = [position[n] for n in names]
+        elif getattr(par, "pipeline", None) is not None:
+            raise ValueError("load_full_state: a pipeline stage finds its optimizer entries by parameter name; this "
+                             "optimizer state dict has no 'param_names'")
+        else:
+            if len(optim_state["state"]) > len(params):
+                raise ValueError(f"load_full_state: the optimizer state holds {len(optim_state['state'])} parameters, "
+                                 f"the optimizer {len(params)}")
+            source = list(range(len(params)))
+        if len(optim_state["param_groups"]) != len(optimizer.param_groups):
+            raise ValueError(f"load_full_state: the optimizer state has {len(optim_state['param_groups'])} parameter "
+                             f"groups, the optimizer {len(optimizer.param_groups)}")
     # Every shape first: nothing is loaded unless everything fits.
     for name, t in own.items():
         _check_shape(name, model_state[name], tuple(t.shape), splits.get(name, []))
     if params is not None:
-        for index, entry in optim_state["state"].items():
-            i = int(index)
-            for k, v in entry.items():
+        for i, j in enumerate(source):
+            for k, v in optim_state["state"].get(j, {}).items():
                 if torch.is_tensor(v) and v.ndim > 0:
                     _check_shape(f"the optimizer's {k} of {names[i]}", v, tuple(params[i].shape),
                                  splits.get(names[i], []))
@@ -169,9 +228,12 @@ def load_full_state(par, optimizer: torch.optim.Optimizer | None, model_state: d
     if params is None:
         return
     state = {}
-    for index, entry in optim_state["state"].items():
-        i = int(index)
-        p = params[i]
-        state[index] = {k: (_place(_piece(v, splits.get(names[i], [])), p) if torch.is_tensor(v) and v.ndim > 0 else v)
-                        for k, v in entry.items()}
-    optimizer.load_state_dict({**optim_state, "state": state})
+    for i, j in enumerate(source):
+        if j in optim_state["state"]:
+            p = params[i]
+            state[i] = {k: (_place(_piece(v, splits.get(names[i], [])), p) if torch.is_tensor(v) and v.ndim > 0 else v)
+                        for k, v in optim_state["state"][j].items()}
+    own_groups = optimizer.state_dict()["param_groups"]
+    groups = [{**{k: v for k, v in saved.items() if k != "params"}, "params": mine["params"]}
+              for saved, mine in zip(optim_state["param_groups"], own_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

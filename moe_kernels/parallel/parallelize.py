@@ -74,6 +74,16 @@ class Parallelized:
     expert_modules: list = field(default_factory=list)  # the experts FSDP-sharded over edp (held once in all)
     pipeline: object = None  # Pipelined: this rank's stages and the schedule (pp > 1), else None
     stage_group: object = None  # the ranks of this rank's pipeline stage (pp > 1), else None (the world)
+    full_names: list = field(default_factory=list)  # the full model's state-dict names, in its order
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """The batch's cross-entropy (a forward only; with pp through the schedule, micro-batch by micro-batch),
+        equal on the ranks that share the batch."""
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(inputs, labels)
+        logits, _ = self.model(inputs)
+        return self.batch_loss(self.cross_entropy(logits, labels))
 
     def forward_backward(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
         """One batch's forward and backward on this rank: inputs and labels [B, S], the whole batch of this
@@ -207,6 +217,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         sharding = SequenceSharding(attention.get_group("cp") if C > 1 else None,
                                     attention.get_group("tp") if T > 1 else None, seq)
     pipeline = stage_group = None
+    full_names = list(model.state_dict().keys())
     if PP > 1:
         stage_group = init_device_mesh(device_type, (PP, stage_size), mesh_dim_names=("pp", "stage")).get_group("stage")
         modules, ids, num_stages = stage_modules(model, PP, attention.get_local_rank("pp"), stages_per_rank)
@@ -284,4 +295,5 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp, reshard_after_forward=not tied), whole_mesh)
     for root in (pipeline.modules if pipeline is not None else [model]):  # one FSDP root per stage module
         shard_split(root)
-    return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules, pipeline, stage_group)
+    return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules, pipeline, stage_group,
+                        full_names)

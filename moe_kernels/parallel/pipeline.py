@@ -228,6 +228,27 @@ class Pipelined:
         return out[0] / self.num_microbatches, out[1] / self.num_microbatches
 
     @torch.no_grad()
+    def evaluate(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """The batch's mean cross-entropy over its micro-batches, forward only; on every rank."""
+        B = inputs.shape[0]
+        if B % self.num_microbatches:
+            raise ValueError(f"Pipelined.evaluate: the batch of {B} sequences does not split into "
+                             f"num_microbatches={self.num_microbatches}")
+        self._build(inputs)
+        losses: list[Tensor] = []
+        args = (inputs,) if self.is_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
+        self.schedule.eval(*args, **kwargs)
+        for m in self.modules:
+            m.aux_values.clear()
+        device = self._device()
+        ce = torch.stack(losses).sum().float() if losses else torch.zeros((), device=device)
+        dist.all_reduce(ce, group=self.group)
+        if self.seq_group is not None:
+            dist.all_reduce(ce, group=self.seq_group)
+        return ce / self.num_microbatches
+
+    @torch.no_grad()
     def grad_norm(self) -> Tensor:
         device = next(self.modules[0].parameters()).device
         sq = torch.zeros((), device=device, dtype=torch.float32)

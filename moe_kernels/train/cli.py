@@ -51,7 +51,10 @@ def train(
     dp_replicate: int = typer.Option(1, help="Data-parallel replicas (HSDP with --dp-shard)."),
     tp: int = typer.Option(1, help="Tensor-parallel ranks (attention heads, dense layers; sequence parallel)."),
     cp: int = typer.Option(1, help="Context-parallel ranks (each holds part of every sequence)."),
-    pp: int = typer.Option(1, help="With --plan only: pipeline stages (training with pp is not implemented yet)."),
+    pp: int = typer.Option(1, help="Pipeline stages (consecutive layers; each stage's ranks shard it as above)."),
+    microbatches: Optional[int] = typer.Option(None, help="With --pp: micro-batches a step (default: --pp); each "
+                                               "holds batch-size / microbatches sequences."),
+    pp_schedule: str = typer.Option("1f1b", help="With --pp: 1f1b, gpipe or interleaved-1f1b (two stages a rank)."),
     etp: int = typer.Option(1, help="Expert tensor parallelism (each expert's ffn split over etp ranks)."),
     gpu_memory_gb: float = typer.Option(80.0, help="With --plan: the GPU memory the verdict compares with."),
     ep_backend: str = typer.Option("all_to_all", help="Token dispatch between expert-parallel ranks: all_to_all "
@@ -80,10 +83,9 @@ def train(
     if plan:
         _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb)
         raise typer.Exit()
-    if pp != 1 or world_size is not None:
-        raise typer.BadParameter(
-            "--pp and --world-size are for --plan only (training with pipeline parallelism is not implemented "
-            "yet; the world size is torchrun's)", param_hint="'--pp', '--world-size'")
+    if world_size is not None:
+        raise typer.BadParameter("--world-size is for --plan only (the world size is torchrun's)",
+                                 param_hint="'--world-size'")
     try:
         cfg = TrainConfig(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
@@ -91,7 +93,8 @@ def train(
             eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
-            dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp,
+            dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp, pp=pp, microbatches=microbatches,
+            pp_schedule=pp_schedule,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

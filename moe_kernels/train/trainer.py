@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
 from moe_kernels.parallel import apply_global_load_balancing
+from moe_kernels.parallel.full_state import optimizer_names
 from moe_kernels.quant import RECIPES
 import torch.distributed as dist
 
@@ -61,6 +62,9 @@ class TrainConfig:
     tp: int = 1
     cp: int = 1
     etp: int = 1
+    pp: int = 1  # pipeline stages (with a parallelize() layout)
+    microbatches: int | None = None  # the pipeline's micro-batches a step (None: pp; each a batch_size share)
+    pp_schedule: str = "1f1b"  # "1f1b", "gpipe" or "interleaved-1f1b" (two stages a rank)
     ep_backend: str = "all_to_all"  # token dispatch between the expert-parallel ranks (moe_kernels.dispatch)
     global_load_balancing: bool = False  # under torchrun: the aux loss's expert frequencies over all ranks
 
@@ -82,9 +86,17 @@ class TrainConfig:
         if self.ep_backend != "all_to_all" and self.expert_parallel == 1:
             raise ValueError(f"ep_backend={self.ep_backend!r} moves tokens between expert-parallel ranks: "
                              "it needs expert_parallel > 1")
-        for name in ("dp_replicate", "tp", "cp", "etp"):
+        for name in ("dp_replicate", "tp", "cp", "etp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        from moe_kernels.parallel.pipeline import SCHEDULES
+
+        if self.pp_schedule not in SCHEDULES:
+            raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; choose from {list(SCHEDULES)}")
+        if self.pp == 1 and (self.microbatches is not None or self.pp_schedule != "1f1b"):
+            raise ValueError("microbatches and pp_schedule are for pipeline parallelism (pp > 1)")
+        if self.pp > 1 and self.batch_size % self.num_microbatches:
+            raise ValueError(f"batch_size {self.batch_size} must split into {self.num_microbatches} micro-batches")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ValueError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.precision not in RECIPES:
@@ -95,13 +107,18 @@ class TrainConfig:
     @property
     def sharded(self) -> bool:
         """Trains through parallelize() (a layout beyond replicated data + expert parallelism)."""
-        return self.dp_shard is not None or self.dp_replicate > 1 or self.tp > 1 or self.cp > 1 or self.etp > 1
+        return (self.dp_shard is not None or self.dp_replicate > 1 or self.tp > 1 or self.cp > 1 or self.etp > 1
+                or self.pp > 1)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.microbatches if self.microbatches is not None else self.pp
 
     def parallel_config(self):
         from moe_kernels.parallel.layout import ParallelConfig
 
         return ParallelConfig(dp_shard=self.dp_shard, dp_replicate=self.dp_replicate, tp=self.tp, cp=self.cp,
-                              ep=self.expert_parallel, etp=self.etp)
+                              pp=self.pp, ep=self.expert_parallel, etp=self.etp)
 
 
 # Settings that a checkpoint's weights, optimizer state and batch stream belong to: resuming with other
@@ -166,8 +183,8 @@ class Trainer:
         self._seed_everything(cfg.seed)
         tokens, vocab = load_tokens(cfg.data)
         rank, world = (0, 1) if self.par is None else (self.par.rank, self.par.world)
-        if layout is not None:  # the cp x tp ranks of one batch read the same batch
-            rank, world = rank // (layout.cp * layout.tp), layout.dp_replicate * layout.dp_shard
+        if layout is not None:  # the cp x tp ranks of one batch (in every pipeline stage) read the same batch
+            rank, world = (rank % (world // layout.pp)) // (layout.cp * layout.tp), layout.dp_replicate * layout.dp_shard
         self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=rank, world=world)
         self.data_fingerprint = fingerprint(tokens, vocab)
         overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
@@ -185,10 +202,16 @@ class Trainer:
             from moe_kernels.parallel.parallelize import parallelize
 
             tokens_per_rank = cfg.batch_size * cfg.seq_len // (layout.cp * layout.tp)
+            if layout.pp > 1:  # the dispatcher sees one micro-batch at a time
+                tokens_per_rank //= cfg.num_microbatches
+            pipeline = dict(num_microbatches=cfg.num_microbatches, schedule=cfg.pp_schedule,
+                            stages_per_rank=2 if cfg.pp_schedule == "interleaved-1f1b" else 1) if layout.pp > 1 else {}
             self.parallelized = parallelize(self.model, layout, self.device, ep_backend=cfg.ep_backend,
-                                            max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None)
-            if cfg.global_load_balancing:
-                apply_global_load_balancing(self.model)
+                                            max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None,
+                                            **pipeline)
+            self.model = self.parallelized.model  # with pp: this rank's stages, under the full model's names
+            if cfg.global_load_balancing:  # over the ranks that run the same layers
+                apply_global_load_balancing(self.model, self.parallelized.stage_group)
         elif self.par is not None:
             # The nvlink backend's buffers hold one micro-batch of this rank's tokens.
             distributed.shard_model(self.model, self.par, cfg.ep_backend, cfg.batch_size * cfg.seq_len)
@@ -218,17 +241,8 @@ class Trainer:
         with self._autocast():
             logits, aux = self.model(inputs.to(self.device, non_blocking=True))
         targets = targets.to(self.device, non_blocking=True)
-        if self.parallelized is not None:  # this rank's shares of the batch's losses
-            return self.parallelized.cross_entropy(logits.float(), targets), aux.float()
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, aux.float()
-
-    def _batch_mean(self, values: torch.Tensor) -> torch.Tensor:
-        """The mean over the step's batches of each batch's value, from this rank's values (shares with a
-        parallelize() layout)."""
-        if self.parallelized is not None:
-            values = self.parallelized.batch_loss(values)  # every rank of a batch then holds the batch's
-        return distributed.mean_over_ranks(values)
 
     def num_parameters(self) -> int:
         """Of the full model."""
@@ -254,12 +268,14 @@ class Trainer:
         None), expert shards gathered."""
         if self.par is None:
             model_state, optimizer_state = self.model.state_dict(), self.optimizer.state_dict()
+            optimizer_state["param_names"] = optimizer_names(self.model, self.optimizer)
         else:
             full = (self.parallelized.full_state(self.optimizer) if self.parallelized is not None else
                     distributed.full_state(self.model, self.optimizer, self.par))
             if full is None:
                 return None
             model_state, optimizer_state = full
+            optimizer_state.setdefault("param_names", optimizer_names(self.model, self.optimizer))
         return {
             "step": self.step,
             "model": model_state,
@@ -353,21 +369,30 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
+        if self.parallelized is not None:  # each batch's loss, equal on its ranks; the mean over batches below
+            with self._autocast():
+                losses = [self.parallelized.evaluate(x.to(self.device), y.to(self.device))
+                          for x, y in self.data.eval_batches(self.cfg.eval_batches)]
+        else:
+            losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
         self.model.train()
         loss = torch.stack(losses).mean()
-        return float(loss if self.par is None else self._batch_mean(loss))
+        return float(loss if self.par is None else distributed.mean_over_ranks(loss))
 
     def train_step(self) -> dict:
         inputs, targets = self.data.batch(self.step)
-        loss, aux = self._loss(inputs, targets)
-        (loss + aux).backward()
+        if self.parallelized is not None:  # the batch's losses (with pp: the mean over its micro-batches)
+            with self._autocast():
+                loss, aux = self.parallelized.forward_backward(inputs.to(self.device), targets.to(self.device))
+        else:
+            loss, aux = self._loss(inputs, targets)
+            (loss + aux).backward()
         if self.par is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         elif self.parallelized is not None:  # FSDP reduced the gradients; the norm is over every mesh
             grad_norm = self.parallelized.clip_grad_norm_(self.cfg.grad_clip)
             self.parallelized.reduce_expert_counts()
-            loss, aux = self._batch_mean(torch.stack([loss.detach(), aux.detach()]))
+            loss, aux = distributed.mean_over_ranks(torch.stack([loss.detach(), aux.detach()]))
         else:  # the step's loss is the mean of the ranks' losses; expert-bias counts summed too
             distributed.reduce_gradients(self.model, self.par)
             grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip, self.par)

@@ -94,7 +94,13 @@ def test_cli_plan_impossible_layouts_exit_nonzero_with_the_reason(tmp_path):
     def said(r) -> str:  # the error box's text on one line (rich wraps it to the terminal's width)
         return " ".join(r.output.replace("│", " ").split())
 
-    r = CliRunner().invoke(app, ["--pp", "2", "--out", str(tmp_path / "a")])  # training: no pipeline stages yet
-    assert r.exit_code != 0 and "--pp and --world-size are for --plan only" in said(r)
+    r = CliRunner().invoke(app, ["--world-size", "4", "--out", str(tmp_path / "a")])  # training: torchrun's world
+    assert r.exit_code != 0 and "--world-size is for --plan only" in said(r)
+    r = CliRunner().invoke(app, ["--pp", "2", "--steps", "1", "--out", str(tmp_path / "a")])  # one process, pp 2
+    assert r.exit_code != 0 and "is not a multiple of pp*dp_replicate*cp*tp = 2*1*1*1 = 2" in said(r)
+    r = CliRunner().invoke(app, ["--microbatches", "2", "--out", str(tmp_path / "a")])
+    assert r.exit_code != 0 and "microbatches and pp_schedule are for pipeline parallelism" in said(r)
+    r = CliRunner().invoke(app, ["--pp", "2", "--batch-size", "3", "--out", str(tmp_path / "a")])
+    assert r.exit_code != 0 and "batch_size 3 must split into 2 micro-batches" in said(r)
     r = CliRunner().invoke(app, ["--tp", "2", "--steps", "1", "--out", str(tmp_path / "b")])  # one process, tp 2
     assert r.exit_code != 0 and "is not a multiple of pp*dp_replicate*cp*tp = 1*1*1*2 = 2" in said(r)
