@@ -6,6 +6,9 @@ its own shards, and a checkpoint saved under one layout loads under any other (F
     load_sharded(par, optimizer, "ckpt/step_100")          # into a model parallelized the same way or not
     load_sharded(model, None, "ckpt/step_100")             # one process, no process group: the full model
 
+With pipeline parallelism each rank writes its stages' tensors (under the full model's names), so a
+checkpoint of pipeline stages loads under a layout without them and the other way round.
+
 What a checkpoint holds: every parameter (and its optimizer states) under the unsplit model's name, as one
 global tensor of the unsplit model's shape, each rank's shard placed in it. The tensor-parallel slices,
 the experts of an ep rank and their etp slices are plain local tensors in the model (tensor_parallel,
@@ -89,17 +92,16 @@ class _Meshes:
         self.sizes.append(sizes)
         self.device_types.append(device_type)
 
-    def build(self) -> None:
+    def build(self, group=None) -> None:
+        """group: the ranks that hold the same tensors (a pipeline stage's; None: the world)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        if not self.keys:
-            return
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, self.coords)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, self.coords, group=group)
         for i, k in enumerate(self.keys):
             ranks = torch.full(self.sizes[i], -1, dtype=torch.int64)
             for r, coords in enumerate(everyone):
-                ranks[tuple(coords[i])] = r
+                ranks[tuple(coords[i])] = r if group is None else dist.get_global_rank(group, r)
             if ranks.numel() != len(everyone) or bool((ranks < 0).any()):
                 raise RuntimeError(f"sharded checkpoints: the split groups and FSDP mesh (sizes {self.sizes[i]}) do "
                                    f"not tile the {len(everyone)} ranks")
@@ -176,8 +178,8 @@ def _state(par, optimizer) -> tuple[dict, dict]:
         if splits.get(name):
             meshes.need(splits[name], t.device_mesh if _is_dtensor(t) else None,
                         (t.to_local() if _is_dtensor(t) else t).device.type)
-    if distributed:
-        meshes.build()
+    if distributed and splits:  # (every rank of a stage has splits, or none has)
+        meshes.build(getattr(par, "stage_group", None))
     views = {"model": dict(model_sd)}
     if optimizer is not None:
         views["optim"] = {**optim_sd, "state": {n: dict(e) for n, e in optim_sd["state"].items()}}

@@ -304,6 +304,9 @@ def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: st
                          "'interleaved-1f1b' only, which needs at least 2")
     if num_microbatches < 1:
         raise ValueError(f"apply_pipeline_parallel: num_microbatches must be >= 1, got {num_microbatches}")
+    if schedule == "1f1b" and num_microbatches < P:
+        raise ValueError(f"apply_pipeline_parallel: 1F1B needs num_microbatches={num_microbatches} >= the {P} pipeline "
+                         "stages (GPipe takes fewer)")
     if schedule == "interleaved-1f1b" and num_microbatches % P:
         raise ValueError(f"apply_pipeline_parallel: the interleaved schedule needs num_microbatches="
                          f"{num_microbatches} to be a multiple of the {P} pipeline ranks")

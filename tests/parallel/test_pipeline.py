@@ -70,6 +70,8 @@ def _worker(rank, P):
         apply_pipeline_parallel(model, num_microbatches=2, schedule="zb")
     with pytest.raises(ValueError, match="2 layers do not fill 4 stages"):
         apply_pipeline_parallel(model, num_microbatches=2, schedule="interleaved-1f1b", stages_per_rank=2)
+    with pytest.raises(ValueError, match="1F1B needs num_microbatches=1 >= the 2 pipeline stages"):
+        apply_pipeline_parallel(model, num_microbatches=1)
     with pytest.raises(NotImplementedError, match="tied embeddings"):
         apply_pipeline_parallel(build_model(PRESETS["tiny-qwen3-moe"](tie_embeddings=True)), num_microbatches=2)
     pipe = apply_pipeline_parallel(model, num_microbatches=3)

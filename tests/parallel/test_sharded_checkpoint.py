@@ -56,11 +56,12 @@ def _worker(rank, P, tmp):
     for n, p in _params(other).items():
         torch.testing.assert_close(p, _params(straight)[n], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {n}")
 
-    # Split layouts: attention TP 2 x FSDP 2 with experts EP 2 x ETP 2, and CP 2 x FSDP 2 with experts EP 4.
-    _split_layouts(rank, tmp, dict(tp=2, ep=2, etp=2), dict(cp=2, ep=4))
+    # Split layouts: attention TP 2 x FSDP 2 with experts EP 2 x ETP 2, CP 2 x FSDP 2 with experts EP 4, and
+    # pipeline stages (PP 2, each FSDP 2 with experts EP 2).
+    _split_layouts(rank, tmp, dict(tp=2, ep=2, etp=2), dict(cp=2, ep=4), dict(pp=2, ep=2))
 
 
-MODEL = dict(num_experts=8, num_layers=1)
+MODEL = dict(num_experts=8, num_layers=2)
 
 
 def _split_par(layout, seed):
@@ -68,7 +69,9 @@ def _split_par(layout, seed):
     from moe_kernels.parallel import ParallelConfig, parallelize
 
     torch.manual_seed(seed)
-    par = parallelize(build_model(PRESETS["tiny-qwen3-moe"](**MODEL)), ParallelConfig(**layout))
+    # With pp: one micro-batch a step, the objective of the layouts without pipeline stages.
+    pipeline = dict(num_microbatches=1, schedule="gpipe") if layout.get("pp", 1) > 1 else {}
+    par = parallelize(build_model(PRESETS["tiny-qwen3-moe"](**MODEL)), ParallelConfig(**layout), **pipeline)
     return par, torch.optim.AdamW(par.model.parameters(), lr=1e-2)
 
 
@@ -77,14 +80,23 @@ def _split_steps(par, opt, first, steps):
 
     losses = []
     for step in range(first, first + steps):
-        ids = _batch(step, dist.get_rank() // (par.layout.cp * par.layout.tp), par.model.config.vocab_size)
-        logits, aux = par.model(ids[:, :-1])
-        share = par.cross_entropy(logits, ids[:, 1:]) + aux
-        share.backward()
+        stage_rank = dist.get_rank() % (dist.get_world_size() // par.layout.pp)
+        ids = _batch(step, stage_rank // (par.layout.cp * par.layout.tp), par.model.config.vocab_size)
+        ce, aux = par.forward_backward(ids[:, :-1], ids[:, 1:])
         opt.step()
         opt.zero_grad()
-        losses.append(par.batch_loss(share))
+        losses.append(ce + aux)
     return losses
+
+
+def _step_mean(loss):
+    """The step's loss: the mean over the ranks of their batches' losses (the layouts map ranks to batches
+    differently)."""
+    import torch.distributed as dist
+
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
 
 
 def _same(got, want, what):
@@ -102,9 +114,9 @@ def _same(got, want, what):
                 assert torch.equal(torch.as_tensor(go["state"][i][k]), torch.as_tensor(v)), f"{what}: state {i} {k}"
 
 
-def _split_layouts(rank, tmp, A, B):
+def _split_layouts(rank, tmp, A, B, C=None):
     """Saved under layout A, loaded under A and under B (both train on 2 batches a step, so B's first step
-    after loading A's checkpoint equals A's)."""
+    after loading A's checkpoint equals A's); then under C, which saves it again for A."""
     from moe_kernels.parallel.checkpoint import load_sharded, save_sharded
 
     par, opt = _split_par(A, 0)
@@ -127,8 +139,22 @@ def _split_layouts(rank, tmp, A, B):
     other, other_opt = _split_par(B, 1)
     load_sharded(other, other_opt, f"{tmp}/split")
     _same(other.full_state(other_opt), saved, f"rank {rank}: loaded under {B}")
-    torch.testing.assert_close(_split_steps(other, other_opt, 2, 1)[0], straight[0], rtol=1e-5, atol=1e-6,
-                               msg=f"rank {rank}: the first loss after resharding to {B}")
+    torch.testing.assert_close(_step_mean(_split_steps(other, other_opt, 2, 1)[0]), _step_mean(straight[0]),
+                               rtol=1e-5, atol=1e-6, msg=f"rank {rank}: the first loss after resharding to {B}")
+    if C is None:
+        return
+    # C loads A's checkpoint and saves its own, which A loads back: both bit for bit.
+    third, third_opt = _split_par(C, 1)
+    load_sharded(third, third_opt, f"{tmp}/split")
+    _same(third.full_state(third_opt), saved, f"rank {rank}: loaded under {C}")
+    torch.testing.assert_close(_step_mean(_split_steps(third, third_opt, 2, 1)[0]), _step_mean(straight[0]),
+                               rtol=1e-5, atol=1e-6, msg=f"rank {rank}: the first loss after resharding to {C}")
+    third, third_opt = _split_par(C, 1)
+    load_sharded(third, third_opt, f"{tmp}/split")
+    save_sharded(third, third_opt, f"{tmp}/split_c")
+    back, back_opt = _split_par(A, 2)
+    load_sharded(back, back_opt, f"{tmp}/split_c")
+    _same(back.full_state(back_opt), saved, f"rank {rank}: saved under {C}, loaded under {A}")
 
 
 def test_sharded_checkpoint_resumes_and_reshards(tmp_path):
