@@ -145,6 +145,18 @@ class Parallelized:
 
         return full_state(self, optimizer)
 
+    def full_model(self) -> nn.Module | None:
+        """The full model in one process (on rank 0's CPU, built on the meta device and given the gathered
+        tensors; None on the other ranks), e.g. for moe_kernels.models.save_hf_checkpoint; every rank calls it."""
+        full = self.full_state(None)
+        if full is None:
+            return None
+        from moe_kernels.models import build_model
+
+        model = build_model(self.model.config, device="meta")
+        model.load_state_dict(full[0], assign=True)
+        return model
+
     def load_full_state(self, model_state: dict, optimizer: torch.optim.Optimizer | None = None,
                         optim_state: dict | None = None) -> None:
         """Loads full (one-process) state dicts, each rank keeping its pieces; every rank calls it."""

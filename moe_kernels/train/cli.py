@@ -62,6 +62,8 @@ def train(
                                    "(our kernels over peer GPU buffers within one node, no host sync)."),
     global_load_balancing: bool = typer.Option(False, help="Under torchrun: the load-balancing loss counts "
                                                "experts over the global batch (Qwen's global-batch balancing)."),
+    export_hf: Optional[Path] = typer.Option(None, help="After training, write the full model (gathered from any "
+                                             "layout) as a transformers checkpoint (config.json + safetensors) here."),
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
 ) -> None:
     from moe_kernels.models import PRESETS
@@ -114,6 +116,10 @@ def train(
         raise typer.BadParameter(str(exc)) from exc
     try:
         _start(trainer, cfg, console, out, checkpoints, resume, overwrite)
+        if export_hf is not None:
+            trainer.export_hf(export_hf)
+            if trainer.is_main:
+                print(f"wrote a transformers checkpoint to {export_hf}")
     finally:
         trainer.close()
 

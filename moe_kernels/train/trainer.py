@@ -338,6 +338,33 @@ class Trainer:
         self.echo(f"resumed from {path} at step {self.step}")
         return True
 
+    def export_hf(self, path: str | Path) -> Path:
+        """Writes the full model as a transformers checkpoint (config.json + safetensors) on rank 0, gathered
+        from any layout; under torchrun every rank calls it."""
+        from moe_kernels.models import save_hf_checkpoint
+
+        if self.par is None:
+            model = self.model
+        elif self.parallelized is not None:
+            model = self.parallelized.full_model()
+        else:
+            full = distributed.full_state(self.model, self.optimizer, self.par)
+            model = None
+            if full is not None:
+                model = build_model(self.model_config, device="meta")
+                model.load_state_dict(full[0], assign=True)
+        error = None
+        if model is not None:
+            try:
+                save_hf_checkpoint(model, path)
+            except Exception as exc:  # every rank stops, not rank 0 alone
+                error = exc
+        if self.par is not None and not distributed.all_ranks_ok(error is None, self.device):
+            raise RuntimeError(f"writing the transformers checkpoint {path} failed on rank 0") from error
+        if error is not None:
+            raise error
+        return Path(path)
+
     def check_resumable(self, path: Path, state: dict) -> None:
         """Raises ResumeMismatchError listing the RESUME_FIELDS whose saved values differ from this run's.
         The data are compared by content when the checkpoint has their fingerprint, so a moved file

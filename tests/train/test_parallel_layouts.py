@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from moe_kernels.train.trainer import TrainConfig, Trainer
 from tests.distributed import run_world
@@ -54,10 +55,11 @@ def _worker(rank, world, tmp: str):
 
     r = CliRunner().invoke(app, ["--tp", "2", "--ep", "2", "--etp", "2", "--steps", "2", "--batch-size", "4",
                                  "--seq-len", "32", "--num-layers", "1", "--device", "cpu", "--log-every", "1",
-                                 "--out", str(tmp / "cli")])
+                                 "--out", str(tmp / "cli"), "--export-hf", str(tmp / "cli_hf")])
     assert r.exit_code == 0, r.output
     if rank == 0:
         assert "dp_shard 2 x cp 1 x tp 2; experts pp 1 x edp 1 x ep 2 x etp 2" in r.output and "done: eval loss" in r.output
+        assert f"wrote a transformers checkpoint to {tmp / 'cli_hf'}" in r.output
         (tmp / "records.json").write_text(json.dumps({"dp": dp, "straight": straight, "resumed": again}))
 
 
@@ -79,6 +81,19 @@ def test_trainer_on_a_folded_layout(tmp_path):
     assert one.resume(tmp_path / "layout" / "checkpoints" / "step_0000004.pt") and one.step == 4
     final_eval = [r for r in records["straight"] if r["kind"] == "eval"][-1]
     assert one.evaluate() == pytest.approx(final_eval["loss"], rel=1e-5)
+    # The command line's --export-hf: the layout's final model as a transformers checkpoint.
+    _same_as_hf(tmp_path / "cli" / "checkpoints" / "step_0000002.pt", tmp_path / "cli_hf")
+
+
+def _same_as_hf(checkpoint_path, hf_dir):
+    from moe_kernels.models import load_hf_checkpoint
+    from moe_kernels.train import checkpoint
+
+    want = checkpoint.load(checkpoint_path)["model"]
+    got = load_hf_checkpoint(hf_dir).state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
 
 
 # Pipeline stages: 2 stages of 1 layer, each TP 2 with experts EP 2; the step's 8 sequences in 2 micro-batches.
@@ -93,6 +108,7 @@ def _pp_worker(rank, world, tmp: str):
     trainer = Trainer(cfg, echo=_quiet)
     assert trainer.data.world == 1 and trainer.data.rank == 0
     straight = trainer.train()
+    trainer.export_hf(tmp / "pp_hf")  # gathered from the stages
     resumed = Trainer(cfg, echo=_quiet)
     assert resumed.resume(tmp / "pp" / "checkpoints" / "step_0000002.pt") and resumed.step == 2
     again = resumed.train()
@@ -129,3 +145,4 @@ def test_trainer_with_pipeline_stages(tmp_path):
     assert sorted(saved["state"]) == list(range(len(params)))
     for i, p in enumerate(params):
         assert saved["state"][i]["exp_avg"].shape == p.shape
+    _same_as_hf(tmp_path / "pp" / "checkpoints" / "step_0000004.pt", tmp_path / "pp_hf")
