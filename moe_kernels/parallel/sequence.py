@@ -111,10 +111,10 @@ def check_sequence_parallel(model: nn.Module, tp: int) -> None:
                              "sequences; use the default backend with tp or cp > 1")
     for block in blocks_of(model):
         attn = block.self_attn
-        if not hasattr(attn, "mla") and (attn.num_heads % tp or attn.num_kv_heads % tp):
-            raise NotImplementedError(
-                f"parallelize: tp={tp} must divide the {attn.num_heads} query and the {attn.num_kv_heads} key/value "
-                "heads (key/value heads replicated over the ranks are not supported)")
+        if not hasattr(attn, "mla") and (attn.num_heads % tp or (attn.num_kv_heads % tp and tp % attn.num_kv_heads)):
+            raise ValueError(
+                f"parallelize: tp={tp} must divide the {attn.num_heads} query heads, and tp and the "
+                f"{attn.num_kv_heads} key/value heads must divide one another")
         if not isinstance(block.mlp, MoELayer) and block.mlp.gate_proj.out_features % tp:
             raise ValueError(f"parallelize: tp={tp} must divide the dense ffn size {block.mlp.gate_proj.out_features}")
 

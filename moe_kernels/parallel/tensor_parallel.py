@@ -18,7 +18,8 @@ right ranks:
   split       the column and row slices above: each rank holds other values, the gradient of its slice is
               complete (the all-gather / reduce-scatter pair sums every rank's part in the backward);
   replicated  everything else (norms, Qwen3's q/k norms, MLA's latent projections and norms, routers, shared
-              experts, embeddings, lm_head): equal on every rank, each rank's gradient only its chunk's (or its
+              experts, embeddings, lm_head; the key/value projections when there are fewer key/value heads
+              than ranks, each rank then keeping the one head its query heads read): equal on every rank, each rank's gradient only its chunk's (or its
               heads') part, summed over the group.
 The autograd functions below are Megatron-LM's pair: the all-gather's backward is a reduce-scatter and the
 reduce-scatter's backward an all-gather. Plain local tensors (no DTensor): the MoE layer's custom ops and
@@ -124,6 +125,17 @@ def _scatter_output(group):
     return hook
 
 
+def _one_head(head: int, D: int):
+    """Keeps one head's features of a projection's output (the key/value head of this rank's query heads when
+    there are fewer key/value heads than ranks: the projection is held whole, its gradient summed over the
+    ranks, each of which used one head)."""
+
+    def hook(module, args, out):
+        return out[..., head * D : (head + 1) * D]
+
+    return hook
+
+
 def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
     """Heads split over the ranks; returns the replicated submodules (their gradients are partial)."""
     replicated = []
@@ -138,10 +150,18 @@ def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
         attn.num_heads //= n
     else:
         nh, nkv = attn.num_heads, attn.num_kv_heads
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
-            _columns(proj, n, r)
+        _columns(attn.q_proj, n, r)
+        if nkv % n == 0:
+            for proj in (attn.k_proj, attn.v_proj):
+                _columns(proj, n, r)
+            attn.num_kv_heads = nkv // n
+        else:  # n % nkv == 0: this rank's query heads share key/value head r * nkv / n
+            for proj in (attn.k_proj, attn.v_proj):
+                proj.register_forward_hook(_one_head(r * nkv // n, attn.head_dim))
+                replicated.append(proj)
+            attn.num_kv_heads = 1
         replicated += [m for m in (attn.q_norm, attn.k_norm) if m is not None]
-        attn.num_heads, attn.num_kv_heads = nh // n, nkv // n
+        attn.num_heads = nh // n
     _rows(attn.o_proj, n, r)
     return replicated
 

@@ -111,6 +111,8 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=
 
 @pytest.mark.parametrize("family,layout,model_kw", [
     ("tiny-qwen3-moe", dict(tp=2), {}),  # TP 2 x FSDP 2 (q/k norms held whole); experts FSDP over all 4 ranks
+    # TP 4 over 2 key/value heads: each pair of ranks reads one head of the k/v projections, held whole
+    ("tiny-qwen3-moe", dict(tp=4), {}),
     # folded: attention TP 2 x DP 2 (MLA, a dense layer, shared experts, sequence-wise aux loss), experts EP 4
     ("tiny-deepseek-v3", dict(tp=2, ep=4), {}),
     ("tiny-mixtral", dict(tp=2, ep=2), dict(z_loss_coeff=1e-2)),  # experts EP 2 over each tp pair; z-loss
@@ -125,7 +127,7 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=
     ("tiny-deepseek-v3", dict(cp=2, ep=2, etp=2), {}),
     # attention TP 2 x FSDP 2; every expert split over each tp pair
     pytest.param("tiny-qwen3-moe", dict(tp=2, etp=2), {}, marks=pytest.mark.extended),
-], ids=["qwen3-tp2", "deepseek-tp2-ep4", "mixtral-tp2-ep2", "qwen3-tp2-hsdp2", "qwen3-cp2", "deepseek-cp2-ep2",
+], ids=["qwen3-tp2", "qwen3-tp4-kv2", "deepseek-tp2-ep4", "mixtral-tp2-ep2", "qwen3-tp2-hsdp2", "qwen3-cp2", "deepseek-cp2-ep2",
         "mixtral-cp2-tp2", "mixtral-ep2-etp2", "deepseek-cp2-ep2-etp2", "qwen3-tp2-etp2"])
 def test_tensor_parallel_training_equals_one_process(family, layout, model_kw):
     run_world(_worker, 4, family, layout, 2, model_kw, False)
@@ -145,8 +147,8 @@ def test_tensor_parallel_with_global_batch_balancing():
 def _worker_refuses(rank, P):
     from moe_kernels.parallel.parallelize import parallelize
 
-    with pytest.raises(NotImplementedError, match="4 query and the 2 key/value heads"):
-        parallelize(build_model(PRESETS["tiny-qwen3-moe"]()), ParallelConfig(tp=4))
+    with pytest.raises(ValueError, match="the 3 key/value heads must divide one another"):
+        parallelize(build_model(PRESETS["tiny-qwen3-moe"](num_heads=12, num_kv_heads=3)), ParallelConfig(tp=4))
     with pytest.raises(ValueError, match="tp=4 must divide the 2 attention heads"):
         parallelize(build_model(PRESETS["tiny-qwen3-moe"](num_heads=2, num_kv_heads=2)), ParallelConfig(tp=4))
     with pytest.raises(ValueError, match="torch-native MoE backend"):
