@@ -11,16 +11,20 @@ rank that owns the position (a reduce-scatter).
 With tensor parallelism as well, the tp ranks of one cp rank first join their sequence-parallel pieces
 (tensor_parallel's all-gather), so the attention sees the cp rank's S / cp tokens and its 1/tp of the heads.
 
-The masked attention takes PyTorch's scaled_dot_product_attention with an explicit mask (not its
-flash-attention path); a ring or a fused kernel would be faster on long sequences.
+Each of the rank's two chunks attends to the gathered keys up to its own end under a causal mask aligned at
+the lower right (torch.nn.attention.bias.causal_lower_right): two fused causal attention calls (flash or
+memory-efficient on a GPU), no [S/cp, S] mask tensor. The keys are gathered whole (Llama 3's all-gather
+variant); a ring would overlap the exchange with the computation.
 """
 
 from __future__ import annotations
 
 from functools import partial
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.bias import causal_lower_right
 
 from moe_kernels.parallel.sequence import SequenceSharding, blocks_of
 from moe_kernels.parallel.tensor_parallel import gather_sequence
@@ -33,10 +37,18 @@ def _context_parallel_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, *
     order = sharding.cp_order(S, q.device)
     k = gather_sequence(k, sharding.cp_group, dim=2).index_select(2, order)
     v = gather_sequence(v, sharding.cp_group, dim=2).index_select(2, order)
-    if k.shape[1] != q.shape[1]:  # grouped-query: whole heads, so a masked call can take a fused kernel
+    if k.shape[1] != q.shape[1]:  # grouped-query: whole heads (the lower-right causal kernels take no GQA)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=sharding.cp_causal_mask(S, q.device), scale=scale)
+    # The rank's two chunks: chunk j (positions [j n, (j+1) n)) sees the keys before its end, causally aligned at
+    # the lower right: one fused causal attention each, no mask tensor.
+    n = S // (2 * sharding.cp)
+    out = []
+    for part, j in ((q[:, :, :n], sharding.cp_rank), (q[:, :, n:], 2 * sharding.cp - 1 - sharding.cp_rank)):
+        end = (j + 1) * n
+        out.append(F.scaled_dot_product_attention(part, k[:, :, :end], v[:, :, :end], attn_mask=causal_lower_right(n, end),
+                                                  scale=scale))
+    return torch.cat(out, dim=2)
 
 
 def apply_context_parallel(model: nn.Module, sharding: SequenceSharding) -> None:

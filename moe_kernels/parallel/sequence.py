@@ -38,7 +38,7 @@ class SequenceSharding:
 
     def _cached(self, key: tuple, make):
         """Per (what, length, device): every layer asks for the same tensors in every forward. One length
-        and device kept per kind (the mask is [S/cp, S]: large for long sequences)."""
+        and device kept per kind."""
         held = self._cache.get(key[0])
         if held is None or held[0] != key:
             held = self._cache[key[0]] = (key, make())
@@ -70,11 +70,6 @@ class SequenceSharding:
         keys indexed by this are in positional order."""
         return self._cached(("order", S, str(device)), lambda: torch.argsort(
             torch.cat([self._positions_of(c, S) for c in range(self.cp)])).to(device))
-
-    def cp_causal_mask(self, S: int, device=None) -> Tensor:
-        """[S/cp, S] bool: this rank's queries (its positions) may see the keys at or before them."""
-        return self._cached(("mask", S, str(device)), lambda: self.cp_positions(S, device)[:, None]
-                            >= torch.arange(S, device=device)[None, :])
 
     def local(self, t: Tensor, dim: int = 1) -> Tensor:
         """This rank's tokens of a batch tensor ([B, S, ...] along `dim`): what its logits cover."""
