@@ -7,7 +7,9 @@ its own shards, and a checkpoint saved under one layout loads under any other (F
     load_sharded(model, None, "ckpt/step_100")             # one process, no process group: the full model
 
 With pipeline parallelism each rank writes its stages' tensors (under the full model's names), so a
-checkpoint of pipeline stages loads under a layout without them and the other way round.
+checkpoint of pipeline stages loads under any layout, with or without them, and the other way round. The
+optimizer's parameter groups are stored by their settings (lr, betas, ...), each rank keeping its own
+parameter lists.
 
 What a checkpoint holds: every parameter (and its optimizer states) under the unsplit model's name, as one
 global tensor of the unsplit model's shape, each rank's shard placed in it. The tensor-parallel slices,
@@ -182,7 +184,10 @@ def _state(par, optimizer) -> tuple[dict, dict]:
         meshes.build(getattr(par, "stage_group", None))
     views = {"model": dict(model_sd)}
     if optimizer is not None:
-        views["optim"] = {**optim_sd, "state": {n: dict(e) for n, e in optim_sd["state"].items()}}
+        # The groups' settings without their parameter lists: those differ between pipeline stages, and DCP
+        # keeps one rank's copy of a non-tensor entry. Every rank keeps its own lists (get_state_dict's).
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in optim_sd["param_groups"]]
+        views["optim"] = {"state": {n: dict(e) for n, e in optim_sd["state"].items()}, "param_groups": groups}
     for container, key, name, t in items:
         target = views["model"] if container is model_sd else views["optim"]["state"][name]
         target[key] = _global_view(t, splits.get(name, []), name in gate_up, meshes)
@@ -206,5 +211,8 @@ def load_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path)
 
     state, views = _state(par, optimizer)
     dcp.load(views, checkpoint_id=str(path))  # into the views: the state dicts' own storage
+    if optimizer is not None:  # the loaded settings (lr, betas, ...) with this rank's parameter lists
+        for own, loaded in zip(state["optim"]["param_groups"], views["optim"]["param_groups"]):
+            own.update({k: v for k, v in loaded.items() if k != "params"})
     set_state_dict(_model_of(par), optimizer if optimizer is not None else [], model_state_dict=state["model"],
                    optim_state_dict=state.get("optim", {}))

@@ -141,9 +141,68 @@ def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict
     pipeline = getattr(par, "pipeline", None)
     if pipeline is None:
         return model_state, optim_state
-    parts = [None] * dist.get_world_size(pipeline.group) if dist.get_rank() == 0 else None
-    dist.gather_object((model_state, optim_state), parts, dst=0, group=pipeline.group)
-    return _merge_stages(parts, par.full_names) if dist.get_rank() == 0 else None
+    # The stages' first ranks send their parts to rank 0 one stage at a time, tensor by tensor (through the
+    # device for NCCL: one tensor there at a time, not a pickled stage).
+    group, device = pipeline.group, _device_of(par.model)
+    if dist.get_rank() != 0:
+        _send_part((model_state, optim_state), 0, group, device)
+        return None
+    parts = [(model_state, optim_state)]
+    for s in range(1, dist.get_world_size(group)):
+        parts.append(_recv_part(dist.get_global_rank(group, s), group, device))
+    return _merge_stages(parts, par.full_names)
+
+
+class _Slot:
+    """A tensor's place in a part's skeleton (sent as an object; the tensor follows on its own)."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = tuple(shape), dtype
+
+
+def _walk(x, leaf):
+    if isinstance(x, dict):
+        return {k: _walk(v, leaf) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_walk(v, leaf) for v in x)
+    return leaf(x)
+
+
+def _object_device(device: torch.device):
+    return device if device.type == "cuda" else None
+
+
+def _send_part(part, dst: int, group, device: torch.device) -> None:
+    tensors: list[Tensor] = []
+
+    def leaf(x):
+        if torch.is_tensor(x):
+            tensors.append(x)
+            return _Slot(x.shape, x.dtype)
+        return x
+
+    dist.send_object_list([_walk(part, leaf)], dst=dst, group=group, device=_object_device(device))
+    for t in tensors:
+        dist.send(t.to(device).contiguous(), dst=dst, group=group)
+
+
+def _recv_part(src: int, group, device: torch.device):
+    box = [None]
+    dist.recv_object_list(box, src=src, group=group, device=_object_device(device))
+
+    def leaf(x):
+        if isinstance(x, _Slot):
+            t = torch.empty(x.shape, dtype=x.dtype, device=device)
+            dist.recv(t, src=src, group=group)
+            return t.cpu()
+        return x
+
+    return _walk(box[0], leaf)
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    p = next(model.parameters())
+    return p.to_local().device if _is_dtensor(p) else p.device
 
 
 def _merge_stages(parts: list, full_names: list[str]) -> tuple[dict, dict | None]:

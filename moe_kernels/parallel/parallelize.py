@@ -79,7 +79,8 @@ class Parallelized:
     @torch.no_grad()
     def evaluate(self, inputs: Tensor, labels: Tensor) -> Tensor:
         """The batch's cross-entropy (a forward only; with pp through the schedule, micro-batch by micro-batch),
-        equal on the ranks that share the batch."""
+        equal on the ranks that share the batch. With pp, call it with no gradients pending (PyTorch's schedule
+        runs its gradient reduction and scaling after an evaluation too)."""
         if self.pipeline is not None:
             return self.pipeline.evaluate(inputs, labels)
         logits, _ = self.model(inputs)
@@ -204,7 +205,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     if PP > 1:
         if num_microbatches is None:
             raise ValueError(f"parallelize: pp={PP} needs num_microbatches (the micro-batches of a step)")
-        check_pipeline(model, PP, num_microbatches, schedule, stages_per_rank)
+        check_pipeline(model, PP, num_microbatches, schedule, stages_per_rank, who="parallelize")
     elif num_microbatches is not None or stages_per_rank != 1:
         raise ValueError("parallelize: num_microbatches and stages_per_rank are for pp > 1")
     cfg = getattr(model, "config", None)

@@ -67,6 +67,8 @@ class PipelineStageModule(nn.Module):
         # The sequences' length (the rotary tables' rows): the hidden states hold fewer tokens a rank under
         # sequence or context parallelism. None: the hidden states' length.
         self.seq_len: int | None = None
+        # The dtype of the hidden states sent to the next stage (the receiver's buffers are sized for it).
+        self.activation_dtype: torch.dtype | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         from moe_kernels.models.transformer import _checkpoint_contexts, rope_cos_sin
@@ -83,6 +85,8 @@ class PipelineStageModule(nn.Module):
             aux = aux + layer_aux
         if self.is_last:
             h = self.lm_head(self.norm(h))
+        elif self.activation_dtype is not None:
+            h = h.to(self.activation_dtype)
         self.aux_values.append(aux.detach())
         return _AuxLossScaler.apply(h, aux) if aux.requires_grad else h
 
@@ -162,7 +166,7 @@ class Pipelined:
         logits = torch.empty(mb, local, cfg.vocab_size, dtype=logits_dtype, device="meta")
         stages = []
         for m in self.modules:
-            m.seq_len = S
+            m.seq_len, m.activation_dtype = S, dtype
         for m, s in zip(self.modules, self.stage_ids):
             # A hidden input requires its gradient (the previous stage's backward needs it).
             first = (torch.empty(mb, S, dtype=inputs.dtype, device="meta") if m.is_first else
@@ -215,7 +219,7 @@ class Pipelined:
         losses: list[Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kwargs)
+        self.schedule.step(*args, **kwargs, return_outputs=False)  # (the last stage keeps no logits)
         device = next(self.modules[0].parameters()).device
         # Each micro-batch's aux loss is the sum over the stages; the mean over micro-batches.
         aux = sum((torch.stack(m.aux_values).sum() for m in self.modules if m.aux_values),
@@ -229,7 +233,8 @@ class Pipelined:
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """The batch's mean cross-entropy over its micro-batches, forward only; on every rank."""
+        """The batch's mean cross-entropy over its micro-batches, forward only; on every rank. Call it with no
+        gradients pending: PyTorch's schedule still runs its end-of-step gradient reduction and scaling."""
         B = inputs.shape[0]
         if B % self.num_microbatches:
             raise ValueError(f"Pipelined.evaluate: the batch of {B} sequences does not split into "
@@ -238,7 +243,7 @@ class Pipelined:
         losses: list[Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.eval(*args, **kwargs)
+        self.schedule.eval(*args, **kwargs, return_outputs=False)
         for m in self.modules:
             m.aux_values.clear()
         device = self._device()
@@ -294,31 +299,33 @@ def apply_pipeline_parallel(model: nn.Module, group=None, *, num_microbatches: i
                      schedule, group, num_microbatches)
 
 
-def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: str, stages_per_rank: int) -> None:
-    """ValueError (NotImplementedError for tied embeddings) when `model` cannot run as P ranks' stages."""
+def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: str, stages_per_rank: int,
+                   who: str = "apply_pipeline_parallel") -> None:
+    """ValueError (NotImplementedError for tied embeddings) when `model` cannot run as P ranks' stages; `who`
+    names the caller in the messages."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"apply_pipeline_parallel: schedule must be one of {SCHEDULES}, got {schedule!r}")
+        raise ValueError(f"{who}: schedule must be one of {SCHEDULES}, got {schedule!r}")
     v = stages_per_rank
     if v < 1 or (v > 1) != (schedule == "interleaved-1f1b"):
-        raise ValueError(f"apply_pipeline_parallel: stages_per_rank={v}: more than 1 with schedule="
+        raise ValueError(f"{who}: stages_per_rank={v}: more than 1 with schedule="
                          "'interleaved-1f1b' only, which needs at least 2")
     if num_microbatches < 1:
-        raise ValueError(f"apply_pipeline_parallel: num_microbatches must be >= 1, got {num_microbatches}")
+        raise ValueError(f"{who}: num_microbatches must be >= 1, got {num_microbatches}")
     if schedule == "1f1b" and num_microbatches < P:
-        raise ValueError(f"apply_pipeline_parallel: 1F1B needs num_microbatches={num_microbatches} >= the {P} pipeline "
+        raise ValueError(f"{who}: 1F1B needs num_microbatches={num_microbatches} >= the {P} pipeline "
                          "stages (GPipe takes fewer)")
     if schedule == "interleaved-1f1b" and num_microbatches % P:
-        raise ValueError(f"apply_pipeline_parallel: the interleaved schedule needs num_microbatches="
+        raise ValueError(f"{who}: the interleaved schedule needs num_microbatches="
                          f"{num_microbatches} to be a multiple of the {P} pipeline ranks")
     layers = getattr(model, "layers", None)
     if layers is None or not hasattr(model, "embed_tokens"):
-        raise ValueError("apply_pipeline_parallel: a moe_kernels.models MoETransformer is expected")
+        raise ValueError(f"{who}: a moe_kernels.models MoETransformer is expected")
     if model.lm_head is None and P > 1:
-        raise NotImplementedError("apply_pipeline_parallel: tied embeddings (the first and last stage would share "
+        raise NotImplementedError(f"{who}: tied embeddings (the first and last stage would share "
                                   "the embedding) are not supported")
     S = P * v
     if len(layers) < S:
-        raise ValueError(f"apply_pipeline_parallel: {len(layers)} layers do not fill {S} stages ({P} ranks x "
+        raise ValueError(f"{who}: {len(layers)} layers do not fill {S} stages ({P} ranks x "
                          f"stages_per_rank={v})")
 
 

@@ -88,6 +88,7 @@ def cross_entropy_share(logits: Tensor, labels: Tensor, sharding: SequenceShardi
     [B, S_local, V] of its tokens, labels [B, S] of the whole batch (sharding None: the plain mean)."""
     import torch.nn.functional as F
 
+    logits = logits.float()  # (bf16 logits under FSDP's mixed precision: the loss in fp32)
     if sharding is None:
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index)
     local = sharding.local(labels)

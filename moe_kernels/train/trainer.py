@@ -95,8 +95,20 @@ class TrainConfig:
             raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; choose from {list(SCHEDULES)}")
         if self.pp == 1 and (self.microbatches is not None or self.pp_schedule != "1f1b"):
             raise ValueError("microbatches and pp_schedule are for pipeline parallelism (pp > 1)")
-        if self.pp > 1 and self.batch_size % self.num_microbatches:
-            raise ValueError(f"batch_size {self.batch_size} must split into {self.num_microbatches} micro-batches")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.pp > 1:  # the schedules' rules, before any process group starts
+            m = self.num_microbatches
+            if self.batch_size % m:
+                raise ValueError(f"batch_size {self.batch_size} must split into {m} micro-batches")
+            if self.pp_schedule == "1f1b" and m < self.pp:
+                raise ValueError(f"1F1B needs microbatches={m} >= pp={self.pp} (GPipe takes fewer)")
+            if self.pp_schedule == "interleaved-1f1b" and m % self.pp:
+                raise ValueError(f"the interleaved schedule needs microbatches={m} to be a multiple of pp={self.pp}")
+            layers = self.num_layers if self.num_layers is not None else PRESETS[self.preset]().num_layers
+            stages = self.pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
+            if layers < stages:
+                raise ValueError(f"{layers} layers do not fill {stages} pipeline stages")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ValueError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.precision not in RECIPES:
@@ -210,7 +222,8 @@ class Trainer:
                                             max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None,
                                             **pipeline)
             self.model = self.parallelized.model  # with pp: this rank's stages, under the full model's names
-            if cfg.global_load_balancing:  # over the ranks that run the same layers
+            # Over the ranks that run the same layers (a pipeline stage of dense layers has no router).
+            if cfg.global_load_balancing and any(True for _ in self.model.moe_layers()):
                 apply_global_load_balancing(self.model, self.parallelized.stage_group)
         elif self.par is not None:
             # The nvlink backend's buffers hold one micro-batch of this rank's tokens.
@@ -349,15 +362,16 @@ class Trainer:
             model = self.parallelized.full_model()
         else:
             full = distributed.full_state(self.model, self.optimizer, self.par)
-            model = None
-            if full is not None:
-                model = build_model(self.model_config, device="meta")
-                model.load_state_dict(full[0], assign=True)
+            model = None if full is None else (self.model_config, full[0])
         error = None
         if model is not None:
-            try:
+            try:  # every rank stops on a failure, not rank 0 alone
+                if isinstance(model, tuple):
+                    config, state = model
+                    model = build_model(config, device="meta")
+                    model.load_state_dict(state, assign=True)
                 save_hf_checkpoint(model, path)
-            except Exception as exc:  # every rank stops, not rank 0 alone
+            except Exception as exc:
                 error = exc
         if self.par is not None and not distributed.all_ranks_ok(error is None, self.device):
             raise RuntimeError(f"writing the transformers checkpoint {path} failed on rank 0") from error

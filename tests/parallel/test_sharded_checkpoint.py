@@ -155,6 +155,13 @@ def _split_layouts(rank, tmp, A, B, C=None):
     back, back_opt = _split_par(A, 2)
     load_sharded(back, back_opt, f"{tmp}/split_c")
     _same(back.full_state(back_opt), saved, f"rank {rank}: saved under {C}, loaded under {A}")
+    # And under C itself: the optimizer's settings survive (each stage keeps its own parameter lists).
+    again, again_opt = _split_par(C, 3)
+    load_sharded(again, again_opt, f"{tmp}/split_c")
+    _same(again.full_state(again_opt), saved, f"rank {rank}: saved and loaded under {C}")
+    assert again_opt.param_groups[0]["betas"] == (0.9, 0.999) and again_opt.param_groups[0]["lr"] == 1e-2
+    torch.testing.assert_close(_step_mean(_split_steps(again, again_opt, 2, 1)[0]), _step_mean(straight[0]),
+                               rtol=1e-5, atol=1e-6, msg=f"rank {rank}: the first loss after loading under {C}")
 
 
 def test_sharded_checkpoint_resumes_and_reshards(tmp_path):
