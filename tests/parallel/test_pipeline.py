@@ -125,7 +125,7 @@ def _ref_step_scaled(ref, x, y, n, scale):
 
 def _composed_worker(rank, P, cases):
     from moe_kernels.parallel import ParallelConfig, parallelize
-    from tests.parallel.test_tensor_parallel import _expert_slice, _full, _slice_of
+    from tests.parallel.test_tensor_parallel import check_slices
 
     for family, layers, layout, schedule, v in cases:
         torch.manual_seed(0)
@@ -159,13 +159,7 @@ def _composed_worker(rank, P, cases):
         ref_params = dict(ref.named_parameters())
         names = [n for n, _ in par.model.named_parameters()]
         assert names and set(names) < set(ref_params), where  # a part of the full model, under its names
-        for name, p in par.model.named_parameters():
-            got = _full(p.detach())
-            if ".experts." in name:
-                want = _expert_slice(ref_params[name].detach(), name, ep_rank, pc.ep, etp_rank, pc.etp)
-            else:
-                want = _slice_of(ref_params[name].detach(), got, tp_rank)
-            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
+        check_slices(par.model, ref, pc, tp_rank, ep_rank, etp_rank, where)
         ref_bufs = dict(ref.named_buffers())
         for name, b in par.model.named_buffers():
             torch.testing.assert_close(b, ref_bufs[name], **TOL, msg=f"{where}: {name}")

@@ -99,6 +99,11 @@ def _worker(rank, P, family, layout_kw, steps, model_kw, global_balance, masked=
             opt.step()
             opt.zero_grad()
 
+    check_slices(model, ref, pc, tp_rank, ep_rank, etp_rank, where)
+
+
+def check_slices(model, ref, pc, tp_rank: int, ep_rank: int, etp_rank: int, where: str) -> None:
+    """Every parameter of a parallelized model equals this rank's slice of the one-process model's."""
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         got = _full(p.detach())

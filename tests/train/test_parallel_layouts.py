@@ -63,24 +63,30 @@ def _worker(rank, world, tmp: str):
         (tmp / "records.json").write_text(json.dumps({"dp": dp, "straight": straight, "resumed": again}))
 
 
-def test_trainer_on_a_folded_layout(tmp_path):
-    run_world(_worker, 4, str(tmp_path))
+def _check_run(tmp_path: Path, run: str, common: dict) -> Trainer:
+    """The records a worker left: step 1's cross-entropy equals the data-parallel run's (the same weights and
+    8 sequences, to fp32 rounding), the loss falls, the run resumed from its step-2 checkpoint continues
+    bit-identically, and one process loading the last checkpoint (the unsplit model's names and shapes, and
+    the optimizer's) evaluates the same validation windows (batch 8) to the loss the run logged. Returns that
+    one-process trainer."""
     records = json.loads((tmp_path / "records.json").read_text())
     train = [r for r in records["straight"] if r["kind"] == "train"]
-    # Step 1 starts from the same weights on the same 8 sequences: the cross-entropy agrees to fp32 rounding
-    # (the aux losses differ: each rank's routers count its own batch's tokens).
     assert train[0]["loss"] == pytest.approx(records["dp"][0]["loss"], rel=1e-5)
     assert train[-1]["loss"] < train[0]["loss"]
-    # Resumed from the step-2 checkpoint (full state gathered, then cut back into every rank's pieces).
     after = [r for r in records["straight"] if r["step"] > 2]
     assert [(r["kind"], r["step"], r["loss"]) for r in records["resumed"]] == \
         [(r["kind"], r["step"], r["loss"]) for r in after]
-    # One process loads the layout's last checkpoint (the unsplit model's names and shapes) and evaluates the
-    # same validation windows (batch 8 = the layout's 2 batches of 4) to the loss the layout logged.
-    one = Trainer(TrainConfig(**COMMON, batch_size=8, out_dir=str(tmp_path / "one")), echo=_quiet)
-    assert one.resume(tmp_path / "layout" / "checkpoints" / "step_0000004.pt") and one.step == 4
+    one = Trainer(TrainConfig(**common, batch_size=8, out_dir=str(tmp_path / "one")), echo=_quiet)
+    assert one.resume(tmp_path / run / "checkpoints" / "step_0000004.pt") and one.step == 4
     final_eval = [r for r in records["straight"] if r["kind"] == "eval"][-1]
     assert one.evaluate() == pytest.approx(final_eval["loss"], rel=1e-5)
+    return one
+
+
+def test_trainer_on_a_folded_layout(tmp_path):
+    run_world(_worker, 4, str(tmp_path))
+    # (The aux losses differ from the data-parallel run's: each rank's routers count its own batch's tokens.)
+    _check_run(tmp_path, "layout", COMMON)
     # The command line's --export-hf: the layout's final model as a transformers checkpoint.
     _same_as_hf(tmp_path / "cli" / "checkpoints" / "step_0000002.pt", tmp_path / "cli_hf")
 
@@ -118,22 +124,9 @@ def _pp_worker(rank, world, tmp: str):
 
 def test_trainer_with_pipeline_stages(tmp_path):
     run_world(_pp_worker, 4, str(tmp_path))
-    records = json.loads((tmp_path / "records.json").read_text())
-    train = [r for r in records["straight"] if r["kind"] == "train"]
-    # The same 8 sequences and weights at step 1: the cross-entropy agrees to fp32 rounding (the aux losses are
-    # the micro-batches' mean).
-    assert train[0]["loss"] == pytest.approx(records["dp"][0]["loss"], rel=1e-5)
-    assert train[-1]["loss"] < train[0]["loss"]
-    # Resumed from the step-2 checkpoint: each stage's first rank gathered its part, rank 0 merged them; every
-    # stage cuts its pieces back out, optimizer entries found by name.
-    after = [r for r in records["straight"] if r["step"] > 2]
-    assert [(r["kind"], r["step"], r["loss"]) for r in records["resumed"]] == \
-        [(r["kind"], r["step"], r["loss"]) for r in after]
-    # One process loads the merged checkpoint (model and AdamW state) and evaluates to the loss the stages logged.
-    one = Trainer(TrainConfig(**PP_COMMON, batch_size=8, out_dir=str(tmp_path / "one")), echo=_quiet)
-    assert one.resume(tmp_path / "pp" / "checkpoints" / "step_0000004.pt") and one.step == 4
-    final_eval = [r for r in records["straight"] if r["kind"] == "eval"][-1]
-    assert one.evaluate() == pytest.approx(final_eval["loss"], rel=1e-5)
+    # (The aux losses are the micro-batches' mean. The checkpoints: each stage's first rank gathers its part,
+    # rank 0 merges them; resuming, every stage cuts its pieces back out, optimizer entries found by name.)
+    one = _check_run(tmp_path, "pp", PP_COMMON)
     # The merged optimizer state is indexed as the one-process optimizer indexes its parameters.
     from moe_kernels.parallel.full_state import optimizer_names
     from moe_kernels.train import checkpoint
