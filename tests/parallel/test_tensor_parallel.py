@@ -115,14 +115,15 @@ def check_slices(model, ref, pc, tp_rank: int, ep_rank: int, etp_rank: int, wher
 
 
 @pytest.mark.parametrize("family,layout,model_kw", [
-    ("tiny-qwen3-moe", dict(tp=2), {}),  # TP 2 x FSDP 2 (q/k norms held whole); experts FSDP over all 4 ranks
+    # TP 2 x FSDP 2 (q/k norms held whole); experts FSDP over all 4 ranks (also in the HSDP and folded cases)
+    pytest.param("tiny-qwen3-moe", dict(tp=2), {}, marks=pytest.mark.extended),
     # TP 4 over 2 key/value heads: each pair of ranks reads one head of the k/v projections, held whole
     ("tiny-qwen3-moe", dict(tp=4), {}),
     # folded: attention TP 2 x DP 2 (MLA, a dense layer, shared experts, sequence-wise aux loss), experts EP 4
     ("tiny-deepseek-v3", dict(tp=2, ep=4), {}),
     ("tiny-mixtral", dict(tp=2, ep=2), dict(z_loss_coeff=1e-2)),  # experts EP 2 over each tp pair; z-loss
     ("tiny-qwen3-moe", dict(dp_replicate=2, tp=2), dict(tie_embeddings=True)),  # TP 2 x HSDP 2, tied embeddings
-    ("tiny-qwen3-moe", dict(cp=2), {}),  # CP 2 x FSDP 2
+    pytest.param("tiny-qwen3-moe", dict(cp=2), {}, marks=pytest.mark.extended),  # CP 2 x FSDP 2 (also folded below)
     # folded: attention CP 2 x DP 2, experts EP 2 (MLA, the sequence-wise aux loss over split sequences)
     ("tiny-deepseek-v3", dict(cp=2, ep=2), {}),
     ("tiny-mixtral", dict(cp=2, tp=2), dict(z_loss_coeff=1e-2)),  # CP 2 x TP 2: one batch on all 4 ranks
