@@ -30,18 +30,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-
-def _is_dtensor(t) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "to_local")
-
+from moe_kernels.parallel.full_state import _full_shape, _is_dtensor, splits_of
 
 def _model_of(par) -> nn.Module:
     return par if isinstance(par, nn.Module) else par.model
 
 
 def _splits(par) -> dict:
-    from moe_kernels.parallel.full_state import splits_of
-
     if isinstance(par, nn.Module):
         return {}
     return splits_of(par.model, None if par.sharding is None else par.sharding.tp_group)
@@ -113,20 +108,10 @@ class _Meshes:
         return self.meshes[self.key(splits, fsdp_mesh)]
 
 
-def _contiguous_stride(shape) -> tuple:
-    stride, acc = [], 1
-    for n in reversed(shape):
-        stride.append(acc)
-        acc *= n
-    return tuple(reversed(stride))
-
-
 def _global_view(t: Tensor, splits: list, gate_up: bool, meshes: _Meshes):
     """`t` (this rank's parameter or optimizer state: an FSDP DTensor or a plain tensor) as DCP should store
     it: a view of its storage, in the checkpoint's global shape."""
     from torch.distributed.tensor import DTensor, Shard
-
-    from moe_kernels.parallel.full_state import _full_shape
 
     if not splits and not gate_up:
         return t
@@ -149,7 +134,7 @@ def _global_view(t: Tensor, splits: list, gate_up: bool, meshes: _Meshes):
         return local
     mesh = meshes.get(splits, fsdp_mesh) if splits else fsdp_mesh
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(full),
-                              stride=_contiguous_stride(full))
+                              stride=torch.empty(full, device="meta").stride())
 
 
 def _state(par, optimizer) -> tuple[dict, dict]:

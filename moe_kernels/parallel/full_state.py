@@ -143,7 +143,7 @@ def full_state(par, optimizer: torch.optim.Optimizer | None) -> tuple[dict, dict
         return model_state, optim_state
     # The stages' first ranks send their parts to rank 0 one stage at a time, tensor by tensor (through the
     # device for NCCL: one tensor there at a time, not a pickled stage).
-    group, device = pipeline.group, _device_of(par.model)
+    group, device = pipeline.group, device_of(par.model)
     if dist.get_rank() != 0:
         _send_part((model_state, optim_state), 0, group, device)
         return None
@@ -200,9 +200,20 @@ def _recv_part(src: int, group, device: torch.device):
     return _walk(box[0], leaf)
 
 
-def _device_of(model: nn.Module) -> torch.device:
+def device_of(model: nn.Module) -> torch.device:
+    """The device of the model's (local) parameters."""
     p = next(model.parameters())
     return p.to_local().device if _is_dtensor(p) else p.device
+
+
+def model_from_state(config, state: dict) -> nn.Module:
+    """A moe_kernels model of `config` holding the tensors of a full state dict (built on the meta device, the
+    tensors assigned, not copied)."""
+    from moe_kernels.models import build_model
+
+    model = build_model(config, device="meta")
+    model.load_state_dict(state, assign=True)
+    return model
 
 
 def _merge_stages(parts: list, full_names: list[str]) -> tuple[dict, dict | None]:

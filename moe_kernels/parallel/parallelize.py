@@ -50,6 +50,7 @@ from torch import Tensor, nn
 
 from moe_kernels.parallel.context_parallel import apply_context_parallel
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
+from moe_kernels.parallel.full_state import device_of, model_from_state
 from moe_kernels.parallel.layout import ParallelConfig
 from moe_kernels.parallel.pipeline import LocalStages, Pipelined, check_pipeline, stage_modules
 from moe_kernels.parallel.sequence import (
@@ -96,7 +97,7 @@ class Parallelized:
         logits, aux = self.model(inputs)
         ce = self.cross_entropy(logits, labels)
         (ce + aux).backward()
-        return self.batch_loss(ce), self.batch_loss(aux)
+        return tuple(self.batch_loss(torch.stack([ce.detach(), aux.detach().float()])))
 
     def local_tokens(self, t: Tensor, dim: int = 1) -> Tensor:
         """This rank's tokens of a batch tensor along the sequence: the tokens its logits cover."""
@@ -118,7 +119,7 @@ class Parallelized:
     def grad_norm(self) -> Tensor:
         """The global gradient norm of the full model: every shard's squares summed over all ranks, the
         dense shards' divided by dp_replicate (each replica holds them); expert shards are held once."""
-        sq = torch.zeros(2, dtype=torch.float32, device=_device_of(self.model))
+        sq = torch.zeros(2, dtype=torch.float32, device=device_of(self.model))
         experts = {id(p) for m in self.expert_modules for p in m.parameters()}
         for p in self.model.parameters():
             if p.grad is not None:
@@ -150,13 +151,7 @@ class Parallelized:
         """The full model in one process (on rank 0's CPU, built on the meta device and given the gathered
         tensors; None on the other ranks), e.g. for moe_kernels.models.save_hf_checkpoint; every rank calls it."""
         full = self.full_state(None)
-        if full is None:
-            return None
-        from moe_kernels.models import build_model
-
-        model = build_model(self.model.config, device="meta")
-        model.load_state_dict(full[0], assign=True)
-        return model
+        return None if full is None else model_from_state(self.model.config, full[0])
 
     def load_full_state(self, model_state: dict, optimizer: torch.optim.Optimizer | None = None,
                         optim_state: dict | None = None) -> None:
@@ -170,11 +165,6 @@ class Parallelized:
         from moe_kernels.parallel.data_parallel import all_reduce_expert_counts
 
         all_reduce_expert_counts(self.model, self.stage_group)
-
-
-def _device_of(model: nn.Module) -> torch.device:
-    p = next(model.parameters())
-    return p.device if not hasattr(p, "to_local") else p.to_local().device
 
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
@@ -213,7 +203,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         pc.check_model(cfg, cfg.max_seq_len)
     if pc.cp * pc.tp > 1:
         check_sequence_parallel(model, pc.tp)
-    device_type = torch.device(device).type if device is not None else _device_of(model).type
+    device_type = torch.device(device).type if device is not None else device_of(model).type
     if mixed_precision is None:
         mixed_precision = device_type == "cuda"
     R, D, C, T = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp

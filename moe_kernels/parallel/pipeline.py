@@ -27,12 +27,14 @@ last stage are refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from moe_kernels.parallel.sequence import cross_entropy_share
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -120,10 +122,6 @@ class LocalStages(nn.Module):
         raise RuntimeError("set activation checkpointing on the model before parallelize()")
 
 
-def _cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
-    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
-
-
 @dataclass
 class Pipelined:
     """What apply_pipeline_parallel set up on this rank: its stage modules, and the schedule (built at the first
@@ -137,7 +135,8 @@ class Pipelined:
     schedule_name: str
     group: object
     num_microbatches: int
-    loss_fn: object = _cross_entropy  # (logits, the micro-batch's labels) -> its loss, or this rank's share
+    # (logits, the micro-batch's labels) -> its mean cross-entropy, or this rank's share of it
+    loss_fn: object = partial(cross_entropy_share, sharding=None)
     seq_group: object = None  # the ranks that share a batch's sequences (their losses are shares), or None
     seq_split: int = 1  # the tokens of a sequence a rank holds: S / seq_split
     activation_dtype: torch.dtype | None = None  # the hidden states' dtype between stages (None: the parameters')
@@ -209,9 +208,20 @@ class Pipelined:
         """One step's forward and backward over its micro-batches (the batch dimension split evenly); every
         rank passes the whole batch (the first stage reads the inputs, the last the targets). Returns the
         step's mean cross-entropy and mean aux loss, on every rank; the gradients are accumulated."""
+        return self._run(inputs, targets, train=True)
+
+    @torch.no_grad()
+    def evaluate(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """The batch's mean cross-entropy over its micro-batches, forward only; on every rank. Call it with no
+        gradients pending: PyTorch's schedule still runs its end-of-step gradient reduction and scaling."""
+        return self._run(inputs, targets, train=False)[0]
+
+    def _run(self, inputs: Tensor, targets: Tensor, train: bool) -> tuple[Tensor, Tensor]:
+        """The schedule's step (train) or eval over the batch's micro-batches; the mean cross-entropy and aux
+        loss, summed over the stages and the ranks that share the sequences."""
         B = inputs.shape[0]
         if B % self.num_microbatches:
-            raise ValueError(f"Pipelined.step: the batch of {B} sequences does not split into "
+            raise ValueError(f"Pipelined: the batch of {B} sequences does not split into "
                              f"num_microbatches={self.num_microbatches}")
         self._build(inputs)
         for m in self.modules:
@@ -219,8 +229,9 @@ class Pipelined:
         losses: list[Tensor] = []
         args = (inputs,) if self.is_first else ()
         kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kwargs, return_outputs=False)  # (the last stage keeps no logits)
-        device = next(self.modules[0].parameters()).device
+        run = self.schedule.step if train else self.schedule.eval
+        run(*args, **kwargs, return_outputs=False)  # (the last stage keeps no logits)
+        device = self._device()
         # Each micro-batch's aux loss is the sum over the stages; the mean over micro-batches.
         aux = sum((torch.stack(m.aux_values).sum() for m in self.modules if m.aux_values),
                   torch.zeros((), device=device))
@@ -230,28 +241,6 @@ class Pipelined:
         if self.seq_group is not None:  # the shares of the ranks that hold the batch's sequences
             dist.all_reduce(out, group=self.seq_group)
         return out[0] / self.num_microbatches, out[1] / self.num_microbatches
-
-    @torch.no_grad()
-    def evaluate(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        """The batch's mean cross-entropy over its micro-batches, forward only; on every rank. Call it with no
-        gradients pending: PyTorch's schedule still runs its end-of-step gradient reduction and scaling."""
-        B = inputs.shape[0]
-        if B % self.num_microbatches:
-            raise ValueError(f"Pipelined.evaluate: the batch of {B} sequences does not split into "
-                             f"num_microbatches={self.num_microbatches}")
-        self._build(inputs)
-        losses: list[Tensor] = []
-        args = (inputs,) if self.is_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.is_last else {}
-        self.schedule.eval(*args, **kwargs, return_outputs=False)
-        for m in self.modules:
-            m.aux_values.clear()
-        device = self._device()
-        ce = torch.stack(losses).sum().float() if losses else torch.zeros((), device=device)
-        dist.all_reduce(ce, group=self.group)
-        if self.seq_group is not None:
-            dist.all_reduce(ce, group=self.seq_group)
-        return ce / self.num_microbatches
 
     @torch.no_grad()
     def grad_norm(self) -> Tensor:
@@ -303,6 +292,18 @@ def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: st
                    who: str = "apply_pipeline_parallel") -> None:
     """ValueError (NotImplementedError for tied embeddings) when `model` cannot run as P ranks' stages; `who`
     names the caller in the messages."""
+    layers = getattr(model, "layers", None)
+    if layers is None or not hasattr(model, "embed_tokens"):
+        raise ValueError(f"{who}: a moe_kernels.models MoETransformer is expected")
+    check_schedule(P, num_microbatches, schedule, stages_per_rank, len(layers), who)
+    if model.lm_head is None and P > 1:
+        raise NotImplementedError(f"{who}: tied embeddings (the first and last stage would share "
+                                  "the embedding) are not supported")
+
+
+def check_schedule(P: int, num_microbatches: int, schedule: str, stages_per_rank: int, num_layers: int,
+                   who: str) -> None:
+    """The schedules' rules for P pipeline ranks (ValueError naming the numbers), before anything is built."""
     if schedule not in SCHEDULES:
         raise ValueError(f"{who}: schedule must be one of {SCHEDULES}, got {schedule!r}")
     v = stages_per_rank
@@ -317,15 +318,8 @@ def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: st
     if schedule == "interleaved-1f1b" and num_microbatches % P:
         raise ValueError(f"{who}: the interleaved schedule needs num_microbatches="
                          f"{num_microbatches} to be a multiple of the {P} pipeline ranks")
-    layers = getattr(model, "layers", None)
-    if layers is None or not hasattr(model, "embed_tokens"):
-        raise ValueError(f"{who}: a moe_kernels.models MoETransformer is expected")
-    if model.lm_head is None and P > 1:
-        raise NotImplementedError(f"{who}: tied embeddings (the first and last stage would share "
-                                  "the embedding) are not supported")
-    S = P * v
-    if len(layers) < S:
-        raise ValueError(f"{who}: {len(layers)} layers do not fill {S} stages ({P} ranks x "
+    if num_layers < P * v:
+        raise ValueError(f"{who}: {num_layers} layers do not fill {P * v} stages ({P} ranks x "
                          f"stages_per_rank={v})")
 
 

@@ -19,8 +19,8 @@ right ranks:
               complete (the all-gather / reduce-scatter pair sums every rank's part in the backward);
   replicated  everything else (norms, Qwen3's q/k norms, MLA's latent projections and norms, routers, shared
               experts, embeddings, lm_head; the key/value projections when there are fewer key/value heads
-              than ranks, each rank then keeping the one head its query heads read): equal on every rank, each rank's gradient only its chunk's (or its
-              heads') part, summed over the group.
+              than ranks, each rank then keeping the one head its query heads read): equal on every rank,
+              each rank's gradient only its chunk's (or its heads') part, summed over the group.
 The autograd functions below are Megatron-LM's pair: the all-gather's backward is a reduce-scatter and the
 reduce-scatter's backward an all-gather. Plain local tensors (no DTensor): the MoE layer's custom ops and
 MLA's rotary key, shared by all heads, need the partial gradients summed where DTensor would not.

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
 from moe_kernels.parallel import apply_global_load_balancing
-from moe_kernels.parallel.full_state import optimizer_names
+from moe_kernels.parallel.full_state import model_from_state, optimizer_names
 from moe_kernels.quant import RECIPES
 import torch.distributed as dist
 
@@ -89,26 +89,15 @@ class TrainConfig:
         for name in ("dp_replicate", "tp", "cp", "etp", "pp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        from moe_kernels.parallel.pipeline import SCHEDULES
-
-        if self.pp_schedule not in SCHEDULES:
-            raise ValueError(f"unknown pp_schedule {self.pp_schedule!r}; choose from {list(SCHEDULES)}")
         if self.pp == 1 and (self.microbatches is not None or self.pp_schedule != "1f1b"):
             raise ValueError("microbatches and pp_schedule are for pipeline parallelism (pp > 1)")
-        if self.microbatches is not None and self.microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {self.microbatches}")
         if self.pp > 1:  # the schedules' rules, before any process group starts
-            m = self.num_microbatches
-            if self.batch_size % m:
-                raise ValueError(f"batch_size {self.batch_size} must split into {m} micro-batches")
-            if self.pp_schedule == "1f1b" and m < self.pp:
-                raise ValueError(f"1F1B needs microbatches={m} >= pp={self.pp} (GPipe takes fewer)")
-            if self.pp_schedule == "interleaved-1f1b" and m % self.pp:
-                raise ValueError(f"the interleaved schedule needs microbatches={m} to be a multiple of pp={self.pp}")
+            from moe_kernels.parallel.pipeline import check_schedule
+
             layers = self.num_layers if self.num_layers is not None else PRESETS[self.preset]().num_layers
-            stages = self.pp * (2 if self.pp_schedule == "interleaved-1f1b" else 1)
-            if layers < stages:
-                raise ValueError(f"{layers} layers do not fill {stages} pipeline stages")
+            check_schedule(self.pp, self.num_microbatches, self.pp_schedule, self.stages_per_rank, layers, "moe-train")
+            if self.batch_size % self.num_microbatches:
+                raise ValueError(f"batch_size {self.batch_size} must split into {self.num_microbatches} micro-batches")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ValueError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.precision not in RECIPES:
@@ -125,6 +114,10 @@ class TrainConfig:
     @property
     def num_microbatches(self) -> int:
         return self.microbatches if self.microbatches is not None else self.pp
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp_schedule == "interleaved-1f1b" else 1
 
     def parallel_config(self):
         from moe_kernels.parallel.layout import ParallelConfig
@@ -196,7 +189,8 @@ class Trainer:
         tokens, vocab = load_tokens(cfg.data)
         rank, world = (0, 1) if self.par is None else (self.par.rank, self.par.world)
         if layout is not None:  # the cp x tp ranks of one batch (in every pipeline stage) read the same batch
-            rank, world = (rank % (world // layout.pp)) // (layout.cp * layout.tp), layout.dp_replicate * layout.dp_shard
+            stage_rank = rank % (world // layout.pp)
+            rank, world = stage_rank // (layout.cp * layout.tp), layout.dp_replicate * layout.dp_shard
         self.data = TokenData(tokens, vocab, cfg.seq_len, cfg.batch_size, seed=cfg.seed, rank=rank, world=world)
         self.data_fingerprint = fingerprint(tokens, vocab)
         overrides = {"vocab_size": vocab, "max_seq_len": cfg.seq_len}
@@ -217,7 +211,7 @@ class Trainer:
             if layout.pp > 1:  # the dispatcher sees one micro-batch at a time
                 tokens_per_rank //= cfg.num_microbatches
             pipeline = dict(num_microbatches=cfg.num_microbatches, schedule=cfg.pp_schedule,
-                            stages_per_rank=2 if cfg.pp_schedule == "interleaved-1f1b" else 1) if layout.pp > 1 else {}
+                            stages_per_rank=cfg.stages_per_rank) if layout.pp > 1 else {}
             self.parallelized = parallelize(self.model, layout, self.device, ep_backend=cfg.ep_backend,
                                             max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None,
                                             **pipeline)
@@ -356,23 +350,19 @@ class Trainer:
         from any layout; under torchrun every rank calls it."""
         from moe_kernels.models import save_hf_checkpoint
 
-        if self.par is None:
-            model = self.model
-        elif self.parallelized is not None:
-            model = self.parallelized.full_model()
-        else:
-            full = distributed.full_state(self.model, self.optimizer, self.par)
-            model = None if full is None else (self.model_config, full[0])
         error = None
-        if model is not None:
-            try:  # every rank stops on a failure, not rank 0 alone
-                if isinstance(model, tuple):
-                    config, state = model
-                    model = build_model(config, device="meta")
-                    model.load_state_dict(state, assign=True)
+        try:  # every rank stops on a failure, not rank 0 alone
+            if self.par is None:
+                model = self.model
+            elif self.parallelized is not None:
+                model = self.parallelized.full_model()
+            else:
+                full = distributed.full_state(self.model, self.optimizer, self.par)
+                model = None if full is None else model_from_state(self.model_config, full[0])
+            if model is not None:
                 save_hf_checkpoint(model, path)
-            except Exception as exc:
-                error = exc
+        except Exception as exc:
+            error = exc
         if self.par is not None and not distributed.all_ranks_ok(error is None, self.device):
             raise RuntimeError(f"writing the transformers checkpoint {path} failed on rank 0") from error
         if error is not None:

@@ -103,8 +103,8 @@ def test_cli_plan_impossible_layouts_exit_nonzero_with_the_reason(tmp_path):
     r = CliRunner().invoke(app, ["--pp", "2", "--batch-size", "3", "--out", str(tmp_path / "a")])
     assert r.exit_code != 0 and "batch_size 3 must split into 2 micro-batches" in said(r)
     r = CliRunner().invoke(app, ["--pp", "4", "--microbatches", "2", "--out", str(tmp_path / "a")])
-    assert r.exit_code != 0 and "1F1B needs microbatches=2 >= pp=4" in said(r)
+    assert r.exit_code != 0 and "moe-train: 1F1B needs num_microbatches=2 >= the 4 pipeline stages" in said(r)
     r = CliRunner().invoke(app, ["--pp", "2", "--microbatches", "0", "--out", str(tmp_path / "a")])
-    assert r.exit_code != 0 and "microbatches must be >= 1, got 0" in said(r)
+    assert r.exit_code != 0 and "moe-train: num_microbatches must be >= 1, got 0" in said(r)
     r = CliRunner().invoke(app, ["--tp", "2", "--steps", "1", "--out", str(tmp_path / "b")])  # one process, tp 2
     assert r.exit_code != 0 and "is not a multiple of pp*dp_replicate*cp*tp = 1*1*1*2 = 2" in said(r)
