@@ -1,4 +1,6 @@
-"""python -m bench [OPS...] [--quick] [--out DIR] [--device cpu|cuda]"""
+"""python -m bench [OPS...] [--quick] [--out DIR] [--device cpu|cuda] [--models M,...] [--tokens T,...]
+[--flush read|write|none]; `python -m bench.perf` runs the GPU perf mode's parts, `python -m bench.readme`
+regenerates the README's speed table from the committed results."""
 
 from __future__ import annotations
 
@@ -8,19 +10,7 @@ from typing import Optional
 
 import typer
 
-# op family -> module with run(ctx: harness.Context) -> harness.Report; imported only when selected.
-BENCHES = {
-    "permute": "bench.bench_permute",
-    "router": "bench.bench_router",
-    "router_losses": "bench.bench_router_losses",
-    "quant": "bench.bench_quant",
-    "grouped_mm": "bench.bench_grouped_mm",
-    "grouped_mm_fp8": "bench.bench_grouped_mm_fp8",
-    "moe_layer": "bench.bench_moe_layer",
-    "lora": "bench.bench_lora",
-    "dispatch": "bench.bench_dispatch",
-    "train": "bench.bench_train",
-}
+from . import BENCHES
 
 app = typer.Typer(add_completion=False)
 
@@ -32,6 +22,10 @@ def main(
     out: Path = typer.Option(Path(__file__).parent / "results" / "latest", "--out",
                              help="directory for bench_<op>.json and bench_<op>.png"),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)"),
+    models: Optional[str] = typer.Option(None, "--models", help="comma-separated perf.md models (GPU sweep only)"),
+    tokens: Optional[str] = typer.Option(None, "--tokens", help="comma-separated token counts (GPU sweep only)"),
+    flush: str = typer.Option("read", "--flush", help="L2 flush between timed calls: read, write or none"),
+    profile: bool = typer.Option(False, "--profile", help="families that can also write a profiler table"),
 ) -> None:
     """Microbenchmarks of moe_kernels against their peers; method in bench/harness.py."""
     import torch
@@ -50,7 +44,16 @@ def main(
         # The CPU shapes are tiny: waking intra-op threads costs more than the work and makes the
         # numbers swing 10x from run to run.
         torch.set_num_threads(1)
-    ctx = harness.Context(device=torch.device(device), quick=quick, out_dir=out)
+    try:
+        token_counts = tuple(int(t) for t in tokens.split(",")) if tokens else None
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {tokens!r}", param_hint="--tokens")
+    if flush not in ("read", "write", "none"):
+        raise typer.BadParameter(f"expected read, write or none, got {flush!r}", param_hint="--flush")
+    ctx = harness.Context(device=torch.device(device), quick=quick, out_dir=out, flush_mode=flush,
+                          models=tuple(models.split(",")) if models else None, tokens=token_counts,
+                          profile=profile)
+    ctx.measure_ceilings("start")
     failed = False
     for op in ops or list(BENCHES):
         rep = importlib.import_module(BENCHES[op]).run(ctx)

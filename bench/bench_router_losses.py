@@ -8,6 +8,9 @@ int32 and weights fp32 [T, k], counts int32 [E]):
   capacity_probs        weights + indices -> weights + indices (keep the C largest weights per expert)
   capacity_position     the same bytes (keep the C earliest pairs per expert)
   expert_bias_update    bias + counts -> bias
+  tokens_per_expert     indices -> counts [E]
+Every op is host-bound at these sizes, so each case also reports host issue time, kernel time and CUDA-graph
+replay time per call (harness.time_modes), ours and the peer's, with the ratio in each mode.
 Peer, timed in the same run on the same inputs:
   torch_eager  moe_kernels' PyTorch references called directly, backward through torch.autograd: the
                vectorised compositions (sum over tokens, scatter_add counts, logsumexp, two stable
@@ -24,6 +27,7 @@ from typing import Callable, Iterator
 import torch
 
 import moe_kernels
+from moe_kernels.ops.permute import tokens_per_expert_reference
 from moe_kernels.ops.router_losses import (
     apply_capacity_reference,
     aux_loss_reference,
@@ -99,6 +103,7 @@ def _ours(op: str, c: Case) -> Callable:
         "capacity_probs": lambda w, idx: mk.apply_capacity(w, idx, c.E, CAPACITY_FACTOR, "probs"),
         "capacity_position": lambda w, idx: mk.apply_capacity(w, idx, c.E, CAPACITY_FACTOR, "position"),
         "expert_bias_update": lambda b, counts: _bias(mk.update_expert_bias, b, counts),
+        "tokens_per_expert": lambda idx: (mk.tokens_per_expert(idx, c.E),),
     }[op]
 
 
@@ -110,6 +115,7 @@ def _eager(op: str, c: Case) -> Callable:
         "capacity_probs": lambda w, idx: apply_capacity_reference(w, idx, c.E, CAPACITY_FACTOR, "probs"),
         "capacity_position": lambda w, idx: apply_capacity_reference(w, idx, c.E, CAPACITY_FACTOR, "position"),
         "expert_bias_update": lambda b, counts: _bias(update_expert_bias_reference, b, counts),
+        "tokens_per_expert": lambda idx: (tokens_per_expert_reference(idx, c.E),),
     }[op]
 
 
@@ -124,7 +130,7 @@ def _bias(fn, bias: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor]:
 
 
 OPS = ("aux_loss_fwd_bwd", "seq_aux_loss_fwd_bwd", "z_loss_fwd_bwd", "capacity_probs", "capacity_position",
-       "expert_bias_update")
+       "expert_bias_update", "tokens_per_expert")
 
 
 def op_inputs(op: str, s: dict[str, torch.Tensor]) -> tuple:
@@ -136,6 +142,8 @@ def op_inputs(op: str, s: dict[str, torch.Tensor]) -> tuple:
         return (s["logits"].detach().requires_grad_(),)
     if op == "expert_bias_update":
         return (s["bias"].clone(), s["counts"])
+    if op == "tokens_per_expert":
+        return (s["indices"],)
     return (s["weights"], s["indices"])
 
 
@@ -149,6 +157,7 @@ def nbytes(op: str, c: Case) -> int:
         "capacity_probs": 4 * T * k * 4,
         "capacity_position": 4 * T * k * 4,
         "expert_bias_update": 3 * E * 4,
+        "tokens_per_expert": T * k * 4 + E * 4,
     }[op]
 
 
@@ -157,7 +166,7 @@ def check(c: Case, op: str, s: dict[str, torch.Tensor]) -> None:
     ours = _ours(op, c)(*op_inputs(op, s))
     ref = _eager(op, c)(*op_inputs(op, s))
     for i, (a, b) in enumerate(zip(ours, ref)):
-        if op.startswith("capacity") or op == "expert_bias_update":
+        if op.startswith("capacity") or op in ("expert_bias_update", "tokens_per_expert"):
             h.check_exact(f"{what} output {i}", a, b)
         elif i == 0:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9, msg=lambda m: f"{what} loss: {m}")
@@ -180,7 +189,9 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
         peer = ctx.time(eager, inputs)
         results.append(h.make_result(ctx, op=op, case=c.name, shape=c.shape, dtype=torch.float32, timing=t,
                                      nbytes=nbytes(op, c), flops=0, peers={"torch_eager": peer},
-                                     peer_variant={"torch_eager": "reference"}))
+                                     peer_variant={"torch_eager": "reference"},
+                                     modes=ctx.time_modes(ours, inputs),
+                                     peer_modes={"torch_eager": ctx.time_modes(eager, inputs)}))
     return results
 
 

@@ -3,27 +3,37 @@
 Timing method (specs/perf.md):
 - CUDA: `warmup` untimed calls (10; 5 with --quick), then `reps` timed calls (100; 30 with --quick),
   each between its own pair of CUDA events on the current stream. Before each timed call a buffer
-  of twice the L2 size is overwritten outside the event pair, so nothing is still in L2 from the
-  previous call, and the calls rotate over 3 pre-built input sets (random data, never zeros).
+  of twice the L2 size is read (summed into one scalar) outside the event pair, so nothing is still
+  in L2 from the previous call and no dirty line is left whose write-back would land inside the next
+  timed call (`flush_l2`); the calls rotate over 3 pre-built input sets (random data, never zeros).
   There is one synchronisation after all reps, none between them: host launch latency overlaps the
   flush instead of being timed. Reported: the median, with p20 and p80.
 - CPU: time.perf_counter around each call after one warm-up call, 5 reps (3 with --quick), one
   thread. The CPU run checks that the suite works; its numbers mean little.
-- Ceilings, measured once per run: device copy bandwidth (a 512 MiB bf16 `copy_`, bytes read +
-  written) and dense matmul TFLOP/s (bf16 8192^3 through torch.mm; fp8 through torch._scaled_mm
-  with tensorwise scales and fast accumulation, where the GPU has fp8).
+- Ceilings: device copy bandwidth (a 512 MiB bf16 `copy_`, bytes read + written; its received-bytes
+  twin, half of it, for transfers counted by bytes received) and dense matmul TFLOP/s (bf16 8192^3
+  through torch.mm; fp8 through torch._scaled_mm with tensorwise scales and fast accumulation, where
+  the GPU has fp8). Measured at the start of the process, half-way through each family's cases and
+  at the end of each family; each result is judged against the measurement nearest in time, FP8
+  GEMMs against the FP8 ceiling. A result above 100% of its ceiling marks the run suspect.
+- Host-bound ops (`Context.time_modes`) report three numbers per call: host issue time (wall time of
+  back-to-back calls before the synchronisation), GPU kernel time (profiler device events) and
+  CUDA-graph replay time (CUDA events around replays, L2 flushed between them); on a CPU only the
+  first exists (the call's wall time, all of it host work).
 - Correctness is checked before timing with moe_kernels.testing's tolerance policy.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import os
 import platform
 import statistics
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -51,18 +61,58 @@ class Ceilings:
     matmul_bf16_tflops: float
     matmul_shape: tuple[int, int, int]
     matmul_fp8_tflops: float | None  # None: no fp8 on this device (or on the CPU)
+    label: str = "start"  # when in the run: "start", "middle:<family>", "end:<family>"
+    at_s: float = 0.0  # seconds after the run started
+
+    @property
+    def copy_received_gbps(self) -> float:
+        """A copy of N bytes reads N and writes N: as a bound on bytes received it is half of copy_gbps."""
+        return self.copy_gbps / 2
+
+    def value(self, kind: str) -> float | None:
+        return {"copy": self.copy_gbps, "copy_received": self.copy_received_gbps,
+                "matmul_bf16": self.matmul_bf16_tflops, "matmul_fp8": self.matmul_fp8_tflops}[kind]
+
+
+CEILING_KINDS = ("copy", "copy_received", "matmul_bf16", "matmul_fp8")
+FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class Modes:
+    """One call of a host-bound op, three ways (module docstring). None: not measurable here."""
+
+    host_us: float | None
+    kernel_us: float | None
+    graph_us: float | None
+    why_not: str | None = None  # why kernel_us / graph_us are missing
 
 
 @dataclass
 class Context:
-    """One run: device, size of the sweep, where reports go, and the ceilings measured once."""
+    """One run: device, size of the sweep, where reports go, and the ceilings measured during it."""
 
     device: torch.device
     quick: bool
     out_dir: Path
     seed: int = 0
-    _ceilings: Ceilings | None = field(default=None, init=False, repr=False)
+    flush_mode: str = "read"  # "read" (the method), "write" (the old zero-fill) or "none": perf mode compares
+    # On a GPU, narrow a family's sweep to these perf.md models / token counts (None: the family's own);
+    # the CPU's tiny shapes ignore them.
+    models: tuple[str, ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    profile: bool = False  # families that can keep a profiler table of one call write it to out_dir
+    started_s: float = field(default_factory=time.monotonic, init=False)
+    started_utc: str = field(default_factory=lambda: _utc_now(), init=False)
+    gpu_state_start: dict[str, Any] | None = field(default=None, init=False)
+    ceilings_log: list[Ceilings] = field(default_factory=list, init=False)
     _flush: torch.Tensor | None = field(default=None, init=False, repr=False)
+    _sink: torch.Tensor | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.flush_mode not in ("read", "write", "none"):
+            raise ValueError(f"flush_mode: expected 'read', 'write' or 'none', got {self.flush_mode!r}")
+        self.gpu_state_start = gpu_state(self)
 
     @property
     def is_cuda(self) -> bool:
@@ -85,24 +135,93 @@ class Context:
     def n_input_sets(self) -> int:
         return 3 if self.is_cuda else 2
 
+    def derive(self, **changes: Any) -> "Context":
+        """The same run with other settings (a perf part's sweep, a flush mode): one clock, one GPU state at
+        the start, one log of ceiling measurements and one flush buffer."""
+        new = replace(self, **changes)
+        for name in ("started_s", "started_utc", "gpu_state_start", "ceilings_log", "_flush", "_sink"):
+            setattr(new, name, getattr(self, name))
+        return new
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.started_s
+
     def time(self, fn: Callable[..., Any], inputs_list: Sequence[tuple]) -> Timing:
         return time_fn(fn, inputs_list=inputs_list, warmup=self.warmup, reps=self.reps,
-                       device=self.device, flush=self.l2_flush_buffer())
+                       device=self.device, flush=self.flush)
+
+    def time_ab(self, fn_a: Callable[..., Any], inputs_a: Sequence[tuple], fn_b: Callable[..., Any],
+                inputs_b: Sequence[tuple]) -> tuple[Timing, Timing]:
+        """Two implementations timed rep by rep in alternation (A, B, A, B, ...), so a clock or thermal drift
+        during the run moves both alike: the ratio is the figure to trust."""
+        return time_ab(fn_a, inputs_a, fn_b, inputs_b, warmup=self.warmup, reps=self.reps, device=self.device,
+                       flush=self.flush)
+
+    def pick(self, models: dict[str, Any], tokens: Sequence[int]) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """The GPU sweep narrowed by `models` / `tokens` (unknown model names are an error)."""
+        if not self.is_cuda:
+            return models, tuple(tokens)
+        if self.models is not None:
+            unknown = [m for m in self.models if m not in models]
+            if unknown:
+                raise ValueError(f"models: {unknown} not in this family's {list(models)}")
+            models = {m: models[m] for m in self.models}
+        return models, tuple(self.tokens) if self.tokens is not None else tuple(tokens)
+
+    def time_modes(self, fn: Callable[..., Any], inputs_list: Sequence[tuple]) -> Modes:
+        return time_modes(fn, inputs_list=inputs_list, warmup=self.warmup, reps=self.reps,
+                          device=self.device, flush=self.flush)
 
     def ceilings(self) -> Ceilings:
-        if self._ceilings is None:
-            self._ceilings = measure_ceilings(self)
-        return self._ceilings
+        """The latest measurement (the start one is taken on first use)."""
+        if not self.ceilings_log:
+            self.measure_ceilings("start")
+        return self.ceilings_log[-1]
+
+    def measure_ceilings(self, label: str) -> Ceilings:
+        c = replace(measure_ceilings(self), label=label, at_s=round(self.elapsed_s(), 3))
+        self.ceilings_log.append(c)
+        return c
+
+    def nearest_ceilings(self, at_s: float) -> Ceilings:
+        self.ceilings()
+        return min(self.ceilings_log, key=lambda c: abs(c.at_s - at_s))
+
+    def case_done(self, family: str, i: int, n: int) -> None:
+        """Called after case i (0-based) of n: the middle ceilings are measured half-way through."""
+        if n > 1 and i == (n - 1) // 2:
+            self.measure_ceilings(f"middle:{family}")
 
     def l2_flush_buffer(self) -> torch.Tensor | None:
         if self.is_cuda and self._flush is None:
             l2 = getattr(torch.cuda.get_device_properties(self.device), "L2_cache_size", 0) or 64 << 20
-            self._flush = torch.empty(2 * l2 // 4, dtype=torch.int32, device=self.device)
+            self._flush = torch.zeros(2 * l2 // 4, dtype=torch.float32, device=self.device)
+            self._sink = torch.empty((), dtype=torch.float32, device=self.device)
         return self._flush
+
+    def flush(self) -> None:
+        """Evicts L2 before a timed call, as flush_mode says (nothing on the CPU)."""
+        if not self.is_cuda or self.flush_mode == "none":
+            return
+        buf = self.l2_flush_buffer()
+        if self.flush_mode == "write":
+            buf.zero_()
+        else:
+            flush_l2(buf, self._sink)
+
+
+def flush_l2(buf: torch.Tensor, sink: torch.Tensor) -> None:
+    """Reads every line of buf (a sum into the 0-d `sink`) and writes nothing else: a zero-fill would
+    leave dirty lines whose write-back to memory lands inside the next timed call."""
+    torch.sum(buf, dim=0, dtype=sink.dtype, out=sink)
+
+
+def _utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def time_fn(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int, reps: int,
-            device: torch.device, flush: torch.Tensor | None = None) -> Timing:
+            device: torch.device, flush: Callable[[], None] | None = None) -> Timing:
     """Times fn(*inputs_list[i % len(inputs_list)]) as the module docstring describes."""
     n = len(inputs_list)
     for i in range(warmup):
@@ -113,7 +232,7 @@ def time_fn(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int
         torch.cuda.synchronize(device)
         for i in range(reps):
             if flush is not None:
-                flush.zero_()
+                flush()
             starts[i].record()
             fn(*inputs_list[i % n])
             ends[i].record()
@@ -125,8 +244,93 @@ def time_fn(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int
             t0 = time.perf_counter()
             fn(*inputs_list[i % n])
             times_us.append((time.perf_counter() - t0) * 1e6)
+    return _timing(times_us)
+
+
+def time_ab(fn_a: Callable[..., Any], inputs_a: Sequence[tuple], fn_b: Callable[..., Any],
+            inputs_b: Sequence[tuple], *, warmup: int, reps: int, device: torch.device,
+            flush: Callable[[], None] | None = None) -> tuple[Timing, Timing]:
+    """time_fn of two implementations, interleaved rep by rep."""
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(warmup):
+        fn_a(*inputs_a[0])
+        fn_b(*inputs_b[0])
+    for i in range(reps):
+        for j, (fn, inputs) in enumerate(((fn_a, inputs_a), (fn_b, inputs_b))):
+            t = time_fn(fn, inputs_list=[inputs[i % len(inputs)]], warmup=0, reps=1, device=device, flush=flush)
+            times[j].append(t.us)
+    return _timing(times[0]), _timing(times[1])
+
+
+def profile_table(fn: Callable[..., Any], inputs: tuple, *, device: torch.device, reps: int = 3,
+                  row_limit: int = 40) -> str:
+    """torch.profiler's key_averages table of `reps` calls (kernel by kernel on a GPU), sorted by device
+    time: what a perf run keeps instead of a raw trace."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*inputs)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(reps):
+            fn(*inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=row_limit)
+
+
+def _timing(times_us: Sequence[float]) -> Timing:
     p20, p50, p80 = np.percentile(times_us, [20, 50, 80])
     return Timing(us=float(p50), p20_us=float(p20), p80_us=float(p80))
+
+
+def time_modes(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int, reps: int,
+               device: torch.device, flush: Callable[[], None] | None = None) -> Modes:
+    """Host issue time, kernel time and graph replay time of one call (module docstring)."""
+    n = len(inputs_list)
+    for i in range(warmup):
+        fn(*inputs_list[i % n])
+    if device.type != "cuda":
+        return Modes(host_us=time_fn(fn, inputs_list=inputs_list, warmup=0, reps=reps, device=device).us,
+                     kernel_us=None, graph_us=None, why_not="n/a (CPU)")
+    torch.cuda.synchronize(device)
+    # Host: back-to-back calls, no flush, no sync until the end: what the CPU spends issuing one call.
+    t0 = time.perf_counter()
+    for i in range(reps):
+        fn(*inputs_list[i % n])
+    host_us = (time.perf_counter() - t0) * 1e6 / reps
+    torch.cuda.synchronize(device)
+    # Kernels: the device time of every GPU activity the calls launched, from the profiler.
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(reps):
+            fn(*inputs_list[i % n])
+        torch.cuda.synchronize(device)
+    kernel_us = sum(e.self_device_time_total for e in prof.key_averages()) / reps
+    graph_us, why = _graph_replay_us(fn, inputs_list[0], reps=reps, device=device, flush=flush)
+    return Modes(host_us=host_us, kernel_us=kernel_us, graph_us=graph_us, why_not=why)
+
+
+def _graph_replay_us(fn: Callable[..., Any], inputs: tuple, *, reps: int, device: torch.device,
+                     flush: Callable[[], None] | None) -> tuple[float | None, str | None]:
+    try:
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
+            for _ in range(3):
+                fn(*inputs)
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*inputs)
+    except Exception as e:  # an op that cannot be captured: reported, not fatal
+        torch.cuda.synchronize(device)
+        return None, f"capture failed: {type(e).__name__}: {str(e)[:200]}"
+    graph.replay()
+    torch.cuda.synchronize(device)
+    t = time_fn(lambda: graph.replay(), inputs_list=[()], warmup=2, reps=reps, device=device, flush=flush)
+    return t.us, None
 
 
 def measure_ceilings(ctx: Context) -> Ceilings:
@@ -201,12 +405,20 @@ class Result:
     flops: int
     gbps: float
     tflops: float | None  # None for ops without GEMM work
-    ceiling: str  # the measured ceiling pct_of_ceiling refers to
+    ceiling: str  # the measured ceiling pct_of_ceiling refers to (CEILING_KINDS)
     pct_of_ceiling: float
     peer_us: dict[str, float]
     speedup: dict[str, float]  # peer time / our time
     peer_variant: dict[str, str] = field(default_factory=dict)  # which variant set the peer's time
     extra: dict[str, float] = field(default_factory=dict)  # other measurements of the case (e.g. peak memory)
+    at_s: float = 0.0  # when it was measured, seconds after the run started
+    ceiling_at: str = "start"  # the label of the ceiling measurement it is judged against (the nearest)
+    suspect: bool = False  # above 100% of its ceiling: a ceiling or the timing is off
+    # Host-bound ops: ours and each peer as Modes fields (host_us, kernel_us, graph_us; None where not
+    # measurable), and the peer / ours ratio in each mode.
+    modes: dict[str, float | None] = field(default_factory=dict)
+    peer_modes: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    mode_speedup: dict[str, dict[str, float | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -221,7 +433,7 @@ def model_sweep(ctx: Context, models: dict, cpu_models: dict, tokens: Sequence[i
     """(model name, T, *model parameters) for every model and token count: the perf.md shapes on a GPU
     (`quick_tokens` with --quick), the tiny ones on the CPU."""
     if ctx.is_cuda:
-        chosen, counts = models, (quick_tokens if ctx.quick else tokens)
+        chosen, counts = ctx.pick(models, quick_tokens if ctx.quick else tokens)
     else:
         chosen, counts = cpu_models, cpu_tokens
     return [(m, T, *chosen[m]) for m in chosen for T in counts]
@@ -232,32 +444,107 @@ def run_cases(ctx: Context, family: str, cases: Sequence, run_case: Callable[[Co
     the other cases still run. Returns (results, failures)."""
     print(f"{family} on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
     results, failures = [], []
-    for c in cases:
+    for i, c in enumerate(cases):
         try:
             results += run_case(ctx, c)
         except AssertionError as e:
             failures.append(f"{c.name}: {e}")
+        ctx.case_done(family, i, len(cases))
     return results, failures
 
 
 def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtype: torch.dtype,
                 timing: Timing, nbytes: int, flops: int, peers: dict[str, Timing],
-                peer_variant: dict[str, str] | None = None) -> Result:
-    c = ctx.ceilings()
+                peer_variant: dict[str, str] | None = None, ceiling: str | None = None,
+                modes: Modes | None = None, peer_modes: dict[str, Modes] | None = None) -> Result:
+    """`ceiling`: which ceiling judges the result (CEILING_KINDS); by default copy bandwidth or the matmul
+    throughput of the operands' dtype (fp8 dtypes: the FP8 ceiling), whichever binds."""
+    if ceiling is not None and ceiling not in CEILING_KINDS:
+        raise ValueError(f"ceiling: expected one of {CEILING_KINDS}, got {ceiling!r}")
     us = _nonzero(timing.us)
-    gbps = nbytes / us / 1e3
-    tflops = flops / us / 1e6 if flops else None
-    # Judged against whichever ceiling binds: copy bandwidth, or matmul throughput for GEMMs.
-    mem_bound = tflops is None or tflops / c.matmul_bf16_tflops < gbps / c.copy_gbps
-    pct = 100 * (gbps / c.copy_gbps if mem_bound else tflops / c.matmul_bf16_tflops)
-    return Result(
+    mode_speedup = {}
+    if modes is not None:
+        for p, m in (peer_modes or {}).items():
+            mode_speedup[p] = {k: _ratio(getattr(m, k), getattr(modes, k)) for k in MODE_FIELDS}
+    r = Result(
         op=op, case=case, shape=shape, dtype=str(dtype).removeprefix("torch."), us=timing.us,
-        p20_us=timing.p20_us, p80_us=timing.p80_us, bytes=nbytes, flops=flops, gbps=gbps,
-        tflops=tflops, ceiling="copy" if mem_bound else "matmul_bf16", pct_of_ceiling=pct,
+        p20_us=timing.p20_us, p80_us=timing.p80_us, bytes=nbytes, flops=flops, gbps=nbytes / us / 1e3,
+        tflops=flops / us / 1e6 if flops else None, ceiling=ceiling or "", pct_of_ceiling=0.0,
         peer_us={p: t.us for p, t in peers.items()},
         speedup={p: _nonzero(t.us) / us for p, t in peers.items()},
-        peer_variant=peer_variant or {},
+        peer_variant=peer_variant or {}, at_s=round(ctx.elapsed_s(), 3),
+        modes={k: getattr(modes, k) for k in MODE_FIELDS} if modes is not None else {},
+        peer_modes={p: {k: getattr(m, k) for k in MODE_FIELDS} for p, m in (peer_modes or {}).items()},
+        mode_speedup=mode_speedup,
     )
+    judge(r, ctx.nearest_ceilings(r.at_s), fp8=dtype in FP8_DTYPES, kind=ceiling)
+    return r
+
+
+MODE_FIELDS = ("host_us", "kernel_us", "graph_us")
+
+
+def _ratio(peer_us: float | None, ours_us: float | None) -> float | None:
+    return None if peer_us is None or ours_us is None else _nonzero(peer_us) / _nonzero(ours_us)
+
+
+def judge(r: Result, c: Ceilings, *, fp8: bool | None = None, kind: str | None = None) -> None:
+    """Sets r's ceiling kind (when not fixed), pct_of_ceiling, ceiling_at and suspect against c."""
+    if fp8 is None:
+        fp8 = r.ceiling == "matmul_fp8" or r.dtype.startswith("float8")
+    if not kind:
+        mm = "matmul_fp8" if fp8 and c.matmul_fp8_tflops else "matmul_bf16"
+        # Judged against whichever ceiling binds: copy bandwidth, or matmul throughput for GEMMs.
+        mem_bound = r.tflops is None or r.tflops / c.value(mm) < r.gbps / c.copy_gbps
+        kind = "copy" if mem_bound else mm
+    value = c.value(kind)
+    rate = r.gbps if kind.startswith("copy") else r.tflops
+    r.ceiling, r.ceiling_at = kind, c.label
+    r.pct_of_ceiling = 100 * (rate or 0.0) / value if value else 0.0
+    r.suspect = r.pct_of_ceiling > 100.0
+
+
+def rejudge(ctx: Context, results: Sequence[Result]) -> None:
+    """Judges each result again against the ceiling measurement nearest to when it ran (the middle and
+    end ones did not exist yet when it was made)."""
+    for r in results:
+        judge(r, ctx.nearest_ceilings(r.at_s), kind=r.ceiling)
+
+
+def summarize(results: Sequence[Result]) -> dict[str, Any]:
+    """Per op, over every case: geomean and worst % of ceiling, and per peer geomean and worst speedup
+    (with the worst case's name); per mode too for host-bound ops."""
+    out: dict[str, Any] = {}
+    for op in dict.fromkeys(r.op for r in results):
+        rs = [r for r in results if r.op == op]
+        pct = [r.pct_of_ceiling for r in rs if r.pct_of_ceiling > 0]
+        entry: dict[str, Any] = {
+            "cases": len(rs),
+            "ceiling": sorted({r.ceiling for r in rs}),
+            "pct_of_ceiling": {"geomean": geomean(pct), "worst": min(pct) if pct else None,
+                               "worst_case": min(rs, key=lambda r: r.pct_of_ceiling).case},
+            "suspect_cases": [r.case for r in rs if r.suspect],
+            "speedup": {},
+        }
+        for p in dict.fromkeys(p for r in rs for p in r.speedup):
+            have = [r for r in rs if p in r.speedup]
+            worst = min(have, key=lambda r: r.speedup[p])
+            entry["speedup"][p] = {"geomean": geomean([r.speedup[p] for r in have]),
+                                   "worst": worst.speedup[p], "worst_case": worst.case, "cases": len(have)}
+        modes = {}
+        for p in dict.fromkeys(p for r in rs for p in r.mode_speedup):
+            for k in MODE_FIELDS:
+                v = [r.mode_speedup[p][k] for r in rs if p in r.mode_speedup and r.mode_speedup[p][k] is not None]
+                modes.setdefault(p, {})[k] = {"geomean": geomean(v), "worst": min(v) if v else None}
+        if modes:
+            entry["mode_speedup"] = modes
+        out[op] = entry
+    return out
+
+
+def geomean(xs: Sequence[float]) -> float | None:
+    xs = [x for x in xs if x > 0]
+    return math.exp(statistics.fmean(map(math.log, xs))) if xs else None
 
 
 def device_name(ctx: Context) -> str:
@@ -269,9 +556,8 @@ def run_metadata(ctx: Context) -> dict[str, Any]:
     if ctx.is_cuda:
         driver = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader",
                        f"--id={ctx.device.index or 0}"])
-    commit = _cmd(["git", "rev-parse", "HEAD"])
     return {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": ctx.started_utc,
         "device": ctx.device.type,
         "device_name": device_name(ctx),
         "driver": driver,
@@ -281,68 +567,174 @@ def run_metadata(ctx: Context) -> dict[str, Any]:
         "moe_kernels": getattr(moe_kernels, "__version__", None),
         "has_cuda_kernels": moe_kernels.has_cuda_kernels(),
         "ours": "cuda kernels" if ctx.ours_runs_kernels else "pytorch reference",
-        "commit": commit,
-        "dirty": bool(_cmd(["git", "status", "--porcelain", "--untracked-files=no"])) if commit else None,
+        **provenance(ctx),
         "quick": ctx.quick,
         "warmup": ctx.warmup,
         "reps": ctx.reps,
         "input_sets": ctx.n_input_sets,
         "l2_flush_bytes": ctx.l2_flush_buffer().numel() * 4 if ctx.is_cuda else 0,
+        "l2_flush": ctx.flush_mode if ctx.is_cuda else "none (CPU)",
     }
 
 
-def _cmd(argv: list[str]) -> str | None:
+# Every key provenance() returns; a JSON without one of them is not a result to quote.
+PROVENANCE_KEYS = ("commit", "dirty", "diff_sha256", "start", "end", "gpu_start", "gpu_end", "gpu_processes")
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "temperature.gpu", "power.draw",
+                    "clocks_event_reasons.active")
+
+
+def provenance(ctx: Context) -> dict[str, Any]:
+    """Where a figure came from: the commit, whether the tree differed from it (and a hash of the
+    difference, so two runs of one dirty tree can be told apart), when, and the GPU's clocks,
+    temperature and throttle reasons at the start and end, with the processes sharing the GPU."""
+    commit = _cmd(["git", "rev-parse", "HEAD"])
+    dirty = diff = None
+    if commit:
+        status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"])
+        dirty = bool(status)
+        # The diff against HEAD, tracked files only (untracked ones do not change what runs here).
+        raw = _cmd(["git", "diff", "HEAD", "--binary"], strip=False) or ""
+        diff = hashlib.sha256(raw.encode()).hexdigest() if dirty else None
+    return {
+        "commit": commit,
+        "dirty": dirty,
+        "diff_sha256": diff,
+        "start": ctx.started_utc,
+        "end": _utc_now(),
+        "gpu_start": ctx.gpu_state_start,
+        "gpu_end": gpu_state(ctx),
+        "gpu_processes": gpu_processes(ctx),
+    }
+
+
+def gpu_state(ctx: Context) -> dict[str, Any] | None:
+    """nvidia-smi's clocks (MHz), temperature (C), power (W) and active clock-event (throttle) reasons;
+    None on the CPU, or where nvidia-smi does not answer."""
+    if not ctx.is_cuda:
+        return None
+    idx = f"--id={ctx.device.index or 0}"
+    for fields in (GPU_STATE_FIELDS, GPU_STATE_FIELDS[:-1] + ("clocks_throttle_reasons.active",)):
+        out = _cmd(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", idx])
+        if out:
+            return dict(zip((f.replace("clocks_throttle", "clocks_event") for f in fields),
+                            (v.strip() for v in out.split(","))))
+    return None
+
+
+def gpu_processes(ctx: Context) -> list[str] | None:
+    """The compute processes on the GPUs (pid, name, memory): anything but this one makes the run suspect."""
+    if not ctx.is_cuda:
+        return None
+    out = _cmd(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"])
+    return None if out is None else [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def _cmd(argv: list[str], strip: bool = True) -> str | None:
     try:
         p = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.SubprocessError):
         return None
-    return p.stdout.strip() if p.returncode == 0 else None
+    if p.returncode != 0:
+        return None
+    return p.stdout.strip() if strip else p.stdout
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:
     return "-" if v is None else f"{v:{spec}}{suffix}"
 
 
+def mode_cell(v: float | None, ctx: Context, spec: str = ".1f", suffix: str = "") -> str:
+    if v is None:
+        return "n/a (CPU)" if not ctx.is_cuda else "n/a"
+    return f"{v:{spec}}{suffix}"
+
+
+def suspect_reasons(ctx: Context, results: Sequence[Result], meta: dict[str, Any]) -> list[str]:
+    """Why a run's figures should not be quoted as they are (empty: nothing known against them)."""
+    why = [f"{r.op} {r.case}: {r.pct_of_ceiling:.1f}% of {r.ceiling}" for r in results if r.suspect]
+    others = [p for p in meta.get("gpu_processes") or [] if p.split(",")[0].strip() != str(os.getpid())]
+    if others:
+        why.append(f"other processes on the GPU: {'; '.join(others)}")
+    return why
+
+
 def report(ctx: Context, name: str, rep: Report) -> tuple[Path, Path]:
-    """Prints the table, one `RESULT` line per case, `GEOMEAN` per op and peer, `HEADLINE` and
-    `FAILED` lines; writes bench_<name>.json and bench_<name>.png under ctx.out_dir."""
+    """Measures the family's end ceilings and judges every result against the nearest measurement;
+    prints the table, one `RESULT` line per case, `SUMMARY` (% of ceiling, geomean and worst) per op,
+    `GEOMEAN` (with the worst case) per op and peer,
+    `HEADLINE`, `SUSPECT` and `FAILED` lines; writes bench_<name>.json and bench_<name>.png."""
     from rich.console import Console
     from rich.table import Table
 
-    c, results = ctx.ceilings(), rep.results
+    results = rep.results
+    ctx.ceilings()
+    ctx.measure_ceilings(f"end:{name}")
+    rejudge(ctx, results)
+    c = ctx.nearest_ceilings(results[0].at_s) if results else ctx.ceilings()
     ops = list(dict.fromkeys(r.op for r in results))
     peers = sorted({p for r in results for p in r.speedup}, key=lambda p: (p != "torch_eager", p))
+    with_modes = any(r.modes for r in results)
+    mode_peers = sorted({p for r in results for p in r.mode_speedup}, key=lambda p: (p != "torch_eager", p))
+    fp8 = f", fp8 matmul {c.matmul_fp8_tflops:.1f}" if c.matmul_fp8_tflops else ""
     title = (f"{name} on {device_name(ctx)} (ours: {'cuda kernels' if ctx.ours_runs_kernels else 'reference'}):"
-             f" copy {c.copy_gbps:.0f} GB/s, bf16 matmul {c.matmul_bf16_tflops:.1f} TFLOP/s")
+             f" copy {c.copy_gbps:.0f} GB/s, bf16 matmul {c.matmul_bf16_tflops:.1f}{fp8} TFLOP/s"
+             f" ({len(ctx.ceilings_log)} ceiling measurements)")
     table = Table(title=title)
-    for col in ("op", "case", "us (p20-p80)", "GB/s", "TFLOP/s", "% of ceiling", *(f"vs {p}" for p in peers)):
+    cols = ["op", "case", "us (p20-p80)", "GB/s", "TFLOP/s", "% of ceiling", *(f"vs {p}" for p in peers)]
+    if with_modes:
+        cols += ["host / kernel / graph us", *(f"vs {p} host / kernel / graph" for p in mode_peers)]
+    for col in cols:
         table.add_column(col, justify="left" if col in ("op", "case") else "right")
     for r in results:
-        table.add_row(r.op, r.case, f"{r.us:.1f} ({r.p20_us:.1f}-{r.p80_us:.1f})", f"{r.gbps:.1f}",
-                      _fmt(r.tflops, ".1f"), f"{r.pct_of_ceiling:.1f}% {r.ceiling}",
-                      *(_fmt(r.speedup.get(p), ".2f", "x") for p in peers))
+        row = [r.op, r.case, f"{r.us:.1f} ({r.p20_us:.1f}-{r.p80_us:.1f})", f"{r.gbps:.1f}", _fmt(r.tflops, ".1f"),
+               f"{r.pct_of_ceiling:.1f}% {r.ceiling}@{r.ceiling_at}{' SUSPECT' if r.suspect else ''}",
+               *(_fmt(r.speedup.get(p), ".2f", "x") for p in peers)]
+        if with_modes:
+            row.append(" / ".join(mode_cell(r.modes.get(k), ctx) for k in MODE_FIELDS) if r.modes else "-")
+            row += [" / ".join(mode_cell(r.mode_speedup[p][k], ctx, ".2f", "x") for k in MODE_FIELDS)
+                    if p in r.mode_speedup else "-" for p in mode_peers]
+        table.add_row(*row)
     console = Console()
-    (console if console.is_terminal else Console(width=170)).print(table)
+    (console if console.is_terminal else Console(width=200)).print(table)
 
     for r in results:
         dims = " ".join(f"{k}={v}" for k, v in r.shape.items())
         vs = " ".join(f"{p}={s:.2f}x" for p, s in r.speedup.items())
+        modes = ""
+        if r.modes:
+            modes = " " + " ".join(f"{k}={mode_cell(v, ctx, '.2f')}" for k, v in r.modes.items())
+            modes += "".join(f" {p}:{k.removesuffix('_us')}={mode_cell(v, ctx, '.2f', 'x')}"
+                             for p, ms in r.mode_speedup.items() for k, v in ms.items())
         print(f"RESULT {r.op} {r.case} {dims} {r.dtype} us={r.us:.2f} GB/s={r.gbps:.1f} "
-              f"TFLOP/s={_fmt(r.tflops, '.2f')} {r.ceiling}%={r.pct_of_ceiling:.1f} {vs}")
-    for op in ops:
-        for p in peers:
-            s = [r.speedup[p] for r in results if r.op == op and p in r.speedup]
-            if s:
-                print(f"GEOMEAN {op} vs {p}: {math.exp(statistics.fmean(map(math.log, s))):.2f}x over {len(s)} cases")
+              f"TFLOP/s={_fmt(r.tflops, '.2f')} {r.ceiling}%={r.pct_of_ceiling:.1f}@{r.ceiling_at} {vs}{modes}"
+              f"{' SUSPECT' if r.suspect else ''}")
+    summary = summarize(results)
+    for op, e in summary.items():
+        pct = e["pct_of_ceiling"]
+        print(f"SUMMARY {op} over {e['cases']} cases: % of {'/'.join(e['ceiling'])} geomean "
+              f"{_fmt(pct['geomean'], '.1f')}, worst {_fmt(pct['worst'], '.1f')} ({pct['worst_case']})")
+        for p, sp in e["speedup"].items():
+            print(f"GEOMEAN {op} vs {p}: {sp['geomean']:.2f}x over {sp['cases']} cases; worst "
+                  f"{sp['worst']:.2f}x ({sp['worst_case']})")
+        for p, ms in e.get("mode_speedup", {}).items():
+            print(f"SUMMARY {op} vs {p} by mode: " + ", ".join(
+                f"{k.removesuffix('_us')} geomean {mode_cell(m['geomean'], ctx, '.2f', 'x')} "
+                f"worst {mode_cell(m['worst'], ctx, '.2f', 'x')}" for k, m in ms.items()))
     for line in rep.headline:
         print(f"HEADLINE {line}")
+    meta = run_metadata(ctx)
+    suspect = suspect_reasons(ctx, results, meta)
+    for line in suspect:
+        print(f"SUSPECT {line}")
     for line in rep.failures:
         print(f"FAILED {line}")
 
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = ctx.out_dir / f"bench_{name}.json", ctx.out_dir / f"bench_{name}.png"
-    payload = {"suite": name, "meta": run_metadata(ctx), "ceilings": asdict(c), "method": __doc__,
-               "headline": rep.headline, "failures": rep.failures, "results": [asdict(r) for r in results]}
+    payload = {"suite": name, "meta": meta, "ceilings": asdict(c),
+               "ceilings_log": [asdict(x) for x in ctx.ceilings_log], "method": __doc__,
+               "headline": rep.headline, "failures": rep.failures, "suspect": bool(suspect),
+               "suspect_reasons": suspect, "summary": summary, "results": [asdict(r) for r in results]}
     json_path.write_text(json.dumps(payload, indent=1) + "\n")
     plot(results, c, png_path, title=title)
     print(f"wrote {json_path} and {png_path}")

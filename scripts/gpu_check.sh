@@ -1,8 +1,16 @@
 #!/usr/bin/env bash
 # GPU verification on a machine without network: build, GPU tests, compute-sanitizer, benchmarks.
 #
-#   scripts/gpu_check.sh OUTDIR [build] [test | test:PATH ...] [sanitize] [bench | bench:OP ...]
-#   (default: build sanitize test bench, in order)
+#   scripts/gpu_check.sh OUTDIR [build] [perf | perf:PART,PART ...] [test | test:PATH ...] [sanitize]
+#                               [bench | bench:OP ...]
+#   (default: build sanitize test bench, in order; a speed run is `build perf`, or `build perf:host,layer`)
+#
+# `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, layer, fp8, permute,
+# dispatch and step in priority order within PERF_BUDGET seconds (default 360, about 6 minutes after the
+# build), each family's JSON written to OUTDIR as it ends, so a run cut short keeps what it measured;
+# `perf:host,layer` picks parts. The build targets MOE_KERNELS_CUDA_ARCHS (default here: 90a, the GPU
+# runs' H100/H200). PERF_DRY_RUN=1 runs the same parts on the CPU with tiny shapes (CI does, with
+# MOE_KERNELS_EMULATE=1, so this stage cannot break unnoticed between GPU runs).
 #
 # GPU_CHECK_BUDGET=SECONDS caps the whole run (e.g. 540 for one 10-minute command): each stage gets what is
 # left, and `bench` runs its families in priority order, each capped, skipping those that no longer fit.
@@ -63,6 +71,7 @@ stage_build() {
     export CUTLASS_DIR=/tmp/cutlass_wheel/cutlass_library/source
   fi
   # The CPU-executed kernels (_C_emu) are CI's; a GPU machine needs only _C.
+  MOE_KERNELS_CUDA_ARCHS=${MOE_KERNELS_CUDA_ARCHS:-90a} \
   MOE_KERNELS_SKIP_EMU=${MOE_KERNELS_SKIP_EMU:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     capped "$(left)" "$PY" -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
   local rc=$?
@@ -104,6 +113,16 @@ stage_sanitize() {
   echo $?
 }
 
+stage_perf() {  # [part,part,...]
+  local budget=${PERF_BUDGET:-360} cap
+  cap=$(left)
+  [ "$cap" -gt $((budget + 60)) ] && cap=$((budget + 60))  # the parts keep to the budget; this only stops a hang
+  local dry=()
+  [ -n "${PERF_DRY_RUN:-}" ] && dry=(--dry-run)
+  capped "$cap" "$PY" -m bench.perf "$OUT" --budget "$budget" ${1:+--parts "$1"} "${dry[@]}" >"$OUT/perf.log" 2>&1
+  echo $?
+}
+
 stage_bench() {  # [op]; BENCH_ARGS=--quick for the short sweep
   if [ -n "${1:-}" ]; then
     capped "$(left)" "$PY" -m bench "$1" ${BENCH_ARGS:-} --out "$OUT" >"$OUT/bench_$1.log" 2>&1
@@ -137,6 +156,7 @@ for stage in $STAGES; do
     test) detail="$(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}").log"); serial: $(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}")_serial.log")" ;;
     sanitize) detail=$(grep -m1 -E "ERROR SUMMARY" "$OUT/sanitizer.log"; tail -n 1 "$OUT/sanitizer.log") ;;
     bench) log="$OUT/bench${arg:+_${arg#:}}.log"; detail=$(grep -E "^HEADLINE" "$log" | tr '\n' ' ') ;;
+    perf) detail=$(grep -E "^\[perf\]" "$OUT/perf.log" | tr '\n' ' ') ;;
     *) detail="unknown stage" ;;
   esac
   record "$stage" "$rc" "$secs" "${detail//|//}"
@@ -146,7 +166,7 @@ pack() {
   local tmp
   tmp=$(mktemp -d)
   [ -f "$OUT/artifacts.tgz" ] && tar xzf "$OUT/artifacts.tgz" -C "$tmp"
-  for f in "$OUT"/*.log "$OUT"/*.png "$OUT"/*.xml "$OUT"/*.json; do
+  for f in "$OUT"/*.log "$OUT"/*.png "$OUT"/*.xml "$OUT"/*.json "$OUT"/*.txt; do
     [ -f "$f" ] && mv "$f" "$tmp/"
   done
   tar czf "$OUT/artifacts.tgz" -C "$tmp" .

@@ -70,3 +70,32 @@ def test_check_catches_a_wrong_loss(monkeypatch):
     monkeypatch.setattr(bl, "_ours", doubled)
     with pytest.raises(AssertionError, match="z_loss"):
         bl.check(c, "z_loss_fwd_bwd", s)
+
+
+def test_host_bound_modes_provenance_and_summary(losses_run):
+    """Every case carries host issue / kernel / graph-replay times (the last two "n/a (CPU)" here, as
+    stdout says), the run's provenance, its ceiling measurements and per-op summaries."""
+    out, stdout = losses_run
+    data = json.loads((out / "bench_router_losses.json").read_text())
+    for r in data["results"]:
+        assert r["modes"]["host_us"] > 0 and r["modes"]["kernel_us"] is None and r["modes"]["graph_us"] is None
+        host = r["mode_speedup"]["torch_eager"]["host_us"]
+        assert host == pytest.approx(r["peer_modes"]["torch_eager"]["host_us"] / r["modes"]["host_us"])
+        assert r["ceiling"] == "copy" and r["ceiling_at"] in {c["label"] for c in data["ceilings_log"]}
+        assert r["suspect"] is False
+    assert "n/a (CPU)" in stdout and "host / kernel / graph us" in stdout
+    meta = data["meta"]
+    for key in harness.PROVENANCE_KEYS:
+        assert key in meta, key
+    assert len(meta["commit"]) == 40 and isinstance(meta["dirty"], bool)
+    assert (meta["diff_sha256"] is None) == (not meta["dirty"])
+    assert meta["start"] <= meta["end"] and meta["gpu_start"] is None and meta["gpu_processes"] is None
+    labels = [c["label"] for c in data["ceilings_log"]]
+    assert labels[0] == "start" and "middle:router_losses" not in labels[:1] and labels[-1] == "end:router_losses"
+    assert data["suspect"] is False and data["suspect_reasons"] == []
+    assert set(data["summary"]) == set(bl.OPS)
+    s = data["summary"]["tokens_per_expert"]
+    assert s["cases"] == 1 and s["speedup"]["torch_eager"]["geomean"] > 0
+    lines = stdout.splitlines()
+    assert any(line.startswith("GEOMEAN tokens_per_expert vs torch_eager: ") and "; worst " in line for line in lines)
+    assert any(line.startswith("SUMMARY tokens_per_expert over 1 cases: % of copy geomean") for line in lines)

@@ -1,0 +1,185 @@
+"""The GPU perf mode: one short run that measures every open speed question, part by part.
+
+    python -m bench.perf OUT [--parts env,host,gemm,layer,fp8,permute,dispatch,step] [--budget 360] [--dry-run]
+
+Parts, in priority order (`--parts` picks and orders them; scripts/gpu_check.sh `perf:host,layer` passes
+them through):
+  env       the environment report, GPU clocks and throttle reasons, the ceilings, and the L2 flush's
+            effect: a 16 MiB copy and router_topk at deepseek-v3 / 4096 tokens (both fit in L2) timed with
+            the read-only flush, the old zero-fill and no flush
+  host      host issue vs kernel vs CUDA-graph replay time: router_topk and the router losses (with
+            tokens_per_expert) on every perf.md shape at 16384 tokens, and the small-H permute family
+            (qwen3-30b-a3b, 8192 tokens)
+  gemm      grouped_mm against torch._grouped_mm, interleaved rep by rep, over the perf.md shapes, and
+            qwen3-30b-a3b at 32768 tokens (the 500 TFLOP/s forward bar)
+  layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens: ours, torch-native, Hugging Face and
+            Liger (where liger_kernel imports), eager and graph-replayed
+  fp8       the FP8 GEMMs and recipe at deepseek-v3 and qwen3-30b-a3b, with the recipe's fwd+bwd
+            profiled kernel by kernel (profile_fp8_recipe_*.txt)
+  permute   the permute family at deepseek-v3 / 8192 tokens (the 85% bar), unpermute backward included
+  dispatch  virtual-rank dispatch and combine at 20 SMs and at all SMs
+  step      the training step at three batch sizes (4k, 8k, 16k tokens a step) and one profiled step's
+            key_averages table (profile_train_step_*.txt)
+Each part runs its families through the bench harness (same timing method, ceilings at the start,
+middle and end, provenance in every JSON) and writes perf_<part>_<family>.json and its log line as soon
+as the family ends, so a run cut short keeps what it measured. `--budget` (seconds, default 360) bounds
+the whole run: a part starts only while at least its `min_s` is left, and parts after the budget are
+listed as skipped in perf_summary.json.
+
+`--dry-run` runs every part on the CPU with the families' tiny shapes (on the CPU-executed kernels when
+MOE_KERNELS_EMULATE=1), so CI proves the script end to end between GPU runs; its times mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import typer
+
+from . import harness as h
+
+
+@dataclass(frozen=True)
+class Run:
+    """One bench family with its sweep narrowed for a part."""
+
+    family: str
+    models: tuple[str, ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    quick: bool = True
+    profile: bool = False
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    runs: tuple[Run, ...]
+    min_s: int  # do not start with less than this left of the budget
+    extra: Callable[[h.Context, Path], None] | None = None  # measurements outside the families
+
+
+ALL_MODELS = ("deepseek-v3", "qwen3-235b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b")
+
+
+def _env(ctx: h.Context, out: Path) -> None:
+    """The environment report and the flush's effect (a family of its own: perf_env_flush.json)."""
+    env = subprocess.run([sys.executable, "-m", "moe_kernels"], capture_output=True, text=True, timeout=120)
+    (out / "env.txt").write_text(env.stdout + env.stderr)
+    results = []
+    n = (8 << 20) if ctx.is_cuda else (1 << 16)  # 16 MiB of bf16 on a GPU: L2-resident without a flush
+    src = torch.randn(n, dtype=torch.bfloat16, device=ctx.device)
+    dst = torch.empty_like(src)
+    logits = torch.randn(4096 if ctx.is_cuda else 64, 256 if ctx.is_cuda else 16, device=ctx.device)
+    import moe_kernels
+
+    k = 8 if ctx.is_cuda else 4
+    cases = {
+        "copy_16MiB": (lambda s, d: d.copy_(s), [(src, dst)], 2 * src.numel() * 2),
+        "router_topk_fwd_T4096": (lambda x: moe_kernels.router_topk(x, k), [(logits,)],
+                                  logits.numel() * 4 + 2 * logits.shape[0] * k * 4),
+    }
+    for mode in ("read", "write", "none"):
+        mctx = ctx.derive(flush_mode=mode) if ctx.is_cuda else ctx
+        for name, (fn, inputs, nbytes) in cases.items():
+            results.append(h.make_result(ctx, op=f"flush_{mode}", case=name, shape={}, dtype=src.dtype,
+                                         timing=mctx.time(fn, inputs), nbytes=nbytes, flops=0, peers={}))
+    for r in results:
+        base = next(x for x in results if x.case == r.case and x.op == "flush_read")
+        r.extra["us_vs_read_flush"] = r.us / max(base.us, 1e-3)
+    head = [f"{name}: " + ", ".join(f"{m} flush {next(r.us for r in results if r.case == name and r.op == f'flush_{m}'):.1f} us"
+                                    for m in ("read", "write", "none")) for name in cases]
+    h.report(ctx.derive(out_dir=out), "perf_env_flush", h.Report(results, head, []))
+
+
+PARTS: dict[str, Part] = {p.name: p for p in (
+    Part("env", (), min_s=20, extra=_env),
+    Part("host", (Run("router", tokens=(16384,)), Run("router_losses", tokens=(16384,)),
+                  Run("permute", models=("qwen3-30b-a3b",), tokens=(8192,))), min_s=40),
+    Part("gemm", (Run("grouped_mm", tokens=(8192,)),
+                  Run("grouped_mm", models=("qwen3-30b-a3b",), tokens=(32768,))), min_s=60),
+    Part("layer", (Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(8192, 32768)),), min_s=90),
+    Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),),
+         min_s=60),
+    Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
+    Part("dispatch", (Run("dispatch", models=("deepseek-v3",)),), min_s=30),
+    Part("step", (Run("train", tokens=(4096, 8192, 16384), profile=True),), min_s=90),
+)}
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def main(
+    out: Path = typer.Argument(..., help="directory for perf_<part>_<family>.json, logs and profiles"),
+    parts: str = typer.Option(",".join(PARTS), "--parts", help="comma-separated parts, in the order to run"),
+    budget: int = typer.Option(360, "--budget", help="seconds for the whole run"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="every part on the CPU, tiny shapes"),
+) -> None:
+    """The GPU perf mode (module docstring)."""
+    import importlib
+
+    from . import BENCHES
+
+    chosen = [p.strip() for p in parts.split(",") if p.strip()]
+    unknown = [p for p in chosen if p not in PARTS]
+    if unknown:
+        raise typer.BadParameter(f"unknown {unknown}; known: {', '.join(PARTS)}", param_hint="--parts")
+    if not dry_run and not torch.cuda.is_available():
+        raise typer.BadParameter("no CUDA device: the perf mode measures a GPU (--dry-run checks it on a CPU)")
+    device = torch.device("cpu" if dry_run else "cuda")
+    if dry_run:
+        torch.set_num_threads(1)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    summary: dict = {"budget_s": budget, "dry_run": dry_run, "parts": {}}
+
+    def save() -> None:
+        (out / "perf_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    base = h.Context(device=device, quick=True, out_dir=out)
+    base.measure_ceilings("start")
+    failed = False
+    for name in chosen:
+        part, left = PARTS[name], budget - (time.monotonic() - t0)
+        if left < part.min_s:
+            summary["parts"][name] = {"status": f"skipped: {left:.0f} s left, needs {part.min_s}"}
+            print(f"[perf] {name}: skipped ({left:.0f} s left of the budget, needs {part.min_s})", flush=True)
+            save()
+            continue
+        start = time.monotonic()
+        status, files = "ok", []
+        try:
+            if part.extra is not None:
+                part.extra(base, out)
+                files.append("perf_env_flush.json")
+            for run in part.runs:
+                ctx = base.derive(quick=run.quick, models=run.models, tokens=run.tokens, profile=run.profile)
+                family = f"perf_{name}_{run.family}" + (f"_T{'-'.join(map(str, run.tokens))}" if run.tokens else "")
+                rep = importlib.import_module(BENCHES[run.family]).run(ctx)
+                h.report(ctx, family, rep)
+                files.append(f"bench_{family}.json")
+                if rep.failures:
+                    status = "failures"
+        except Exception as e:  # noqa: BLE001 - a part that breaks is recorded; the next part still runs
+            status = f"error: {type(e).__name__}: {e}"
+            traceback.print_exc()
+        failed |= status != "ok"
+        summary["parts"][name] = {"status": status, "seconds": round(time.monotonic() - start, 1), "files": files}
+        print(f"[perf] {name}: {status} in {time.monotonic() - start:.0f} s", flush=True)
+        save()
+    summary["seconds"] = round(time.monotonic() - t0, 1)
+    save()
+    if failed:
+        raise typer.Exit(1)
+
+
+if __name__ == "__main__":
+    app()
