@@ -26,6 +26,7 @@ def main(
     tokens: Optional[str] = typer.Option(None, "--tokens", help="comma-separated token counts (GPU sweep only)"),
     flush: str = typer.Option("read", "--flush", help="L2 flush between timed calls: read, write or none"),
     profile: bool = typer.Option(False, "--profile", help="families that can also write a profiler table"),
+    modes: bool = typer.Option(False, "--modes", help="also host / kernel / graph-replay time where optional"),
 ) -> None:
     """Microbenchmarks of moe_kernels against their peers; method in bench/harness.py."""
     import torch
@@ -52,7 +53,7 @@ def main(
         raise typer.BadParameter(f"expected read, write or none, got {flush!r}", param_hint="--flush")
     ctx = harness.Context(device=torch.device(device), quick=quick, out_dir=out, flush_mode=flush,
                           models=tuple(models.split(",")) if models else None, tokens=token_counts,
-                          profile=profile)
+                          profile=profile, modes=modes)
     ctx.measure_ceilings("start")
     failed = False
     for op in ops or list(BENCHES):

@@ -125,6 +125,13 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     _check_recipe(c, s0["train"])
     ours_train = ctx.time(_fwd_bwd(RECIPE.grouped_mm), [s["train"] for s in sets])
     peer_train = ctx.time(_fwd_bwd(moe_kernels.grouped_mm), [s["train"] for s in sets])
+    if ctx.profile and c.gemm == "w13" and c.routing == "uniform":
+        # Kernel by kernel: where the recipe's time goes beside the GEMMs (quantization, transposes).
+        ctx.out_dir.mkdir(parents=True, exist_ok=True)
+        tables = [f"{what}, {c.name}, one fwd+bwd a rep\n{h.profile_table(fn, s0['train'], device=ctx.device)}"
+                  for what, fn in (("fp8 recipe", _fwd_bwd(RECIPE.grouped_mm)), ("bf16", _fwd_bwd(moe_kernels.grouped_mm)))]
+        name = c.name.replace("/", "_")
+        (ctx.out_dir / f"profile_fp8_recipe_{name}.txt").write_text("\n\n".join(tables) + "\n")
     bf16_bytes = 2 * (Mp * c.K + c.E * c.N * c.K + Mp * c.N)  # x, w, dout in; out, dx, dw out: 2x that
     train = h.make_result(ctx, op="fp8_recipe_fwd_bwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.bfloat16,
                           timing=ours_train, nbytes=2 * bf16_bytes, flops=3 * 2 * Mp * c.N * c.K,

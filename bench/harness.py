@@ -102,6 +102,9 @@ class Context:
     models: tuple[str, ...] | None = None
     tokens: tuple[int, ...] | None = None
     profile: bool = False  # families that can keep a profiler table of one call write it to out_dir
+    # Families whose ops are host-bound only in some cases (small-H permute backward, the layer) add
+    # time_modes (host / kernel / graph replay) when this is set; router and losses always do.
+    modes: bool = False
     started_s: float = field(default_factory=time.monotonic, init=False)
     started_utc: str = field(default_factory=lambda: _utc_now(), init=False)
     gpu_state_start: dict[str, Any] | None = field(default=None, init=False)

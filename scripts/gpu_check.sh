@@ -145,6 +145,7 @@ stage_bench() {  # [op]; BENCH_ARGS=--quick for the short sweep
   echo $rc
 }
 
+overall=0
 for stage in $STAGES; do
   start=$(date +%s)
   name=${stage%%:*}
@@ -160,6 +161,7 @@ for stage in $STAGES; do
     *) detail="unknown stage" ;;
   esac
   record "$stage" "$rc" "$secs" "${detail//|//}"
+  [ "$rc" -eq 0 ] || overall=1
   echo "[$stage] rc=$rc ${secs}s $detail"
 done
 pack() {
@@ -175,3 +177,4 @@ pack() {
 
 pack
 cat "$SUMMARY"
+exit $overall  # non-zero when any stage failed (CI's perf dry run relies on it)
