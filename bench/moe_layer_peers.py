@@ -1,7 +1,7 @@
 """The peers of bench_moe_layer, over our layer's very parameter tensors: torch_native
-(MoELayer(backend="torch")) and the Hugging Face block of the model's family with its experts run by the
-per-expert loop or grouped_mm. What each computes and how its weights are set: bench_moe_layer's
-docstring."""
+(MoELayer(backend="torch")), the Hugging Face block of the model's family with its experts run by the
+per-expert loop or grouped_mm, and Liger's fused MoE experts inside torch_native's router and shared
+experts. What each computes and how its weights are set: bench_moe_layer's docstring."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from moe_kernels.nn import MoEConfig, MoELayer, torch_native
 
-PEERS = ("torch_native", "hf_eager", "hf_grouped_mm")  # what build_peers builds, where it can
+PEERS = ("torch_native", "hf_eager", "hf_grouped_mm", "liger")  # what build_peers builds, where it can
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,74 @@ def build_torch_native(layer: MoELayer) -> Impl:
 
     return Impl("torch_native", peer.train(), 'MoELayer(backend="torch"): topk routing, argsort dispatch, '
                 "torch._grouped_mm, index_add_", router.weight, route)
+
+
+class LigerMoE(nn.Module):
+    """torch_native's layer with its experts step replaced by Liger's fused MoE (bench_moe_layer's
+    docstring). Holds our router, experts and shared experts modules, so its parameters are ours."""
+
+    def __init__(self, layer: MoELayer, fused_moe: Callable):
+        super().__init__()
+        self.config = layer.config
+        self.router, self.experts, self.shared_experts = layer.router, layer.experts, layer.shared_experts
+        self.fused_moe = fused_moe  # (x [T, H], w13 [E, 2F, H], w2 [E, H, F], indices int32, weights) -> [T, H]
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        shape, cfg = x.shape, self.config.router
+        x2 = x.reshape(-1, shape[-1])  # [T, H]
+        logits = torch_native.router_logits(x2, self.router.weight)  # [T, E] fp32
+        weights, indices = torch_native.route(logits, cfg, self.router.expert_bias)  # [T, k] fp32, int64
+        out = self.fused_moe(x2, self.experts.w13, self.experts.w2, indices.to(torch.int32), weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x2)
+        return out.view(shape), torch_native.aux_losses(logits, cfg, shape[-2])
+
+
+def liger_fused_moe() -> tuple[Callable, str]:
+    """(Liger's fused MoE autograd function's apply, its version); ImportError where it is not installed
+    or has no fused MoE."""
+    import importlib.metadata
+
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+
+    try:
+        version = importlib.metadata.version("liger-kernel")
+    except importlib.metadata.PackageNotFoundError:
+        version = "?"
+    return LigerFusedMoEFunction.apply, version
+
+
+def _as_runtime_error(fn: Callable, who: str) -> Callable:
+    """fn, its exceptions other than AssertionError raised as RuntimeError: a Triton compile error (say, a
+    Triton this Liger does not support) leaves the peer out with its reason instead of ending the run."""
+    def call(*args):
+        try:
+            return fn(*args)
+        except (AssertionError, RuntimeError):
+            raise
+        except Exception as e:  # noqa: BLE001 - re-raised as the type run_case records
+            raise RuntimeError(f"{who} raised {reason(e)}") from e
+
+    return call
+
+
+def build_liger(layer: MoELayer) -> Impl:
+    """LigerMoE over our layer (bench_moe_layer's docstring); raises where Liger cannot run here."""
+    try:
+        fused_moe, version = liger_fused_moe()
+    except ImportError as e:
+        raise ImportError(f"liger_kernel's fused MoE not importable ({e})") from e
+    if layer.experts.w13.device.type != "cuda":
+        raise RuntimeError(f"Liger's fused MoE runs Triton kernels on a GPU; this run is on "
+                           f"{layer.experts.w13.device.type}")
+    peer = LigerMoE(layer, _as_runtime_error(fused_moe, "Liger's fused MoE"))
+    cfg, router = layer.config.router, layer.router
+
+    def route(x2):
+        return torch_native.route(torch_native.router_logits(x2, router.weight), cfg, router.expert_bias)[1]
+
+    return Impl("liger", peer.train(), f"liger-kernel {version} LigerFusedMoEFunction (Triton): torch_native's "
+                "fp32 topk routing and shared experts", router.weight, route)
 
 
 def _assert_no_meta(peer: nn.Module) -> None:
@@ -177,6 +245,10 @@ def build_peers(layer: MoELayer, spec: Spec) -> tuple[dict[str, Impl], dict[str,
         peers["torch_native"] = build_torch_native(layer)
     except (RuntimeError, ValueError, TypeError) as e:
         skipped["torch_native"] = reason(e)
+    try:
+        peers["liger"] = build_liger(layer)
+    except (ImportError, RuntimeError, ValueError, TypeError) as e:
+        skipped["liger"] = reason(e)
     hf_names = ("hf_eager", "hf_grouped_mm")
     if spec.hf is None:
         return peers, {**skipped, **{p: spec.why_no_hf for p in hf_names}}

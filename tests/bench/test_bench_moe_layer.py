@@ -3,6 +3,7 @@ for; its torch-eager peers compute the op; a wrong result is reported instead of
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ from bench import moe_layer_checks as bml_checks  # noqa: E402
 from bench import moe_layer_peers as bml_peers  # noqa: E402
 
 LAYER_OPS = {"moe_layer_fwd", "moe_layer_fwd_bwd"}
+# Every peer but Liger's runs on the CPU; Liger's (Triton) is left out there with its reason.
+CPU_PEERS = tuple(p for p in bml_peers.PEERS if p != "liger")
+LIGER_CPU_REASONS = ("ImportError: liger_kernel's fused MoE not importable",
+                     "RuntimeError: Liger's fused MoE runs Triton kernels on a GPU")
 
 
 @pytest.fixture(scope="module")
@@ -81,16 +86,17 @@ def test_moe_layer_json_has_metadata_and_results(layer_run):
         assert r["tokens_per_s"] == pytest.approx(s["T"] / (r["us"] * 1e-6))
         assert r["dtype"] == "bfloat16" and r["ceiling"] in ("copy", "matmul_bf16")
         assert (s["F_shared"] > 0) == (spec.preset == "deepseek-v3") and r["setup"]
-        assert set(r["speedup"]) == set(bml_peers.PEERS) and r["peer_skipped"] == {}  # every peer runs on the CPU
+        assert set(r["speedup"]) == set(CPU_PEERS)
+        assert set(r["peer_skipped"]) == {"liger"} and r["peer_skipped"]["liger"].startswith(LIGER_CPU_REASONS)
         assert r["speedup"].keys() == r["peer_us"].keys() == r["peer_variant"].keys()
         assert all(v > 0 and math.isfinite(v) for v in r["speedup"].values())
         assert all(v >= 0 and math.isfinite(v) for v in r["peer_us"].values())
         assert 'experts_implementation="eager"' in r["peer_variant"]["hf_eager"]
         assert 'experts_implementation="grouped_mm"' in r["peer_variant"]["hf_grouped_mm"]
-        assert set(r["routing_agreement"]) == set(bml_peers.PEERS)
+        assert set(r["routing_agreement"]) == set(CPU_PEERS)
         # > 0: check_peer compares on agreeing tokens and fails the case unless every other token is a near-tie
         assert all(0 < f <= 1 for f in r["routing_agreement"].values())
-        assert r["reps"] == {p: 3 for p in ("ours", *bml_peers.PEERS)}  # the CPU quick run's reps
+        assert r["reps"] == {p: 3 for p in ("ours", *CPU_PEERS)}  # the CPU quick run's reps
     by_case = {(r["case"], r["op"]): r for r in results}
     for case in {r["case"] for r in results}:  # fwd+bwd moves and computes more than the forward
         fwd_bwd, fwd = by_case[(case, "moe_layer_fwd_bwd")], by_case[(case, "moe_layer_fwd")]
@@ -111,13 +117,27 @@ def test_moe_layer_json_has_metadata_and_results(layer_run):
     headline = data["headline"]
     T = bml.CPU_TOKENS[0]
     for preset in bml.HEADLINE_PRESETS:  # judged on uniform routing, zipf's speedup beside it
-        for peer, bar in bml.BARS.items():
-            lines = [line for line in headline if line.startswith("moe_layer_fwd_bwd tiny-")
-                     and f"x {peer} (" in line and f"(bar: >= {bar:g}x {peer})" in line and preset in line]
-            assert len(lines) == 1, (preset, peer)
-            assert lines[0].startswith(f"moe_layer_fwd_bwd tiny-{preset}/T{T}/uniform: "), lines[0]
-            zipf = by_case[(f"tiny-{preset}/T{T}/zipf", "moe_layer_fwd_bwd")]["speedup"][peer]
-            assert f"zipf routing: {zipf:.2f}x at tiny-{preset}/T{T}/zipf;" in lines[0], lines[0]
+        for (op, peer), bar in bml.BARS.items():
+            judged = f"(bar: >= {bar:g}x {peer}" + (", forward only)" if op == "moe_layer_fwd" else ")")
+            lines = [line for line in headline
+                     if line.startswith(f"{op} tiny-{preset}/T{T}/uniform: ") and judged in line]
+            assert len(lines) == 1, (preset, op, peer, headline)
+            if peer == "liger":  # not on the CPU: the reason instead of a ratio
+                assert lines[0].split(": ", 1)[1].startswith("liger not timed ("), lines[0]
+                assert any(why in lines[0] for why in LIGER_CPU_REASONS), lines[0]
+                continue
+            zipf = by_case[(f"tiny-{preset}/T{T}/zipf", op)]["speedup"][peer]
+            assert f"x {peer} (" in lines[0] and f"zipf routing: {zipf:.2f}x at tiny-{preset}/T{T}/zipf;" in lines[0]
+            assert lines[0].endswith(("[meets bar]", "[below bar]")), lines[0]
+        # The headline against the eager experts is forward-only; their fwd+bwd ratio is shown without a bar.
+        eager = [line for line in headline if "x hf_eager (" in line and f"tiny-{preset}/T{T}/uniform" in line]
+        assert [line.split()[0] for line in eager] == ["moe_layer_fwd", "moe_layer_fwd_bwd"], eager
+        assert "(bar: >= 3x hf_eager, forward only)" in eager[0]
+        assert "(no bar: its backward builds a full-size weight gradient per expert" in eager[1]
+    # The TFLOP/s bar's case (qwen3-30b-a3b at 32768 tokens) runs on a GPU only: its line says so.
+    assert bml.TFLOPS_BAR == ("qwen3-30b-a3b", 32768, 450)
+    assert "moe_layer_fwd_bwd qwen3-30b-a3b/T32768/uniform: not run (the full GPU run only, or see FAILED) " \
+           "(bar: >= 450 TFLOP/s)" in headline
     assert any(line.startswith("note: tiny-deepseek-v3: E=8 routed experts") for line in headline)
     assert any(line.startswith("note: routing agreement with ours") for line in headline)
     for m in bml.CPU_MODELS:
@@ -132,15 +152,17 @@ def test_moe_layer_png_and_stdout(layer_run):
     lines = stdout.splitlines()
     result_lines = [line for line in lines if line.startswith("RESULT ")]
     assert len(result_lines) == len(data["results"])
-    assert all("us=" in line and "TFLOP/s=" in line and all(f"{p}=" in line for p in bml_peers.PEERS)
+    assert all("us=" in line and "TFLOP/s=" in line and all(f"{p}=" in line for p in CPU_PEERS)
                for line in result_lines)
-    for op in LAYER_OPS:
-        for p in bml_peers.PEERS:
-            assert any(line.startswith(f"GEOMEAN {op} vs {p}:") for line in lines), (op, p)
+    for op in LAYER_OPS:  # every case in the summaries (geomean and worst)
+        for p in CPU_PEERS:
+            assert any(re.match(rf"(GEOMEAN|SUMMARY) {op} vs {p}\b", line) for line in lines), (op, p)
+            summary = data["summary"][op]["speedup"][p]
+            assert summary["cases"] == len(bml.CPU_MODELS) * len(bml.ROUTINGS), (op, p, summary)
     for preset in bml.HEADLINE_PRESETS:
-        for peer in bml.BARS:
-            assert any(line.startswith(f"HEADLINE moe_layer_fwd_bwd tiny-{preset}/") and f"x {peer} (" in line
-                       for line in lines), (preset, peer)
+        for op, peer in bml.BARS:
+            assert any(line.startswith(f"HEADLINE {op} tiny-{preset}/") and f"{peer} " in line
+                       for line in lines), (preset, op, peer)
     for m in bml.CPU_MODELS:
         for routing in bml.ROUTINGS:
             assert any(line.startswith(f"RESULT moe_layer_fwd_bwd {m}/T{bml.CPU_TOKENS[0]}/{routing} ")
@@ -189,7 +211,8 @@ def test_moe_layer_peers_share_weights_and_agree(name, routing):
     pytest.importorskip("transformers", minversion="5.0")
     spec, cfg, layer, x, dout = _tiny_layer(name, routing)
     peers, skipped = bml_peers.build_peers(layer, spec)
-    assert skipped == {} and set(peers) == set(bml_peers.PEERS)
+    assert set(skipped) == {"liger"} and skipped["liger"].startswith(LIGER_CPU_REASONS)
+    assert set(peers) == set(CPU_PEERS)
     ours = {id(p) for p in layer.parameters()}
     for p, impl in peers.items():
         # the experts (and shared experts) are our tensors; only the Qwen3/Mixtral router is a bf16 copy
@@ -347,8 +370,8 @@ def test_moe_layer_wrong_result_is_reported_not_timed(monkeypatch, tmp_path):
     rep = bml.run(ctx)
     assert rep.results == [] and len(rep.failures) == len(bml.CPU_MODELS) * len(bml.ROUTINGS)
     assert all("vs torch_native output on the" in f for f in rep.failures)
-    assert all(line.startswith(("moe_layer_fwd_bwd", "note:")) for line in rep.headline)
-    assert sum("no uniform case timed" in line for line in rep.headline) == len(bml.HEADLINE_PRESETS)
+    assert all(line.startswith(("moe_layer_fwd", "note:")) for line in rep.headline)
+    assert sum("no uniform case timed" in line for line in rep.headline) == len(bml.HEADLINE_PRESETS) * len(bml.OPS)
     json_path, png_path = harness.report(ctx, "moe_layer", rep)
     assert json.loads(json_path.read_text())["failures"] == rep.failures and png_path.exists()
 
@@ -368,7 +391,8 @@ def test_moe_layer_peer_left_out_with_reason(monkeypatch, tmp_path):
     assert rep.failures == [] and len(rep.results) == 2 * len(bml.ROUTINGS)
     for r in rep.results:
         assert set(r.speedup) == {"torch_native", "hf_eager"}
-        assert r.peer_skipped == {"hf_grouped_mm": "RuntimeError: grouped_mm experts unavailable here"}
+        assert r.peer_skipped["hf_grouped_mm"] == "RuntimeError: grouped_mm experts unavailable here"
+        assert set(r.peer_skipped) == {"hf_grouped_mm", "liger"}
     assert any("hf_grouped_mm not timed (RuntimeError" in line and "(bar: >= 1.3x hf_grouped_mm)" in line
                for line in rep.headline)
     assert "note: hf_grouped_mm not timed at tiny-qwen3-30b-a3b/T64/uniform, tiny-qwen3-30b-a3b/T64/zipf: " \
@@ -401,3 +425,59 @@ def test_moe_layer_full_size_flops_and_setup():
     assert bml_peers.hf_semantics(q, "qwen3_moe") == dict(
         hidden_size=2048, num_experts_per_tok=8, hidden_act="silu", num_experts=128, moe_intermediate_size=768,
         norm_topk_prob=True)
+
+
+def _liger_contract(x, gate_up_proj, down_proj, top_k_index, top_k_weights):
+    """What Liger's fused MoE computes, as its own tests state it: per token, sum over its k slots of
+    weight x down_proj[e] @ (silu(gate) * up), gate and up the first and second half of gate_up_proj[e] @ x."""
+    assert top_k_index.dtype == torch.int32 and gate_up_proj.dim() == down_proj.dim() == 3
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(gate_up_proj.shape[0]):
+        tok, slot = (top_k_index == e).nonzero(as_tuple=True)
+        if tok.numel():
+            gate, up = (x[tok] @ gate_up_proj[e].T).chunk(2, dim=-1)
+            y = (torch.nn.functional.silu(gate) * up) @ down_proj[e].T
+            out.index_add_(0, tok, y.float() * top_k_weights[tok, slot, None])
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("name", list(bml.CPU_MODELS))
+def test_moe_layer_liger_peer_wiring(name, monkeypatch):
+    """The Liger peer's wiring on the CPU, Liger's kernel replaced by its documented contract: our weights,
+    gate rows first, fp32 routing as int32 indices and fp32 weights, shared experts and aux loss; it passes
+    the same check as every peer. A swapped gate/up would not."""
+    spec, cfg, layer, x, dout = _tiny_layer(name)
+    monkeypatch.setattr(bml_peers, "liger_fused_moe", lambda: (_liger_contract, "contract"))
+    with pytest.raises(RuntimeError, match="Triton kernels on a GPU; this run is on cpu"):
+        bml_peers.build_liger(layer)
+
+    def route(x2):
+        logits = bml_peers.torch_native.router_logits(x2, layer.router.weight)
+        return bml_peers.torch_native.route(logits, cfg.router, layer.router.expert_bias)[1]
+
+    impl = bml_peers.Impl("liger", bml_peers.LigerMoE(layer, _liger_contract).train(), "contract",
+                          layer.router.weight, route)
+    assert {id(p) for p in impl.params()} == {id(p) for p in layer.parameters()}  # our very tensors
+    assert 0 < bml_checks.check_peer(name, layer, impl, x, dout) <= 1  # includes the aux loss (AUX_PEERS)
+
+    def swapped(x, w13, w2, idx, w):
+        F_ = w13.shape[1] // 2
+        return _liger_contract(x, torch.cat([w13[:, F_:], w13[:, :F_]], dim=1), w2, idx, w)
+
+    wrong = bml_peers.Impl("liger", bml_peers.LigerMoE(layer, swapped).train(), "swapped", layer.router.weight, route)
+    with pytest.raises(AssertionError, match="output on the"):
+        bml_checks.check_peer(name, layer, wrong, x, dout)
+
+
+def test_moe_layer_token_counts_and_bars():
+    gpu = harness.Context(torch.device("cuda"), quick=False, out_dir=Path("."))
+    assert bml.token_counts(gpu, "qwen3-30b-a3b") == (4096, 8192, 16384, 32768)  # the TFLOP/s bar's count
+    assert bml.token_counts(gpu, "deepseek-v3") == bml.TOKENS == (4096, 8192, 16384)
+    gpu_quick = harness.Context(torch.device("cuda"), quick=True, out_dir=Path("."))
+    assert bml.token_counts(gpu_quick, "qwen3-30b-a3b") == (bml.HEADLINE_T,)
+    cpu = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    assert bml.token_counts(cpu, "tiny-qwen3-30b-a3b") == bml.CPU_TOKENS[:1]
+    # perf.md's full-layer row: 3x hf_eager on the forward (the headline), 1.3x hf_grouped_mm and 1.0x Liger
+    # on fwd+bwd, 450 TFLOP/s on qwen3-30b-a3b at 32768 tokens
+    assert bml.BARS == {("moe_layer_fwd", "hf_eager"): 3, ("moe_layer_fwd_bwd", "hf_grouped_mm"): 1.3,
+                        ("moe_layer_fwd_bwd", "liger"): 1.0}

@@ -3,6 +3,7 @@ for; its torch-eager peers compute the op; a wrong result is reported instead of
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,20 @@ def test_json_has_metadata_and_results(quick_run):
         assert set(r["shape"]) == {"T", "H", "E", "k", "align"}
         assert PEER.get(r["op"], "torch_eager") in r["speedup"] and all(s > 0 for s in r["speedup"].values())
         assert r["speedup"].keys() == r["peer_us"].keys() == r["peer_variant"].keys()
+    # The capable user's compositions (perf.md): every variant is timed and recorded; the peer's time is
+    # the fastest one's.
+    variants = {"permute_fwd": {"argsort_index_select"},
+                "unpermute_fwd": {"index_add_fp32", "gather_sum_fp32", "gather_bmm_fp32"},
+                "permute_bwd": {"argsort_index_select", "gather_bwd_fp32", "gather_bwd_bmm"},
+                "unpermute_bwd": {"index_add_fp32", "gather_sum_fp32", "gather_bmm_fp32"}}
+    for r in results:
+        if r["op"] not in variants:
+            continue
+        times = {key[len("torch_eager["):-len("]_us")]: us for key, us in r["extra"].items()
+                 if key.startswith("torch_eager[")}
+        assert set(times) == variants[r["op"]], (r["op"], times)
+        assert r["peer_variant"]["torch_eager"] == min(times, key=times.get), r
+        assert r["peer_us"]["torch_eager"] == min(times.values())
 
 
 def test_png_and_stdout(quick_run):
@@ -67,12 +82,18 @@ def test_png_and_stdout(quick_run):
         assert "us=" in line and "GB/s=" in line and f"{PEER.get(op, 'torch_eager')}=" in line, line
     assert any(line.startswith("HEADLINE permute_quantize_fp8 ") for line in stdout.splitlines())
     assert any(line.startswith("HEADLINE permute_fwd ") for line in stdout.splitlines())
-    assert any(line.startswith("GEOMEAN permute_fwd vs torch_eager") for line in stdout.splitlines())
+    n_cases = len(bp.cases(harness.Context(torch.device("cpu"), quick=True, out_dir=out)))
+    for op in OPS:  # every case in the summaries (geomean and worst), not only the headline's
+        peer = PEER.get(op, "torch_eager")
+        assert any(re.match(rf"(GEOMEAN|SUMMARY) {op} vs {peer}\b", line) for line in stdout.splitlines()), op
+        summary = data["summary"][op]["speedup"][peer]
+        assert summary["cases"] == n_cases and summary["worst"] <= summary["geomean"], summary
 
 
+@pytest.mark.parametrize("k", [3, 8])
 @pytest.mark.parametrize("align", [1, 4])
-def test_eager_peers_match_reference(align):
-    T, H, E, k = 37, 24, 6, 3
+def test_eager_peers_match_reference(align, k):
+    T, H, E = 37, 24, 6 if k < 6 else 16
     x = torch.randn(T, H, dtype=torch.bfloat16)
     idx = random_routing(T, E, k, kind="zipf", drop=0.2, seed=align)
     ref_perm, ref_map, ref_sizes = permute_reference(x, idx, E, align)
@@ -82,10 +103,54 @@ def test_eager_peers_match_reference(align):
     assert_exact(row_map, ref_map, "row_map")
     assert_exact(sizes, ref_sizes, "group_sizes")
     assert_exact(x_perm[:n], ref_perm[:n], "x_perm")
-    w = torch.rand(T, k)
-    ref = unpermute_reference(ref_perm, ref_map, w)
-    for fn in (bp.eager_unpermute_index_add, bp.eager_unpermute_gather_sum):
-        harness.check_peer(fn.__name__, fn(ref_perm, ref_map, w), ref)
+    # Unpermute's input: independent random rows (x_perm's k copies of one token would hide cancellation).
+    y = torch.randn(ref_perm.shape, dtype=torch.bfloat16)
+    w = torch.randn(T, k).softmax(-1)
+    ref = unpermute_reference(y, ref_map, w)
+    for fn in (bp.eager_unpermute_index_add, bp.eager_unpermute_gather_sum, bp.eager_unpermute_gather_bmm):
+        harness.check_peer(fn.__name__, fn(y, ref_map, w), ref)
+    # The atomics-free permute backwards: dx is the unweighted unpermute of d x_perm, one fp32 sum per token.
+    ref_dx = unpermute_reference(y, ref_map)
+    for bwd in (bp.eager_permute_bwd_gather_sum, bp.eager_permute_bwd_gather_bmm):
+        xg = x.clone().requires_grad_()
+        x_perm, *_ = bp.eager_permute_with_backward(bwd)(xg, idx, E, align)
+        assert_exact(x_perm[:n], ref_perm[:n], f"{bwd.__name__} x_perm")
+        (dx,) = torch.autograd.grad(x_perm, xg, y)
+        harness.check_peer(bwd.__name__, dx, ref_dx)
+
+
+def test_bf16_bmm_would_not_pass_as_the_unpermute_peer():
+    # Why gather_bmm_fp32 multiplies in fp32: bf16 operands round the routing weights, and where a token's
+    # k terms cancel, its output is off by more than bf16 precision.
+    T, k, H = 512, 8, 256
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(T * k, H, generator=g).to(torch.bfloat16)
+    row_map = torch.randperm(T * k, generator=g).view(T, k).int()
+    w = torch.randn(T, k, generator=g).softmax(-1)
+    ref = unpermute_reference(y, row_map, w)
+    harness.check_peer("fp32 bmm", bp.eager_unpermute_gather_bmm(y, row_map, w), ref)
+    gathered = y.index_select(0, row_map.reshape(-1).long()).view(T, k, H)
+    bf16 = torch.bmm(w.to(torch.bfloat16).view(T, 1, k), gathered).view(T, H)
+    with pytest.raises(AssertionError):
+        harness.check_peer("bf16 bmm", bf16, ref)
+
+
+def test_a_wrong_peer_backward_fails_the_case(monkeypatch):
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    real = bp.peer_impls
+
+    def half_dx(d_x_perm, row_map):
+        return bp.eager_permute_bwd_gather_sum(d_x_perm, row_map) * 0.5
+
+    def peers(ctx):
+        out = real(ctx)
+        out["torch_eager"]["gather_bwd_fp32"] = bp.Impl(bp.eager_permute_with_backward(half_dx), None,
+                                                        backward=True, forward=False, check_backward=True)
+        return out
+
+    monkeypatch.setattr(bp, "peer_impls", peers)
+    with pytest.raises(AssertionError, match=r"gather_bwd_fp32\] permute dx"):
+        bp.run_case(ctx, bp.cases(ctx)[0])
 
 
 def test_wrong_result_is_reported_not_timed(monkeypatch, tmp_path):
