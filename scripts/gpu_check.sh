@@ -28,7 +28,8 @@
 # Each stage fits in one 10-minute command. OUTDIR keeps two files (a remote runner may return only a
 # handful): summary.md (one line per stage) and artifacts.tgz holding every log, the JUnit XML, the
 # benchmark JSON and the plots, merged across runs. CUTLASS comes from CUTLASS_DIR, or from an
-# nvidia-cutlass wheel in .whl/ (unpacked here), since the machine cannot download it.
+# nvidia-cutlass wheel in .whl/ (unpacked here), since the machine cannot download it; a liger-kernel
+# wheel in .whl/ is installed for the layer bench's Liger peer.
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR [build|test|sanitize|bench]...}
 shift
@@ -70,6 +71,10 @@ stage_build() {
     "$PY" -m zipfile -e "$(ls .whl/nvidia_cutlass-*.whl | head -1)" /tmp/cutlass_wheel
     export CUTLASS_DIR=/tmp/cutlass_wheel/cutlass_library/source
   fi
+  # Peers brought as wheels (no network there): Liger's fused MoE for the layer bench.
+  for whl in .whl/liger_kernel-*.whl; do
+    [ -f "$whl" ] && "$PY" -m pip install --no-deps --no-index -q "$whl" >>"$OUT/build.log" 2>&1
+  done
   # The CPU-executed kernels (_C_emu) are CI's; a GPU machine needs only _C.
   MOE_KERNELS_CUDA_ARCHS=${MOE_KERNELS_CUDA_ARCHS:-90a} \
   MOE_KERNELS_SKIP_EMU=${MOE_KERNELS_SKIP_EMU:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
