@@ -243,7 +243,7 @@ def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
     for r in results:
         if not (r.case.startswith("deepseek-v3") or not ctx.is_cuda):
             continue
-        received = ctx.nearest_ceilings(r.at_s).copy_received_gbps  # the one r is judged against
+        received = ctx.ceiling_of(r).copy_received_gbps  # the one r is judged against
         line = (f"{r.op} {r.case}: {r.gbps:.0f} GB/s received on {r.shape['sms']} SMs, {r.pct_of_ceiling:.1f}% of "
                 f"the {received:.0f} GB/s received-bytes ceiling (copy bandwidth / 2), "
                 f"{r.speedup['all_to_all_virtual']:.2f}x the all-to-all backend's steps (virtual ranks on one GPU)")

@@ -520,8 +520,9 @@ def headline(ctx: h.Context, results: list[GemmResult]) -> list[str]:
             continue
         pct = [r.pct_of_dense for r in rs]
         worst = min(rs, key=lambda r: r.pct_of_dense)
-        mm, m = ctx.ceilings().matmul_bf16_tflops, ctx.ceilings().matmul_shape[0]
-        ceil = _geomean([100 * r.tflops / mm for r in rs]) if all(r.tflops for r in rs) else 0.0
+        m = ctx.ceilings().matmul_shape[0]
+        ceil = (_geomean([100 * r.tflops / ctx.ceiling_of(r).matmul_bf16_tflops for r in rs])
+                if all(r.tflops for r in rs) else 0.0)
         lines.append(f"{name}: % of dense cuBLAS where groups hold >= {rows} rows: {_geomean(pct):.1f}% geomean "
                      f"(equal-FLOPs torch.mm, same run) over {len(rs)} cases, min {min(pct):.1f}% at {worst.case}; "
                      f"{ceil:.1f}% of the {m}^3 matmul ceiling (bar: {BAR_DENSE}) "
@@ -542,10 +543,12 @@ def run(ctx: h.Context) -> h.Report:
     all_cases = cases(ctx)
     fp64_todo = {(op, c.gemm, c.routing) for c in all_cases for op in OPS}
     results: list[GemmResult] = []
-    for c in all_cases:
+    for i, c in enumerate(all_cases):
         rs, fs = run_case(ctx, c, torch_status, fp64_todo)
         results += rs
         failures += fs
+        ctx.case_done("grouped_mm", i, len(all_cases))
+    ctx.finish("grouped_mm", results)
     for r in results:
         why = r.peer_skipped.get("torch_grouped_mm")
         if why and torch_status[r.op.removeprefix("grouped_mm_")] is None:

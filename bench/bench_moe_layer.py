@@ -566,7 +566,7 @@ def run(ctx: h.Context) -> h.Report:
     results: list[LayerResult] = []
     failures: list[str] = []
     setups: dict[str, str] = {}
-    for name, spec in models.items():
+    for i, (name, spec) in enumerate(models.items()):
         layer = peers = None
         tokens = token_counts(ctx, name)
         try:
@@ -585,4 +585,6 @@ def run(ctx: h.Context) -> h.Report:
         finally:
             del layer, peers
             _release(ctx)
+        ctx.case_done("moe_layer", i, len(models))
+    ctx.finish("moe_layer", results)
     return h.Report(results, headline(ctx, results) + notes(ctx, results, setups), failures)

@@ -288,6 +288,28 @@ def check(c: Case, s: dict[str, torch.Tensor], name: str, impl: Impl) -> None:
 MODE_OPS = ("permute_bwd", "unpermute_bwd")  # timed with host / kernel / graph modes when ctx.modes
 
 
+def capturable(c: Case, impl: Impl, s: dict, op: str) -> tuple[Callable, tuple, Callable]:
+    """For time_modes' graph time of a backward: (forward + backward in one call, its inputs, the forward
+    alone). The backward of a forward recorded outside a capture runs on the forward's stream, outside the
+    graph; captured together, replay(whole) - replay(forward) is the backward's time."""
+    if op == "permute_bwd":
+        def fwd(x, indices, grad_out):
+            return impl.permute(x, indices, c.E, align=c.align)[0]
+
+        def whole(x, indices, grad_out):
+            return torch.autograd.grad(fwd(x, indices, grad_out), x, grad_out)
+
+        return whole, (s["x"].detach().requires_grad_(), s["indices"], s["y"]), fwd
+
+    def fwd(y, w, row_map, grad_out):
+        return impl.unpermute(y, row_map, w)
+
+    def whole(y, w, row_map, grad_out):
+        return torch.autograd.grad(fwd(y, w, row_map, grad_out), (y, w), grad_out)
+
+    return whole, (s["y"].detach().requires_grad_(), s["weights"].detach().requires_grad_(), s["row_map"], s["x"]), fwd
+
+
 def timed_ops(c: Case, impl: Impl, sets: list[dict]) -> Iterator[tuple[str, Callable, list[tuple]]]:
     """Yields (op, fn, inputs per set). A backward's inputs hold one forward graph per set, built
     only when reached, so one op's graphs at most are alive."""
@@ -374,11 +396,13 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     if ctx.modes:
         for op, fn, inputs in timed_ops(c, OURS, sets):
             if op in MODE_OPS:
-                modes[op] = ctx.time_modes(fn, inputs)
+                modes[op] = ctx.time_modes(fn, inputs, capture=lambda op=op: capturable(c, OURS, sets[0], op))
         for op in MODE_OPS:
             for peer, (_, variant) in best.get(op, {}).items():
-                fn, inputs = next((f, i) for o, f, i in timed_ops(c, peers[peer][variant], sets) if o == op)
-                peer_modes.setdefault(op, {})[peer] = ctx.time_modes(fn, inputs)
+                impl = peers[peer][variant]
+                fn, inputs = next((f, i) for o, f, i in timed_ops(c, impl, sets) if o == op)
+                peer_modes.setdefault(op, {})[peer] = ctx.time_modes(
+                    fn, inputs, capture=lambda op=op, impl=impl: capturable(c, impl, sets[0], op))
 
     check_fused(c, sets[0])
     inputs = [(s["x"], s["indices"], c.E, c.align) for s in sets]
@@ -399,11 +423,11 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
 
 def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
     case = HEADLINE_CASE if any(r.case == HEADLINE_CASE for r in results) else results[0].case
-    copy = ctx.ceilings().copy_gbps
     lines = []
     for r in results:
         if r.case != case:
             continue
+        copy = ctx.ceiling_of(r).copy_gbps
         peer, name = next(((p, n) for p, n in (("torch_eager", "torch eager"), ("moe_kernels_unfused",
                           "permute + quantize_fp8")) if p in r.speedup))
         bar = f" ({BAR})" if peer == "torch_eager" else ""

@@ -32,6 +32,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -43,6 +44,10 @@ import torch
 
 import moe_kernels
 from moe_kernels.testing import assert_exact
+
+# Kineto keeps CUPTI attached after a profile unless told to tear it down, and every later launch pays
+# for it: time_modes profiles, and timings after it must not be slowed (read when profiling starts).
+os.environ.setdefault("TEARDOWN_CUPTI", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,6 +80,7 @@ class Ceilings:
 
 
 CEILING_KINDS = ("copy", "copy_received", "matmul_bf16", "matmul_fp8")
+CEILING_DRIFT = 0.10  # a ceiling measured this much lower at one point of a run than another: suspect
 FP8_DTYPES = {torch.float8_e4m3fn, torch.float8_e5m2}
 
 
@@ -115,7 +121,6 @@ class Context:
     def __post_init__(self) -> None:
         if self.flush_mode not in ("read", "write", "none"):
             raise ValueError(f"flush_mode: expected 'read', 'write' or 'none', got {self.flush_mode!r}")
-        self.gpu_state_start = gpu_state(self)
 
     @property
     def is_cuda(self) -> bool:
@@ -171,9 +176,9 @@ class Context:
             models = {m: models[m] for m in self.models}
         return models, tuple(self.tokens) if self.tokens is not None else tuple(tokens)
 
-    def time_modes(self, fn: Callable[..., Any], inputs_list: Sequence[tuple]) -> Modes:
+    def time_modes(self, fn: Callable[..., Any], inputs_list: Sequence[tuple], capture=None) -> Modes:
         return time_modes(fn, inputs_list=inputs_list, warmup=self.warmup, reps=self.reps,
-                          device=self.device, flush=self.flush)
+                          device=self.device, flush=self.flush, capture=capture)
 
     def ceilings(self) -> Ceilings:
         """The latest measurement (the start one is taken on first use)."""
@@ -182,9 +187,26 @@ class Context:
         return self.ceilings_log[-1]
 
     def measure_ceilings(self, label: str) -> Ceilings:
-        c = replace(measure_ceilings(self), label=label, at_s=round(self.elapsed_s(), 3))
+        """Appends a measurement labelled `label#<index in the run>` (unique, so a family run twice in one
+        process is judged against its own)."""
+        c = replace(measure_ceilings(self), label=f"{label}#{len(self.ceilings_log)}", at_s=round(self.elapsed_s(), 3))
         self.ceilings_log.append(c)
+        if len(self.ceilings_log) == 1:  # the GPU's state once it is working, not as it sat idle before
+            self.gpu_state_start = gpu_state(self)
         return c
+
+    def finish(self, family: str, results: Sequence["Result"]) -> None:
+        """Ends a family: an end measurement unless one came after its last result, then every result
+        judged again against the nearest. Benches call it before writing their headlines; report() too."""
+        last = max((r.at_s for r in results), default=0.0)
+        tail = self.ceilings_log[-1] if self.ceilings_log else None
+        if tail is None or not (tail.label.startswith("end:") and tail.at_s >= last):
+            self.measure_ceilings(f"end:{family}")
+        rejudge(self, results)
+
+    def ceiling_of(self, r: "Result") -> Ceilings:
+        """The measurement r was judged against."""
+        return next((c for c in self.ceilings_log if c.label == r.ceiling_at), self.nearest_ceilings(r.at_s))
 
     def nearest_ceilings(self, at_s: float) -> Ceilings:
         self.ceilings()
@@ -253,16 +275,33 @@ def time_fn(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int
 def time_ab(fn_a: Callable[..., Any], inputs_a: Sequence[tuple], fn_b: Callable[..., Any],
             inputs_b: Sequence[tuple], *, warmup: int, reps: int, device: torch.device,
             flush: Callable[[], None] | None = None) -> tuple[Timing, Timing]:
-    """time_fn of two implementations, interleaved rep by rep."""
-    times: tuple[list[float], list[float]] = ([], [])
-    for _ in range(warmup):
-        fn_a(*inputs_a[0])
-        fn_b(*inputs_b[0])
+    """time_fn of two implementations, interleaved rep by rep (A, B, A, B, ...) in one event loop with one
+    synchronisation at the end, as time_fn times one."""
+    pairs = ((fn_a, inputs_a), (fn_b, inputs_b))
+    for i in range(warmup):
+        for fn, inputs in pairs:
+            fn(*inputs[i % len(inputs)])
+    if device.type != "cuda":
+        times: tuple[list[float], list[float]] = ([], [])
+        for i in range(reps):
+            for j, (fn, inputs) in enumerate(pairs):
+                t0 = time.perf_counter()
+                fn(*inputs[i % len(inputs)])
+                times[j].append((time.perf_counter() - t0) * 1e6)
+        return _timing(times[0]), _timing(times[1])
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+              for _ in pairs]
+    torch.cuda.synchronize(device)
     for i in range(reps):
-        for j, (fn, inputs) in enumerate(((fn_a, inputs_a), (fn_b, inputs_b))):
-            t = time_fn(fn, inputs_list=[inputs[i % len(inputs)]], warmup=0, reps=1, device=device, flush=flush)
-            times[j].append(t.us)
-    return _timing(times[0]), _timing(times[1])
+        for j, (fn, inputs) in enumerate(pairs):
+            if flush is not None:
+                flush()
+            events[j][i][0].record()
+            fn(*inputs[i % len(inputs)])
+            events[j][i][1].record()
+    torch.cuda.synchronize(device)
+    a, b = ([s.elapsed_time(e) * 1e3 for s, e in ev] for ev in events)
+    return _timing(a), _timing(b)
 
 
 def profile_table(fn: Callable[..., Any], inputs: tuple, *, device: torch.device, reps: int = 3,
@@ -288,22 +327,33 @@ def _timing(times_us: Sequence[float]) -> Timing:
 
 
 def time_modes(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int, reps: int,
-               device: torch.device, flush: Callable[[], None] | None = None) -> Modes:
-    """Host issue time, kernel time and graph replay time of one call (module docstring)."""
+               device: torch.device, flush: Callable[[], None] | None = None,
+               capture: Callable[[], tuple[Callable[..., Any], tuple, Callable[..., Any] | None]] | None = None
+               ) -> Modes:
+    """Host issue time, kernel time and graph replay time of one call (module docstring).
+
+    `capture`, for a call that cannot be captured alone (the backward of a forward graph built outside the
+    capture: autograd would run it on the forward's stream), returns (whole, inputs, part): a callable
+    that can be captured (forward + backward), its inputs, and the part to subtract (the forward, or None);
+    graph time is then replay(whole) - replay(part)."""
     n = len(inputs_list)
     for i in range(warmup):
         fn(*inputs_list[i % n])
     if device.type != "cuda":
         return Modes(host_us=time_fn(fn, inputs_list=inputs_list, warmup=0, reps=reps, device=device).us,
                      kernel_us=None, graph_us=None, why_not="n/a (CPU)")
-    torch.cuda.synchronize(device)
-    # Host: back-to-back calls, no flush, no sync until the end: what the CPU spends issuing one call.
-    t0 = time.perf_counter()
+    # Host: each call alone after a sync, the clock stopped when the call returns (no sync inside the
+    # window): what the CPU spends issuing it, even where back-to-back calls would fill the launch queue.
+    host = []
     for i in range(reps):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
         fn(*inputs_list[i % n])
-    host_us = (time.perf_counter() - t0) * 1e6 / reps
+        host.append((time.perf_counter() - t0) * 1e6)
     torch.cuda.synchronize(device)
-    # Kernels: the device time of every GPU activity the calls launched, from the profiler.
+    host_us = _timing(host).us
+    # Kernels: the device time of every GPU activity the calls launched, from the profiler. The calls run
+    # back to back without a flush, so this figure is L2-warm (the others are not).
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -311,25 +361,41 @@ def time_modes(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: 
         for i in range(reps):
             fn(*inputs_list[i % n])
         torch.cuda.synchronize(device)
-    # Device-side events only: a CPU event (a launch, an aten op) also carries its kernels' time.
-    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type != DeviceType.CPU) / reps
-    graph_us, why = _graph_replay_us(fn, inputs_list[0], reps=reps, device=device, flush=flush)
+    # Device-side kernel, copy and memset events only: a CPU event (a launch, an aten op) carries its
+    # kernels' time too, and a user annotation spans them.
+    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events()
+                    if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)) / reps
+    if capture is None:
+        graph_us, why = _graph_replay_us(fn, inputs_list[0], reps=reps, device=device, flush=flush)
+    else:
+        whole, inputs, part = capture()
+        graph_us, why = _graph_replay_us(whole, inputs, reps=reps, device=device, flush=flush)
+        if graph_us is not None and part is not None:
+            part_us, why = _graph_replay_us(part, inputs, reps=reps, device=device, flush=flush)
+            graph_us = None if part_us is None else max(graph_us - part_us, 0.0)
+    if graph_us is not None and graph_us < 0.5 * kernel_us:
+        # Fewer kernels replayed than the eager call ran: the capture missed work (another stream).
+        graph_us, why = None, f"capture incomplete: replay {graph_us:.1f} us < half the {kernel_us:.1f} us of kernels"
     return Modes(host_us=host_us, kernel_us=kernel_us, graph_us=graph_us, why_not=why)
 
 
 def _graph_replay_us(fn: Callable[..., Any], inputs: tuple, *, reps: int, device: torch.device,
                      flush: Callable[[], None] | None) -> tuple[float | None, str | None]:
+    prev = torch.cuda.current_stream(device)
     try:
         side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
+        side.wait_stream(prev)
         with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graphs asks
             for _ in range(3):
                 fn(*inputs)
-        torch.cuda.current_stream(device).wait_stream(side)
+        prev.wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn(*inputs)
-    except Exception as e:  # an op that cannot be captured: reported, not fatal
+    except Exception as e:  # an op that cannot be captured (a host sync): reported, not fatal
+        # torch.cuda.graph restores the stream only after a successful capture_end: put it back, or every
+        # later timing of the process would run on the abandoned capture stream.
+        torch.cuda.set_stream(prev)
         torch.cuda.synchronize(device)
         return None, f"capture failed: {type(e).__name__}: {str(e)[:200]}"
     graph.replay()
@@ -424,6 +490,7 @@ class Result:
     modes: dict[str, float | None] = field(default_factory=dict)
     peer_modes: dict[str, dict[str, float | None]] = field(default_factory=dict)
     mode_speedup: dict[str, dict[str, float | None]] = field(default_factory=dict)
+    modes_note: dict[str, str] = field(default_factory=dict)  # "ours" or peer -> why a mode is missing
 
 
 @dataclass
@@ -455,6 +522,7 @@ def run_cases(ctx: Context, family: str, cases: Sequence, run_case: Callable[[Co
         except AssertionError as e:
             failures.append(f"{c.name}: {e}")
         ctx.case_done(family, i, len(cases))
+    ctx.finish(family, results)
     return results, failures
 
 
@@ -481,6 +549,8 @@ def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtyp
         modes={k: getattr(modes, k) for k in MODE_FIELDS} if modes is not None else {},
         peer_modes={p: {k: getattr(m, k) for k in MODE_FIELDS} for p, m in (peer_modes or {}).items()},
         mode_speedup=mode_speedup,
+        modes_note={k: m.why_not for k, m in (({"ours": modes} if modes else {}) | (peer_modes or {})).items()
+                    if m is not None and m.why_not},
     )
     judge(r, ctx.nearest_ceilings(r.at_s), fp8=dtype in FP8_DTYPES, kind=ceiling)
     return r
@@ -527,7 +597,8 @@ def summarize(results: Sequence[Result]) -> dict[str, Any]:
             "cases": len(rs),
             "ceiling": sorted({r.ceiling for r in rs}),
             "pct_of_ceiling": {"geomean": geomean(pct), "worst": min(pct) if pct else None,
-                               "worst_case": min(rs, key=lambda r: r.pct_of_ceiling).case},
+                               "worst_case": min((r for r in rs if r.pct_of_ceiling > 0),
+                                                 key=lambda r: r.pct_of_ceiling, default=rs[0]).case},
             "suspect_cases": [r.case for r in rs if r.suspect],
             "speedup": {},
         }
@@ -583,9 +654,24 @@ def run_metadata(ctx: Context) -> dict[str, Any]:
 
 
 # Every key provenance() returns; a JSON without one of them is not a result to quote.
-PROVENANCE_KEYS = ("commit", "dirty", "diff_sha256", "start", "end", "gpu_start", "gpu_end", "gpu_processes")
-GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "temperature.gpu", "power.draw",
-                    "clocks_event_reasons.active")
+PROVENANCE_KEYS = ("commit", "dirty", "diff_sha256", "untracked", "command", "settings", "env", "versions", "host",
+                   "start", "end", "gpu_start", "gpu_end", "gpu_processes")
+# Environment variables that change what or how fast things run.
+TIMING_ENV = ("CUDA_LAUNCH_BLOCKING", "CUDA_VISIBLE_DEVICES", "MOE_KERNELS_CHECK", "MOE_KERNELS_EMULATE",
+              "MOE_KERNELS_CUDA_ARCHS", "PYTORCH_CUDA_ALLOC_CONF", "TEARDOWN_CUPTI", "LIGER_FUSED_MOE_AUTOTUNE")
+
+
+def _version(module: str) -> str | None:
+    import importlib.metadata
+
+    for dist in (module, module.replace("_", "-")):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.applications.graphics", "pstate",
+                    "temperature.gpu", "power.draw", "power.limit", "uuid", "clocks_event_reasons.active")
 
 
 def provenance(ctx: Context) -> dict[str, Any]:
@@ -594,16 +680,31 @@ def provenance(ctx: Context) -> dict[str, Any]:
     temperature and throttle reasons at the start and end, with the processes sharing the GPU."""
     commit = _cmd(["git", "rev-parse", "HEAD"])
     dirty = diff = None
+    untracked: list[str] = []
     if commit:
         status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"])
-        dirty = bool(status)
-        # The diff against HEAD, tracked files only (untracked ones do not change what runs here).
-        raw = _cmd(["git", "diff", "HEAD", "--binary"], strip=False) or ""
-        diff = hashlib.sha256(raw.encode()).hexdigest() if dirty else None
+        # Untracked files git does not ignore count too: an untracked module can be what gets imported.
+        untracked = (_cmd(["git", "ls-files", "--others", "--exclude-standard"]) or "").split()
+        dirty = bool(status) or bool(untracked)
+        digest = hashlib.sha256((_cmd(["git", "diff", "HEAD", "--binary"], strip=False) or "").encode())
+        for path in untracked:
+            digest.update(path.encode())
+            try:
+                digest.update((REPO_ROOT / path).read_bytes())
+            except OSError:
+                pass
+        diff = digest.hexdigest() if dirty else None
     return {
         "commit": commit,
         "dirty": dirty,
         "diff_sha256": diff,
+        "untracked": untracked,
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "settings": {"models": ctx.models, "tokens": ctx.tokens, "modes": ctx.modes, "profile": ctx.profile,
+                     "flush": ctx.flush_mode},
+        "env": {k: os.environ[k] for k in TIMING_ENV if k in os.environ},
+        "versions": {m: _version(m) for m in ("transformers", "liger_kernel", "triton")},
+        "host": platform.node(),
         "start": ctx.started_utc,
         "end": _utc_now(),
         "gpu_start": ctx.gpu_state_start,
@@ -630,7 +731,8 @@ def gpu_processes(ctx: Context) -> list[str] | None:
     """The compute processes on the GPUs (pid, name, memory): anything but this one makes the run suspect."""
     if not ctx.is_cuda:
         return None
-    out = _cmd(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader"])
+    out = _cmd(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader",
+                f"--id={ctx.device.index or 0}"])
     return None if out is None else [line.strip() for line in out.splitlines() if line.strip()]
 
 
@@ -657,9 +759,21 @@ def mode_cell(v: float | None, ctx: Context, spec: str = ".1f", suffix: str = ""
 def suspect_reasons(ctx: Context, results: Sequence[Result], meta: dict[str, Any]) -> list[str]:
     """Why a run's figures should not be quoted as they are (empty: nothing known against them)."""
     why = [f"{r.op} {r.case}: {r.pct_of_ceiling:.1f}% of {r.ceiling}" for r in results if r.suspect]
-    others = [p for p in meta.get("gpu_processes") or [] if p.split(",")[0].strip() != str(os.getpid())]
+    procs = meta.get("gpu_processes") or []
+    # In a container nvidia-smi may list this process under the host's pid: one process is taken as ours.
+    others = [p for p in procs if p.split(",")[0].strip() != str(os.getpid())] if len(procs) > 1 else []
     if others:
         why.append(f"other processes on the GPU: {'; '.join(others)}")
+    # A CPU's timings swing far more than 10% run to run: drift is judged on a GPU only.
+    for kind in ("copy", "matmul_bf16", "matmul_fp8") if meta.get("device") == "cuda" else ():
+        v = [c.value(kind) for c in ctx.ceilings_log if c.value(kind)]
+        if len(v) > 1 and min(v) < (1 - CEILING_DRIFT) * max(v):
+            why.append(f"{kind} ceiling drifted {100 * (1 - min(v) / max(v)):.0f}% within the run "
+                       f"({min(v):.0f}-{max(v):.0f})")
+    end = meta.get("gpu_end") or {}
+    reasons = str(end.get("clocks_event_reasons.active", "")).strip()
+    if reasons and reasons not in ("0x0000000000000000", "0x0000000000000001", "[N/A]", "Not Active"):
+        why.append(f"clock-event (throttle) reasons active at the end: {reasons}")
     return why
 
 
@@ -672,10 +786,8 @@ def report(ctx: Context, name: str, rep: Report) -> tuple[Path, Path]:
     from rich.table import Table
 
     results = rep.results
-    ctx.ceilings()
-    ctx.measure_ceilings(f"end:{name}")
-    rejudge(ctx, results)
-    c = ctx.nearest_ceilings(results[0].at_s) if results else ctx.ceilings()
+    ctx.finish(name, results)
+    c = ctx.ceiling_of(results[0]) if results else ctx.ceilings()
     ops = list(dict.fromkeys(r.op for r in results))
     peers = sorted({p for r in results for p in r.speedup}, key=lambda p: (p != "torch_eager", p))
     with_modes = any(r.modes for r in results)
@@ -725,6 +837,8 @@ def report(ctx: Context, name: str, rep: Report) -> tuple[Path, Path]:
             print(f"SUMMARY {op} vs {p} by mode: " + ", ".join(
                 f"{k.removesuffix('_us')} geomean {mode_cell(m['geomean'], ctx, '.2f', 'x')} "
                 f"worst {mode_cell(m['worst'], ctx, '.2f', 'x')}" for k, m in ms.items()))
+    for why in sorted({f"{k}: {v}" for r in results for k, v in r.modes_note.items() if ctx.is_cuda}):
+        print(f"MODES n/a for {why}")
     for line in rep.headline:
         print(f"HEADLINE {line}")
     meta = run_metadata(ctx)

@@ -22,7 +22,8 @@ them through):
             key_averages table (profile_train_step_*.txt)
 Each part runs its families through the bench harness (same timing method, ceilings at the start,
 middle and end, provenance in every JSON) and writes perf_<part>_<family>.json and its log line as soon
-as the family ends, so a run cut short keeps what it measured. `--budget` (seconds, default 360) bounds
+as the family ends (bench_perf_<part>_<family>[_T<tokens>].json), so a run cut short keeps what it
+measured; an interrupted part is recorded as such in perf_summary.json. `--budget` (seconds, default 360) bounds
 the whole run: a part starts only while at least its `min_s` is left, and parts after the budget are
 listed as skipped in perf_summary.json.
 
@@ -71,7 +72,7 @@ ALL_MODELS = ("deepseek-v3", "qwen3-235b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt
 
 
 def _env(ctx: h.Context, out: Path) -> None:
-    """The environment report and the flush's effect (a family of its own: perf_env_flush.json)."""
+    """The environment report and the flush's effect (a family of its own: bench_perf_env_flush.json)."""
     env = subprocess.run([sys.executable, "-m", "moe_kernels"], capture_output=True, text=True, timeout=120)
     (out / "env.txt").write_text(env.stdout + env.stderr)
     results = []
@@ -160,7 +161,7 @@ def main(
         try:
             if part.extra is not None:
                 part.extra(base, out)
-                files.append("perf_env_flush.json")
+                files.append("bench_perf_env_flush.json")
             for run in part.runs:
                 ctx = base.derive(quick=run.quick, models=run.models, tokens=run.tokens, profile=run.profile,
                                   modes=run.modes)
@@ -170,6 +171,11 @@ def main(
                 files.append(f"bench_{family}.json")
                 if rep.failures:
                     status = "failures"
+        except KeyboardInterrupt:  # gpu_check.sh's timeout (SIGINT): keep what was measured, say where it stopped
+            summary["parts"][name] = {"status": "interrupted", "seconds": round(time.monotonic() - start, 1),
+                                      "files": files}
+            save()
+            raise typer.Exit(130)
         except Exception as e:  # noqa: BLE001 - a part that breaks is recorded; the next part still runs
             status = f"error: {type(e).__name__}: {e}"
             traceback.print_exc()

@@ -71,15 +71,15 @@ stage_build() {
     "$PY" -m zipfile -e "$(ls .whl/nvidia_cutlass-*.whl | head -1)" /tmp/cutlass_wheel
     export CUTLASS_DIR=/tmp/cutlass_wheel/cutlass_library/source
   fi
-  # Peers brought as wheels (no network there): Liger's fused MoE for the layer bench.
-  for whl in .whl/liger_kernel-*.whl; do
-    [ -f "$whl" ] && "$PY" -m pip install --no-deps --no-index -q "$whl" >>"$OUT/build.log" 2>&1
-  done
   # The CPU-executed kernels (_C_emu) are CI's; a GPU machine needs only _C.
   MOE_KERNELS_CUDA_ARCHS=${MOE_KERNELS_CUDA_ARCHS:-90a} \
   MOE_KERNELS_SKIP_EMU=${MOE_KERNELS_SKIP_EMU:-1} MAX_JOBS=${MAX_JOBS:-$(nproc)} \
     capped "$(left)" "$PY" -m pip install --no-build-isolation --no-deps -v -e . >"$OUT/build.log" 2>&1
   local rc=$?
+  # Peers brought as wheels (no network there): Liger's fused MoE for the layer bench.
+  for whl in .whl/liger_kernel-*.whl; do
+    [ -f "$whl" ] && "$PY" -m pip install --no-deps --no-index "$whl" >>"$OUT/build.log" 2>&1
+  done
   "$PY" -m moe_kernels >>"$OUT/build.log" 2>&1
   echo "$rc"
 }
@@ -121,7 +121,10 @@ stage_sanitize() {
 stage_perf() {  # [part,part,...]
   local budget=${PERF_BUDGET:-360} cap
   cap=$(left)
-  [ "$cap" -gt $((budget + 60)) ] && cap=$((budget + 60))  # the parts keep to the budget; this only stops a hang
+  # The parts keep to --budget; the timeout only stops a hang. With less left of GPU_CHECK_BUDGET than
+  # that, the budget shrinks so the parts stop between families rather than being cut inside one.
+  [ "$cap" -lt $((budget + 60)) ] && budget=$((cap > 90 ? cap - 60 : 30))
+  [ "$cap" -gt $((budget + 60)) ] && cap=$((budget + 60))
   local dry=()
   [ -n "${PERF_DRY_RUN:-}" ] && dry=(--dry-run)
   capped "$cap" "$PY" -m bench.perf "$OUT" --budget "$budget" ${1:+--parts "$1"} "${dry[@]}" >"$OUT/perf.log" 2>&1

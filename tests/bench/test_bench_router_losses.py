@@ -91,7 +91,8 @@ def test_host_bound_modes_provenance_and_summary(losses_run):
     assert (meta["diff_sha256"] is None) == (not meta["dirty"])
     assert meta["start"] <= meta["end"] and meta["gpu_start"] is None and meta["gpu_processes"] is None
     labels = [c["label"] for c in data["ceilings_log"]]
-    assert labels[0] == "start" and "middle:router_losses" not in labels[:1] and labels[-1] == "end:router_losses"
+    assert labels[0] == "start#0" and labels[-1] == f"end:router_losses#{len(labels) - 1}"
+    assert len(set(labels)) == len(labels)  # unique, so a result names the one it was judged against
     assert data["suspect"] is False and data["suspect_reasons"] == []
     assert set(data["summary"]) == set(bl.OPS)
     s = data["summary"]["tokens_per_expert"]

@@ -1,6 +1,7 @@
 """The bench harness on a CPU: which ceiling judges a result and which measurement of it, the flush that
 only reads, the three host-bound timings, summaries and byte/FLOP counts of the ops."""
 
+import dataclasses
 import math
 
 import pytest
@@ -72,9 +73,42 @@ def test_above_the_ceiling_is_suspect(ctx):
                       nbytes=1, flops=0, peers={}, ceiling="dram")
 
 
-def test_other_gpu_processes_make_a_run_suspect(ctx):
+def test_other_gpu_processes_and_drift_make_a_run_suspect(ctx):
     meta = {"gpu_processes": ["1, python3, 100 MiB", "2, other, 5 MiB"]}
     assert any("other processes" in w for w in h.suspect_reasons(ctx, [], meta))
+    # One process: ours, whatever pid a container's nvidia-smi shows for it.
+    assert not any("other processes" in w for w in h.suspect_reasons(ctx, [], {"gpu_processes": ["1, py, 1 MiB"]}))
+    # The fixture's copy ceiling fell from 1000 to 500 GB/s within the run (judged on a GPU only).
+    assert any(w.startswith("copy ceiling drifted 50%") for w in h.suspect_reasons(ctx, [], {"device": "cuda"}))
+    assert h.suspect_reasons(ctx, [], {"device": "cpu"}) == []
+    ctx.ceilings_log[:] = [ceil("start", 0.0), ceil("end:x", 1.0, copy=950.0)]
+    gpu = {"device": "cuda"}
+    assert h.suspect_reasons(ctx, [], gpu | {"gpu_end": {"clocks_event_reasons.active": "0x0000000000000001"}}) == []
+    assert h.suspect_reasons(ctx, [], gpu | {"gpu_end": {"clocks_event_reasons.active": "0x0000000000000004"}})
+
+
+def test_labels_are_unique_and_finish_judges_again(tmp_path, monkeypatch):
+    c = h.Context(torch.device("cpu"), quick=True, out_dir=tmp_path)
+    measured = iter([ceil("", 0.0, copy=1000.0), ceil("", 0.0, copy=800.0), ceil("", 0.0, copy=500.0)])
+    monkeypatch.setattr(h, "measure_ceilings", lambda ctx: next(measured))
+    c.measure_ceilings("start")
+    r = h.make_result(c, op="op", case="c", shape={}, dtype=torch.float32, timing=h.Timing(1.0, 1.0, 1.0),
+                      nbytes=400_000, flops=0, peers={})  # 400 GB/s
+    assert (r.ceiling_at, r.pct_of_ceiling) == ("start#0", 40.0)
+    c.finish("fam", [r])  # an end measurement after the last result, then judged against the nearest
+    c.finish("fam", [r])  # nothing ran since: no second end measurement
+    assert [x.label for x in c.ceilings_log] == ["start#0", "end:fam#1"]
+    c.ceilings_log[-1] = dataclasses.replace(c.ceilings_log[-1], at_s=10.0)  # well after the start
+    r.at_s = 9.0
+    h.rejudge(c, [r])
+    assert (r.ceiling_at, r.pct_of_ceiling) == ("end:fam#1", 50.0) and c.ceiling_of(r).copy_gbps == 800.0
+
+
+def test_missing_modes_say_why(ctx):
+    ours, peer = h.Modes(10.0, 2.0, None, "capture failed: sync"), h.Modes(30.0, 4.0, 1.0)
+    r = h.make_result(ctx, op="op", case="c", shape={}, dtype=torch.float32, timing=h.Timing(1.0, 1.0, 1.0),
+                      nbytes=1, flops=0, peers={}, modes=ours, peer_modes={"eager": peer})
+    assert r.modes_note == {"ours": "capture failed: sync"}
 
 
 def test_middle_measured_half_way_once(ctx, monkeypatch):
