@@ -9,6 +9,7 @@ PyTorch, a CUDA implementation, a fake implementation and autograd.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -532,6 +533,9 @@ def resolve_topk_options(
     is given (k past the kept groups' experts)."""
     if (num_groups is None) != (group_topk is None):
         raise ValueError("router_topk: `num_groups` and `group_topk` go together")
+    for name, v in (("num_groups", num_groups), ("group_topk", group_topk), ("group_score_topk", group_score_topk)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
+            raise ValueError(f"router_topk: `{name}` must be a positive int, got {v!r}")
     G = 1 if num_groups is None else num_groups
     g = 1 if group_topk is None else group_topk
     gst = 1 if num_groups is None else (group_score_topk if group_score_topk is not None else max(1, k // g))
