@@ -524,6 +524,10 @@ def router_topk(
     return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
 
 
+def _positive_int(v: object) -> bool:
+    return not isinstance(v, bool) and isinstance(v, numbers.Integral) and v >= 1
+
+
 def resolve_topk_options(
     k: int, num_groups: int | None, group_topk: int | None, group_score_topk: int | None,
     scaling_factor: float | None, normalize: bool | None, num_experts: int | None = None,
@@ -533,9 +537,10 @@ def resolve_topk_options(
     is given (k past the kept groups' experts)."""
     if (num_groups is None) != (group_topk is None):
         raise ValueError("router_topk: `num_groups` and `group_topk` go together")
-    for name, v in (("num_groups", num_groups), ("group_topk", group_topk), ("group_score_topk", group_score_topk)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
-            raise ValueError(f"router_topk: `{name}` must be a positive int, got {v!r}")
+    if num_groups is not None:  # group_score_topk only counts with groups
+        for name, v in (("num_groups", num_groups), ("group_topk", group_topk), ("group_score_topk", group_score_topk)):
+            if v is not None and (type(v) is not int or v < 1) and not _positive_int(v):
+                raise ValueError(f"router_topk: `{name}` must be a positive int, got {v!r}")
     G = 1 if num_groups is None else num_groups
     g = 1 if group_topk is None else group_topk
     gst = 1 if num_groups is None else (group_score_topk if group_score_topk is not None else max(1, k // g))
