@@ -788,7 +788,6 @@ def report(ctx: Context, name: str, rep: Report) -> tuple[Path, Path]:
     results = rep.results
     ctx.finish(name, results)
     c = ctx.ceiling_of(results[0]) if results else ctx.ceilings()
-    ops = list(dict.fromkeys(r.op for r in results))
     peers = sorted({p for r in results for p in r.speedup}, key=lambda p: (p != "torch_eager", p))
     with_modes = any(r.modes for r in results)
     mode_peers = sorted({p for r in results for p in r.mode_speedup}, key=lambda p: (p != "torch_eager", p))
