@@ -25,17 +25,13 @@ Timing method (specs/perf.md):
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -44,6 +40,8 @@ import torch
 
 import moe_kernels
 from moe_kernels.testing import assert_exact
+
+from .provenance import gpu_state, provenance, run_cmd, utc_now
 
 # Kineto keeps CUPTI attached after a profile unless told to tear it down, and every later launch pays
 # for it: time_modes profiles, and timings after it must not be slowed (read when profiling starts).
@@ -112,7 +110,7 @@ class Context:
     # time_modes (host / kernel / graph replay) when this is set; router and losses always do.
     modes: bool = False
     started_s: float = field(default_factory=time.monotonic, init=False)
-    started_utc: str = field(default_factory=lambda: _utc_now(), init=False)
+    started_utc: str = field(default_factory=utc_now, init=False)
     gpu_state_start: dict[str, Any] | None = field(default=None, init=False)
     ceilings_log: list[Ceilings] = field(default_factory=list, init=False)
     _flush: torch.Tensor | None = field(default=None, init=False, repr=False)
@@ -239,10 +237,6 @@ def flush_l2(buf: torch.Tensor, sink: torch.Tensor) -> None:
     """Reads every line of buf (a sum into the 0-d `sink`) and writes nothing else: a zero-fill would
     leave dirty lines whose write-back to memory lands inside the next timed call."""
     torch.sum(buf, dim=0, dtype=sink.dtype, out=sink)
-
-
-def _utc_now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
 def time_fn(fn: Callable[..., Any], *, inputs_list: Sequence[tuple], warmup: int, reps: int,
@@ -630,7 +624,7 @@ def device_name(ctx: Context) -> str:
 def run_metadata(ctx: Context) -> dict[str, Any]:
     driver = None
     if ctx.is_cuda:
-        driver = _cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader",
+        driver = run_cmd(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader",
                        f"--id={ctx.device.index or 0}"])
     return {
         "date": ctx.started_utc,
@@ -651,99 +645,6 @@ def run_metadata(ctx: Context) -> dict[str, Any]:
         "l2_flush_bytes": ctx.l2_flush_buffer().numel() * 4 if ctx.is_cuda else 0,
         "l2_flush": ctx.flush_mode if ctx.is_cuda else "none (CPU)",
     }
-
-
-# Every key provenance() returns; a JSON without one of them is not a result to quote.
-PROVENANCE_KEYS = ("commit", "dirty", "diff_sha256", "untracked", "command", "settings", "env", "versions", "host",
-                   "start", "end", "gpu_start", "gpu_end", "gpu_processes")
-# Environment variables that change what or how fast things run.
-TIMING_ENV = ("CUDA_LAUNCH_BLOCKING", "CUDA_VISIBLE_DEVICES", "MOE_KERNELS_CHECK", "MOE_KERNELS_EMULATE",
-              "MOE_KERNELS_CUDA_ARCHS", "PYTORCH_CUDA_ALLOC_CONF", "TEARDOWN_CUPTI", "LIGER_FUSED_MOE_AUTOTUNE")
-
-
-def _version(module: str) -> str | None:
-    import importlib.metadata
-
-    for dist in (module, module.replace("_", "-")):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-GPU_STATE_FIELDS = ("clocks.sm", "clocks.mem", "clocks.max.sm", "clocks.applications.graphics", "pstate",
-                    "temperature.gpu", "power.draw", "power.limit", "uuid", "clocks_event_reasons.active")
-
-
-def provenance(ctx: Context) -> dict[str, Any]:
-    """Where a figure came from: the commit, whether the tree differed from it (and a hash of the
-    difference, so two runs of one dirty tree can be told apart), when, and the GPU's clocks,
-    temperature and throttle reasons at the start and end, with the processes sharing the GPU."""
-    commit = _cmd(["git", "rev-parse", "HEAD"])
-    dirty = diff = None
-    untracked: list[str] = []
-    if commit:
-        status = _cmd(["git", "status", "--porcelain", "--untracked-files=no"])
-        # Untracked files git does not ignore count too: an untracked module can be what gets imported.
-        untracked = (_cmd(["git", "ls-files", "--others", "--exclude-standard"]) or "").split()
-        dirty = bool(status) or bool(untracked)
-        digest = hashlib.sha256((_cmd(["git", "diff", "HEAD", "--binary"], strip=False) or "").encode())
-        for path in untracked:
-            digest.update(path.encode())
-            try:
-                digest.update((REPO_ROOT / path).read_bytes())
-            except OSError:
-                pass
-        diff = digest.hexdigest() if dirty else None
-    return {
-        "commit": commit,
-        "dirty": dirty,
-        "diff_sha256": diff,
-        "untracked": untracked,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "settings": {"models": ctx.models, "tokens": ctx.tokens, "modes": ctx.modes, "profile": ctx.profile,
-                     "flush": ctx.flush_mode},
-        "env": {k: os.environ[k] for k in TIMING_ENV if k in os.environ},
-        "versions": {m: _version(m) for m in ("transformers", "liger_kernel", "triton")},
-        "host": platform.node(),
-        "start": ctx.started_utc,
-        "end": _utc_now(),
-        "gpu_start": ctx.gpu_state_start,
-        "gpu_end": gpu_state(ctx),
-        "gpu_processes": gpu_processes(ctx),
-    }
-
-
-def gpu_state(ctx: Context) -> dict[str, Any] | None:
-    """nvidia-smi's clocks (MHz), temperature (C), power (W) and active clock-event (throttle) reasons;
-    None on the CPU, or where nvidia-smi does not answer."""
-    if not ctx.is_cuda:
-        return None
-    idx = f"--id={ctx.device.index or 0}"
-    for fields in (GPU_STATE_FIELDS, GPU_STATE_FIELDS[:-1] + ("clocks_throttle_reasons.active",)):
-        out = _cmd(["nvidia-smi", f"--query-gpu={','.join(fields)}", "--format=csv,noheader,nounits", idx])
-        if out:
-            return dict(zip((f.replace("clocks_throttle", "clocks_event") for f in fields),
-                            (v.strip() for v in out.split(","))))
-    return None
-
-
-def gpu_processes(ctx: Context) -> list[str] | None:
-    """The compute processes on the GPUs (pid, name, memory): anything but this one makes the run suspect."""
-    if not ctx.is_cuda:
-        return None
-    out = _cmd(["nvidia-smi", "--query-compute-apps=pid,process_name,used_memory", "--format=csv,noheader",
-                f"--id={ctx.device.index or 0}"])
-    return None if out is None else [line.strip() for line in out.splitlines() if line.strip()]
-
-
-def _cmd(argv: list[str], strip: bool = True) -> str | None:
-    try:
-        p = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if p.returncode != 0:
-        return None
-    return p.stdout.strip() if strip else p.stdout
 
 
 def _fmt(v: float | None, spec: str, suffix: str = "") -> str:

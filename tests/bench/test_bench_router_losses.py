@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench import bench_router_losses as bl
-from bench import harness
+from bench import harness, provenance
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -85,7 +85,7 @@ def test_host_bound_modes_provenance_and_summary(losses_run):
         assert r["suspect"] is False
     assert "n/a (CPU)" in stdout and "host / kernel / graph us" in stdout
     meta = data["meta"]
-    for key in harness.PROVENANCE_KEYS:
+    for key in provenance.PROVENANCE_KEYS:
         assert key in meta, key
     assert len(meta["commit"]) == 40 and isinstance(meta["dirty"], bool)
     assert (meta["diff_sha256"] is None) == (not meta["dirty"])
