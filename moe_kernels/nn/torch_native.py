@@ -14,6 +14,7 @@ from torch import Tensor
 
 from moe_kernels.nn.router import RouterConfig
 from moe_kernels.ops.grouped_mm import autocast_input
+from moe_kernels.ops.permute import tokens_per_expert_reference
 
 
 def route(logits: Tensor, cfg: RouterConfig, expert_bias: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -59,7 +60,7 @@ def aux_losses(logits: Tensor, cfg: RouterConfig, seq_len: int | None) -> Tensor
             scores = s / (s.sum(-1, keepdim=True) + 1e-20)
         top = scores.topk(k, dim=-1).indices
         if cfg.aux_loss_coeff > 0:
-            counts = _counts(top.flatten(), E).to(scores.dtype)
+            counts = tokens_per_expert_reference(top, E).to(scores.dtype)
             loss = loss + cfg.aux_loss_coeff * E / (k * T * T) * (scores.sum(0) * counts).sum()
         if cfg.seq_aux_loss_coeff > 0 and seq_len:
             B = T // seq_len
@@ -70,13 +71,6 @@ def aux_losses(logits: Tensor, cfg: RouterConfig, seq_len: int | None) -> Tensor
     if cfg.z_loss_coeff > 0:
         loss = loss + cfg.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
     return loss
-
-
-def _counts(flat: Tensor, E: int) -> Tensor:
-    """[E] int64 counts of each expert id in `flat`; scatter_add, not bincount, which syncs with the host
-    on CUDA (to size its output), so the layer stays capturable in a CUDA graph."""
-    ones = torch.ones_like(flat, dtype=torch.long)
-    return torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat.long(), ones)
 
 
 def _grouped(x: Tensor, w_ENK: Tensor, offsets: Tensor) -> Tensor:
@@ -94,7 +88,9 @@ def experts(x: Tensor, weights: Tensor, indices: Tensor, w13: Tensor, w2: Tensor
     flat = indices.flatten()
     order = flat.argsort(stable=True)  # [T*k] slots sorted by expert
     tokens = order // k
-    offsets = _counts(flat, E).cumsum(0).to(torch.int32)
+    # scatter_add counts (tokens_per_expert_reference), not bincount: bincount syncs with the host on CUDA
+    # to size its output, and the layer must stay capturable in a CUDA graph.
+    offsets = tokens_per_expert_reference(flat, E).cumsum(0).to(torch.int32)
     h = _grouped(x.index_select(0, tokens), w13, offsets)
     act = F.silu(h[:, : two_f // 2]) * h[:, two_f // 2 :]
     y = _grouped(act, w2, offsets)
