@@ -24,9 +24,11 @@ Tolerance policy (one place, every test uses it):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
+import torch.utils._python_dispatch
 from torch import Tensor
 
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -247,3 +249,95 @@ def random_routing(
     if drop > 0 and T > 0:
         idx[torch.rand((T, k), generator=g) < drop] = -1
     return idx.to(torch.int32).to(device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Host work: extension calls counted (or stubbed), host syncs refused
+
+# Extension functions that only compute sizes or read attributes: they launch nothing.
+_QUERY_SUFFIXES = ("_bytes", "_chunks", "_warps", "_blocks", "_passes", "_path", "_version", "_probe", "_offset")
+
+
+def is_launch(name: str) -> bool:
+    """Whether the extension function `name` launches kernels (the rest size workspaces or grids)."""
+    return not name.endswith(_QUERY_SUFFIXES) and not name.startswith(("ipc_", "pci_", "device_by_", "can_access"))
+
+
+class CountingExtension:
+    """Stands in for the extension module: counts each launching call by name in `calls`; with `stub`,
+    launches nothing (returns 0, which a region reads as "the workspace was enough")."""
+
+    def __init__(self, module, *, stub: bool = False):
+        self._module, self._stub = module, stub
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        value = getattr(self._module, name)
+        if not callable(value) or not is_launch(name):
+            return value
+        calls, stub = self.calls, self._stub
+
+        def launch(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return 0 if stub else value(*args, **kwargs)
+
+        setattr(self, name, launch)  # later lookups skip __getattr__
+        return launch
+
+
+@contextlib.contextmanager
+def extension_calls(*, stub: bool = False):
+    """Inside, the extension (`_C` for CUDA tensors, the emulated `_C_emu` for CPU tensors under
+    MOE_KERNELS_EMULATE) is a CountingExtension; yields it (its `calls` dict fills as ops run)."""
+    from moe_kernels import _ext
+
+    name = "_EMU" if _ext._EMU is not None else "_C"
+    real = getattr(_ext, name)
+    if real is None:
+        raise RuntimeError("extension_calls: no extension module is loaded (build moe_kernels._C or set "
+                           "MOE_KERNELS_EMULATE=1)")
+    counting = CountingExtension(real, stub=stub)
+    setattr(_ext, name, counting)
+    try:
+        yield counting
+    finally:
+        setattr(_ext, name, real)
+
+
+class HostSyncError(AssertionError):
+    """An op read device data on the host."""
+
+
+_SYNC_OPS = ("_local_scalar_dense", "nonzero", "is_nonzero", "equal", "allclose")
+_SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+class _RefuseSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in _SYNC_OPS:
+            raise HostSyncError(f"{func} reads device data on the host (a host sync)")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    """Inside, any op that would read device data on the host raises HostSyncError: `aten._local_scalar_dense`
+    (.item(), bool(t), int(t)), size-less `nonzero` (and `torch.equal`, `is_nonzero`, `allclose`), and the
+    Tensor methods .item/.tolist/.cpu/.numpy/__bool__/__int__/__float__/__index__, also on CPU tensors (the
+    CUDA code path under emulation runs on them)."""
+    saved = {name: getattr(torch.Tensor, name) for name in _SYNC_METHODS}
+
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostSyncError(f"Tensor.{name} reads device data on the host (a host sync)")
+
+        return method
+
+    for name in _SYNC_METHODS:
+        setattr(torch.Tensor, name, refuse(name))
+    try:
+        with _RefuseSyncs():
+            yield
+    finally:
+        for name, method in saved.items():
+            setattr(torch.Tensor, name, method)

@@ -62,4 +62,5 @@ PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
   moe::api::register_activation(m);
   moe::api::register_quant(m);
   moe::api::register_dispatch(m);
+  moe::api::register_regions(m);
 }

@@ -44,5 +44,6 @@ void register_gemm(pybind11::module_& m);
 void register_activation(pybind11::module_& m);
 void register_quant(pybind11::module_& m);
 void register_dispatch(pybind11::module_& m);
+void register_regions(pybind11::module_& m);
 
 }  // namespace moe::api

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_kernels.nn import torch_native
+from moe_kernels.nn import fused, torch_native
 from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.lora import lora_terms
 from moe_kernels.nn.router import Router, RouterConfig
@@ -21,6 +21,16 @@ from moe_kernels.ops.permute import permute, permute_reference, permuted_row_val
 from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
 
 BACKENDS = ("kernels", "reference", "torch")
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _gemm_dtype(w: Tensor) -> torch.dtype:
+    """w's dtype in the expert GEMMs: the autocast dtype under torch.autocast (autocast_input)."""
+    device_type = w.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and w.dtype != torch.float64:
+        return torch.get_autocast_dtype(device_type)
+    return w.dtype
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
 _REFERENCE_OPS = SimpleNamespace(
@@ -124,11 +134,15 @@ class MoELayer(nn.Module):
             ops = SimpleNamespace(**{**vars(ops), "grouped_mm": cfg.recipe.grouped_mm})
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])  # [T, H]
+        launch = self._launch(x2) if cfg.backend == "kernels" else None
         # An empty batch ([0, H] or [B, 0, H]) still routes (its rank must reach the dispatcher's collectives).
-        routed = self.router(x2, seq_len=seq_len or 1, reference=cfg.backend == "reference")
+        routed = self.router(x2, seq_len=seq_len or 1, reference=cfg.backend == "reference",
+                             **({"launch": launch} if launch is not None else {}))
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
         x_in = autocast_input(x2)
-        if self.dispatcher is not None:
+        if launch is not None and self._fused_experts_fit(launch, x_in):
+            out = self._forward_fused(launch, x_in, routed)
+        elif self.dispatcher is not None:
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
         elif getattr(cfg.recipe, "fused_permute", False) and not lora_terms(self.experts, "w13"):
             # The recipe fuses the permute with its first GEMM's input quantization.
@@ -150,6 +164,33 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         return out.view(shape), routed.aux_loss
+
+    def _launch(self, x: Tensor) -> fused.Launch | None:
+        """The fused regions' launch for this call (moe_kernels.nn.fused), or None for the registered ops."""
+        return fused.launch_for(x)
+
+    def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
+        """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
+        plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
+        experts = self.experts
+        w13, w2 = experts.w13, experts.w2
+        return (self.dispatcher is None and self.config.recipe is None and x.dtype in _FUSED_DTYPES
+                and x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN
+                and _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
+                and w13.is_contiguous() and w2.is_contiguous()
+                and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
+                and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups))
+
+    def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
+        cfg = self.config
+        x_perm, row_map, group_sizes = fused.run("permute", launch, x, routed.indices, cfg.num_experts,
+                                                 cfg.permute_align)
+        row_weights = None
+        if cfg.weights_in_activation:
+            row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
+        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
+        y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
+        return fused.run("unpermute", launch, y, row_map, None if cfg.weights_in_activation else routed.weights)
 
     def _forward_dispatched(self, x: Tensor, weights: Tensor, indices: Tensor, ops) -> Tensor:
         cfg = self.config

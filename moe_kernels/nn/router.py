@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -12,6 +12,7 @@ import torch.distributed
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels.nn import fused
 from moe_kernels.ops.permute import tokens_per_expert, tokens_per_expert_reference
 from moe_kernels.ops.router import (
     SCORES,
@@ -133,42 +134,69 @@ class Router(nn.Module):
         # sequences. Counts are summed over it and each rank's losses are its share: the shares of the group
         # add up to the losses of the whole sequences. None: the sequences are whole here.
         self.sequence_group = None
+        self.spec = fused.router_spec(config)  # the options as the kernels take them
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.weight, std=self.config.hidden_size**-0.5)
 
-    def forward(self, x: Tensor, *, seq_len: int | None = None, reference: bool = False) -> RouterOutput:
+    def forward(self, x: Tensor, *, seq_len: int | None = None, reference: bool = False,
+                launch: fused.Launch | None | type(...) = ...) -> RouterOutput:
         """x: [T, H]. `seq_len` is needed by the sequence-wise loss (T = batch * seq_len). `reference` runs
-        the plain PyTorch references instead of the ops (the MoE layer's reference backend)."""
-        cfg = self.config
-        no_autocast = (
-            torch.autocast(device_type=x.device.type, enabled=False) if x.device.type in ("cuda", "cpu") else nullcontext()
-        )
-        with no_autocast:
-            # fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck)
-            dtype = torch.promote_types(self.weight.dtype, torch.float32)
-            logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
-        if reference:
-            options = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
-                                           cfg.scaling_factor, cfg.normalize, cfg.num_experts)
-            G, g, gst, scale, norm = options
-            weights, indices = router_topk_reference(logits, cfg.k, cfg.score, cfg.pre_softmax, G, g, gst, scale,
-                                                     self.expert_bias, norm)
+        the plain PyTorch references instead of the ops (the MoE layer's reference backend). `launch` is the
+        MoE layer's (moe_kernels.nn.fused): the router region runs on it, or on the registered ops when None;
+        by default the router resolves it from x."""
+        # fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck), autocast or not
+        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         else:
-            weights, indices = router_topk(
-                logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
-                group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,
-                expert_bias=self.expert_bias, normalize=cfg.normalize,
-            )
-        if cfg.capacity_factor is not None:
-            cap = apply_capacity_reference if reference else apply_capacity
-            weights, indices = cap(weights, indices, cfg.num_experts, cfg.capacity_factor, cfg.capacity_policy)
-        count = tokens_per_expert_reference if reference else tokens_per_expert
-        counts = count(indices, cfg.num_experts)
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        if reference:
+            weights, indices, counts, loss = self._route_reference(logits, seq_len)
+        else:
+            if launch is ...:
+                launch = fused.launch_for(logits)
+            if launch is not None and not self._thin_path_fits(logits, launch):
+                launch = None
+            weights, indices, counts, loss = fused.run("router", launch, self, logits, seq_len)
         if self.tokens_seen is not None and self.training and not _recomputing():
             self.tokens_seen.add_(counts)
-        return RouterOutput(weights, indices, self._losses(logits, seq_len, reference), logits, counts)
+        return RouterOutput(weights, indices, loss, logits, counts)
+
+    def _thin_path_fits(self, logits: Tensor, launch: fused.Launch) -> bool:
+        """The router region takes one rank's fp32 logits (the losses of a balance or sequence group
+        all-reduce between the statistics and the loss: the registered ops do that)."""
+        return (logits.dtype == torch.float32 and self.balance_group is None and self.sequence_group is None
+                and (self.expert_bias is None or self.expert_bias.dtype == torch.float32)
+                and fused.router_fits(launch.C, self.spec))
+
+    def route_with_ops(self, logits: Tensor, seq_len: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(weights, indices, counts, loss) through the registered custom ops (compile, export, groups)."""
+        cfg = self.config
+        weights, indices = router_topk(
+            logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
+            group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,
+            expert_bias=self.expert_bias, normalize=cfg.normalize,
+        )
+        if cfg.capacity_factor is not None:
+            weights, indices = apply_capacity(weights, indices, cfg.num_experts, cfg.capacity_factor,
+                                              cfg.capacity_policy)
+        counts = tokens_per_expert(indices, cfg.num_experts)
+        return weights, indices, counts, self._losses(logits, seq_len)
+
+    def _route_reference(self, logits: Tensor, seq_len: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        cfg = self.config
+        G, g, gst, scale, norm = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
+                                                      cfg.scaling_factor, cfg.normalize, cfg.num_experts)
+        weights, indices = router_topk_reference(logits, cfg.k, cfg.score, cfg.pre_softmax, G, g, gst, scale,
+                                                 self.expert_bias, norm)
+        if cfg.capacity_factor is not None:
+            weights, indices = apply_capacity_reference(weights, indices, cfg.num_experts, cfg.capacity_factor,
+                                                        cfg.capacity_policy)
+        counts = tokens_per_expert_reference(indices, cfg.num_experts)
+        return weights, indices, counts, self._losses(logits, seq_len, reference=True)
 
     def _losses(self, logits: Tensor, seq_len: int | None, reference: bool = False) -> Tensor:
         """The configured losses of this rank's tokens. With a sequence group of n ranks (each 1/n of every

@@ -1,0 +1,426 @@
+"""The MoE layer's hot path as a table of fused regions, each one autograd node over the extension.
+
+Why: a registered custom op called eagerly pays for torch.library's Python autograd wrapper, the
+dispatcher, the CUDA implementation's checks, keyword arguments to pybind and a stream lookup, per op and
+per backward op: tens of microseconds a call, more than the router's kernels take on a GPU. Here each
+region of the layer is one `torch.autograd.Function` whose forward and backward call the extension
+directly. The calling convention, which every op on the hot path follows:
+
+- A `Launch` (the extension module, device index, stream) is resolved once per layer call by
+  `launch_for` and handed to every region; the backward reuses the forward's (autograd runs a backward
+  node on its forward's stream).
+- The extension is called with positional arguments; a region's forward is one extension call where its
+  kernels allow it (permute, experts, unpermute), the router is one per kernel it runs.
+- Workspaces are sized by the region itself: a region that needs one returns the bytes it needs when
+  the given workspace is too small, launching nothing; the size is remembered per shape, so the steady
+  state is one call, and each workspace is a fresh caching-allocator block on the current stream
+  (never shared between streams; safe under CUDA-graph capture, ARCHITECTURE decision 4).
+- Inputs the layer made itself (indices, row maps, group sizes) are not validated again; what the user
+  gives (x, weights, config) is checked once per layer or once per module.
+- No Python dispatch on dtypes: dtype codes and option codes are computed once per module.
+
+`run(name, launch, *args)` picks the region's thin path, or with `launch=None` its composition of the
+registered custom ops: under torch.compile, torch.export and ONNX export (the ops have fake
+implementations and decompositions there), on CPU tensors outside emulation (the references), and on a
+GPU the extension cannot serve. Both paths give bitwise identical outputs and gradients
+(tests/nn/test_fused_regions_gpu.py). New fused kernels add an entry to `REGIONS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from moe_kernels import _ext
+from moe_kernels import onnx as _onnx
+from moe_kernels.ops.activation import swiglu
+from moe_kernels.ops.grouped_mm import grouped_mm
+from moe_kernels.ops.permute import permute, permuted_rows, unpermute
+
+_F32, _I32, _U8 = torch.float32, torch.int32, torch.uint8
+
+
+class Launch(NamedTuple):
+    """Where a region's kernels run: the extension module, the device index and the stream handle."""
+
+    C: object
+    device: int
+    stream: int
+
+
+def launch_for(x: Tensor) -> Launch | None:
+    """The thin path's launch for kernels on x's device and current stream, or None for the registered ops
+    (compiling, exporting, fake or subclass tensors, the references on the CPU, no usable extension)."""
+    if type(x) is not Tensor or torch.compiler.is_compiling() or _onnx.exporting():
+        return None
+    if x.device.type == "cpu":
+        return Launch(_ext._EMU, 0, 0) if _ext._EMU is not None and not _ext._reference_mode else None
+    C = _ext.kernels("moe_layer", x)
+    if C is None:
+        return None
+    return Launch(C, x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The table
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    thin: Callable  # (launch, *args): the autograd node over the extension
+    ops: Callable  # (*args): the same region as registered custom ops
+    launches: str  # what one forward / backward call launches, for the overhead bench and the docs
+
+
+REGIONS: dict[str, Region] = {}
+
+
+def run(name: str, launch: Launch | None, *args):
+    region = REGIONS[name]
+    return region.ops(*args) if launch is None else region.thin(launch, *args)
+
+
+def _register(name: str, ops: Callable, launches: str):
+    def wrap(thin):
+        REGIONS[name] = Region(name, thin, ops, launches)
+        return thin
+
+    return wrap
+
+
+_DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_needs: dict[tuple, int] = {}  # workspace bytes last asked for, per region and shape
+
+
+def _with_workspace(key: tuple, fn, like: Tensor, *args) -> None:
+    """Calls `fn(*args, workspace, workspace_bytes, device, stream)` (the last two in `args`): with the
+    remembered size first, again with the size it asks for when that was too small."""
+    *head, device, stream = args
+    nbytes = _needs.get(key, 0)
+    while True:
+        ws, p = _ext.workspace(nbytes, like)
+        need = fn(*head, p, nbytes, device, stream)
+        if not need:
+            return
+        _needs[key] = nbytes = max(need, nbytes)
+
+
+# ---------------------------------------------------------------------------------------------------
+# permute / unpermute
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, indices, num_experts, align, L):
+        T, H = x.shape
+        k = indices.shape[1]
+        x_perm = x.new_empty((permuted_rows(T, k, num_experts, align), H))
+        row_map = torch.empty((T, k), dtype=_I32, device=x.device)
+        group_sizes = torch.empty((num_experts,), dtype=_I32, device=x.device)
+        key = ("permute", T * k, num_experts)
+        nbytes = _needs.get(key)
+        if nbytes is None:
+            nbytes = _needs[key] = L.C.permute_workspace_bytes(T * k, num_experts)
+        ws = torch.empty((nbytes,), dtype=_U8, device=x.device)
+        L.C.permute_fwd(_ext.ptr(x), _ext.ptr(indices), _ext.ptr(x_perm), _ext.ptr(row_map), group_sizes.data_ptr(),
+                        _ext.ptr(ws), T, k, H * x.element_size(), num_experts, align, L.device, L.stream)
+        ctx.mark_non_differentiable(row_map, group_sizes)
+        ctx.save_for_backward(row_map)
+        ctx.L, ctx.T = L, T
+        return x_perm, row_map, group_sizes
+
+    @staticmethod
+    def backward(ctx, g, _g_row_map, _g_sizes):
+        (row_map,) = ctx.saved_tensors
+        L = ctx.L
+        g = g.contiguous()
+        dx = g.new_empty((ctx.T, g.shape[1]))
+        L.C.unpermute_fwd(_ext.ptr(g), _ext.ptr(row_map), 0, _ext.ptr(dx), ctx.T, row_map.shape[1], g.shape[1],
+                          g.shape[0], _DTYPE[g.dtype], L.device, L.stream)
+        return dx, None, None, None, None
+
+
+@_register("permute", lambda x, indices, E, align: permute(x, indices, E, align=align),
+           "permute_fwd / unpermute_fwd")
+def permute_region(L: Launch, x: Tensor, indices: Tensor, num_experts: int, align: int):
+    return _Permute.apply(x, indices, num_experts, align, L)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, row_map, weights, L):
+        T, k = row_map.shape
+        out = y.new_empty((T, y.shape[1]))
+        w = None if weights is None else weights.float().contiguous()
+        L.C.unpermute_fwd(_ext.ptr(y), _ext.ptr(row_map), _ext.ptr(w), _ext.ptr(out), T, k, y.shape[1], y.shape[0],
+                          _DTYPE[y.dtype], L.device, L.stream)
+        need_dw = weights is not None and ctx.needs_input_grad[2]
+        ctx.save_for_backward(row_map, w, y if need_dw else None)
+        ctx.L, ctx.num_rows, ctx.need_dw = L, y.shape[0], need_dw
+        ctx.w_dtype = None if weights is None else weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        row_map, w, y = ctx.saved_tensors
+        L = ctx.L
+        g = g.contiguous()
+        T, k = row_map.shape
+        dy = g.new_empty((ctx.num_rows, g.shape[1]))
+        dw = torch.empty((T, k) if ctx.need_dw else (0,), dtype=_F32, device=g.device)
+        row_mask = torch.zeros((ctx.num_rows,), dtype=_U8, device=g.device)
+        L.C.unpermute_bwd(_ext.ptr(g), _ext.ptr(y), _ext.ptr(row_map), _ext.ptr(w), _ext.ptr(dy),
+                          _ext.ptr(dw) if ctx.need_dw else 0, _ext.ptr(row_mask), T, k, g.shape[1], ctx.num_rows,
+                          _DTYPE[g.dtype], L.device, L.stream)
+        return dy, None, (dw.to(ctx.w_dtype) if ctx.need_dw else None), None
+
+
+@_register("unpermute", unpermute, "unpermute_fwd / unpermute_bwd")
+def unpermute_region(L: Launch, y: Tensor, row_map: Tensor, weights: Tensor | None):
+    return _Unpermute.apply(y, row_map, weights, L)
+
+
+# ---------------------------------------------------------------------------------------------------
+# experts: grouped GEMM, SwiGLU, grouped GEMM (and the five products of the backward) in one call each way
+
+
+class _Experts(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group_sizes, w13, w2, row_weights, L):
+        R, H = x.shape
+        E, F2, _ = w13.shape
+        F = F2 // 2
+        h = x.new_empty((R, F2))
+        a = x.new_empty((R, F))
+        y = x.new_empty((R, H))
+        rw = None if row_weights is None else row_weights.float().contiguous()
+        dt = _DTYPE[x.dtype]
+        if R:
+            _with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
+                            _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), _ext.ptr(group_sizes), _ext.ptr(rw),
+                            _ext.ptr(h), _ext.ptr(a), _ext.ptr(y), R, H, F, E, dt, L.device, L.stream)
+        ctx.save_for_backward(x, h, a, w13, w2, group_sizes, rw)
+        ctx.L = L
+        ctx.rw_dtype = None if row_weights is None else row_weights.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, h, a, w13, w2, group_sizes, rw = ctx.saved_tensors
+        L = ctx.L
+        need_x, _, need_w13, need_w2, need_rw, _ = ctx.needs_input_grad
+        need_rw = need_rw and rw is not None
+        R, H = x.shape
+        E, F2, _ = w13.shape
+        F = F2 // 2
+        dy = dy.contiguous()
+        dx = x.new_empty((R, H)) if need_x else None
+        if R == 0:
+            dw13 = torch.zeros_like(w13) if need_w13 else None
+            dw2 = torch.zeros_like(w2) if need_w2 else None
+            drw = torch.empty((0,), dtype=_F32, device=x.device) if need_rw else None
+        else:
+            dw13 = torch.empty_like(w13) if need_w13 else None
+            dw2 = torch.empty_like(w2) if need_w2 else None
+            drw = torch.empty((R,), dtype=_F32, device=x.device) if need_rw else None
+            da = x.new_empty((R, F))
+            dh = x.new_empty((R, F2))
+            dt = _DTYPE[x.dtype]
+            _with_workspace(("experts_bwd", L.device, R, H, F, E, dt), L.C.experts_bwd, x,
+                            _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), _ext.ptr(a), _ext.ptr(w13), _ext.ptr(w2),
+                            _ext.ptr(group_sizes), _ext.ptr(rw), _ext.ptr(da), _ext.ptr(dh), _ext.ptr(dx),
+                            _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, dt, L.device, L.stream)
+        return dx, None, dw13, dw2, (drw.to(ctx.rw_dtype) if need_rw else None), None
+
+
+def _experts_ops(x, group_sizes, w13, w2, row_weights):
+    return grouped_mm(swiglu(grouped_mm(x, w13, group_sizes), row_weights), w2, group_sizes)
+
+
+@_register("experts", _experts_ops, "experts_fwd (grouped_mm, swiglu, grouped_mm) / experts_bwd (5 products)")
+def experts_region(L: Launch, x: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None):
+    return _Experts.apply(x, group_sizes, w13, w2, row_weights, L)
+
+
+# ---------------------------------------------------------------------------------------------------
+# router: top-k, capacity, per-expert counts and the configured losses; their gradients in one backward
+
+
+class RouterSpec(NamedTuple):
+    """A Router's options as the kernels take them, resolved once per module (the config is frozen)."""
+
+    E: int
+    k: int
+    score: int
+    pre_softmax: bool
+    num_groups: int
+    group_topk: int
+    group_score_topk: int
+    scale: float
+    normalize: bool
+    capacity_factor: float | None
+    by_probs: bool
+    aux_coeff: float
+    seq_coeff: float
+    z_coeff: float
+
+
+_SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
+
+
+def router_spec(cfg) -> RouterSpec:
+    from moe_kernels.ops.router import resolve_topk_options
+
+    G, g, gst, scale, norm = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
+                                                  cfg.scaling_factor, cfg.normalize, cfg.num_experts)
+    return RouterSpec(cfg.num_experts, cfg.k, _SCORE_CODES[cfg.score], cfg.pre_softmax, G, g, gst, scale, norm,
+                      cfg.capacity_factor, cfg.capacity_policy == "probs", float(cfg.aux_loss_coeff),
+                      float(cfg.seq_aux_loss_coeff), float(cfg.z_loss_coeff))
+
+
+def router_fits(C, spec: RouterSpec) -> bool:
+    """Whether the kernels take these options (else the registered ops raise their ValueError)."""
+    shared = spec.capacity_factor is not None or spec.seq_coeff > 0
+    return (spec.E <= C.router_max_experts and spec.k <= C.router_max_k and spec.num_groups <= C.router_max_groups
+            and spec.E <= C.permute_max_experts and (not shared or spec.E <= C.balance_max_experts))
+
+
+_chunks: dict[tuple, int] = {}
+
+
+def _chunk_count(C, name: str, *args) -> int:
+    key = (name, *args)
+    n = _chunks.get(key)
+    if n is None:
+        n = _chunks[key] = getattr(C, name)(*args)
+    return n
+
+
+class _Router(torch.autograd.Function):
+    """logits [T, E] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E] int32, loss [] fp32."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, seq_len, spec, L):
+        from moe_kernels.ops.router_losses import _aux_scale, capacity
+
+        C, dev, s = L.C, L.device, L.stream
+        T, E = logits.shape
+        k = spec.k
+        p_logits = _ext.ptr(logits)
+        weights = torch.empty((T, k), dtype=_F32, device=logits.device)
+        indices = torch.empty((T, k), dtype=_I32, device=logits.device)
+        C.router_topk_fwd(p_logits, _ext.ptr(bias), _ext.ptr(weights), _ext.ptr(indices), T, E, k, spec.score,
+                          spec.pre_softmax, spec.num_groups, spec.group_topk, spec.group_score_topk, spec.normalize,
+                          spec.scale, 0, dev, s)
+        kept = indices
+        if spec.capacity_factor is not None:
+            n = T * k
+            cap = min(capacity(T, k, E, spec.capacity_factor), n)
+            w_out, kept = torch.empty_like(weights), torch.empty_like(indices)
+            ws = torch.empty((_chunk_count(C, "capacity_workspace_bytes", n, E),), dtype=_U8, device=logits.device)
+            C.apply_capacity(_ext.ptr(weights), _ext.ptr(indices), _ext.ptr(w_out), _ext.ptr(kept), _ext.ptr(ws), n, E,
+                             cap, spec.by_probs, 0, dev, s)
+            weights = w_out
+        counts = torch.empty((E,), dtype=_I32, device=logits.device)
+        C.tokens_per_expert(_ext.ptr(kept), T * k, E, counts.data_ptr(), dev, s)
+        loss = logits.new_zeros(())
+        aux_counts = seq_counts = lse = None
+        if spec.aux_coeff > 0 or spec.seq_coeff > 0:
+            scores = torch.empty((T, E), dtype=_F32, device=logits.device)
+            aux_idx = torch.empty((T, k), dtype=_I32, device=logits.device)
+            C.router_aux_scores_fwd(p_logits, _ext.ptr(scores), _ext.ptr(aux_idx), T, E, k, spec.score, 0, dev, s)
+            if spec.aux_coeff > 0:
+                aux_counts = torch.empty((E,), dtype=_I32, device=logits.device)
+                C.tokens_per_expert(_ext.ptr(aux_idx), T * k, E, aux_counts.data_ptr(), dev, s)
+                aux = torch.empty((), dtype=_F32, device=logits.device)
+                partial = torch.empty((_chunk_count(C, "balance_chunks", T, max(T, 1)), E), dtype=_F32,
+                                      device=logits.device)
+                C.balance_loss_fwd(_ext.ptr(scores), 0, _ext.ptr(aux_counts), False, _ext.ptr(partial), 0, 0,
+                                   aux.data_ptr(), T, E, k, max(T, 1), _aux_scale(spec.aux_coeff, E, k, T), 0, dev, s)
+                loss = loss + aux
+            if spec.seq_coeff > 0:
+                B = T // seq_len
+                seq = torch.empty((), dtype=_F32, device=logits.device)
+                seq_counts = torch.empty((B, E), dtype=_I32, device=logits.device)
+                chunks = _chunk_count(C, "balance_chunks", T, seq_len)
+                psums = torch.empty((chunks, E), dtype=_F32, device=logits.device)
+                pcounts = torch.empty((chunks, E), dtype=_I32, device=logits.device)
+                C.balance_loss_fwd(_ext.ptr(scores), _ext.ptr(aux_idx), 0, False, _ext.ptr(psums), _ext.ptr(pcounts),
+                                   _ext.ptr(seq_counts), seq.data_ptr(), T, E, k, seq_len,
+                                   _aux_scale(spec.seq_coeff, E, k, seq_len) / max(B, 1), 0, dev, s)
+                loss = loss + seq
+        if spec.z_coeff > 0:
+            z = torch.empty((), dtype=_F32, device=logits.device)
+            lse = torch.empty((T,), dtype=_F32, device=logits.device)
+            partials = torch.empty((_chunk_count(C, "z_loss_chunks", T),), dtype=_F32, device=logits.device)
+            C.z_loss_fwd(p_logits, _ext.ptr(lse), _ext.ptr(partials), z.data_ptr(), T, E, spec.z_coeff, 0, dev, s)
+            loss = loss + z
+        ctx.mark_non_differentiable(kept, counts)
+        ctx.save_for_backward(logits, indices, kept, aux_counts, seq_counts, lse)
+        ctx.spec, ctx.seq_len, ctx.L = spec, seq_len, L
+        return weights, kept, counts, loss
+
+    @staticmethod
+    def backward(ctx, g_weights, _g_indices, _g_counts, g_loss):
+        from moe_kernels.ops.router_losses import _aux_scale
+
+        logits, indices, kept, aux_counts, seq_counts, lse = ctx.saved_tensors
+        spec, L = ctx.spec, ctx.L
+        C, dev, s = L.C, L.device, L.stream
+        T, E = logits.shape
+        k = spec.k
+        if spec.capacity_factor is not None:
+            g_weights = torch.where(kept >= 0, g_weights, 0.0)
+        g_weights = g_weights.float().contiguous()
+        grad = torch.empty((T, E), dtype=_F32, device=logits.device)
+        C.router_topk_bwd(_ext.ptr(g_weights), _ext.ptr(logits), _ext.ptr(indices), _ext.ptr(grad), T, E, k,
+                          spec.score, spec.pre_softmax, spec.normalize, spec.scale, 0, dev, s)
+        if aux_counts is None and seq_counts is None and lse is None:
+            return grad, None, None, None, None
+        g_loss = g_loss.float().contiguous()
+        g_other = None
+        if aux_counts is not None or seq_counts is not None:
+            g_scores = None
+            if seq_counts is not None:
+                B = seq_counts.shape[0]
+                g_scores = torch.empty((T, E), dtype=_F32, device=logits.device)
+                C.balance_loss_bwd(g_loss.data_ptr(), _ext.ptr(seq_counts), False, _ext.ptr(g_scores), T, E,
+                                   ctx.seq_len, _aux_scale(spec.seq_coeff, E, k, ctx.seq_len) / max(B, 1), 0, dev, s)
+            if aux_counts is not None:
+                g_aux = torch.empty((T, E), dtype=_F32, device=logits.device)
+                C.balance_loss_bwd(g_loss.data_ptr(), _ext.ptr(aux_counts), False, _ext.ptr(g_aux), T, E, max(T, 1),
+                                   _aux_scale(spec.aux_coeff, E, k, T), 0, dev, s)
+                g_scores = g_aux if g_scores is None else g_scores + g_aux
+            g_other = torch.empty((T, E), dtype=_F32, device=logits.device)
+            C.router_aux_scores_bwd(_ext.ptr(g_scores), _ext.ptr(logits), _ext.ptr(g_other), T, E, spec.score, 0,
+                                    dev, s)
+        if lse is not None:
+            g_z = torch.empty((T, E), dtype=_F32, device=logits.device)
+            C.z_loss_bwd(g_loss.data_ptr(), _ext.ptr(logits), _ext.ptr(lse), _ext.ptr(g_z), T, E, spec.z_coeff, 0,
+                         dev, s)
+            g_other = g_z if g_other is None else g_z + g_other
+        return grad + g_other, None, None, None, None
+
+
+def _router_ops(router, logits: Tensor, seq_len: int):
+    return router.route_with_ops(logits, seq_len)
+
+
+@_register("router", _router_ops, "router_topk_fwd [apply_capacity] tokens_per_expert [router_aux_scores_fwd "
+           "tokens_per_expert balance_loss_fwd (x2 with the sequence loss)] [z_loss_fwd] / router_topk_bwd "
+           "[balance_loss_bwd (x2) router_aux_scores_bwd] [z_loss_bwd]")
+def router_region(L: Launch, router, logits: Tensor, seq_len: int):
+    """(weights, indices, counts, loss) of `router` (a moe_kernels.nn.Router) on fp32 logits."""
+    spec = router.spec
+    if spec.seq_coeff > 0:
+        if seq_len is None:
+            raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")
+        if type(seq_len) is not int or seq_len < 1 or logits.shape[0] % seq_len:
+            raise ValueError(f"seq_aux_loss: {logits.shape[0]} rows of `scores` are not whole sequences of "
+                             f"`seq_len`={seq_len}")
+    return _Router.apply(logits, router.expert_bias, seq_len, router.spec, L)

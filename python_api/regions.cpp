@@ -1,0 +1,93 @@
+// Fused regions of the MoE layer (moe_kernels/nn/fused.py): one Python -> C++ call per autograd node,
+// positional arguments, every launch of the region issued from here on one stream.
+//
+// A region that needs a workspace takes (workspace, workspace_bytes) and returns the bytes it needs:
+// 0 when it launched, or the size to allocate when the given workspace is too small (nothing launched).
+// The caller remembers that size per shape, so the steady state is one call.
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "activation/swiglu.h"
+#include "gemm/grouped_mm.h"
+#include "registry.h"
+
+namespace py = pybind11;
+
+namespace moe::api {
+
+namespace {
+
+using gemm::GemmOp;
+
+gemm::GroupedParams gemm_params(GemmOp op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t E,
+                                int64_t M, int64_t N, int64_t K, DType dtype, uintptr_t workspace, size_t ws_bytes,
+                                int device) {
+  return gemm::GroupedParams{op,    ptr<const void>(a), ptr<const void>(b), ptr<void>(d), ptr<const int32_t>(group_sizes),
+                             E,     M,                  N,                  K,            dtype,
+                             ptr<void>(workspace),      ws_bytes,           device};
+}
+
+size_t need_of(std::initializer_list<const gemm::GroupedParams*> gemms) {
+  size_t need = 0;
+  for (const auto* g : gemms) need = std::max(need, gemm::grouped_workspace_bytes(*g));
+  return need;
+}
+
+}  // namespace
+
+void register_regions(py::module_& m) {
+  // y = swiglu(x W13^T, row_weights) W2^T per expert group. x [R, H], w13 [E, 2F, H], w2 [E, H, F];
+  // h [R, 2F] and a [R, F] are written for the backward; R > 0.
+  m.def(
+      "experts_fwd",
+      [](uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes, uintptr_t row_weights, uintptr_t h,
+         uintptr_t a, uintptr_t y, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype,
+         uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
+        DeviceGuard guard(device);
+        const DType dt = DType(dtype);
+        auto up = gemm_params(GemmOp::kFwd, x, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes,
+                              device);
+        auto down = gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
+                                device);
+        const size_t need = need_of({&up, &down});
+        if (ws_bytes < need) return need;
+        gemm::grouped_mm(up, stream(s));
+        activation::swiglu_fwd({ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a), rows, ffn, dt},
+                               stream(s));
+        gemm::grouped_mm(down, stream(s));
+        return 0;
+      });
+  // The backward of experts_fwd: dy [R, H] -> dx [R, H], dw13, dw2, drow_weights [R] fp32 (each only when its
+  // pointer is non-zero); da [R, F] and dh [R, 2F] are scratch.
+  m.def(
+      "experts_bwd",
+      [](uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t a, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes,
+         uintptr_t row_weights, uintptr_t da, uintptr_t dh, uintptr_t dx, uintptr_t dw13, uintptr_t dw2,
+         uintptr_t drow_weights, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype,
+         uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
+        DeviceGuard guard(device);
+        const DType dt = DType(dtype);
+        auto da_p = gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
+                                device);
+        auto dw2_p = gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace,
+                                 ws_bytes, device);
+        auto dx_p = gemm_params(GemmOp::kDgrad, dh, w13, dx, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
+                                ws_bytes, device);
+        auto dw13_p = gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
+                                  ws_bytes, device);
+        const size_t need = need_of({&da_p, &dw2_p, &dx_p, &dw13_p});
+        if (ws_bytes < need) return need;
+        gemm::grouped_mm(da_p, stream(s));
+        if (dw2) gemm::grouped_mm(dw2_p, stream(s));
+        activation::swiglu_bwd({ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh),
+                                ptr<float>(drow_weights), rows, ffn, dt},
+                               stream(s));
+        if (dx) gemm::grouped_mm(dx_p, stream(s));
+        if (dw13) gemm::grouped_mm(dw13_p, stream(s));
+        return 0;
+      });
+}
+
+}  // namespace moe::api

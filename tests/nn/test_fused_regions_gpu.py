@@ -1,0 +1,167 @@
+"""The MoE layer's fused regions (moe_kernels.nn.fused) against the registered custom ops: identical outputs
+and gradients, one extension call per region (the router: one per kernel it runs), no host sync on
+either path, and torch.compile(fullgraph=True) taking the registered ops."""
+
+import pytest
+import torch
+
+from moe_kernels.nn import PRESETS, MoELayer, fused
+from moe_kernels.testing import HostSyncError, assert_exact, extension_calls, no_host_sync
+
+pytestmark = pytest.mark.gpu
+
+H, E, F, K = 32, 8, 16, 2
+
+# The perf.md routing presets at a small size, and the options they do not cover.
+CASES = {
+    **{name: {} for name in PRESETS},
+    "losses": dict(aux_loss_coeff=1e-2, seq_aux_loss_coeff=1e-3, z_loss_coeff=1e-3),
+    "sigmoid-losses": dict(score="sigmoid", expert_bias=True, aux_loss_coeff=1e-2, seq_aux_loss_coeff=1e-3,
+                           z_loss_coeff=1e-3),
+    "pre-softmax-z": dict(pre_softmax=True, aux_loss_coeff=0.0, z_loss_coeff=1e-2),
+    "capacity-probs": dict(capacity_factor=0.75),
+    "capacity-position": dict(capacity_factor=1.0, capacity_policy="position", z_loss_coeff=1e-3),
+    "weights-in-activation": dict(weights_in_activation=True),
+    "no-losses": dict(aux_loss_coeff=0.0),
+}
+
+
+def _layer(case, device, dtype=torch.float32):
+    name = case if case in PRESETS else "qwen3-30b-a3b"
+    kw = dict(hidden_size=H, num_experts=E, ffn_size=F, k=K, **CASES[case])
+    if name == "deepseek-v3":
+        kw.update(num_groups=4, group_topk=2, shared_ffn_size=F)
+    torch.manual_seed(0)
+    layer = MoELayer(PRESETS[name](**kw)).to(device, dtype)
+    layer.router.float()
+    if layer.router.expert_bias is not None:
+        layer.router.expert_bias.copy_(torch.linspace(-0.1, 0.1, E))
+    return layer
+
+
+def _step(layer, x, g):
+    """Forward + backward: (out, aux, dx, every parameter's grad)."""
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    out, aux = layer(x)
+    ((out.float() * g).sum() + aux).backward()
+    return [out.detach(), aux.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+
+@pytest.fixture
+def registered_ops(monkeypatch):
+    """Makes every MoE layer and router take the registered custom ops."""
+
+    def use_ops():
+        monkeypatch.setattr(fused, "launch_for", lambda x: None)
+
+    return use_ops
+
+
+def _inputs(device, dtype, T=24, B=2):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, T, H, generator=gen).to(device, dtype)
+    g = torch.randn(B, T, H, generator=gen).to(device)
+    return x, g
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_regions_equal_registered_ops(cuda, case, registered_ops):
+    dtype = torch.bfloat16 if case in ("deepseek-v3", "mixtral-8x7b") else torch.float32
+    layer = _layer(case, cuda, dtype)
+    x, g = _inputs(cuda, dtype)
+    _step(layer, x, g)  # the first call of a shape also asks for its workspace size
+    with extension_calls() as ext:
+        thin = _step(layer, x, g)
+    assert ext.calls.get("experts_fwd") == 1 and ext.calls.get("experts_bwd") == 1, ext.calls
+    registered_ops()
+    with extension_calls() as ext:
+        ops = _step(layer, x, g)
+    assert "experts_fwd" not in ext.calls and ext.calls.get("grouped_mm") == 6, ext.calls
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, thin, ops):
+        assert_exact(a, b, f"{case}: {name}")
+    assert thin[1].item() > 0 or case in ("no-losses", "capacity-probs", "weights-in-activation")
+
+
+def _expected_calls(cfg) -> int:
+    """Extension launches of one layer fwd + bwd on the fused regions: permute (1 + its backward's 1), experts
+    (1 + 1), unpermute (1 + 1), and the router's kernels (fused.REGIONS["router"].launches)."""
+    r = cfg.router
+    router = 3  # router_topk_fwd, tokens_per_expert / router_topk_bwd
+    router += r.capacity_factor is not None  # apply_capacity
+    if r.aux_loss_coeff > 0 or r.seq_aux_loss_coeff > 0:
+        router += 2  # router_aux_scores_fwd / router_aux_scores_bwd
+        router += 3 if r.aux_loss_coeff > 0 else 0  # tokens_per_expert, balance_loss_fwd / balance_loss_bwd
+        router += 2 if r.seq_aux_loss_coeff > 0 else 0  # balance_loss_fwd / balance_loss_bwd
+    router += 2 if r.z_loss_coeff > 0 else 0  # z_loss_fwd / z_loss_bwd
+    return 6 + router
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_one_extension_call_per_region(cuda, case):
+    layer = _layer(case, cuda)
+    x, g = _inputs(cuda, torch.float32)
+    _step(layer, x, g)  # the first call of a shape also asks for its workspace size
+    with extension_calls() as ext:
+        _step(layer, x, g)
+    calls = ext.calls
+    for name in ("permute_fwd", "experts_fwd", "experts_bwd", "unpermute_bwd"):
+        assert calls[name] == 1, (name, calls)
+    assert calls["unpermute_fwd"] == 2, calls  # unpermute, and permute's backward
+    assert sum(calls.values()) == _expected_calls(layer.config), calls
+
+
+@pytest.mark.parametrize("case", ["deepseek-v3", "losses", "capacity-probs", "weights-in-activation"])
+@pytest.mark.parametrize("path", ["fused", "registered"])
+def test_layer_has_no_host_sync(cuda, case, path, registered_ops):
+    layer = _layer(case, cuda)
+    x, g = _inputs(cuda, torch.float32)
+    if path == "registered":
+        registered_ops()
+    with no_host_sync():
+        _step(layer, x, g)
+
+
+def test_no_host_sync_catches_a_sync(cuda):
+    t = torch.ones(3, device=cuda)
+    for read in (lambda: t.sum().item(), lambda: bool(t.any()), lambda: t.nonzero(), lambda: t.tolist(),
+                 lambda: int(t[0]), lambda: torch.equal(t, t)):
+        with pytest.raises(HostSyncError), no_host_sync():
+            read()
+    assert t.sum().item() == 3.0  # restored on exit
+
+
+def test_nvlink_virtual_ranks_have_no_host_sync(cuda):
+    from moe_kernels.dispatch.nvlink import VirtualNvlinkWorld
+    from moe_kernels.nn import GroupedExperts
+
+    P, El = 2, E // 2
+    torch.manual_seed(0)
+    shards = [GroupedExperts(El, H, F, device=cuda) for _ in range(P)]
+    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=9, device=cuda)
+    xs = [torch.randn(T, H, device=cuda, requires_grad=True) for T in (9, 6)]
+    ws = [torch.rand(T, K, device=cuda, requires_grad=True) for T in (9, 6)]
+    idx = [torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(cuda, torch.int32) for T in (9, 6)]
+    with no_host_sync():
+        ds = world.dispatch(xs, ws, idx, align=4)
+        outs = world.combine([s(d.x, d.group_sizes) for s, d in zip(shards, ds)], [d.handle for d in ds])
+        sum((o * o).sum() for o in outs).backward()
+    assert all(x.grad is not None for x in xs)
+
+
+def test_compile_fullgraph_takes_registered_ops(cuda, registered_ops):
+    layer = _layer("losses", cuda)
+    x, g = _inputs(cuda, torch.float32)
+    eager = _step(layer, x, g)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    layer.zero_grad(set_to_none=True)
+    xc = x.detach().requires_grad_()
+    with extension_calls() as ext:
+        out, aux = compiled(xc)
+        ((out.float() * g).sum() + aux).backward()
+    assert "experts_fwd" not in ext.calls and "grouped_mm" in ext.calls, ext.calls
+    got = [out.detach(), aux.detach(), xc.grad] + [p.grad for p in layer.parameters()]
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, got, eager):
+        assert_exact(a, b, f"compiled: {name}")
