@@ -12,4 +12,5 @@ BENCHES = {
     "lora": "bench.bench_lora",
     "dispatch": "bench.bench_dispatch",
     "train": "bench.bench_train",
+    "overhead": "bench.bench_overhead",
 }

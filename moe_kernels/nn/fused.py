@@ -130,6 +130,7 @@ class _Permute(torch.autograd.Function):
         L.C.permute_fwd(_ext.ptr(x), _ext.ptr(indices), _ext.ptr(x_perm), _ext.ptr(row_map), group_sizes.data_ptr(),
                         _ext.ptr(ws), T, k, H * x.element_size(), num_experts, align, L.device, L.stream)
         ctx.mark_non_differentiable(row_map, group_sizes)
+        ctx.set_materialize_grads(False)  # no zero gradients allocated for the index outputs
         ctx.save_for_backward(row_map)
         ctx.L, ctx.T = L, T
         return x_perm, row_map, group_sizes
@@ -138,6 +139,8 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, g, _g_row_map, _g_sizes):
         (row_map,) = ctx.saved_tensors
         L = ctx.L
+        if g is None:
+            return None, None, None, None, None
         g = g.contiguous()
         dx = g.new_empty((ctx.T, g.shape[1]))
         L.C.unpermute_fwd(_ext.ptr(g), _ext.ptr(row_map), 0, _ext.ptr(dx), ctx.T, row_map.shape[1], g.shape[1],
@@ -328,7 +331,7 @@ class _Router(torch.autograd.Function):
             weights = w_out
         counts = torch.empty((E,), dtype=_I32, device=logits.device)
         C.tokens_per_expert(_ext.ptr(kept), T * k, E, counts.data_ptr(), dev, s)
-        loss = logits.new_zeros(())
+        loss = None  # the sum of the configured losses (0 + a = a exactly: no zero tensor to start from)
         aux_counts = seq_counts = lse = None
         if spec.aux_coeff > 0 or spec.seq_coeff > 0:
             scores = torch.empty((T, E), dtype=_F32, device=logits.device)
@@ -342,7 +345,7 @@ class _Router(torch.autograd.Function):
                                       device=logits.device)
                 C.balance_loss_fwd(_ext.ptr(scores), 0, _ext.ptr(aux_counts), False, _ext.ptr(partial), 0, 0,
                                    aux.data_ptr(), T, E, k, max(T, 1), _aux_scale(spec.aux_coeff, E, k, T), 0, dev, s)
-                loss = loss + aux
+                loss = aux
             if spec.seq_coeff > 0:
                 B = T // seq_len
                 seq = torch.empty((), dtype=_F32, device=logits.device)
@@ -353,14 +356,17 @@ class _Router(torch.autograd.Function):
                 C.balance_loss_fwd(_ext.ptr(scores), _ext.ptr(aux_idx), 0, False, _ext.ptr(psums), _ext.ptr(pcounts),
                                    _ext.ptr(seq_counts), seq.data_ptr(), T, E, k, seq_len,
                                    _aux_scale(spec.seq_coeff, E, k, seq_len) / max(B, 1), 0, dev, s)
-                loss = loss + seq
+                loss = seq if loss is None else loss + seq
         if spec.z_coeff > 0:
             z = torch.empty((), dtype=_F32, device=logits.device)
             lse = torch.empty((T,), dtype=_F32, device=logits.device)
             partials = torch.empty((_chunk_count(C, "z_loss_chunks", T),), dtype=_F32, device=logits.device)
             C.z_loss_fwd(p_logits, _ext.ptr(lse), _ext.ptr(partials), z.data_ptr(), T, E, spec.z_coeff, 0, dev, s)
-            loss = loss + z
+            loss = z if loss is None else loss + z
+        if loss is None:
+            loss = logits.new_zeros(())
         ctx.mark_non_differentiable(kept, counts)
+        ctx.set_materialize_grads(False)  # no zero gradients allocated for the index outputs
         ctx.save_for_backward(logits, indices, kept, aux_counts, seq_counts, lse)
         ctx.spec, ctx.seq_len, ctx.L = spec, seq_len, L
         return weights, kept, counts, loss
@@ -374,13 +380,15 @@ class _Router(torch.autograd.Function):
         C, dev, s = L.C, L.device, L.stream
         T, E = logits.shape
         k = spec.k
-        if spec.capacity_factor is not None:
+        if g_weights is None:  # the loss alone reached the router
+            g_weights = torch.zeros((T, k), dtype=_F32, device=logits.device)
+        elif spec.capacity_factor is not None:
             g_weights = torch.where(kept >= 0, g_weights, 0.0)
         g_weights = g_weights.float().contiguous()
         grad = torch.empty((T, E), dtype=_F32, device=logits.device)
         C.router_topk_bwd(_ext.ptr(g_weights), _ext.ptr(logits), _ext.ptr(indices), _ext.ptr(grad), T, E, k,
                           spec.score, spec.pre_softmax, spec.normalize, spec.scale, 0, dev, s)
-        if aux_counts is None and seq_counts is None and lse is None:
+        if g_loss is None or (aux_counts is None and seq_counts is None and lse is None):
             return grad, None, None, None, None
         g_loss = g_loss.float().contiguous()
         g_other = None

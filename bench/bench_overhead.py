@@ -1,0 +1,277 @@
+"""Host overhead of the MoE layer: microseconds of host work and the calls behind them, per layer fwd+bwd.
+
+Three paths of the same MoELayer, on the same inputs:
+  fused       the fused regions (moe_kernels.nn.fused): one autograd node per region, positional calls
+              into the extension; the default eager path
+  registered  the same layer through the registered custom ops (what torch.compile and export take)
+  torch       the torch-native composition (MoEConfig(backend="torch"))
+and the router alone (gating linear excluded), fused region against registered ops.
+
+Counted per layer fwd+bwd (steady state, after a warm-up call of the same shape):
+  extension launches  calls into moe_kernels' extension that launch kernels (size queries excluded)
+  aten ops            ATen ops dispatched (a TorchDispatchMode counts them; custom ops count as one each)
+Timed, median of the reps:
+  CPU  host_us: the CUDA code path on the CPU-executed build (MOE_KERNELS_EMULATE=1) with the extension's
+       launches stubbed out (counted, not run), at small hidden sizes (the real E and k of each preset), so
+       what remains is host work: Python, autograd, the dispatcher, allocations, and the tiny aten ops'
+       CPU time. The pybind argument conversion of the real launches is not in it (the stub is a Python
+       call). These are CPU numbers, not a GPU's.
+  GPU  host issue time, kernel time and CUDA-graph replay time of one layer fwd+bwd (harness.time_modes),
+       qwen3-30b-a3b at 8192 tokens by default (the bar: host issue time below the GPU time), and the
+       router's gating linear (x in fp32, x @ W^T, fwd+bwd) beside the router region at deepseek-v3 /
+       16384 tokens.
+Bar (specs/perf.md via bench.bars, issue 25): host time per MoE layer fwd+bwd of the fused path at most
+1/3 of the registered-op path's (CPU, reported, never asserted by a timed test).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from moe_kernels import _ext
+from moe_kernels.nn import PRESETS, MoELayer, fused
+from moe_kernels.testing import extension_calls
+
+from . import harness as h
+
+CPU_SIZES = dict(hidden_size=64, ffn_size=32)
+CPU_TOKENS = 256
+GPU_MODELS = ("qwen3-30b-a3b",)
+GPU_TOKENS = (8192,)
+PATHS = ("fused", "registered", "torch")
+BAR = "fused host time per layer fwd+bwd <= 1/3 of the registered-op path's (CPU)"
+
+
+class _CountAten(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _layer(name: str, ctx: h.Context) -> MoELayer:
+    kw = {} if ctx.is_cuda else dict(CPU_SIZES, shared_ffn_size=CPU_SIZES["ffn_size"] if name == "deepseek-v3" else 0)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    layer = MoELayer(PRESETS[name](**kw)).to(ctx.device, dtype)
+    layer.router.float()
+    return layer
+
+
+def _path(layer: MoELayer, path: str) -> MoELayer:
+    if path == "torch":
+        other = MoELayer(layer.config.replace(backend="torch")).to(layer.experts.w13.device, layer.experts.w13.dtype)
+        other.router.float()
+        other.load_state_dict(layer.state_dict())
+        return other
+    return layer
+
+
+class _Registered:
+    """Inside, launch_for answers None: every layer takes the registered ops."""
+
+    def __enter__(self):
+        self.saved = fused.launch_for
+        fused.launch_for = lambda x: None
+
+    def __exit__(self, *exc):
+        fused.launch_for = self.saved
+
+
+def _step_fn(layer: MoELayer, g: torch.Tensor):
+    def step(x):
+        out, aux = layer(x)
+        ((out.float() * g).sum() + aux).backward()
+
+    return step
+
+
+def _router_fn(layer: MoELayer, seq_len: int):
+    router = layer.router
+
+    def step(logits):
+        launch = fused.launch_for(logits)
+        if launch is not None and not router._thin_path_fits(logits, launch):
+            launch = None
+        w, _, _, loss = fused.run("router", launch, router, logits, seq_len)
+        (w.sum() + loss).backward()
+
+    return step
+
+
+def _host_us(fn, x, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x)
+        times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def _count(fn, x) -> tuple[int, int]:
+    with extension_calls(stub=True) as ext, _CountAten() as aten:
+        fn(x)
+    return sum(ext.calls.values()), aten.n
+
+
+def _cpu_case(ctx: h.Context, name: str) -> dict:
+    base = _layer(name, ctx)
+    T, H = CPU_TOKENS, base.config.hidden_size
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, T, H, generator=gen).requires_grad_()
+    g = torch.randn(1, T, H, generator=gen)
+    logits = torch.randn(T, base.config.num_experts, generator=gen).requires_grad_()
+    row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
+    reps = 20 if ctx.quick else 50
+    for path in PATHS:
+        layer = _path(base, path)
+        registered = _Registered() if path == "registered" else None
+        for what, fn, inp in (("layer", _step_fn(layer, g), x), ("router", _router_fn(layer, T), logits)):
+            if path == "torch" and what == "router":
+                continue
+            if registered:
+                registered.__enter__()
+            try:
+                with extension_calls(stub=True):
+                    fn(inp)  # warm-up: workspace sizes, caches
+                    row[f"{what}_{path}_host_us"] = _host_us(fn, inp, reps)
+                row[f"{what}_{path}_launches"], row[f"{what}_{path}_aten_ops"] = _count(fn, inp)
+            finally:
+                if registered:
+                    registered.__exit__()
+    row["layer_ratio"] = row["layer_fused_host_us"] / row["layer_registered_host_us"]
+    return row
+
+
+def _gpu_case(ctx: h.Context, name: str, T: int) -> dict:
+    base = _layer(name, ctx)
+    H = base.config.hidden_size
+    gen = torch.Generator(device=ctx.device).manual_seed(0)
+    xs = [(torch.randn(T, H, generator=gen, device=ctx.device, dtype=torch.bfloat16).requires_grad_(),)
+          for _ in range(ctx.n_input_sets)]
+    g = torch.randn(T, H, generator=gen, device=ctx.device)
+    row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
+    for path in PATHS:
+        layer = _path(base, path)
+        fn = _step_fn(layer, g)
+        registered = _Registered() if path == "registered" else None
+        if registered:
+            registered.__enter__()
+        try:
+            m = ctx.time_modes(fn, xs)
+            row[f"layer_{path}_launches"], row[f"layer_{path}_aten_ops"] = _count(fn, xs[0][0])
+        finally:
+            if registered:
+                registered.__exit__()
+        row[f"layer_{path}_host_us"], row[f"layer_{path}_kernel_us"] = m.host_us, m.kernel_us
+        row[f"layer_{path}_graph_us"], row[f"layer_{path}_modes_note"] = m.graph_us, m.why_not
+        del layer
+    row["layer_ratio"] = row["layer_fused_host_us"] / row["layer_registered_host_us"]
+    return row
+
+
+def _gating_case(ctx: h.Context) -> dict:
+    """deepseek-v3 / 16384: the gating linear (fp32 copy of x, x @ W^T in fp32) beside the router region."""
+    T, H, E = 16384, 7168, 256
+    router = _layer_router(ctx)
+    x = torch.randn(T, H, device=ctx.device, dtype=torch.bfloat16).requires_grad_()
+    w = router.weight
+
+    def gating(x):
+        torch.nn.functional.linear(x.float(), w).sum().backward()
+
+    logits = torch.randn(T, E, device=ctx.device).requires_grad_()
+
+    def route(logits):
+        weights, _, _, loss = fused.run("router", fused.launch_for(logits), router, logits, T)
+        (weights.sum() + loss).backward()
+
+    out = {"case": "deepseek-v3/T16384", "gating_flops_fwd": 2 * T * H * E, "gating_copy_bytes": T * H * (2 + 4)}
+    for what, fn, inp in (("gating", gating, x), ("router", route, logits)):
+        m = ctx.time_modes(fn, [(inp,)])
+        out.update({f"{what}_host_us": m.host_us, f"{what}_kernel_us": m.kernel_us, f"{what}_graph_us": m.graph_us})
+    return out
+
+
+def _layer_router(ctx: h.Context):
+    from moe_kernels.nn import Router
+
+    router = Router(PRESETS["deepseek-v3"]().router).to(ctx.device)
+    router.expert_bias.copy_(0.01 * torch.randn(router.config.num_experts, device=ctx.device))
+    return router
+
+
+def run(ctx: h.Context) -> h.Report:
+    failures: list[str] = []
+    rows: list[dict] = []
+    if not ctx.is_cuda and _ext.emulation() is None:
+        failures.append("overhead on the CPU needs the CUDA code path: run with MOE_KERNELS_EMULATE=1")
+        return h.Report([], [], failures)
+    if ctx.is_cuda:
+        models, tokens = ctx.pick({m: None for m in GPU_MODELS}, GPU_TOKENS)
+        cases = [(m, T) for m in models for T in tokens]
+    else:
+        cases = [(m, CPU_TOKENS) for m in (("qwen3-30b-a3b", "deepseek-v3") if ctx.quick else PRESETS)]
+    for i, (name, T) in enumerate(cases):
+        try:
+            rows.append(_gpu_case(ctx, name, T) if ctx.is_cuda else _cpu_case(ctx, name))
+        except (AssertionError, RuntimeError) as e:
+            failures.append(f"{name}/T{T}: {type(e).__name__}: {e}")
+        ctx.case_done("overhead", i, len(cases))
+    gating = None
+    if ctx.is_cuda and not ctx.quick:
+        gating = _gating_case(ctx)
+    _print(ctx, rows, gating)
+    ctx.out_dir.mkdir(parents=True, exist_ok=True)
+    (ctx.out_dir / "overhead_table.json").write_text(json.dumps(
+        {"device": h.device_name(ctx), "rows": rows, "gating": gating, "method": __doc__}, indent=1) + "\n")
+    where = "CPU, launches stubbed" if not ctx.is_cuda else h.device_name(ctx)
+    head = []
+    for r in rows:
+        head.append(
+            f"{r['model']}/T{r['T']} layer fwd+bwd host ({where}): fused {r['layer_fused_host_us']:.0f} us, "
+            f"registered ops {r['layer_registered_host_us']:.0f} us ({r['layer_ratio']:.2f}x of it; bar <= 0.33x), "
+            f"torch-native {r['layer_torch_host_us']:.0f} us; extension launches {r['layer_fused_launches']} vs "
+            f"{r['layer_registered_launches']}; aten ops {r['layer_fused_aten_ops']} vs {r['layer_registered_aten_ops']}"
+            + (f"; GPU time (kernels) {r['layer_fused_kernel_us']:.0f} us" if ctx.is_cuda and r.get('layer_fused_kernel_us') else ""))
+    return h.Report([], head, failures)
+
+
+def _print(ctx: h.Context, rows: list[dict], gating: dict | None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"MoE layer host overhead per fwd+bwd on {h.device_name(ctx)}"
+                    + ("" if ctx.is_cuda else " (CPU: the CUDA code path, launches stubbed)"))
+    cols = ["case"] + [f"{p} host us" for p in PATHS] + ["fused / registered"]
+    if ctx.is_cuda:
+        cols += [f"{p} kernel / graph us" for p in PATHS]
+    else:
+        cols += ["router fused / registered host us"]
+    cols += [f"{p} launches / aten ops" for p in PATHS]
+    for c in cols:
+        t.add_column(c, justify="left" if c == "case" else "right")
+    for r in rows:
+        cells = [f"{r['model']}/T{r['T']}"] + [f"{r[f'layer_{p}_host_us']:.0f}" for p in PATHS] + [f"{r['layer_ratio']:.2f}x"]
+        if ctx.is_cuda:
+            cells += [f"{h._fmt(r[f'layer_{p}_kernel_us'], '.0f')} / {h._fmt(r[f'layer_{p}_graph_us'], '.0f')}" for p in PATHS]
+        else:
+            cells.append(f"{r['router_fused_host_us']:.0f} / {r['router_registered_host_us']:.0f}")
+        cells += [f"{r[f'layer_{p}_launches']} / {r[f'layer_{p}_aten_ops']}" for p in PATHS]
+        t.add_row(*cells)
+    console = Console()
+    (console if console.is_terminal else Console(width=200)).print(t)
+    for r in rows:
+        extra = "" if ctx.is_cuda else f" router_fused_host_us={r['router_fused_host_us']:.1f} router_registered_host_us={r['router_registered_host_us']:.1f}"
+        print(f"OVERHEAD {r['model']}/T{r['T']} " + " ".join(
+            f"{p}:host_us={r[f'layer_{p}_host_us']:.1f},launches={r[f'layer_{p}_launches']},aten={r[f'layer_{p}_aten_ops']}"
+            for p in PATHS) + f" ratio={r['layer_ratio']:.3f}{extra}")
+    if gating:
+        print("GATING " + " ".join(f"{k}={v}" for k, v in gating.items()))
