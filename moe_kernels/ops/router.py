@@ -546,7 +546,12 @@ def resolve_topk_options(
     gst = 1 if num_groups is None else (group_score_topk if group_score_topk is not None else max(1, k // g))
     if num_groups is not None and group_score_topk is None and num_experts and num_experts % G == 0:
         gst = min(gst, num_experts // G)
-    norm = (k > 1) if normalize is None else bool(normalize)
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ValueError(f"router_topk: `normalize` must be True, False or None, got {normalize!r}")
+    if scaling_factor is not None and (isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real)
+                                       or not math.isfinite(scaling_factor)):
+        raise ValueError(f"router_topk: `scaling_factor` must be a finite number, got {scaling_factor!r}")
+    norm = (k > 1) if normalize is None else normalize
     scale = 1.0 if scaling_factor is None else float(scaling_factor)
     return G, g, gst, scale, norm
 

@@ -42,10 +42,32 @@ def test_kernels_match_fp64_reference(cuda, name):
                          ref_out.reshape(-1, 256)[same], f"{name} layer output", floor=1e-2)
 
 
+# Every perf.md routing preset, the options they leave out (losses, capacity, expert bias, weights in the
+# activation) and the FP8 recipe: the fused regions (the default eager path) and the registered ops.
+GRAPH_CASES = {
+    **{name: {} for name in PRESETS},
+    "losses": dict(aux_loss_coeff=1e-2, seq_aux_loss_coeff=1e-3, z_loss_coeff=1e-3),
+    "capacity": dict(capacity_factor=0.75, z_loss_coeff=1e-3),
+    "weights-in-activation": dict(weights_in_activation=True),
+    "fp8-recipe": dict(recipe="fp8"),
+}
+
+
 @pytest.mark.cuda_device
-def test_graph_capture_forward_backward(cuda):
-    layer, _ = _layer("deepseek-v3", cuda, torch.bfloat16)
+@pytest.mark.parametrize("path", ["fused", "registered"])
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_graph_capture_forward_backward(cuda, case, path, monkeypatch):
+    from moe_kernels.nn import fused
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+
+    kw = dict(GRAPH_CASES[case])
+    if kw.pop("recipe", None):
+        kw["recipe"] = Fp8BlockwiseRecipe()
+    name = case if case in PRESETS else ("deepseek-v3" if case == "fp8-recipe" else "qwen3-30b-a3b")
+    layer, _ = _layer(name, cuda, torch.bfloat16, **kw)
     layer.router.float()
+    if path == "registered":
+        monkeypatch.setattr(fused, "launch_for", lambda x: None)
     x = torch.randn(4, 256, 256, device=cuda, dtype=torch.bfloat16, requires_grad=True)
     g = torch.randn_like(x)
     params = [p for p in layer.parameters()]
@@ -60,4 +82,4 @@ def test_graph_capture_forward_backward(cuda):
 
     captured, eager = capture_and_replay(step, lambda: x.copy_(torch.randn_like(x)))
     for i, (a, b) in enumerate(zip(captured, eager)):
-        assert_exact(a.cpu(), b.cpu(), f"graph replay tensor {i}")
+        assert_exact(a.cpu(), b.cpu(), f"{case} ({path}): graph replay tensor {i}")

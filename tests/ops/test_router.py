@@ -405,6 +405,10 @@ def test_compile_router_and_losses():
         (dict(score="sigmoid", expert_bias=torch.zeros(15)), ValueError, "expert_bias"),
         (dict(score="relu"), ValueError, "score"),
         (dict(score="sigmoid", pre_softmax=True), ValueError, "pre_softmax"),
+        (dict(score="sigmoid", normalize="yes"), ValueError, "`normalize` must be True, False or None"),
+        (dict(scaling_factor="2.5"), ValueError, "`scaling_factor` must be a finite number"),
+        (dict(scaling_factor=float("inf")), ValueError, "`scaling_factor` must be a finite number"),
+        (dict(scaling_factor=True), ValueError, "`scaling_factor` must be a finite number"),
     ],
 )
 def test_router_bad_input(kw, exc, match):
