@@ -226,7 +226,7 @@ def run(ctx: h.Context) -> h.Report:
             failures.append(f"{name}/T{T}: {type(e).__name__}: {e}")
         ctx.case_done("overhead", i, len(cases))
     gating = None
-    if ctx.is_cuda and not ctx.quick:
+    if ctx.is_cuda:
         gating = _gating_case(ctx)
     _print(ctx, rows, gating)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)

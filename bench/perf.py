@@ -8,8 +8,10 @@ them through):
             effect: a 16 MiB copy and router_topk at deepseek-v3 / 4096 tokens (both fit in L2) timed with
             the read-only flush, the old zero-fill and no flush
   host      host issue vs kernel vs CUDA-graph replay time: router_topk and the router losses (with
-            tokens_per_expert) on every perf.md shape at 16384 tokens, and the small-H permute family
-            (qwen3-30b-a3b, 8192 tokens)
+            tokens_per_expert) on every perf.md shape at 16384 tokens, the small-H permute family
+            (qwen3-30b-a3b, 8192 tokens), and the MoE layer's host overhead (bench_overhead: fused regions,
+            registered ops and torch-native, qwen3-30b-a3b at 8192 tokens, with the gating linear at
+            deepseek-v3 / 16384)
   gemm      grouped_mm against torch._grouped_mm, interleaved rep by rep, over the perf.md shapes, and
             qwen3-30b-a3b at 32768 tokens (the 500 TFLOP/s forward bar)
   layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens: ours, torch-native, Hugging Face and
@@ -104,7 +106,8 @@ def _env(ctx: h.Context, out: Path) -> None:
 PARTS: dict[str, Part] = {p.name: p for p in (
     Part("env", (), min_s=20, extra=_env),
     Part("host", (Run("router", tokens=(16384,)), Run("router_losses", tokens=(16384,)),
-                  Run("permute", models=("qwen3-30b-a3b",), tokens=(8192,), modes=True)), min_s=40),
+                  Run("permute", models=("qwen3-30b-a3b",), tokens=(8192,), modes=True),
+                  Run("overhead", models=("qwen3-30b-a3b",), tokens=(8192,))), min_s=40),
     Part("gemm", (Run("grouped_mm", tokens=(8192,)),
                   Run("grouped_mm", models=("qwen3-30b-a3b",), tokens=(32768,))), min_s=60),
     Part("layer", (Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(8192, 32768), modes=True),), min_s=90),

@@ -1,0 +1,50 @@
+"""bench overhead: on the CPU it runs the CUDA code path with the launches stubbed out and counts what one
+MoE layer fwd+bwd issues; without MOE_KERNELS_EMULATE it says what it needs instead of timing references."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(out: Path, emulate: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "MOE_KERNELS_EMULATE": emulate}
+    cmd = [sys.executable, "-m", "bench", "overhead", "--quick", "--device", "cpu", "--out", str(out)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_overhead_without_emulation_says_what_it_needs(tmp_path):
+    proc = _run(tmp_path, "0")
+    assert proc.returncode == 1
+    assert "FAILED overhead on the CPU needs the CUDA code path: run with MOE_KERNELS_EMULATE=1" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_overhead_counts_the_fused_regions(tmp_path):
+    from moe_kernels import _ext
+
+    if _ext.emulation() is None:
+        pytest.skip("the CPU run of bench overhead needs the CPU-executed kernels (MOE_KERNELS_EMULATE=1)")
+    proc = _run(tmp_path, "1")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = {r["model"]: r for r in json.loads((tmp_path / "overhead_table.json").read_text())["rows"]}
+    assert set(rows) == {"qwen3-30b-a3b", "deepseek-v3"}
+    # qwen3-30b-a3b (softmax, aux loss): router_topk_fwd, tokens_per_expert, router_aux_scores_fwd,
+    # tokens_per_expert, balance_loss_fwd / router_topk_bwd, balance_loss_bwd, router_aux_scores_bwd; then
+    # permute_fwd, experts_fwd, unpermute_fwd / unpermute_bwd, experts_bwd, unpermute_fwd (permute's backward).
+    q = rows["qwen3-30b-a3b"]
+    assert q["layer_fused_launches"] == 8 + 6
+    # The registered ops: the same router kernels, and the experts as 2 grouped_mm + swiglu forward, 4 + swiglu_bwd
+    # backward instead of one call each way.
+    assert q["layer_registered_launches"] == 8 + 4 + 3 + 5
+    assert q["layer_torch_launches"] == 0 and q["layer_torch_aten_ops"] > q["layer_fused_aten_ops"]
+    for r in rows.values():
+        for path in ("fused", "registered", "torch"):
+            assert r[f"layer_{path}_host_us"] > 0
+        assert r["layer_ratio"] == pytest.approx(r["layer_fused_host_us"] / r["layer_registered_host_us"])
+    assert "HEADLINE qwen3-30b-a3b/T256 layer fwd+bwd host (CPU, launches stubbed)" in proc.stdout
