@@ -39,7 +39,7 @@ from moe_kernels.testing import extension_calls
 from . import harness as h
 
 CPU_SIZES = dict(hidden_size=64, ffn_size=32)
-CPU_TOKENS = 256
+CPU_TOKENS = 64  # host work does not grow with T; the tiny aten ops' own CPU time does
 GPU_MODELS = ("qwen3-30b-a3b",)
 GPU_TOKENS = (8192,)
 PATHS = ("fused", "registered", "torch")

@@ -47,4 +47,4 @@ def test_overhead_counts_the_fused_regions(tmp_path):
         for path in ("fused", "registered", "torch"):
             assert r[f"layer_{path}_host_us"] > 0
         assert r["layer_ratio"] == pytest.approx(r["layer_fused_host_us"] / r["layer_registered_host_us"])
-    assert "HEADLINE qwen3-30b-a3b/T256 layer fwd+bwd host (CPU, launches stubbed)" in proc.stdout
+    assert "HEADLINE qwen3-30b-a3b/T64 layer fwd+bwd host (CPU, launches stubbed)" in proc.stdout
