@@ -233,3 +233,17 @@ def workspace(nbytes: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
 def ptr(t: torch.Tensor | None) -> int:
     """Device address of a tensor, 0 for None or an empty tensor."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+_counters: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def counter(like: torch.Tensor, device: int, stream: int) -> int:
+    """Address of a uint32 that is zero between launches, one per (device, stream): a kernel that picks its
+    last block by an atomic ticket on it leaves it at zero again. Kept for the life of the process, so a
+    CUDA graph that captured its address can replay; launches on one stream are ordered, so they share it."""
+    key = (device, stream)
+    c = _counters.get(key)
+    if c is None:
+        c = _counters[key] = torch.zeros((1,), dtype=torch.int32, device=like.device)
+    return c.data_ptr()

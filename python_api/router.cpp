@@ -72,6 +72,48 @@ void register_router(py::module_& m) {
       },
       py::arg("grad_scores"), py::arg("logits"), py::arg("grad_logits"), py::arg("num_tokens"),
       py::arg("num_experts"), py::arg("score"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  // The fused router (router.h, FusedParams): positional arguments (the MoE layer's hot path). Returns the
+  // workspace bytes it needs when `workspace_bytes` is short (nothing launched), else 0.
+  m.attr("router_fused_max_experts") = router::kFusedMaxExperts;
+  m.def("router_fused_warps", &router::router_fused_warps);
+  m.def("router_fused_fwd",
+        [](uintptr_t logits, uintptr_t bias, uintptr_t weights, uintptr_t indices, uintptr_t counts,
+           uintptr_t aux_counts, uintptr_t seq_counts, uintptr_t loss, uintptr_t workspace, size_t workspace_bytes,
+           uintptr_t counter, int64_t num_tokens, int32_t num_experts, int32_t k, int32_t score, bool pre_softmax,
+           int32_t num_groups, int32_t group_topk, int32_t group_score_topk, bool normalize, float scaling_factor,
+           float aux_scale, int64_t seq_len, float seq_scale, float z_coeff, int32_t dtype, int device,
+           uintptr_t s) -> size_t {
+          DeviceGuard guard(device);
+          router::FusedParams p{
+              router::TopkParams{ptr<const void>(logits), ptr<const float>(bias), ptr<float>(weights),
+                                 ptr<int32_t>(indices), num_tokens, num_experts, k, Score(score), pre_softmax,
+                                 num_groups, group_topk, group_score_topk, normalize, scaling_factor, DType(dtype)},
+              ptr<int32_t>(counts), ptr<int32_t>(aux_counts), ptr<int32_t>(seq_counts), ptr<float>(loss),
+              ptr<void>(workspace), workspace_bytes, ptr<uint32_t>(counter), aux_scale, seq_len, seq_scale,
+              z_coeff};
+          const size_t need = router::fused_workspace_bytes(p);
+          if (workspace_bytes < need) return need;
+          router::fused_fwd(p, stream(s));
+          return 0;
+        });
+  m.def("router_fused_bwd",
+        [](uintptr_t grad_weights, uintptr_t grad_loss, uintptr_t logits, uintptr_t indices, uintptr_t aux_counts,
+           uintptr_t seq_counts, uintptr_t grad_logits, int64_t num_tokens, int32_t num_experts, int32_t k,
+           int32_t score, bool pre_softmax, bool normalize, float scaling_factor, float aux_scale, int64_t seq_len,
+           float seq_scale, float z_coeff, int32_t dtype, int device, uintptr_t s) {
+          DeviceGuard guard(device);
+          router::FusedBwdParams p{ptr<const float>(grad_weights), ptr<const float>(grad_loss),
+                                   ptr<const void>(logits),         ptr<const int32_t>(indices),
+                                   ptr<const int32_t>(aux_counts),  ptr<const int32_t>(seq_counts),
+                                   ptr<float>(grad_logits),         num_tokens,
+                                   num_experts,                     k,
+                                   Score(score),                    pre_softmax,
+                                   normalize,                       scaling_factor,
+                                   aux_scale,                       seq_len,
+                                   seq_scale,                       z_coeff,
+                                   DType(dtype)};
+          router::fused_bwd(p, stream(s));
+        });
 }
 
 void register_balance(py::module_& m) {

@@ -110,8 +110,9 @@ __device__ __forceinline__ void for_each_token(int64_t num_tokens, int E, F&& to
 
 // Each kernel strides over the tokens, one warp per token (router_blocks caps the grid, so any T fits
 // gridDim.x); whole warps only, so no block-wide barriers.
+// Returns the expert lane r < k chose (-1 on the other lanes); xs keeps the row's logits.
 template <typename T>
-__device__ __forceinline__ void topk_fwd_token(const TopkParams& p, int64_t t, float* xs, uint32_t* keys, int lane) {
+__device__ __forceinline__ int32_t topk_fwd_token(const TopkParams& p, int64_t t, float* xs, uint32_t* keys, int lane) {
   const int E = p.num_experts, k = p.k;
   const T* row = static_cast<const T*>(p.logits) + t * E;
 
@@ -188,6 +189,7 @@ __device__ __forceinline__ void topk_fwd_token(const TopkParams& p, int64_t t, f
     p.weights[t * k + lane] = w * p.scaling_factor;
     p.indices[t * k + lane] = chosen;
   }
+  return live ? chosen : -1;
 }
 
 template <typename T>
@@ -331,6 +333,309 @@ __global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
                         [&](int64_t t, int lane, float*, uint32_t*) { aux_scores_bwd_token<T>(p, t, lane); });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// The fused router (router.h, FusedParams): top-k, counts and the losses' statistics in one launch.
+
+struct FusedLayout {
+  int64_t seq;            // rows per sequence (T when the sequence loss is off)
+  int64_t chunks_per_seq;
+  int64_t chunks;
+  bool stats;             // aux or sequence loss on: aux scores, their top-k and sums
+  bool z;
+};
+
+FusedLayout fused_layout(const FusedParams& p) {
+  const int64_t T = p.topk.num_tokens;
+  FusedLayout L{};
+  L.seq = p.seq_scale != 0.f ? p.seq_len : (T > 0 ? T : 1);
+  L.chunks_per_seq = (L.seq + kFusedChunkRows - 1) / kFusedChunkRows;
+  L.chunks = (T / L.seq) * L.chunks_per_seq;
+  L.stats = p.aux_scale != 0.f || p.seq_scale != 0.f;
+  L.z = p.z_coeff != 0.f;
+  return L;
+}
+
+// The workspace: per chunk, the aux scores' sums [E] (stats), the top-k picks [E], the aux picks [E] (stats)
+// and the sum of lse^2 (z); each region 256-byte aligned.
+struct FusedPartials {
+  float* sums;
+  int32_t* picks;
+  int32_t* aux_picks;
+  float* lse2;
+};
+
+size_t align256(size_t n) { return (n + 255) / 256 * 256; }
+
+size_t fused_partials_bytes(const FusedLayout& L, int E) {
+  const size_t n = size_t(L.chunks) * E;
+  return align256(n * 4) * (L.stats ? 3 : 1) + align256(size_t(L.chunks) * 4);
+}
+
+FusedPartials fused_partials(void* ws, const FusedLayout& L, int E) {
+  char* b = static_cast<char*>(ws);
+  const size_t n = align256(size_t(L.chunks) * E * 4);
+  FusedPartials q{};
+  q.picks = reinterpret_cast<int32_t*>(b);
+  b += n;
+  if (L.stats) {
+    q.sums = reinterpret_cast<float*>(b);
+    q.aux_picks = reinterpret_cast<int32_t*>(b + n);
+    b += 2 * n;
+  }
+  q.lse2 = reinterpret_cast<float*>(b);
+  return q;
+}
+
+// Warps per block of the fused forward: each warp's logits, keys and score sums (12 E bytes) and the block's
+// two count arrays (8 E bytes) within 48 KB.
+int fused_warps(int E) {
+  const int w = (kSmemBytes - 8 * E - 64) / (12 * E);
+  return w < 1 ? 1 : (w > 8 ? 8 : w);
+}
+
+// Deterministic block sum: warps in order. `red` holds one float per warp. Every thread gets the total.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, W = blockDim.x / 32;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < W; ++w) total += red[w];
+  return total;
+}
+
+template <typename T>
+__global__ void fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) {
+  extern __shared__ float smem[];
+  const TopkParams& tp = p.topk;
+  const int E = tp.num_experts, k = tp.k;
+  const int W = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* xs = smem + size_t(warp) * 2 * E;
+  uint32_t* keys = reinterpret_cast<uint32_t*>(xs + E);
+  float* acc = smem + size_t(W) * 2 * E;  // [W, E] this chunk's aux scores summed per warp
+  float* my_acc = acc + size_t(warp) * E;
+  int32_t* picks = reinterpret_cast<int32_t*>(acc + size_t(W) * E);  // [E]
+  int32_t* aux_picks = picks + E;                                     // [E]
+  float* lse2 = reinterpret_cast<float*>(aux_picks + E);              // [W]
+  float* red = lse2 + W;                                              // [W]
+
+  for (int64_t c = blockIdx.x; c < L.chunks; c += gridDim.x) {
+    for (int i = threadIdx.x; i < W * E; i += blockDim.x) acc[i] = 0.f;
+    for (int i = threadIdx.x; i < 2 * E; i += blockDim.x) picks[i] = 0;
+    if (threadIdx.x < W) lse2[threadIdx.x] = 0.f;
+    __syncthreads();
+    const int64_t b = c / L.chunks_per_seq, j = c % L.chunks_per_seq;
+    const int64_t r0 = b * L.seq + j * kFusedChunkRows;
+    const int64_t r1 = r0 + kFusedChunkRows < (b + 1) * L.seq ? r0 + kFusedChunkRows : (b + 1) * L.seq;
+    for (int64_t t = r0 + warp; t < r1; t += W) {
+      const int32_t chosen = topk_fwd_token<T>(tp, t, xs, keys, lane);
+      if (chosen >= 0) atomicAdd(&picks[chosen], 1);  // integer counts: exact in any order
+      __syncwarp();
+      if (L.stats || L.z) {
+        float m = -INFINITY;
+        for (int e = lane; e < E; e += 32) m = fmaxf(m, xs[e]);
+        m = warp_max(m);
+        float se = 0.f;
+        for (int e = lane; e < E; e += 32) se += expf(xs[e] - m);
+        se = warp_sum(se);  // sum of exp(x - m): softmax's denominator, and lse = m + log(se)
+        if (L.z && lane == 0) {
+          const float lse = m + logf(se);
+          lse2[warp] += lse * lse;
+        }
+        if (L.stats) {
+          float denom = se;
+          if (tp.score != Score::kSoftmax) {
+            float total = 0.f;
+            for (int e = lane; e < E; e += 32) total += activation(tp.score, xs[e]);
+            denom = warp_sum(total) + kNormEps;
+          }
+          for (int e = lane; e < E; e += 32) {
+            const float s = (tp.score == Score::kSoftmax ? expf(xs[e] - m) : activation(tp.score, xs[e])) / denom;
+            my_acc[e] += s;
+            keys[e] = order_key(s);
+          }
+          __syncwarp();
+          const int32_t aux = select_topk(keys, E, k, lane);
+          if (lane < k && aux >= 0) atomicAdd(&aux_picks[aux], 1);
+        }
+      }
+      __syncwarp();
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      q.picks[c * E + e] = picks[e];
+      if (L.stats) {
+        float s = 0.f;
+        for (int w = 0; w < W; ++w) s += acc[size_t(w) * E + e];
+        q.sums[c * E + e] = s;
+        q.aux_picks[c * E + e] = aux_picks[e];
+      }
+    }
+    if (L.z && threadIdx.x == 0) {
+      float s = 0.f;
+      for (int w = 0; w < W; ++w) s += lse2[w];
+      q.lse2[c] = s;
+    }
+    __syncthreads();
+  }
+
+  // The last block to finish adds the partials of every chunk, in chunk order.
+  __shared__ uint32_t is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  float aux_part = 0.f, seq_part = 0.f;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (p.counts != nullptr) {
+      int32_t n = 0;
+      for (int64_t c = 0; c < L.chunks; ++c) n += __ldcg(&q.picks[c * E + e]);
+      p.counts[e] = n;
+    }
+    if (!L.stats) continue;
+    const int64_t B = L.chunks / (L.chunks_per_seq > 0 ? L.chunks_per_seq : 1);
+    float total = 0.f, seq_total = 0.f;
+    int32_t n_aux = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      float sb = 0.f;
+      int32_t nb = 0;
+      for (int64_t j = 0; j < L.chunks_per_seq; ++j) {
+        const int64_t c = b * L.chunks_per_seq + j;
+        sb += __ldcg(&q.sums[c * E + e]);
+        nb += __ldcg(&q.aux_picks[c * E + e]);
+      }
+      total += sb;
+      n_aux += nb;
+      if (p.seq_scale != 0.f) {
+        p.seq_counts[b * E + e] = nb;
+        seq_total += sb * float(nb);
+      }
+    }
+    if (p.aux_scale != 0.f) {
+      p.aux_counts[e] = n_aux;
+      aux_part += total * float(n_aux);
+    }
+    seq_part += seq_total;
+  }
+  if (L.stats) {
+    aux_part = block_sum(aux_part, red);
+    seq_part = block_sum(seq_part, red);
+  }
+  if (threadIdx.x == 0) {
+    bool any = false;
+    float loss = 0.f;
+    if (p.aux_scale != 0.f) loss = p.aux_scale * aux_part, any = true;
+    if (p.seq_scale != 0.f) loss = any ? loss + p.seq_scale * seq_part : p.seq_scale * seq_part, any = true;
+    if (L.z) {
+      float z = 0.f;
+      for (int64_t c = 0; c < L.chunks; ++c) z += __ldcg(&q.lse2[c]);
+      const float zl = tp.num_tokens > 0 ? p.z_coeff * (z / float(tp.num_tokens)) : 0.f;
+      loss = any ? loss + zl : zl;
+    }
+    *p.loss = loss;
+    *p.counter = 0u;  // ready for the next launch on this stream
+  }
+}
+
+// grad_logits[t] = the top-k backward of grad_weights + the aux scores' backward of
+// G[t, e] = grad_loss * (aux_scale * aux_counts[e] + seq_scale * seq_counts[b(t), e]) + the z loss's
+// grad_loss * z_coeff * 2 / T * lse_t * softmax(x_t)[e].
+template <typename T>
+__device__ __forceinline__ void fused_bwd_token(const FusedBwdParams& p, int64_t t, float* xs, float* gb, int lane) {
+  const int E = p.num_experts, k = p.k;
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+  float* grad = p.grad_logits + t * E;
+  const bool stats = p.aux_scale != 0.f || p.seq_scale != 0.f, z = p.z_coeff != 0.f;
+  const float gl = p.grad_loss != nullptr ? *p.grad_loss : 0.f;
+
+  float m = -INFINITY;
+  for (int e = lane; e < E; e += 32) {
+    xs[e] = load(row, e);
+    m = fmaxf(m, xs[e]);
+  }
+  m = warp_max(m);
+  float se = 0.f;
+  for (int e = lane; e < E; e += 32) se += expf(xs[e] - m);
+  se = warp_sum(se);
+
+  for (int e = lane; e < E; e += 32) gb[e] = 0.f;
+  if (stats) {
+    const int32_t* cs = p.seq_scale != 0.f ? p.seq_counts + (t / p.seq_len) * E : nullptr;
+    auto G = [&](int e) {
+      float g = p.aux_scale != 0.f ? gl * p.aux_scale * float(p.aux_counts[e]) : 0.f;
+      if (cs != nullptr) g = g + gl * p.seq_scale * float(cs[e]);
+      return g;
+    };
+    if (p.score == Score::kSoftmax) {
+      float dot = 0.f;
+      for (int e = lane; e < E; e += 32) dot += G(e) * (expf(xs[e] - m) / se);
+      dot = warp_sum(dot);
+      for (int e = lane; e < E; e += 32) gb[e] = (expf(xs[e] - m) / se) * (G(e) - dot);
+    } else {
+      float total = 0.f;
+      for (int e = lane; e < E; e += 32) total += activation(p.score, xs[e]);
+      const float denom = warp_sum(total) + kNormEps;
+      float dot = 0.f;
+      for (int e = lane; e < E; e += 32) dot += G(e) * (activation(p.score, xs[e]) / denom);
+      dot = warp_sum(dot);
+      for (int e = lane; e < E; e += 32) {
+        const float s = activation(p.score, xs[e]);
+        gb[e] = (G(e) - dot) / denom * activation_grad(p.score, xs[e], s);
+      }
+    }
+  }
+  if (z && p.num_tokens > 0) {
+    const float lse = m + logf(se);
+    const float zg = gl * p.z_coeff * 2.f / float(p.num_tokens) * lse;
+    for (int e = lane; e < E; e += 32) gb[e] = gb[e] + zg * (expf(xs[e] - m) / se);
+  }
+  __syncwarp();
+
+  // The top-k backward, as topk_bwd_token, added to the dense part.
+  int32_t e = lane < k ? p.indices[t * k + lane] : -1;
+  if (e >= E) e = -1;
+  const bool live = e >= 0;
+  const float x = live ? xs[e] : 0.f;
+  const float g = live ? p.grad_weights[t * k + lane] * p.scaling_factor : 0.f;
+  if (p.score == Score::kSoftmax && p.pre_softmax) {
+    const float w = live ? expf(x - m) / se : 0.f;
+    const float dot = warp_sum(g * w);
+    for (int i = lane; i < E; i += 32) grad[i] = -(expf(xs[i] - m) / se) * dot + gb[i];
+    __syncwarp();
+    if (live) grad[e] = w * (g - dot) + gb[e];
+    return;
+  }
+  for (int i = lane; i < E; i += 32) grad[i] = gb[i];
+  __syncwarp();
+  float dx;
+  if (p.score == Score::kSoftmax) {
+    const float mk = warp_max(live ? x : -INFINITY);
+    const float ex = live ? expf(x - mk) : 0.f;
+    const float w = ex / warp_sum(ex);
+    dx = w * (g - warp_sum(g * w));
+  } else {
+    const float s = live ? activation(p.score, x) : 0.f;
+    float ds = g;
+    if (p.normalize) {
+      const float denom = warp_sum(s) + kNormEps;
+      const float dot = warp_sum(g * (s / denom));
+      ds = (g - dot) / denom;
+    }
+    dx = live ? ds * activation_grad(p.score, x, s) : 0.f;
+  }
+  if (live) grad[e] = dx + gb[e];
+}
+
+template <typename T>
+__global__ void fused_bwd_kernel(FusedBwdParams p) {
+  for_each_token<true>(p.num_tokens, p.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
+    fused_bwd_token<T>(p, t, xs, reinterpret_cast<float*>(keys), lane);
+  });
+}
+
 void check_sizes(int E, int k, const char* what) {
   if (E < 1 || E > kMaxExperts) throw std::invalid_argument(std::string(what) + ": num_experts out of range");
   if (k < 1 || k > kMaxK || k > E) throw std::invalid_argument(std::string(what) + ": k out of range");
@@ -397,6 +702,61 @@ void aux_scores_bwd(const AuxScoresBwdParams& p, cudaStream_t stream) {
     aux_scores_bwd_kernel<T><<<blocks, kRouterBwdWarps * 32, 0, stream>>>(p);
   });
   check_launch("router aux_scores_bwd_kernel");
+}
+
+int router_fused_warps(int num_experts) {
+  if (num_experts < 1) throw std::invalid_argument("router_fused_warps: num_experts must be positive");
+  return fused_warps(num_experts);
+}
+
+size_t fused_workspace_bytes(const FusedParams& p) {
+  return fused_partials_bytes(fused_layout(p), p.topk.num_experts);
+}
+
+void fused_fwd(const FusedParams& p, cudaStream_t stream) {
+  const TopkParams& tp = p.topk;
+  check_sizes(tp.num_experts, tp.k, "router_fused");
+  if (tp.num_experts > kFusedMaxExperts) throw std::invalid_argument("router_fused: num_experts out of range");
+  if (tp.num_groups < 1 || tp.num_groups > kMaxGroups || tp.num_experts % tp.num_groups ||
+      tp.group_topk < 1 || tp.group_topk > tp.num_groups || tp.group_score_topk < 1 ||
+      tp.group_score_topk > tp.num_experts / tp.num_groups) {
+    throw std::invalid_argument("router_fused: invalid group configuration");
+  }
+  if (tp.num_tokens < 0) throw std::invalid_argument("router_fused: negative num_tokens");
+  if (p.seq_scale != 0.f && (p.seq_len < 1 || tp.num_tokens % p.seq_len)) {
+    throw std::invalid_argument("router_fused: the rows are not whole sequences of seq_len");
+  }
+  if (p.loss == nullptr || p.counter == nullptr) throw std::invalid_argument("router_fused: loss and counter needed");
+  if ((p.aux_scale != 0.f && p.aux_counts == nullptr) ||
+      (p.seq_scale != 0.f && p.seq_counts == nullptr && tp.num_tokens > 0)) {
+    throw std::invalid_argument("router_fused: a loss is on without its counts");
+  }
+  const FusedLayout L = fused_layout(p);
+  if (p.workspace_bytes < fused_partials_bytes(L, tp.num_experts)) {
+    throw std::invalid_argument("router_fused: workspace too small");
+  }
+  const int E = tp.num_experts, W = fused_warps(E);
+  const int64_t want = L.chunks > 0 ? L.chunks : 1;  // one block at least: it writes the counts and the loss
+  const unsigned blocks = unsigned(want < kMaxRouterBlocks ? want : kMaxRouterBlocks);
+  const size_t smem = size_t(W) * 12 * E + 8 * size_t(E) + 8 * size_t(W);
+  const FusedPartials q = fused_partials(p.workspace, L, E);
+  by_float_dtype(tp.dtype, "router_fused", [&]<typename T>() {
+    fused_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p, L, q);
+  });
+  check_launch("router fused_fwd_kernel");
+}
+
+void fused_bwd(const FusedBwdParams& p, cudaStream_t stream) {
+  check_sizes(p.num_experts, p.k, "router_fused backward");
+  if (p.seq_scale != 0.f && p.seq_len < 1) throw std::invalid_argument("router_fused backward: bad seq_len");
+  if (p.num_tokens == 0) return;
+  const int W = router_fwd_warps(p.num_experts);
+  const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
+  const size_t smem = size_t(W) * 8 * p.num_experts;
+  by_float_dtype(p.dtype, "router_fused backward", [&]<typename T>() {
+    fused_bwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
+  });
+  check_launch("router fused_bwd_kernel");
 }
 
 }  // namespace moe::router

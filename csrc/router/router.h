@@ -83,4 +83,58 @@ struct AuxScoresBwdParams {
 };
 void aux_scores_bwd(const AuxScoresBwdParams& p, cudaStream_t stream);
 
+// The router of an MoE layer in one pass each way: top-k with its weights, the per-expert counts and the
+// statistics of every configured balancing loss in the forward; the losses' gradients folded into the top-k
+// backward. Semantics: specs/ops.md "Router"; the composition it fuses is router_topk, tokens_per_expert,
+// router_aux_scores, aux_loss, seq_aux_loss and z_loss, summed in that order (moe_kernels/ops/router.py,
+// router_fused_reference).
+//
+// Every float sum has a fixed order, whatever the GPU: rows are cut into chunks of kFusedChunkRows inside
+// each sequence; a chunk's sums are per warp in row order, then over the warps in order; the loss adds the
+// chunks in order. The forward's last block (an atomic ticket on `counter`, which it leaves at zero) adds
+// the chunks' partials and writes the counts and the loss, so the forward is one launch.
+constexpr int kFusedMaxExperts = 1024;  // per-warp score sums and the chunk's counts live in shared memory
+constexpr int kFusedChunkRows = 64;
+
+struct FusedParams {
+  TopkParams topk;
+  int32_t* counts;      // [E] top-k picks per expert, or nullptr (capacity follows and counts after it)
+  int32_t* aux_counts;  // [E] picks of the top-k over the aux scores (aux or sequence loss on)
+  int32_t* seq_counts;  // [B, E] the same per sequence (sequence loss on)
+  float* loss;          // [] aux + sequence + z loss (0 when none is on)
+  void* workspace;
+  size_t workspace_bytes;
+  uint32_t* counter;    // zero before the launch, zero after (one per stream)
+  float aux_scale;      // coeff * E / (k * T^2); 0: off
+  int64_t seq_len;      // S, with B = T / S sequences (sequence loss on)
+  float seq_scale;      // coeff * E / (k * S^2) / B; 0: off
+  float z_coeff;        // 0: off
+};
+int router_fused_warps(int num_experts);
+size_t fused_workspace_bytes(const FusedParams& p);
+void fused_fwd(const FusedParams& p, cudaStream_t stream);
+
+struct FusedBwdParams {
+  const float* grad_weights;  // [T, k]
+  const float* grad_loss;     // [] on the device, or nullptr (no gradient reached the loss)
+  const void* logits;         // [T, E]
+  const int32_t* indices;     // [T, k] from fused_fwd (before any capacity)
+  const int32_t* aux_counts;  // [E] (aux loss on)
+  const int32_t* seq_counts;  // [B, E] (sequence loss on)
+  float* grad_logits;         // [T, E]
+  int64_t num_tokens;
+  int32_t num_experts;
+  int32_t k;
+  Score score;
+  bool pre_softmax;
+  bool normalize;
+  float scaling_factor;
+  float aux_scale;
+  int64_t seq_len;
+  float seq_scale;
+  float z_coeff;
+  DType dtype;
+};
+void fused_bwd(const FusedBwdParams& p, cudaStream_t stream);
+
 }  // namespace moe::router

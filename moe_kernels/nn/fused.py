@@ -10,7 +10,7 @@ directly. The calling convention, which every op on the hot path follows:
   `launch_for` and handed to every region; the backward reuses the forward's (autograd runs a backward
   node on its forward's stream).
 - The extension is called with positional arguments; a region's forward is one extension call where its
-  kernels allow it (permute, experts, unpermute), the router is one per kernel it runs.
+  kernels allow it (permute, experts, unpermute), the router's one kernel each way (router_fused) takes its losses too.
 - Workspaces are sized by the region itself: a region that needs one returns the bytes it needs when
   the given workspace is too small, launching nothing; the size is remembered per shape, so the steady
   state is one call, and each workspace is a fresh caching-allocator block on the current stream
@@ -287,10 +287,11 @@ def router_spec(cfg) -> RouterSpec:
 
 
 def router_fits(C, spec: RouterSpec) -> bool:
-    """Whether the kernels take these options (else the registered ops raise their ValueError)."""
-    shared = spec.capacity_factor is not None or spec.seq_coeff > 0
-    return (spec.E <= C.router_max_experts and spec.k <= C.router_max_k and spec.num_groups <= C.router_max_groups
-            and spec.E <= C.permute_max_experts and (not shared or spec.E <= C.balance_max_experts))
+    """Whether the fused router kernel takes these options (else the router composes the separate ops)."""
+    from moe_kernels.ops.router_fused import kernel_fits
+
+    return kernel_fits(C, spec.E, spec.k, spec.num_groups) and (
+        spec.capacity_factor is None or spec.E <= C.balance_max_experts)
 
 
 _chunks: dict[tuple, int] = {}
@@ -305,23 +306,22 @@ def _chunk_count(C, name: str, *args) -> int:
 
 
 class _Router(torch.autograd.Function):
-    """logits [T, E] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E] int32, loss [] fp32."""
+    """logits [T, E] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E] int32, loss [] fp32: the
+    router_fused kernel each way (capacity adds its select and the counts after it)."""
 
     @staticmethod
     def forward(ctx, logits, bias, seq_len, spec, L):
-        from moe_kernels.ops.router_losses import _aux_scale, capacity
+        from moe_kernels.ops.router_fused import launch_fwd
+        from moe_kernels.ops.router_losses import capacity
 
         C, dev, s = L.C, L.device, L.stream
-        T, E = logits.shape
-        k = spec.k
-        p_logits = _ext.ptr(logits)
-        weights = torch.empty((T, k), dtype=_F32, device=logits.device)
-        indices = torch.empty((T, k), dtype=_I32, device=logits.device)
-        C.router_topk_fwd(p_logits, _ext.ptr(bias), _ext.ptr(weights), _ext.ptr(indices), T, E, k, spec.score,
-                          spec.pre_softmax, spec.num_groups, spec.group_topk, spec.group_score_topk, spec.normalize,
-                          spec.scale, 0, dev, s)
+        weights, indices, counts, aux_counts, seq_counts, loss = launch_fwd(
+            C, dev, s, logits, bias, spec.k, spec.score, spec.pre_softmax, spec.num_groups, spec.group_topk,
+            spec.group_score_topk, spec.scale, spec.normalize, spec.aux_coeff, spec.seq_coeff, seq_len,
+            spec.z_coeff)
         kept = indices
         if spec.capacity_factor is not None:
+            T, E, k = logits.shape[0], spec.E, spec.k
             n = T * k
             cap = min(capacity(T, k, E, spec.capacity_factor), n)
             w_out, kept = torch.empty_like(weights), torch.empty_like(indices)
@@ -329,106 +329,35 @@ class _Router(torch.autograd.Function):
             C.apply_capacity(_ext.ptr(weights), _ext.ptr(indices), _ext.ptr(w_out), _ext.ptr(kept), _ext.ptr(ws), n, E,
                              cap, spec.by_probs, 0, dev, s)
             weights = w_out
-        counts = torch.empty((E,), dtype=_I32, device=logits.device)
-        C.tokens_per_expert(_ext.ptr(kept), T * k, E, counts.data_ptr(), dev, s)
-        loss = None  # the sum of the configured losses (0 + a = a exactly: no zero tensor to start from)
-        aux_counts = seq_counts = lse = None
-        if spec.aux_coeff > 0 or spec.seq_coeff > 0:
-            scores = torch.empty((T, E), dtype=_F32, device=logits.device)
-            aux_idx = torch.empty((T, k), dtype=_I32, device=logits.device)
-            C.router_aux_scores_fwd(p_logits, _ext.ptr(scores), _ext.ptr(aux_idx), T, E, k, spec.score, 0, dev, s)
-            if spec.aux_coeff > 0:
-                aux_counts = torch.empty((E,), dtype=_I32, device=logits.device)
-                C.tokens_per_expert(_ext.ptr(aux_idx), T * k, E, aux_counts.data_ptr(), dev, s)
-                aux = torch.empty((), dtype=_F32, device=logits.device)
-                partial = torch.empty((_chunk_count(C, "balance_chunks", T, max(T, 1)), E), dtype=_F32,
-                                      device=logits.device)
-                C.balance_loss_fwd(_ext.ptr(scores), 0, _ext.ptr(aux_counts), False, _ext.ptr(partial), 0, 0,
-                                   aux.data_ptr(), T, E, k, max(T, 1), _aux_scale(spec.aux_coeff, E, k, T), 0, dev, s)
-                loss = aux
-            if spec.seq_coeff > 0:
-                B = T // seq_len
-                seq = torch.empty((), dtype=_F32, device=logits.device)
-                seq_counts = torch.empty((B, E), dtype=_I32, device=logits.device)
-                chunks = _chunk_count(C, "balance_chunks", T, seq_len)
-                psums = torch.empty((chunks, E), dtype=_F32, device=logits.device)
-                pcounts = torch.empty((chunks, E), dtype=_I32, device=logits.device)
-                C.balance_loss_fwd(_ext.ptr(scores), _ext.ptr(aux_idx), 0, False, _ext.ptr(psums), _ext.ptr(pcounts),
-                                   _ext.ptr(seq_counts), seq.data_ptr(), T, E, k, seq_len,
-                                   _aux_scale(spec.seq_coeff, E, k, seq_len) / max(B, 1), 0, dev, s)
-                loss = seq if loss is None else loss + seq
-        if spec.z_coeff > 0:
-            z = torch.empty((), dtype=_F32, device=logits.device)
-            lse = torch.empty((T,), dtype=_F32, device=logits.device)
-            partials = torch.empty((_chunk_count(C, "z_loss_chunks", T),), dtype=_F32, device=logits.device)
-            C.z_loss_fwd(p_logits, _ext.ptr(lse), _ext.ptr(partials), z.data_ptr(), T, E, spec.z_coeff, 0, dev, s)
-            loss = z if loss is None else loss + z
-        if loss is None:
-            loss = logits.new_zeros(())
+            C.tokens_per_expert(_ext.ptr(kept), n, E, counts.data_ptr(), dev, s)
         ctx.mark_non_differentiable(kept, counts)
         ctx.set_materialize_grads(False)  # no zero gradients allocated for the index outputs
-        ctx.save_for_backward(logits, indices, kept, aux_counts, seq_counts, lse)
+        ctx.save_for_backward(logits, indices, kept, aux_counts, seq_counts)
         ctx.spec, ctx.seq_len, ctx.L = spec, seq_len, L
         return weights, kept, counts, loss
 
     @staticmethod
     def backward(ctx, g_weights, _g_indices, _g_counts, g_loss):
-        from moe_kernels.ops.router_losses import _aux_scale
+        from moe_kernels.ops.router_fused import launch_bwd
 
-        logits, indices, kept, aux_counts, seq_counts, lse = ctx.saved_tensors
+        logits, indices, kept, aux_counts, seq_counts = ctx.saved_tensors
         spec, L = ctx.spec, ctx.L
-        C, dev, s = L.C, L.device, L.stream
-        T, E = logits.shape
-        k = spec.k
         if g_weights is None:  # the loss alone reached the router
-            g_weights = torch.zeros((T, k), dtype=_F32, device=logits.device)
+            g_weights = torch.zeros(indices.shape, dtype=_F32, device=logits.device)
         elif spec.capacity_factor is not None:
             g_weights = torch.where(kept >= 0, g_weights, 0.0)
-        g_weights = g_weights.float().contiguous()
-        grad = torch.empty((T, E), dtype=_F32, device=logits.device)
-        C.router_topk_bwd(_ext.ptr(g_weights), _ext.ptr(logits), _ext.ptr(indices), _ext.ptr(grad), T, E, k,
-                          spec.score, spec.pre_softmax, spec.normalize, spec.scale, 0, dev, s)
-        if g_loss is None or (aux_counts is None and seq_counts is None and lse is None):
-            return grad, None, None, None, None
-        g_loss = g_loss.float().contiguous()
-        g_other = None
-        if aux_counts is not None or seq_counts is not None:
-            g_scores = None
-            if seq_counts is not None:
-                B = seq_counts.shape[0]
-                g_scores = torch.empty((T, E), dtype=_F32, device=logits.device)
-                C.balance_loss_bwd(g_loss.data_ptr(), _ext.ptr(seq_counts), False, _ext.ptr(g_scores), T, E,
-                                   ctx.seq_len, _aux_scale(spec.seq_coeff, E, k, ctx.seq_len) / max(B, 1), 0, dev, s)
-            if aux_counts is not None:
-                g_aux = torch.empty((T, E), dtype=_F32, device=logits.device)
-                C.balance_loss_bwd(g_loss.data_ptr(), _ext.ptr(aux_counts), False, _ext.ptr(g_aux), T, E, max(T, 1),
-                                   _aux_scale(spec.aux_coeff, E, k, T), 0, dev, s)
-                g_scores = g_aux if g_scores is None else g_scores + g_aux
-            g_other = torch.empty((T, E), dtype=_F32, device=logits.device)
-            C.router_aux_scores_bwd(_ext.ptr(g_scores), _ext.ptr(logits), _ext.ptr(g_other), T, E, spec.score, 0,
-                                    dev, s)
-        if lse is not None:
-            g_z = torch.empty((T, E), dtype=_F32, device=logits.device)
-            C.z_loss_bwd(g_loss.data_ptr(), _ext.ptr(logits), _ext.ptr(lse), _ext.ptr(g_z), T, E, spec.z_coeff, 0,
-                         dev, s)
-            g_other = g_z if g_other is None else g_z + g_other
-        return grad + g_other, None, None, None, None
+        g_loss = None if g_loss is None else g_loss.float().contiguous()
+        grad = launch_bwd(L.C, L.device, L.stream, g_weights.float().contiguous(), g_loss, logits, indices, aux_counts,
+                          seq_counts, spec.k, spec.score, spec.pre_softmax, spec.normalize, spec.scale, spec.aux_coeff,
+                          spec.seq_coeff, ctx.seq_len, spec.z_coeff)
+        return grad, None, None, None, None
 
 
 def _router_ops(router, logits: Tensor, seq_len: int):
     return router.route_with_ops(logits, seq_len)
 
 
-@_register("router", _router_ops, "router_topk_fwd [apply_capacity] tokens_per_expert [router_aux_scores_fwd "
-           "tokens_per_expert balance_loss_fwd (x2 with the sequence loss)] [z_loss_fwd] / router_topk_bwd "
-           "[balance_loss_bwd (x2) router_aux_scores_bwd] [z_loss_bwd]")
+@_register("router", _router_ops, "router_fused_fwd [apply_capacity tokens_per_expert] / router_fused_bwd")
 def router_region(L: Launch, router, logits: Tensor, seq_len: int):
     """(weights, indices, counts, loss) of `router` (a moe_kernels.nn.Router) on fp32 logits."""
-    spec = router.spec
-    if spec.seq_coeff > 0:
-        if seq_len is None:
-            raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")
-        if type(seq_len) is not int or seq_len < 1 or logits.shape[0] % seq_len:
-            raise ValueError(f"seq_aux_loss: {logits.shape[0]} rows of `scores` are not whole sequences of "
-                             f"`seq_len`={seq_len}")
-    return _Router.apply(logits, router.expert_bias, seq_len, router.spec, L)
+    return _Router.apply(logits, router.expert_bias, router.checked_seq_len(logits, seq_len), router.spec, L)

@@ -22,6 +22,7 @@ from moe_kernels.ops.router import (
     router_topk,
     router_topk_reference,
 )
+from moe_kernels.ops.router_fused import FUSED_MAX_EXPERTS
 from moe_kernels.ops.router_losses import (
     _aux_scale,
     _seq_counts,
@@ -172,9 +173,35 @@ class Router(nn.Module):
                 and (self.expert_bias is None or self.expert_bias.dtype == torch.float32)
                 and fused.router_fits(launch.C, self.spec))
 
+    def checked_seq_len(self, logits: Tensor, seq_len: int | None) -> int:
+        """The sequence length the sequence-wise loss takes (1 when it is off), checked against the rows."""
+        if self.config.seq_aux_loss_coeff <= 0:
+            return 1
+        if seq_len is None:
+            raise ValueError("Router: the sequence-wise aux loss needs forward(..., seq_len=...)")
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1 or logits.shape[0] % seq_len:
+            raise ValueError(f"Router: {logits.shape[0]} tokens are not whole sequences of seq_len={seq_len!r}")
+        return seq_len
+
+    def _fused_op_fits(self) -> bool:
+        """One rank's losses and options the fused router kernel takes (router_fused)."""
+        return (self.balance_group is None and self.sequence_group is None and self.config.num_experts <= FUSED_MAX_EXPERTS
+                and self.spec.k <= 32 and self.spec.num_groups <= 32)
+
     def route_with_ops(self, logits: Tensor, seq_len: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(weights, indices, counts, loss) through the registered custom ops (compile, export, groups)."""
         cfg = self.config
+        if self._fused_op_fits():
+            sp = self.spec
+            weights, indices, counts, _, _, loss = torch.ops.moe_kernels.router_fused(
+                logits, self.expert_bias, sp.k, cfg.score, sp.pre_softmax, sp.num_groups, sp.group_topk,
+                sp.group_score_topk, sp.scale, sp.normalize, sp.aux_coeff, sp.seq_coeff,
+                self.checked_seq_len(logits, seq_len), sp.z_coeff)
+            if cfg.capacity_factor is not None:
+                weights, indices = apply_capacity(weights, indices, cfg.num_experts, cfg.capacity_factor,
+                                                  cfg.capacity_policy)
+                counts = tokens_per_expert(indices, cfg.num_experts)
+            return weights, indices, counts, loss
         weights, indices = router_topk(
             logits, cfg.k, score=cfg.score, pre_softmax=cfg.pre_softmax, num_groups=cfg.num_groups,
             group_topk=cfg.group_topk, group_score_topk=cfg.group_score_topk, scaling_factor=cfg.scaling_factor,

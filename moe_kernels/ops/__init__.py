@@ -6,6 +6,7 @@ from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad,
 from moe_kernels.ops.permute import permute, permute_quantize_fp8, tokens_per_expert, unpermute
 from moe_kernels.ops.quant import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.ops.router import router_aux_scores, router_topk
+from moe_kernels.ops.router_fused import router_fused
 from moe_kernels.ops.router_losses import apply_capacity, aux_loss, capacity, seq_aux_loss, update_expert_bias, z_loss
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "tokens_per_expert",
     "router_topk",
     "router_aux_scores",
+    "router_fused",
     "aux_loss",
     "seq_aux_loss",
     "z_loss",

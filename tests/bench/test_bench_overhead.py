@@ -34,14 +34,13 @@ def test_overhead_counts_the_fused_regions(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = {r["model"]: r for r in json.loads((tmp_path / "overhead_table.json").read_text())["rows"]}
     assert set(rows) == {"qwen3-30b-a3b", "deepseek-v3"}
-    # qwen3-30b-a3b (softmax, aux loss): router_topk_fwd, tokens_per_expert, router_aux_scores_fwd,
-    # tokens_per_expert, balance_loss_fwd / router_topk_bwd, balance_loss_bwd, router_aux_scores_bwd; then
-    # permute_fwd, experts_fwd, unpermute_fwd / unpermute_bwd, experts_bwd, unpermute_fwd (permute's backward).
+    # qwen3-30b-a3b (softmax, aux loss): router_fused_fwd / router_fused_bwd, then permute_fwd, experts_fwd,
+    # unpermute_fwd / unpermute_bwd, experts_bwd, unpermute_fwd (permute's backward).
     q = rows["qwen3-30b-a3b"]
-    assert q["layer_fused_launches"] == 8 + 6
-    # The registered ops: the same router kernels, and the experts as 2 grouped_mm + swiglu forward, 4 + swiglu_bwd
+    assert q["layer_fused_launches"] == 2 + 6
+    # The registered ops: the same router kernel, and the experts as 2 grouped_mm + swiglu forward, 4 + swiglu_bwd
     # backward instead of one call each way.
-    assert q["layer_registered_launches"] == 8 + 4 + 3 + 5
+    assert q["layer_registered_launches"] == 2 + 4 + 3 + 5
     assert q["layer_torch_launches"] == 0 and q["layer_torch_aten_ops"] > q["layer_fused_aten_ops"]
     for r in rows.values():
         for path in ("fused", "registered", "torch"):

@@ -463,3 +463,58 @@ def test_reference_is_what_the_op_returns():
     a = mk.router_topk(logits, 8, score="sigmoid", num_groups=8, group_topk=4, expert_bias=bias, scaling_factor=2.5)
     b = router_topk_reference(logits, 8, "sigmoid", False, 8, 4, 2, 2.5, bias, True)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------------------------------------------
+# router_fused: the router in one op (CPU tier: its reference against the composition it fuses)
+
+
+@pytest.mark.parametrize("score,groups", [("softmax", None), ("sigmoid", (4, 2)), ("sqrtsoftplus", None)])
+def test_router_fused_equals_the_composition(score, groups):
+    torch.manual_seed(0)
+    T, E, k, S = 96, 16, 4, 24
+    logits = torch.randn(T, E, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(E, dtype=torch.float64) * 0.1 if score != "softmax" else None
+    G, g = groups or (None, None)
+    coeffs = dict(aux_coeff=1e-2, seq_coeff=1e-3, z_coeff=1e-3)
+    w, idx, counts, aux_counts, seq_counts, loss = mk.router_fused(
+        logits, k, score=score, num_groups=G or 1, group_topk=g or 1, group_score_topk=max(1, k // (g or 1)),
+        expert_bias=bias, seq_len=S, **coeffs)
+    w2, idx2 = mk.router_topk(logits, k, score=score, num_groups=G, group_topk=g, expert_bias=bias)
+    scores, aux_idx = mk.router_aux_scores(logits, k, score=score)
+    aux_c = mk.tokens_per_expert(aux_idx, E)
+    want = (mk.aux_loss(scores, aux_c, k, 1e-2) + mk.seq_aux_loss(scores, aux_idx, 1e-3, seq_len=S)
+            + mk.z_loss(logits, 1e-3))
+    assert torch.equal(idx, idx2) and torch.equal(counts, mk.tokens_per_expert(idx2, E)) and torch.equal(aux_counts, aux_c)
+    assert seq_counts.shape == (T // S, E) and int(seq_counts.sum()) == T * k
+    torch.testing.assert_close(w, w2, rtol=1e-12, atol=0)
+    torch.testing.assert_close(loss, want, rtol=1e-12, atol=0)
+    gw = torch.randn(T, k, dtype=torch.float64)
+    got = torch.autograd.grad((w * gw).sum() + 3 * loss, logits)[0]
+    ref = torch.autograd.grad((w2 * gw).sum() + 3 * want, logits)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-14)
+
+
+def test_router_fused_gradcheck_and_compile():
+    torch.manual_seed(1)
+    logits = torch.randn(12, 8, dtype=torch.float64, requires_grad=True)
+    kw = dict(score="sigmoid", aux_coeff=1e-1, seq_coeff=1e-2, seq_len=6, z_coeff=1e-2)
+
+    def f(x):
+        w, _, _, _, _, loss = mk.router_fused(x, 3, **kw)
+        return w, loss
+
+    assert torch.autograd.gradcheck(f, (logits,))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    for a, b in zip(compiled(logits), f(logits)):
+        torch.testing.assert_close(a, b)
+
+
+def test_router_fused_bad_input():
+    x = torch.randn(12, 8)
+    with pytest.raises(ValueError, match="not whole sequences"):
+        mk.router_fused(x, 2, seq_coeff=1e-2, seq_len=5)
+    with pytest.raises(ValueError, match="`aux_coeff` must be >= 0"):
+        mk.router_fused(x, 2, aux_coeff=float("nan"))
+    with pytest.raises(ValueError, match="`num_groups`"):
+        mk.router_fused(x, 2, num_groups=3, group_topk=1)
