@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -247,3 +249,32 @@ def counter(like: torch.Tensor, device: int, stream: int) -> int:
     if c is None:
         c = _counters[key] = torch.zeros((1,), dtype=torch.int32, device=like.device)
     return c.data_ptr()
+
+
+class Launch(NamedTuple):
+    """Where an eager call's kernels run: the extension module, the device index and the stream handle."""
+
+    C: object
+    device: int
+    stream: int
+
+
+_ONNX_FLAGS = "torch.onnx._internal.exporter._flags"  # what moe_kernels.onnx.exporting() reads
+
+
+def eager(t: torch.Tensor) -> Launch | None:
+    """The launch for an op called eagerly on `t`, resolved once per call chain; None where the registered op
+    must run instead: under torch.compile / torch.export / ONNX export (fake implementations, decompositions),
+    on fake or subclass tensors, in the checking mode (it validates values first), where the references run
+    (CPU tensors outside emulation) and on a GPU the extension cannot serve."""
+    if type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling():
+        return None
+    flags = sys.modules.get(_ONNX_FLAGS)
+    if flags is not None and getattr(flags, "_is_onnx_exporting", False):
+        return None
+    if t.device.type == "cpu":
+        return Launch(_EMU, 0, 0) if _EMU is not None and not _reference_mode else None
+    C = kernels("moe_kernels", t)
+    if C is None:
+        return None
+    return Launch(C, t.device.index, torch.cuda.current_stream(t.device).cuda_stream)

@@ -32,11 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from torch.autograd.function import once_differentiable
+
 import torch
 from torch import Tensor
 
 from moe_kernels import _ext
-from moe_kernels import onnx as _onnx
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, permuted_rows, unpermute
@@ -44,25 +45,14 @@ from moe_kernels.ops.permute import permute, permuted_rows, unpermute
 _F32, _I32, _U8 = torch.float32, torch.int32, torch.uint8
 
 
-class Launch(NamedTuple):
-    """Where a region's kernels run: the extension module, the device index and the stream handle."""
-
-    C: object
-    device: int
-    stream: int
+Launch = _ext.Launch
 
 
 def launch_for(x: Tensor) -> Launch | None:
-    """The thin path's launch for kernels on x's device and current stream, or None for the registered ops
-    (compiling, exporting, fake or subclass tensors, the references on the CPU, no usable extension)."""
-    if type(x) is not Tensor or torch.compiler.is_compiling() or _onnx.exporting():
-        return None
-    if x.device.type == "cpu":
-        return Launch(_ext._EMU, 0, 0) if _ext._EMU is not None and not _ext._reference_mode else None
-    C = _ext.kernels("moe_layer", x)
-    if C is None:
-        return None
-    return Launch(C, x.device.index, torch.cuda.current_stream(x.device).cuda_stream)
+    """The fused regions' launch for kernels on x's device and current stream, or None for the registered
+    ops (compiling, exporting, the checking mode, fake or subclass tensors, the references on the CPU, no
+    usable extension): moe_kernels._ext.eager."""
+    return _ext.eager(x)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,6 +126,7 @@ class _Permute(torch.autograd.Function):
         return x_perm, row_map, group_sizes
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g, _g_row_map, _g_sizes):
         (row_map,) = ctx.saved_tensors
         L = ctx.L
@@ -169,6 +160,7 @@ class _Unpermute(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         row_map, w, y = ctx.saved_tensors
         L = ctx.L
@@ -213,6 +205,7 @@ class _Experts(torch.autograd.Function):
         return y
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy):
         x, h, a, w13, w2, group_sizes, rw = ctx.saved_tensors
         L = ctx.L
@@ -337,6 +330,7 @@ class _Router(torch.autograd.Function):
         return weights, kept, counts, loss
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_weights, _g_indices, _g_counts, g_loss):
         from moe_kernels.ops.router_fused import launch_bwd
 

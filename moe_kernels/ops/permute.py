@@ -522,4 +522,11 @@ def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
     """[E] int32 counts of (token, slot) pairs per expert; -1 entries are ignored. No host sync on GPU."""
     if _onnx.exporting():
         return _onnx.tokens_per_expert_traceable(_as_int32_indices(indices), num_experts)
-    return torch.ops.moe_kernels.tokens_per_expert(_as_int32_indices(indices), num_experts)
+    indices = _as_int32_indices(indices)
+    L = _ext.eager(indices)
+    if L is not None and indices.dtype == torch.int32 and type(num_experts) is int and 1 <= num_experts <= L.C.permute_max_experts:
+        check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
+        counts = torch.empty((num_experts,), dtype=torch.int32, device=indices.device)
+        L.C.tokens_per_expert(_ext.ptr(indices), indices.numel(), num_experts, counts.data_ptr(), L.device, L.stream)
+        return counts
+    return torch.ops.moe_kernels.tokens_per_expert(indices, num_experts)

@@ -14,6 +14,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
@@ -521,7 +522,56 @@ def router_topk(
                                                   logits.shape[-1])
     if _onnx.exporting():
         return _onnx.router_topk_traceable(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
+    L = _ext.eager(logits)
+    if L is not None and _eager_fits(L.C, logits, k, G):
+        _check_topk(logits, k, score, pre_softmax, G, g, gst, expert_bias)
+        bias = None if expert_bias is None else expert_bias.float().contiguous()
+        return _TopkEager.apply(logits, bias, k, _SCORE_CODES[score], pre_softmax, G, g, gst, scale, norm, L)
     return torch.ops.moe_kernels.router_topk(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
+
+
+_EAGER_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _eager_fits(C, logits: Tensor, k: int, num_groups: int) -> bool:
+    """The kernel takes these (else the registered op raises its ValueError or runs the reference)."""
+    return (type(logits) is Tensor and logits.dtype in _EAGER_DTYPES and logits.dim() == 2
+            and logits.shape[1] <= C.router_max_experts and type(k) is int and k <= C.router_max_k
+            and num_groups <= C.router_max_groups)
+
+
+class _TopkEager(torch.autograd.Function):
+    """router_topk called eagerly: the kernels each way, positional arguments, the launch resolved once
+    (the registered op's results exactly; moe_kernels.nn.fused states the convention)."""
+
+    @staticmethod
+    def forward(ctx, logits, bias, k, score, pre_softmax, G, g, gst, scale, norm, L):
+        T, E = logits.shape
+        weights = torch.empty((T, k), dtype=torch.float32, device=logits.device)
+        indices = torch.empty((T, k), dtype=torch.int32, device=logits.device)
+        dt = _EAGER_DTYPES[logits.dtype]
+        L.C.router_topk_fwd(_ext.ptr(logits), _ext.ptr(bias), _ext.ptr(weights), _ext.ptr(indices), T, E, k, score,
+                            pre_softmax, G, g, gst, norm, scale, dt, L.device, L.stream)
+        ctx.mark_non_differentiable(indices)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(logits, indices)
+        ctx.args, ctx.L = (score, pre_softmax, norm, scale, dt), L
+        return weights, indices
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_weights, _grad_indices):
+        if grad_weights is None:
+            return (None,) * 11
+        logits, indices = ctx.saved_tensors
+        score, pre_softmax, norm, scale, dt = ctx.args
+        L = ctx.L
+        T, E = logits.shape
+        grad = torch.empty((T, E), dtype=torch.float32, device=logits.device)
+        gw = grad_weights.float().contiguous()
+        L.C.router_topk_bwd(_ext.ptr(gw), _ext.ptr(logits), _ext.ptr(indices), _ext.ptr(grad), T, E, indices.shape[1],
+                            score, pre_softmax, norm, scale, dt, L.device, L.stream)
+        return (grad.to(logits.dtype),) + (None,) * 10
 
 
 def _positive_int(v: object) -> bool:

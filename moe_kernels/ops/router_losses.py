@@ -528,18 +528,125 @@ def _update_expert_bias_cuda(bias, tokens_per_expert, rate):
 def aux_loss(scores, tokens_per_expert, k: int, coeff: float):
     """coeff * E / (k * T^2) * sum_e (sum_t scores[t, e]) * c_e (Megatron-Core's normalisation):
     uniform scores with even counts give exactly `coeff`. Differentiable w.r.t. scores."""
+    L = _ext.eager(scores)
+    if L is not None and scores.dtype in _EAGER_DTYPES:
+        _check_aux(scores, tokens_per_expert, k)
+        if scores.shape[1] > 0:
+            T, E = scores.shape
+            return _BalanceEager.apply(scores, tokens_per_expert.contiguous(), None, k, max(T, 1),
+                                       _aux_scale(float(coeff), E, k, T), L)
     return torch.ops.moe_kernels.aux_loss(scores, tokens_per_expert, k, float(coeff))
 
 
 def seq_aux_loss(scores, indices, coeff: float, *, seq_len: int):
     """Mean over the B = rows / seq_len sequences of aux_loss computed on each sequence alone, with
     k = indices.shape[1] (DeepSeek-V2/V3 sequence-wise balance loss)."""
+    L = _ext.eager(scores)
+    if L is not None and scores.dtype in _EAGER_DTYPES and isinstance(indices, Tensor) and indices.dtype == torch.int32:
+        _check_seq(scores, indices, seq_len)
+        rows, E = scores.shape
+        if 0 < E <= L.C.balance_max_experts:
+            k = indices.shape[1]
+            scale = _aux_scale(float(coeff), E, k, seq_len) / max(rows // seq_len, 1)
+            return _BalanceEager.apply(scores, None, indices.contiguous(), k, seq_len, scale, L)
     return torch.ops.moe_kernels.seq_aux_loss(scores, indices, float(coeff), seq_len)[0]
 
 
 def z_loss(logits, coeff: float):
     """coeff * mean_t logsumexp(logits[t])^2."""
+    L = _ext.eager(logits)
+    if L is not None and logits.dtype in _EAGER_DTYPES and logits.dim() == 2 and logits.shape[1] > 0:
+        check_tensor("z_loss", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+        return _ZEager.apply(logits, float(coeff), L)
     return torch.ops.moe_kernels.z_loss(logits, float(coeff))[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Eager paths: the kernels called directly (the registered ops' results exactly; moe_kernels.nn.fused states
+# the convention). Their backward stays differentiable under create_graph, as the registered ops' does.
+
+_EAGER_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+_chunk_counts: dict[tuple, int] = {}
+
+
+def _chunks(C, name: str, *args) -> int:
+    key = (name, *args)
+    n = _chunk_counts.get(key)
+    if n is None:
+        n = _chunk_counts[key] = getattr(C, name)(*args)
+    return n
+
+
+class _BalanceEager(torch.autograd.Function):
+    """aux_loss (counts given, one sequence of T rows) or seq_aux_loss (indices given, sequences of S rows)."""
+
+    @staticmethod
+    def forward(ctx, scores, counts, indices, k, S, scale, L):
+        T, E = scores.shape
+        dev = scores.device
+        dt = _EAGER_DTYPES[scores.dtype]
+        loss = torch.empty((), dtype=torch.float32, device=dev)
+        chunks = _chunks(L.C, "balance_chunks", T, S)
+        partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=dev)
+        if indices is None:  # aux_loss
+            L.C.balance_loss_fwd(_ext.ptr(scores), 0, _ext.ptr(counts), counts.dtype == torch.int64,
+                                 _ext.ptr(partial_sums), 0, 0, loss.data_ptr(), T, E, k, S, scale, dt, L.device,
+                                 L.stream)
+            saved = counts.view(1, -1)
+        else:
+            saved = torch.empty((T // S, E), dtype=torch.int32, device=dev)
+            partial_counts = torch.empty((chunks, E), dtype=torch.int32, device=dev)
+            L.C.balance_loss_fwd(_ext.ptr(scores), _ext.ptr(indices), 0, False, _ext.ptr(partial_sums),
+                                 _ext.ptr(partial_counts), _ext.ptr(saved), loss.data_ptr(), T, E, k, S, scale, dt,
+                                 L.device, L.stream)
+        ctx.save_for_backward(saved)
+        ctx.T, ctx.S, ctx.scale, ctx.dtype, ctx.L = T, S, scale, scores.dtype, L
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        (counts,) = ctx.saved_tensors
+        if torch.is_grad_enabled() or grad.dtype != torch.float32:  # create_graph: the differentiable composition
+            g = _balance_backward(grad, counts, ctx.T, ctx.S, ctx.scale, ctx.dtype)
+        else:
+            L = ctx.L
+            g = torch.empty((ctx.T, counts.shape[1]), dtype=ctx.dtype, device=grad.device)
+            grad = grad.contiguous()
+            L.C.balance_loss_bwd(grad.data_ptr(), _ext.ptr(counts), counts.dtype == torch.int64, _ext.ptr(g), ctx.T,
+                                 counts.shape[1], ctx.S, ctx.scale, _EAGER_DTYPES[ctx.dtype], L.device, L.stream)
+        return g, None, None, None, None, None, None
+
+
+class _ZEager(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, coeff, L):
+        T, E = logits.shape
+        dev = logits.device
+        loss = torch.empty((), dtype=torch.float32, device=dev)
+        lse = torch.empty((T,), dtype=torch.float32, device=dev)
+        partials = torch.empty((_chunks(L.C, "z_loss_chunks", T),), dtype=torch.float32, device=dev)
+        L.C.z_loss_fwd(_ext.ptr(logits), _ext.ptr(lse), _ext.ptr(partials), loss.data_ptr(), T, E, coeff,
+                       _EAGER_DTYPES[logits.dtype], L.device, L.stream)
+        ctx.save_for_backward(logits, lse)
+        ctx.coeff, ctx.L = coeff, L
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, lse = ctx.saved_tensors
+        if grad.dtype != torch.float32:
+            return torch.ops.moe_kernels.z_loss_bwd(grad, logits, lse, ctx.coeff), None, None
+        if torch.is_grad_enabled():  # create_graph: as the registered op's backward
+            x = logits.to(_acc_dtype(logits))
+            g = grad * ctx.coeff * 2.0 / max(x.shape[0], 1) * torch.logsumexp(x, -1, keepdim=True) * torch.softmax(x, -1)
+            return g.to(logits.dtype), None, None
+        L = ctx.L
+        T, E = logits.shape
+        out = torch.empty_like(logits)
+        grad = grad.float().contiguous()
+        L.C.z_loss_bwd(grad.data_ptr(), _ext.ptr(logits), _ext.ptr(lse), _ext.ptr(out), T, E, ctx.coeff,
+                       _EAGER_DTYPES[logits.dtype], L.device, L.stream)
+        return out, None, None
 
 
 def apply_capacity(weights, indices, num_experts: int, capacity_factor: float, policy: str = "probs"):
