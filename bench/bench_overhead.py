@@ -231,7 +231,8 @@ def run(ctx: h.Context) -> h.Report:
     _print(ctx, rows, gating)
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     (ctx.out_dir / "overhead_table.json").write_text(json.dumps(
-        {"device": h.device_name(ctx), "rows": rows, "gating": gating, "method": __doc__}, indent=1) + "\n")
+        {"device": h.device_name(ctx), "meta": h.run_metadata(ctx), "rows": rows, "gating": gating,
+         "method": __doc__}, indent=1) + "\n")
     where = "CPU, launches stubbed" if not ctx.is_cuda else h.device_name(ctx)
     head = []
     for r in rows:
@@ -275,3 +276,26 @@ def _print(ctx: h.Context, rows: list[dict], gating: dict | None) -> None:
             for p in PATHS) + f" ratio={r['layer_ratio']:.3f}{extra}")
     if gating:
         print("GATING " + " ".join(f"{k}={v}" for k, v in gating.items()))
+
+
+def markdown_rows(data: dict, dir_name: str) -> list[list[str]]:
+    """README rows of one overhead_table.json (bench.readme's overhead block)."""
+    meta = data.get("meta", {})
+    cpu = meta.get("device") == "cpu"
+    where = f"{'CPU, launches stubbed' if cpu else data['device']}, {str(meta.get('date', dir_name))[:10]}"
+    commit = (meta.get("commit") or "?")[:7] + (" (dirty tree)" if meta.get("dirty") else "")
+    out = []
+    for r in data["rows"]:
+        gpu = "" if cpu else (f"; kernels {h._fmt(r.get('layer_fused_kernel_us'), '.0f')} us, graph replay "
+                              f"{h._fmt(r.get('layer_fused_graph_us'), '.0f')} us")
+        out.append([where, f"{r['model']}/T{r['T']}", f"{r['layer_fused_host_us']:.0f}{gpu}",
+                    f"{r['layer_registered_host_us']:.0f}", f"{r['layer_ratio']:.2f}x",
+                    f"{r['layer_torch_host_us']:.0f}",
+                    f"{r['layer_fused_launches']} / {r['layer_registered_launches']}",
+                    f"{r['layer_fused_aten_ops']} / {r['layer_registered_aten_ops']}", commit])
+    return out
+
+
+MARKDOWN_HEADER = ["where, date", "case", "fused regions: host us per fwd+bwd", "registered ops: host us",
+                   "fused / registered (bar <= 0.33x)", "torch-native: host us", "extension launches: fused / registered",
+                   "aten ops: fused / registered", "commit"]

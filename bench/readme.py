@@ -37,6 +37,7 @@ RESULTS_DIR = REPO_ROOT / "bench" / "results"
 README = REPO_ROOT / "README.md"
 TABLE_MARKERS = ("<!-- bench-table:start -->", "<!-- bench-table:end -->")
 REJUDGED_MARKERS = ("<!-- rejudged:start -->", "<!-- rejudged:end -->")
+OVERHEAD_MARKERS = ("<!-- overhead-table:start -->", "<!-- overhead-table:end -->")
 
 CEILING_DROP = 0.10  # a ceiling this far below the lease's best means the GPU was not itself when measured
 LEASE_GAP = timedelta(hours=1)  # one lease holds a GPU for at most 30 minutes
@@ -393,6 +394,18 @@ def render_rejudged(runs: Sequence[Run]) -> str:
     return "\n".join(lines) if lines else "Nothing changes."
 
 
+def render_overhead(results_root: Path) -> str:
+    """bench overhead's tables (overhead_table.json in the results directories), newest directory first."""
+    from bench.bench_overhead import MARKDOWN_HEADER, markdown_rows
+
+    rows = []
+    for path in sorted(results_root.glob("*/overhead_table.json"), key=lambda p: p.parent.name, reverse=True):
+        rows += markdown_rows(json.loads(path.read_text()), path.parent.name)
+    if not rows:
+        return "No overhead run is committed yet."
+    return "\n".join(markdown_table(MARKDOWN_HEADER, rows))
+
+
 # --- README blocks ----------------------------------------------------------------------------------------
 
 def replace_block(text: str, markers: tuple[str, str], block: str, where: str) -> str:
@@ -406,7 +419,10 @@ def replace_block(text: str, markers: tuple[str, str], block: str, where: str) -
 def planned_writes(readme: Path, results_root: Path) -> dict[Path, str]:
     """Every file the generator owns a block of, with the text it should have."""
     runs_by_dir = load_all(results_root)
-    out = {readme: replace_block(readme.read_text(), TABLE_MARKERS, render_table(runs_by_dir), str(readme))}
+    text = replace_block(readme.read_text(), TABLE_MARKERS, render_table(runs_by_dir), str(readme))
+    if OVERHEAD_MARKERS[0] in text:
+        text = replace_block(text, OVERHEAD_MARKERS, render_overhead(results_root), str(readme))
+    out = {readme: text}
     for dir_name, runs in runs_by_dir.items():
         path = results_root / dir_name / "README.md"
         if path.exists() and REJUDGED_MARKERS[0] in (text := path.read_text()):

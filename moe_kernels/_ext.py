@@ -272,8 +272,8 @@ def eager(t: torch.Tensor) -> Launch | None:
     flags = sys.modules.get(_ONNX_FLAGS)
     if flags is not None and getattr(flags, "_is_onnx_exporting", False):
         return None
-    if t.device.type == "cpu":
-        return Launch(_EMU, 0, 0) if _EMU is not None and not _reference_mode else None
+    if t.device.type != "cuda":  # the CPU (kernels only under emulation), meta, other backends
+        return Launch(_EMU, 0, 0) if t.device.type == "cpu" and _EMU is not None and not _reference_mode else None
     C = kernels("moe_kernels", t)
     if C is None:
         return None

@@ -389,7 +389,7 @@ FusedPartials fused_partials(void* ws, const FusedLayout& L, int E) {
 // Warps per block of the fused forward: each warp's logits, keys and score sums (12 E bytes) and the block's
 // two count arrays (8 E bytes) within 48 KB.
 int fused_warps(int E) {
-  const int w = (kSmemBytes - 8 * E - 64) / (12 * E);
+  const int w = (kSmemBytes - 8 * E - 128) / (12 * E);  // 128: the W-float arrays and static shared memory
   return w < 1 ? 1 : (w > 8 ? 8 : w);
 }
 
