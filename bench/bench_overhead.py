@@ -26,6 +26,7 @@ Bar (specs/perf.md via bench.bars, issue 25): host time per MoE layer fwd+bwd of
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -38,7 +39,7 @@ from moe_kernels.testing import extension_calls
 
 from . import harness as h
 
-CPU_SIZES = dict(hidden_size=64, ffn_size=32)
+CPU_SIZES = dict(hidden_size=16, ffn_size=8)  # real E and k; tiny rows, so the aten ops' own CPU time is small
 CPU_TOKENS = 64  # host work does not grow with T; the tiny aten ops' own CPU time does
 GPU_MODELS = ("qwen3-30b-a3b",)
 GPU_TOKENS = (8192,)
@@ -86,7 +87,12 @@ class _Registered:
 
 
 def _step_fn(layer: MoELayer, g: torch.Tensor):
+    params = list(layer.parameters())
+
     def step(x):
+        for p in params:  # as after zero_grad(set_to_none=True): no accumulation into old gradients
+            p.grad = None
+        x.grad = None
         out, aux = layer(x)
         ((out.float() * g).sum() + aux).backward()
 
@@ -122,6 +128,8 @@ def _count(fn, x) -> tuple[int, int]:
 
 
 def _cpu_case(ctx: h.Context, name: str) -> dict:
+    """Each path warmed up, then timed in interleaved rounds (drift of a shared CPU lands on every path alike);
+    the median over all rounds."""
     base = _layer(name, ctx)
     T, H = CPU_TOKENS, base.config.hidden_size
     gen = torch.Generator().manual_seed(0)
@@ -129,23 +137,31 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
     g = torch.randn(1, T, H, generator=gen)
     logits = torch.randn(T, base.config.num_experts, generator=gen).requires_grad_()
     row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
-    reps = 20 if ctx.quick else 50
+    rounds, reps = (3, 10) if ctx.quick else (8, 25)
+    jobs = []  # (key, fn, input, registered)
     for path in PATHS:
         layer = _path(base, path)
-        registered = _Registered() if path == "registered" else None
-        for what, fn, inp in (("layer", _step_fn(layer, g), x), ("router", _router_fn(layer, T), logits)):
-            if path == "torch" and what == "router":
-                continue
-            if registered:
-                registered.__enter__()
-            try:
-                with extension_calls(stub=True):
-                    fn(inp)  # warm-up: workspace sizes, caches
-                    row[f"{what}_{path}_host_us"] = _host_us(fn, inp, reps)
-                row[f"{what}_{path}_launches"], row[f"{what}_{path}_aten_ops"] = _count(fn, inp)
-            finally:
-                if registered:
-                    registered.__exit__()
+        jobs.append((f"layer_{path}", _step_fn(layer, g), x, path == "registered"))
+        if path != "torch":
+            jobs.append((f"router_{path}", _router_fn(layer, T), logits, path == "registered"))
+    times: dict[str, list[float]] = {key: [] for key, *_ in jobs}
+    with extension_calls(stub=True):
+        for r in range(rounds + 1):
+            for key, fn, inp, registered in jobs:
+                ctxm = _Registered() if registered else contextlib.nullcontext()
+                with ctxm:
+                    if r == 0:
+                        for _ in range(10):  # warm-up: workspace sizes, caches, the allocator
+                            fn(inp)
+                    else:
+                        for _ in range(reps):
+                            t0 = time.perf_counter()
+                            fn(inp)
+                            times[key].append((time.perf_counter() - t0) * 1e6)
+    for key, fn, inp, registered in jobs:
+        row[f"{key}_host_us"] = statistics.median(times[key])
+        with _Registered() if registered else contextlib.nullcontext():
+            row[f"{key}_launches"], row[f"{key}_aten_ops"] = _count(fn, inp)
     row["layer_ratio"] = row["layer_fused_host_us"] / row["layer_registered_host_us"]
     return row
 

@@ -32,7 +32,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from torch.autograd.function import once_differentiable
 
 import torch
 from torch import Tensor
@@ -41,6 +40,9 @@ from moe_kernels import _ext
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, permuted_rows, unpermute
+from moe_kernels.ops.router import resolve_topk_options
+from moe_kernels.ops.router_fused import kernel_fits, launch_bwd, launch_fwd
+from moe_kernels.ops.router_losses import capacity
 
 _F32, _I32, _U8 = torch.float32, torch.int32, torch.uint8
 
@@ -84,6 +86,14 @@ def _register(name: str, ops: Callable, launches: str):
 
 
 _DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def _first_order_only() -> None:
+    """The regions' backward kernels are not differentiable: a second derivative (backward with
+    create_graph=True) must fail loudly, not come out silently zero."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("moe_kernels: the MoE layer's fused regions have first derivatives only; for a "
+                           "second derivative, run the layer under torch.compile or with backend='reference'")
 _needs: dict[tuple, int] = {}  # workspace bytes last asked for, per region and shape
 
 
@@ -126,8 +136,8 @@ class _Permute(torch.autograd.Function):
         return x_perm, row_map, group_sizes
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g, _g_row_map, _g_sizes):
+        _first_order_only()
         (row_map,) = ctx.saved_tensors
         L = ctx.L
         if g is None:
@@ -160,8 +170,8 @@ class _Unpermute(torch.autograd.Function):
         return out
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g):
+        _first_order_only()
         row_map, w, y = ctx.saved_tensors
         L = ctx.L
         g = g.contiguous()
@@ -205,8 +215,8 @@ class _Experts(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy):
+        _first_order_only()
         x, h, a, w13, w2, group_sizes, rw = ctx.saved_tensors
         L = ctx.L
         need_x, _, need_w13, need_w2, need_rw, _ = ctx.needs_input_grad
@@ -270,8 +280,6 @@ _SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 
 def router_spec(cfg) -> RouterSpec:
-    from moe_kernels.ops.router import resolve_topk_options
-
     G, g, gst, scale, norm = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
                                                   cfg.scaling_factor, cfg.normalize, cfg.num_experts)
     return RouterSpec(cfg.num_experts, cfg.k, _SCORE_CODES[cfg.score], cfg.pre_softmax, G, g, gst, scale, norm,
@@ -281,8 +289,6 @@ def router_spec(cfg) -> RouterSpec:
 
 def router_fits(C, spec: RouterSpec) -> bool:
     """Whether the fused router kernel takes these options (else the router composes the separate ops)."""
-    from moe_kernels.ops.router_fused import kernel_fits
-
     return kernel_fits(C, spec.E, spec.k, spec.num_groups) and (
         spec.capacity_factor is None or spec.E <= C.balance_max_experts)
 
@@ -304,9 +310,6 @@ class _Router(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, bias, seq_len, spec, L):
-        from moe_kernels.ops.router_fused import launch_fwd
-        from moe_kernels.ops.router_losses import capacity
-
         C, dev, s = L.C, L.device, L.stream
         weights, indices, counts, aux_counts, seq_counts, loss = launch_fwd(
             C, dev, s, logits, bias, spec.k, spec.score, spec.pre_softmax, spec.num_groups, spec.group_topk,
@@ -330,10 +333,8 @@ class _Router(torch.autograd.Function):
         return weights, kept, counts, loss
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, g_weights, _g_indices, _g_counts, g_loss):
-        from moe_kernels.ops.router_fused import launch_bwd
-
+        _first_order_only()
         logits, indices, kept, aux_counts, seq_counts = ctx.saved_tensors
         spec, L = ctx.spec, ctx.L
         if g_weights is None:  # the loss alone reached the router

@@ -136,6 +136,7 @@ class Router(nn.Module):
         # add up to the losses of the whole sequences. None: the sequences are whole here.
         self.sequence_group = None
         self.spec = fused.router_spec(config)  # the options as the kernels take them
+        self._fits: dict[int, bool] = {}  # extension module -> whether its fused router takes self.spec
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -148,7 +149,7 @@ class Router(nn.Module):
         MoE layer's (moe_kernels.nn.fused): the router region runs on it, or on the registered ops when None;
         by default the router resolves it from x."""
         # fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck), autocast or not
-        dtype = torch.promote_types(self.weight.dtype, torch.float32)
+        dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
             with torch.autocast(device_type=x.device.type, enabled=False):
                 logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
@@ -169,9 +170,14 @@ class Router(nn.Module):
     def _thin_path_fits(self, logits: Tensor, launch: fused.Launch) -> bool:
         """The router region takes one rank's fp32 logits (the losses of a balance or sequence group
         all-reduce between the statistics and the loss: the registered ops do that)."""
-        return (logits.dtype == torch.float32 and self.balance_group is None and self.sequence_group is None
-                and (self.expert_bias is None or self.expert_bias.dtype == torch.float32)
-                and fused.router_fits(launch.C, self.spec))
+        if logits.dtype != torch.float32 or self.balance_group is not None or self.sequence_group is not None:
+            return False
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            return False
+        fits = self._fits.get(id(launch.C))
+        if fits is None:
+            fits = self._fits[id(launch.C)] = fused.router_fits(launch.C, self.spec)
+        return fits
 
     def checked_seq_len(self, logits: Tensor, seq_len: int | None) -> int:
         """The sequence length the sequence-wise loss takes (1 when it is off), checked against the rows."""

@@ -14,7 +14,6 @@ import numbers
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
@@ -559,8 +558,9 @@ class _TopkEager(torch.autograd.Function):
         return weights, indices
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_weights, _grad_indices):
+        if torch.is_grad_enabled():  # create_graph: the backward kernel has no derivative of its own
+            raise RuntimeError("router_topk: no second derivative (the backward kernel is not differentiable)")
         if grad_weights is None:
             return (None,) * 11
         logits, indices = ctx.saved_tensors
