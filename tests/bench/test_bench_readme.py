@@ -26,11 +26,14 @@ def judged(run, op, case):
 
 
 def copy_results(tmp_path):
-    """The committed JSON and README of the H200 run, where a test may change them."""
+    """The committed JSON and README of the H200 run and the overhead tables, where a test may change them."""
     root = tmp_path / "results"
     (root / H200.name).mkdir(parents=True)
     for p in [*H200.glob("bench_*.json"), H200 / "README.md"]:
         shutil.copy(p, root / H200.name / p.name)
+    for p in br.RESULTS_DIR.glob("*/overhead_table.json"):  # bench overhead's tables (the README's overhead block)
+        (root / p.parent.name).mkdir(exist_ok=True)
+        shutil.copy(p, root / p.parent.name / p.name)
     readme = tmp_path / "README.md"
     shutil.copy(br.README, readme)
     return readme, root
@@ -196,3 +199,15 @@ def test_both_json_formats(tmp_path):
             "suspect |") in table
     assert "| dispatch | dispatch | 4096 | 1 | 50.0 / 50.0 of copy/2 |" in table
     assert "**H100 80GB HBM3 2026-12-01, grouped_mm** (`h100-2026-12-01/bench_grouped_mm.json`) is suspect" in table
+
+
+def test_overhead_block_comes_from_the_committed_tables(tmp_path):
+    readme, results = copy_results(tmp_path)
+    text = readme.read_text()
+    start, end = (text.index(m) for m in br.OVERHEAD_MARKERS)
+    assert "| CPU, launches stubbed, 2026-11-27 | qwen3-30b-a3b/T64 |" in text[start:end]
+    for p in results.glob("*/overhead_table.json"):
+        p.unlink()
+    assert br.stale(readme, results) == [readme]
+    assert br.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert "No overhead run is committed yet." in readme.read_text()
