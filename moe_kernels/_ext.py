@@ -238,12 +238,19 @@ def ptr(t: torch.Tensor | None) -> int:
 
 
 _counters: dict[tuple[int, int], torch.Tensor] = {}
+_captured_counters: list[torch.Tensor] = []
 
 
 def counter(like: torch.Tensor, device: int, stream: int) -> int:
-    """Address of a uint32 that is zero between launches, one per (device, stream): a kernel that picks its
-    last block by an atomic ticket on it leaves it at zero again. Kept for the life of the process, so a
-    CUDA graph that captured its address can replay; launches on one stream are ordered, so they share it."""
+    """Address of a uint32 that is zero when a kernel starts: a kernel that picks its last block by an atomic
+    ticket on it leaves it at zero again. Eagerly, one per (device, stream), kept for the process (launches on
+    one stream are ordered, so they share it). Under CUDA-graph capture, a fresh one per captured launch whose
+    zero fill is a node of the graph, so every replay starts from zero whichever graph replays first; kept
+    alive for as long as a graph may replay it."""
+    if like.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        c = torch.zeros((1,), dtype=torch.int32, device=like.device)
+        _captured_counters.append(c)
+        return c.data_ptr()
     key = (device, stream)
     c = _counters.get(key)
     if c is None:
@@ -278,3 +285,16 @@ def eager(t: torch.Tensor) -> Launch | None:
     if C is None:
         return None
     return Launch(C, t.device.index, torch.cuda.current_stream(t.device).cuda_stream)
+
+
+_sizes: dict[tuple, int] = {}
+
+
+def size_of(C, name: str, *args) -> int:
+    """C.<name>(*args) for the extension's pure size functions (chunk counts, workspace bytes), remembered per
+    arguments: the hot path asks once per shape."""
+    key = (name, *args)
+    n = _sizes.get(key)
+    if n is None:
+        n = _sizes[key] = getattr(C, name)(*args)
+    return n

@@ -102,16 +102,12 @@ void register_router(py::module_& m) {
            int32_t score, bool pre_softmax, bool normalize, float scaling_factor, float aux_scale, int64_t seq_len,
            float seq_scale, float z_coeff, int32_t dtype, int device, uintptr_t s) {
           DeviceGuard guard(device);
-          router::FusedBwdParams p{ptr<const float>(grad_weights), ptr<const float>(grad_loss),
-                                   ptr<const void>(logits),         ptr<const int32_t>(indices),
-                                   ptr<const int32_t>(aux_counts),  ptr<const int32_t>(seq_counts),
-                                   ptr<float>(grad_logits),         num_tokens,
-                                   num_experts,                     k,
-                                   Score(score),                    pre_softmax,
-                                   normalize,                       scaling_factor,
-                                   aux_scale,                       seq_len,
-                                   seq_scale,                       z_coeff,
-                                   DType(dtype)};
+          router::FusedBwdParams p{
+              router::TopkBwdParams{ptr<const float>(grad_weights), ptr<const void>(logits),
+                                    ptr<const int32_t>(indices), ptr<float>(grad_logits), num_tokens, num_experts, k,
+                                    Score(score), pre_softmax, normalize, scaling_factor, DType(dtype)},
+              ptr<const float>(grad_loss), ptr<const int32_t>(aux_counts), ptr<const int32_t>(seq_counts), aux_scale,
+              seq_len, seq_scale, z_coeff};
           router::fused_bwd(p, stream(s));
         });
 }

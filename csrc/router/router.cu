@@ -199,6 +199,26 @@ __global__ void topk_fwd_kernel(TopkParams p) {
   });
 }
 
+// d loss / d x of lane's chosen expert (x its logit, g = d loss / d weight * scaling) when the weights come
+// from the k chosen logits alone: softmax over them, or the activation (normalised over the k when asked).
+// Every lane calls it (warp collectives); 0 on lanes without a chosen expert.
+__device__ __forceinline__ float chosen_grad(Score score, bool normalize, bool live, float x, float g) {
+  if (score == Score::kSoftmax) {  // w = softmax over the k chosen logits
+    const float mk = warp_max(live ? x : -INFINITY);
+    const float ex = live ? expf(x - mk) : 0.f;
+    const float w = ex / warp_sum(ex);
+    return w * (g - warp_sum(g * w));
+  }
+  const float s = live ? activation(score, x) : 0.f;
+  float ds = g;
+  if (normalize) {
+    const float denom = warp_sum(s) + kNormEps;
+    const float dot = warp_sum(g * (s / denom));
+    ds = (g - dot) / denom;
+  }
+  return live ? ds * activation_grad(score, x, s) : 0.f;
+}
+
 template <typename T>
 __device__ __forceinline__ void topk_bwd_token(const TopkBwdParams& p, int64_t t, int lane) {
   const int E = p.num_experts, k = p.k;
@@ -227,22 +247,7 @@ __device__ __forceinline__ void topk_bwd_token(const TopkBwdParams& p, int64_t t
   }
   for (int i = lane; i < E; i += 32) grad[i] = 0.f;
   __syncwarp();
-  float dx;
-  if (p.score == Score::kSoftmax) {  // w = softmax over the k chosen logits
-    const float mk = warp_max(live ? x : -INFINITY);
-    const float ex = live ? expf(x - mk) : 0.f;
-    const float w = ex / warp_sum(ex);
-    dx = w * (g - warp_sum(g * w));
-  } else {
-    const float s = live ? activation(p.score, x) : 0.f;
-    float ds = g;
-    if (p.normalize) {
-      const float denom = warp_sum(s) + kNormEps;
-      const float dot = warp_sum(g * (s / denom));
-      ds = (g - dot) / denom;
-    }
-    dx = live ? ds * activation_grad(p.score, x, s) : 0.f;
-  }
+  const float dx = chosen_grad(p.score, p.normalize, live, x, g);
   if (live) grad[e] = dx;
 }
 
@@ -545,9 +550,10 @@ __global__ void fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) 
 // grad_loss * z_coeff * 2 / T * lse_t * softmax(x_t)[e].
 template <typename T>
 __device__ __forceinline__ void fused_bwd_token(const FusedBwdParams& p, int64_t t, float* xs, float* gb, int lane) {
-  const int E = p.num_experts, k = p.k;
-  const T* row = static_cast<const T*>(p.logits) + t * E;
-  float* grad = p.grad_logits + t * E;
+  const TopkBwdParams& tp = p.topk;
+  const int E = tp.num_experts, k = tp.k;
+  const T* row = static_cast<const T*>(tp.logits) + t * E;
+  float* grad = tp.grad_logits + t * E;
   const bool stats = p.aux_scale != 0.f || p.seq_scale != 0.f, z = p.z_coeff != 0.f;
   const float gl = p.grad_loss != nullptr ? *p.grad_loss : 0.f;
 
@@ -569,38 +575,38 @@ __device__ __forceinline__ void fused_bwd_token(const FusedBwdParams& p, int64_t
       if (cs != nullptr) g = g + gl * p.seq_scale * float(cs[e]);
       return g;
     };
-    if (p.score == Score::kSoftmax) {
+    if (tp.score == Score::kSoftmax) {
       float dot = 0.f;
       for (int e = lane; e < E; e += 32) dot += G(e) * (expf(xs[e] - m) / se);
       dot = warp_sum(dot);
       for (int e = lane; e < E; e += 32) gb[e] = (expf(xs[e] - m) / se) * (G(e) - dot);
     } else {
       float total = 0.f;
-      for (int e = lane; e < E; e += 32) total += activation(p.score, xs[e]);
+      for (int e = lane; e < E; e += 32) total += activation(tp.score, xs[e]);
       const float denom = warp_sum(total) + kNormEps;
       float dot = 0.f;
-      for (int e = lane; e < E; e += 32) dot += G(e) * (activation(p.score, xs[e]) / denom);
+      for (int e = lane; e < E; e += 32) dot += G(e) * (activation(tp.score, xs[e]) / denom);
       dot = warp_sum(dot);
       for (int e = lane; e < E; e += 32) {
-        const float s = activation(p.score, xs[e]);
-        gb[e] = (G(e) - dot) / denom * activation_grad(p.score, xs[e], s);
+        const float s = activation(tp.score, xs[e]);
+        gb[e] = (G(e) - dot) / denom * activation_grad(tp.score, xs[e], s);
       }
     }
   }
-  if (z && p.num_tokens > 0) {
+  if (z && tp.num_tokens > 0) {
     const float lse = m + logf(se);
-    const float zg = gl * p.z_coeff * 2.f / float(p.num_tokens) * lse;
+    const float zg = gl * p.z_coeff * 2.f / float(tp.num_tokens) * lse;
     for (int e = lane; e < E; e += 32) gb[e] = gb[e] + zg * (expf(xs[e] - m) / se);
   }
   __syncwarp();
 
   // The top-k backward, as topk_bwd_token, added to the dense part.
-  int32_t e = lane < k ? p.indices[t * k + lane] : -1;
+  int32_t e = lane < k ? tp.indices[t * k + lane] : -1;
   if (e >= E) e = -1;
   const bool live = e >= 0;
   const float x = live ? xs[e] : 0.f;
-  const float g = live ? p.grad_weights[t * k + lane] * p.scaling_factor : 0.f;
-  if (p.score == Score::kSoftmax && p.pre_softmax) {
+  const float g = live ? tp.grad_weights[t * k + lane] * tp.scaling_factor : 0.f;
+  if (tp.score == Score::kSoftmax && tp.pre_softmax) {
     const float w = live ? expf(x - m) / se : 0.f;
     const float dot = warp_sum(g * w);
     for (int i = lane; i < E; i += 32) grad[i] = -(expf(xs[i] - m) / se) * dot + gb[i];
@@ -610,28 +616,13 @@ __device__ __forceinline__ void fused_bwd_token(const FusedBwdParams& p, int64_t
   }
   for (int i = lane; i < E; i += 32) grad[i] = gb[i];
   __syncwarp();
-  float dx;
-  if (p.score == Score::kSoftmax) {
-    const float mk = warp_max(live ? x : -INFINITY);
-    const float ex = live ? expf(x - mk) : 0.f;
-    const float w = ex / warp_sum(ex);
-    dx = w * (g - warp_sum(g * w));
-  } else {
-    const float s = live ? activation(p.score, x) : 0.f;
-    float ds = g;
-    if (p.normalize) {
-      const float denom = warp_sum(s) + kNormEps;
-      const float dot = warp_sum(g * (s / denom));
-      ds = (g - dot) / denom;
-    }
-    dx = live ? ds * activation_grad(p.score, x, s) : 0.f;
-  }
+  const float dx = chosen_grad(tp.score, tp.normalize, live, x, g);
   if (live) grad[e] = dx + gb[e];
 }
 
 template <typename T>
 __global__ void fused_bwd_kernel(FusedBwdParams p) {
-  for_each_token<true>(p.num_tokens, p.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
+  for_each_token<true>(p.topk.num_tokens, p.topk.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
     fused_bwd_token<T>(p, t, xs, reinterpret_cast<float*>(keys), lane);
   });
 }
@@ -747,13 +738,20 @@ void fused_fwd(const FusedParams& p, cudaStream_t stream) {
 }
 
 void fused_bwd(const FusedBwdParams& p, cudaStream_t stream) {
-  check_sizes(p.num_experts, p.k, "router_fused backward");
-  if (p.seq_scale != 0.f && p.seq_len < 1) throw std::invalid_argument("router_fused backward: bad seq_len");
-  if (p.num_tokens == 0) return;
-  const int W = router_fwd_warps(p.num_experts);
-  const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
-  const size_t smem = size_t(W) * 8 * p.num_experts;
-  by_float_dtype(p.dtype, "router_fused backward", [&]<typename T>() {
+  const TopkBwdParams& tp = p.topk;
+  check_sizes(tp.num_experts, tp.k, "router_fused backward");
+  if (p.seq_scale != 0.f && (p.seq_len < 1 || tp.num_tokens % p.seq_len)) {
+    throw std::invalid_argument("router_fused backward: the rows are not whole sequences of seq_len");
+  }
+  if ((p.aux_scale != 0.f && p.aux_counts == nullptr) ||
+      (p.seq_scale != 0.f && p.seq_counts == nullptr && tp.num_tokens > 0)) {
+    throw std::invalid_argument("router_fused backward: a loss is on without its counts");
+  }
+  if (tp.num_tokens == 0) return;
+  const int W = router_fwd_warps(tp.num_experts);
+  const unsigned blocks = unsigned(router_blocks(tp.num_tokens, W));
+  const size_t smem = size_t(W) * 8 * tp.num_experts;
+  by_float_dtype(tp.dtype, "router_fused backward", [&]<typename T>() {
     fused_bwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
   });
   check_launch("router fused_bwd_kernel");

@@ -115,25 +115,14 @@ size_t fused_workspace_bytes(const FusedParams& p);
 void fused_fwd(const FusedParams& p, cudaStream_t stream);
 
 struct FusedBwdParams {
-  const float* grad_weights;  // [T, k]
+  TopkBwdParams topk;         // grad_weights [T, k], logits, indices [T, k] from fused_fwd (before any capacity)
   const float* grad_loss;     // [] on the device, or nullptr (no gradient reached the loss)
-  const void* logits;         // [T, E]
-  const int32_t* indices;     // [T, k] from fused_fwd (before any capacity)
   const int32_t* aux_counts;  // [E] (aux loss on)
   const int32_t* seq_counts;  // [B, E] (sequence loss on)
-  float* grad_logits;         // [T, E]
-  int64_t num_tokens;
-  int32_t num_experts;
-  int32_t k;
-  Score score;
-  bool pre_softmax;
-  bool normalize;
-  float scaling_factor;
   float aux_scale;
   int64_t seq_len;
   float seq_scale;
   float z_coeff;
-  DType dtype;
 };
 void fused_bwd(const FusedBwdParams& p, cudaStream_t stream);
 

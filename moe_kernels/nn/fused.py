@@ -122,11 +122,8 @@ class _Permute(torch.autograd.Function):
         x_perm = x.new_empty((permuted_rows(T, k, num_experts, align), H))
         row_map = torch.empty((T, k), dtype=_I32, device=x.device)
         group_sizes = torch.empty((num_experts,), dtype=_I32, device=x.device)
-        key = ("permute", T * k, num_experts)
-        nbytes = _needs.get(key)
-        if nbytes is None:
-            nbytes = _needs[key] = L.C.permute_workspace_bytes(T * k, num_experts)
-        ws = torch.empty((nbytes,), dtype=_U8, device=x.device)
+        ws = torch.empty((_ext.size_of(L.C, "permute_workspace_bytes", T * k, num_experts),), dtype=_U8,
+                         device=x.device)
         L.C.permute_fwd(_ext.ptr(x), _ext.ptr(indices), _ext.ptr(x_perm), _ext.ptr(row_map), group_sizes.data_ptr(),
                         _ext.ptr(ws), T, k, H * x.element_size(), num_experts, align, L.device, L.stream)
         ctx.mark_non_differentiable(row_map, group_sizes)
@@ -293,17 +290,6 @@ def router_fits(C, spec: RouterSpec) -> bool:
         spec.capacity_factor is None or spec.E <= C.balance_max_experts)
 
 
-_chunks: dict[tuple, int] = {}
-
-
-def _chunk_count(C, name: str, *args) -> int:
-    key = (name, *args)
-    n = _chunks.get(key)
-    if n is None:
-        n = _chunks[key] = getattr(C, name)(*args)
-    return n
-
-
 class _Router(torch.autograd.Function):
     """logits [T, E] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E] int32, loss [] fp32: the
     router_fused kernel each way (capacity adds its select and the counts after it)."""
@@ -321,7 +307,7 @@ class _Router(torch.autograd.Function):
             n = T * k
             cap = min(capacity(T, k, E, spec.capacity_factor), n)
             w_out, kept = torch.empty_like(weights), torch.empty_like(indices)
-            ws = torch.empty((_chunk_count(C, "capacity_workspace_bytes", n, E),), dtype=_U8, device=logits.device)
+            ws = torch.empty((_ext.size_of(C, "capacity_workspace_bytes", n, E),), dtype=_U8, device=logits.device)
             C.apply_capacity(_ext.ptr(weights), _ext.ptr(indices), _ext.ptr(w_out), _ext.ptr(kept), _ext.ptr(ws), n, E,
                              cap, spec.by_probs, 0, dev, s)
             weights = w_out

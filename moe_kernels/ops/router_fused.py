@@ -39,6 +39,7 @@ from moe_kernels.ops.router import (
 from moe_kernels.ops.router_losses import _seq_counts
 
 OP = "router_fused"
+_FP32_TINY = torch.finfo(torch.float32).tiny
 FUSED_MAX_EXPERTS = 1024  # csrc/router/router.h kFusedMaxExperts (the extension's router_fused_max_experts)
 
 
@@ -47,6 +48,9 @@ def loss_scales(T: int, E: int, k: int, aux_coeff: float, seq_coeff: float, seq_
     T and B counted as at least 1 (no rows: the sums are 0 and a loss stays marked on by a non-zero scale)."""
     aux = aux_coeff * E / (k * max(T, 1) ** 2) if aux_coeff > 0 else 0.0
     seq = seq_coeff * E / (k * seq_len * seq_len) / max(T // seq_len, 1) if seq_coeff > 0 else 0.0
+    for name, coeff, scale in (("aux_coeff", aux_coeff, aux), ("seq_coeff", seq_coeff, seq)):
+        if coeff > 0 and scale < _FP32_TINY:  # the kernels read a zero scale as "loss off"
+            raise ValueError(f"{OP}: `{name}`={coeff} gives a loss scale of {scale:.3g}, below fp32's range")
     return aux, seq
 
 
@@ -62,7 +66,8 @@ def _check(logits, expert_bias, k, score, pre_softmax, num_groups, group_topk, g
             raise ValueError(f"{OP}: {logits.shape[0]} rows of `logits` are not whole sequences of `seq_len`={seq_len}")
 
 
-def _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, seq_coeff, seq_len) -> None:
+def _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, aux_coeff, seq_coeff,
+               seq_len) -> None:
     op = f"{OP}_bwd"
     check_tensor(op, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
     T, E = logits.shape
@@ -74,10 +79,15 @@ def _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts,
                          f"{tuple(grad_weights.shape)}")
     check_tensor(op, "aux_counts", aux_counts, ndim=1, dtypes=(torch.int32,), device=logits.device)
     check_tensor(op, "seq_counts", seq_counts, ndim=2, dtypes=(torch.int32,), device=logits.device)
-    if aux_counts.shape[0] not in (0, E):
-        raise ValueError(f"{op}: `aux_counts` must be [{E}] or empty, got {tuple(aux_counts.shape)}")
-    if seq_coeff > 0 and tuple(seq_counts.shape) != (T // seq_len, E):
-        raise ValueError(f"{op}: `seq_counts` must be [{T // seq_len}, {E}], got {tuple(seq_counts.shape)}")
+    if aux_counts.shape[0] not in (0, E) or (aux_coeff > 0 and aux_counts.shape[0] != E):
+        raise ValueError(f"{op}: `aux_counts` must be [{E}] with aux_coeff > 0 (else it may be empty), got "
+                         f"{tuple(aux_counts.shape)}")
+    if seq_coeff > 0:
+        check_int(op, "seq_len", seq_len, minimum=1)
+        if T % seq_len:
+            raise ValueError(f"{op}: {T} rows of `logits` are not whole sequences of `seq_len`={seq_len}")
+        if tuple(seq_counts.shape) != (T // seq_len, E):
+            raise ValueError(f"{op}: `seq_counts` must be [{T // seq_len}, {E}], got {tuple(seq_counts.shape)}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -163,7 +173,7 @@ def _router_fused_bwd(
     seq_counts: Tensor, k: int, score: str, pre_softmax: bool, normalize: bool, scaling_factor: float,
     aux_coeff: float, seq_coeff: float, seq_len: int, z_coeff: float,
 ) -> Tensor:
-    _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, seq_coeff, seq_len)
+    _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, aux_coeff, seq_coeff, seq_len)
     return router_fused_bwd_reference(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, score,
                                       pre_softmax, normalize, scaling_factor, aux_coeff, seq_coeff, seq_len, z_coeff)
 
@@ -188,7 +198,7 @@ def _(logits, expert_bias, k, score, pre_softmax, num_groups, group_topk, group_
 @_router_fused_bwd.register_fake
 def _(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, score, pre_softmax, normalize,
       scaling_factor, aux_coeff, seq_coeff, seq_len, z_coeff):
-    _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, seq_coeff, seq_len)
+    _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, aux_coeff, seq_coeff, seq_len)
     return logits.new_empty(logits.shape, dtype=_out_dtype(logits))
 
 
@@ -297,7 +307,7 @@ def _router_fused_cuda(logits, expert_bias, k, score, pre_softmax, num_groups, g
 @_ext.cuda_impl(_router_fused_bwd)
 def _router_fused_bwd_cuda(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, score, pre_softmax,
                            normalize, scaling_factor, aux_coeff, seq_coeff, seq_len, z_coeff):
-    _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, seq_coeff, seq_len)
+    _check_bwd(grad_weights, grad_loss, logits, indices, aux_counts, seq_counts, k, aux_coeff, seq_coeff, seq_len)
     check_cuda_dtype(f"{OP} backward", "logits", logits)
     C = _ext.kernels(OP, logits)
     if C is None or _ext.checks_enabled():

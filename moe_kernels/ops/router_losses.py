@@ -566,17 +566,6 @@ def z_loss(logits, coeff: float):
 # the convention). Their backward stays differentiable under create_graph, as the registered ops' does.
 
 _EAGER_DTYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-_chunk_counts: dict[tuple, int] = {}
-
-
-def _chunks(C, name: str, *args) -> int:
-    key = (name, *args)
-    n = _chunk_counts.get(key)
-    if n is None:
-        n = _chunk_counts[key] = getattr(C, name)(*args)
-    return n
-
-
 class _BalanceEager(torch.autograd.Function):
     """aux_loss (counts given, one sequence of T rows) or seq_aux_loss (indices given, sequences of S rows)."""
 
@@ -586,7 +575,7 @@ class _BalanceEager(torch.autograd.Function):
         dev = scores.device
         dt = _EAGER_DTYPES[scores.dtype]
         loss = torch.empty((), dtype=torch.float32, device=dev)
-        chunks = _chunks(L.C, "balance_chunks", T, S)
+        chunks = _ext.size_of(L.C, "balance_chunks", T, S)
         partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=dev)
         if indices is None:  # aux_loss
             L.C.balance_loss_fwd(_ext.ptr(scores), 0, _ext.ptr(counts), counts.dtype == torch.int64,
@@ -624,7 +613,7 @@ class _ZEager(torch.autograd.Function):
         dev = logits.device
         loss = torch.empty((), dtype=torch.float32, device=dev)
         lse = torch.empty((T,), dtype=torch.float32, device=dev)
-        partials = torch.empty((_chunks(L.C, "z_loss_chunks", T),), dtype=torch.float32, device=dev)
+        partials = torch.empty((_ext.size_of(L.C, "z_loss_chunks", T),), dtype=torch.float32, device=dev)
         L.C.z_loss_fwd(_ext.ptr(logits), _ext.ptr(lse), _ext.ptr(partials), loss.data_ptr(), T, E, coeff,
                        _EAGER_DTYPES[logits.dtype], L.device, L.stream)
         ctx.save_for_backward(logits, lse)

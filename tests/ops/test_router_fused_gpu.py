@@ -125,6 +125,18 @@ def test_router_fused_bad_input(cuda):
         mk.router_fused(logits, 2, z_coeff=-1.0)
     with pytest.raises(ValueError, match="`k`"):
         mk.router_fused(logits, 9)
+    # The backward op reads the counts the forward wrote: missing or mis-shaped counts are refused before the kernel.
+    T, E, k = 10, 8, 2
+    args = (torch.randn(T, k, device=cuda), torch.ones((), device=cuda), torch.randn(T, E, device=cuda),
+            torch.zeros(T, k, dtype=torch.int32, device=cuda))
+    i32 = dict(dtype=torch.int32, device=cuda)
+    bwd = torch.ops.moe_kernels.router_fused_bwd
+    with pytest.raises(ValueError, match="`aux_counts` must be \\[8\\] with aux_coeff > 0"):
+        bwd(*args, torch.zeros(0, **i32), torch.zeros(0, E, **i32), k, "softmax", False, True, 1.0, 1e-2, 0.0, 1, 0.0)
+    with pytest.raises(ValueError, match="not whole sequences of `seq_len`=4"):
+        bwd(*args, torch.zeros(0, **i32), torch.zeros(2, E, **i32), k, "softmax", False, True, 1.0, 0.0, 1e-2, 4, 0.0)
+    with pytest.raises(ValueError, match="below fp32's range"):
+        mk.router_fused(logits, 2, aux_coeff=1e-45)
     if _ext.kernels("router_fused", logits) is not None:
         with pytest.raises(ValueError, match=f"at most {FUSED_MAX_EXPERTS} experts"):
             mk.router_fused(torch.randn(4, FUSED_MAX_EXPERTS + 32, device=cuda), 2)
