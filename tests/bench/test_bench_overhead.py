@@ -47,3 +47,19 @@ def test_overhead_counts_the_fused_regions(tmp_path):
             assert r[f"layer_{path}_host_us"] > 0
         assert r["layer_ratio"] == pytest.approx(r["layer_fused_host_us"] / r["layer_registered_host_us"])
     assert "HEADLINE qwen3-30b-a3b/T64 layer fwd+bwd host (CPU, launches stubbed)" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_gpu_mode_cases_run(cuda):
+    # The GPU mode's two cases (layer paths with host / kernel / graph time, and the gating linear beside the
+    # router region) at a token count the CPU-executed kernels manage; on a GPU at the perf.md sizes.
+    from bench import bench_overhead as bo
+    from bench import harness as h
+
+    ctx = h.Context(device=cuda, quick=True, out_dir=None)
+    T = 8192 if ctx.is_cuda else 64
+    row = bo._gpu_case(ctx, "qwen3-30b-a3b", T)
+    assert row["layer_fused_launches"] == 8 and row["layer_registered_launches"] == 14
+    assert all(row[f"layer_{p}_host_us"] > 0 for p in bo.PATHS)
+    gating = bo._gating_case(ctx, T=16384 if ctx.is_cuda else 16)
+    assert gating["gating_host_us"] > 0 and gating["router_host_us"] > 0
