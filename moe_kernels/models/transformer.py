@@ -273,33 +273,33 @@ class MoETransformer(nn.Module):
         self.activation_checkpointing = bool(enabled)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: int | None = None, splits: dict | None = None) -> None:
         """Normal(0, init_std) matrices and embeddings, output projections (o_proj, down_proj, experts' w2) scaled
-        by 1/sqrt(2 * num_layers) (GPT-2 / Megatron), norms 1, expert bias and counts 0. Also what fills a model
-        built on the meta device after `to_empty()`."""
-        std = self.config.init_std
-        out_std = std / math.sqrt(2 * self.config.num_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, 0.0, out_std if name.endswith(("o_proj", "down_proj")) else std)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, GroupedExperts):
-                nn.init.normal_(module.w13, 0.0, std)
-                nn.init.normal_(module.w2, 0.0, out_std)
-            elif isinstance(module, Router):
-                nn.init.normal_(module.weight, 0.0, std)
-                if module.expert_bias is not None:
-                    module.expert_bias.zero_()
-                    module.tokens_seen.zero_()
+        by 1/sqrt(2 * num_layers) (GPT-2 / Megatron), norms 1, expert bias and counts 0: every value drawn from
+        `seed` by its parameter's name and position (moe_kernels.models.init), so a sharded model (`splits`,
+        FSDP DTensors) gets the pieces of the same model. seed None: one drawn from torch's generator. Also what
+        fills a model built on the meta device after `to_empty()`."""
+        from moe_kernels.models.init import init_parameters, model_rules
+
+        if seed is None:
+            seed = default_seed()
+        init_parameters(self, model_rules(self, self.config), seed, splits)
 
 
-def build_model(cfg: ModelConfig, device=None, dtype=None) -> MoETransformer:
-    """The model with its parameters on `device` in `dtype` (routers stay fp32), initialised by init_weights().
-    device="meta" allocates nothing (for parameter, FLOP and memory accounting; `to_empty()` + `init_weights()`
-    materialise it)."""
-    with torch.device(device) if device is not None else nullcontext():
+def default_seed() -> int:
+    """A model seed drawn from torch's default generator (so torch.manual_seed(s) fixes the model)."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+def build_model(cfg: ModelConfig, device=None, dtype=None, *, seed: int | None = None) -> MoETransformer:
+    """The model with its parameters on `device` in `dtype` (routers stay fp32), initialised by
+    init_weights(seed) (seed None: drawn from torch's generator). Built on the meta device and then
+    materialised, so nothing is drawn twice. device="meta" allocates nothing (for parameter, FLOP and memory
+    accounting, or to parallelize before materialising: moe_kernels.parallel.parallelize(..., seed=))."""
+    with torch.device("meta"):
         model = MoETransformer(cfg, dtype=dtype)
-    if torch.device(device or "cpu").type != "meta":
-        model.init_weights()
+    device = torch.device(device) if device is not None else torch.empty(()).device  # torch's default device
+    if device.type != "meta":
+        model.to_empty(device=device)
+        model.init_weights(seed)
     return model

@@ -26,7 +26,13 @@ tokens (the dispatcher brought them; with etp the group's gathered tokens), so i
 W / (ep * etp) ranks holding that slice, also divides by the number of batches instead of its mesh size.
 
 Mixed precision: bf16 parameters for compute and fp32 gradient reduction on CUDA (the fp32 master
-weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process).
+weights stay sharded); fp32 throughout on the CPU (gloo tests compare with one process). The routers are
+their own FSDP units gathered in fp32 (they compute in fp32 as on one GPU), and the experts' units leave
+their inputs' dtypes alone (routing weights applied in the activation stay fp32).
+
+Construction: a model built on the meta device is sharded first and then materialised, every rank
+allocating and drawing only its pieces (moe_kernels.models.init: the values of one process's
+`build_model(cfg, seed=seed)`), so no rank ever holds the whole model.
 
 Pipeline parallelism (pp > 1, `num_microbatches=`, `schedule=`): the pp dimension is the outermost of both
 meshes (rank = pp_rank * W / pp + the rank within the stage). Each rank keeps its stage's blocks
@@ -41,6 +47,7 @@ refused with pp.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -48,9 +55,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from moe_kernels.nn import MoELayer, Router
 from moe_kernels.parallel.context_parallel import apply_context_parallel
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
-from moe_kernels.parallel.full_state import device_of, model_from_state
+from moe_kernels.parallel.full_state import device_of, model_from_state, splits_of
 from moe_kernels.parallel.layout import ParallelConfig
 from moe_kernels.parallel.pipeline import LocalStages, Pipelined, check_pipeline, stage_modules
 from moe_kernels.parallel.sequence import (
@@ -167,6 +175,31 @@ class Parallelized:
         all_reduce_expert_counts(self.model, self.stage_group)
 
 
+def _materialise_device(device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _capacity_rows(model: nn.Module, capacity: float | None, max_tokens_per_rank: int | None,
+                   backend: str, etp: int = 1) -> int | None:
+    """The nvlink backend's expert rows per rank from a factor of the balanced load (each rank's tokens with
+    their k slots: max_tokens_per_rank * etp * k rows, the etp group's tokens dispatched together); None: its
+    worst case."""
+    if capacity is None:
+        return None
+    if backend != "nvlink":
+        raise ValueError(f"capacity={capacity}: a dispatch capacity is the nvlink backend's (ep_backend="
+                         f"{backend!r} sends every routed row)")
+    if not capacity > 0:
+        raise ValueError(f"capacity must be > 0 (a factor of the balanced load), got {capacity}")
+    if max_tokens_per_rank is None:
+        raise ValueError("capacity needs max_tokens_per_rank (the balanced load is max_tokens_per_rank * k rows)")
+    ks = {m.config.router.k for m in model.modules() if isinstance(m, MoELayer)}
+    return max(1, math.ceil(capacity * max_tokens_per_rank * etp * max(ks or {1})))
+
+
 def _blocks(model: nn.Module) -> list[nn.Module]:
     if getattr(model, "layers", None) is None:
         raise ValueError("parallelize: the model has no `layers` (a moe_kernels.models MoETransformer is expected)")
@@ -175,14 +208,20 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
 
 def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device | str | None = None, *,
                 mixed_precision: bool | None = None, ep_backend: str = "all_to_all",
-                max_tokens_per_rank: int | None = None, num_microbatches: int | None = None,
-                schedule: str = "1f1b", stages_per_rank: int = 1) -> Parallelized:
-    """Shard `model` (built identically on every rank) over the default process group's ranks, in place.
+                max_tokens_per_rank: int | None = None, capacity: float | None = None,
+                num_microbatches: int | None = None, schedule: str = "1f1b", stages_per_rank: int = 1,
+                seed: int | None = None) -> Parallelized:
+    """Shard `model` over the default process group's ranks, in place: a model built identically on every
+    rank, or one built on the meta device (`build_model(cfg, device="meta")`), which is then materialised
+    on `device` with each rank holding and initialising only its pieces, drawn from `seed` as one process's
+    `build_model(cfg, seed=seed)` would draw them (moe_kernels.models.init).
 
-    layout: the sizes (dp_shard None: what the world leaves). device: the ranks' device type (default: the
-    model's). mixed_precision: bf16 compute + fp32 reduction (default: on CUDA). ep_backend and
-    max_tokens_per_rank: the token dispatcher of the experts (apply_expert_parallel). num_microbatches,
-    schedule ("1f1b", "gpipe", "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1.
+    layout: the sizes (dp_shard None: what the world leaves). device: the ranks' device (default: the
+    model's; required for a meta model). mixed_precision: bf16 compute + fp32 reduction, routers in fp32
+    (default: on CUDA). ep_backend, max_tokens_per_rank and capacity: the token dispatcher of the experts
+    (apply_expert_parallel; capacity, for nvlink: expert rows per rank as a factor of the balanced load
+    max_tokens_per_rank * k, None for the worst case). num_microbatches, schedule ("1f1b", "gpipe",
+    "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -203,6 +242,18 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         pc.check_model(cfg, cfg.max_seq_len)
     if pc.cp * pc.tp > 1:
         check_sequence_parallel(model, pc.tp)
+    on_meta = device_of(model).type == "meta"
+    if on_meta and (device is None or torch.device(device).type == "meta"):
+        raise ValueError("parallelize: a model on the meta device needs `device=` (where its pieces go)")
+    if on_meta and seed is None:
+        raise ValueError("parallelize: a model on the meta device is initialised from `seed=` (the same on every "
+                         "rank); pass it, or build the model on its device first")
+    if seed is not None and not on_meta:
+        raise ValueError("parallelize: `seed=` initialises a model built on the meta device; this one already "
+                         "holds its weights")
+    if capacity is not None and pc.ep * pc.etp == 1:
+        raise ValueError(f"parallelize: capacity={capacity} is the expert-parallel dispatcher's; this layout has no "
+                         "expert parallelism")
     device_type = torch.device(device).type if device is not None else device_of(model).type
     if mixed_precision is None:
         mixed_precision = device_type == "cuda"
@@ -237,9 +288,19 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     if EP * ETP > 1:
         apply_expert_parallel(model, expert_mesh3d.get_group("ep"), backend=ep_backend,
                               etp_group=expert_mesh3d.get_group("etp") if ETP > 1 else None,
-                              max_tokens_per_rank=max_tokens_per_rank)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else \
-        MixedPrecisionPolicy()
+                              max_tokens_per_rank=max_tokens_per_rank,
+                              capacity=_capacity_rows(model, capacity, max_tokens_per_rank, ep_backend, ETP))
+    if mixed_precision:
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        # The routers compute in fp32 as on one GPU (Megatron-Core's router): their own units, gathered in
+        # fp32; their inputs pass as they come (the router casts them). The experts' inputs keep their dtypes
+        # too: the routing weights that scale rows in the activation stay fp32.
+        router_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32,
+                                         cast_forward_inputs=False)
+        expert_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                         cast_forward_inputs=False)
+    else:
+        mp = router_mp = expert_mp = MixedPrecisionPolicy()
     expert_mesh = expert_mesh3d["edp"]
 
     def flat_mesh(name: str, with_tp: bool):
@@ -279,8 +340,18 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     ep_params = {id(p) for p in expert_parameters(model)}
     expert_modules = []
     for i, block in enumerate(_blocks(model)):
+        routers = [m for m in block.modules() if isinstance(m, Router)]
+        for router in routers:  # each its own unit, over the ranks its parameters would otherwise share
+            if replicated is not None:
+                summed(fully_shard(router, mesh=whole_mesh, mp_policy=router_mp), whole_mesh)
+            else:
+                unit = fully_shard(router, mesh=split_mesh, mp_policy=router_mp)
+                if C > 1:
+                    summed(unit, split_mesh)
         if replicated is not None:
-            summed(fully_shard(replicated[i], mesh=whole_mesh, mp_policy=mp), whole_mesh)
+            rest = [m for m in replicated[i] if not any(m is r for r in routers)]
+            if rest:
+                summed(fully_shard(rest, mesh=whole_mesh, mp_policy=mp), whole_mesh)
         for m in block.modules():
             routed = getattr(m, "experts", None)
             if routed is None or not isinstance(routed, nn.Module) or not any(True for _ in routed.parameters()):
@@ -288,7 +359,8 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
             # Expert-parallel experts, and with tp or cp every rank's experts (their gradients are its tokens'
             # part): summed over edp, which holds the tp and cp ranks too.
             if any(id(p) in ep_params for p in routed.parameters()) or sharding is not None:
-                summed(fully_shard(routed, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=True), expert_mesh)
+                summed(fully_shard(routed, mesh=expert_mesh, mp_policy=expert_mp, reshard_after_forward=True),
+                       expert_mesh)
                 expert_modules.append(routed)
         shard_split(block)
     if replicated is not None and replicated[-1]:
@@ -298,5 +370,11 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp, reshard_after_forward=not tied), whole_mesh)
     for root in (pipeline.modules if pipeline is not None else [model]):  # one FSDP root per stage module
         shard_split(root)
+    if on_meta:  # each rank allocates its own pieces and draws them (moe_kernels.models.init)
+        from moe_kernels.models.init import init_parameters, model_rules
+
+        model.to_empty(device=_materialise_device(device))
+        init_parameters(model, model_rules(model, model.config), seed,
+                        splits_of(model, None if sharding is None else sharding.tp_group))
     return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules, pipeline, stage_group,
                         full_names)
