@@ -12,7 +12,9 @@ process group) and the kernels of csrc/dispatch/nvlink.cu move the rows:
 The backward of dispatch is a combine (push, reduce) and that of combine a dispatch of rows (the source
 writes its per-slot gradient rows, the owners pull them). No phase syncs with the host: buffers are
 sized for the worst case from `max_tokens_per_rank`, counts stay on the device, and a whole MoE layer can
-be captured in a CUDA graph (after one warm-up call has allocated the buffers).
+be captured in a CUDA graph (after one warm-up call has allocated the buffers). What the autograd keeps
+for the backward (the handles' tensors, combine's weights and slot rows) is saved with save_for_backward,
+so activation checkpointing and saved-tensor offload see and can free it.
 
 Results are bit-identical to the all-to-all backend and the one-rank layer: the same rows in the same
 order, the same sums in the same order.
@@ -232,13 +234,25 @@ class NvlinkHandle:
     num_tokens: int  # T
     k: int
     source_rows: Tensor  # [T, k] row t*k + j of slot j in the combine region, -1: went nowhere
-    weights: Tensor  # [T, k] the dispatch's weights (combine's default)
+    weights: Tensor | None  # [T, k] the dispatch's weights (combine's default); None in a backward's copy
     num_received: Tensor  # [1] int32 tokens received (N)
     src: Tensor  # [X, 2] (source rank, source token) of received rows < N
     row_map: Tensor  # [X, k] grouped row of each received slot, -1 none
     workspace: Tensor  # the layout permute's workspace (expert starts and counts)
     group_sizes: Tensor  # [El]
     num_rows: int  # R
+
+    # The tensors the backward passes read, in the order `_saved`/`_rebuilt` use.
+    _TENSORS = ("source_rows", "num_received", "src", "row_map", "workspace", "group_sizes")
+
+    def _saved(self) -> tuple[tuple[Tensor, ...], tuple[int, int, int, int]]:
+        """(tensors for ctx.save_for_backward, the integers beside them)."""
+        return tuple(getattr(self, f) for f in self._TENSORS), (self.rank, self.num_tokens, self.k, self.num_rows)
+
+    @classmethod
+    def _rebuilt(cls, tensors, meta) -> NvlinkHandle:
+        rank, num_tokens, k, num_rows = meta
+        return cls(rank, num_tokens, k, *tensors[:1], None, *tensors[1:], num_rows)
 
 
 class _Engine:
@@ -449,7 +463,33 @@ class _Engine:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Autograd: one node for all the ranks this process drives (virtual ranks move in lockstep).
+# Autograd: one node for all the ranks this process drives (virtual ranks move in lockstep). Every tensor
+# a node keeps goes through ctx.save_for_backward (activation checkpointing and saved-tensor offload see
+# them); ctx holds only integers, dtypes and the engine. The handles are rebuilt in backward.
+
+_PER_HANDLE = len(NvlinkHandle._TENSORS)
+
+
+def _save_handles(ctx, handles, *extra) -> None:
+    """Saves each handle's tensors (then, per handle, one tensor or None of each list in `extra`)."""
+    saved, ctx.handle_meta = [], []
+    for i, h in enumerate(handles):
+        tensors, meta = h._saved()
+        saved += [*tensors, *(e[i] for e in extra)]
+        ctx.handle_meta.append(meta)
+    ctx.save_for_backward(*saved)
+
+
+def _saved_handles(ctx, extra: int) -> tuple[list[NvlinkHandle], list[list]]:
+    """The handles and the `extra` lists `_save_handles` saved."""
+    saved, width = ctx.saved_tensors, _PER_HANDLE + extra
+    handles, extras = [], [[] for _ in range(extra)]
+    for i, meta in enumerate(ctx.handle_meta):
+        chunk = saved[i * width : (i + 1) * width]
+        handles.append(NvlinkHandle._rebuilt(chunk[:_PER_HANDLE], meta))
+        for j in range(extra):
+            extras[j].append(chunk[_PER_HANDLE + j])
+    return handles, extras
 
 
 def _is_float(t: Tensor) -> bool:
@@ -463,7 +503,8 @@ class _DispatchFn(torch.autograd.Function):
         outs = engine.dispatch(C, [x.detach() for x in xs], [w.detach().float().contiguous() for w in ws],
                                list(idxs), [None if s is None else s.detach() for s in scales], align)
         box.extend(outs)
-        ctx.engine, ctx.C, ctx.n, ctx.handles = engine, C, n, [o[5] for o in outs]
+        ctx.engine, ctx.C, ctx.n = engine, C, n
+        _save_handles(ctx, [o[5] for o in outs])
         ctx.w_dtypes = [w.dtype for w in ws]
         ctx.x_float = [_is_float(x) for x in xs]
         xg = [o[0] for o in outs]
@@ -481,12 +522,13 @@ class _DispatchFn(torch.autograd.Function):
         need_x, need_w = any(ctx_inputs[:n]), any(ctx_inputs[n : 2 * n])
         if not (need_x or need_w):
             return (None,) * (5 + 4 * n)
-        for i, h in enumerate(ctx.handles):
+        handles, _ = _saved_handles(ctx, 0)
+        for i, h in enumerate(handles):
             if gx[i] is None or not ctx.x_float[i]:  # a non-float payload: its rows carry no gradient
                 gx[i] = torch.zeros((h.num_rows, 1), dtype=torch.float32, device=h.row_map.device)
             if gw[i] is None and need_w:
                 gw[i] = torch.zeros((h.num_rows,), dtype=torch.float32, device=h.row_map.device)
-        res = ctx.engine.combine(ctx.C, [g.contiguous() for g in gx], ctx.handles, [None] * n, False,
+        res = ctx.engine.combine(ctx.C, [g.contiguous() for g in gx], handles, [None] * n, False,
                                  floats=[g.float().contiguous() for g in gw] if need_w else None)
         dxs = [dx if (ctx.x_float[i] and ctx_inputs[i]) else None for i, (dx, _, _) in enumerate(res)]
         dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, _, dw) in enumerate(res)]
@@ -500,14 +542,16 @@ class _CombineFn(torch.autograd.Function):
         wf = [w.detach().float().contiguous() if weighted else None for w in ws]
         save = weighted and any(w.requires_grad for w in ws)
         outs = engine.combine(C, [y.detach().contiguous() for y in ys], handles, wf, save)
-        ctx.engine, ctx.C, ctx.handles, ctx.n, ctx.wf = engine, C, handles, n, wf
-        ctx.saved_rows = [o[1] for o in outs]
+        ctx.engine, ctx.C, ctx.n = engine, C, n
+        # The weights (for dy) and, when the weights need a gradient, the [T*k, H] slot rows (for dw).
+        _save_handles(ctx, handles, wf, [o[1] for o in outs])
         ctx.w_dtypes = [None if w is None else w.dtype for w in ws]
         return tuple(o[0] for o in outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        res = ctx.engine.combine_backward(ctx.C, [g.contiguous() for g in grads], ctx.handles, ctx.wf, ctx.saved_rows)
+        handles, (wf, saved_rows) = _saved_handles(ctx, 2)
+        res = ctx.engine.combine_backward(ctx.C, [g.contiguous() for g in grads], handles, wf, saved_rows)
         dys = [dy for dy, _ in res]
         dws = [None if dw is None else dw.to(ctx.w_dtypes[i]) for i, (_, dw) in enumerate(res)]
         return (None, None, None, None, None, *dys, *dws)

@@ -10,6 +10,8 @@ overflow, T past max_tokens_per_rank.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -307,6 +309,56 @@ def test_nvlink_repeated_experts_fill_the_default_capacity_without_drops(device)
     # true worst case, P*M*k rows, so nothing is dropped even with T = max_tokens_per_rank everywhere.
     world, _, _ = _check_world(2, [3, 3], 8, 3, 4, "hot", torch.float32, 1, True, device)
     assert world.dropped_tokens() == 0
+
+
+def _kept_by_ctx(node) -> list[str]:
+    """Names of the tensors (or handles) an autograd node keeps as ctx attributes, outside save_for_backward."""
+    from moe_kernels.dispatch.nvlink import NvlinkHandle
+
+    def holds(v):
+        if isinstance(v, (list, tuple)):
+            return any(holds(e) for e in v)
+        return isinstance(v, (torch.Tensor, NvlinkHandle))
+
+    return [name for name, v in vars(node).items() if holds(v)]
+
+
+def test_nvlink_autograd_keeps_tensors_through_save_for_backward(device):
+    # What dispatch and combine keep for the backward goes through save_for_backward, so saved-tensor hooks
+    # (activation checkpointing, offload) see all of it: per rank, the handle's tensors (slot map, received
+    # rows' sources and grouped rows, layout workspace, group sizes) for each of the two nodes, and combine's
+    # fp32 weights and [T*k, H] slot rows. The nodes keep no tensor as an attribute, and hooks that replace
+    # every saved tensor with a copy (what an offload does) leave outputs and gradients bit-identical.
+    P, E, k, H, M = 2, 8, 2, 32, 9
+    Ts = [9, 6]
+    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=M, device=device)
+    xs, ws, idx, gouts = _inputs(P, Ts, H, k, E, "uniform", torch.float32, device, 4)
+
+    def step(hooked):
+        packed = []
+
+        def pack(t):
+            packed.append(t.numel() * t.element_size())
+            return t.clone()
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if hooked else contextlib.nullcontext():
+            ds = world.dispatch(xs, ws, idx, align=4)
+            outs = world.combine([d.x * 2 for d in ds], [d.handle for d in ds])  # (the product saves nothing)
+        kept = _kept_by_ctx(ds[0].x.grad_fn) + _kept_by_ctx(outs[0].grad_fn)
+        grads = torch.autograd.grad(sum((o * g).sum() for o, g in zip(outs, gouts)), [*xs, *ws])
+        return ds, outs, grads, packed, kept
+
+    _, outs, grads, _, _ = step(False)
+    ds, h_outs, h_grads, packed, kept = step(True)
+    assert kept == [], kept
+    X = P * M  # received rows (the default capacity)
+    want = 0
+    for r, T in enumerate(Ts):
+        handle = 4 * (T * k + 1 + X * 2 + X * k + E // P) + ds[r].handle.workspace.numel()
+        want += 2 * handle + 4 * T * k + 4 * T * k * H  # both nodes' handles, combine's weights and slot rows
+    assert sum(packed) == want, (packed, want)
+    for a, b in zip([*outs, *grads], [*h_outs, *h_grads]):
+        assert torch.equal(a, b)
 
 
 def test_nvlink_combine_and_payload_checks(device):
