@@ -24,6 +24,8 @@ rows of the gate and rows of the up projection, is one block. Those meshes are b
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -90,19 +92,28 @@ class _Meshes:
         self.device_types.append(device_type)
 
     def build(self, group=None) -> None:
-        """group: the ranks that hold the same tensors (a pipeline stage's; None: the world)."""
+        """group: the ranks that hold the same tensors (a pipeline stage's; None: the world). Ranks holding the
+        same piece (the expert data-parallel replicas of a model without FSDP) make an outer replicated
+        dimension."""
         from torch.distributed.device_mesh import DeviceMesh
 
         everyone = [None] * dist.get_world_size(group)
         dist.all_gather_object(everyone, self.coords, group=group)
         for i, k in enumerate(self.keys):
-            ranks = torch.full(self.sizes[i], -1, dtype=torch.int64)
+            pieces = max(1, int(torch.tensor(self.sizes[i]).prod()))
+            replicas = len(everyone) // pieces
+            ranks = torch.full([replicas, *self.sizes[i]], -1, dtype=torch.int64)
+            seen: dict[tuple, int] = {}
             for r, coords in enumerate(everyone):
-                ranks[tuple(coords[i])] = r if group is None else dist.get_global_rank(group, r)
-            if ranks.numel() != len(everyone) or bool((ranks < 0).any()):
+                where = tuple(coords[i])
+                copy = seen.get(where, 0)
+                seen[where] = copy + 1
+                if copy < replicas:
+                    ranks[(copy, *where)] = r if group is None else dist.get_global_rank(group, r)
+            if replicas * pieces != len(everyone) or bool((ranks < 0).any()):
                 raise RuntimeError(f"sharded checkpoints: the split groups and FSDP mesh (sizes {self.sizes[i]}) do "
                                    f"not tile the {len(everyone)} ranks")
-            self.meshes[k] = DeviceMesh(self.device_types[i], ranks, _init_backend=False)
+            self.meshes[k] = DeviceMesh(self.device_types[i], ranks if replicas > 1 else ranks[0], _init_backend=False)
 
     def get(self, splits, fsdp_mesh):
         return self.meshes[self.key(splits, fsdp_mesh)]
@@ -111,7 +122,7 @@ class _Meshes:
 def _global_view(t: Tensor, splits: list, gate_up: bool, meshes: _Meshes):
     """`t` (this rank's parameter or optimizer state: an FSDP DTensor or a plain tensor) as DCP should store
     it: a view of its storage, in the checkpoint's global shape."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     if not splits and not gate_up:
         return t
@@ -133,6 +144,8 @@ def _global_view(t: Tensor, splits: list, gate_up: bool, meshes: _Meshes):
     if not placements:  # one process: a plain tensor, viewed
         return local
     mesh = meshes.get(splits, fsdp_mesh) if splits else fsdp_mesh
+    if mesh.ndim > len(placements):  # the replicas of this piece
+        placements = [Replicate()] * (mesh.ndim - len(placements)) + placements
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(full),
                               stride=torch.empty(full, device="meta").stride())
 
@@ -179,13 +192,65 @@ def _state(par, optimizer) -> tuple[dict, dict]:
     return state, views
 
 
-def save_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:
-    """Writes the model's (and the optimizer's) shards of every rank under `path` (a shared directory).
-    `par`: a Parallelized (every rank calls it) or a model in one process."""
+EXTRA = "extra.pt"  # what save_sharded's `extra` holds, in the checkpoint directory
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path, *, extra: dict | None = None) -> None:
+    """Writes the model's (and the optimizer's) shards of every rank under `path` (a directory every rank
+    sees), atomically: into `path`.tmp, renamed to `path` by rank 0 once every rank has written its shards,
+    so a crash leaves no directory mixing shards of two saves (a re-save replaces the old directory whole).
+    `extra`: a small picklable dict rank 0 stores beside the shards (read back by `load_extra`). `par`: a
+    Parallelized (every rank calls it), an object with its `model` (and `sharding`) attributes, or a model in
+    one process."""
     import torch.distributed.checkpoint as dcp
 
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    main = _is_main()
+    if main:
+        shutil.rmtree(tmp, ignore_errors=True)  # what an interrupted save left
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+    _barrier()
     _, views = _state(par, optimizer)
-    dcp.save(views, checkpoint_id=str(path))
+    dcp.save(views, checkpoint_id=str(tmp))  # raises on every rank when any rank failed to write
+    if main:
+        if extra is not None:
+            with open(tmp / EXTRA, "wb") as f:
+                torch.save(extra, f)
+                f.flush()
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        old = path.with_name(path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier()  # the directory is in place before any rank goes on
+
+
+def load_extra(path: str | Path) -> dict | None:
+    """The `extra` dict save_sharded stored in `path` (None when it stored none)."""
+    f = Path(path) / EXTRA
+    return torch.load(f, map_location="cpu", weights_only=False) if f.exists() else None
 
 
 def load_sharded(par, optimizer: torch.optim.Optimizer | None, path: str | Path) -> None:

@@ -1,18 +1,23 @@
 """Checkpoints that survive a kill: write to a temporary file, fsync, rename, then move the `latest`
-pointer the same way. A crash at any point leaves the previous checkpoint and pointer intact."""
+pointer the same way. A crash at any point leaves the previous checkpoint and pointer intact.
+
+A checkpoint is `step_<step>.pt` (the full state in one file: one process, or `--save-full`) or a
+directory `step_<step>` (a sharded checkpoint, every rank's shards: moe_kernels.parallel.checkpoint,
+renamed into place whole once every rank has written)."""
 
 from __future__ import annotations
 
 import os
 import random
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
 LATEST = "latest"
-_NAME = re.compile(r"step_(\d+)\.pt")
+_NAME = re.compile(r"step_(\d+)(\.pt)?")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -49,18 +54,33 @@ def set_rng_state(state: dict) -> None:
 
 
 def step_of(path: str | Path) -> int | None:
-    """The step number in a checkpoint's name (`step_0000100.pt` -> 100), or None for other names."""
+    """The step number in a checkpoint's name (`step_0000100.pt` or the directory `step_0000100` -> 100), or
+    None for other names."""
     match = _NAME.fullmatch(Path(path).name)
     return int(match.group(1)) if match else None
 
 
+def is_sharded(path: str | Path) -> bool:
+    """A sharded checkpoint (a directory), not a full-state file."""
+    return Path(path).is_dir()
+
+
 def checkpoints(directory: str | Path) -> list[Path]:
-    """The checkpoint files in `directory`, oldest step first (by number: padding does not matter)."""
+    """The checkpoints (files and sharded directories) in `directory`, oldest step first (by number: padding
+    does not matter)."""
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(step_of(p), p) for p in directory.glob("step_*.pt")]
-    return [p for _, p in sorted(item for item in found if item[0] is not None)]
+    found = [(step_of(p), p) for p in directory.glob("step_*")]
+    found = [(step, p) for step, p in found if step is not None and p.is_dir() != p.name.endswith(".pt")]
+    return [p for _, p in sorted(found)]
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
 
 
 def save(directory: str | Path, step: int, state: dict, *, keep: int = 2) -> Path:
@@ -71,13 +91,21 @@ def save(directory: str | Path, step: int, state: dict, *, keep: int = 2) -> Pat
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:07d}.pt"
     _atomic_write(path, lambda f: torch.save(state, f))
-    _atomic_write(directory / LATEST, lambda f: f.write(path.name.encode()))
+    return point_latest(directory, path, keep=keep)
+
+
+def point_latest(directory: str | Path, path: Path, *, keep: int = 2) -> Path:
+    """Points `latest` at the checkpoint `path` (a file or a sharded directory already in place) and removes
+    the older checkpoints beyond the newest `keep` (as save does)."""
+    directory = Path(directory)
+    step = step_of(path)
+    _atomic_write(directory / LATEST, lambda f: f.write(Path(path).name.encode()))
     pointed = latest(directory)
     older = [p for p in checkpoints(directory) if step_of(p) < step]
     for old in older[: max(len(older) - (keep - 1), 0)]:
         if old != pointed:
-            old.unlink()
-    return path
+            _remove(old)
+    return Path(path)
 
 
 def latest(directory: str | Path) -> Path | None:
@@ -87,7 +115,7 @@ def latest(directory: str | Path) -> Path | None:
     if not pointer.exists():
         return None
     path = directory / pointer.read_text().strip()
-    return path if path.is_file() else None
+    return path if path.exists() else None
 
 
 def clear(directory: str | Path) -> None:
@@ -96,10 +124,11 @@ def clear(directory: str | Path) -> None:
     if not directory.is_dir():
         return
     for path in directory.iterdir():
-        name = path.name.removesuffix(".tmp")
-        if path.is_file() and (name == LATEST or step_of(name) is not None):
-            path.unlink()
+        name = path.name.removesuffix(".tmp").removesuffix(".old")
+        if name == LATEST or step_of(name) is not None:
+            _remove(path)
 
 
 def load(path: str | Path) -> dict:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """A full-state checkpoint, memory-mapped: a rank reads the pages of the tensors it copies, not the file."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)

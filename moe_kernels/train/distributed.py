@@ -15,6 +15,7 @@ global load-balancing loss of W ranks is the mean of W per-rank losses, not the 
 
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -54,8 +55,9 @@ def launched_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
-    """Joins (or starts, under torchrun) the default process group; None for a one-process run."""
+def setup(expert_parallel: int, device: torch.device, *, timeout_minutes: float | None = None) -> Parallel | None:
+    """Joins (or starts, under torchrun) the default process group, its collectives timing out after
+    `timeout_minutes` (None: torch's default); None for a one-process run."""
     initialized = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size() if initialized else launched_world()
     if world == 1 and expert_parallel == 1:
@@ -71,10 +73,12 @@ def setup(expert_parallel: int, device: torch.device) -> Parallel | None:
         # they hold None, so destroy_process_group frees the group and joins its threads before exit.
         import torch.distributed.nn as _early  # noqa: F401  (bound to another name: `torch` stays the module's)
 
+        timeout = None if timeout_minutes is None else datetime.timedelta(minutes=timeout_minutes)
+
         if device.type == "cuda":
-            dist.init_process_group("nccl", device_id=device)
+            dist.init_process_group("nccl", device_id=device, timeout=timeout)
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timeout)
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = expert_parallel_mesh(expert_parallel, device.type)  # ("edp", "ep"): rank = edp * P + ep
@@ -106,11 +110,27 @@ def broadcast_path(path, device: torch.device):
     return box[0]
 
 
-def shard_model(model: nn.Module, par: Parallel, backend: str = "all_to_all", max_tokens_per_rank: int | None = None) -> None:
-    """Expert parallelism over each rank's group; `max_tokens_per_rank` sizes the nvlink backend's buffers."""
+def shard_model(model: nn.Module, par: Parallel, backend: str = "all_to_all", max_tokens_per_rank: int | None = None,
+                *, capacity: float | None = None, device: torch.device | None = None, seed: int | None = None) -> None:
+    """Expert parallelism over each rank's group; `max_tokens_per_rank` sizes the nvlink backend's buffers and
+    `capacity` (nvlink: a factor of the balanced load max_tokens_per_rank * k rows, None for the worst case)
+    bounds its expert rows. A model on the meta device is then materialised on `device`, each rank drawing
+    its experts only, from `seed` (moe_kernels.models.init)."""
+    from moe_kernels.parallel.parallelize import _capacity_rows
+
+    if capacity is not None and par.expert_parallel == 1:
+        raise ValueError(f"capacity={capacity} is the expert-parallel dispatcher's; expert_parallel is 1")
     if par.expert_parallel > 1:
         apply_expert_parallel(model, par.ep_group, backend=backend,
-                              max_tokens_per_rank=max_tokens_per_rank if backend == "nvlink" else None)
+                              max_tokens_per_rank=max_tokens_per_rank if backend == "nvlink" else None,
+                              capacity=_capacity_rows(model, capacity, max_tokens_per_rank, backend))
+    if next(model.parameters()).device.type == "meta":
+        from moe_kernels.parallel.full_state import splits_of
+
+        if device is None or seed is None:
+            raise ValueError("shard_model: a model on the meta device needs `device=` and `seed=`")
+        model.to_empty(device=device)
+        model.init_weights(seed, splits_of(model))
 
 
 def reduce_gradients(model: nn.Module, par: Parallel) -> None:

@@ -67,6 +67,9 @@ class TrainConfig:
     pp_schedule: str = "1f1b"  # "1f1b", "gpipe" or "interleaved-1f1b" (two stages a rank)
     ep_backend: str = "all_to_all"  # token dispatch between the expert-parallel ranks (moe_kernels.dispatch)
     global_load_balancing: bool = False  # under torchrun: the aux loss's expert frequencies over all ranks
+    capacity_factor: float | None = None  # nvlink: expert rows a rank receives, x the balanced load (None: worst case)
+    save_full: bool = False  # under torchrun: full-state checkpoint files (rank 0 writes) instead of sharded ones
+    pg_timeout_minutes: float = 10.0  # the process group's collective timeout (under torchrun)
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -98,6 +101,14 @@ class TrainConfig:
             check_schedule(self.pp, self.num_microbatches, self.pp_schedule, self.stages_per_rank, layers, "moe-train")
             if self.batch_size % self.num_microbatches:
                 raise ValueError(f"batch_size {self.batch_size} must split into {self.num_microbatches} micro-batches")
+        if self.capacity_factor is not None:
+            if self.ep_backend != "nvlink":
+                raise ValueError(f"capacity_factor bounds the nvlink backend's expert rows; ep_backend is "
+                                 f"{self.ep_backend!r} (it sends every routed row)")
+            if not self.capacity_factor > 0:
+                raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}")
+        if not self.pg_timeout_minutes > 0:
+            raise ValueError(f"pg_timeout_minutes must be > 0, got {self.pg_timeout_minutes}")
         if self.dp_shard is not None and self.dp_shard < 1:
             raise ValueError(f"dp_shard must be >= 1, got {self.dp_shard}")
         if self.precision not in RECIPES:
@@ -176,7 +187,8 @@ class Trainer:
             if world == 1:  # every dimension 1: one process
                 layout = None
         # None: one process. With a parallelize() layout the process group only (the layout has its meshes).
-        self.par = distributed.setup(1 if layout is not None else cfg.expert_parallel, self.device)
+        self.par = distributed.setup(1 if layout is not None else cfg.expert_parallel, self.device,
+                                     timeout_minutes=cfg.pg_timeout_minutes)
         self.is_main = self.par is None or self.par.is_main
         if cfg.tensorboard:  # checked on every rank: only rank 0 writes, but all must stop together
             try:
@@ -199,7 +211,10 @@ class Trainer:
         if RECIPES[cfg.precision] is not None:
             overrides["recipe"] = RECIPES[cfg.precision]
         self.model_config = PRESETS[cfg.preset](**overrides)
-        self.model = build_model(self.model_config, device=self.device)  # fp32 master weights
+        # fp32 master weights. Under torchrun the model is built on the meta device and each rank materialises
+        # and draws only its pieces after sharding (moe_kernels.models.init: the same values in every layout).
+        distributed_run = layout is not None or self.par is not None
+        self.model = build_model(self.model_config, device="meta" if distributed_run else self.device, seed=cfg.seed)
         self._num_parameters = sum(p.numel() for p in self.model.parameters())
         self.parallelized = None  # moe_kernels.parallel.Parallelized with a parallelize() layout
         if cfg.activation_checkpointing:
@@ -214,14 +229,15 @@ class Trainer:
                             stages_per_rank=cfg.stages_per_rank) if layout.pp > 1 else {}
             self.parallelized = parallelize(self.model, layout, self.device, ep_backend=cfg.ep_backend,
                                             max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None,
-                                            **pipeline)
+                                            capacity=cfg.capacity_factor, seed=cfg.seed, **pipeline)
             self.model = self.parallelized.model  # with pp: this rank's stages, under the full model's names
             # Over the ranks that run the same layers (a pipeline stage of dense layers has no router).
             if cfg.global_load_balancing and any(True for _ in self.model.moe_layers()):
                 apply_global_load_balancing(self.model, self.parallelized.stage_group)
         elif self.par is not None:
             # The nvlink backend's buffers hold one micro-batch of this rank's tokens.
-            distributed.shard_model(self.model, self.par, cfg.ep_backend, cfg.batch_size * cfg.seq_len)
+            distributed.shard_model(self.model, self.par, cfg.ep_backend, cfg.batch_size * cfg.seq_len,
+                                    capacity=cfg.capacity_factor, device=self.device, seed=cfg.seed)
             if cfg.global_load_balancing:
                 apply_global_load_balancing(self.model)
         self.optimizer = torch.optim.AdamW(
@@ -270,6 +286,26 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------------
 
+    def _run_state(self) -> dict:
+        """What a checkpoint holds besides the model and optimizer (rank 0's RNG state)."""
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict(),
+            "rng": checkpoint.rng_state(),
+            # batches: f(seed, step, rank, world)
+            "data": {"seed": self.data.seed, "fingerprint": self.data_fingerprint, "world": self.data.world},
+            "train_config": dataclasses.asdict(self.cfg),
+        }
+
+    def _sharded_target(self):
+        """What moe_kernels.parallel.checkpoint saves and loads: the Parallelized, the expert-parallel model (its
+        splits found from its dispatchers), or the one-process model."""
+        if self.parallelized is not None:
+            return self.parallelized
+        if self.par is not None:
+            return _ModelShards(self.model)
+        return self.model
+
     def state(self) -> dict | None:
         """The full training state; under torchrun every rank must call it and rank 0 gets it (the others
         None), expert shards gathered."""
@@ -283,18 +319,14 @@ class Trainer:
                 return None
             model_state, optimizer_state = full
             optimizer_state.setdefault("param_names", optimizer_names(self.model, self.optimizer))
-        return {
-            "step": self.step,
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": checkpoint.rng_state(),
-            # batches: f(seed, step, rank, world)
-            "data": {"seed": self.data.seed, "fingerprint": self.data_fingerprint, "world": self.data.world},
-            "train_config": dataclasses.asdict(self.cfg),
-        }
+        return {"model": model_state, "optimizer": optimizer_state, **self._run_state()}
 
     def save(self) -> Path:
+        """Writes a checkpoint of this step and points `latest` at it; every rank calls it. Under torchrun a
+        sharded checkpoint (each rank writes its shards, moe_kernels.parallel.checkpoint), unless save_full;
+        in one process, or with save_full, the full state in one file (rank 0 writes it)."""
+        if self.par is not None and not self.cfg.save_full:
+            return self._save_sharded()
         state = self.state()
         path = self.out_dir / "checkpoints" / f"step_{self.step:07d}.pt"
         error = None
@@ -308,6 +340,23 @@ class Trainer:
             raise RuntimeError(f"saving the step-{self.step} checkpoint failed on rank 0") from error
         if error is not None:
             raise error
+        return path
+
+    def _save_sharded(self) -> Path:
+        from moe_kernels.parallel.checkpoint import save_sharded
+
+        directory = self.out_dir / "checkpoints"
+        path = directory / f"step_{self.step:07d}"
+        save_sharded(self._sharded_target(), self.optimizer, path, extra=self._run_state() if self.is_main else None)
+        error = None
+        if self.is_main:
+            try:
+                checkpoint.point_latest(directory, path, keep=self.cfg.keep_checkpoints)
+            except Exception as exc:  # every rank stops, not rank 0 alone
+                error = exc
+        if not distributed.all_ranks_ok(error is None, self.device):
+            raise RuntimeError(f"pointing {directory / checkpoint.LATEST} at the step-{self.step} checkpoint failed "
+                               "on rank 0") from error
         return path
 
     def resume(self, path: str | Path | None = None) -> bool:
@@ -328,6 +377,16 @@ class Trainer:
                     f"{directory / checkpoint.LATEST}"
                 )
             return False
+        if checkpoint.is_sharded(path):  # each rank reads its shards, resharded to this layout
+            from moe_kernels.parallel.checkpoint import load_extra, load_sharded
+
+            state = load_extra(path)
+            if state is None:
+                raise FileNotFoundError(f"{path} is a sharded checkpoint without its training state")
+            self.check_resumable(path, state)
+            load_sharded(self._sharded_target(), self.optimizer, path)
+            self._restore_run_state(path, state)
+            return True
         state = checkpoint.load(path)
         self.check_resumable(path, state)
         if self.par is None:
@@ -337,13 +396,16 @@ class Trainer:
             self.parallelized.load_full_state(state["model"], self.optimizer, state["optimizer"])
         else:
             distributed.load_full_state(self.model, self.optimizer, state["model"], state["optimizer"], self.par)
+        self._restore_run_state(path, state)
+        return True
+
+    def _restore_run_state(self, path: Path, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.data.seed = state["data"]["seed"]
         self.step = state["step"]
         self._new_metrics = False
         self.echo(f"resumed from {path} at step {self.step}")
-        return True
 
     def export_hf(self, path: str | Path) -> Path:
         """Writes the full model as a transformers checkpoint (config.json + safetensors) on rank 0, gathered
@@ -481,6 +543,15 @@ class Trainer:
         finally:
             logger.close()
         return records
+
+
+@dataclasses.dataclass
+class _ModelShards:
+    """An expert-parallel model as moe_kernels.parallel.checkpoint takes it (its splits from its dispatchers)."""
+
+    model: torch.nn.Module
+    sharding: object = None
+    stage_group: object = None
 
 
 class _NoLogger:

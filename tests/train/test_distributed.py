@@ -1,5 +1,6 @@
-"""moe-train's trainer on two gloo ranks: expert-parallel equals data-parallel, checkpoints hold the full
-model (loadable by one process), and a killed expert-parallel run resumes bit-identically."""
+"""moe-train's trainer on two gloo ranks: expert-parallel equals data-parallel, full-state checkpoints
+(save_full) hold the full model (loadable by one process), a killed expert-parallel run resumes
+bit-identically from its sharded checkpoints, and one process resumes from those."""
 
 from __future__ import annotations
 
@@ -32,7 +33,8 @@ def _worker(rank, world, tmp: str):
     tmp = Path(tmp)
     results = {}
     for ep in (1, 2):  # data parallel over both ranks; experts split over both ranks
-        trainer = Trainer(TrainConfig(**COMMON, out_dir=str(tmp / f"ep{ep}"), expert_parallel=ep), echo=lambda *a: None)
+        trainer = Trainer(TrainConfig(**COMMON, out_dir=str(tmp / f"ep{ep}"), expert_parallel=ep, save_full=True),
+                          echo=lambda *a: None)
         results[ep] = trainer.train()
         assert trainer.num_parameters() == sum(p.numel() for p in Trainer(TrainConfig(**COMMON, out_dir=str(tmp / "x")),
                                                                            echo=lambda *a: None).model.parameters())
@@ -43,7 +45,7 @@ def _worker(rank, world, tmp: str):
     assert all(layer.router.balance_group is not None for layer in glb.model.moe_layers())
     assert glb.train()[-1]["loss"] > 0
 
-    # Killed after step 4 (the step-3 checkpoint is on disk), resumed by new trainers: the same run.
+    # Killed after step 4 (the step-3 checkpoint is on disk, sharded), resumed by new trainers: the same run.
     cfg = TrainConfig(**COMMON, out_dir=str(tmp / "killed"), expert_parallel=2)
     trainer = Trainer(cfg, echo=lambda *a: None)
 
@@ -53,6 +55,7 @@ def _worker(rank, world, tmp: str):
 
     with pytest.raises(_Killed):
         trainer.train(progress=kill)
+    assert (tmp / "killed" / "checkpoints" / "step_0000003").is_dir()
     resumed = Trainer(cfg, echo=lambda *a: None)
     assert resumed.resume() and resumed.step == 3
     results["resumed"] = resumed.train()
@@ -93,8 +96,9 @@ def _worker_groups(rank, world, tmp: str):
     # Four ranks, experts split over two groups of two (replicas: ranks {0, 2} and {1, 3}).
     tmp = Path(tmp)
     results, first = {}, {}
-    for ep in (1, 2):
-        trainer = Trainer(TrainConfig(**COMMON, out_dir=str(tmp / f"ep{ep}"), expert_parallel=ep), echo=lambda *a: None)
+    for ep in (1, 2):  # full-state checkpoints without experts split, sharded ones (expert replicas) with
+        trainer = Trainer(TrainConfig(**COMMON, out_dir=str(tmp / f"ep{ep}"), expert_parallel=ep, save_full=ep == 1),
+                          echo=lambda *a: None)
         if ep == 1:
             exact = _first_step_gradients64(trainer, world)
         first[ep] = _first_step_gradients(trainer)
@@ -140,10 +144,14 @@ def test_expert_parallel_groups_smaller_than_the_world(tmp_path):
     # every one of them (a sound bound, not a tight one; the first step's gradients above are the tight check).
     for a, b in zip(records["2"], records["1"]):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-4)
-    final = [torch.load(tmp_path / f"ep{ep}" / "checkpoints" / "step_0000006.pt", weights_only=False) for ep in (1, 2)]
+    # The expert-parallel run's sharded checkpoint (each expert slice held by two replicas) read by one process.
+    one = Trainer(TrainConfig(**{**COMMON, "batch_size": 16}, out_dir=str(tmp_path / "ep2")), echo=lambda *a: None)
+    assert one.resume() and one.step == 6
+    final = [torch.load(tmp_path / "ep1" / "checkpoints" / "step_0000006.pt", weights_only=False)["model"],
+             one.model.state_dict()]
     drift = _adamw_drift_bound(TrainConfig(**COMMON))
-    for name, t in final[0]["model"].items():
-        got = final[1]["model"][name]
+    for name, t in final[0].items():
+        got = final[1][name]
         assert got.shape == t.shape, name
         assert float((got - t).abs().max()) <= drift, f"{name}: {float((got - t).abs().max()):.3g} > {drift:.3g}"
 
@@ -163,9 +171,15 @@ def test_expert_parallel_training(tmp_path):
     assert [r["loss"] for r in train["resumed"]] == [r["loss"] for r in train["2"][1:]]
     assert evals["resumed"][-1] == evals["2"][-1]
     final = torch.load(tmp_path / "ep2" / "checkpoints" / "step_0000006.pt", weights_only=False)
-    again = torch.load(tmp_path / "killed" / "checkpoints" / "step_0000006.pt", weights_only=False)
-    for name, t in final["model"].items():
-        assert torch.equal(t, again["model"][name]), name
+    # The resumed run's last sharded checkpoint, read by one process (batch 8 = 4 x 2 ranks): the same model
+    # and optimizer state.
+    again = Trainer(TrainConfig(**{**COMMON, "batch_size": 8}, out_dir=str(tmp_path / "killed")), echo=lambda *a: None)
+    assert again.resume() and again.step == 6
+    for name, t in again.model.state_dict().items():
+        assert torch.equal(t, final["model"][name]), name
+    saved, names = final["optimizer"]["state"], final["optimizer"]["param_names"]
+    for name, p in again.model.named_parameters():
+        assert torch.equal(again.optimizer.state[p]["exp_avg_sq"], saved[names.index(name)]["exp_avg_sq"]), name
 
     # The checkpoint holds the full model: one process loads it and evaluates the same windows (two
     # ranks' eval batches of 4 are one process's batches of 8).
