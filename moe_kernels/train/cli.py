@@ -62,6 +62,14 @@ def train(
                                    "(our kernels over peer GPU buffers within one node, no host sync)."),
     global_load_balancing: bool = typer.Option(False, help="Under torchrun: the load-balancing loss counts "
                                                "experts over the global batch (Qwen's global-batch balancing)."),
+    capacity_factor: Optional[float] = typer.Option(None, help="With --ep-backend nvlink: the expert rows a rank "
+                                                    "receives at most, as a factor of the balanced load (tokens past "
+                                                    "it are dropped and logged); default: the worst case, none "
+                                                    "dropped."),
+    save_full: bool = typer.Option(False, help="Under torchrun: write each checkpoint as one full-state file (rank 0 "
+                                   "gathers and writes it) instead of sharded checkpoints (every rank writes its "
+                                   "shards; resumable under any layout)."),
+    pg_timeout: float = typer.Option(10.0, help="Under torchrun: minutes a collective may wait before the run fails."),
     export_hf: Optional[Path] = typer.Option(None, help="After training, write the full model (gathered from any "
                                              "layout) as a transformers checkpoint (config.json + safetensors) here."),
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
@@ -96,7 +104,7 @@ def train(
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
             dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp, pp=pp, microbatches=microbatches,
-            pp_schedule=pp_schedule,
+            pp_schedule=pp_schedule, capacity_factor=capacity_factor, save_full=save_full, pg_timeout_minutes=pg_timeout,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

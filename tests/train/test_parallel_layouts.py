@@ -1,7 +1,8 @@
 """moe-train's trainer on a parallelize() layout, 4 gloo ranks: attention TP 2 x FSDP 2 with experts EP 2 x
 ETP 2. Its first loss equals the data-parallel run's on the same global batch, a run resumed from its
-checkpoint continues bit-identically, and the checkpoint is the full model: one process loads it and
-evaluates to the loss the layout logged."""
+sharded checkpoint continues bit-identically, and one process loads that checkpoint (resharded) and
+evaluates to the loss the layout logged. With pipeline stages, full-state checkpoints (save_full): the
+same checks, and the file holds the unsplit model and optimizer."""
 
 from __future__ import annotations
 
@@ -46,7 +47,8 @@ def _worker(rank, world, tmp: str):
     after = trainer.model.state_dict()["layers.0.input_layernorm.weight"].full_tensor()
     assert after.equal(before)
     resumed = Trainer(cfg, echo=_quiet)
-    assert resumed.resume(tmp / "layout" / "checkpoints" / "step_0000002.pt") and resumed.step == 2
+    assert (tmp / "layout" / "checkpoints" / "step_0000002").is_dir()  # sharded: every rank wrote its shards
+    assert resumed.resume(tmp / "layout" / "checkpoints" / "step_0000002") and resumed.step == 2
     again = resumed.train()
     # The command line on the same layout (the group exists already, as under torchrun).
     from typer.testing import CliRunner
@@ -55,7 +57,8 @@ def _worker(rank, world, tmp: str):
 
     r = CliRunner().invoke(app, ["--tp", "2", "--ep", "2", "--etp", "2", "--steps", "2", "--batch-size", "4",
                                  "--seq-len", "32", "--num-layers", "1", "--device", "cpu", "--log-every", "1",
-                                 "--out", str(tmp / "cli"), "--export-hf", str(tmp / "cli_hf")])
+                                 "--out", str(tmp / "cli"), "--export-hf", str(tmp / "cli_hf"), "--save-full",
+                                 "--pg-timeout", "5"])
     assert r.exit_code == 0, r.output
     if rank == 0:
         assert "dp_shard 2 x cp 1 x tp 2; experts pp 1 x edp 1 x ep 2 x etp 2" in r.output and "done: eval loss" in r.output
@@ -63,7 +66,7 @@ def _worker(rank, world, tmp: str):
         (tmp / "records.json").write_text(json.dumps({"dp": dp, "straight": straight, "resumed": again}))
 
 
-def _check_run(tmp_path: Path, run: str, common: dict) -> Trainer:
+def _check_run(tmp_path: Path, run: str, common: dict, last: str) -> Trainer:
     """The records a worker left: step 1's cross-entropy equals the data-parallel run's (the same weights and
     8 sequences, to fp32 rounding), the loss falls, the run resumed from its step-2 checkpoint continues
     bit-identically, and one process loading the last checkpoint (the unsplit model's names and shapes, and
@@ -77,7 +80,7 @@ def _check_run(tmp_path: Path, run: str, common: dict) -> Trainer:
     assert [(r["kind"], r["step"], r["loss"]) for r in records["resumed"]] == \
         [(r["kind"], r["step"], r["loss"]) for r in after]
     one = Trainer(TrainConfig(**common, batch_size=8, out_dir=str(tmp_path / "one")), echo=_quiet)
-    assert one.resume(tmp_path / run / "checkpoints" / "step_0000004.pt") and one.step == 4
+    assert one.resume(tmp_path / run / "checkpoints" / last) and one.step == 4
     final_eval = [r for r in records["straight"] if r["kind"] == "eval"][-1]
     assert one.evaluate() == pytest.approx(final_eval["loss"], rel=1e-5)
     return one
@@ -86,7 +89,7 @@ def _check_run(tmp_path: Path, run: str, common: dict) -> Trainer:
 def test_trainer_on_a_folded_layout(tmp_path):
     run_world(_worker, 4, str(tmp_path))
     # (The aux losses differ from the data-parallel run's: each rank's routers count its own batch's tokens.)
-    _check_run(tmp_path, "layout", COMMON)
+    _check_run(tmp_path, "layout", COMMON, "step_0000004")  # one process reads the sharded checkpoint
     # The command line's --export-hf: the layout's final model as a transformers checkpoint.
     _same_as_hf(tmp_path / "cli" / "checkpoints" / "step_0000002.pt", tmp_path / "cli_hf")
 
@@ -110,7 +113,7 @@ PP_LAYOUT = dict(pp=2, tp=2, expert_parallel=2, microbatches=2)
 def _pp_worker(rank, world, tmp: str):
     tmp = Path(tmp)
     dp = Trainer(TrainConfig(**{**PP_COMMON, "steps": 1}, batch_size=2, out_dir=str(tmp / "dp")), echo=_quiet).train()
-    cfg = TrainConfig(**PP_COMMON, **PP_LAYOUT, batch_size=8, out_dir=str(tmp / "pp"))
+    cfg = TrainConfig(**PP_COMMON, **PP_LAYOUT, batch_size=8, out_dir=str(tmp / "pp"), save_full=True)
     trainer = Trainer(cfg, echo=_quiet)
     assert trainer.data.world == 1 and trainer.data.rank == 0
     straight = trainer.train()
@@ -126,7 +129,7 @@ def test_trainer_with_pipeline_stages(tmp_path):
     run_world(_pp_worker, 4, str(tmp_path))
     # (The aux losses are the micro-batches' mean. The checkpoints: each stage's first rank gathers its part,
     # rank 0 merges them; resuming, every stage cuts its pieces back out, optimizer entries found by name.)
-    one = _check_run(tmp_path, "pp", PP_COMMON)
+    one = _check_run(tmp_path, "pp", PP_COMMON, "step_0000004.pt")
     # The merged optimizer state is indexed as the one-process optimizer indexes its parameters.
     from moe_kernels.parallel.full_state import optimizer_names
     from moe_kernels.train import checkpoint
