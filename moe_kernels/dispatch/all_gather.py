@@ -3,12 +3,13 @@
 dispatch gathers the tokens, weights and indices of the group (padded to the largest T), and each rank
 permutes the pairs routed to its own experts. combine sums each rank's weighted partial outputs in fp32
 and reduce-scatters them, adding the ranks in rank order (an all-to-all then a local sum, so the order
-does not depend on the communication backend). Static shapes apart from the one exchange of T; good
-for small groups and large k, where most tokens go to most ranks anyway. Memory: each rank's grouped
-rows are sized for the worst case, every gathered pair local (P * Tmax * k rows, about P times what a
-uniform routing uses), and combine's partial sums are [P * Tmax, H] fp32: for large groups use
-all-to-all. The result equals the one-rank
-layer within fp32 rounding (the slots are summed per rank, then across ranks).
+does not depend on the communication backend). Static shapes apart from the one exchange of T (which
+`gather_tokens` skips when the caller knows the most tokens a rank passes: expert tensor parallelism over
+an nvlink dispatcher pads to its max_tokens_per_rank, without a host sync); good for small groups and
+large k, where most tokens go to most ranks anyway. Memory: each rank's grouped rows are sized for the
+worst case, every gathered pair local (P * Tmax * k rows, about P times what a uniform routing uses), and
+combine's partial sums are [P * Tmax, H] fp32: for large groups use all-to-all. The result equals the
+one-rank layer within fp32 rounding (the slots are summed per rank, then across ranks).
 """
 
 from __future__ import annotations
@@ -21,17 +22,28 @@ from torch import Tensor
 
 from moe_kernels.dispatch import collectives
 from moe_kernels.dispatch.base import Dispatched, GroupDispatcher, padding_scales
+from moe_kernels.ops._checks import check_int
 from moe_kernels.ops.permute import permute, permuted_row_values, unpermute
 
 
-def gather_tokens(x: Tensor, weights: Tensor, indices: Tensor, scales: Tensor | None, group):
-    """Every rank's tokens, routing weights (fp32), expert choices and scales, rank r's at [r*Tmax, (r+1)*Tmax)
-    (the ranks' T may differ: padding tokens route nowhere, -1, and weigh 0; one exchange of T, a host sync).
+def gather_tokens(x: Tensor, weights: Tensor, indices: Tensor, scales: Tensor | None, group, *,
+                  pad_to: int | None = None):
+    """Every rank's tokens, routing weights (fp32), expert choices and scales, rank r's at [r*Tmax, (r+1)*Tmax).
+    The ranks' T may differ: padding tokens route nowhere (-1) and weigh 0. Tmax is `pad_to` when given (the
+    most tokens a rank passes, e.g. an nvlink dispatcher's max_tokens_per_rank: no host sync, no exchange
+    of T), else the group's largest T (one exchange of T and a host sync).
     Differentiable in x and weights: the backward sums every rank's gradients onto the owner."""
     T = x.shape[0]
-    sizes = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=group)
-    pad = int(torch.cat(sizes).max()) - T  # the sync
+    if pad_to is not None:
+        check_int("gather_tokens", "pad_to", pad_to, minimum=1)
+        if T > pad_to:
+            raise ValueError(f"gather_tokens: `x` has {T} tokens, more than pad_to={pad_to} (the most tokens a rank "
+                             "passes)")
+        pad = pad_to - T
+    else:
+        sizes = [torch.empty(1, dtype=torch.int64, device=x.device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=x.device), group=group)
+        pad = int(torch.cat(sizes).max()) - T  # the sync
     if pad:
         x = torch.cat([x, x.new_zeros((pad, x.shape[1]))])
         weights = torch.cat([weights, weights.new_zeros((pad, weights.shape[1]))])

@@ -16,6 +16,16 @@ be captured in a CUDA graph (after one warm-up call has allocated the buffers). 
 for the backward (the handles' tensors, combine's weights and slot rows) is saved with save_for_backward,
 so activation checkpointing and saved-tensor offload see and can free it.
 
+Layout agreement: what sets the layout of the peer buffers (k; the rows' hidden size and dtype; the scales'
+width and dtype; every rank's tokens within `max_tokens_per_rank`) must be the same on every rank of the
+group, or a rank would write its peers' buffers with its own layout. A dispatcher checks it on the host
+once per layout: the first dispatch (or combine) with a layout it has not seen does one all_gather of a
+few integers over the group (one host sync) and raises the same ValueError on every rank, naming the
+first rank that differs and its value; later calls with that layout only check this rank's token count
+(no collective, no sync). A rank that later passes a layout the others do not waits in that all_gather
+(and they in their next barrier) rather than writing out of bounds; the checks of a rank's own arguments
+(shapes, supported dtypes) raise on that rank alone.
+
 Results are bit-identical to the all-to-all backend and the one-rank layer: the same rows in the same
 order, the same sums in the same order.
 
@@ -561,24 +571,58 @@ _PAYLOADS = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, 
 _OUTPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _check_sizes(op: str, engine: _Engine, xs, idxs, scales) -> None:
-    """What the buffers allow, checked before any kernel (the dispatcher checked the arguments).
+# Layout agreement: what sets the layout of the peer buffers must be the same on every rank (a rank with
+# another k, row width or scale width would write its peers' buffers with its own layout). A layout is a
+# few integers; `_check_agreed` compares every rank's with rank 0's.
 
-    Every rank must pass the checks: one that raises here leaves the others waiting in their first
-    barrier until it times out (the check stays on the host, without a collective, so nothing syncs)."""
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8,
+           torch.float64)
+_LAYOUT_FIELDS = ("k", "hidden size", "dtype", "scale width", "scale dtype")
+
+
+def _code(dtype) -> int:
+    return _DTYPES.index(dtype) if dtype in _DTYPES else len(_DTYPES)
+
+
+def _dispatch_layout(x: Tensor, indices: Tensor, scales: Tensor | None) -> tuple[int, ...]:
+    """k, hidden size, payload dtype, scale width and scale dtype (-1: no scales), as integers."""
+    if scales is None:
+        return (indices.shape[1], x.shape[1], _code(x.dtype), -1, -1)
+    return (indices.shape[1], x.shape[1], _code(x.dtype), scales.shape[1], _code(scales.dtype))
+
+
+def _combine_layout(y: Tensor, handle: NvlinkHandle) -> tuple[int, ...]:
+    return (handle.k, y.shape[1], _code(y.dtype), -1, -1)
+
+
+def _shown(field: str, value: int):
+    if field.endswith("dtype"):
+        return "none" if value < 0 else _DTYPES[value] if value < len(_DTYPES) else "another dtype"
+    return "none" if value < 0 and field == "scale width" else value
+
+
+def _check_agreed(op: str, arg: str, rows, max_tokens: int) -> None:
+    """rows[r] = rank r's layout, then its token count. Every rank's tokens within max_tokens and every
+    layout equal to rank 0's, or a ValueError naming the first rank that differs and its value."""
+    for r, row in enumerate(rows):
+        if row[-1] > max_tokens:
+            where = f" on rank {r}" if len(rows) > 1 else ""
+            raise ValueError(f"{op}: `{arg}` has {row[-1]} tokens{where}, more than max_tokens_per_rank={max_tokens} "
+                             "(the buffers are sized for it); raise max_tokens_per_rank")
+    same = "k, hidden size, dtype and scales" if arg == "x" else "hidden size and dtype"
+    for r, row in enumerate(rows[1:], 1):
+        for field, mine, first in zip(_LAYOUT_FIELDS, row, rows[0]):
+            if mine != first:
+                raise ValueError(f"{op}: rank {r} passes `{arg}` with {field} {_shown(field, mine)}, rank 0 with "
+                                 f"{_shown(field, first)}: every rank must pass the same {same} (they set the layout "
+                                 "of the peer buffers)")
+
+
+def _check_payloads(op: str, xs) -> None:
     for x in xs:
         if x.dtype not in _PAYLOADS:
             raise TypeError(f"{op}: the nvlink kernels move float32, float16, bfloat16, FP8 or uint8 rows, got `x` "
                             f"in {x.dtype}")
-    for r, x in enumerate(xs):
-        if x.shape[0] > engine.M:
-            where = f" on rank {r}" if len(xs) > 1 else ""
-            raise ValueError(f"{op}: `x` has {x.shape[0]} tokens{where}, more than max_tokens_per_rank={engine.M} "
-                             "(the buffers are sized for it); raise max_tokens_per_rank")
-    same = {(i.shape[1], x.shape[1], x.dtype, None if s is None else (s.shape[1], s.dtype))
-            for x, i, s in zip(xs, idxs, scales)}
-    if len(same) > 1:
-        raise ValueError(f"{op}: every rank must pass the same k, hidden size, dtype and scales")
 
 
 def _check_combine(op: str, ys, handles) -> None:
@@ -589,10 +633,13 @@ def _check_combine(op: str, ys, handles) -> None:
         if not isinstance(y, Tensor) or y.dim() != 2 or y.shape[0] != h.num_rows:
             shape = tuple(y.shape) if isinstance(y, Tensor) else type(y).__name__
             raise ValueError(f"{op}: `y` must be [R, H] with R = {h.num_rows} (dispatch's rows){where}, got {shape}")
+
+
+def _check_outputs(op: str, ys) -> None:
+    for r, y in enumerate(ys):
         if y.dtype not in _OUTPUTS:
+            where = f" on rank {r}" if len(ys) > 1 else ""
             raise TypeError(f"{op}: `y` must be float32, float16 or bfloat16{where}, got {y.dtype}")
-    if len({(y.shape[1], y.dtype) for y in ys}) > 1:
-        raise ValueError(f"{op}: every rank's `y` must have the same hidden size and dtype")
 
 
 def _dispatched(out, weights: Tensor) -> Dispatched:
@@ -630,6 +677,7 @@ class NvlinkDispatcher(GroupDispatcher):
             raise ValueError(f"NvlinkDispatcher: at most {MAX_RANKS} ranks, the group has {self.num_ranks}; {_FALLBACK}")
         self.max_tokens_per_rank, self.capacity, self.num_sms = max_tokens_per_rank, capacity, num_sms
         self._engine: _Engine | None = None
+        self._agreed: set[tuple] = set()  # layouts every rank of the group passed (module docstring)
 
     def _engine_for(self, x: Tensor) -> tuple[_Engine, object]:
         C = _kernels(x, "NvlinkDispatcher")
@@ -648,10 +696,33 @@ class NvlinkDispatcher(GroupDispatcher):
             transport = NvlinkDispatcher._transports[key] = _IpcTransport(self.group, x.device, C)
         return transport
 
+    def _agree(self, op: str, arg: str, kind: str, layout: tuple[int, ...], num_tokens: int, device) -> None:
+        """The layout agreed by every rank of the group: one all_gather of a few integers (and one host
+        sync) the first time this dispatcher sees `layout`, nothing after (module docstring)."""
+        key = (kind, *layout)
+        if key in self._agreed:  # steady state: this rank's own token count, checked on the host
+            _check_agreed(op, arg, [(*layout, num_tokens)], self.max_tokens_per_rank)
+            return
+        rows = self._all_gather_ints([*layout, num_tokens], device)
+        _check_agreed(op, arg, rows, self.max_tokens_per_rank)
+        self._agreed.add(key)
+
+    def _all_gather_ints(self, values: list[int], device) -> list[list[int]]:
+        """Every rank's `values`, indexed by rank in the group."""
+        import torch.distributed as dist
+
+        mine = torch.tensor(values, dtype=torch.int64, device=device)
+        rows = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        dist.all_gather(rows, mine, group=self.group)
+        return torch.stack(rows).tolist()
+
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
+        op = "NvlinkDispatcher.dispatch"
         indices = self._check(x, weights, indices, align, scales)
+        _kernels(x, "NvlinkDispatcher")
+        self._agree(op, "x", "dispatch", _dispatch_layout(x, indices, scales), x.shape[0], x.device)
+        _check_payloads(op, [x])
         engine, C = self._engine_for(x)
-        _check_sizes("NvlinkDispatcher.dispatch", engine, [x], [indices], [scales])
         box: list = []
         _DispatchFn.apply(engine, C, box, align, 1, x.contiguous(), weights, indices.contiguous(),
                           None if scales is None else scales.contiguous())
@@ -659,7 +730,10 @@ class NvlinkDispatcher(GroupDispatcher):
 
     def combine(self, y: Tensor, handle: NvlinkHandle, *, weighted: bool = True) -> Tensor:
         """y [R, H]: the expert outputs of dispatch's rows (rows past the groups are never read)."""
-        _check_combine("NvlinkDispatcher.combine", [y], [handle])
+        op = "NvlinkDispatcher.combine"
+        _check_combine(op, [y], [handle])
+        self._agree(op, "y", "combine", _combine_layout(y, handle), 0, y.device)
+        _check_outputs(op, [y])
         (out,) = _CombineFn.apply(self._engine, _ext.kernels("nvlink dispatch", y), [handle], weighted, 1, y,
                                   handle.weights)
         return out
@@ -699,7 +773,10 @@ class VirtualNvlinkWorld:
                 raise ValueError(f"VirtualNvlinkWorld.dispatch: `x` is on {x.device}, the world on {self.device}")
         C = _kernels(xs[0], "VirtualNvlinkWorld")
         checked = [self.dispatchers[r]._check(xs[r], weights[r], indices[r], align, scales[r]) for r in range(P)]
-        _check_sizes("VirtualNvlinkWorld.dispatch", self.engine, xs, checked, scales)
+        op = "VirtualNvlinkWorld.dispatch"
+        _check_agreed(op, "x", [(*_dispatch_layout(x, i, s), x.shape[0]) for x, i, s in zip(xs, checked, scales)],
+                      self.engine.M)
+        _check_payloads(op, xs)
         box: list = []
         _DispatchFn.apply(self.engine, C, box, align, P, *[x.contiguous() for x in xs], *weights,
                           *[i.contiguous() for i in checked],
@@ -710,7 +787,10 @@ class VirtualNvlinkWorld:
         P = self.num_ranks
         if len(ys) != P or len(handles) != P:
             raise ValueError(f"VirtualNvlinkWorld.combine: pass one tensor and one handle per rank ({P})")
-        _check_combine("VirtualNvlinkWorld.combine", ys, handles)
+        op = "VirtualNvlinkWorld.combine"
+        _check_combine(op, ys, handles)
+        _check_agreed(op, "y", [(*_combine_layout(y, h), 0) for y, h in zip(ys, handles)], self.engine.M)
+        _check_outputs(op, ys)
         C = _kernels(ys[0], "VirtualNvlinkWorld")
         return list(_CombineFn.apply(self.engine, C, list(handles), weighted, P, *ys, *[h.weights for h in handles]))
 

@@ -227,8 +227,20 @@ def test_nvlink_bad_input(device):
     with pytest.raises(ValueError, match="one tensor per rank"):
         world.dispatch(x[:1], w[:1], i[:1])
     x[0], w[0], i[0] = x[0][:3], w[0][:3], i[0][:3]
-    with pytest.raises(ValueError, match="same k, hidden size"):
+    # What sets the peer buffers' layout differs between ranks: the error names the rank and its value.
+    with pytest.raises(ValueError, match="rank 1 passes `x` with hidden size 4, rank 0 with 8: every rank must "
+                                         "pass the same k, hidden size, dtype and scales"):
         world.dispatch([x[0], torch.randn(2, 4, device=device)], w, i)
+    with pytest.raises(ValueError, match="rank 1 passes `x` with k 3, rank 0 with 2"):
+        world.dispatch(x, [w[0], torch.rand(2, 3, device=device)], [i[0], torch.zeros(2, 3, dtype=torch.int32,
+                                                                                     device=device)])
+    with pytest.raises(ValueError, match="rank 1 passes `x` with dtype torch.bfloat16, rank 0 with torch.float32"):
+        world.dispatch([x[0], x[1].bfloat16()], w, i)
+    s = [torch.ones(3, 2, device=device), torch.ones(2, 2, device=device)]
+    with pytest.raises(ValueError, match="rank 1 passes `x` with scale width 1, rank 0 with 2"):
+        world.dispatch(x, w, i, scales=[s[0], torch.ones(2, 1, device=device)])
+    with pytest.raises(ValueError, match="rank 1 passes `x` with scale dtype torch.uint8, rank 0 with torch.float32"):
+        world.dispatch(x, w, i, scales=[s[0], s[1].to(torch.uint8)])
     with pytest.raises(ValueError, match="`weights` and `indices`"):
         world.dispatch(x, [torch.rand(3, 1, device=device), w[1]], i)
     with pytest.raises(ValueError, match="max_tokens_per_rank"):
@@ -372,10 +384,13 @@ def test_nvlink_combine_and_payload_checks(device):
     handles = [d.handle for d in ds]
     with pytest.raises(ValueError, match=f"`y` must be \\[R, H\\] with R = {ds[0].x.shape[0]}"):
         world.combine([ds[0].x[:1], ds[1].x], handles)
-    with pytest.raises(TypeError, match="`y` must be float32, float16 or bfloat16 on rank 1"):
-        world.combine([ds[0].x, ds[1].x.double()], handles)
-    with pytest.raises(ValueError, match="same hidden size and dtype"):
+    with pytest.raises(TypeError, match="`y` must be float32, float16 or bfloat16 on rank 0"):
+        world.combine([ds[0].x.double(), ds[1].x.double()], handles)
+    with pytest.raises(ValueError, match="rank 1 passes `y` with dtype torch.float16, rank 0 with torch.float32: "
+                                         "every rank must pass the same hidden size and dtype"):
         world.combine([ds[0].x, ds[1].x.half()], handles)
+    with pytest.raises(ValueError, match="rank 1 passes `y` with dtype torch.float64, rank 0 with torch.float32"):
+        world.combine([ds[0].x, ds[1].x.double()], handles)
     with pytest.raises(TypeError, match="`handle` must be the handle of this backend's dispatch"):
         world.combine([d.x for d in ds], [None, None])
     outs = world.combine([d.x for d in ds], handles)  # the checks leave the call working
@@ -393,6 +408,9 @@ def _worker_front_end(rank, P, device_type):
     E, k, H, M = 6, 3, 24, 40
     disp = make_dispatcher("nvlink", E, max_tokens_per_rank=M)
     disp._transport = lambda x, C: _VirtualTransport(1, x.device)
+    gathered = []  # the layouts the dispatcher agreed over its group
+    gather = disp._all_gather_ints
+    disp._all_gather_ints = lambda values, device: gathered.append(values) or gather(values, device)
     scale = torch.linspace(0.5, 2.0, E, device=dev)
     shift = torch.linspace(-1.0, 1.0, E, device=dev)
     for step, (case, T, weighted) in enumerate((("uniform", 17, True), ("hot", 3, True), ("uniform", 0, True),
@@ -412,9 +430,111 @@ def _worker_front_end(rank, P, device_type):
         for name, got, want in (("out", out, ref), ("dx", dx, rdx), ("dweights", dw, rdw)):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{name} step {step} {case}")
     assert disp.dropped_tokens() == 0
+    # The layout was agreed once for dispatch and once for combine (the token count is no part of it); the
+    # steady state does no collective.
+    assert gathered == [[k, H, 2, -1, -1, 17], [k, H, 2, -1, -1, 0]], gathered
+    w, idx = torch.rand(4, k, device=dev), torch.zeros(4, k, dtype=torch.int32, device=dev)
+    for _ in range(2):
+        d = disp.dispatch(torch.randn(4, 8, device=dev), w, idx)  # a new layout: fp32 rows of 8
+        disp.combine(d.x, d.handle)
+    assert gathered[2:] == [[k, 8, 0, -1, -1, 4], [k, 8, 0, -1, -1, 0]], gathered
+    # A peer with another layout (a stub gather standing in for the group): ValueError naming the peer, nothing
+    # cached, and the next call asks the group again.
+    disp._all_gather_ints = lambda values, device: [values, [values[0], values[1] * 2, *values[2:]]]
+    for _ in range(2):
+        with pytest.raises(ValueError, match="rank 1 passes `x` with hidden size 32, rank 0 with 16"):
+            disp.dispatch(torch.randn(4, 16, device=dev), w, idx)
 
 
 def test_nvlink_dispatcher_front_end_equals_one_rank(device):
     from tests.distributed import run_world
 
     run_world(_worker_front_end, 1, device.type)
+
+
+def _worker_two_ranks(rank, P, device_type):
+    # Two gloo ranks. (1) The dispatcher agrees its layout over the group: a rank passing another k, hidden
+    # size, dtype, scale width or too many tokens makes every rank raise the same ValueError naming it, before
+    # any buffer or kernel. (2) Expert tensor parallelism over the two ranks, each dispatching the pair's
+    # gathered tokens through an nvlink dispatcher of its own (a one-rank virtual transport) and computing half
+    # of every expert output: each rank's output and gradients equal the one-rank layer's; the gather padded to
+    # the nvlink dispatcher's share of max_tokens_per_rank equals the plain gather with padding tokens that
+    # route nowhere, and the whole step then runs without a host sync.
+    import functools
+
+    import torch.distributed as dist
+
+    import moe_kernels.parallel.expert_parallel as ep
+    from moe_kernels.dispatch import NvlinkDispatcher
+    from moe_kernels.dispatch.all_gather import gather_tokens
+    from moe_kernels.dispatch.nvlink import _VirtualTransport
+    from moe_kernels.testing import HostSyncError, no_host_sync
+
+    dev = torch.device(device_type)
+    E, k, H, M = 4, 2, 8, 6
+    disp = NvlinkDispatcher(E, max_tokens_per_rank=M)
+    one = rank == 1
+
+    def call(T=5, H=8, k=2, dtype=torch.float32, scale_width=None):
+        scales = None if scale_width is None else torch.ones(T, scale_width, device=dev)
+        disp.dispatch(torch.randn(T, H, device=dev).to(dtype), torch.rand(T, k, device=dev),
+                      torch.zeros(T, k, dtype=torch.int32, device=dev), scales=scales)
+
+    for kwargs, msg in (({"k": 2 + one}, "rank 1 passes `x` with k 3, rank 0 with 2"),
+                        ({"H": 8 + 8 * one}, "rank 1 passes `x` with hidden size 16, rank 0 with 8"),
+                        ({"dtype": torch.bfloat16 if one else torch.float32}, "with dtype torch.bfloat16, rank 0 with "
+                                                                               "torch.float32"),
+                        ({"scale_width": 1 + one}, "rank 1 passes `x` with scale width 2, rank 0 with 1"),
+                        ({"scale_width": 1 if one else None}, "rank 1 passes `x` with scale width 1, rank 0 with none"),
+                        ({"T": M + one}, f"`x` has {M + 1} tokens on rank 1, more than max_tokens_per_rank={M}")):
+        with pytest.raises(ValueError, match=msg):
+            call(**kwargs)
+    assert not disp._agreed and disp._engine is None  # nothing agreed, no buffer allocated
+
+    ones = [dist.new_group([r]) for r in range(P)]
+    inner = NvlinkDispatcher(E, ones[rank], max_tokens_per_rank=P * M)  # the pair's gathered tokens
+    inner._transport = lambda x, C: _VirtualTransport(1, x.device)
+    etp = ep.ExpertTensorParallelDispatcher(inner, None)
+    scale, shift = torch.linspace(0.5, 2.0, E, device=dev), torch.linspace(-1.0, 1.0, E, device=dev)
+    Ts = (5, 2)
+    T = Ts[rank]
+
+    def step(x, w, idx):
+        d = etp.dispatch(x, w, idx, align=4)
+        y = _expert_fn(d.x, d.local_indices, 0, scale, shift) * 0.5  # this rank's half of each expert output
+        out = etp.combine(y, d.handle)
+        return (out, *torch.autograd.grad((out * gout).sum(), (x, w)))
+
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, H, generator=gen).to(dev).requires_grad_()
+    w = torch.rand(T, k, generator=gen).to(dev).requires_grad_()
+    idx = _routing("uniform", T, k, E, 1, gen).to(dev)
+    gout = torch.randn(T, H, generator=gen).to(dev)
+    ref = _reference(x, w, idx, E, gout, scale, shift, True, 4)
+    for got, want in zip(step(x, w, idx), ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {rank}: etp over nvlink")
+
+    with pytest.raises(HostSyncError), no_host_sync():
+        gather_tokens(x, w, idx, None, None)  # without pad_to: the exchange of T reads the sizes on the host
+    plain = gather_tokens(x, w, idx, None, None)  # rank r's tokens at [r*5, r*5 + Ts[r])
+    with no_host_sync():
+        padded = gather_tokens(x, w, idx, None, None, pad_to=M)  # at [r*M, r*M + Ts[r])
+    for r, n in enumerate(Ts):
+        for got, want, fill in zip(padded[:3], plain[:3], (0, 0, -1)):
+            assert torch.equal(got[r * M : r * M + n], want[r * max(Ts) : r * max(Ts) + n]), f"rank {rank}"
+            assert torch.all(got[r * M + n : (r + 1) * M] == fill), f"rank {rank}"
+    with pytest.raises(ValueError, match=f"`x` has {T} tokens, more than pad_to=1"):
+        gather_tokens(x, w, idx, None, None, pad_to=1)
+    # The gather as ExpertTensorParallelDispatcher takes it over an nvlink dispatcher (pad_to: its share of
+    # the dispatcher's max_tokens_per_rank): equal results, and no host sync once the layout is agreed.
+    ep.gather_tokens = functools.partial(gather_tokens, pad_to=inner.max_tokens_per_rank // P)
+    with no_host_sync():
+        got = step(x, w, idx)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"rank {rank}: etp over nvlink, padded gather")
+
+
+def test_nvlink_layout_agreed_over_ranks_and_expert_tensor_parallel_gather(device):
+    from tests.distributed import run_world
+
+    run_world(_worker_two_ranks, 2, device.type)
