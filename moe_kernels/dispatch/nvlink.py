@@ -39,6 +39,16 @@ here: no token is ever dropped, and the grouped rows are sized for it. A smaller
 per rank; 2*M*k is twice the balanced load) bounds the buffers; tokens past it are dropped (they count
 as routed nowhere on that rank), counted on the device and reported by `dropped_tokens()`.
 
+IPC buffers: each rank cudaMallocs its regions and maps its peers' (CUDA IPC handles, exchanged through the
+process group). A region is freed only once no peer maps it: when a region grows, and in
+`NvlinkDispatcher.release_buffers(group)` (collective, before the process group is destroyed), every rank
+waits for its kernels, a barrier, every rank closes its mappings of the peers' regions, a barrier, then
+each frees its own, so no rank frees memory a peer still maps. A transport collected without that (at
+interpreter exit, or after the group was destroyed) runs no collective (the ranks get there in no known
+order, or cannot synchronise any more): it closes its own mappings and leaves its regions allocated, and
+the driver frees them with the process's context when it exits. For an orderly teardown, call
+`release_buffers` before destroying the group.
+
 `VirtualNvlinkWorld` runs P ranks in one process on one device (buffers all there, the barrier replaced
 by stream order): how the kernels are tested without a node, on the CPU-executed build in CI.
 """
@@ -173,8 +183,8 @@ class _IpcTransport(_Transport):
         import torch.distributed as dist
 
         torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)  # no rank still uses the old regions
-        self._release(kind)
+        dist.barrier(group=self.group)  # every rank's kernels on the old regions finished
+        self._release([kind])
         dev = self.device.index
         ptr = self.C.ipc_malloc(nbytes, dev)
         self._mine[kind] = ptr
@@ -198,32 +208,85 @@ class _IpcTransport(_Transport):
         self._opened[kind] = opened
         dist.barrier(group=self.group)  # every rank mapped every buffer before any kernel writes into one
         regions = [None] * self.num_ranks
-        regions[me] = torch.as_tensor(_CudaMemory(ptr, nbytes), device=self.device)
+        regions[me] = self._own_view(ptr, nbytes)
         self.regions[kind] = regions
         self.bases[kind] = torch.tensor(bases, dtype=torch.int64, device=self.device)
 
-    def _release(self, kind: str) -> None:
+    def _own_view(self, ptr: int, nbytes: int) -> Tensor:
+        return torch.as_tensor(_CudaMemory(ptr, nbytes), device=self.device)
+
+    def _unmap(self, kind: str) -> None:
+        """Close this rank's mappings of the peers' `kind` regions (local: the peers' memory stays theirs)."""
         dev = self.device.index
         for p in self._opened.pop(kind, []):
             self.C.ipc_close(p, dev)
-        if kind in self._mine:
-            self.regions.pop(kind, None)
-            self.C.ipc_free(self._mine.pop(kind), dev)
+        self.regions.pop(kind, None)
+        self.bases.pop(kind, None)
+
+    def _release(self, kinds) -> None:
+        """Unmap the peers' regions of `kinds`, wait until every rank has (a barrier), then free this rank's:
+        no rank frees a region another still maps. Collective; every rank's kernels on them have finished."""
+        import torch.distributed as dist
+
+        kinds = [kind for kind in kinds if kind in self._mine]  # the same kinds on every rank
+        if not kinds:
+            return
+        for kind in kinds:
+            self._unmap(kind)
+        dist.barrier(group=self.group)  # no rank maps these regions any more
+        for kind in kinds:
+            self.C.ipc_free(self._mine.pop(kind), self.device.index)
 
     def close(self) -> None:
-        for kind in list(self._mine):
-            self._release(kind)
+        """Free every region: wait for every rank's kernels, unmap the peers' regions, barrier, free this
+        rank's. Collective (every rank of the group calls it, while the group is alive); the regions are
+        allocated again at the next dispatch. With the process group gone it only unmaps (`_abandon`)."""
+        import torch.distributed as dist
+
+        if not self._mine and not self._opened:
+            return
+        if not _group_alive(self.group):
+            torch.cuda.synchronize(self.device)
+            self._abandon()
+            return
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # every rank's kernels on the regions finished
+        self._release(list(self._mine))
+        self.dropped_seen.clear()  # a new header starts its drop counter at zero
+
+    def _abandon(self) -> None:
+        """Unmap the peers' regions and forget this rank's without freeing them: without a barrier a peer may
+        still map them, so they stay allocated until this process exits (the driver frees them then)."""
+        for kind in list(self._opened):
+            self._unmap(kind)
+        self._mine.clear()
+        self.regions.clear()
+        self.bases.clear()
 
     def barrier(self, C) -> None:
         C.nvlink_barrier(rank=self.local_ranks[0], ranks=self.num_ranks, bases=self.bases["header"].data_ptr(),
                          mode=3, **_launch(self.device))
 
     def __del__(self):
+        # No collective here: ranks collect their transports at different times (at interpreter exit the
+        # group may be gone), so a barrier could hang and a free without one could race a peer's mapping.
         try:
             torch.cuda.synchronize(self.device)
-            self.close()
+            self._abandon()
         except Exception:  # interpreter shutdown
             pass
+
+
+def _group_alive(group) -> bool:
+    """Whether collectives over `group` can still run (torch.distributed initialised, the group not destroyed)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        return dist.get_rank(group) >= 0
+    except (RuntimeError, ValueError):
+        return False
 
 
 def _launch(device: torch.device) -> dict:
@@ -664,7 +727,7 @@ class NvlinkDispatcher(GroupDispatcher):
     sizes the buffers. capacity: expert rows one rank receives at most (None: the worst case, nothing is
     ever dropped). num_sms: thread blocks of the copy kernels (about 20 of an H100's 132 leave the rest to
     overlapping compute). The buffers are allocated at the first dispatch (a collective) and shared by
-    every NvlinkDispatcher of the same group and device.
+    every NvlinkDispatcher of the same group and device; `release_buffers(group)` frees them.
     """
 
     _transports: dict = {}
@@ -741,6 +804,15 @@ class NvlinkDispatcher(GroupDispatcher):
     def dropped_tokens(self) -> int:
         """Token copies dropped for capacity since the last call (warns when any); syncs."""
         return 0 if self._engine is None else self._engine.dropped_tokens()
+
+    @classmethod
+    def release_buffers(cls, group=None) -> None:
+        """Free the peer buffers of `group`'s dispatchers (on every device), in the teardown order of the
+        module docstring. Collective: every rank of the group calls it, while the group is alive (before
+        destroy_process_group). A later dispatch allocates them again."""
+        for (group_id, _), transport in list(cls._transports.items()):
+            if group_id == id(group):
+                transport.close()
 
 
 class VirtualNvlinkWorld:

@@ -50,6 +50,55 @@ def test_nvlink_ipc_two_processes_one_device():
     run_world(_worker_ipc, 2)
 
 
+def _worker_ipc_teardown(rank, P):
+    # Wider rows grow the dispatch and combine regions (every rank unmaps the old ones, a barrier, then each
+    # frees its own) with a rank lagging behind; results stay exact across the growth. release_buffers frees
+    # everything in the same order (collective), the next dispatch maps new regions, and the ranks then exit
+    # holding them (the driver frees them with the process; no rank frees memory a peer maps).
+    import time
+
+    from moe_kernels.dispatch import NvlinkDispatcher
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    E, k, M = 2 * P, 2, 16
+    disp = make_dispatcher("nvlink", E, max_tokens_per_rank=M)
+    sizes = []
+
+    def step(H, seed):
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(M - rank, H, generator=gen).to(dev).requires_grad_()
+        w = torch.rand(M - rank, k, generator=gen).to(dev).requires_grad_()
+        idx = _routing("uniform", M - rank, k, E, P, gen).to(dev)
+        results = []
+        for d_ in (disp, LocalDispatcher(E)):
+            d = d_.dispatch(x, w, idx, align=4)
+            out = d_.combine(d.x * 2, d.handle)
+            results.append((out, *torch.autograd.grad(out.square().sum(), (x, w))))
+        for got, want in zip(*results):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"rank {rank} H={H}")
+        t = disp._engine.t
+        sizes.append((t.region("dispatch", rank).numel(), t.region("combine", rank).numel()))
+
+    for i, H in enumerate((64, 1024, 4096)):
+        if rank == 1:
+            time.sleep(0.2)  # the other rank reaches the growth first
+        step(H, 10 * i + rank)
+    assert all(a < b for pair in zip(sizes, sizes[1:]) for a, b in zip(*pair)), sizes  # both regions grew twice
+    transport = disp._engine.t
+    NvlinkDispatcher.release_buffers()
+    assert not transport._mine and not transport._opened and not transport.regions
+    step(256, 99 + rank)  # new regions, mapped again
+    assert transport._mine.keys() == {"header", "dispatch", "combine"}
+    if rank == 0:
+        time.sleep(0.2)  # rank 1 exits first, holding its regions
+
+
+@pytest.mark.gpu_memory
+def test_nvlink_ipc_regions_grow_release_and_exit_two_processes_one_device():
+    run_world(_worker_ipc_teardown, 2)
+
+
 def _worker_ep_layer(rank, P):
     # apply_expert_parallel(backend="nvlink") on a MoE layer: outputs and input gradients equal the full
     # layer's on this rank's tokens (fp32: within the grouped GEMMs' rounding).
