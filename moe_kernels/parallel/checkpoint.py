@@ -6,6 +6,9 @@ its own shards, and a checkpoint saved under one layout loads under any other (F
     load_sharded(par, optimizer, "ckpt/step_100")          # into a model parallelized the same way or not
     load_sharded(model, None, "ckpt/step_100")             # one process, no process group: the full model
 
+A save is atomic: every rank writes into `path`.tmp, which rank 0 renames to `path` after all have written
+(a crash leaves the previous checkpoint whole; a re-save replaces the directory, never mixes two saves).
+
 With pipeline parallelism each rank writes its stages' tensors (under the full model's names), so a
 checkpoint of pipeline stages loads under any layout, with or without them, and the other way round. The
 optimizer's parameter groups are stored by their settings (lr, betas, ...), each rank keeping its own
@@ -16,7 +19,9 @@ global tensor of the unsplit model's shape, each rank's shard placed in it. The 
 the experts of an ep rank and their etp slices are plain local tensors in the model (tensor_parallel,
 expert_parallel), FSDP-sharded over their data-parallel ranks; here each becomes a DTensor over a mesh of
 the same ranks whose outer dimensions are the splits (tp: the dimension it split; ep: the experts; etp:
-the ffn slice) and whose inner ones are FSDP's, so DCP knows where every shard sits. One exception to the
+the ffn slice) and whose inner ones are FSDP's (an outer replicated dimension where ranks hold the same
+piece without FSDP: the expert data-parallel replicas of moe-train's expert-parallel path), so DCP knows
+where every shard sits. One exception to the
 model's shapes: a GroupedExperts' w13 [E, 2F, H] is stored as [E, 2, F, H] (gate, up), where an etp slice,
 rows of the gate and rows of the up projection, is one block. Those meshes are bookkeeping for DCP only
 (no process groups are created for them).
