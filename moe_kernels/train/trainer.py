@@ -8,6 +8,7 @@ import importlib
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -457,6 +458,26 @@ class Trainer:
         if differences:
             raise ResumeMismatchError(Path(path), differences)
 
+    def dropped_tokens(self) -> int | None:
+        """Token copies the expert dispatchers dropped for capacity since the last call, summed over the layers
+        and the ranks (every rank calls it; one small all_reduce); None when no dispatcher has a capacity
+        (only the nvlink backend drops)."""
+        dispatchers = []
+        for layer in self.model.moe_layers():
+            d = getattr(layer.dispatcher, "inner", layer.dispatcher)  # expert tensor parallelism wraps it
+            if d is not None and hasattr(d, "dropped_tokens"):
+                dispatchers.append(d)
+        if not dispatchers:
+            return None
+        with warnings.catch_warnings():  # the count goes to the log instead
+            warnings.simplefilter("ignore", RuntimeWarning)
+            total = sum(int(d.dropped_tokens()) for d in dispatchers)
+        if self.par is not None:
+            flag = torch.tensor([total], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag)
+            total = int(flag.item())
+        return total
+
     # -- loops -------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -529,6 +550,9 @@ class Trainer:
                         "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "tflops": flops / 1e12,
                         "mfu": flops / self.peak if self.peak else None, "memory_gib": memory_gib(self.device),
                     }
+                    dropped = self.dropped_tokens()
+                    if dropped is not None:
+                        record["dropped_tokens"] = dropped
                     logger.log(record, line=format_line(record))
                     records.append(record)
                     window_start, window_steps = time.perf_counter(), 0

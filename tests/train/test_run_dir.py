@@ -189,3 +189,28 @@ def test_resume_compares_model_and_data_settings(tmp_path):
         trainer(out).resume()  # the embedded corpus
     moved = trainer(out, data=str(tmp_path / "moved.txt"))  # the same tokens under another path
     assert moved.resume() and moved.step == 1
+
+
+def test_dropped_tokens_are_logged(tmp_path):
+    """A dispatcher with a capacity (the nvlink backend's) reports its dropped token copies: the trainer sums
+    them over the layers into the log record and its line; without one the record has no such field."""
+    from moe_kernels.train.metrics import format_line
+
+    t = trainer(tmp_path)
+    assert t.dropped_tokens() is None
+
+    class Counting:  # what the trainer reads of an NvlinkDispatcher
+        def __init__(self, n):
+            self.n = n
+
+        def dropped_tokens(self):
+            n, self.n = self.n, 0
+            return n
+
+    layers = list(t.model.moe_layers())
+    for i, layer in enumerate(layers):
+        layer.dispatcher = Counting(3 + i)
+    assert t.dropped_tokens() == sum(3 + i for i in range(len(layers))) and t.dropped_tokens() == 0
+    line = format_line({"step": 1, "loss": 1.0, "aux_loss": 0.0, "grad_norm": 1.0, "lr": 1e-3, "tokens_per_s": 1.0,
+                        "tflops": 0.0, "mfu": None, "memory_gib": 0.0, "dropped_tokens": 1234})
+    assert line.endswith("dropped 1,234")
