@@ -664,14 +664,17 @@ def _shown(field: str, value: int):
     return "none" if value < 0 and field == "scale width" else value
 
 
+def _check_tokens(op: str, arg: str, num_tokens: int, max_tokens: int, where: str) -> None:
+    if num_tokens > max_tokens:
+        raise ValueError(f"{op}: `{arg}` has {num_tokens} tokens{where}, more than max_tokens_per_rank={max_tokens} "
+                         "(the buffers are sized for it); raise max_tokens_per_rank")
+
+
 def _check_agreed(op: str, arg: str, rows, max_tokens: int) -> None:
     """rows[r] = rank r's layout, then its token count. Every rank's tokens within max_tokens and every
     layout equal to rank 0's, or a ValueError naming the first rank that differs and its value."""
     for r, row in enumerate(rows):
-        if row[-1] > max_tokens:
-            where = f" on rank {r}" if len(rows) > 1 else ""
-            raise ValueError(f"{op}: `{arg}` has {row[-1]} tokens{where}, more than max_tokens_per_rank={max_tokens} "
-                             "(the buffers are sized for it); raise max_tokens_per_rank")
+        _check_tokens(op, arg, row[-1], max_tokens, f" on rank {r}" if len(rows) > 1 else "")
     same = "k, hidden size, dtype and scales" if arg == "x" else "hidden size and dtype"
     for r, row in enumerate(rows[1:], 1):
         for field, mine, first in zip(_LAYOUT_FIELDS, row, rows[0]):
@@ -742,12 +745,11 @@ class NvlinkDispatcher(GroupDispatcher):
         self._engine: _Engine | None = None
         self._agreed: set[tuple] = set()  # layouts every rank of the group passed (module docstring)
 
-    def _engine_for(self, x: Tensor) -> tuple[_Engine, object]:
-        C = _kernels(x, "NvlinkDispatcher")
+    def _engine_for(self, x: Tensor, C) -> _Engine:
         if self._engine is None:
             self._engine = _Engine(self._transport(x, C), self.num_experts, self.max_tokens_per_rank, self.capacity,
                                    self.num_sms)
-        return self._engine, C
+        return self._engine
 
     def _transport(self, x: Tensor, C) -> _Transport:
         """The group's peer buffers on x's device: CUDA IPC mappings, made once per group and device."""
@@ -764,7 +766,8 @@ class NvlinkDispatcher(GroupDispatcher):
         sync) the first time this dispatcher sees `layout`, nothing after (module docstring)."""
         key = (kind, *layout)
         if key in self._agreed:  # steady state: this rank's own token count, checked on the host
-            _check_agreed(op, arg, [(*layout, num_tokens)], self.max_tokens_per_rank)
+            where = f" on rank {self.rank}" if self.num_ranks > 1 else ""
+            _check_tokens(op, arg, num_tokens, self.max_tokens_per_rank, where)
             return
         rows = self._all_gather_ints([*layout, num_tokens], device)
         _check_agreed(op, arg, rows, self.max_tokens_per_rank)
@@ -782,10 +785,10 @@ class NvlinkDispatcher(GroupDispatcher):
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         op = "NvlinkDispatcher.dispatch"
         indices = self._check(x, weights, indices, align, scales)
-        _kernels(x, "NvlinkDispatcher")
+        C = _kernels(x, "NvlinkDispatcher")
         self._agree(op, "x", "dispatch", _dispatch_layout(x, indices, scales), x.shape[0], x.device)
         _check_payloads(op, [x])
-        engine, C = self._engine_for(x)
+        engine = self._engine_for(x, C)
         box: list = []
         _DispatchFn.apply(engine, C, box, align, 1, x.contiguous(), weights, indices.contiguous(),
                           None if scales is None else scales.contiguous())

@@ -5,7 +5,9 @@ Every rank's output and gradients must equal the one-rank layer on that rank's t
 rows arrive in the same order and combine sums the same products in the same order (fp32, ascending
 slot). The stress cases of specs/dispatch.md: every token to one rank, ranks without tokens, -1 slots,
 T = 0 and 1, odd H, repeated and interleaved calls, FP8 and byte payloads with their scales, capacity
-overflow, T past max_tokens_per_rank.
+overflow, T past max_tokens_per_rank. Also: what the autograd keeps goes through save_for_backward (saved-
+tensor hooks see it); the ranks agree on the buffers' layout once per layout (errors name the rank); and
+expert tensor parallelism gathers tokens padded to the dispatcher's max_tokens_per_rank without a host sync.
 """
 
 from __future__ import annotations
@@ -438,6 +440,11 @@ def _worker_front_end(rank, P, device_type):
         d = disp.dispatch(torch.randn(4, 8, device=dev), w, idx)  # a new layout: fp32 rows of 8
         disp.combine(d.x, d.handle)
     assert gathered[2:] == [[k, 8, 0, -1, -1, 4], [k, 8, 0, -1, -1, 0]], gathered
+    big = M + 1  # an agreed layout: this rank's token count checked on the host, no collective
+    with pytest.raises(ValueError, match=f"`x` has {big} tokens, more than max_tokens_per_rank={M}"):
+        disp.dispatch(torch.randn(big, 8, device=dev), torch.rand(big, k, device=dev),
+                      torch.zeros(big, k, dtype=torch.int32, device=dev))
+    assert len(gathered) == 4
     # A peer with another layout (a stub gather standing in for the group): ValueError naming the peer, nothing
     # cached, and the next call asks the group again.
     disp._all_gather_ints = lambda values, device: [values, [values[0], values[1] * 2, *values[2:]]]
