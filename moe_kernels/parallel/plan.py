@@ -1,28 +1,96 @@
 """Per-GPU memory of a training layout, estimated without allocating the model (`moe-train --plan`).
 
-The model is built on the meta device and its parameters sorted by how the layout shards them:
-  experts          (w13, w2 of every MoE layer)   / (ep * etp), FSDP over expert_shard (edp in a replica)
-  tensor-parallel  (attention, dense MLPs, shared experts, embeddings, LM head)   / tp, FSDP over dp_shard*cp
-  replicated       (routers, norms)                FSDP over dp_shard*cp
-Layers go to pp stages of ceil(L / pp) consecutive layers, the embedding on the first, the final norm and
-the LM head on the last; the numbers are those of the stage that needs the most.
+The model is built on the meta device and its parameters sorted by how parallelize shards them:
+  experts     (w13, w2 of every MoE layer)       / (ep * etp), FSDP over edp (the replicas included), or in
+              their block's unit over dp_shard without ep, etp, tp and cp
+  split       (the q, k, v and o projections, MLA's q / q_b, kv_b and o, the dense MLPs: tensor_parallel's
+              column and row slices; k and v only when tp divides the kv heads)   / tp, FSDP over dp_shard*cp
+  replicated  (everything else: embeddings, LM head, norms, routers, shared experts, MLA's latent
+              projections)   whole on every tp rank, FSDP over dp_shard*cp*tp
+so a rank holds n / (tp * dp_shard * cp) of every non-expert parameter, and unsharded (FSDP's gathered copy)
+n / tp of a split one and n of a replicated one.
+Layers go to pp * stages_per_rank stages as moe_kernels.parallel.pipeline.stage_bounds splits them (the first
+num_layers % stages stages one layer longer), pipeline rank r holding stages r, r + pp, ...; the embedding is on
+the first stage, the final norm and the LM head on the last. The numbers are those of one pipeline rank:
+`pp_rank`, or by default the one whose total is largest.
 
-Bytes per parameter (the trainer's: fp32 master weights, bf16 compute): parameters 4, gradients 4 (fp32
-reduction), AdamW state 8, all sharded as above; plus the bf16 copies FSDP gathers for compute, two layers
-at a time (the one running and the one prefetched), sharded only by tp and ep * etp.
+Parameters and their state (the trainer's: fp32 master weights, AdamW): parameters 4 bytes, AdamW state 8,
+sharded as above. Compute happens in `compute_dtype` (bf16 under FSDP's mixed precision on CUDA; fp32 on
+gloo/CPU, where there is none), c bytes an element; "a layer" below is a transformer block's parameters
+sharded only by tp and ep * etp.
+- Without pipeline parallelism: gradients 4 bytes, sharded as above (FSDP reduce-scatters them in fp32 after
+  each unit's backward); FSDP's gathered copies in the compute dtype: two layers in flight (the one running
+  and the one prefetched) plus, with tp = 1, the root unit's parameters (embedding, final norm, LM head), which
+  torch 2.13's fully_shard keeps gathered from the forward to the backward (reshard_after_forward is False for
+  a root).
+- With pipeline parallelism, torch.distributed.pipelining (2.13) runs every micro-batch's backward through
+  `backward_maybe_with_nosync`, which calls `set_reshard_after_backward(False)` and
+  `set_requires_gradient_sync(False)` on the stage's FSDP root (recursively, every unit of the stage);
+  only `perform_reduce_grad`, after the step's last backward, reduce-scatters and reshards. So during a
+  step a rank holds, for every parameter of its stages: the gathered copy in the compute dtype (a backward
+  leaves the whole stage gathered; the next forward reshards unit by unit and gathers again), and an
+  unsharded gradient accumulator in fp32 (FSDP's `unsharded_accumulated_grad` in the reduce dtype under
+  mixed precision, the unsharded parameter's fp32 `.grad` without it). The plan counts both, unsharded
+  (sharded only by tp and ep * etp), instead of FSDP's two layers and the sharded gradients.
 
-Activations, in bf16 bytes per token of one layer, saved for the backward pass (with flash attention, so
-no S x S scores): attention 2H + 2 nh D + 2 nkv D (GQA; MLA: its latent and per-head projections), MoE
-2H + k (2H + 3F / etp) + 2E (fp32 router logits), shared experts H + 3 F_s, dense MLP H + 3 F_d. Each
-rank holds batch_size * seq_len / cp tokens of a micro-batch, split again by tp (sequence and head
-parallelism); with EP the expert rows it processes are, on balanced routing, as many as its own tokens
-bring. A pipeline's first stage keeps pp micro-batches in flight (1F1B). With activation checkpointing a
-layer keeps only its input (H per token) and one layer at a time is recomputed in full. The last stage
-adds the logits, V per token in bf16 and fp32, / tp.
+Activations: the tensors autograd saves for the backward (what torch.autograd.graph.saved_tensors_hooks
+sees, each storage once: a saved view holds its whole base), per micro-batch, read from the code of
+moe_kernels.models, .nn, .dispatch and .parallel as it runs (CUDA's fused regions save the same tensors as
+the registered ops). c is the compute dtype's bytes; b sequences of S tokens a micro-batch; T = b S / (cp tp)
+the rank's tokens, Ta = b S / cp those its attention sees (tp gathers them), Tk = b S the keys and values
+context parallelism gathers; nh = heads / tp, nkv = kv heads / tp, kvs = nkv, or when tp > kv heads nkv = 1
+and kvs = kv heads (each rank slices its head out of the whole projection, whose output the slice keeps);
+D head dim. An RMSNorm over n features keeps N(n) = (4 + c) n + 4 a row (its fp32 input: a copy, or in fp32
+the input itself; the rsqrt; the normalised rows). Per layer:
+  norms        2 T N(H)
+  attention    Ta (c H + 2 c nh D + 4 nh)   projections' input, rotated q, output (o_proj's input), lse
+               + without cp: Ta c (nkv + kvs) D   rotated k; v (the projection's output)
+               + with cp: Ta c nh D + Tk 2 c nh D + 2 (S / cp) rope_dim c   the chunks' outputs concatenated;
+                 the gathered keys and values (grouped-query heads repeated); the rank's rotary rows
+               + q/k norms (Qwen3): Ta ((4 + c) nh D + 4 nh + 4 kvs' D + c nkv D + 4 nkv), kvs' = kvs in fp32
+                 (the norm's input is then the projection's output), nkv otherwise
+               MLA (DeepSeek) as a GPU runs it (fused attention; on the CPU, unequal head dims take the
+                 math path and its S x S scores): Ta (c H + c nh (2 qk + nope + 2 v) + 4 nh + N(q_lora) +
+                 c q_lora + 4 (kv_lora [+ rope in fp32]) + 4 + 2 c kv_lora), with cp the gathered k and v
+  dense MLP    Tm (c H + 4 c F / tp), Tm = Ta under tp (the gathered input; gate, silu, up, product), else T
+  MoE          T (4 H + 4 E + 4 k)   router: fp32 input, logits, choices
+               + T (c H + 4 c Fs)   shared experts (their input is the router's in fp32: no c H then)
+               + the routed experts: R grouped rows of c (H + 3 F / etp) (input, gate/up, activation) and
+                 the dispatch's row maps, weights and rows by backend below
+  once         rotary tables 2 S rope_dim c (without cp), token ids 8 T; on the last stage T (N(H) + c H +
+               4 V + 8) (final norm, LM head input, log-softmax, labels)
+Routed experts, Td = T etp the tokens a dispatch carries (etp gathers them), k slots, E experts, El = E / ep
+local ones, a = align, f = `capacity`, a factor of the balanced load Td k (moe_kernels.dispatch):
+  ep = 1        R = Td k + min(E, Td k)(a - 1) (permute's worst case, reached); T 8k + R c H (row map,
+                weights; the expert outputs unpermute keeps); with etp: Td 9k + R (c H + 8)
+  all_to_all    R = f Td k + El (a - 1), f None: 1 (balanced routing; the backend holds what routing sends,
+                so f > 1 sizes a busier rank); Td (17 k + c H k) + 5 N + 8 R, N = f Td k (the source's row
+                map, masks, indices, weights and its Td k returned rows; the receiver's row map and masks)
+  all_gather    R = ep Td k + El (a - 1) whatever f (every gathered pair: the worst case it allocates);
+                ep Td 9k + R (4 H + 8) (row map, masks, weights; combine's fp32 partial sums)
+  nvlink        R = min(C, ep M k) + El (a - 1), C = ceil(f M k) (f None: ep M k, the backend's default,
+                every token of every rank here), M = Td (moe-train's max_tokens_per_rank, times etp);
+                Td (8 k + c H k) + X (8 + 4 k), X = min(ep M, C) (source rows, weights, combine's saved slot
+                rows; the handle's sources and row map). Its peer buffers, once per rank for every layer:
+                ep M (8 + 8 k) + X c H (dispatch) + M k (c H + 4) (combine), the nvlink row of the table.
+Pipelines keep several micro-batches in flight: 1F1B min(n, pp - s) on stage s, GPipe all n, interleaved
+1F1B torch's warm-up count + 1 chunks, in its order over the rank's stages; n = num_microbatches (default
+pp). With activation checkpointing a layer keeps only its input (c H a token; torch.utils.checkpoint holds it,
+no saved-tensor hook sees it), the stage's ids and loss terms stay as above, and one layer at a time is
+recomputed in full during the backward.
 
-A reserve of 5 GiB covers the CUDA context, communication buffers and allocator fragmentation. The
-verdict compares the total with the GPU's memory (80 GB by default). It is an estimate with stated
-terms, not a measurement.
+Not in the activations row (saved-tensor hooks do not see them), in the "logits, loss, stage buffers" row:
+the logits the step holds through the backward and the loss's fp32 transients, (c + 8) V a token on the last
+stage; a pipeline stage's received input and output, c H a token each, per micro-batch in flight.
+
+Checked on the CPU: one process's saved bytes in fp32 and bf16 (tests/parallel/test_plan.py, within 0.1%),
+and on 4 gloo ranks (fp32) the parameter, gradient, optimizer and activation bytes of every layout
+parallelize builds within 5% (tests/parallel/test_plan_bytes.py; 2% seen, the rest routing imbalance
+and, with cp, the attention mask the CPU materialises, [S / 2cp, S] fp32 a layer, which a GPU's kernels do
+not).
+
+A reserve of 5 GiB covers the CUDA context, NCCL's buffers and allocator fragmentation. The verdict compares
+the total with the GPU's memory (80 GB by default). It is an estimate with stated terms, not a measurement.
 """
 
 from __future__ import annotations
@@ -37,6 +105,8 @@ from moe_kernels.parallel.layout import ParallelConfig
 
 GiB = 1 << 30
 RESERVE = 5 * GiB
+EP_BACKENDS = ("all_to_all", "all_gather", "nvlink")
+SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
 
 @dataclass(frozen=True)
@@ -45,14 +115,19 @@ class MemoryPlan:
     params: float  # bytes per GPU
     grads: float
     optimizer: float
-    gathered: float  # FSDP's unsharded bf16 layers in flight
-    activations: float
+    gathered: float  # FSDP's unsharded parameters in the compute dtype (with pp: the rank's whole stages)
+    activations: float  # saved for the backward, every micro-batch in flight
     reserve: float
     gpu_bytes: float
+    workspace: float = 0.0  # held logits and the loss's transients; pipeline stage inputs and outputs
+    dispatch: float = 0.0  # the nvlink backend's peer buffers
+    pp_rank: int = 0  # the pipeline rank these numbers are for
+    compute_dtype: torch.dtype = torch.bfloat16
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.gathered + self.activations + self.reserve
+        return (self.params + self.grads + self.optimizer + self.gathered + self.activations + self.workspace
+                + self.dispatch + self.reserve)
 
     @property
     def fits(self) -> bool:
@@ -71,99 +146,290 @@ class MemoryPlan:
                 f"({biggest[1] / GiB:.1f} GiB): {hint}")
 
     def table(self) -> str:
-        rows = [("parameters (fp32, sharded)", self.params), ("gradients (fp32, sharded)", self.grads),
-                ("optimizer state (AdamW, fp32)", self.optimizer), ("FSDP-gathered layers (bf16)", self.gathered),
-                ("activations", self.activations), ("reserve (context, buffers)", self.reserve),
-                ("total", self.total)]
-        return "\n".join(f"  {name:<32}{v / GiB:>9.2f} GiB" for name, v in rows)
+        dt = str(self.compute_dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
+        pipelined = self.layout.pp > 1
+        rows = [("parameters (fp32, sharded)", self.params),
+                ("gradients (fp32, stage unsharded)" if pipelined else "gradients (fp32, sharded)", self.grads),
+                ("optimizer state (AdamW, fp32)", self.optimizer),
+                (f"stage parameters gathered ({dt})" if pipelined else f"FSDP-gathered layers ({dt})", self.gathered),
+                ("activations", self.activations), ("logits, loss, stage buffers", self.workspace)]
+        if self.dispatch:
+            rows.append(("nvlink dispatch buffers", self.dispatch))
+        rows += [("reserve (context, buffers)", self.reserve), ("total", self.total)]
+        head = f"  (pipeline rank {self.pp_rank} of {self.layout.pp})\n" if pipelined else ""
+        return head + "\n".join(f"  {name:<36}{v / GiB:>9.2f} GiB" for name, v in rows)
 
 
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+_SPLIT = re.compile(r"\.(self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj|k_proj|v_proj)"
+                    r"|mlp\.(gate_proj|up_proj|down_proj))\.weight$")
 
 
-def _category(name: str, ndim: int) -> str:
+def _category(cfg, name: str, tp: int) -> str:
+    """How parallelize shards parameter `name` (module docstring): "expert", "split" or "replicated"."""
     if ".experts." in name:
         return "expert"
-    if ".router." in name or ndim < 2:
+    m = _SPLIT.search(name)
+    if m is None:
         return "replicated"
-    return "tp"
+    if m.group(2) in ("k_proj", "v_proj") and cfg.num_kv_heads % tp:
+        return "replicated"  # fewer kv heads than tp ranks: each rank holds the projection whole
+    return "split"
 
 
-def _per_token_activation_bytes(cfg, layer: int, pc: ParallelConfig) -> float:
-    """bf16 bytes one token leaves for the backward pass in one layer (module docstring)."""
+# ---------------------------------------------------------------------------------------------------
+# Activations (module docstring): bytes saved for the backward by one rank, one micro-batch
+
+
+def _norm(n: float, c: int) -> float:
+    """RMSNorm over n features, per row: its fp32 input, the rsqrt, the normalised rows."""
+    return (4 + c) * n + 4
+
+
+def _attention(cfg, pc: ParallelConfig, c: int, b: int, S: int) -> float:
+    tp, cp = pc.tp, pc.cp
+    Ta, Tk = b * S / cp, b * S
     H = cfg.hidden_size
+    total = Ta * c * H  # the projections' input (tp: the gathered chunks)
+    nh = cfg.num_heads // tp
     if cfg.mla is None:
         D = cfg.attn_head_dim
-        attn = 2 * H + 2 * cfg.num_heads * D + 2 * cfg.num_kv_heads * D
+        if cfg.num_kv_heads % tp == 0:
+            nkv = kvs = cfg.num_kv_heads // tp
+        else:  # each rank keeps its query heads' kv head of the projection's whole output
+            nkv, kvs = 1, cfg.num_kv_heads
+        per = 2 * c * nh * D + 4 * nh  # rotated q, output (o_proj's input), log-sum-exp
+        if cfg.qk_norm:
+            per += _norm(nh * D, c) - 4 + 4 * nh  # q_norm over every head's rows
+            per += 4 * (kvs if c == 4 else nkv) * D + c * nkv * D + 4 * nkv  # k_norm (fp32: its input's base)
+        if cp == 1:
+            per += c * nkv * D + c * kvs * D  # rotated k, v (a view of the projection's output)
+            return total + Ta * per
+        per += c * nh * D  # the two chunks' outputs concatenated
+        return total + Ta * per + Tk * 2 * c * nh * D  # gathered k, v (grouped-query heads repeated)
+    m = cfg.mla
+    qk, vd, kl = m.qk_head_dim, m.v_head_dim, m.kv_lora_rank
+    per = c * nh * qk + c * nh * vd + 4 * nh  # q (nope and rotated rope concatenated), output, log-sum-exp
+    if m.q_lora_rank:
+        per += _norm(m.q_lora_rank, c) + c * m.q_lora_rank  # q_a_layernorm, q_b_proj's input
+    per += 4 * (kl + m.qk_rope_head_dim if c == 4 else kl) + 4 + c * kl + c * kl  # kv_a_layernorm, kv_b's input
+    if cp == 1:
+        per += c * nh * qk + c * nh * (m.qk_nope_head_dim + vd)  # k; v, a view of kv_b's output
+        return total + Ta * per
+    per += c * nh * vd
+    return total + Ta * per + Tk * c * nh * (qk + vd)
+
+
+def _routed(cfg, pc: ParallelConfig, tokens: float, ep_backend: str, capacity: float | None) -> tuple[float, float]:
+    """(R, N): the grouped rows one rank's experts hold per MoE layer and micro-batch, padding included, and
+    the (token, slot) pairs among them (module docstring); `tokens` the rank's tokens (after cp and tp)."""
+    moe = cfg.moe
+    k, E, align = moe.router.k, moe.num_experts, moe.permute_align
+    Td = tokens * pc.etp
+    if pc.ep == 1:
+        return Td * k + min(E, Td * k) * (align - 1), Td * k
+    pad = E // pc.ep * (align - 1)
+    worst = pc.ep * Td * k  # every pair of the ep group's tokens here
+    if ep_backend == "all_gather":
+        N = worst
+    elif ep_backend == "nvlink":
+        N = worst if capacity is None else min(math.ceil(capacity * Td * k), worst)
     else:
-        m = cfg.mla
-        q = (m.q_lora_rank or 0) * 2 + cfg.num_heads * m.qk_head_dim
-        kv = 2 * (m.kv_lora_rank + m.qk_rope_head_dim) + cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim)
-        attn = 2 * H + q + kv + cfg.num_heads * m.v_head_dim
-    if layer < cfg.first_k_dense:
-        mlp = H + 3 * cfg.dense_ffn_size
+        N = (1.0 if capacity is None else capacity) * Td * k
+    return N + pad, N
+
+
+def routed_rows(cfg, pc: ParallelConfig, tokens: float, ep_backend: str = "all_to_all",
+                capacity: float | None = None) -> float:
+    """Grouped expert rows (padding included) one rank holds per MoE layer and micro-batch of `tokens` tokens a
+    rank (after cp and tp), as the ep_backend allocates them (module docstring)."""
+    return _routed(cfg, pc, tokens, ep_backend, capacity)[0]
+
+
+def _moe(cfg, pc: ParallelConfig, c: int, T: float, ep_backend: str, capacity: float | None) -> float:
+    moe = cfg.moe
+    H, E, k = cfg.hidden_size, moe.num_experts, moe.router.k
+    total = T * (4 * H + 4 * E + 4 * k)  # router: fp32 input, logits, choices
+    if moe.shared_ffn_size:  # (their input is the router's in fp32)
+        total += T * ((c * H if c != 4 else 0) + 4 * c * moe.shared_ffn_size)
+        if moe.shared_gate:
+            total += T * (c * H + c)
+    Td = T * pc.etp
+    R, N = _routed(cfg, pc, T, ep_backend, capacity)
+    grouped = c * (H + 3 * moe.ffn_size / pc.etp)  # a grouped row: input, gate/up, activation
+    if pc.ep == 1 and pc.etp == 1:  # permute's row map, unpermute's weights and expert outputs
+        return total + T * 8 * k + R * (grouped + c * H)
+    if pc.ep == 1:  # the etp group's tokens on a LocalDispatcher: its row values' masks and indices too
+        return total + Td * 9 * k + R * (grouped + c * H + 8)
+    if ep_backend == "all_gather":  # over every gathered token; combine's fp32 partial sums
+        return total + pc.ep * Td * 9 * k + R * (grouped + 4 * H + 8)
+    if ep_backend == "nvlink":  # source rows, weights, combine's slot rows; the handle's sources and row map
+        X = min(pc.ep * Td, N)
+        return total + Td * (8 * k + c * H * k) + X * (8 + 4 * k) + R * grouped
+    # all_to_all: the source's row map, masks, indices, weights and returned rows; the receiver's
+    return total + Td * (17 * k + c * H * k) + N * 5 + R * (grouped + 8)
+
+
+def _layer(cfg, pc: ParallelConfig, i: int, c: int, b: int, S: int, ep_backend: str, capacity) -> float:
+    """One transformer block's saved bytes for one micro-batch (without the rotary tables it shares)."""
+    H = cfg.hidden_size
+    T = b * S / (pc.cp * pc.tp)
+    total = 2 * T * _norm(H, c) + _attention(cfg, pc, c, b, S)
+    if pc.cp > 1:  # the rotary rows of the rank's positions, taken per layer
+        total += 2 * (S / pc.cp) * cfg.rope_dim * c
+    if i < cfg.first_k_dense:
+        F = cfg.dense_ffn_size
+        Tm = T * pc.tp
+        return total + Tm * (c * H + 4 * c * F / pc.tp)
+    return total + _moe(cfg, pc, c, T, ep_backend, capacity)
+
+
+def _stage_activations(cfg, pc: ParallelConfig, layers: range, first: bool, last: bool, c: int, b: int, S: int,
+                       checkpointing: bool, ep_backend: str, capacity) -> tuple[float, float, float]:
+    """(saved bytes, workspace bytes, a recomputed layer's saved bytes under checkpointing) of one stage and one
+    micro-batch."""
+    H, V = cfg.hidden_size, cfg.vocab_size
+    T = b * S / (pc.cp * pc.tp)
+    per_layer = [_layer(cfg, pc, i, c, b, S, ep_backend, capacity) for i in layers]
+    recompute = 0.0
+    if checkpointing:  # each layer keeps its input; one layer at a time recomputed in full in the backward
+        acts = len(per_layer) * T * c * H
+        recompute = max(per_layer, default=0.0) + (2 * S * cfg.rope_dim * c if pc.cp == 1 else 0.0)
     else:
-        moe = cfg.moe
-        k, F = moe.router.k, moe.ffn_size
-        mlp = 2 * H + k * (2 * H + 3 * F / pc.etp) + 2 * moe.num_experts
-        if moe.shared_ffn_size:
-            mlp += H + 3 * moe.shared_ffn_size
-    return 2 * (attn + mlp) / pc.tp
+        acts = sum(per_layer)
+        if per_layer and pc.cp == 1:
+            acts += 2 * S * cfg.rope_dim * c  # cos, sin: once a forward, every layer's
+    if first:
+        acts += 8 * T  # token ids
+    workspace = 0.0
+    if last:
+        acts += T * (_norm(H, c) + c * H + 4 * V + 8)  # final norm, LM head input, log-softmax, labels
+        workspace += T * (c + 8) * V  # the held logits; the loss's fp32 copy and gradients
+    else:
+        workspace += T * c * H  # the stage's output, held for its backward
+    if not first:
+        workspace += T * c * H  # the received input
+    return acts, workspace, recompute
+
+
+def _in_flight(schedule: str, pp: int, rank: int, n: int, v: int) -> int:
+    """Micro-batch forwards whose activations pipeline rank `rank` holds at once (chunks, interleaved)."""
+    if pp == 1:
+        return 1
+    if schedule == "gpipe":
+        return n * v
+    if schedule == "interleaved-1f1b":  # torch's _get_warmup_ops, then one more forward before a backward
+        warmup = (v - 1) * _per_round(pp, n) + 2 * (pp - 1 - rank)
+        return min(warmup + 1, n * v)
+    return min(n, pp - rank)
+
+
+def _per_round(pp: int, n: int) -> int:
+    """Micro-batches of a round of torch's interleaved schedule (ScheduleInterleaved1F1B)."""
+    return n // max(1, n // pp)
 
 
 def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activation_checkpointing: bool = False,
-                gpu_bytes: float = 80e9) -> MemoryPlan:
-    """Per-GPU memory of training model config `cfg` (moe_kernels.models) under the resolved layout `pc`,
-    `batch_size` sequences of `seq_len` tokens per data-parallel rank and micro-batch."""
+                gpu_bytes: float = 80e9, compute_dtype: torch.dtype = torch.bfloat16, ep_backend: str = "all_to_all",
+                capacity: float | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
+                stages_per_rank: int | None = None, pp_rank: int | None = None) -> MemoryPlan:
+    """Per-GPU memory of training model config `cfg` (moe_kernels.models) under the resolved layout `pc`
+    (module docstring).
+
+    batch_size: sequences of `seq_len` tokens per data-parallel rank and micro-batch. compute_dtype: the
+    dtype of FSDP's gathered parameters and of the activations (bf16 under mixed precision on CUDA; fp32 on
+    the CPU). ep_backend and capacity: the expert-parallel dispatch and its capacity as a factor of the
+    balanced load (None: the backend's default, the worst case for nvlink; moe_kernels.dispatch).
+    num_microbatches (default pp), schedule ("1f1b", "gpipe", "interleaved-1f1b") and stages_per_rank
+    (default 2 for the interleaved schedule, else 1): the pipeline's. pp_rank: the pipeline rank to report
+    (default: the one whose total is largest)."""
     from moe_kernels.models import build_model
+    from moe_kernels.parallel.pipeline import stage_bounds
 
     pc.check_model(cfg, seq_len)
+    if ep_backend not in EP_BACKENDS:
+        raise ValueError(f"plan_memory: ep_backend must be one of {EP_BACKENDS}, got {ep_backend!r}")
+    if capacity is not None and not capacity > 0:
+        raise ValueError(f"plan_memory: capacity must be a factor > 0 of the balanced load, or None; got {capacity!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"plan_memory: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    c = torch.empty((), dtype=compute_dtype).element_size()
+    P = pc.pp
+    v = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved-1f1b" and P > 1 else 1)
+    n_mb = P if num_microbatches is None else num_microbatches
+    L = cfg.num_layers
+    bounds = stage_bounds(L, P * v)
+    stage_of = {i: s for s, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
     with torch.device("meta"):
         model = build_model(cfg)
-    L, pp = cfg.num_layers, pc.pp
-    per_stage = math.ceil(L / pp)
-    stages = [dict(expert=0.0, tp=0.0, replicated=0.0) for _ in range(pp)]
-    layer_params = [0.0] * L  # per-GPU bf16 copy sizes (tp and ep sharding only), for FSDP's gathers
+
+    # The experts' own FSDP unit spans edp, the replicas included; without ep, etp, tp and cp they are in their
+    # block's unit, over dp_shard (replicated over dp_replicate).
+    expert_fsdp = pc.edp if pc.ep * pc.etp * pc.tp * pc.cp > 1 else pc.dp_shard
+    # Per pipeline rank: sharded (FSDP) and unsharded (tp, ep * etp only) element counts; per layer the latter.
+    sharded, unsharded = [0.0] * P, [0.0] * P
+    layer_local = [0.0] * L
+    root_local = 0.0  # the parameters outside the blocks (embedding, final norm, LM head)
     for name, p in model.named_parameters():
         m = _LAYER.match(name)
-        if m:
-            layer = int(m.group(1))
-            stage = layer // per_stage
+        layer = int(m.group(1)) if m else None
+        if layer is not None:
+            stage = stage_of[layer]
         else:
-            layer = None
-            stage = 0 if name.startswith("embed") else pp - 1
-        cat = _category(name, p.dim())
+            stage = 0 if name.startswith("embed") else P * v - 1
+        rank = stage % P
+        cat = _category(cfg, name, pc.tp)
         n = p.numel()
         if cat == "expert":
             local = n / (pc.ep * pc.etp)
-            stages[stage]["expert"] += local / pc.expert_shard
-        elif cat == "tp":
-            local = n / pc.tp
-            stages[stage]["tp"] += local / (pc.dp_shard * pc.cp)
+            sharded[rank] += local / expert_fsdp
         else:
-            local = n
-            stages[stage]["replicated"] += local / (pc.dp_shard * pc.cp)
+            local = n / pc.tp if cat == "split" else n
+            sharded[rank] += n / (pc.tp * pc.dp_shard * pc.cp)
+        unsharded[rank] += local
         if layer is not None:
-            layer_params[layer] += local
-    worst = max(range(pp), key=lambda s: sum(stages[s].values()))
-    n_params = sum(stages[worst].values())
-    gathered = 2 * 2 * max(layer_params[s] for s in range(L))  # two bf16 layers in flight
+            layer_local[layer] += local
+        else:
+            root_local += local
 
-    tokens = batch_size * seq_len / pc.cp  # per rank and micro-batch
-    first = range(0, min(per_stage, L))
-    per_layer = [_per_token_activation_bytes(cfg, i, pc) for i in first]
-    in_flight = pp  # the first stage under 1F1B
-    if activation_checkpointing:
-        acts = tokens * (in_flight * len(per_layer) * 2 * cfg.hidden_size / pc.tp + max(per_layer))
-    else:
-        acts = tokens * in_flight * sum(per_layer)
-    logits = tokens * cfg.vocab_size * (2 + 4) / pc.tp  # on the last stage
-    if pp == 1:
-        acts += logits
-    else:
-        last = range((pp - 1) * per_stage, L)
-        last_acts = tokens * (sum(_per_token_activation_bytes(cfg, i, pc) for i in last) if not activation_checkpointing
-                              else len(last) * 2 * cfg.hidden_size / pc.tp) + logits
-        acts = max(acts, last_acts)
-    return MemoryPlan(pc, params=4 * n_params, grads=4 * n_params, optimizer=8 * n_params, gathered=gathered,
-                      activations=acts, reserve=RESERVE, gpu_bytes=gpu_bytes)
+    plans = []
+    for r in range(P):
+        chunks = []  # (saved, workspace, recomputed) of one micro-batch on each of the rank's stages
+        for j in range(v):
+            lo, hi = bounds[r + j * P]
+            chunks.append(_stage_activations(cfg, pc, range(lo, hi), r + j * P == 0, r + j * P == P * v - 1, c,
+                                             batch_size, seq_len, activation_checkpointing, ep_backend, capacity))
+        acts = work = 0.0
+        for f in range(_in_flight(schedule, P, r, n_mb, v)):
+            # the schedule's forwards in order: rounds of n / rounds micro-batches on each local stage in turn
+            a, w, _ = chunks[(f // _per_round(P, n_mb)) % v if v > 1 else 0]
+            acts, work = acts + a, work + w
+        acts += max(ch[2] for ch in chunks)
+        if P > 1:  # the whole stage gathered, with fp32 gradient accumulators, for the whole step
+            gathered, grads = c * unsharded[r], 4 * unsharded[r]
+        else:
+            gathered = c * (2 * max(layer_local, default=0.0) + (root_local if pc.tp == 1 else 0.0))
+            grads = 4 * sharded[r]
+        dispatch = 0.0
+        if ep_backend == "nvlink" and pc.ep > 1 and any(hi > cfg.first_k_dense for lo, hi in
+                                                       (bounds[r + j * P] for j in range(v))):
+            dispatch = nvlink_buffer_bytes(cfg, pc, batch_size * seq_len / (pc.cp * pc.tp), c, capacity)
+        plans.append(MemoryPlan(pc, params=4 * sharded[r], grads=grads, optimizer=8 * sharded[r], gathered=gathered,
+                                activations=acts, reserve=RESERVE, gpu_bytes=gpu_bytes, workspace=work,
+                                dispatch=dispatch, pp_rank=r, compute_dtype=compute_dtype))
+    if pp_rank is not None:
+        if not 0 <= pp_rank < P:
+            raise ValueError(f"plan_memory: pp_rank {pp_rank} is not a rank of pp={P}")
+        return plans[pp_rank]
+    return max(plans, key=lambda mp: mp.total)
+
+
+def nvlink_buffer_bytes(cfg, pc: ParallelConfig, tokens: float, c: int, capacity: float | None) -> float:
+    """The nvlink backend's dispatch and combine buffers on one rank (moe_kernels.dispatch.nvlink's formula),
+    `tokens` a rank's tokens per micro-batch (after cp and tp), c the payload's bytes an element."""
+    k, H = cfg.moe.router.k, cfg.hidden_size
+    P, M = pc.ep, tokens * pc.etp
+    worst = P * M * k
+    C = worst if capacity is None else min(math.ceil(capacity * M * k), worst)
+    X = min(P * M, C)
+    return P * M * (8 + 8 * k) + X * H * c + M * k * (H * c + 4)
