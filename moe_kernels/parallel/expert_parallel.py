@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_kernels.dispatch import LocalDispatcher, collectives, make_dispatcher
+from moe_kernels.dispatch import LocalDispatcher, NvlinkDispatcher, collectives, make_dispatcher
 from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
@@ -70,16 +70,20 @@ class _EtpHandle:
 class ExpertTensorParallelDispatcher(Dispatcher):
     """A token dispatcher over an ep group, run by the n ranks of an etp group on their gathered tokens
     (module docstring). dispatch takes this rank's tokens; combine returns this rank's outputs, the sums of
-    the n slices' parts. The group's ranks may hold different numbers of tokens (one exchange of T)."""
+    the n slices' parts. The group's ranks may hold different numbers of tokens (one exchange of T and a host
+    sync; none over an nvlink dispatcher, where each rank pads to its max_tokens_per_rank)."""
 
     def __init__(self, inner: Dispatcher, group):
         self.inner, self.group = inner, group
         self.etp = dist.get_world_size(group)
+        # An nvlink dispatcher is sized for the etp group's gathered tokens (apply_expert_parallel multiplies
+        # max_tokens_per_rank by etp): each rank pads to its share, so the gather exchanges no T (no host sync).
+        self.pad_to = inner.max_tokens_per_rank // self.etp if isinstance(inner, NvlinkDispatcher) else None
         super().__init__(inner.num_experts, inner.num_ranks, inner.rank)
 
     def dispatch(self, x, weights, indices, *, align=1, scales=None) -> Dispatched:
         indices = self._check(x, weights, indices, align, scales)
-        x_all, w_all, i_all, s_all = gather_tokens(x, weights, indices, scales, self.group)
+        x_all, w_all, i_all, s_all = gather_tokens(x, weights, indices, scales, self.group, pad_to=self.pad_to)
         d = self.inner.dispatch(x_all, w_all, i_all, align=align, scales=s_all)
         d.handle = _EtpHandle(d.handle, x.shape[0])
         return d

@@ -285,7 +285,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         apply_sequence_sharding(model, sharding)
     if C > 1:
         apply_context_parallel(model, sharding)
-    if EP * ETP > 1:
+    if EP * ETP > 1 and any(isinstance(m, MoELayer) for m in model.modules()):  # (a stage of dense layers has none)
         apply_expert_parallel(model, expert_mesh3d.get_group("ep"), backend=ep_backend,
                               etp_group=expert_mesh3d.get_group("etp") if ETP > 1 else None,
                               max_tokens_per_rank=max_tokens_per_rank,

@@ -281,8 +281,16 @@ class Trainer:
                 f"{self.cfg.ep_backend} dispatch)")
 
     def close(self) -> None:
-        """Leaves the process group this trainer started (under torchrun)."""
+        """Leaves the process group this trainer started (under torchrun), after freeing the nvlink dispatchers'
+        peer buffers in order (every rank unmaps its peers' regions, then the regions are freed)."""
         if self.par is not None and self.par.owns_process_group and dist.is_initialized():
+            from moe_kernels.dispatch import NvlinkDispatcher
+
+            groups = {id(d.group): d.group for layer in self.model.moe_layers()
+                      for d in [getattr(layer.dispatcher, "inner", layer.dispatcher)]
+                      if isinstance(d, NvlinkDispatcher)}
+            for group in groups.values():
+                NvlinkDispatcher.release_buffers(group)
             dist.destroy_process_group()
 
     # -- checkpoints -------------------------------------------------------------------------------

@@ -467,8 +467,6 @@ def _worker_two_ranks(rank, P, device_type):
     # of every expert output: each rank's output and gradients equal the one-rank layer's; the gather padded to
     # the nvlink dispatcher's share of max_tokens_per_rank equals the plain gather with padding tokens that
     # route nowhere, and the whole step then runs without a host sync.
-    import functools
-
     import torch.distributed as dist
 
     import moe_kernels.parallel.expert_parallel as ep
@@ -534,7 +532,7 @@ def _worker_two_ranks(rank, P, device_type):
         gather_tokens(x, w, idx, None, None, pad_to=1)
     # The gather as ExpertTensorParallelDispatcher takes it over an nvlink dispatcher (pad_to: its share of
     # the dispatcher's max_tokens_per_rank): equal results, and no host sync once the layout is agreed.
-    ep.gather_tokens = functools.partial(gather_tokens, pad_to=inner.max_tokens_per_rank // P)
+    assert etp.pad_to == M  # its share of the nvlink dispatcher's max_tokens_per_rank
     with no_host_sync():
         got = step(x, w, idx)
     for a, b in zip(got, ref):
