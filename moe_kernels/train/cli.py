@@ -91,7 +91,9 @@ def train(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     if plan:
-        _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb)
+        _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb,
+              ep_backend=ep_backend, capacity_factor=capacity_factor, microbatches=microbatches,
+              pp_schedule=pp_schedule)
         raise typer.Exit()
     if world_size is not None:
         raise typer.BadParameter("--world-size is for --plan only (the world size is torchrun's)",
@@ -133,8 +135,10 @@ def train(
 
 
 def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkpointing: bool, world_size,
-          gpu_memory_gb: float) -> None:
-    """moe-train --plan: the layout, its per-GPU memory table and the verdict; exit 1 for an impossible layout."""
+          gpu_memory_gb: float, *, ep_backend: str = "all_to_all", capacity_factor: float | None = None,
+          microbatches: int | None = None, pp_schedule: str = "1f1b") -> None:
+    """moe-train --plan: the layout, its per-GPU memory table and the verdict; exit 1 for an impossible layout.
+    With pipeline stages the step's batch splits into micro-batches, as training splits it."""
     from moe_kernels.models import PRESETS
     from moe_kernels.parallel.plan import plan_memory
 
@@ -146,13 +150,21 @@ def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkp
     cfg = PRESETS[preset](**overrides)
     try:
         layout = layout.resolve(world_size)
-        memory = plan_memory(cfg, layout, batch_size=batch_size, seq_len=seq_len,
-                             activation_checkpointing=checkpointing, gpu_bytes=gpu_memory_gb * 1e9)
+        n_mb = (microbatches or layout.pp) if layout.pp > 1 else 1
+        if batch_size % n_mb:
+            raise ValueError(f"batch_size {batch_size} must split into {n_mb} micro-batches")
+        memory = plan_memory(cfg, layout, batch_size=batch_size // n_mb, seq_len=seq_len,
+                             activation_checkpointing=checkpointing, gpu_bytes=gpu_memory_gb * 1e9,
+                             ep_backend=ep_backend, capacity=capacity_factor,
+                             num_microbatches=n_mb if layout.pp > 1 else None, schedule=pp_schedule)
     except ValueError as exc:
         print(f"moe-train --plan: {preset}: {exc}")
         raise typer.Exit(1) from exc
-    print(f"moe-train --plan: {preset}, {layout.describe()}")
-    print(f"per GPU, {batch_size} x {seq_len} tokens per micro-batch"
+    print(f"moe-train --plan: {preset}, {layout.describe()}"
+          f"{f', {ep_backend} dispatch' if layout.ep * layout.etp > 1 else ''}"
+          f"{f', capacity {capacity_factor:g}x' if capacity_factor is not None else ''}")
+    print(f"per GPU, {batch_size // n_mb} x {seq_len} tokens per micro-batch"
+          f"{f' ({n_mb} a step, {pp_schedule})' if layout.pp > 1 else ''}"
           f"{', activation checkpointing' if checkpointing else ''}:")
     print(memory.table())
     print(memory.verdict())

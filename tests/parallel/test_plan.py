@@ -258,3 +258,25 @@ def test_cli_plan_impossible_layouts_exit_nonzero_with_the_reason(tmp_path):
     assert r.exit_code != 0 and "moe-train: num_microbatches must be >= 1, got 0" in said(r)
     r = CliRunner().invoke(app, ["--tp", "2", "--steps", "1", "--out", str(tmp_path / "b")])  # one process, tp 2
     assert r.exit_code != 0 and "is not a multiple of pp*dp_replicate*cp*tp = 1*1*1*2 = 2" in said(r)
+
+
+def test_cli_plan_takes_the_dispatch_capacity_and_the_pipeline_micro_batches():
+    """--plan sizes the nvlink backend's rows from --capacity-factor, and with --pp splits the step's batch into
+    its micro-batches as training does."""
+    def plan(*extra):
+        r = CliRunner().invoke(app, ["--plan", "--preset", "qwen3-30b-a3b", "--seq-len", "4096", *extra])
+        assert r.exit_code == 0, r.output
+        return r.output
+
+    def gib(out: str, row: str) -> float:
+        line = next(line for line in out.splitlines() if line.strip().startswith(row))
+        return float(line.split()[-2] if line.split()[-1] == "GiB" else line.split()[-1].removesuffix("GiB"))
+
+    worst = plan("--ep", "8", "--batch-size", "1", "--ep-backend", "nvlink")
+    two = plan("--ep", "8", "--batch-size", "1", "--ep-backend", "nvlink", "--capacity-factor", "2")
+    assert "nvlink dispatch, capacity 2x" in two and gib(two, "activations") < gib(worst, "activations")
+    piped = plan("--pp", "2", "--ep", "2", "--world-size", "8", "--batch-size", "4", "--microbatches", "4")
+    assert "per GPU, 1 x 4096 tokens per micro-batch (4 a step, 1f1b)" in piped
+    r = CliRunner().invoke(app, ["--plan", "--preset", "qwen3-30b-a3b", "--pp", "2", "--batch-size", "3",
+                                 "--world-size", "2"])
+    assert r.exit_code == 1 and "batch_size 3 must split into 2 micro-batches" in r.output
