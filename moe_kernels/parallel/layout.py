@@ -53,13 +53,9 @@ class ParallelConfig:
 
     @property
     def edp(self) -> int:
-        """Expert data parallelism: the ranks holding the same experts in one pipeline stage."""
+        """Expert data parallelism: the ranks holding the same experts in one pipeline stage (the replicas
+        included); parallelize FSDP-shards each expert over all of them."""
         return self.dp_replicate * self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
-
-    @property
-    def expert_shard(self) -> int:
-        """The ranks over which one expert's parameters are FSDP-sharded (edp within one replica)."""
-        return self.dp_shard * self.cp * self.tp // (self.ep * self.etp)
 
     def smallest_world(self) -> int:
         """The fewest ranks this layout runs on: dp_shard as given, or the smallest that makes ep * etp

@@ -17,9 +17,9 @@ from moe_kernels.train.cli import app
 
 def test_layout_resolution_and_folding():
     pc = ParallelConfig(tp=2, ep=8).resolve()  # the fewest ranks: ep * etp must divide dp_shard * cp * tp
-    assert (pc.world_size, pc.dp_shard, pc.edp, pc.expert_shard) == (8, 4, 1, 1)
+    assert (pc.world_size, pc.dp_shard, pc.edp) == (8, 4, 1)
     pc = ParallelConfig(tp=2, cp=2, ep=2, etp=2, dp_replicate=2).resolve(32)
-    assert (pc.dp_shard, pc.edp, pc.expert_shard) == (4, 8, 4)
+    assert (pc.dp_shard, pc.edp) == (4, 8)
     assert ParallelConfig(pp=2, ep=4).smallest_world() == 8
     with pytest.raises(ValueError, match=r"ep\*etp = 8\*1 = 8 must divide dp_shard\*cp\*tp = 2\*1\*2 = 4"):
         ParallelConfig(tp=2, ep=8).resolve(4)
