@@ -127,13 +127,11 @@ class Parallelized:
     def grad_norm(self) -> Tensor:
         """The global gradient norm of the full model: every shard's squares summed over all ranks, the
         dense shards' divided by dp_replicate (each replica holds them); expert shards are held once."""
-        sq = torch.zeros(2, dtype=torch.float32, device=device_of(self.model))
-        experts = {id(p) for m in self.expert_modules for p in m.parameters()}
-        for p in self.model.parameters():
-            if p.grad is not None:
-                g = p.grad
-                g = g.to_local() if hasattr(g, "to_local") else g
-                sq[int(id(p) in experts)] += g.detach().float().square().sum()
+        from moe_kernels.parallel.data_parallel import grad_squares, local_grads
+
+        dense, experts = local_grads(self.model, self.expert_modules)
+        device = device_of(self.model)
+        sq = torch.stack([grad_squares(dense, device), grad_squares(experts, device)])
         dist.all_reduce(sq)
         return (sq[0] / self.layout.dp_replicate + sq[1]).sqrt()
 
@@ -141,11 +139,11 @@ class Parallelized:
     def clip_grad_norm_(self, max_norm: float) -> Tensor:
         """Scales every gradient as torch.nn.utils.clip_grad_norm_ would scale the full model's; returns the
         global norm (before clipping)."""
+        from moe_kernels.parallel.data_parallel import local_grads, scale_grads_
+
         norm = self.grad_norm()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+        dense, experts = local_grads(self.model, self.expert_modules)
+        scale_grads_(dense + experts, (max_norm / (norm + 1e-6)).clamp(max=1.0))
         return norm
 
     def full_state(self, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict | None] | None:

@@ -36,23 +36,48 @@ from moe_kernels.nn import MoELayer, SharedExperts
 from moe_kernels.parallel.sequence import blocks_of
 
 
+# The single-tensor collectives (torch 2.13 names them *_single; all_gather_into_tensor and
+# reduce_scatter_tensor before): no list of parts to copy out and concatenate. gloo has both in torch 2.13
+# (concatenated along dim 0 only, not stacked); where its reduce-scatter is missing, a sum and a chunk.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_NO_TENSOR_REDUCE_SCATTER: set[str] = set()  # backends found without it (older gloo)
+
+
 def _gather_chunks(x: Tensor, group, dim: int) -> Tensor:
+    """Every rank's x concatenated along `dim`, in rank order: gathered into one [n * x.shape[0], ...] buffer
+    (the ranks' x stacked), then the rank axis moved next to `dim` (free when the sizes before `dim` are 1)."""
     n = dist.get_world_size(group)
-    parts = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts, dim=dim)
+    dim = dim % x.dim()
+    x = x.contiguous()
+    out = x.new_empty((n * x.shape[0], *x.shape[1:]))
+    _all_gather_single(out, x, group=group)
+    if dim == 0:
+        return out
+    return out.view(n, *x.shape).movedim(0, dim).flatten(dim, dim + 1).contiguous()
 
 
 def _reduce_scatter_chunks(x: Tensor, group, dim: int) -> Tensor:
+    """The sum over the ranks of x, this rank's chunk along `dim`: the n chunks stacked into one buffer
+    (free when the sizes before `dim` are 1), one reduce-scatter."""
     n, r = dist.get_world_size(group), dist.get_rank(group)
-    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter: a sum, then this rank's chunk
-        total = x.contiguous().clone()
-        dist.all_reduce(total, group=group)
-        return total.chunk(n, dim=dim)[r].contiguous()
-    parts = [c.contiguous() for c in x.chunk(n, dim=dim)]
-    out = torch.empty_like(parts[r])
-    dist.reduce_scatter(out, parts, group=group)
-    return out
+    dim = dim % x.dim()
+    backend = str(dist.get_backend(group))
+    if backend not in _NO_TENSOR_REDUCE_SCATTER:
+        stacked = x.unflatten(dim, (n, x.shape[dim] // n)).movedim(dim, 0).contiguous()  # [n, ..., d, ...]
+        out = x.new_empty(stacked.shape[1:])
+        flat = stacked.view(n * stacked.shape[1], *stacked.shape[2:])  # the chunks concatenated along dim 0
+        if backend != "gloo":
+            _reduce_scatter_single(out, flat, group=group)
+            return out
+        try:
+            _reduce_scatter_single(out, flat, group=group)
+            return out
+        except (RuntimeError, NotImplementedError):  # an older gloo: refused on every rank, before any exchange
+            _NO_TENSOR_REDUCE_SCATTER.add(backend)
+    total = x.contiguous().clone()  # a sum, then this rank's chunk
+    dist.all_reduce(total, group=group)
+    return total.chunk(n, dim=dim)[r].contiguous()
 
 
 class _SequenceCollective(torch.autograd.Function):

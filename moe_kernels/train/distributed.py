@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,11 @@ from torch import Tensor, nn
 
 from moe_kernels.parallel import (
     all_reduce_expert_counts,
-    all_reduce_gradients,
     apply_expert_parallel,
     expert_parallel_mesh,
     expert_parameters,
 )
+from moe_kernels.parallel.data_parallel import GradientReducer, grad_squares, scale_grads_
 from moe_kernels.parallel.full_state import optimizer_names
 
 
@@ -38,9 +38,10 @@ class Parallel:
     rank: int
     world: int
     expert_parallel: int
-    ep_group: object  # this rank's expert-parallel group (P ranks)
+    ep_group: object  # this rank's expert-parallel group (P ranks), None when P == 1
     edp_group: object  # the ranks holding the same experts (W / P ranks), None when W == P
     owns_process_group: bool
+    grad_reducer: object = field(default=None, repr=False)  # reduce_gradients' GradientReducer, built on first use
 
     @property
     def ep_rank(self) -> int:
@@ -81,8 +82,10 @@ def setup(expert_parallel: int, device: torch.device, *, timeout_minutes: float 
             dist.init_process_group("gloo", timeout=timeout)
         owns = True
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = expert_parallel_mesh(expert_parallel, device.type)  # ("edp", "ep"): rank = edp * P + ep
-    return Parallel(rank, world, expert_parallel, mesh.ep_group, mesh.edp_group, owns)
+    # ("edp", "ep"): rank = edp * P + ep; communicators only for the dimensions larger than one.
+    mesh = expert_parallel_mesh(expert_parallel, device.type)
+    return Parallel(rank, world, expert_parallel, mesh.ep_group if expert_parallel > 1 else None, mesh.edp_group,
+                    owns)
 
 
 def device_for(parallel_world: int, preference: str | None) -> torch.device:
@@ -133,8 +136,18 @@ def shard_model(model: nn.Module, par: Parallel, backend: str = "all_to_all", ma
         model.init_weights(seed, splits_of(model))
 
 
-def reduce_gradients(model: nn.Module, par: Parallel) -> None:
-    all_reduce_gradients(model, None, expert_dp_group=par.edp_group if par.expert_parallel > 1 else None)
+def reduce_gradients(model: nn.Module, par: Parallel, overlap: bool = True) -> None:
+    """Averages the gradients over the ranks and sums the routers' expert counts; call it after the step's
+    backward. The first call builds `par.grad_reducer` (moe_kernels.parallel.data_parallel.GradientReducer:
+    25 MiB buckets; with `overlap`, hooks launch them during the following steps' backward passes); a model
+    other than the reducer's gets a new one."""
+    reducer = par.grad_reducer
+    if reducer is None or reducer.model_ref() is not model:
+        if reducer is not None:
+            reducer.remove_hooks()
+        reducer = par.grad_reducer = GradientReducer(
+            model, None, expert_dp_group=par.edp_group if par.expert_parallel > 1 else None, overlap=overlap)
+    reducer.reduce()
     all_reduce_expert_counts(model, None)
 
 
@@ -143,18 +156,16 @@ def clip_grad_norm(model: nn.Module, max_norm: float, par: Parallel) -> Tensor:
     """The global gradient norm of the full model (replicated parameters counted once, every expert shard
     once), and the gradients scaled as torch.nn.utils.clip_grad_norm_ would scale the full model's."""
     sharded = {id(p) for p in expert_parameters(model)}
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    sq = [torch.zeros((), device=device, dtype=torch.float32) for _ in range(2)]
+    dense, experts = [], []
     for p in model.parameters():
         if p.grad is not None:
-            sq[id(p) in sharded] += p.grad.detach().float().square().sum()
+            (experts if id(p) in sharded else dense).append(p.grad)
+    device = (dense or experts)[0].device if dense or experts else torch.device("cpu")
+    expert_sq = grad_squares(experts, device)
     if par.expert_parallel > 1:
-        dist.all_reduce(sq[1], group=par.ep_group)
-    norm = (sq[0] + sq[1]).sqrt()
-    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.mul_(scale.to(g.dtype))
+        dist.all_reduce(expert_sq, group=par.ep_group)
+    norm = (grad_squares(dense, device) + expert_sq).sqrt()
+    scale_grads_(dense + experts, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
 
 

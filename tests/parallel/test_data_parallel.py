@@ -106,7 +106,30 @@ def test_global_load_balancing_is_the_global_batch_aux_loss():
 
 def _worker_mesh(rank, P):
     from moe_kernels.parallel import expert_parallel_mesh
+    from moe_kernels.train.distributed import setup
 
+    created = []
+    new_group = torch.distributed.new_group
+
+    def counting(ranks=None, *args, **kwargs):
+        created.append(ranks)
+        return new_group(ranks, *args, **kwargs)
+
+    torch.distributed.new_group = counting
+    try:
+        # Communicators only for dimensions larger than one; a dimension spanning the world is the default group.
+        for ep, groups in ((1, []), (2, [[0, 1], [2, 3], [0, 2], [1, 3]]), (4, [])):
+            created.clear()
+            par = setup(ep, torch.device("cpu"))
+            assert created == groups and (par.ep_group is None) == (ep == 1), (ep, created)
+            if ep == 1:
+                assert par.edp_group is torch.distributed.group.WORLD
+            elif ep == P:
+                assert par.edp_group is None and par.ep_group is torch.distributed.group.WORLD
+            else:
+                assert torch.distributed.get_process_group_ranks(par.edp_group) == [rank % ep, rank % ep + ep]
+    finally:
+        torch.distributed.new_group = new_group
     for ep in (1, 2, 4):
         mesh = expert_parallel_mesh(ep, "cpu")
         group = torch.distributed.get_process_group_ranks(mesh.ep_group)
