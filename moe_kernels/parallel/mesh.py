@@ -7,8 +7,9 @@ parameters. Attention and the rest of the model see plain data parallelism over 
 folding" in its simplest form, the expert grid laid over the same ranks as the attention's.
 
 Communicators are created only for the dimensions larger than one (a DeviceMesh makes one for every
-dimension, W single-rank groups for a dimension of size 1); a dimension spanning the world is the default
-group itself.
+dimension, W single-rank groups for a dimension of size 1); an "edp" dimension spanning the world is the
+default group itself, an "ep" one its own communicator (the dispatch's collectives in the backward never
+share one with the gradient all-reduces started from the backward's hooks).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ def _groups_along(shape: tuple[int, int], dim: int):
     calls new_group for every group of the dimension, in the same order, as torch requires)."""
     rows, cols = shape
     rank, world = dist.get_rank(), rows * cols
-    if shape[dim] == world:
+    # The expert-parallel dimension gets its own communicator even when it spans the world: the token
+    # dispatch's collectives in the backward then never share one with the gradient all-reduces that the
+    # backward's hooks start on the default group (their relative order is the autograd engine's).
+    if shape[dim] == world and dim == 0:
         return dist.group.WORLD
     if dim == 1:
         lines = [list(range(r * cols, (r + 1) * cols)) for r in range(rows)]

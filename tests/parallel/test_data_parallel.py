@@ -117,15 +117,16 @@ def _worker_mesh(rank, P):
 
     torch.distributed.new_group = counting
     try:
-        # Communicators only for dimensions larger than one; a dimension spanning the world is the default group.
-        for ep, groups in ((1, []), (2, [[0, 1], [2, 3], [0, 2], [1, 3]]), (4, [])):
+        # Communicators only for dimensions larger than one; an edp dimension spanning the world is the default
+        # group, an ep one its own communicator (the dispatch never shares one with the gradient reduction).
+        for ep, groups in ((1, []), (2, [[0, 1], [2, 3], [0, 2], [1, 3]]), (4, [[0, 1, 2, 3]])):
             created.clear()
             par = setup(ep, torch.device("cpu"))
             assert created == groups and (par.ep_group is None) == (ep == 1), (ep, created)
             if ep == 1:
                 assert par.edp_group is torch.distributed.group.WORLD
             elif ep == P:
-                assert par.edp_group is None and par.ep_group is torch.distributed.group.WORLD
+                assert par.edp_group is None and par.ep_group is not torch.distributed.group.WORLD
             else:
                 assert torch.distributed.get_process_group_ranks(par.edp_group) == [rank % ep, rank % ep + ep]
     finally:
