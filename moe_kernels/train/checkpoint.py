@@ -16,16 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moe_kernels.parallel.checkpoint import fsync_dir as _fsync_dir
+
 LATEST = "latest"
 _NAME = re.compile(r"step_(\d+)(\.pt)?")
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _atomic_write(path: Path, write) -> None:
