@@ -2,11 +2,11 @@
 
 W ranks each train on their own slice of the global batch (batch_size per rank); the experts of every MoE
 layer are spread over expert-parallel groups of P consecutive ranks (P divides W), the rest of the model
-is replicated. Ranks holding the same experts form the expert-data-parallel groups. Checkpoints hold the
-full model and optimizer state (expert shards gathered to rank 0's CPU, which writes them), so a run
-saved with one layout resumes with another, or on one process. Resuming, every rank reads the whole
-file that rank 0 picked and keeps its slices (so --out must be on a file system every rank sees): fine
-for the sizes one node trains, not a sharded checkpoint format.
+is replicated. Ranks holding the same experts form the expert-data-parallel groups. The model is built on
+the meta device and each rank materialises its experts only (shard_model). Checkpoints are sharded (every
+rank writes its shards: moe_kernels.parallel.checkpoint) or, with save_full, the full state gathered to
+rank 0 (`full_state` below); either way a run saved with one layout resumes with another, or on one
+process (--out on a file system every rank sees).
 
 The routing losses are computed on each rank's own tokens, as Megatron-Core does per micro-batch: the
 global load-balancing loss of W ranks is the mean of W per-rank losses, not the loss of the global batch

@@ -286,9 +286,7 @@ class Trainer:
         if self.par is not None and self.par.owns_process_group and dist.is_initialized():
             from moe_kernels.dispatch import NvlinkDispatcher
 
-            groups = {id(d.group): d.group for layer in self.model.moe_layers()
-                      for d in [getattr(layer.dispatcher, "inner", layer.dispatcher)]
-                      if isinstance(d, NvlinkDispatcher)}
+            groups = {id(d.group): d.group for d in self._dispatchers() if isinstance(d, NvlinkDispatcher)}
             for group in groups.values():
                 NvlinkDispatcher.release_buffers(group)
             dist.destroy_process_group()
@@ -466,15 +464,16 @@ class Trainer:
         if differences:
             raise ResumeMismatchError(Path(path), differences)
 
+    def _dispatchers(self) -> list:
+        """The token dispatchers of this rank's MoE layers (under expert tensor parallelism the ep one inside)."""
+        return [d for layer in self.model.moe_layers() for d in [getattr(layer.dispatcher, "inner", layer.dispatcher)]
+                if d is not None]
+
     def dropped_tokens(self) -> int | None:
         """Token copies the expert dispatchers dropped for capacity since the last call, summed over the layers
         and the ranks (every rank calls it; one small all_reduce); None when no dispatcher has a capacity
         (only the nvlink backend drops)."""
-        dispatchers = []
-        for layer in self.model.moe_layers():
-            d = getattr(layer.dispatcher, "inner", layer.dispatcher)  # expert tensor parallelism wraps it
-            if d is not None and hasattr(d, "dropped_tokens"):
-                dispatchers.append(d)
+        dispatchers = [d for d in self._dispatchers() if hasattr(d, "dropped_tokens")]
         if not dispatchers:
             return None
         with warnings.catch_warnings():  # the count goes to the log instead
