@@ -14,28 +14,32 @@ share one with the gradient all-reduces started from the backward's hooks).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
 
-def _groups_along(shape: tuple[int, int], dim: int):
-    """This rank's group along `dim` of a row-major (rows, cols) grid over the world's ranks (every rank
-    calls new_group for every group of the dimension, in the same order, as torch requires)."""
-    rows, cols = shape
-    rank, world = dist.get_rank(), rows * cols
-    # The expert-parallel dimension gets its own communicator even when it spans the world: the token
-    # dispatch's collectives in the backward then never share one with the gradient all-reduces that the
-    # backward's hooks start on the default group (their relative order is the autograd engine's).
-    if shape[dim] == world and dim == 0:
+def _groups_along(grid, dims: tuple[int, ...], desc: str, made: dict | None = None, *, world: bool = True):
+    """This rank's group of the ranks that differ from it only along `dims` of `grid` (a tensor holding each of
+    the world's ranks once, ascending along every dimension): one line, its ranks in grid order. None when the
+    lines are single ranks. Every rank calls new_group for every line of the dimension, in the same order, as
+    torch requires. A line spanning the world is the default group (`world=False`: its own communicator).
+    `made` (rank tuple -> group, shared by the calls of one set-up) reuses a rank set's group."""
+    rank, n = dist.get_rank(), math.prod(grid.shape[d] for d in dims)
+    if n == 1:
+        return None
+    if world and n == grid.numel():
         return dist.group.WORLD
-    if dim == 1:
-        lines = [list(range(r * cols, (r + 1) * cols)) for r in range(rows)]
-    else:
-        lines = [list(range(c, world, cols)) for c in range(cols)]
+    others = [d for d in range(grid.ndim) if d not in dims]
     mine = None
-    for ranks in lines:
-        group = dist.new_group(ranks, group_desc=f"expert_mesh_{'ep' if dim else 'edp'}")
+    for ranks in grid.permute(*others, *dims).reshape(-1, n).tolist():
+        group = None if made is None else made.get(tuple(ranks))
+        if group is None:
+            group = dist.new_group(ranks, group_desc=desc)
+            if made is not None:
+                made[tuple(ranks)] = group
         if rank in ranks:
             mine = group
     return mine
@@ -67,7 +71,10 @@ def expert_parallel_mesh(expert_parallel: int, device_type: str = "cuda") -> Exp
     world = dist.get_world_size()
     if expert_parallel < 1 or world % expert_parallel:
         raise ValueError(f"expert_parallel={expert_parallel} must divide the number of ranks ({world})")
-    shape = (world // expert_parallel, expert_parallel)
-    ep = _groups_along(shape, 1) if expert_parallel > 1 else None
-    edp = _groups_along(shape, 0) if shape[0] > 1 else None
+    grid = torch.arange(world).view(world // expert_parallel, expert_parallel)
+    # The expert-parallel dimension gets its own communicator even when it spans the world: the token
+    # dispatch's collectives in the backward then never share one with the gradient all-reduces that the
+    # backward's hooks start on the default group (their relative order is the autograd engine's).
+    ep = _groups_along(grid, (1,), "expert_mesh_ep", world=False)
+    edp = _groups_along(grid, (0,), "expert_mesh_edp")
     return ExpertParallelMesh(expert_parallel, dist.get_rank() % expert_parallel, edp, ep)

@@ -77,13 +77,18 @@ class Parallelized:
 
     model: nn.Module
     layout: ParallelConfig
-    attention_mesh: object  # DeviceMesh ("dp_replicate", "dp_shard", "cp", "tp")
-    expert_mesh: object  # DeviceMesh ("edp", "ep", "etp")
+    # The rank layouts ("pp", "dp_replicate", "dp_shard", "cp", "tp") and ("pp", "edp", "ep", "etp"): DeviceMeshes
+    # for coordinates only, with no communicators (those this rank has are in `groups`).
+    attention_mesh: object
+    expert_mesh: object
     sharding: SequenceSharding | None = None  # how the cp x tp ranks of a batch split it (None: not split)
     expert_modules: list = field(default_factory=list)  # the experts FSDP-sharded over edp (held once in all)
     pipeline: object = None  # Pipelined: this rank's stages and the schedule (pp > 1), else None
     stage_group: object = None  # the ranks of this rank's pipeline stage (pp > 1), else None (the world)
     full_names: list = field(default_factory=list)  # the full model's state-dict names, in its order
+    # This rank's communicators by dimension: "pp", "stage", "dp_replicate", "dp_shard_cp", "dp_shard_cp_tp",
+    # "cp", "tp", "seq", "edp", "ep", "etp" (None for a single rank; one group for each rank set).
+    groups: dict = field(default_factory=dict)
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensor, labels: Tensor) -> Tensor:
@@ -204,6 +209,82 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     return blocks_of(model)
 
 
+@dataclass
+class _ProcessGroups:
+    """This rank's communicators and FSDP meshes for a resolved layout (module docstring's grids)."""
+
+    groups: dict  # name -> group: None where the dimension is a single rank (the stage's: one_rank)
+    split: object  # FSDP mesh of the tp slices: dp_replicate x (dp_shard x cp)
+    whole: object  # FSDP mesh of what every tp rank holds whole: dp_replicate x (dp_shard x cp x tp); None without tp
+    experts: object  # FSDP mesh of the experts: edp (None when no unit uses it)
+    pp_rank: int
+    one_rank: object  # this rank's single-rank group where something needs one, else None
+    attention: object  # coordinate-only DeviceMeshes of the two layouts
+    expert: object
+
+
+def _process_groups(pc: ParallelConfig, world: int, device_type: str, has_experts: bool) -> _ProcessGroups:
+    """Communicators only for the dimensions larger than one (a DeviceMesh makes one for every dimension, so W
+    single-rank groups for a dimension of size 1, and its flattened and sliced meshes more), each rank set
+    created once: a dimension spanning the world is the default group, apart from "ep" (its own communicator:
+    moe_kernels.parallel.mesh). The FSDP meshes are made from these groups (DeviceMesh.from_group creates
+    none); where FSDP (or the dispatcher, or a one-rank stage) needs a group of one rank, all share one
+    created by this rank alone. has_experts: the model has MoE layers."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from moe_kernels.parallel.mesh import _groups_along
+
+    PP, R, D, C, T, EP, ETP = pc.pp, pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp, pc.ep, pc.etp
+    stage = world // PP
+    rank = dist.get_rank()
+    attention = torch.arange(world).view(PP, R, D, C, T)
+    experts = torch.arange(world).view(PP, stage // (EP * ETP), EP, ETP)
+    # The experts are FSDP units over edp when expert-parallel, and with tp or cp (parallelize).
+    shard_experts = has_experts and (EP * ETP > 1 or C * T > 1)
+    made: dict = {}  # rank tuple -> group
+    single: list = []
+
+    def one_rank():
+        if not single:  # no other rank takes part: local synchronisation
+            single.append(dist.new_group([rank], use_local_synchronization=True, group_desc="one_rank"))
+        return single[0]
+
+    # Every rank creates the same lines in the same order (torch requires it): the order below is fixed.
+    along = partial(_groups_along, made=made)
+    g = {"pp": along(attention, (0,), "pp")}
+    g["stage"] = (along(attention, (1, 2, 3, 4), "stage") or one_rank()) if PP > 1 else None
+    g["dp_replicate"] = along(attention, (1,), "dp_replicate")
+    g["dp_shard_cp"] = along(attention, (2, 3), "dp_shard_cp")
+    g["dp_shard_cp_tp"] = along(attention, (2, 3, 4), "dp_shard_cp_tp") if T > 1 else None
+    g["cp"] = along(attention, (3,), "cp")
+    g["tp"] = along(attention, (4,), "tp")
+    g["seq"] = along(attention, (3, 4), "seq")
+    g["edp"] = along(experts, (1,), "edp") if shard_experts else None
+    g["ep"] = _groups_along(experts, (2,), "ep", world=False) if has_experts else None
+    g["etp"] = along(experts, (3,), "etp") if has_experts else None
+    if has_experts and ETP > 1 and EP == 1:  # the dispatcher's expert-parallel group: this rank alone
+        one_rank()
+
+    pp_rank, t = rank // stage, rank % T
+
+    def fsdp_mesh(shard, ranks, name):
+        """(dp_replicate x) `name`: HSDP over the replicas when dp_replicate > 1; `ranks` [R, N] of this rank."""
+        shard = shard or one_rank()
+        if R == 1:
+            return DeviceMesh.from_group(shard, device_type, mesh_dim_names=(name,))
+        return DeviceMesh.from_group([g["dp_replicate"], shard], device_type, mesh=ranks,
+                                     mesh_dim_names=("dp_replicate", name))
+
+    split = fsdp_mesh(g["dp_shard_cp"], attention[pp_rank, :, :, :, t].reshape(R, D * C), "dp_shard_cp")
+    whole = (fsdp_mesh(g["dp_shard_cp_tp"], attention[pp_rank].reshape(R, D * C * T), "dp_shard_cp_tp")
+             if T > 1 else None)
+    expert_fsdp = (DeviceMesh.from_group(g["edp"] or one_rank(), device_type, mesh_dim_names=("edp",))
+                   if shard_experts else None)
+    layouts = [DeviceMesh(device_type, ranks, mesh_dim_names=names, _init_backend=False) for ranks, names in (
+        (attention, ("pp", "dp_replicate", "dp_shard", "cp", "tp")), (experts, ("pp", "edp", "ep", "etp")))]
+    return _ProcessGroups(g, split, whole, expert_fsdp, pp_rank, single[0] if single else None, *layouts)
+
+
 def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device | str | None = None, *,
                 mixed_precision: bool | None = None, ep_backend: str = "all_to_all",
                 max_tokens_per_rank: int | None = None, capacity: float | None = None,
@@ -221,7 +302,6 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     max_tokens_per_rank * k, None for the worst case). num_microbatches, schedule ("1f1b", "gpipe",
     "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1.
     """
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -256,24 +336,19 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     if mixed_precision is None:
         mixed_precision = device_type == "cuda"
     R, D, C, T = pc.dp_replicate, pc.dp_shard, pc.cp, pc.tp
-    attention = init_device_mesh(device_type, (PP, R, D, C, T),
-                                 mesh_dim_names=("pp", "dp_replicate", "dp_shard", "cp", "tp"))
     EP, ETP = pc.ep, pc.etp
-    stage_size = world // PP
-    expert_mesh3d = init_device_mesh(device_type, (PP, stage_size // (EP * ETP), EP, ETP),
-                                     mesh_dim_names=("pp", "edp", "ep", "etp"))
+    pg = _process_groups(pc, world, device_type, any(isinstance(m, MoELayer) for m in model.modules()))
+    groups = pg.groups
     batches = R * D  # the terms of the step's mean (module docstring)
     sharding = None
     if C * T > 1:  # the cp x tp ranks of one batch: one (sub)group each, and all of them together
-        seq = init_device_mesh(device_type, (PP * R * D, C * T), mesh_dim_names=("dp", "seq")).get_group("seq")
-        sharding = SequenceSharding(attention.get_group("cp") if C > 1 else None,
-                                    attention.get_group("tp") if T > 1 else None, seq)
+        sharding = SequenceSharding(groups["cp"], groups["tp"], groups["seq"])
     pipeline = stage_group = None
     full_names = list(model.state_dict().keys())
     if PP > 1:
-        stage_group = init_device_mesh(device_type, (PP, stage_size), mesh_dim_names=("pp", "stage")).get_group("stage")
-        modules, ids, num_stages = stage_modules(model, PP, attention.get_local_rank("pp"), stages_per_rank)
-        pipeline = Pipelined(modules, ids, num_stages, schedule, attention.get_group("pp"), num_microbatches,
+        stage_group = groups["stage"]
+        modules, ids, num_stages = stage_modules(model, PP, pg.pp_rank, stages_per_rank)
+        pipeline = Pipelined(modules, ids, num_stages, schedule, groups["pp"], num_microbatches,
                              loss_fn=partial(cross_entropy_share, sharding=sharding),
                              seq_group=None if sharding is None else sharding.group, seq_split=C * T,
                              activation_dtype=torch.bfloat16 if mixed_precision else None)
@@ -284,8 +359,8 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     if C > 1:
         apply_context_parallel(model, sharding)
     if EP * ETP > 1 and any(isinstance(m, MoELayer) for m in model.modules()):  # (a stage of dense layers has none)
-        apply_expert_parallel(model, expert_mesh3d.get_group("ep"), backend=ep_backend,
-                              etp_group=expert_mesh3d.get_group("etp") if ETP > 1 else None,
+        apply_expert_parallel(model, groups["ep"] if EP > 1 else pg.one_rank, backend=ep_backend,
+                              etp_group=groups["etp"],
                               max_tokens_per_rank=max_tokens_per_rank,
                               capacity=_capacity_rows(model, capacity, max_tokens_per_rank, ep_backend, ETP))
     if mixed_precision:
@@ -299,22 +374,6 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                                          cast_forward_inputs=False)
     else:
         mp = router_mp = expert_mp = MixedPrecisionPolicy()
-    expert_mesh = expert_mesh3d["edp"]
-
-    def flat_mesh(name: str, with_tp: bool):
-        """dp_replicate x (dp_shard x cp [x tp] flattened): the ranks that hold one tp slice (with_tp: all of
-        them), HSDP when dp_replicate > 1."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        ranks = torch.arange(world).view(PP, R, D, C, T)
-        if with_tp:
-            mesh = DeviceMesh(device_type, ranks.reshape(PP, R, D * C * T), mesh_dim_names=("pp", "dp_replicate", name))
-        else:  # one mesh per pp and tp rank: this rank's is the one it belongs to
-            ranks = ranks.permute(0, 4, 1, 2, 3).reshape(PP, T, R, D * C)
-            mesh = DeviceMesh(device_type, ranks, mesh_dim_names=("pp", "tp", "dp_replicate", name))
-        mesh = mesh["dp_replicate", name]
-        return mesh if R > 1 else mesh[name]
-
     def summed(unit, mesh) -> None:
         if isinstance(unit, list):  # a unit of several modules shares one FSDP state
             unit = unit[0]
@@ -325,10 +384,10 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
             unit.set_force_sum_reduction_for_comms(True)
 
     # The tp slices (every parameter without tp): over dp_shard, their cp ranks' parts summed when cp > 1.
-    split_mesh = flat_mesh("dp_shard_cp", False) if C > 1 else (attention["dp_replicate", "dp_shard"] if R > 1
-                                                                 else attention["dp_shard"])
+    split_mesh = pg.split
     # What every tp rank holds whole: over dp_shard x cp x tp, the parts summed.
-    whole_mesh = flat_mesh("dp_shard_cp_tp", True) if replicated is not None else None
+    whole_mesh = pg.whole if replicated is not None else None
+    expert_mesh = pg.experts
 
     def shard_split(module) -> None:
         unit = fully_shard(module, mesh=split_mesh, mp_policy=mp)
@@ -374,5 +433,5 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         model.to_empty(device=_materialise_device(device))
         init_parameters(model, model_rules(model, model.config), seed,
                         splits_of(model, None if sharding is None else sharding.tp_group))
-    return Parallelized(model, pc, attention, expert_mesh3d, sharding, expert_modules, pipeline, stage_group,
-                        full_names)
+    return Parallelized(model, pc, pg.attention, pg.expert, sharding, expert_modules, pipeline, stage_group,
+                        full_names, groups)
