@@ -38,7 +38,12 @@ def _rss() -> tuple[int, int]:
 
 
 def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+    """VmHWM := VmRSS (Linux >= 4.0). Where the kernel refuses, the peak stays the process's own since it
+    started: a fresh rank's imports only grow it, so it is then within a little of the current size."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
 
 
 def _worker(rank, world, tmp: str):
@@ -68,10 +73,6 @@ def _worker(rank, world, tmp: str):
 
 
 def test_a_200mb_model_never_whole_on_a_rank(tmp_path):
-    try:
-        _reset_peak()
-    except OSError:
-        pytest.skip("this kernel cannot reset the peak resident size (/proc/self/clear_refs)")
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by each spawned rank's C library at start
     try:
