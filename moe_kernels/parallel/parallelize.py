@@ -100,16 +100,19 @@ class Parallelized:
         logits, _ = self.model(inputs)
         return self.batch_loss(self.cross_entropy(logits, labels))
 
-    def forward_backward(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+    def forward_backward(self, inputs: Tensor, labels: Tensor, *, scale: float = 1.0) -> tuple[Tensor, Tensor]:
         """One batch's forward and backward on this rank: inputs and labels [B, S], the whole batch of this
         rank's data-parallel slot (every cp x tp rank, and with pp every stage, passes the same). Returns the
         batch's cross-entropy and aux loss (detached, equal on the ranks that share the batch); the gradients
-        are accumulated. With pp the objective is the mean over micro-batches of each one's losses."""
+        are accumulated, of the losses times `scale` (1 / N for one of N accumulated batches). With pp the
+        objective is the mean over micro-batches of each one's losses (scale 1 only)."""
         if self.pipeline is not None:
+            if scale != 1.0:
+                raise ValueError("forward_backward: a pipeline step accumulates its own micro-batches (scale 1 only)")
             return self.pipeline.step(inputs, labels)
         logits, aux = self.model(inputs)
         ce = self.cross_entropy(logits, labels)
-        (ce + aux).backward()
+        ((ce + aux) * scale if scale != 1.0 else ce + aux).backward()
         return tuple(self.batch_loss(torch.stack([ce.detach(), aux.detach().float()])))
 
     def local_tokens(self, t: Tensor, dim: int = 1) -> Tensor:

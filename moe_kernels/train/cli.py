@@ -62,6 +62,7 @@ def train(
                                    "(our kernels over peer GPU buffers within one node, no host sync)."),
     global_load_balancing: bool = typer.Option(False, help="Under torchrun: the load-balancing loss counts "
                                                "experts over the global batch (Qwen's global-batch balancing)."),
+    grad_accum: int = typer.Option(1, help="Batches of --batch-size each step accumulates (its loss: their mean)."),
     capacity_factor: Optional[float] = typer.Option(None, help="With --ep-backend nvlink: the expert rows a rank "
                                                     "receives at most, as a factor of the balanced load (tokens past "
                                                     "it are dropped and logged); default: the worst case, none "
@@ -106,7 +107,8 @@ def train(
             activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
             dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp, pp=pp, microbatches=microbatches,
-            pp_schedule=pp_schedule, capacity_factor=capacity_factor, save_full=save_full, pg_timeout_minutes=pg_timeout,
+            pp_schedule=pp_schedule, grad_accum=grad_accum, capacity_factor=capacity_factor, save_full=save_full,
+            pg_timeout_minutes=pg_timeout,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -86,12 +86,16 @@ class TokenData:
         chunk = source[idx]
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
-    def batch(self, step: int) -> tuple[Tensor, Tensor]:
+    def batch(self, step: int, micro: int = 0, micro_batches: int = 1) -> tuple[Tensor, Tensor]:
         """Inputs and next-token targets [B, S] for a training step: random windows seeded by step (this
-        rank's B of the world's B * world)."""
+        rank's B of the world's B * world). With gradient accumulation the step draws B * world *
+        micro_batches windows and micro-batch `micro` of rank r takes the (micro * world + r)-th B of them:
+        on one rank, the micro-batches together are the batch of B * micro_batches sequences."""
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (self.batch_size * self.world,), generator=g)
-        return self._windows(self.train, starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
+        B = self.batch_size
+        starts = torch.randint(0, len(self.train) - self.seq_len - 1, (B * self.world * micro_batches,), generator=g)
+        first = (micro * self.world + self.rank) * B
+        return self._windows(self.train, starts[first : first + B])
 
     def eval_batches(self, count: int):
         """The same `count` validation batches every time (evenly spaced windows; each rank its slice)."""

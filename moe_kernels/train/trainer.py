@@ -3,6 +3,7 @@ optional activation checkpointing, periodic eval, atomic checkpoints, bit-identi
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import math
@@ -68,6 +69,7 @@ class TrainConfig:
     pp_schedule: str = "1f1b"  # "1f1b", "gpipe" or "interleaved-1f1b" (two stages a rank)
     ep_backend: str = "all_to_all"  # token dispatch between the expert-parallel ranks (moe_kernels.dispatch)
     global_load_balancing: bool = False  # under torchrun: the aux loss's expert frequencies over all ranks
+    grad_accum: int = 1  # batches of batch_size a step accumulates (the step's objective: their mean)
     capacity_factor: float | None = None  # nvlink: expert rows a rank receives, x the balanced load (None: worst case)
     save_full: bool = False  # under torchrun: full-state checkpoint files (rank 0 writes) instead of sharded ones
     pg_timeout_minutes: float = 10.0  # the process group's collective timeout (under torchrun)
@@ -76,7 +78,7 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose from {sorted(PRESETS)}")
         for name in ("steps", "batch_size", "seq_len", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints",
-                     "expert_parallel"):
+                     "expert_parallel", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.warmup_steps <= self.steps:
@@ -102,6 +104,9 @@ class TrainConfig:
             check_schedule(self.pp, self.num_microbatches, self.pp_schedule, self.stages_per_rank, layers, "moe-train")
             if self.batch_size % self.num_microbatches:
                 raise ValueError(f"batch_size {self.batch_size} must split into {self.num_microbatches} micro-batches")
+        if self.grad_accum > 1 and self.pp > 1:
+            raise ValueError(f"grad_accum={self.grad_accum} with pp={self.pp}: a pipeline step already accumulates its "
+                             "micro-batches; set microbatches (and batch_size) instead")
         if self.capacity_factor is not None:
             if self.ep_backend != "nvlink":
                 raise ValueError(f"capacity_factor bounds the nvlink backend's expert rows; ep_backend is "
@@ -142,7 +147,8 @@ class TrainConfig:
 # values would not continue the run. (lr, weight decay and the betas live in the saved optimizer and
 # scheduler state, so new values would be silently ignored.) steps, warmup, logging, eval and checkpoint
 # intervals, device, seed (the saved RNG and data seed are restored) and the like may change.
-RESUME_FIELDS = ("preset", "num_layers", "data", "batch_size", "seq_len", "lr", "weight_decay", "beta1", "beta2")
+RESUME_FIELDS = ("preset", "num_layers", "data", "batch_size", "seq_len", "lr", "weight_decay", "beta1", "beta2",
+                 "grad_accum")
 
 
 class ResumeMismatchError(ValueError):
@@ -500,14 +506,32 @@ class Trainer:
         loss = torch.stack(losses).mean()
         return float(loss if self.par is None else distributed.mean_over_ranks(loss))
 
+    def _accumulating(self, last: bool):
+        """Gradients of a batch before the step's last stay local: no FSDP reduce-scatter, no bucket of the
+        expert-parallel path's all-reduce."""
+        if self.cfg.grad_accum == 1:
+            return contextlib.nullcontext()
+        if self.parallelized is not None:
+            self.model.set_requires_gradient_sync(last)  # the FSDP root, every unit below it
+        elif self.par is not None and self.par.grad_reducer is not None and not last:
+            return self.par.grad_reducer.no_sync()
+        return contextlib.nullcontext()
+
     def train_step(self) -> dict:
-        inputs, targets = self.data.batch(self.step)
-        if self.parallelized is not None:  # the batch's losses (with pp: the mean over its micro-batches)
-            with self._autocast():
-                loss, aux = self.parallelized.forward_backward(inputs.to(self.device), targets.to(self.device))
-        else:
-            loss, aux = self._loss(inputs, targets)
-            (loss + aux).backward()
+        N = self.cfg.grad_accum
+        losses = []
+        for j in range(N):  # the step's objective: the mean of its N batches' losses
+            inputs, targets = self.data.batch(self.step, j, N)
+            with self._accumulating(j == N - 1):
+                if self.parallelized is not None:  # the batch's losses (with pp: the mean over its micro-batches)
+                    with self._autocast():
+                        losses.append(self.parallelized.forward_backward(
+                            inputs.to(self.device), targets.to(self.device), scale=1.0 / N))
+                else:
+                    loss, aux = self._loss(inputs, targets)
+                    ((loss + aux) / N if N > 1 else loss + aux).backward()
+                    losses.append((loss.detach(), aux.detach()))
+        loss, aux = (torch.stack(v).mean() for v in zip(*losses)) if N > 1 else losses[0]
         if self.par is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         elif self.parallelized is not None:  # FSDP reduced the gradients; the norm is over every mesh
@@ -548,8 +572,8 @@ class Trainer:
                         torch.cuda.synchronize(self.device)
                     elapsed = time.perf_counter() - window_start
                     ranks = 1 if self.par is None else self.par.world
-                    # all ranks: batch_size sequences per batch, data.world batches a step
-                    tokens_per_s = window_steps * cfg.batch_size * cfg.seq_len * self.data.world / elapsed
+                    # all ranks: batch_size sequences per batch, data.world x grad_accum batches a step
+                    tokens_per_s = window_steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len * self.data.world / elapsed
                     flops = tokens_per_s / ranks * self.flops_per_token  # per GPU, as MFU is
                     record = {
                         "kind": "train", "step": self.step, "loss": float(out["loss"]),
