@@ -20,7 +20,7 @@
 # workers (before the fp64 references moved to the device), the quick benches 10-90 s a family.
 #
 # `test:PATH` runs the GPU tier of one part of tests/ (e.g. test:tests/ops/test_grouped_mm_gpu.py), for when
-# the whole tier does not fit one command.
+# the whole tier does not fit one command; `test:PATH,PATH,...` runs several parts in one pytest session.
 # `bench:OP` runs one benchmark family (permute, router, router_losses, quant, grouped_mm, grouped_mm_fp8, moe_layer, lora, dispatch, train), for when the whole
 # suite does not fit one command; BENCH_ARGS=--quick runs the short sweep. moe_layer takes several minutes
 # even with --quick (five models, four peers, fp64 checks): give it a command of its own.
@@ -84,22 +84,29 @@ stage_build() {
   echo "$rc"
 }
 
-test_tag() { [ -n "${1:-}" ] && echo "_$(echo "$1" | tr '/.' '__')"; }
+test_tag() {  # a file-name suffix for a test stage's path (several paths: their first, and how many)
+  [ -n "${1:-}" ] || return 0
+  local first=${1%%,*} n
+  n=$(echo "$1" | tr ',' '\n' | wc -l)
+  if [ "$n" -gt 1 ]; then echo "_$(echo "$first" | tr '/.' '__')_and_$((n - 1))"; else echo "_$(echo "$first" | tr '/.' '__')"; fi
+}
 
-stage_test() {  # [path under the repo]
-  local tag
+stage_test() {  # [path under the repo, or several joined by commas]
+  local tag paths
   tag=$(test_tag "${1:-}")
+  read -r -a paths <<<"${1//,/ }"
+  [ "${#paths[@]}" -gt 0 ] || paths=(tests)
   local extra=()
   has_module xdist && extra+=(-n "${TEST_WORKERS:-8}")
   has_module pytest_timeout && extra+=(--timeout "${TEST_TIMEOUT:-300}" --timeout-method=thread)
   capped "$(left)" "$PY" -m pytest -v -rfE --durations=30 -m "gpu and not gpu_memory" -p no:cacheprovider \
-    "${extra[@]}" --junitxml="$OUT/gpu_tests$tag.xml" "${1:-tests}" >"$OUT/gpu_tests$tag.log" 2>&1
+    "${extra[@]}" --junitxml="$OUT/gpu_tests$tag.xml" "${paths[@]}" >"$OUT/gpu_tests$tag.log" 2>&1
   local rc=$?
   # Tests holding tens of GB each, one at a time (beside seven workers they ran out of an H200's memory).
   extra=()
   has_module pytest_timeout && extra+=(--timeout "${TEST_TIMEOUT:-300}" --timeout-method=thread)
   capped "$(left)" "$PY" -m pytest -v -rfE --durations=30 -m "gpu and gpu_memory" -p no:cacheprovider \
-    "${extra[@]}" --junitxml="$OUT/gpu_tests${tag}_serial.xml" "${1:-tests}" >"$OUT/gpu_tests${tag}_serial.log" 2>&1
+    "${extra[@]}" --junitxml="$OUT/gpu_tests${tag}_serial.xml" "${paths[@]}" >"$OUT/gpu_tests${tag}_serial.log" 2>&1
   local rc2=$?
   [ "$rc2" -eq 5 ] && rc2=0  # none selected under this path
   [ "$rc" -eq 5 ] && rc=0
