@@ -26,14 +26,12 @@ def judged(run, op, case):
 
 
 def copy_results(tmp_path):
-    """The committed JSON and README of the H200 run and the overhead tables, where a test may change them."""
+    """Every committed run's JSON and README and the overhead tables, where a test may change them."""
     root = tmp_path / "results"
-    (root / H200.name).mkdir(parents=True)
-    for p in [*H200.glob("bench_*.json"), H200 / "README.md"]:
-        shutil.copy(p, root / H200.name / p.name)
-    for p in br.RESULTS_DIR.glob("*/overhead_table.json"):  # bench overhead's tables (the README's overhead block)
-        (root / p.parent.name).mkdir(exist_ok=True)
-        shutil.copy(p, root / p.parent.name / p.name)
+    for run_dir in (p for p in br.RESULTS_DIR.iterdir() if p.is_dir() and p.name != "latest"):
+        (root / run_dir.name).mkdir(parents=True)
+        for p in [*run_dir.glob("bench_*.json"), *run_dir.glob("overhead_table.json"), *run_dir.glob("README.md")]:
+            shutil.copy(p, root / run_dir.name / p.name)
     readme = tmp_path / "README.md"
     shutil.copy(br.README, readme)
     return readme, root
