@@ -261,5 +261,5 @@ def run(ctx: h.Context) -> h.Report:
         print("dispatch: skipped, the nvlink kernels need a GPU, or MOE_KERNELS_EMULATE=1 on a CPU (the "
               "CPU-executed build)")
         return h.Report([], [], [])
-    results, failures = h.run_cases(ctx, "dispatch", cases(ctx), run_case)
-    return h.Report(results, headline(ctx, results), failures)
+    results, failures, skipped = h.run_cases(ctx, "dispatch", cases(ctx), run_case)
+    return h.Report(results, headline(ctx, results), failures, skipped)

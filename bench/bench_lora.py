@@ -140,5 +140,5 @@ def headline(results: list[h.Result]) -> list[str]:
 
 
 def run(ctx: h.Context) -> h.Report:
-    results, failures = h.run_cases(ctx, "lora", cases(ctx), run_case)
-    return h.Report(results, headline(results) if results else [], failures)
+    results, failures, skipped = h.run_cases(ctx, "lora", cases(ctx), run_case)
+    return h.Report(results, headline(results) if results else [], failures, skipped)

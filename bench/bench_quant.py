@@ -146,5 +146,5 @@ def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
 
 
 def run(ctx: h.Context) -> h.Report:
-    results, failures = h.run_cases(ctx, "quant", cases(ctx), run_case)
-    return h.Report(results, headline(ctx, results) if results else [], failures)
+    results, failures, skipped = h.run_cases(ctx, "quant", cases(ctx), run_case)
+    return h.Report(results, headline(ctx, results) if results else [], failures, skipped)

@@ -316,17 +316,21 @@ def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
 
 def run(ctx: h.Context) -> h.Report:
     print(f"router on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
-    results, failures, notes = [], [], []
+    results, failures, notes, skipped = [], [], [], []
     all_cases = cases(ctx)
     for i, c in enumerate(all_cases):
         try:
             rs, ns = run_case(ctx, c)
         except AssertionError as e:  # a wrong result is not timed; the other cases still are
             failures.append(f"{c.name}: {e}")
+        except torch.OutOfMemoryError as e:
+            h.skip_case("router", c.name, e, skipped)
         else:
             results += rs
             notes += ns
+        h.release(ctx)
         ctx.case_done("router", i, len(all_cases))
     ctx.finish("router", results)
     # Index mismatches within the tolerance go after the headline, so they reach stdout and the JSON.
-    return h.Report(results, (headline(ctx, results) if results else []) + [f"note: {n}" for n in notes], failures)
+    return h.Report(results, (headline(ctx, results) if results else []) + [f"note: {n}" for n in notes], failures,
+                    skipped)

@@ -21,10 +21,14 @@ Timing method (specs/perf.md):
   CUDA-graph replay time (CUDA events around replays, L2 flushed between them); on a CPU only the
   first exists (the call's wall time, all of it host work).
 - Correctness is checked before timing with moe_kernels.testing's tolerance policy.
+- A case that runs out of GPU memory (torch.OutOfMemoryError) is not measured and is reported as
+  skipped with the reason (`SKIPPED` lines, a `SUMMARY` and a `HEADLINE` line, `skipped` in the JSON);
+  the cached memory is handed back and the next case runs. Every case's buffers are freed before the next.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -492,6 +496,7 @@ class Report:
     results: list[Result]
     headline: list[str]
     failures: list[str]  # cases not timed because a correctness check failed
+    skipped: list[str] = field(default_factory=list)  # cases not measured, with why (out of GPU memory)
 
 
 def model_sweep(ctx: Context, models: dict, cpu_models: dict, tokens: Sequence[int], quick_tokens: Sequence[int],
@@ -505,19 +510,47 @@ def model_sweep(ctx: Context, models: dict, cpu_models: dict, tokens: Sequence[i
     return [(m, T, *chosen[m]) for m in chosen for T in counts]
 
 
-def run_cases(ctx: Context, family: str, cases: Sequence, run_case: Callable[[Context, Any], list]) -> tuple[list, list[str]]:
+def out_of_memory(e: BaseException) -> str:
+    """A skipped case's reason: the allocator's first sentences (how much was asked for, how much was free)."""
+    msg = " ".join(str(e).split())
+    return "out of memory: " + (msg.split(" Including non-PyTorch")[0].split(" Of the allocated")[0][:240] or type(e).__name__)
+
+
+def release(ctx: Context) -> None:
+    """Frees what a finished (or abandoned) case left: cycles through its frames (an exception's traceback
+    holds every local of the case) and the allocator's cached blocks, so the next case starts from the same
+    free memory."""
+    gc.collect()
+    if ctx.is_cuda:
+        torch.cuda.empty_cache()
+
+
+def skip_case(family: str, case: str, e: BaseException, skipped: list[str]) -> None:
+    """Records a case that did not fit (torch.OutOfMemoryError) and says so at once on stdout."""
+    why = f"{case}: {out_of_memory(e)}"
+    skipped.append(why)
+    print(f"SKIPPED {family} {why}", flush=True)
+
+
+def run_cases(ctx: Context, family: str, cases: Sequence, run_case: Callable[[Context, Any], list]
+              ) -> tuple[list, list[str], list[str]]:
     """Runs each case; a case whose correctness check fails (AssertionError) is reported, not timed, and
-    the other cases still run. Returns (results, failures)."""
-    print(f"{family} on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}")
-    results, failures = [], []
+    the other cases still run; a case that runs out of GPU memory is recorded as skipped, its memory
+    handed back, and the next case runs. Returns (results, failures, skipped)."""
+    print(f"{family} on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}",
+          flush=True)
+    results, failures, skipped = [], [], []
     for i, c in enumerate(cases):
         try:
             results += run_case(ctx, c)
         except AssertionError as e:
             failures.append(f"{c.name}: {e}")
+        except torch.OutOfMemoryError as e:
+            skip_case(family, c.name, e, skipped)
+        release(ctx)
         ctx.case_done(family, i, len(cases))
     ctx.finish(family, results)
-    return results, failures
+    return results, failures, skipped
 
 
 def make_result(ctx: Context, *, op: str, case: str, shape: dict[str, int], dtype: torch.dtype,
@@ -682,7 +715,7 @@ def report(ctx: Context, name: str, rep: Report) -> tuple[Path, Path]:
     """Measures the family's end ceilings and judges every result against the nearest measurement;
     prints the table, one `RESULT` line per case, `SUMMARY` (% of ceiling, geomean and worst) per op,
     `GEOMEAN` (with the worst case) per op and peer,
-    `HEADLINE`, `SUSPECT` and `FAILED` lines; writes bench_<name>.json and bench_<name>.png."""
+    `HEADLINE`, `SUSPECT`, `FAILED` and `SKIPPED` lines; writes bench_<name>.json and bench_<name>.png."""
     from rich.console import Console
     from rich.table import Table
 
@@ -739,20 +772,27 @@ def report(ctx: Context, name: str, rep: Report) -> tuple[Path, Path]:
                 f"worst {mode_cell(m['worst'], ctx, '.2f', 'x')}" for k, m in ms.items()))
     for why in sorted({f"{k}: {v}" for r in results for k, v in r.modes_note.items() if ctx.is_cuda}):
         print(f"MODES n/a for {why}")
+    if rep.skipped:
+        print(f"SUMMARY {len(rep.skipped)} case(s) skipped, not measured: "
+              + "; ".join(why.split(":")[0] for why in rep.skipped))
     for line in rep.headline:
         print(f"HEADLINE {line}")
+    if rep.skipped:
+        print(f"HEADLINE {len(rep.skipped)} case(s) not measured (skipped): " + "; ".join(rep.skipped))
     meta = run_metadata(ctx)
     suspect = suspect_reasons(ctx, results, meta)
     for line in suspect:
         print(f"SUSPECT {line}")
     for line in rep.failures:
         print(f"FAILED {line}")
+    for line in rep.skipped:
+        print(f"SKIPPED {line}")
 
     ctx.out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = ctx.out_dir / f"bench_{name}.json", ctx.out_dir / f"bench_{name}.png"
     payload = {"suite": name, "meta": meta, "ceilings": asdict(c),
                "ceilings_log": [asdict(x) for x in ctx.ceilings_log], "method": __doc__,
-               "headline": rep.headline, "failures": rep.failures, "suspect": bool(suspect),
+               "headline": rep.headline, "failures": rep.failures, "skipped": rep.skipped, "suspect": bool(suspect),
                "suspect_reasons": suspect, "summary": summary, "results": [asdict(r) for r in results]}
     json_path.write_text(json.dumps(payload, indent=1) + "\n")
     plot(results, c, png_path, title=title)

@@ -49,18 +49,47 @@ def assert_exact(actual: Tensor, expected: Tensor, what: str) -> None:
             )
 
 
-def assert_within_fp32_rounding(actual: Tensor, expected: Tensor, magnitude: Tensor, what: str) -> None:
-    """`magnitude` = sum of |terms| of each reduced element (same shape as expected)."""
-    e = expected.detach().double()  # compared where the reference lives
-    a, m = actual.detach().to(e.device).double(), magnitude.detach().to(e.device).double()
-    tol = 64 * FP32_EPS * m + 1e-30
-    err = (a - e).abs()
-    bad = err > tol
-    if bool(bad.any()):
-        i = tuple(int(v) for v in torch.nonzero(bad)[0])
+# Large tensors are compared a block of leading-dim rows at a time: each fp64 temporary of a check is at
+# most this many elements (256 MiB), whatever the tensor's size, so a check of a multi-GB result fits
+# beside the result itself. The verdict is the whole tensor's (counts, maxima and the first bad element
+# are gathered over the blocks).
+CHECK_CHUNK_ELEMENTS = 1 << 25
+
+
+def _row_blocks(*ts: Tensor, chunk_elements: int):
+    """(first row, [t[r0:r1] for t in ts]) over blocks of leading-dim rows of at most `chunk_elements`
+    elements (at least one row); one block for 0-d tensors or tensors of different shapes (broadcasting)."""
+    shape = ts[0].shape
+    if len(shape) == 0 or shape[0] == 0 or any(t.shape != shape for t in ts):
+        yield 0, list(ts)
+        return
+    row = max(1, ts[0].numel() // shape[0])
+    step = max(1, chunk_elements // row)
+    for r0 in range(0, shape[0], step):
+        yield r0, [t[r0 : r0 + step] for t in ts]
+
+
+def assert_within_fp32_rounding(actual: Tensor, expected: Tensor, magnitude: Tensor, what: str, *,
+                                chunk_elements: int = CHECK_CHUNK_ELEMENTS) -> None:
+    """`magnitude` = sum of |terms| of each reduced element (same shape as expected). Compared where the
+    reference lives, in blocks of rows (CHECK_CHUNK_ELEMENTS)."""
+    e_all = expected.detach()
+    a_all, m_all = actual.detach().to(e_all.device), magnitude.detach().to(e_all.device)
+    n_bad, first = 0, None
+    for r0, (a, e, m) in _row_blocks(a_all, e_all, m_all, chunk_elements=chunk_elements):
+        a, e = a.double(), e.double()
+        tol = 64 * FP32_EPS * m.double() + 1e-30
+        bad = (a - e).abs() > tol
+        nb = int(bad.sum())
+        if nb and first is None:
+            i = tuple(int(v) for v in torch.nonzero(bad)[0])
+            at = (r0 + i[0], *i[1:]) if i else i
+            first = (at, a[i].item(), e[i].item(), tol.expand_as(bad)[i].item())
+        n_bad += nb
+    if n_bad:
+        at, av, ev, tv = first
         raise AssertionError(
-            f"{what}: {int(bad.sum())} elements beyond fp32 rounding; first at {i}: {a[i].item()} vs {e[i].item()} "
-            f"(tolerance {tol[i].item():.3g})"
+            f"{what}: {n_bad} elements beyond fp32 rounding; first at {at}: {av} vs {ev} (tolerance {tv:.3g})"
         )
 
 
@@ -81,16 +110,35 @@ FP8_MMA_MAGNITUDE = 4 * 2**-13 / (64 * FP32_EPS)
 ULP_FLOOR = 8 * FP32_EPS
 
 
-def assert_close_to_fp64(actual: Tensor, baseline: Tensor, reference64: Tensor, what: str, *, floor: float = 1e-6) -> None:
+def assert_close_to_fp64(actual: Tensor, baseline: Tensor, reference64: Tensor, what: str, *, floor: float = 1e-6,
+                         chunk_elements: int = CHECK_CHUNK_ELEMENTS) -> None:
     """Kernel error vs an fp64 reference is at most 2x plain PyTorch's error at the same precision, plus
-    `floor` and ULP_FLOOR x max|reference64|."""
-    ref = reference64.detach().double()  # compared where the reference lives (no host copy of large tensors)
+    `floor` and ULP_FLOOR x max|reference64|. The maxima are taken in blocks of rows (CHECK_CHUNK_ELEMENTS)."""
+    ref = reference64.detach()  # compared where the reference lives (no host copy of large tensors)
     assert actual.shape == ref.shape == baseline.shape, f"{what}: shapes {actual.shape}, {baseline.shape}, {ref.shape}"
     if ref.numel() == 0:
         return
-    ours = (actual.detach().to(ref.device).double() - ref).abs().max().item()
-    theirs = (baseline.detach().to(ref.device).double() - ref).abs().max().item()
-    ulps = ULP_FLOOR * ref.abs().max().item()
+    ours = theirs = ref_max = 0.0
+    a_all, b_all = actual.detach().to(ref.device), baseline.detach().to(ref.device)
+    for _, (a, b, r) in _row_blocks(a_all, b_all, ref, chunk_elements=chunk_elements):
+        if r.numel():
+            r = r.double()
+            ours = _nan_max(ours, (a.double() - r).abs().max().item())
+            theirs = _nan_max(theirs, (b.double() - r).abs().max().item())
+            ref_max = _nan_max(ref_max, r.abs().max().item())
+    assert_errors_within_fp64_rule(ours, theirs, ref_max, what, floor=floor)
+
+
+def _nan_max(a: float, b: float) -> float:
+    """max that keeps a NaN, as a tensor's max() does (Python's max() drops it depending on the order)."""
+    return b if b != b or b > a else a
+
+
+def assert_errors_within_fp64_rule(ours: float, theirs: float, ref_max: float, what: str, *,
+                                   floor: float = 1e-6) -> None:
+    """assert_close_to_fp64's rule on errors already measured (for checks that build their reference a
+    piece at a time): max|ours - ref| <= 2 max|baseline - ref| + floor + ULP_FLOOR x max|ref|. NaN fails."""
+    ulps = ULP_FLOOR * ref_max
     assert ours <= 2 * theirs + floor + ulps, (
         f"{what}: max error {ours:.3g} > 2 x torch's {theirs:.3g} (+{floor:g} +{ulps:.3g} = 8 fp32 ulps of max|ref|)")
 
