@@ -9,7 +9,9 @@ products in E4M3:
                               groups splitting it (grouped_mm_fp8_wgrad); fp32 result. `fp8_wgrad=False`
                               runs it in the input precision instead.
 with fp32 accumulation promoted every 128 of the contraction. Scales are current (computed from the
-tensor itself each step), optionally rounded down to powers of two. Each expert's rows are padded to
+tensor itself each step), optionally rounded down to powers of two. While training, each expert weight is
+quantized once per optimizer step, its tiles in both layouts kept by moe_kernels.quant.weight_cache and
+reused by every micro-batch and recomputation until the weight changes. Each expert's rows are padded to
 `align` (a multiple of 128 for the FP8 wgrad: its token blocks must not straddle two experts). With
 FP8 wgrad the forward saves x quantized along the tokens (1 byte per element) instead of x itself.
 In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert GEMM's input comes from
@@ -27,10 +29,11 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import autocast_input
-from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_experts, quantize_fp8_tokens
+from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
 from moe_kernels.ops.permute import permute_quantize_fp8, unpermute
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
+from moe_kernels.quant import weight_cache
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,7 +58,8 @@ class Fp8BlockwiseRecipe:
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast).
         With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128))."""
-        return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w))
+        return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
+                                   weight_cache.cacheable(w))
 
     def permute_grouped_mm(
         self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor
@@ -66,7 +70,7 @@ class Fp8BlockwiseRecipe:
         if align % self.align:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
         return _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
-                                          _weight_grad_needed(w))
+                                          _weight_grad_needed(w), weight_cache.cacheable(w))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,14 +204,15 @@ def _weight_grad_needed(w: Tensor) -> bool:
 
 def _fp8_forward(
     x_q: Tensor, x_scale: Tensor, x: Tensor | None, w: Tensor, group_sizes: Tensor, recipe, need_wgrad: bool,
-    out_dtype: torch.dtype,
+    out_dtype: torch.dtype, cache: bool,
 ) -> tuple[Tensor, dict, list[Tensor]]:
     """The forward product from quantized rows, and what the backward needs (`state`). `x` (the rows in the
-    input precision) is read only for wgrad."""
-    w_q, w_scale = quantize_fp8_experts(w.detach(), pow2_scale=recipe.pow2_scale)  # [E, N, K], [E, N/128, K/128]
-    out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(out_dtype)
+    input precision) is read only for wgrad. The weight's tiles come from the weight cache when `cache`."""
+    w8 = weight_cache.fp8_expert_weights(w, pow2_scale=recipe.pow2_scale, cache=cache)
+    out = grouped_mm_fp8(x_q, x_scale, w8.q, w8.scale, group_sizes).to(out_dtype)  # w8.q [E, N, K]
     fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
-    state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=out.dtype)
+    state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=out.dtype,
+                 w8=w8 if fp8_dgrad else None)
     # wgrad reads x along the tokens: with FP8 wgrad only its token-blocked E4M3 copy is kept.
     if not need_wgrad:
         saved_x = ()
@@ -216,20 +221,19 @@ def _fp8_forward(
     else:
         saved_x = (x,)
     state["n_x"] = len(saved_x)
-    return out, state, [*saved_x, w, group_sizes, *((w_q, w_scale) if fp8_dgrad else ())]
+    return out, state, [*saved_x, w, group_sizes]
 
 
 def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool, need_dw: bool):
     n_x = state["n_x"]
-    saved_x, (w, group_sizes, *w_fp8) = saved[:n_x], saved[n_x:]
+    saved_x, (w, group_sizes) = saved[:n_x], saved[n_x:]
     dout = dout.contiguous()
     dx = dw = None
     if need_dx:
         if state["fp8_dgrad"]:
-            w_q, w_scale = w_fp8
             d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
-            wt_q = w_q.transpose(1, 2).contiguous()  # [E, K, N]
-            wt_scale = w_scale.transpose(1, 2).contiguous()  # [E, K/128, N/128]
+            # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made once per weight version.
+            wt_q, wt_scale = state["w8"].transposed()
             dx = _rows_in_groups(grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(state["x_dtype"]),
                                  group_sizes)
         else:
@@ -248,27 +252,28 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool,
 
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool):
+    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool,
+                cache: bool):
         x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale)  # [M, K], [M, K/128]
-        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype)
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype, cache)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2])
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe,
-                need_wgrad: bool):
+                need_wgrad: bool, cache: bool):
         # One read of each token: its codes, scales and (for wgrad) its input-precision rows.
         x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
             x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=need_wgrad
         )
-        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype)
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype, cache)
         ctx.save_for_backward(*saved, row_map)
         ctx.mark_non_differentiable(row_map, group_sizes)
         return out, row_map, group_sizes
@@ -279,4 +284,4 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
         dx_perm, dw = _fp8_backward(ctx.state, saved, dout, *ctx.needs_input_grad[:2])
         # permute's backward: dx[t] = sum over its slots of dx_perm[row] (fp32 accumulation).
         dx = unpermute(dx_perm.contiguous(), row_map, None) if dx_perm is not None else None
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None

@@ -1,0 +1,108 @@
+"""Expert weights quantized once per optimizer step: the FP8 codes and scales of the forward's 128x128
+tiles, and the transposed tiles dgrad reads, kept per parameter until the parameter changes.
+
+Without it the FP8 recipe re-quantizes every expert weight in every forward (a read of the weight in its
+own precision and a write of its codes) and transposes the 1-byte codes in every backward. A training
+step of N micro-batches, each maybe recomputed under activation checkpointing, reads each weight for
+quantization once with the cache, N to 2N times without it.
+
+An entry is valid while all of these hold, checked on every lookup (a few attribute reads, no sync):
+- the parameter's version counter is unchanged (every in-place change bumps it: the optimizer's update,
+  `copy_`, `load_state_dict`, a `.mul_` under `no_grad`),
+- its storage is where it was (`data_ptr`) with the same shape, strides and dtype,
+- no optimizer has stepped since it was made: a post-step hook on every torch.optim optimizer bumps a
+  global generation, which covers parameters whose update lands elsewhere first (FSDP2 updates the
+  sharded parameter and refills the unsharded one by all-gather),
+- the recipe option that shapes the codes (`pow2_scale`) is the same.
+Entries are made and used only where a backward is in view (grad mode on and the weight requiring
+grad): under `no_grad`, `inference_mode` or for frozen experts the weight is quantized afresh and
+nothing is kept. Entries hold a weak reference to their parameter, so a dropped model frees them. The
+cache holds 2 bytes per expert weight element (the codes in both layouts) plus 2 x 4 bytes per 128x128
+tile of scales between steps; `clear()` drops every entry.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts
+
+_generation = 0
+_lock = threading.Lock()
+_entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_stats = {"quantized": 0, "transposed": 0, "hits": 0}
+
+
+def _bump_generation(*_args, **_kwargs) -> None:
+    global _generation
+    _generation += 1
+
+
+register_optimizer_step_post_hook(_bump_generation)
+
+
+@dataclass
+class Fp8Weights:
+    """One expert weight [E, N, K] in E4M3: `q` [E, N, K] with `scale` [E, ceil(N/128), K/128] (the forward's
+    tiles), and, made on first use, `qt` [E, K, N] with `scale_t` [E, K/128, ceil(N/128)] (dgrad's; a 128x128
+    tile is its own transpose, so these are the same codes and scales laid out the other way)."""
+
+    q: Tensor
+    scale: Tensor
+    qt: Tensor | None = None
+    scale_t: Tensor | None = None
+    key: tuple = field(default=(), repr=False)
+
+    def transposed(self) -> tuple[Tensor, Tensor]:
+        if self.qt is None:
+            self.qt = self.q.transpose(1, 2).contiguous()
+            self.scale_t = self.scale.transpose(1, 2).contiguous()
+            _stats["transposed"] += 1
+        return self.qt, self.scale_t
+
+
+def _key(w: Tensor, pow2_scale: bool) -> tuple:
+    return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, pow2_scale, _generation)
+
+
+def cacheable(w: Tensor) -> bool:
+    """Whether a lookup for `w` may use and keep an entry (decided outside autograd functions, whose forward
+    runs with grad mode off): a backward is in view, and the weight is a plain tensor of this process."""
+    return (torch.is_grad_enabled() and w.requires_grad and not torch.is_inference_mode_enabled()
+            and type(w) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling())
+
+
+def fp8_expert_weights(w: Tensor, *, pow2_scale: bool, cache: bool) -> Fp8Weights:
+    """The E4M3 tiles of `w` [E, N, K]: from the cache when `cache` (see `cacheable`) and an entry is valid,
+    else quantized now (and kept when `cache`)."""
+    if not cache:
+        _stats["quantized"] += 1
+        return Fp8Weights(*quantize_fp8_experts(w.detach(), pow2_scale=pow2_scale))
+    key = _key(w, pow2_scale)
+    with _lock:
+        entry = _entries.get(w)
+        if entry is not None and entry.key == key:
+            _stats["hits"] += 1
+            return entry
+    _stats["quantized"] += 1
+    entry = Fp8Weights(*quantize_fp8_experts(w.detach(), pow2_scale=pow2_scale), key=key)
+    with _lock:
+        _entries[w] = entry
+    return entry
+
+
+def clear() -> None:
+    """Drop every cached entry (their memory is freed once no autograd graph holds them)."""
+    with _lock:
+        _entries.clear()
+
+
+def stats() -> dict[str, int]:
+    """Counts since import: weights quantized, transposed copies made, and cache hits."""
+    return dict(_stats, entries=len(_entries))

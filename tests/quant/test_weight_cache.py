@@ -1,0 +1,122 @@
+"""The FP8 weight cache: each expert weight quantized once per optimizer step and its transposed tiles made
+once, reused across micro-batches and activation-checkpoint recomputation, refreshed after an optimizer step
+or any in-place change, never kept without a backward in view; results bit-identical to quantizing afresh."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from moe_kernels.quant import Fp8BlockwiseRecipe, weight_cache
+
+SIZES = (128, 0, 256, 128)  # multiples of 128: the FP8 wgrad's token blocks
+
+
+def _problem(seed: int, N=256, K=256):
+    gen = torch.Generator().manual_seed(seed)
+    M = sum(SIZES)
+    x = torch.randn(M, K, generator=gen)
+    w = torch.nn.Parameter(torch.randn(len(SIZES), N, K, generator=gen) * 0.05)
+    return x, w, torch.tensor(SIZES, dtype=torch.int32), torch.randn(M, N, generator=gen)
+
+
+def _fwd_bwd(recipe, x, w, gs, dout):
+    x = x.clone().requires_grad_()
+    out = recipe.grouped_mm(x, w, gs)
+    dx, dw = torch.autograd.grad(out, (x, w), dout)
+    return out.detach(), dx, dw
+
+
+def _fresh(recipe, x, w, gs, dout, monkeypatch):
+    """The same product with the cache off (every weight quantized now)."""
+    with monkeypatch.context() as m:
+        m.setattr(weight_cache, "cacheable", lambda _w: False)
+        return _fwd_bwd(recipe, x, w, gs, dout)
+
+
+def _delta(before):
+    now = weight_cache.stats()
+    return {k: now[k] - before[k] for k in ("quantized", "transposed", "hits")}
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantized_once_per_step_and_refreshed_after_the_optimizer(pow2, monkeypatch):
+    recipe = Fp8BlockwiseRecipe(pow2_scale=pow2)
+    x, w, gs, dout = _problem(0)
+    opt = torch.optim.SGD([w], lr=0.5)
+    for step in range(2):
+        before = weight_cache.stats()
+        runs = [_fwd_bwd(recipe, x + i, w, gs, dout) for i in range(3)]  # three micro-batches
+        assert _delta(before) == {"quantized": 1, "transposed": 1, "hits": 2}, step
+        for i, got in enumerate(runs):
+            for a, b in zip(got, _fresh(recipe, x + i, w, gs, dout, monkeypatch)):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        w.grad = runs[0][2]
+        opt.step()  # the next forward must see the new weight
+
+
+def test_in_place_change_without_a_step_refreshes(monkeypatch):
+    recipe = Fp8BlockwiseRecipe()
+    x, w, gs, dout = _problem(1)
+    _fwd_bwd(recipe, x, w, gs, dout)
+    with torch.no_grad():
+        w[2].mul_(-3.0)  # one expert changed in place (a load_state_dict, a manual edit)
+    before = weight_cache.stats()
+    got = _fwd_bwd(recipe, x, w, gs, dout)
+    assert _delta(before)["quantized"] == 1
+    for a, b in zip(got, _fresh(recipe, x, w, gs, dout, monkeypatch)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # A different weight object in the same storage (a .data swap) is not mistaken for it either.
+    w2 = torch.nn.Parameter(w.detach().clone())
+    before = weight_cache.stats()
+    _fwd_bwd(recipe, x, w2, gs, dout)
+    assert _delta(before)["quantized"] == 1
+
+
+def test_no_entry_without_a_backward_in_view():
+    recipe = Fp8BlockwiseRecipe()
+    x, w, gs, _ = _problem(2)
+    weight_cache.clear()
+    with torch.no_grad():
+        recipe.grouped_mm(x, w, gs)
+    with torch.inference_mode():
+        recipe.grouped_mm(x, w, gs)
+    frozen = w.detach().clone()
+    recipe.grouped_mm(x, frozen, gs)
+    assert weight_cache.stats()["entries"] == 0
+    before = weight_cache.stats()
+    with torch.no_grad():
+        recipe.grouped_mm(x, w, gs)
+        recipe.grouped_mm(x, w, gs)
+    assert _delta(before)["quantized"] == 2  # quantized afresh each time
+
+
+def test_checkpoint_recomputation_reuses_the_tiles(monkeypatch):
+    recipe = Fp8BlockwiseRecipe()
+    x, w, gs, dout = _problem(3)
+
+    def block(x_):
+        return recipe.grouped_mm(x_, w, gs)
+
+    xr = x.clone().requires_grad_()
+    before = weight_cache.stats()
+    out = checkpoint(block, xr, use_reentrant=False)
+    dx, dw = torch.autograd.grad(out, (xr, w), dout)
+    assert _delta(before) == {"quantized": 1, "transposed": 1, "hits": 1}
+    want = _fresh(recipe, x, w, gs, dout, monkeypatch)
+    for a, b in zip((out.detach(), dx, dw), want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_entries_die_with_their_weight():
+    import gc
+
+    recipe = Fp8BlockwiseRecipe()
+    weight_cache.clear()
+    x, w, gs, dout = _problem(4)
+    _fwd_bwd(recipe, x, w, gs, dout)
+    assert weight_cache.stats()["entries"] == 1
+    del w
+    gc.collect()
+    assert weight_cache.stats()["entries"] == 0
