@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from moe_kernels.models.config import ModelConfig, YarnConfig
-from moe_kernels.nn import GroupedExperts, MoELayer, Router, SharedExperts
+from moe_kernels.nn import GroupedExperts, MoELayer, Router, SharedExperts, linear_cross_entropy
 from moe_kernels.nn.router import recomputation
 
 
@@ -229,7 +229,11 @@ class Block(nn.Module):
 
 class MoETransformer(nn.Module):
     """forward(input_ids [B, S] int64) -> (logits [B, S, V] in the model's dtype, aux_loss: fp32 scalar, the sum
-    of every MoE layer's routing losses, already multiplied by their coefficients)."""
+    of every MoE layer's routing losses, already multiplied by their coefficients).
+    forward(input_ids, return_hidden=True) -> (the final norm's hidden states [B, S, H], aux_loss): for a loss
+    that applies `head_weight` itself (moe_kernels.nn.linear_cross_entropy: no [B, S, V] logits).
+    forward(input_ids, targets [B, S]) -> (that loss, the mean cross-entropy over the targets other than -100, fp32
+    scalar; aux_loss)."""
 
     def __init__(self, config: ModelConfig, *, dtype=None):
         super().__init__()
@@ -242,7 +246,8 @@ class MoETransformer(nn.Module):
         )
         self.activation_checkpointing = False
 
-    def forward(self, input_ids: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, targets: Tensor | None = None, *,
+                return_hidden: bool = False) -> tuple[Tensor, Tensor]:
         if input_ids.dim() != 2 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(
                 f"MoETransformer: input_ids must be [B, S] int64, got {input_ids.dtype} {tuple(input_ids.shape)}"
@@ -260,8 +265,19 @@ class MoETransformer(nn.Module):
                 h, layer_aux = block(h, cos, sin)
             aux = aux + layer_aux
         h = self.norm(h)
+        if targets is not None:
+            if return_hidden:
+                raise ValueError("MoETransformer: pass targets (for the loss) or return_hidden, not both")
+            return linear_cross_entropy(h, self.head_weight, targets), aux
+        if return_hidden:
+            return h, aux
         logits = self.lm_head(h) if self.lm_head is not None else F.linear(h, self.embed_tokens.weight)
         return logits, aux
+
+    @property
+    def head_weight(self) -> Tensor:
+        """The output projection's weight [V, H]: lm_head's, or the embedding's when they are tied."""
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def moe_layers(self) -> Iterator[MoELayer]:
         """The MoELayer of each MoE block, in depth order (e.g. for `layer.router.update_expert_bias()`)."""

@@ -67,6 +67,7 @@ from moe_kernels.parallel.sequence import (
     blocks_of,
     check_sequence_parallel,
     cross_entropy_share,
+    linear_cross_entropy_share,
 )
 from moe_kernels.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -89,6 +90,9 @@ class Parallelized:
     # This rank's communicators by dimension: "pp", "stage", "dp_replicate", "dp_shard_cp", "dp_shard_cp_tp",
     # "cp", "tp", "seq", "edp", "ep", "etp" (None for a single rank; one group for each rank set).
     groups: dict = field(default_factory=dict)
+    # The loss from the final hidden states and the lm_head weight in chunks (moe_kernels.nn.linear_cross_entropy),
+    # never the [tokens, V] logits; False: F.cross_entropy over the model's logits.
+    fused_loss: bool = True
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensor, labels: Tensor) -> Tensor:
@@ -97,8 +101,7 @@ class Parallelized:
         runs its gradient reduction and scaling after an evaluation too)."""
         if self.pipeline is not None:
             return self.pipeline.evaluate(inputs, labels)
-        logits, _ = self.model(inputs)
-        return self.batch_loss(self.cross_entropy(logits, labels))
+        return self.batch_loss(self._forward(inputs, labels)[0])
 
     def forward_backward(self, inputs: Tensor, labels: Tensor, *, scale: float = 1.0) -> tuple[Tensor, Tensor]:
         """One batch's forward and backward on this rank: inputs and labels [B, S], the whole batch of this
@@ -110,10 +113,20 @@ class Parallelized:
             if scale != 1.0:
                 raise ValueError("forward_backward: a pipeline step accumulates its own micro-batches (scale 1 only)")
             return self.pipeline.step(inputs, labels)
-        logits, aux = self.model(inputs)
-        ce = self.cross_entropy(logits, labels)
+        ce, aux = self._forward(inputs, labels)
         ((ce + aux) * scale if scale != 1.0 else ce + aux).backward()
         return tuple(self.batch_loss(torch.stack([ce.detach(), aux.detach().float()])))
+
+    def _forward(self, inputs: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's share of the batch's cross-entropy, and its aux loss."""
+        if not self.fused_loss:
+            logits, aux = self.model(inputs)
+            return self.cross_entropy(logits, labels), aux
+        # The vocabulary is never split (tensor parallelism leaves the lm_head whole): each rank's rows of its
+        # tokens against the whole weight. Read after the forward: FSDP keeps the root's parameters, and with tp
+        # the final unit's (parallelize), gathered until the backward.
+        hidden, aux = self.model(inputs, return_hidden=True)
+        return linear_cross_entropy_share(hidden, self.model.head_weight, labels, self.sharding), aux
 
     def local_tokens(self, t: Tensor, dim: int = 1) -> Tensor:
         """This rank's tokens of a batch tensor along the sequence: the tokens its logits cover."""
@@ -292,7 +305,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                 mixed_precision: bool | None = None, ep_backend: str = "all_to_all",
                 max_tokens_per_rank: int | None = None, capacity: float | None = None,
                 num_microbatches: int | None = None, schedule: str = "1f1b", stages_per_rank: int = 1,
-                seed: int | None = None) -> Parallelized:
+                seed: int | None = None, fused_loss: bool = True) -> Parallelized:
     """Shard `model` over the default process group's ranks, in place: a model built identically on every
     rank, or one built on the meta device (`build_model(cfg, device="meta")`), which is then materialised
     on `device` with each rank holding and initialising only its pieces, drawn from `seed` as one process's
@@ -303,7 +316,9 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     (default: on CUDA). ep_backend, max_tokens_per_rank and capacity: the token dispatcher of the experts
     (apply_expert_parallel; capacity, for nvlink: expert rows per rank as a factor of the balanced load
     max_tokens_per_rank * k, None for the worst case). num_microbatches, schedule ("1f1b", "gpipe",
-    "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1.
+    "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1. fused_loss: the cross-entropy from
+    the final hidden states and the lm_head weight in chunks of tokens (moe_kernels.nn.linear_cross_entropy), in
+    `forward_backward`, `evaluate` and the pipeline's last stage; False: over the [tokens, V] logits.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -353,6 +368,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         modules, ids, num_stages = stage_modules(model, PP, pg.pp_rank, stages_per_rank)
         pipeline = Pipelined(modules, ids, num_stages, schedule, groups["pp"], num_microbatches,
                              loss_fn=partial(cross_entropy_share, sharding=sharding),
+                             hidden_loss_fn=partial(linear_cross_entropy_share, sharding=sharding) if fused_loss else None,
                              seq_group=None if sharding is None else sharding.group, seq_split=C * T,
                              activation_dtype=torch.bfloat16 if mixed_precision else None)
         model = LocalStages(model, modules)
@@ -425,9 +441,12 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         shard_split(block)
     if replicated is not None and replicated[-1]:
         # Tied embeddings: the lm_head product reads embed_tokens.weight after the unit's last module (the
-        # final norm) has run, so the unit keeps its parameters gathered until the root's forward ends.
+        # final norm) has run; the fused loss reads the lm_head weight after the forward (the lm_head module never
+        # runs). Either way the unit keeps its parameters gathered until the backward.
         tied = getattr(model, "lm_head", None) is None and PP == 1
-        summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp, reshard_after_forward=not tied), whole_mesh)
+        head_read_later = fused_loss and getattr(model, "lm_head", None) is not None
+        summed(fully_shard(replicated[-1], mesh=whole_mesh, mp_policy=mp,
+                           reshard_after_forward=not (tied or head_read_later)), whole_mesh)
     for root in (pipeline.modules if pipeline is not None else [model]):  # one FSDP root per stage module
         shard_split(root)
     if on_meta:  # each rank allocates its own pieces and draws them (moe_kernels.models.init)
@@ -437,4 +456,4 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         init_parameters(model, model_rules(model, model.config), seed,
                         splits_of(model, None if sharding is None else sharding.tp_group))
     return Parallelized(model, pc, pg.attention, pg.expert, sharding, expert_modules, pipeline, stage_group,
-                        full_names, groups)
+                        full_names, groups, fused_loss)

@@ -10,6 +10,10 @@ also embeds, the last also normalises and projects to the vocabulary and compute
     loss = pipe.step(ids[:, :-1], ids[:, 1:])     # the step's loss on every rank; gradients accumulated
     pipe.clip_grad_norm_(1.0); optimizer.step()   # optimizer over pipe.parameters()
 
+The last stage's loss is fused by default (`fused_loss=True`): the stage returns the final norm's hidden states and
+the schedule's loss function applies the lm_head weight in moe_kernels.nn.linear_cross_entropy, chunk by chunk,
+so no [micro-batch tokens, V] logits exist; `fused_loss=False` returns the logits and computes the loss from them.
+
 The objective is the mean over micro-batches of each micro-batch's cross-entropy plus its routing losses
 (Megatron-Core's per-micro-batch aux losses). A stage's aux losses reach the backward through
 `_AuxLossScaler` on the stage's output, the mechanism of Megatron-Core's MoEAuxLossAutoScaler: an identity
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from moe_kernels.parallel.sequence import cross_entropy_share
+from moe_kernels.parallel.sequence import cross_entropy_share, linear_cross_entropy_share
 
 SCHEDULES = ("1f1b", "gpipe", "interleaved-1f1b")
 
@@ -54,7 +58,8 @@ class _AuxLossScaler(torch.autograd.Function):
 
 class PipelineStageModule(nn.Module):
     """Blocks [first, last) of a MoETransformer, with the embedding on stage 0 and the final norm and lm_head
-    on the last stage: forward(ids or hidden [B, S, H]) -> hidden (or logits on the last stage)."""
+    on the last stage: forward(ids or hidden [B, S, H]) -> hidden (on the last stage logits, or with
+    `return_hidden` the final norm's hidden states for a fused loss)."""
 
     def __init__(self, model: nn.Module, first: int, last: int, is_first: bool, is_last: bool):
         super().__init__()
@@ -71,6 +76,7 @@ class PipelineStageModule(nn.Module):
         self.seq_len: int | None = None
         # The dtype of the hidden states sent to the next stage (the receiver's buffers are sized for it).
         self.activation_dtype: torch.dtype | None = None
+        self.return_hidden = False  # the last stage returns norm(h), not logits (Pipelined with a fused loss)
 
     def forward(self, x: Tensor) -> Tensor:
         from moe_kernels.models.transformer import _checkpoint_contexts, rope_cos_sin
@@ -86,9 +92,9 @@ class PipelineStageModule(nn.Module):
                 h, layer_aux = block(h, cos, sin)
             aux = aux + layer_aux
         if self.is_last:
-            h = self.lm_head(self.norm(h))
-        elif self.activation_dtype is not None:
-            h = h.to(self.activation_dtype)
+            h = self.norm(h) if self.return_hidden else self.lm_head(self.norm(h))
+        if (not self.is_last or self.return_hidden) and self.activation_dtype is not None:
+            h = h.to(self.activation_dtype)  # (the last stage's hidden states: the dtype its output was declared in)
         self.aux_values.append(aux.detach())
         return _AuxLossScaler.apply(h, aux) if aux.requires_grad else h
 
@@ -137,6 +143,9 @@ class Pipelined:
     num_microbatches: int
     # (logits, the micro-batch's labels) -> its mean cross-entropy, or this rank's share of it
     loss_fn: object = partial(cross_entropy_share, sharding=None)
+    # With it, the fused loss instead: (hidden, the lm_head weight, labels) -> the same (the last stage returns
+    # its hidden states; linear_cross_entropy_share). None: loss_fn over the logits.
+    hidden_loss_fn: object = partial(linear_cross_entropy_share, sharding=None)
     seq_group: object = None  # the ranks that share a batch's sequences (their losses are shares), or None
     seq_split: int = 1  # the tokens of a sequence a rank holds: S / seq_split
     activation_dtype: torch.dtype | None = None  # the hidden states' dtype between stages (None: the parameters')
@@ -161,11 +170,19 @@ class Pipelined:
             raise ValueError(f"Pipelined.step: sequences of {S} tokens do not split over {self.seq_split} ranks")
         local = S // self.seq_split
         hidden = torch.empty(mb, local, cfg.hidden_size, dtype=dtype, device="meta")
+        fused = self.hidden_loss_fn is not None
         logits_dtype = torch.get_autocast_dtype(p.device.type) if shapes[2] else dtype
-        logits = torch.empty(mb, local, cfg.vocab_size, dtype=logits_dtype, device="meta")
+        logits = (hidden if fused else  # the fused loss's last stage returns its hidden states (in `dtype`)
+                  torch.empty(mb, local, cfg.vocab_size, dtype=logits_dtype, device="meta"))
         stages = []
         for m in self.modules:
-            m.seq_len, m.activation_dtype = S, dtype
+            m.seq_len, m.activation_dtype, m.return_hidden = S, dtype, fused
+        loss_fn = self.loss_fn
+        if fused:
+            last = next((m for m in self.modules if m.is_last), None)
+            # The weight is read at each call: FSDP swaps the module's parameter between its shards and the
+            # gathered tensor.
+            loss_fn = partial(_head_loss, self.hidden_loss_fn, last)
         for m, s in zip(self.modules, self.stage_ids):
             # A hidden input requires its gradient (the previous stage's backward needs it).
             first = (torch.empty(mb, S, dtype=inputs.dtype, device="meta") if m.is_first else
@@ -175,10 +192,10 @@ class Pipelined:
                                         input_grads=(None,) if m.is_first else hidden,
                                         output_grads=(None,) if m.is_last else hidden, group=self.group))
         if self.schedule_name == "interleaved-1f1b":
-            self.schedule = ScheduleInterleaved1F1B(stages, self.num_microbatches, loss_fn=self.loss_fn)
+            self.schedule = ScheduleInterleaved1F1B(stages, self.num_microbatches, loss_fn=loss_fn)
         else:
             cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-            self.schedule = cls(stages[0], self.num_microbatches, loss_fn=self.loss_fn)
+            self.schedule = cls(stages[0], self.num_microbatches, loss_fn=loss_fn)
         self._shapes = shapes
 
     def _device(self) -> torch.device:
@@ -267,6 +284,10 @@ class Pipelined:
             yield from m.moe_layers()
 
 
+def _head_loss(hidden_loss_fn, last: PipelineStageModule, hidden: Tensor, labels: Tensor) -> Tensor:
+    return hidden_loss_fn(hidden, last.lm_head.weight, labels)
+
+
 def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
     """[first, last) blocks of each stage: contiguous, the first num_layers % num_stages stages one longer."""
     base, extra = divmod(num_layers, num_stages)
@@ -279,13 +300,14 @@ def stage_bounds(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
 
 
 def apply_pipeline_parallel(model: nn.Module, group=None, *, num_microbatches: int, schedule: str = "1f1b",
-                            stages_per_rank: int = 1) -> Pipelined:
+                            stages_per_rank: int = 1, fused_loss: bool = True) -> Pipelined:
     """Pipeline stages of `model` (a moe_kernels MoETransformer, built identically on every rank) over the
     ranks of `group` (default: the world); module docstring. Rank r holds stage r (interleaved: stages
-    r, r + P, ...)."""
+    r, r + P, ...). fused_loss: the last stage's loss by linear_cross_entropy (no logits)."""
     check_pipeline(model, dist.get_world_size(group), num_microbatches, schedule, stages_per_rank)
     return Pipelined(*stage_modules(model, dist.get_world_size(group), dist.get_rank(group), stages_per_rank),
-                     schedule, group, num_microbatches)
+                     schedule, group, num_microbatches,
+                     hidden_loss_fn=partial(linear_cross_entropy_share, sharding=None) if fused_loss else None)
 
 
 def check_pipeline(model: nn.Module, P: int, num_microbatches: int, schedule: str, stages_per_rank: int,

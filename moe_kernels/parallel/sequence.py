@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_kernels.nn import MoELayer
+from moe_kernels.nn import MoELayer, linear_cross_entropy
 
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
@@ -94,6 +94,19 @@ def cross_entropy_share(logits: Tensor, labels: Tensor, sharding: SequenceShardi
     local = sharding.local(labels)
     counted = (labels != ignore_index).sum().clamp(min=1)  # the whole batch's, as the plain mean counts them
     return F.cross_entropy(logits.flatten(0, 1), local.flatten(), reduction="sum", ignore_index=ignore_index) / counted
+
+
+def linear_cross_entropy_share(hidden: Tensor, weight: Tensor, labels: Tensor, sharding: SequenceSharding | None,
+                               ignore_index: int = -100) -> Tensor:
+    """cross_entropy_share from the final hidden states [B, S_local, H] and the output projection's weight [V, H]
+    (moe_kernels.nn.linear_cross_entropy: the lm_head and the loss over chunks of tokens, no [B, S_local, V]
+    logits). The vocabulary is never split over ranks (tensor parallelism leaves the lm_head whole, each rank
+    projecting its own tokens), so each rank's loss needs only its tokens' rows and the whole weight."""
+    if sharding is None:
+        return linear_cross_entropy(hidden, weight, labels, ignore_index=ignore_index)
+    local = sharding.local(labels)
+    counted = (labels != ignore_index).sum().clamp(min=1)  # the whole batch's, as the plain mean counts them
+    return linear_cross_entropy(hidden, weight, local, ignore_index=ignore_index, reduction="sum") / counted
 
 
 def check_sequence_parallel(model: nn.Module, tp: int) -> None:

@@ -37,6 +37,8 @@ def train(
                                   "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 128) or nvfp4 "
                                   "(the NVFP4 recipe's numerics, not faster on Hopper; sizes multiples of 16)."),
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
+    fused_ce: bool = typer.Option(True, help="The lm_head and cross-entropy fused over chunks of tokens (no "
+                                  "[tokens, vocabulary] fp32 logits); --no-fused-ce: F.cross_entropy over the logits."),
     tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
     seed: int = typer.Option(0),
     expert_parallel: int = typer.Option(1, "--ep", "--expert-parallel",
@@ -104,7 +106,7 @@ def train(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
             lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
             eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
-            activation_checkpointing=activation_checkpointing, tensorboard=tensorboard, seed=seed,
+            activation_checkpointing=activation_checkpointing, fused_ce=fused_ce, tensorboard=tensorboard, seed=seed,
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
             dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp, pp=pp, microbatches=microbatches,
             pp_schedule=pp_schedule, grad_accum=grad_accum, capacity_factor=capacity_factor, save_full=save_full,

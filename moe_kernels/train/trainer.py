@@ -54,6 +54,9 @@ class TrainConfig:
     bf16: bool = True  # autocast to bf16 on a GPU (ignored on the CPU)
     precision: str = "bf16"  # expert GEMMs: "bf16" (the autocast/input precision), "fp8-blockwise" or "nvfp4"
     activation_checkpointing: bool = False
+    # The cross-entropy with the lm_head, over chunks of tokens (moe_kernels.nn.linear_cross_entropy): no [tokens, V]
+    # fp32 logits. False: F.cross_entropy over the logits (the same loss within fp32 rounding).
+    fused_ce: bool = True
     tensorboard: bool = False
     expert_parallel: int = 1  # ranks per expert-parallel group (under torchrun; must divide the world)
     # A parallelize() layout (under torchrun): sharded data, tensor / sequence, context and expert tensor
@@ -236,7 +239,8 @@ class Trainer:
                             stages_per_rank=cfg.stages_per_rank) if layout.pp > 1 else {}
             self.parallelized = parallelize(self.model, layout, self.device, ep_backend=cfg.ep_backend,
                                             max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None,
-                                            capacity=cfg.capacity_factor, seed=cfg.seed, **pipeline)
+                                            capacity=cfg.capacity_factor, seed=cfg.seed, fused_loss=cfg.fused_ce,
+                                            **pipeline)
             self.model = self.parallelized.model  # with pp: this rank's stages, under the full model's names
             # Over the ranks that run the same layers (a pipeline stage of dense layers has no router).
             if cfg.global_load_balancing and any(True for _ in self.model.moe_layers()):
@@ -268,9 +272,12 @@ class Trainer:
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        with self._autocast():
-            logits, aux = self.model(inputs.to(self.device, non_blocking=True))
         targets = targets.to(self.device, non_blocking=True)
+        with self._autocast():
+            if self.cfg.fused_ce:  # the lm_head inside the loss, chunk by chunk (in the autocast dtype)
+                loss, aux = self.model(inputs.to(self.device, non_blocking=True), targets)
+                return loss, aux.float()
+            logits, aux = self.model(inputs.to(self.device, non_blocking=True))
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss, aux.float()
 
