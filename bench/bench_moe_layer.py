@@ -86,12 +86,25 @@ outside. A case that fails is reported (FAILED) and not timed, except where the
 peer that disagrees is one not yet checked on a GPU (UNVERIFIED_PEERS: Liger): that peer is left out of
 the case with the reason, and ours stays checked against the others. A peer that raises (say, out
 of memory) is left out of that case with the reason recorded (`peer_skipped`, a `note:` line).
-Timing: harness.time_fn (CUDA events, L2 flushed, input sets rotated); an implementation whose one call
-takes longer than TIME_BUDGET_S / (warmup + reps) (the Hugging Face eager loop at the large shapes) gets
-fewer reps, at least MIN_REPS, and the result's `reps` records how many. With `--modes` (the perf mode's
+Timing: harness.time_fn (CUDA events, L2 flushed, input sets rotated). One call of each implementation
+is timed first (synchronised); one whose warmup + reps would take longer than TIME_BUDGET_S (15 s;
+QUICK_TIME_BUDGET_S, 3 s, with --quick, which the perf mode runs) per op gets fewer reps, at least
+MIN_REPS, and the result's `reps` records how many (the Hugging Face eager loop's fwd+bwd, ~0.3 s a call,
+is the one that hits it). With `--modes` (the perf mode's
 layer part) moe_layer_fwd_bwd also reports host issue, kernel and CUDA-graph replay time for ours,
-torch_native and Liger (harness.time_modes; the Hugging Face blocks sync with the host, so they are not
-captured), and the ratios eager vs eager and replayed vs replayed.
+torch_native and Liger (harness.time_modes, reps capped the same way: about 3 calls a rep; the Hugging
+Face blocks sync with the host, so they are not captured), and the ratios eager vs eager and replayed vs
+replayed. Each check, timing and mode pass prints one flushed `[moe_layer]` line with its wall time as it
+ends, so a run cut short shows where its time went.
+Cost beyond the timed calls (read from the code, and the CPU dry run's lines): per case and peer, one
+check (the fp64 layer, one expert at a time, plus one fwd+bwd of ours and of the peer); per case and
+capturable implementation, a profiler pass and a CUDA-graph capture (time_modes); per model, building
+the Hugging Face blocks (on the meta device, then our tensors assigned: cheap). Liger's fused MoE
+autotunes its Triton kernels on first use (32 configs for each of its four GEMM kernels, 16 for each
+weight-gradient kernel, ~30 for the gather-sum: some 190 compiles and benchmark loops, minutes on a
+fresh machine, once per process, keyed by H and F only); the perf mode sets liger-kernel's own switch
+LIGER_FUSED_MOE_AUTOTUNE=0 (one fixed config per kernel) unless the environment sets it, and the
+peer's variant says which ran.
 FLOPs (forward) = 2*T*k*3*H*F (routed experts) + 2*T*3*H*F_shared (shared experts) + 2*T*H*E (router);
 forward+backward = 3x the forward. tokens/s = T / time.
 Bytes, each input read once and each output written once (W = expert and shared weights in bf16 + the
@@ -163,6 +176,7 @@ TFLOPS_BAR = ("qwen3-30b-a3b", 32768, _BAR.threshold("tflops").value)
 
 EXPERT_BIAS_STD = 0.02
 TIME_BUDGET_S = 15.0  # per implementation and op; on the CPU the tiny shapes never reach it
+QUICK_TIME_BUDGET_S = 3.0  # the same with --quick (the perf mode): a slow peer costs seconds, not minutes
 MIN_REPS = 5
 MEMORY_HEADROOM = 0.9  # of the free GPU memory
 ROUTINGS = ("uniform", "zipf")
@@ -323,10 +337,14 @@ def _release(ctx: h.Context) -> None:
         torch.cuda.empty_cache()
 
 
-def time_impl(ctx: h.Context, fn: Callable, inputs: list[tuple]) -> tuple[h.Timing, int]:
-    """harness.time_fn with the run's warmup and reps, or fewer reps (>= MIN_REPS) where one call is so
-    slow that they would take longer than TIME_BUDGET_S. Returns (timing, reps)."""
-    for args in inputs[:2]:  # up to two untimed calls: the last one's time sets the reps
+def time_budget_s(ctx: h.Context) -> float:
+    return QUICK_TIME_BUDGET_S if ctx.quick else TIME_BUDGET_S
+
+
+def one_call_s(ctx: h.Context, fn: Callable, inputs: list[tuple]) -> float:
+    """Wall time of one call, synchronised: up to two untimed calls, the last one's time (a first call
+    carries one-time costs: allocator growth, cuBLAS handles, Triton compiles)."""
+    for args in inputs[:2]:
         _sync(ctx)
         t0 = time.perf_counter()
         fn(*args)
@@ -334,13 +352,32 @@ def time_impl(ctx: h.Context, fn: Callable, inputs: list[tuple]) -> tuple[h.Timi
         one = time.perf_counter() - t0
         if one > 1.0:  # a slow call: its one-time costs are noise, and a second one would waste seconds
             break
+    return one
+
+
+def time_impl(ctx: h.Context, fn: Callable, inputs: list[tuple]) -> tuple[h.Timing, int, float]:
+    """harness.time_fn with the run's warmup and reps, or fewer reps (>= MIN_REPS) where one call is so
+    slow that they would take longer than time_budget_s (TIME_BUDGET_S; QUICK_TIME_BUDGET_S with --quick).
+    Returns (timing, reps, one call's seconds)."""
+    one = one_call_s(ctx, fn, inputs)
     warmup, reps = ctx.warmup, ctx.reps
-    if one * (warmup + reps) > TIME_BUDGET_S:
-        reps = max(MIN_REPS, int(TIME_BUDGET_S / one) - 1)
+    budget = time_budget_s(ctx)
+    if one * (warmup + reps) > budget:
+        reps = min(reps, max(MIN_REPS, int(budget / one) - 1))
         warmup = 1
     t = h.time_fn(fn, inputs_list=inputs, warmup=warmup, reps=reps, device=ctx.device,
                   flush=ctx.flush)
-    return t, reps
+    return t, reps, one
+
+
+def modes_reps(ctx: h.Context, one: float) -> int:
+    """time_modes makes about 3 x reps calls (host, profiled, replayed): reps within time_budget_s."""
+    return max(MIN_REPS, min(ctx.reps, int(time_budget_s(ctx) / (3 * max(one, 1e-6)))))
+
+
+def progress(case: str, what: str, seconds: float, detail: str = "") -> None:
+    """One flushed line per check, timing and mode pass as it ends: a run cut short shows where its time went."""
+    print(f"[moe_layer] {case} {what}{': ' + detail if detail else ''} ({seconds:.1f} s)", flush=True)
 
 
 @dataclass
@@ -376,47 +413,69 @@ def run_case(ctx: h.Context, name: str, spec: Spec, cfg: MoEConfig, setup: str, 
     agreement: dict[str, float] = {}
     live: dict[str, Impl] = {}
     for p, impl in peers.items():
+        t0 = time.perf_counter()
+        verdict = "ok"
         try:
             agreement[p] = check_peer(case, layer, impl, *sets[0])
             live[p] = impl
         except AssertionError as e:
+            verdict = f"outside the tolerance: {str(e)[:200]}"
             if p in UNVERIFIED_PEERS:  # ours is held to the established peers; this one is left out
                 skipped[p] = f"outside the check's tolerance: {str(e)[:300]}"
                 continue
             return [], [f"{case}: {e}"]  # ours and an established peer disagree: the case is not timed
         except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:  # e.g. out of memory
-            skipped[p] = reason(e)
+            skipped[p] = verdict = reason(e)
         finally:
             _release(ctx)
+            progress(case, f"check vs {p}", time.perf_counter() - t0, verdict)
 
     ours = ours_impl(layer)
     timings: dict[str, dict[str, tuple[h.Timing, int]]] = {op: {} for op in OPS}
+    one_s: dict[str, float] = {}  # one fwd+bwd call's seconds, per implementation
     for key, impl in [("ours", ours), *live.items()]:
-        try:
-            timings["moe_layer_fwd"][key] = time_impl(ctx, fwd(impl), sets)
-            _release(ctx)
-            timings["moe_layer_fwd_bwd"][key] = time_impl(ctx, fwd_bwd(impl, impl.params()), sets)
-        except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
-            if key == "ours":
-                return [], [f"{case}: ours raised {reason(e)}"]
-            skipped[key] = reason(e)
-            for op in OPS:
-                timings[op].pop(key, None)
-        finally:
-            _release(ctx)
+        for op, fn in (("moe_layer_fwd", fwd(impl)), ("moe_layer_fwd_bwd", fwd_bwd(impl, impl.params()))):
+            t0 = time.perf_counter()
+            try:
+                t, reps, one = time_impl(ctx, fn, sets)
+                timings[op][key] = (t, reps)
+                one_s[key] = one
+                progress(case, f"{key} {op}", time.perf_counter() - t0,
+                         f"{t.us:.0f} us median of {reps} reps (one call {one * 1e3:.1f} ms)")
+            except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
+                progress(case, f"{key} {op}", time.perf_counter() - t0, f"raised {reason(e)}")
+                if key == "ours":
+                    if isinstance(e, torch.OutOfMemoryError):
+                        raise  # the case does not fit: run() records it as skipped
+                    return [], [f"{case}: ours raised {reason(e)}"]
+                skipped[key] = reason(e)
+                for o in OPS:
+                    timings[o].pop(key, None)
+                break
+            finally:
+                _release(ctx)
 
     # With ctx.modes (the perf mode): host issue, kernel and graph-replay time of fwd+bwd, for the
     # implementations whose call can be captured (the Hugging Face blocks sync with the host).
     modes: dict[str, h.Modes] = {}
     if ctx.modes:
         for key, impl in [("ours", ours), *((p, i) for p, i in live.items() if p in MODE_PEERS)]:
-            if key == "ours" or key in timings["moe_layer_fwd_bwd"]:
+            if key in timings["moe_layer_fwd_bwd"]:
+                t0 = time.perf_counter()
+                reps = modes_reps(ctx, one_s[key])
                 try:
-                    modes[key] = ctx.time_modes(fwd_bwd(impl, impl.params()), sets)
+                    modes[key] = m = h.time_modes(fwd_bwd(impl, impl.params()), inputs_list=sets,
+                                                  warmup=min(ctx.warmup, 2), reps=reps, device=ctx.device,
+                                                  flush=ctx.flush)
+                    detail = (f"host / kernel / graph {h.mode_cell(m.host_us, ctx, '.0f')} / "
+                              f"{h.mode_cell(m.kernel_us, ctx, '.0f')} / {h.mode_cell(m.graph_us, ctx, '.0f')} us, "
+                              f"{reps} reps" + (f" ({m.why_not})" if m.why_not and ctx.is_cuda else ""))
                 except (RuntimeError, ValueError, TypeError, NotImplementedError) as e:
                     skipped.setdefault(f"{key} modes", reason(e))
+                    detail = f"raised {reason(e)}"
                 finally:
                     _release(ctx)
+                progress(case, f"{key} modes", time.perf_counter() - t0, detail)
 
     results = []
     for op in OPS:
@@ -535,7 +594,7 @@ def notes(ctx: h.Context, results: list[LayerResult], setups: dict[str, str]) ->
         few = {k: n for k, n in r.reps.items() if n < ctx.reps}
         if few:
             out.append(f"{r.op} {r.case}: timed with fewer reps than {ctx.reps} (one call would overrun "
-                       f"{TIME_BUDGET_S:g} s): " + ", ".join(f"{k} {n}" for k, n in few.items()))
+                       f"{time_budget_s(ctx):g} s): " + ", ".join(f"{k} {n}" for k, n in few.items()))
     return [f"note: {line}" for line in out]
 
 
@@ -560,26 +619,37 @@ def run(ctx: h.Context) -> h.Report:
     except ImportError:
         tf = "no transformers"
     print(f"moe_layer on {ctx.device}: ours runs {'the CUDA kernels' if ctx.ours_runs_kernels else 'the reference'}"
-          f"; {tf}")
+          f"; {tf}", flush=True)
     ctx.ceilings()  # measured before the layers take the memory
     models = ctx.pick(MODELS, ())[0] if ctx.is_cuda else CPU_MODELS
     results: list[LayerResult] = []
     failures: list[str] = []
+    skipped_cases: list[str] = []
     setups: dict[str, str] = {}
     for i, (name, spec) in enumerate(models.items()):
         layer = peers = None
         tokens = token_counts(ctx, name)
         try:
+            t0 = time.perf_counter()
             cfg, setups[name] = fit_config(ctx, spec, max(tokens))
             layer = build_ours(ctx, cfg)
             peers, skipped = build_peers(layer, spec)
             shifts = {routing: routing_shift(ctx, layer, routing) for routing in ROUTINGS}
+            progress(name, "built ours and the peers", time.perf_counter() - t0,
+                     ", ".join(peers) + (f"; left out: {', '.join(skipped)}" if skipped else ""))
             for T in tokens:
                 for routing, shift in shifts.items():
-                    rs, fs = run_case(ctx, name, spec, cfg, setups[name], T, layer, peers, skipped,
-                                      routing, shift)
+                    t0 = time.perf_counter()
+                    try:
+                        rs, fs = run_case(ctx, name, spec, cfg, setups[name], T, layer, peers, skipped,
+                                          routing, shift)
+                    except torch.OutOfMemoryError as e:  # ours does not fit at this size: said, not fatal
+                        h.skip_case("moe_layer", f"{name}/T{T}/{routing}", e, skipped_cases)
+                        rs, fs = [], []
                     results += rs
                     failures += fs
+                    _release(ctx)
+                    progress(f"{name}/T{T}/{routing}", "case done", time.perf_counter() - t0)
         except (RuntimeError, ValueError) as e:  # e.g. out of memory building the layer
             failures.append(f"{name}: {reason(e)}")
         finally:
@@ -587,4 +657,4 @@ def run(ctx: h.Context) -> h.Report:
             _release(ctx)
         ctx.case_done("moe_layer", i, len(models))
     ctx.finish("moe_layer", results)
-    return h.Report(results, headline(ctx, results) + notes(ctx, results, setups), failures)
+    return h.Report(results, headline(ctx, results) + notes(ctx, results, setups), failures, skipped_cases)

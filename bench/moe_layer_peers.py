@@ -138,8 +138,19 @@ def build_liger(layer: MoELayer) -> Impl:
     def route(x2):
         return torch_native.route(torch_native.router_logits(x2, router.weight), cfg, router.expert_bias)[1]
 
-    return Impl("liger", peer.train(), f"liger-kernel {version} LigerFusedMoEFunction (Triton): torch_native's "
-                "fp32 topk routing and shared experts", router.weight, route)
+    return Impl("liger", peer.train(), f"liger-kernel {version} LigerFusedMoEFunction (Triton, {liger_tuning()}): "
+                "torch_native's fp32 topk routing and shared experts", router.weight, route)
+
+
+def liger_tuning() -> str:
+    """Whether Liger's fused MoE autotunes its Triton kernels in this process (liger-kernel reads
+    LIGER_FUSED_MOE_AUTOTUNE when it is imported; "0" pins one config per kernel)."""
+    try:
+        from liger_kernel.ops import fused_moe_kernels
+    except ImportError:
+        return "autotune unknown"
+    off = getattr(fused_moe_kernels, "_AUTOTUNE_DISABLED", None)
+    return "autotune unknown" if off is None else ("autotune off: one config per kernel" if off else "autotuned")
 
 
 def _assert_no_meta(peer: nn.Module) -> None:

@@ -481,3 +481,57 @@ def test_moe_layer_token_counts_and_bars():
     # on fwd+bwd, 450 TFLOP/s on qwen3-30b-a3b at 32768 tokens
     assert bml.BARS == {("moe_layer_fwd", "hf_eager"): 3, ("moe_layer_fwd_bwd", "hf_grouped_mm"): 1.3,
                         ("moe_layer_fwd_bwd", "liger"): 1.0}
+
+
+def test_moe_layer_slow_implementations_keep_to_the_time_budget(monkeypatch):
+    """One call is timed first; an implementation whose warmup + reps would overrun the budget gets fewer
+    reps (never more than the run's, never fewer than MIN_REPS), and so do its time_modes passes."""
+    gpu_quick = harness.Context(torch.device("cuda"), quick=True, out_dir=Path("."))
+    gpu_full = harness.Context(torch.device("cuda"), quick=False, out_dir=Path("."))
+    assert bml.time_budget_s(gpu_quick) == bml.QUICK_TIME_BUDGET_S < bml.time_budget_s(gpu_full) == bml.TIME_BUDGET_S
+    seen = []
+    monkeypatch.setattr(harness, "time_fn", lambda fn, **kw: seen.append((kw["warmup"], kw["reps"]))
+                        or harness.Timing(1.0, 1.0, 1.0))
+    for one, expected in ((0.001, (5, 30)), (0.3, (1, 9)), (2.0, (1, bml.MIN_REPS))):
+        monkeypatch.setattr(bml, "one_call_s", lambda ctx, fn, inputs, one=one: one)
+        _, reps, got_one = bml.time_impl(gpu_quick, None, [()])
+        assert seen[-1] == expected and reps == expected[1] and got_one == one
+        # hf_eager's fwd+bwd (~0.3 s a call on an H100) costs ~3.3 s a case instead of 35 calls' ~11 s
+    assert bml.modes_reps(gpu_quick, 0.0057) == gpu_quick.reps  # ours at 8192: 3 x 30 calls fit 3 s
+    assert bml.modes_reps(gpu_quick, 0.043) == 23  # torch-native at 32768
+    assert bml.modes_reps(gpu_quick, 1.0) == bml.MIN_REPS
+    cpu = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    monkeypatch.setattr(bml, "one_call_s", lambda ctx, fn, inputs: 10.0)
+    assert bml.time_impl(cpu, None, [()])[1] == cpu.reps  # capped, but never above the run's reps
+
+
+def test_moe_layer_prints_a_line_per_check_timing_and_mode(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("transformers", minversion="5.0")
+    monkeypatch.setattr(bml, "CPU_MODELS", {"tiny-qwen3-30b-a3b": bml.CPU_MODELS["tiny-qwen3-30b-a3b"]})
+    rep = bml.run(harness.Context(torch.device("cpu"), quick=True, out_dir=tmp_path, modes=True))
+    assert rep.failures == [] and rep.skipped == []
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[moe_layer]")]
+    for routing in bml.ROUTINGS:
+        case = f"tiny-qwen3-30b-a3b/T64/{routing}"
+        mine = [line for line in lines if line.startswith(f"[moe_layer] {case} ")]
+        for what in ("check vs torch_native: ok", "check vs hf_eager: ok", "ours moe_layer_fwd:",
+                     "ours moe_layer_fwd_bwd:", "hf_eager moe_layer_fwd_bwd:", "ours modes:", "torch_native modes:",
+                     "case done"):
+            assert any(f" {what}" in line for line in mine), (what, mine)
+        assert all(re.search(r"\(\d+\.\d s\)$", line) for line in mine)  # each with its wall time
+
+
+def test_moe_layer_case_out_of_memory_is_skipped(monkeypatch, tmp_path):
+    pytest.importorskip("transformers", minversion="5.0")
+    monkeypatch.setattr(bml, "CPU_MODELS", {"tiny-qwen3-30b-a3b": bml.CPU_MODELS["tiny-qwen3-30b-a3b"]})
+    real = bml.run_case
+
+    def oom_on_zipf(ctx, name, spec, cfg, setup, T, layer, peers, skipped, routing="uniform", shift=None):
+        if routing == "zipf":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB.")
+        return real(ctx, name, spec, cfg, setup, T, layer, peers, skipped, routing, shift)
+
+    monkeypatch.setattr(bml, "run_case", oom_on_zipf)
+    rep = bml.run(harness.Context(torch.device("cpu"), quick=True, out_dir=tmp_path))
+    assert rep.failures == [] and {r.routing for r in rep.results} == {"uniform"}
+    assert rep.skipped == ["tiny-qwen3-30b-a3b/T64/zipf: out of memory: CUDA out of memory. Tried to allocate 9.00 GiB."]
