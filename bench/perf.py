@@ -11,11 +11,14 @@ them through):
             tokens_per_expert) on every perf.md shape at 16384 tokens, the small-H permute family
             (qwen3-30b-a3b, 8192 tokens), and the MoE layer's host overhead (bench_overhead: fused regions,
             registered ops and torch-native, qwen3-30b-a3b at 8192 tokens, with the gating linear at
-            deepseek-v3 / 16384)
+            deepseek-v3 / 16384); then where one router_topk fwd+bwd's host time goes, ours and torch
+            eager, beside the machine's floor (an aten op with its launch, autograd.grad over one op):
+            profile_host_router_<case>.txt and a HOST line per case (bench/host_profile.py)
   gemm      grouped_mm against torch._grouped_mm, interleaved rep by rep, over the perf.md shapes, and
             qwen3-30b-a3b at 32768 tokens (the 500 TFLOP/s forward bar)
-  layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens: ours, torch-native, Hugging Face and
-            Liger (where liger_kernel imports), eager and graph-replayed
+  layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens, one family run (and JSON) per token
+            count: ours, torch-native, Hugging Face and Liger (where liger_kernel imports, its autotune
+            pinned off), eager and graph-replayed; a `[moe_layer]` line per check, timing and mode pass
   fp8       the FP8 GEMMs and recipe at deepseek-v3 and qwen3-30b-a3b, with the recipe's fwd+bwd
             profiled kernel by kernel (profile_fp8_recipe_*.txt)
   permute   the permute family at deepseek-v3 / 8192 tokens (the 85% bar), unpermute backward included
@@ -26,8 +29,10 @@ Each part runs its families through the bench harness (same timing method, ceili
 middle and end, provenance in every JSON) and writes perf_<part>_<family>.json and its log line as soon
 as the family ends (bench_perf_<part>_<family>[_T<tokens>].json), so a run cut short keeps what it
 measured; an interrupted part is recorded as such in perf_summary.json. `--budget` (seconds, default 360) bounds
-the whole run: a part starts only while at least its `min_s` is left, and parts after the budget are
-listed as skipped in perf_summary.json.
+the whole run: a part starts only while at least its `min_s` is left (a part's later runs, their own
+`min_s`), and parts after the budget are listed as skipped in perf_summary.json. A case a family could
+not run for lack of GPU memory is skipped there (harness.run_cases) and listed under the part's
+`skipped`, which makes its status other than "ok".
 
 `--dry-run` runs every part on the CPU with the families' tiny shapes (on the CPU-executed kernels when
 MOE_KERNELS_EMULATE=1), so CI proves the script end to end between GPU runs; its times mean nothing.
@@ -36,6 +41,7 @@ MOE_KERNELS_EMULATE=1), so CI proves the script end to end between GPU runs; its
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -48,6 +54,7 @@ import torch
 import typer
 
 from . import harness as h
+from . import host_profile
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,8 @@ class Run:
     quick: bool = True
     profile: bool = False
     modes: bool = False  # host / kernel / graph-replay time where the family makes it optional
+    min_s: int = 0  # a run after a part's first starts only while this much of the budget is left
+    env: tuple[tuple[str, str], ...] = ()  # set before the family runs, unless the environment sets them
 
 
 @dataclass(frozen=True)
@@ -67,10 +76,14 @@ class Part:
     name: str
     runs: tuple[Run, ...]
     min_s: int  # do not start with less than this left of the budget
-    extra: Callable[[h.Context, Path], None] | None = None  # measurements outside the families
+    extra: Callable[[h.Context, Path], None] | None = None  # measurements outside the families, first
+    after: Callable[[h.Context, Path], list[str]] | None = None  # the same after the families; its files
 
 
 ALL_MODELS = ("deepseek-v3", "qwen3-235b", "qwen3-30b-a3b", "mixtral-8x7b", "gpt-oss-120b")
+# Liger's fused MoE autotunes ~190 Triton configs on first use (minutes on a fresh machine): the perf mode
+# pins one config per kernel with liger-kernel's own switch (read when liger_kernel is imported).
+LIGER_PINNED = (("LIGER_FUSED_MOE_AUTOTUNE", "0"),)
 
 
 def _env(ctx: h.Context, out: Path) -> None:
@@ -107,10 +120,20 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     Part("env", (), min_s=20, extra=_env),
     Part("host", (Run("router", tokens=(16384,)), Run("router_losses", tokens=(16384,)),
                   Run("permute", models=("qwen3-30b-a3b",), tokens=(8192,), modes=True),
-                  Run("overhead", models=("qwen3-30b-a3b",), tokens=(8192,))), min_s=40),
+                  Run("overhead", models=("qwen3-30b-a3b",), tokens=(8192,))), min_s=50,
+         after=host_profile.write_router_profiles),
     Part("gemm", (Run("grouped_mm", tokens=(8192,)),
                   Run("grouped_mm", models=("qwen3-30b-a3b",), tokens=(32768,))), min_s=60),
-    Part("layer", (Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(8192, 32768), modes=True),), min_s=90),
+    # One run per token count, so 8192's JSON is written before 32768 starts. Expected on an H100 (from its
+    # 2026-11-27 kernel times: ours 5.7 ms fwd+bwd at 8192, torch-native 10.8 ms; 4x at 32768; the Hugging
+    # Face eager loop's fwd+bwd ~0.3 s, capped at QUICK_TIME_BUDGET_S = 3 s per op): per routing case, the
+    # four peers' checks ~3 s (fp64 layer per check), ten timed ops ~6 s (hf_eager's two ~4 s of it), three
+    # time_modes passes ~4 s: ~14 s a case at 8192, ~28 s at 32768; plus ~20 s once (layer, peers, Liger's
+    # Triton compiles with its autotune off, the first profiler pass). 8192: ~50 s, 32768: ~60 s, the part
+    # ~110 s; with Liger's autotune on add minutes (bench_moe_layer's docstring).
+    Part("layer", (Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(8192,), modes=True, env=LIGER_PINNED),
+                   Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(32768,), modes=True, env=LIGER_PINNED,
+                       min_s=60)), min_s=60),
     Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),),
          min_s=60),
     Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
@@ -161,30 +184,52 @@ def main(
             save()
             continue
         start = time.monotonic()
-        status, files = "ok", []
+        status, files, skipped = "ok", [], []
         try:
             if part.extra is not None:
                 part.extra(base, out)
                 files.append("bench_perf_env_flush.json")
-            for run in part.runs:
+            for j, run in enumerate(part.runs):
+                family = f"perf_{name}_{run.family}" + (f"_T{'-'.join(map(str, run.tokens))}" if run.tokens else "")
+                left = budget - (time.monotonic() - t0)
+                if dry_run and any(prev.family == run.family for prev in part.runs[:j]):
+                    # The CPU's tiny shapes ignore models and tokens: the same family again proves nothing new.
+                    print(f"[perf] {name}: {family} not repeated on the CPU (tiny shapes: the same as before)",
+                          flush=True)
+                    continue
+                if j and not dry_run and left < run.min_s:
+                    skipped.append(f"{family}: {left:.0f} s left, needs {run.min_s}")
+                    print(f"[perf] {name}: {family} skipped ({left:.0f} s left of the budget, needs {run.min_s})",
+                          flush=True)
+                    continue
+                for key, value in run.env:
+                    os.environ.setdefault(key, value)
                 ctx = base.derive(quick=run.quick, models=run.models, tokens=run.tokens, profile=run.profile,
                                   modes=run.modes)
-                family = f"perf_{name}_{run.family}" + (f"_T{'-'.join(map(str, run.tokens))}" if run.tokens else "")
                 rep = importlib.import_module(BENCHES[run.family]).run(ctx)
                 h.report(ctx, family, rep)
                 files.append(f"bench_{family}.json")
                 if rep.failures:
                     status = "failures"
+                skipped += [f"{family} {why}" for why in rep.skipped]
+                summary["parts"][name] = {"status": "running", "seconds": round(time.monotonic() - start, 1),
+                                          "files": files, "skipped": skipped}
+                save()
+            if part.after is not None:
+                files += part.after(base, out)
         except KeyboardInterrupt:  # gpu_check.sh's timeout (SIGINT): keep what was measured, say where it stopped
             summary["parts"][name] = {"status": "interrupted", "seconds": round(time.monotonic() - start, 1),
-                                      "files": files}
+                                      "files": files, "skipped": skipped}
             save()
             raise typer.Exit(130)
         except Exception as e:  # noqa: BLE001 - a part that breaks is recorded; the next part still runs
             status = f"error: {type(e).__name__}: {e}"
             traceback.print_exc()
+        if status == "ok" and skipped:  # something not measured (out of memory, out of time): not "ok"
+            status = f"skipped {len(skipped)}: " + "; ".join(skipped)[:300]
         failed |= status != "ok"
-        summary["parts"][name] = {"status": status, "seconds": round(time.monotonic() - start, 1), "files": files}
+        summary["parts"][name] = {"status": status, "seconds": round(time.monotonic() - start, 1), "files": files,
+                                  "skipped": skipped}
         print(f"[perf] {name}: {status} in {time.monotonic() - start:.0f} s", flush=True)
         save()
     summary["seconds"] = round(time.monotonic() - t0, 1)
