@@ -5,7 +5,8 @@ tokens into 2 * cp chunks and gives rank c chunks c and 2 * cp - 1 - c (load-bal
 early chunk, cheap under the causal mask, with a late one); tensor parallelism's sequence parallelism then
 cuts those S / cp tokens into tp contiguous pieces. Each rank embeds, normalises, routes and runs the MoE
 layer on its S / (cp * tp) tokens, and every loss is a share: the shares of the cp x tp ranks add up to the
-batch's loss (`cross_entropy_share`, and the routers' aux losses through Router.sequence_group).
+batch's loss (`cross_entropy_share`, or `linear_cross_entropy_share` from the hidden states without the logits,
+and the routers' aux losses through Router.sequence_group).
 """
 
 from __future__ import annotations
