@@ -38,7 +38,7 @@ def train(
                                   "(the NVFP4 recipe's numerics, not faster on Hopper; sizes multiples of 16)."),
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
     fused_ce: bool = typer.Option(True, help="The lm_head and cross-entropy fused over chunks of tokens (no "
-                                  "[tokens, vocabulary] fp32 logits); --no-fused-ce: F.cross_entropy over the logits."),
+                                  "tokens x vocabulary fp32 logits); --no-fused-ce: F.cross_entropy over the logits."),
     tensorboard: bool = typer.Option(False, help="Also write TensorBoard logs to --out/tensorboard."),
     seed: int = typer.Option(0),
     expert_parallel: int = typer.Option(1, "--ep", "--expert-parallel",
