@@ -101,8 +101,8 @@ check (the fp64 layer, one expert at a time, plus one fwd+bwd of ours and of the
 capturable implementation, a profiler pass and a CUDA-graph capture (time_modes); per model, building
 the Hugging Face blocks (on the meta device, then our tensors assigned: cheap). Liger's fused MoE
 autotunes its Triton kernels on first use (32 configs for each of its four GEMM kernels, 16 for each
-weight-gradient kernel, ~30 for the gather-sum: some 190 compiles and benchmark loops, minutes on a
-fresh machine, once per process, keyed by H and F only); the perf mode sets liger-kernel's own switch
+weight-gradient kernel, 40 for each of the gather-sum's two uses: 240 compiles and benchmark loops,
+minutes on a fresh machine, once per process, keyed by H and F only); the perf mode sets liger-kernel's own switch
 LIGER_FUSED_MOE_AUTOTUNE=0 (one fixed config per kernel) unless the environment sets it, and the
 peer's variant says which ran.
 FLOPs (forward) = 2*T*k*3*H*F (routed experts) + 2*T*3*H*F_shared (shared experts) + 2*T*H*E (router);

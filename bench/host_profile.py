@@ -13,6 +13,8 @@ Per case, one text file profile_host_router_<case>.txt in the perf OUT directory
               (CPU activity, and CUDA on a GPU for the cudaLaunchKernel rows; profiling adds its own
               overhead to each op, so read the rows' shares, not their sums) and cProfile by tottime (the
               Python frames: our wrappers, torch.library's dispatch, autograd.Function).
+  ours, stubbed  ours' host us with the extension's launching calls stubbed (testing.extension_calls), as
+              measured on a development CPU (~30 us there): the same Python on this machine's CPU.
 One `HOST` line per case on stdout gives the medians and counts, so the log alone answers "is it the
 machine or our code": host us per call against (aten ops x the 1-element add_) + (autograd.grad's floor).
 """
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+
+from moe_kernels.testing import extension_calls
 
 from . import bench_router as br
 from . import harness as h
@@ -109,6 +113,24 @@ def breakdown(fn: Callable[..., Any], inputs: Sequence[tuple], device: torch.dev
     return {"host_us": us, "aten_ops": aten, "launches": launches}, text
 
 
+def fn_of(impl: br.Impl, c: br.Case, sets: list[dict]) -> tuple[Callable[..., Any], list[tuple]]:
+    """router_topk fwd+bwd of `impl` and its inputs, as the router family times it."""
+    return next((f, i) for op, f, i in br.timed_ops(c, impl, sets) if op == "router_topk_fwd_bwd")
+
+
+def _stubbed_us(call: tuple[Callable[..., Any], list[tuple]], device: torch.device) -> str:
+    """Host us of ours with no kernel launched (the extension's launching calls return at once): our Python
+    and the aten ops around the launches, on this machine's CPU."""
+    fn, inputs = call
+    try:
+        with extension_calls(stub=True) as ext:
+            us = host_us(fn, inputs, device)
+            calls = sum(ext.calls.values())
+    except RuntimeError as e:  # no extension loaded (a CPU run without MOE_KERNELS_EMULATE)
+        return f"n/a ({e})"
+    return f"{us:.1f} us a call ({calls / (CALLS + 3):.0f} extension launches stubbed a call)"
+
+
 def _cases(ctx: h.Context) -> list[br.Case]:
     every = br.cases(ctx)
     picked = [c for c in every if c.name in PROFILE_CASES]
@@ -126,13 +148,16 @@ def write_router_profiles(ctx: h.Context, out: Path) -> list[str]:
         sets = [br.make_inputs(ctx, c, ctx.seed + i) for i in range(ctx.n_input_sets)]
         parts, line = [], []
         for name, impl in impls.items():
-            fn, inputs = next((f, i) for op, f, i in br.timed_ops(c, impl, sets) if op == "router_topk_fwd_bwd")
-            stats, text = breakdown(fn, inputs, dev)
+            stats, text = breakdown(*fn_of(impl, c, sets), dev)
             parts.append(f"== {name}: router_topk fwd+bwd {c.name}: host {stats['host_us']:.1f} us a call (median of "
                          f"{CALLS}), {stats['aten_ops']:.1f} top-level aten ops and {stats['launches']:.1f} kernel "
                          f"launches a call\n{text}")
             line.append(f"{name} {stats['host_us']:.1f} us ({stats['aten_ops']:.0f} aten ops, "
                         f"{stats['launches']:.0f} launches)")
+        stub = _stubbed_us(fn_of(br.OURS, c, sets), dev)
+        parts.append(f"== ours with the extension's launches stubbed (testing.extension_calls(stub=True), the "
+                     f"development CPU's method): {stub}")
+        line.append(f"ours stubbed {stub}")
         name = c.name.replace("/", "_")
         path = out / f"profile_host_router_{name}.txt"
         path.write_text(f"router_topk fwd+bwd host time on {h.device_name(ctx)} ({dev.type}), case {c.name}\n"
