@@ -64,58 +64,159 @@ __global__ void __launch_bounds__(kRowBlockThreads)
   }
 }
 
-// dy[row_map[t,j]] = w[t,j] * dout[t] and dweights[t,j] = <y[row_map[t,j]], dout[t]>; marks written rows.
+// Backward: dy[row_map[t,j]] = w[t,j] * dout[t] and dweights[t,j] = <y[row_map[t,j]], dout[t]>.
+//
+// A group of `lanes` threads per token (a power of two, up to the 128-thread block; bwd_lanes). A batch of
+// kBwdSlots slots has its rows and weights loaded up front; then each pass over the row loads one dout
+// vector and the batch's y vectors together (kBwdSlots + 1 independent 16-byte loads in flight per thread),
+// stores the batch's dy vectors and accumulates one fp32 dot product per slot in registers. dout is read
+// once for up to kBwdSlots slots. The dot products are reduced once per batch with butterfly shuffles
+// (fixed order: deterministic), not once per slot with block barriers; groups wider than a warp add one
+// shared-memory step, one barrier per batch. Written rows are marked in row_mask; zero_unmarked_rows_kernel
+// then zeroes the rest (padding and tail rows) and touches no row a slot wrote.
+constexpr int kBwdThreads = kRowBlockThreads;
+constexpr int kBwdSlots = 8;        // slots whose y rows are read in one pass
+constexpr int kBwdItems = 4;      // vectors per thread a row is spread to (fewer passes, shorter load chains)
+constexpr int kBwdWarps = kBwdThreads / 32;
+// 4 blocks (16 warps) per SM caps registers at 128: the bf16 16-byte variant with dweights needs 124 and
+// does not spill; 16 warps x 9 loads of 16 B in flight per thread is about 4x what the copy bandwidth needs.
+constexpr int kBwdMinBlocks = 4;
+
+// Sum of a[n] * b[n] over one vector: the products, then a balanced tree (a short rounding chain).
 template <typename T, int N>
-__global__ void __launch_bounds__(kRowBlockThreads)
+__device__ __forceinline__ float vec_dot(const Pack<T, N>& a, const float (&b)[N]) {
+  float p[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) p[n] = __fmul_rn(to_float(a.v[n]), b[n]);
+#pragma unroll
+  for (int w = N / 2; w > 0; w /= 2) {
+#pragma unroll
+    for (int n = 0; n < w; ++n) p[n] = __fadd_rn(p[n], p[n + w]);
+  }
+  return p[0];
+}
+
+// DW: dweights wanted (y is read). U: vectors per thread per pass (more loads in flight where no y is read).
+template <typename T, int N, bool DW>
+__global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocks)
     unpermute_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ y, const int32_t* __restrict__ row_map,
                          const float* __restrict__ weights, T* __restrict__ dy, float* __restrict__ dweights,
                          uint8_t* __restrict__ row_mask, int64_t num_tokens, int64_t k, int64_t hidden,
-                         int64_t num_rows, RowGeometry g) {
+                         int64_t num_rows, int lanes) {
   using P = Pack<T, N>;
-  __shared__ float scratch[kRowBlockThreads / 32];
-  const int tpr = g.threads_per_row;
-  const int lane = threadIdx.x % tpr;
-  const int64_t t = int64_t(blockIdx.x) * g.rows_per_block + threadIdx.x / tpr;
-  const bool live = t < num_tokens;  // dead threads stay for the shuffles and barriers of row_sum
-  const P* src = reinterpret_cast<const P*>(dout + (live ? t : 0) * hidden);
-  for (int64_t j = 0; j < k; ++j) {
-    const int32_t r = live ? checked_row(row_map, t * k + j, num_rows) : -1;
-    float dot = 0.f;
-    if (r >= 0) {
-      const float w = weights != nullptr ? weights[t * k + j] : 1.f;
-      P* out = reinterpret_cast<P*>(dy + int64_t(r) * hidden);
-      const P* yrow = reinterpret_cast<const P*>(y + int64_t(r) * hidden);
-      for (int64_t v = lane; v < g.row_vecs; v += tpr) {
-        const P d = src[v];  // re-read per slot: served from L1 after the first
-        P res;
+  constexpr int U = DW ? 1 : 4;
+  __shared__ float partial[2][kBwdWarps][kBwdSlots];  // groups wider than a warp: per-warp sums, by batch parity
+  const int64_t row_vecs = hidden / N;
+  const int lane = threadIdx.x % lanes;
+  const int64_t t = int64_t(blockIdx.x) * (kBwdThreads / lanes) + threadIdx.x / lanes;
+  const bool live = t < num_tokens;  // threads past the last token stay for the shuffles and barriers
+  const P* src = reinterpret_cast<const P*>(dout) + (live ? t : 0) * row_vecs;
+  const P* ys = reinterpret_cast<const P*>(y);
+  P* dys = reinterpret_cast<P*>(dy);
+  for (int64_t j0 = 0, batch = 0; j0 < k; j0 += kBwdSlots, ++batch) {
+    int32_t r[kBwdSlots];
+    float w[kBwdSlots];
 #pragma unroll
-        for (int n = 0; n < N; ++n) res.v[n] = from_float<T>(__fmul_rn(w, to_float(d.v[n])));
-        out[v] = res;
-        if (dweights != nullptr) {
-          const P yv = yrow[v];
+    for (int b = 0; b < kBwdSlots; ++b) {
+      const int64_t s = t * k + j0 + b;
+      r[b] = live && j0 + b < k ? checked_row(row_map, s, num_rows) : -1;
+      w[b] = r[b] >= 0 && weights != nullptr ? weights[s] : 1.f;
+      if (r[b] >= 0 && lane == 0) row_mask[r[b]] = 1;
+    }
+    float dot[kBwdSlots];
 #pragma unroll
-          for (int n = 0; n < N; ++n) dot = __fmaf_rn(to_float(yv.v[n]), to_float(d.v[n]), dot);
+    for (int b = 0; b < kBwdSlots; ++b) dot[b] = 0.f;
+#pragma unroll 1
+    for (int64_t v0 = lane; v0 < row_vecs; v0 += int64_t(lanes) * U) {
+      P d[U];
+      P yv[DW ? kBwdSlots : 1];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t v = v0 + int64_t(u) * lanes;
+        if (v < row_vecs) d[u] = src[v];
+      }
+      if constexpr (DW) {
+#pragma unroll
+        for (int b = 0; b < kBwdSlots; ++b) {
+          if (r[b] >= 0) yv[b] = ys[int64_t(r[b]) * row_vecs + v0];
         }
       }
-      if (lane == 0) row_mask[r] = 1;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t v = v0 + int64_t(u) * lanes;
+        if (v >= row_vecs) break;
+        float df[N];
+#pragma unroll
+        for (int n = 0; n < N; ++n) df[n] = to_float(d[u].v[n]);
+#pragma unroll
+        for (int b = 0; b < kBwdSlots; ++b) {
+          if (r[b] < 0) continue;
+          P res;
+#pragma unroll
+          for (int n = 0; n < N; ++n) res.v[n] = from_float<T>(__fmul_rn(w[b], df[n]));
+          dys[int64_t(r[b]) * row_vecs + v] = res;
+          if constexpr (DW) dot[b] = __fadd_rn(dot[b], vec_dot(yv[b], df));
+        }
+      }
     }
-    if (dweights != nullptr) {
-      dot = row_sum(dot, tpr, scratch);
-      if (live && lane == 0) dweights[t * k + j] = dot;
+    if constexpr (DW) {
+      const int width = lanes < 32 ? lanes : 32;
+#pragma unroll
+      for (int b = 0; b < kBwdSlots; ++b) {
+        for (int off = width / 2; off > 0; off /= 2) dot[b] += __shfl_xor_sync(0xffffffffu, dot[b], off, width);
+      }
+      if (lanes > 32) {
+        // One barrier per batch: the next batch writes the other half of `partial`, and the one after that
+        // comes after the next barrier, when this batch's reads are done.
+        const int warp = threadIdx.x / 32, buf = int(batch & 1);
+        if (threadIdx.x % 32 == 0) {
+#pragma unroll
+          for (int b = 0; b < kBwdSlots; ++b) partial[buf][warp][b] = dot[b];
+        }
+        __syncthreads();
+        const int first = warp / (lanes / 32) * (lanes / 32);
+#pragma unroll
+        for (int b = 0; b < kBwdSlots; ++b) {
+          float sum = 0.f;
+          for (int q = 0; q < lanes / 32; ++q) sum += partial[buf][first + q][b];
+          dot[b] = sum;
+        }
+      }
+      if (live && lane == 0) {
+#pragma unroll
+        for (int b = 0; b < kBwdSlots; ++b) {
+          if (j0 + b < k) dweights[t * k + j0 + b] = dot[b];
+        }
+      }
     }
   }
 }
 
+// Zeroes the rows no slot wrote: each warp tests 32 rows' marks with one ballot, then zeroes the unmarked
+// ones together, one row at a time. Where every row was written (no dropped slot, no padding) it only
+// reads the R bytes of marks. A grid of at most kZeroBlocks blocks strides over the rows.
+constexpr int kZeroThreads = 128;
+constexpr int64_t kZeroBlocks = 1024;
+
 template <int VB>
-__global__ void __launch_bounds__(kRowBlockThreads)
+__global__ void __launch_bounds__(kZeroThreads)
     zero_unmarked_rows_kernel(char* __restrict__ rows, const uint8_t* __restrict__ row_mask, int64_t num_rows,
-                              int64_t row_bytes, RowGeometry g) {
+                              int64_t row_bytes) {
   using V = typename RawVec<VB>::type;
-  const int tpr = g.threads_per_row;
-  const int64_t r = int64_t(blockIdx.x) * g.rows_per_block + threadIdx.x / tpr;
-  if (r >= num_rows || row_mask[r]) return;
-  V* dst = reinterpret_cast<V*>(rows + r * row_bytes);
-  for (int64_t v = threadIdx.x % tpr; v < g.row_vecs; v += tpr) dst[v] = V{};
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t(gridDim.x) * (kZeroThreads / 32);
+  const int64_t row_vecs = row_bytes / VB;
+  for (int64_t base = (int64_t(blockIdx.x) * (kZeroThreads / 32) + threadIdx.x / 32) * 32; base < num_rows;
+       base += warps * 32) {
+    const int64_t r = base + lane;
+    unsigned todo = __ballot_sync(0xffffffffu, r < num_rows && row_mask[r] == 0);
+    while (todo != 0u) {
+      const int i = __ffs(int(todo)) - 1;
+      todo &= todo - 1u;
+      V* dst = reinterpret_cast<V*>(rows + (base + i) * row_bytes);
+      for (int64_t v = lane; v < row_vecs; v += 32) dst[v] = V{};
+    }
+  }
 }
 
 template <typename T, int N>
@@ -128,21 +229,38 @@ void launch_fwd(const UnpermuteParams& p, cudaStream_t stream) {
   check_launch("unpermute_fwd_kernel");
 }
 
+// Threads per token in the backward: the fewest (a power of two, at most the block) that leave each about
+// kBwdItems vectors. A deepseek-v3 row (H=7168 bf16, 896 vectors) gets the block, 7 passes per thread.
+int bwd_lanes(int64_t row_vecs) {
+  int lanes = 1;
+  while (lanes < kBwdThreads && int64_t(lanes) * kBwdItems < row_vecs) lanes *= 2;
+  return lanes;
+}
+
 template <typename T, int N>
 void launch_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
   const int64_t row_bytes = p.hidden * int64_t(sizeof(T));
-  const RowGeometry g = row_geometry(row_bytes, int(sizeof(T)) * N);
   if (p.num_tokens > 0) {
-    const int64_t blocks = (p.num_tokens + g.rows_per_block - 1) / g.rows_per_block;
-    unpermute_bwd_kernel<T, N><<<unsigned(blocks), kRowBlockThreads, 0, stream>>>(
-        static_cast<const T*>(p.dout), static_cast<const T*>(p.y), p.row_map, p.weights, static_cast<T*>(p.dy),
-        p.dweights, p.row_mask, p.num_tokens, p.k, p.hidden, p.num_rows, g);
+    const int lanes = bwd_lanes(p.hidden / N);
+    const int64_t per_block = kBwdThreads / lanes;
+    const unsigned blocks = unsigned((p.num_tokens + per_block - 1) / per_block);
+    const T* dout = static_cast<const T*>(p.dout);
+    const T* y = static_cast<const T*>(p.y);
+    T* dy = static_cast<T*>(p.dy);
+    if (p.dweights != nullptr) {
+      unpermute_bwd_kernel<T, N, true><<<blocks, kBwdThreads, 0, stream>>>(
+          dout, y, p.row_map, p.weights, dy, p.dweights, p.row_mask, p.num_tokens, p.k, p.hidden, p.num_rows, lanes);
+    } else {
+      unpermute_bwd_kernel<T, N, false><<<blocks, kBwdThreads, 0, stream>>>(
+          dout, y, p.row_map, p.weights, dy, nullptr, p.row_mask, p.num_tokens, p.k, p.hidden, p.num_rows, lanes);
+    }
     check_launch("unpermute_bwd_kernel");
   }
   if (p.num_rows == 0) return;
-  const int64_t zblocks = (p.num_rows + g.rows_per_block - 1) / g.rows_per_block;
-  zero_unmarked_rows_kernel<int(sizeof(T)) * N><<<unsigned(zblocks), kRowBlockThreads, 0, stream>>>(
-      static_cast<char*>(p.dy), p.row_mask, p.num_rows, row_bytes, g);
+  const int64_t want = (p.num_rows + kZeroThreads - 1) / kZeroThreads;  // a warp per 32 rows
+  const unsigned zblocks = unsigned(want < kZeroBlocks ? want : kZeroBlocks);
+  zero_unmarked_rows_kernel<int(sizeof(T)) * N><<<zblocks, kZeroThreads, 0, stream>>>(
+      static_cast<char*>(p.dy), p.row_mask, p.num_rows, row_bytes);
   check_launch("unpermute zero_unmarked_rows_kernel");
 }
 

@@ -7,7 +7,13 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels._ext import reference_ops
-from moe_kernels.ops.permute import permute_reference, permuted_rows, tokens_per_expert_reference, unpermute_reference
+from moe_kernels.ops.permute import (
+    permute_reference,
+    permuted_rows,
+    tokens_per_expert_reference,
+    unpermute_bwd_reference,
+    unpermute_reference,
+)
 from moe_kernels.testing import assert_exact, assert_within_fp32_rounding, random_routing
 from tests.emulation import EMULATED, skip_if_too_large
 
@@ -244,3 +250,122 @@ def test_rows_past_2_31_bytes_emulated(cuda):
     assert_exact(row_map, torch.tensor([[0], [1], [2]], dtype=torch.int32), "row_map")
     assert_exact(sizes, torch.tensor([1, 2], dtype=torch.int32), "group_sizes")
     assert torch.equal(x_perm, x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# unpermute's backward kernel on its own: dy [R, H] and dweights [T, k] against unpermute_bwd_reference,
+# on fresh random inputs. dy is pre-filled with NaN, so a row the kernel forgets (a padding or tail row it
+# must zero) or a row it zeroes after a slot wrote it shows up; every row of dy is compared.
+
+
+def _unpermute_bwd_kernel(dev, dout, row_map, weights, y, num_rows, dy_offset=0):
+    """The extension's unpermute_bwd on `dev`, dy pre-filled with NaN (starting `dy_offset` elements into
+    its buffer: a misaligned dy). Returns (dy, dweights) on the CPU."""
+    from moe_kernels import _ext
+
+    dout, row_map = dout.to(dev), row_map.to(dev)
+    w = None if weights is None else weights.to(dev).float().contiguous()
+    y = None if y is None else y.to(dev)
+    C = _ext.kernels("unpermute", dout)
+    if C is None:
+        pytest.skip("no kernels for this device")
+    H = dout.shape[1]
+    dy = torch.full((num_rows * H + dy_offset,), float("nan"), dtype=dout.dtype, device=dev)[dy_offset:].view(num_rows, H)
+    T, k = row_map.shape
+    dweights = torch.full((T, k) if y is not None else (0,), float("nan"), dtype=torch.float32, device=dev)
+    row_mask = torch.zeros((num_rows,), dtype=torch.uint8, device=dev)
+    C.unpermute_bwd(
+        dout=_ext.ptr(dout), y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), dy=_ext.ptr(dy),
+        dweights=_ext.ptr(dweights), row_mask=_ext.ptr(row_mask), num_tokens=T, k=k, hidden=H,
+        num_rows=num_rows, dtype=_ext.dtype_code(dout.dtype), **_ext.launch_args(dout),
+    )
+    return dy.cpu(), dweights.cpu()
+
+
+def _check_unpermute_bwd(dev, T, E, k, H, *, align=1, kind="uniform", drop=0.0, dtype=torch.bfloat16, with_y=True,
+                         with_weights=True, offsets=(0, 0, 0), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    idx = random_routing(T, E, k, kind=kind, drop=drop, seed=seed)
+    _, row_map, _ = permute_reference(torch.zeros(T, 1), idx, E, align)
+    R = permuted_rows(T, k, E, align)
+
+    def buf(n, off):  # a [n, H] tensor starting `off` elements into its storage
+        return torch.randn(n * H + off, generator=gen).to(dtype)[off:].view(n, H)
+
+    dout, y = buf(T, offsets[0]), buf(R, offsets[1])
+    weights = torch.rand(T, k, generator=gen) if with_weights else None
+    y_arg = y if with_y and with_weights else None
+    dy, dw = _unpermute_bwd_kernel(dev, dout, row_map, weights, y_arg, R, dy_offset=offsets[2])
+    ref_dy, ref_dw = unpermute_bwd_reference(dout, row_map, weights, y_arg, R)
+    assert_exact(dy, ref_dy, "dy")
+    if y_arg is None:
+        assert dw.numel() == 0
+        return
+    _, magnitude = unpermute_bwd_reference(dout.abs(), row_map, weights, y.abs(), R)
+    assert_within_fp32_rounding(dw, ref_dw, magnitude, "dweights")
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+@pytest.mark.parametrize("align", [1, 16])
+@pytest.mark.parametrize("H", [1, 7, 100, 129, 264, 1032])
+def test_unpermute_bwd_kernel(cuda, H, align, drop):
+    # H=1..129: 1-, 2- and 4-element vectors and groups of 1 to 32 threads; 264 and 1032: 16-byte vectors,
+    # 33 and 129 of them (groups of 16 and 64 threads). Without drops and align 1 every row is written.
+    _check_unpermute_bwd(cuda, 37, 8, 4, H, align=align, drop=drop, seed=H + 7 * align + int(10 * drop))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 9, 17])
+def test_unpermute_bwd_kernel_slots(cuda, k):
+    # k past one batch of 8 slots: several passes over the row, each with its own reduction (and, in groups
+    # wider than a warp (H=2056: 257 vectors, 128 threads), alternating halves of the shared scratch).
+    _check_unpermute_bwd(cuda, 6, 32, k, 2056, drop=0.1, seed=k)
+    _check_unpermute_bwd(cuda, 11, 32, k, 72, drop=0.1, seed=k + 1)
+
+
+@pytest.mark.parametrize("kind", ["hot", "empty", "zipf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_unpermute_bwd_kernel_routing_and_dtypes(cuda, kind, dtype):
+    _check_unpermute_bwd(cuda, 29, 16, 4, 136, align=8, kind=kind, drop=0.1, dtype=dtype, seed=3)
+
+
+@pytest.mark.parametrize("with_y,with_weights", [(False, True), (False, False)])
+def test_unpermute_bwd_kernel_without_dweights(cuda, with_y, with_weights):
+    # No dweights: the kernel reads no y and takes 4 vectors per thread per pass.
+    _check_unpermute_bwd(cuda, 23, 8, 3, 1032, align=4, drop=0.2, with_y=with_y, with_weights=with_weights, seed=5)
+    _check_unpermute_bwd(cuda, 23, 8, 3, 9, drop=0.2, with_y=with_y, with_weights=with_weights, seed=6)
+
+
+@pytest.mark.parametrize("offsets", [(1, 0, 0), (0, 1, 0), (0, 0, 1), (2, 0, 4)])
+def test_unpermute_bwd_kernel_misaligned(cuda, offsets):
+    # One misaligned pointer among dout, y and dy narrows every access of the launch.
+    _check_unpermute_bwd(cuda, 19, 8, 2, 1032, align=4, drop=0.1, offsets=offsets, seed=8)
+
+
+def test_unpermute_bwd_kernel_empty(cuda):
+    # 0 tokens: every row of dy is a padding row (zero); no rows: every slot is dropped (dweights zero).
+    H = 40
+    dy, dw = _unpermute_bwd_kernel(cuda, torch.randn(0, H).to(torch.bfloat16), torch.zeros(0, 2, dtype=torch.int32),
+                                   torch.rand(0, 2), torch.randn(5, H).to(torch.bfloat16), 5)
+    assert_exact(dy, torch.zeros(5, H, dtype=torch.bfloat16), "dy, 0 tokens")
+    assert dw.shape == (0, 2)
+    row_map = torch.full((3, 2), -1, dtype=torch.int32)
+    dy, dw = _unpermute_bwd_kernel(cuda, torch.randn(3, H).to(torch.bfloat16), row_map, torch.rand(3, 2),
+                                   torch.randn(0, H).to(torch.bfloat16), 0)
+    assert dy.shape == (0, H)
+    assert_exact(dw, torch.zeros(3, 2), "dweights, every slot dropped")
+
+
+def test_unpermute_bwd_op_matches_reference(cuda):
+    # Through the registered op and autograd: dy and dweights of unpermute, with drops and padding.
+    T, E, k, H = 45, 8, 8, 520
+    idx = random_routing(T, E, k, kind="zipf", drop=0.15, seed=21)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    x_perm, row_map, _ = permute_reference(x, idx, E, 16)
+    y = torch.randn(x_perm.shape).to(torch.bfloat16)
+    w, dout = torch.rand(T, k), torch.randn(T, H).to(torch.bfloat16)
+    yg, wg = y.to(cuda).requires_grad_(), w.to(cuda).requires_grad_()
+    mk.unpermute(yg, row_map.to(cuda), wg).backward(dout.to(cuda))
+    ref_dy, ref_dw = unpermute_bwd_reference(dout, row_map, w, y, y.shape[0])
+    _, magnitude = unpermute_bwd_reference(dout.abs(), row_map, w, y.abs(), y.shape[0])
+    assert_exact(yg.grad.cpu(), ref_dy, "dy")
+    assert_within_fp32_rounding(wg.grad.cpu(), ref_dw, magnitude, "dweights")
