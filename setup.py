@@ -1,7 +1,9 @@
 """Build script: drives CMake + ninja to compile `moe_kernels._C`.
 
 Environment knobs:
-  MOE_KERNELS_CUDA_ARCHS   CUDA architectures, ';'-separated (default "90a").
+  MOE_KERNELS_CUDA_ARCHS   CUDA architectures as CMake names them, ';'-separated (default
+                           "80-real;90a-real;100-real;120": sm_80, sm_90a, sm_100, sm_120 and PTX of 120;
+                           the CUTLASS kernels build when 90a is listed).
   MOE_KERNELS_SKIP_CUDA=1  do not build `_C` (the GPU kernels); the ops run their references.
   MOE_KERNELS_SKIP_EMU=1   do not build `_C_emu`, the CPU-executed kernels (tools/cuda_on_cpu) that the
                            tests run under MOE_KERNELS_EMULATE=1; built by default when a C++ compiler
@@ -27,6 +29,7 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
+DEFAULT_CUDA_ARCHS = "80-real;90a-real;100-real;120"  # CMakeLists.txt's default: keep the two the same
 
 
 def _say(msg: str) -> None:
@@ -121,7 +124,7 @@ class CMakeBuild(build_ext):
         out_dir = Path(self.get_ext_fullpath(ext.name)).resolve().parent
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
-        archs = os.environ.get("MOE_KERNELS_CUDA_ARCHS", "90a")
+        archs = os.environ.get("MOE_KERNELS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
         args = [
             f"-S{ROOT}",
             f"-B{build_dir}",
@@ -140,7 +143,7 @@ class CMakeBuild(build_ext):
         if shutil.which("ccache"):
             args += ["-DCMAKE_CUDA_COMPILER_LAUNCHER=ccache", "-DCMAKE_CXX_COMPILER_LAUNCHER=ccache"]
         jobs = default_jobs()
-        _say(f"building _C for sm_{archs} with {jobs} job(s); CUTLASS: {cutlass or 'not found'}")
+        _say(f"building _C for {archs} with {jobs} job(s); CUTLASS: {cutlass or 'not found'}")
         subprocess.run(["cmake", *args], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", str(jobs)], check=True)
 

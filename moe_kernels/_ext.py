@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 import warnings
 from typing import NamedTuple
@@ -163,13 +164,51 @@ def driver_problem() -> str | None:
 
 
 def built_archs() -> list[str]:
+    """The CUDA architectures the extension was compiled for, as CMake names them (`80-real`, `90a`,
+    `120`: machine code and PTX, `120-virtual`: PTX only)."""
     return [a for a in _C.cuda_archs.split(",") if a] if _C is not None else []
 
 
+_ARCH = re.compile(r"^(?:sm_|compute_)?(\d+)([af]?)(?:-(real|virtual))?$")
+
+
+def parse_arch(arch: str) -> tuple[int, int, str, bool, bool]:
+    """A CMake CUDA architecture -> (major, minor, variant "", "a" or "f", has machine code, has PTX).
+    `90a` is 9.0 arch-specific with both; `100f-real` 10.0 family-specific machine code; `120-virtual` PTX."""
+    m = _ARCH.match(arch.strip())
+    if m is None:
+        raise ValueError(f"unknown CUDA architecture {arch!r} (expected e.g. 80, 90a, 100f-real, 120-virtual)")
+    number, variant, kind = int(m.group(1)), m.group(2), m.group(3)
+    return number // 10, number % 10, variant, kind != "virtual", kind != "real"
+
+
 def arch_runs_on(archs: list[str], capability: tuple[int, int]) -> bool:
-    """A cubin for sm_XY (or the arch-specific sm_XYa) runs only on compute capability X.Y."""
-    want = f"{capability[0]}{capability[1]}"
-    return any(a.rstrip("af") == want for a in archs)
+    """Whether code built for any of `archs` runs on a GPU of `capability`, by CUDA's compatibility rules:
+    - machine code for sm_XY runs on X.Y and the later minors of major X (sm_80 on 8.6 and 8.9, sm_100 on 10.3);
+    - sm_XYa (arch-specific, machine code or PTX) only on X.Y itself;
+    - sm_XYf (family-specific) on X.Y and the later minors of its major (sm_100f on 10.0 and 10.3);
+    - PTX of compute_XY is compiled by the driver for any GPU of capability X.Y or later (compute_120 on 13.0).
+    """
+    major, minor = capability
+    for arch in archs:
+        x, y, variant, sass, ptx = parse_arch(arch)
+        if variant == "a":
+            if (x, y) == (major, minor):
+                return True
+        elif x == major and y <= minor and (sass or ptx):
+            return True
+        elif ptx and variant == "" and (x, y) <= (major, minor):
+            return True
+    return False
+
+
+def describe_arch(arch: str) -> str:
+    """`sm_80`, `sm_120 + PTX`, `PTX compute_120` for the report."""
+    x, y, variant, sass, ptx = parse_arch(arch)
+    name = f"{x}{y}{variant}"
+    if sass and ptx:
+        return f"sm_{name} + PTX"
+    return f"sm_{name}" if sass else f"PTX compute_{name}"
 
 
 def _device_supported(device: torch.device) -> bool:
@@ -194,7 +233,7 @@ def kernels(op: str, t: torch.Tensor):
     elif not _device_supported(t.device):
         cc = torch.cuda.get_device_capability(t.device)
         reason = (
-            f"the CUDA extension was built for {', '.join('sm_' + a for a in built_archs())}, "
+            f"the CUDA extension was built for {', '.join(describe_arch(a) for a in built_archs())}, "
             f"not this GPU (sm_{cc[0]}{cc[1]}); rebuild with MOE_KERNELS_CUDA_ARCHS"
         )
     if reason is None:

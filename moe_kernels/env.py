@@ -44,7 +44,7 @@ def collect() -> dict:
     archs: list[str] = []
     if C is not None:
         archs = _ext.built_archs()
-        info["extension_archs"] = ["sm_" + a for a in archs]
+        info["extension_archs"] = [_ext.describe_arch(a) for a in archs]
         info["extension_cuda_runtime"] = _version_str(C.cuda_runtime_version())
         info["cuda_driver"] = _version_str(C.cuda_driver_version())
     else:

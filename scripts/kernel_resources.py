@@ -2,7 +2,11 @@
 occupancy of every kernel in the built `moe_kernels._C`, plus SASS checks, read from the binary with
 cuobjdump (the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels, or the CUDA toolkit's).
 
-    python scripts/kernel_resources.py [--so PATH] [--launch-log FILE] [--out FILE]
+    python scripts/kernel_resources.py [--so PATH] [--arch sm_90a] [--launch-log FILE] [--out FILE]
+
+The extension holds machine code for several architectures (the default build: sm_80, sm_90a, sm_100,
+sm_120); the report reads one of them, `--arch` (default sm_90a, the H100/H200 whose per-SM limits the
+occupancy column uses).
 
 Fails (exit 1) when a kernel uses local memory (register spills or a local array: slow on every
 launch) and is not listed in ACCEPTED_LOCAL with a reason, or when a SASS check fails. Occupancy needs
@@ -212,6 +216,7 @@ def read_launch_log(path: Path | None) -> dict[str, tuple[int, int]]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--so", type=Path, help="the built extension (default: moe_kernels._C)")
+    ap.add_argument("--arch", default="sm_90a", help="the architecture's machine code to read (default sm_90a)")
     ap.add_argument("--launch-log", type=Path, help="MOE_KERNELS_EMU_LAUNCH_LOG output of an emulated test run")
     ap.add_argument("--out", type=Path, help="also write the report (markdown) here")
     args = ap.parse_args(argv)
@@ -224,11 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     cuobjdump, nvdisasm = _tool("cuobjdump"), _tool("nvdisasm")
     env = dict(os.environ, PATH=f"{Path(nvdisasm).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
-    kernels = parse_resources(_run([cuobjdump, "--dump-resource-usage", str(so)]))
+    arch = ["-arch", args.arch]
+    kernels = parse_resources(_run([cuobjdump, *arch, "--dump-resource-usage", str(so)]))
     if not kernels:
-        raise SystemExit(f"kernel_resources: no kernels in {so}")
-    max_threads = parse_max_threads(_run([cuobjdump, "-elf", str(so)]))
-    sass = parse_sass(_run([cuobjdump, "-sass", str(so)], env=env))
+        raise SystemExit(f"kernel_resources: no {args.arch} kernels in {so}")
+    max_threads = parse_max_threads(_run([cuobjdump, *arch, "-elf", str(so)]))
+    sass = parse_sass(_run([cuobjdump, *arch, "-sass", str(so)], env=env))
     names = demangle([k.mangled for k in kernels])
     launches = read_launch_log(args.launch_log)
     for k in kernels:

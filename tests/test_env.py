@@ -27,14 +27,52 @@ def test_collect_is_consistent():
     if not torch.cuda.is_available():
         assert all(v == "PyTorch reference" for v in info["ops"].values())
     if moe_kernels.has_cuda_kernels():
-        assert all(a.startswith("sm_") for a in info["extension_archs"])
+        assert all(a.startswith(("sm_", "PTX compute_")) for a in info["extension_archs"])
 
 
-def test_arch_runs_on():
+A100, A10, L4, H100, B200, B300, RTX_5090, DGX_SPARK, NEXT = (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1), (13, 0)
+
+
+@pytest.mark.parametrize("archs, runs, does_not_run", [
+    # Machine code for sm_XY: X.Y and the later minors of major X, nothing else.
+    (["80-real"], [A100, A10, L4], [(7, 5), H100, B200, NEXT]),
+    (["86-real"], [A10, L4], [A100, H100]),
+    (["100-real"], [B200, B300], [H100, RTX_5090, (11, 0)]),
+    (["120-real"], [RTX_5090, DGX_SPARK], [B200, NEXT]),
+    # Arch-specific (a): exactly X.Y, machine code or PTX.
+    (["90a-real"], [H100], [A100, B200, (9, 1)]),
+    (["90a"], [H100], [A100, B200, NEXT]),
+    (["100a"], [B200], [B300, RTX_5090]),
+    # Family-specific (f): X.Y and the later minors of its major.
+    (["100f-real"], [B200, B300], [H100, RTX_5090]),
+    (["103f-real"], [B300], [B200]),
+    # PTX (plain `XY` has machine code and PTX; `-virtual` only PTX): X.Y and every later GPU, by JIT.
+    (["80"], [A100, A10, H100, B200, RTX_5090, NEXT], [(7, 5)]),
+    (["120-virtual"], [RTX_5090, DGX_SPARK, NEXT], [B200, H100]),
+    (["sm_90a", "compute_120"], [H100, RTX_5090, NEXT], [A100, B200]),
+    # The default build: every GPU from the A100 on.
+    (["80-real", "90a-real", "100-real", "120"], [A100, A10, L4, H100, B200, B300, RTX_5090, DGX_SPARK, NEXT],
+     [(7, 5), (7, 0)]),
+    ([], [], [H100]),
+])
+def test_arch_runs_on(archs, runs, does_not_run):
     from moe_kernels._ext import arch_runs_on
 
-    assert arch_runs_on(["90a"], (9, 0)) and arch_runs_on(["80", "90a"], (8, 0)) and arch_runs_on(["100f"], (10, 0))
-    assert not arch_runs_on(["90a"], (8, 0)) and not arch_runs_on(["90a"], (10, 0)) and not arch_runs_on([], (9, 0))
+    for cc in runs:
+        assert arch_runs_on(archs, cc), (archs, cc)
+    for cc in does_not_run:
+        assert not arch_runs_on(archs, cc), (archs, cc)
+
+
+def test_arch_names_are_parsed_or_refused():
+    from moe_kernels._ext import describe_arch, parse_arch
+
+    assert parse_arch("90a") == (9, 0, "a", True, True)
+    assert parse_arch("100f-real") == (10, 0, "f", True, False)
+    assert parse_arch("120-virtual") == (12, 0, "", False, True)
+    assert [describe_arch(a) for a in ("80-real", "120", "120-virtual")] == ["sm_80", "sm_120 + PTX", "PTX compute_120"]
+    with pytest.raises(ValueError, match="sm90"):
+        parse_arch("sm90")
 
 
 def test_gpu_outside_the_build_falls_back_with_one_warning(monkeypatch):
