@@ -120,3 +120,46 @@ def test_entries_die_with_their_weight():
     del w
     gc.collect()
     assert weight_cache.stats()["entries"] == 0
+
+
+def _fsdp_body(rank, world_size):
+    from torch.distributed.fsdp import fully_shard
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            gen = torch.Generator().manual_seed(5)
+            self.w = torch.nn.Parameter(torch.randn(len(SIZES), 256, 256, generator=gen) * 0.05)
+
+        def forward(self, x, gs):
+            return Fp8BlockwiseRecipe().grouped_mm(x, self.w, gs)
+
+    model = fully_shard(Experts())  # each rank holds half of w; forward all-gathers it, then frees it
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    x, _, gs, dout = _problem(10 + rank)
+
+    def check(what):
+        out = model(x, gs)
+        out.backward(dout)
+        original = weight_cache.cacheable
+        weight_cache.cacheable = lambda _w: False
+        try:
+            fresh = model(x, gs)
+            fresh.backward(dout)
+        finally:
+            weight_cache.cacheable = original
+        torch.testing.assert_close(out, fresh, rtol=0, atol=0, msg=what)
+
+    check("first forward")
+    check("again, nothing changed")
+    opt.step()
+    check("after the optimizer step on the shards")
+    with torch.no_grad():
+        model.w.to_local().mul_(-2.0)  # the shard changed in place, no optimizer step
+    check("after an in-place change of the shard")
+
+
+def test_fsdp2_unsharded_weights_refresh():
+    from tests.distributed import run_world
+
+    run_world(_fsdp_body, 2)
