@@ -80,8 +80,11 @@ no saved-tensor hook sees it), the stage's ids and loss terms stay as above, and
 recomputed in full during the backward.
 
 Not in the activations row (saved-tensor hooks do not see them), in the "logits, loss, stage buffers" row:
-the logits the step holds through the backward and the loss's fp32 transients, (c + 8) V a token on the last
-stage; a pipeline stage's received input and output, c H a token each, per micro-batch in flight.
+with the fused loss (linear_cross_entropy, moe-train's default) the gradients it computes in the forward and
+holds until the backward, c H a token and up to 4 V H for the head's (fp32 or the weight's dtype), its fp32
+accumulator of 4 V H, and one chunk's fp32 logits and gradient, (4 + c) V a row; without it the logits the
+step holds through the backward and the loss's fp32 transients, (c + 8) V a token on the last stage. A
+pipeline stage's received input and output, c H a token each, per micro-batch in flight.
 
 Checked on the CPU: one process's saved bytes in fp32 and bf16 (tests/parallel/test_plan.py, within 0.1%),
 and on 4 gloo ranks (fp32) the parameter, gradient, optimizer and activation bytes of every layout
@@ -285,7 +288,8 @@ def _layer(cfg, pc: ParallelConfig, i: int, c: int, b: int, S: int, ep_backend: 
 
 
 def _stage_activations(cfg, pc: ParallelConfig, layers: range, first: bool, last: bool, c: int, b: int, S: int,
-                       checkpointing: bool, ep_backend: str, capacity) -> tuple[float, float, float]:
+                       checkpointing: bool, ep_backend: str, capacity, fused_loss: bool = True
+                       ) -> tuple[float, float, float]:
     """(saved bytes, workspace bytes, a recomputed layer's saved bytes under checkpointing) of one stage and one
     micro-batch."""
     H, V = cfg.hidden_size, cfg.vocab_size
@@ -302,7 +306,12 @@ def _stage_activations(cfg, pc: ParallelConfig, layers: range, first: bool, last
     if first:
         acts += 8 * T  # token ids
     workspace = 0.0
-    if last:
+    if last and fused_loss:
+        from moe_kernels.nn.linear_cross_entropy import default_chunk_size
+
+        acts += T * _norm(H, c)  # the final norm; the fused loss saves nothing, it holds its gradients
+        workspace += T * c * H + 8 * V * H + min(T, default_chunk_size(V)) * (4 + c) * V
+    elif last:
         acts += T * (_norm(H, c) + c * H + 4 * V + 8)  # final norm, LM head input, log-softmax, labels
         workspace += T * (c + 8) * V  # the held logits; the loss's fp32 copy and gradients
     else:
@@ -332,7 +341,7 @@ def _per_round(pp: int, n: int) -> int:
 def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activation_checkpointing: bool = False,
                 gpu_bytes: float = 80e9, compute_dtype: torch.dtype = torch.bfloat16, ep_backend: str = "all_to_all",
                 capacity: float | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-                stages_per_rank: int | None = None, pp_rank: int | None = None) -> MemoryPlan:
+                stages_per_rank: int | None = None, pp_rank: int | None = None, fused_loss: bool = True) -> MemoryPlan:
     """Per-GPU memory of training model config `cfg` (moe_kernels.models) under the resolved layout `pc`
     (module docstring).
 
@@ -342,7 +351,8 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
     balanced load (None: the backend's default, the worst case for nvlink; moe_kernels.dispatch).
     num_microbatches (default pp), schedule ("1f1b", "gpipe", "interleaved-1f1b") and stages_per_rank
     (default 2 for the interleaved schedule, else 1): the pipeline's. pp_rank: the pipeline rank to report
-    (default: the one whose total is largest)."""
+    (default: the one whose total is largest). fused_loss: the LM loss by linear_cross_entropy (moe-train's
+    default, TrainConfig.fused_ce) or over materialised logits."""
     from moe_kernels.models import build_model
     from moe_kernels.parallel.pipeline import stage_bounds
 
@@ -398,7 +408,8 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
         for j in range(v):
             lo, hi = bounds[r + j * P]
             chunks.append(_stage_activations(cfg, pc, range(lo, hi), r + j * P == 0, r + j * P == P * v - 1, c,
-                                             batch_size, seq_len, activation_checkpointing, ep_backend, capacity))
+                                             batch_size, seq_len, activation_checkpointing, ep_backend, capacity,
+                                             fused_loss))
         acts = work = 0.0
         for f in range(_in_flight(schedule, P, r, n_mb, v)):
             # the schedule's forwards in order: rounds of n / rounds micro-batches on each local stage in turn

@@ -96,7 +96,7 @@ def train(
     if plan:
         _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb,
               ep_backend=ep_backend, capacity_factor=capacity_factor, microbatches=microbatches,
-              pp_schedule=pp_schedule)
+              pp_schedule=pp_schedule, fused_ce=fused_ce)
         raise typer.Exit()
     if world_size is not None:
         raise typer.BadParameter("--world-size is for --plan only (the world size is torchrun's)",
@@ -140,7 +140,7 @@ def train(
 
 def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkpointing: bool, world_size,
           gpu_memory_gb: float, *, ep_backend: str = "all_to_all", capacity_factor: float | None = None,
-          microbatches: int | None = None, pp_schedule: str = "1f1b") -> None:
+          microbatches: int | None = None, pp_schedule: str = "1f1b", fused_ce: bool = True) -> None:
     """moe-train --plan: the layout, its per-GPU memory table and the verdict; exit 1 for an impossible layout.
     With pipeline stages the step's batch splits into micro-batches, as training splits it."""
     from moe_kernels.models import PRESETS
@@ -160,7 +160,8 @@ def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkp
         memory = plan_memory(cfg, layout, batch_size=batch_size // n_mb, seq_len=seq_len,
                              activation_checkpointing=checkpointing, gpu_bytes=gpu_memory_gb * 1e9,
                              ep_backend=ep_backend, capacity=capacity_factor,
-                             num_microbatches=n_mb if layout.pp > 1 else None, schedule=pp_schedule)
+                             num_microbatches=n_mb if layout.pp > 1 else None, schedule=pp_schedule,
+                             fused_loss=fused_ce)
     except ValueError as exc:
         print(f"moe-train --plan: {preset}: {exc}")
         raise typer.Exit(1) from exc
