@@ -38,8 +38,6 @@ ACCEPTED_LOCAL: dict[str, str] = {
                             "registers at 64, 340 B of spills once per call, not per tile",
     "permute::copy_kernel<1>": "the 1-byte-vector path, only for rows of an odd number of bytes (fp8/uint8 "
                                "payloads with odd H); 12 B of spills",
-    "permute::unpermute_bwd_kernel<__half, 8>": "fp16 only (the bf16 and fp32 variants do not spill); 8 B of "
-                                                "spills per thread, against 16 B vectors of dout and y per slot",
     "dispatch::barrier_kernel": "printf's 16 B of arguments, on the path that reports a barrier timeout before "
                                 "trapping; the polling loop itself keeps everything in registers",
 }

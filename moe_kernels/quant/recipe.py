@@ -234,8 +234,9 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool,
             d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
             # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made once per weight version.
             wt_q, wt_scale = state["w8"].transposed()
-            dx = _rows_in_groups(grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(state["x_dtype"]),
-                                 group_sizes)
+            # Rows past the groups are unspecified, as grouped_mm_dgrad's: the permute backward reads only the
+            # rows it mapped, so no masking pass over dx.
+            dx = grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(state["x_dtype"])
         else:
             dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.to(dout.dtype), group_sizes)
     if need_dw:
