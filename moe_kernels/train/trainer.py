@@ -1,5 +1,7 @@
-"""A small, honest trainer for the MoE models: AdamW, warmup + cosine, clipping, bf16 autocast on a GPU,
-optional activation checkpointing, periodic eval, atomic checkpoints, bit-identical resume."""
+"""A small, honest trainer for the MoE models: AdamW, warmup + cosine, clipping, mixed precision on a GPU
+(bf16 parameters with fp32 master weights and gradients: moe_kernels.train.master; under FSDP2 its
+mixed-precision policy), optional activation checkpointing, periodic eval, atomic checkpoints, bit-identical
+resume."""
 
 from __future__ import annotations
 
@@ -51,7 +53,11 @@ class TrainConfig:
     out_dir: str = "runs/default"
     seed: int = 0
     device: str | None = None  # None: cuda if available
-    bf16: bool = True  # autocast to bf16 on a GPU (ignored on the CPU)
+    bf16: bool = True  # bf16 compute on a GPU (ignored on the CPU): master weights below, or autocast
+    # bf16 parameters for compute, fp32 master weights and main gradients held for the optimizer, no autocast
+    # (moe_kernels.train.master; under a parallelize() layout FSDP2's bf16 / fp32-reduce policy). None: on with
+    # bf16 on CUDA; True also on the CPU (bf16 compute there); False: fp32 parameters, autocast with bf16 on CUDA.
+    master_weights: bool | None = None
     precision: str = "bf16"  # expert GEMMs: "bf16" (the autocast/input precision), "fp8-blockwise" or "nvfp4"
     activation_checkpointing: bool = False
     # The cross-entropy with the lm_head, over chunks of tokens (moe_kernels.nn.linear_cross_entropy): no [tokens, V]
@@ -191,6 +197,8 @@ class Trainer:
         if cfg.ep_backend == "nvlink" and self.device.type != "cuda":
             raise ValueError("ep_backend='nvlink' writes into the other GPUs' memory: it needs CUDA devices; "
                              "use ep_backend='all_to_all' on CPUs")
+        on = cfg.bf16 and self.device.type == "cuda"
+        self.master_weights = on if cfg.master_weights is None else cfg.master_weights
         layout = None
         if cfg.sharded:  # checked before the process group starts: a clear error, not a hang
             layout = cfg.parallel_config().resolve(world)
@@ -237,7 +245,8 @@ class Trainer:
                 tokens_per_rank //= cfg.num_microbatches
             pipeline = dict(num_microbatches=cfg.num_microbatches, schedule=cfg.pp_schedule,
                             stages_per_rank=cfg.stages_per_rank) if layout.pp > 1 else {}
-            self.parallelized = parallelize(self.model, layout, self.device, ep_backend=cfg.ep_backend,
+            self.parallelized = parallelize(self.model, layout, self.device, mixed_precision=self.master_weights,
+                                            ep_backend=cfg.ep_backend,
                                             max_tokens_per_rank=tokens_per_rank if cfg.ep_backend == "nvlink" else None,
                                             capacity=cfg.capacity_factor, seed=cfg.seed, fused_loss=cfg.fused_ce,
                                             **pipeline)
@@ -251,6 +260,12 @@ class Trainer:
                                     capacity=cfg.capacity_factor, device=self.device, seed=cfg.seed)
             if cfg.global_load_balancing:
                 apply_global_load_balancing(self.model)
+        # fp32 masters, bf16 compute copies (the paths without FSDP; parallelize applied FSDP's policy above).
+        self.master = None
+        if self.master_weights and self.parallelized is None:
+            from moe_kernels.train.master import MasterWeights, fp32_parameter_names
+
+            self.master = MasterWeights(self.model, fp32_parameter_names(self.model_config))
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             fused=self.device.type == "cuda",
@@ -268,8 +283,14 @@ class Trainer:
         torch.manual_seed(seed)
 
     def _autocast(self):
-        enabled = self.device.type == "cuda" and self.cfg.bf16
+        """bf16 autocast on CUDA without master weights. Under FSDP's mixed precision too: its units gather bf16
+        parameters (the routers fp32, which compute in fp32 anyway), so autocast casts activations only."""
+        enabled = self.device.type == "cuda" and self.cfg.bf16 and self.master is None
         return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16, enabled=enabled)
+
+    def _compute(self):
+        """The parameters' bf16 copies for a forward (and backward), with master weights."""
+        return self.master.compute() if self.master is not None else contextlib.nullcontext()
 
     def _loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         targets = targets.to(self.device, non_blocking=True)
@@ -420,6 +441,8 @@ class Trainer:
         return True
 
     def _restore_run_state(self, path: Path, state: dict) -> None:
+        if self.master is not None:  # the loaded masters' bf16 copies
+            self.master.write_compute_copies()
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.data.seed = state["data"]["seed"]
@@ -508,7 +531,8 @@ class Trainer:
                 losses = [self.parallelized.evaluate(x.to(self.device), y.to(self.device))
                           for x, y in self.data.eval_batches(self.cfg.eval_batches)]
         else:
-            losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
+            with self._compute():
+                losses = [self._loss(x, y)[0] for x, y in self.data.eval_batches(self.cfg.eval_batches)]
         self.model.train()
         loss = torch.stack(losses).mean()
         return float(loss if self.par is None else distributed.mean_over_ranks(loss))
@@ -527,17 +551,18 @@ class Trainer:
     def train_step(self) -> dict:
         N = self.cfg.grad_accum
         losses = []
-        for j in range(N):  # the step's objective: the mean of its N batches' losses
-            inputs, targets = self.data.batch(self.step, j, N)
-            with self._accumulating(j == N - 1):
-                if self.parallelized is not None:  # the batch's losses (with pp: the mean over its micro-batches)
-                    with self._autocast():
-                        losses.append(self.parallelized.forward_backward(
-                            inputs.to(self.device), targets.to(self.device), scale=1.0 / N))
-                else:
-                    loss, aux = self._loss(inputs, targets)
-                    ((loss + aux) / N if N > 1 else loss + aux).backward()
-                    losses.append((loss.detach(), aux.detach()))
+        with self._compute():  # with master weights: on exit the fp32 masters, the fp32 sums as gradients
+            for j in range(N):  # the step's objective: the mean of its N batches' losses
+                inputs, targets = self.data.batch(self.step, j, N)
+                with self._accumulating(j == N - 1):
+                    if self.parallelized is not None:  # the batch's losses (with pp: the mean over its micro-batches)
+                        with self._autocast():
+                            losses.append(self.parallelized.forward_backward(
+                                inputs.to(self.device), targets.to(self.device), scale=1.0 / N))
+                    else:
+                        loss, aux = self._loss(inputs, targets)
+                        ((loss + aux) / N if N > 1 else loss + aux).backward()
+                        losses.append((loss.detach(), aux.detach()))
         loss, aux = (torch.stack(v).mean() for v in zip(*losses)) if N > 1 else losses[0]
         if self.par is None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
@@ -546,10 +571,14 @@ class Trainer:
             self.parallelized.reduce_expert_counts()
             loss, aux = distributed.mean_over_ranks(torch.stack([loss.detach(), aux.detach()]))
         else:  # the step's loss is the mean of the ranks' losses; expert-bias counts summed too
-            distributed.reduce_gradients(self.model, self.par)
+            # With master weights after the backward, over the fp32 main gradients (the overlapped buckets would
+            # reduce the bf16 gradients before their fold).
+            distributed.reduce_gradients(self.model, self.par, overlap=self.master is None)
             grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip, self.par)
             loss, aux = distributed.mean_over_ranks(torch.stack([loss.detach(), aux.detach()]))
         self.optimizer.step()
+        if self.master is not None:
+            self.master.write_compute_copies()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         for layer in self.model.moe_layers():
