@@ -218,6 +218,12 @@ def _device_supported(device: torch.device) -> bool:
     return _device_ok[index]
 
 
+def extension_runs_on(device: torch.device) -> bool:
+    """Whether the extension's kernels run on this CUDA device (built, a driver that runs its runtime, built
+    for its architecture): `kernels`' rule without the warning, for choosing an implementation."""
+    return _C is not None and driver_problem() is None and _device_supported(device)
+
+
 def kernels(op: str, t: torch.Tensor):
     """The extension module, or None (after one warning) when `t`'s GPU must use the references:
     the extension is not built, the driver cannot run its CUDA runtime, or it was not built for this

@@ -160,6 +160,165 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 
 # ---------------------------------------------------------------------------------------------------
+# Which implementation runs on a GPU
+#
+# torch._grouped_mm (aten/src/ATen/native/cuda/GroupedBlas.cpp, `_grouped_mm_cuda`; GroupMM.cu,
+# GroupMMCommon.cuh, GroupedMMUtils.h; https://github.com/pytorch/pytorch, main as of torch 2.13):
+#   bool use_fast_path = _scaled_mm_allowed_device(/*sm90_only*/true, /*sm100_only*/true) && a_b_and_out_are_bf16;
+# with `_scaled_mm_allowed_device(true, true)` = `dprops->major == 9 || dprops->major == 10`. The fast path is
+# a CUTLASS ptr-array grouped GEMM (sm_90a, sm_100a; newer wheels add 103a) whose per-group problems are
+# written on the device from `offs`: no host sync. Everywhere else (8.x, 12.x, fp16, fp32) it runs
+# `_grouped_mm_fallback`, which reads `offs.cpu()` and loops over the groups with mm_out: a host sync per
+# call, so it breaks our no-sync / CUDA-graph contract and we never call torch there. Its sm_100 instances
+# are compiled arch-specific (sm_100a, sm_103a), so torch's fast path runs only where its wheel lists that
+# exact architecture (torch.cuda.get_arch_list()). The fast path takes at most 1023 groups, 16-byte aligned
+# base pointers and 16-byte strides (bf16: N and K multiples of 8), reads rows [offs[e-1], offs[e]) with no
+# bound by M (so we clamp the offsets on the device), and leaves the output rows past offs[-1] unwritten.
+#
+# The choice per (GPU, dtype), from what the host knows (no sync), cached per device:
+#   "cutlass_sm90"      our sm_90a CUTLASS kernels: a 9.x GPU, bf16 / fp16, the extension built with them;
+#   "torch_grouped_mm"  torch's CUTLASS fast path: bf16 on 9.x (without our CUTLASS build) or 10.x;
+#   "portable"          our portable kernel (tiled SIMT, fp32 FMA): every other GPU and dtype the extension runs on;
+#   "reference"         the per-expert PyTorch loop: no extension for this GPU (it syncs; after one warning).
+# A call whose shape torch's kernel does not take (alignment, group count, empty sizes) runs ours instead.
+
+CUTLASS_SM90, TORCH_GROUPED_MM, PORTABLE, REFERENCE = "cutlass_sm90", "torch_grouped_mm", "portable", "reference"
+_TORCH_MAX_GROUPS = 1023  # GroupMM.cu: TORCH_CHECK(group_count < 1024)
+
+
+def torch_grouped_mm_fast(capability: tuple[int, int], dtype: torch.dtype, torch_archs) -> bool:
+    """Whether torch._grouped_mm runs its CUTLASS kernel (no host sync) on a GPU of `capability` for `dtype`:
+    bf16, a 9.x or 10.x GPU, and torch built for that exact architecture (`torch_archs`: its arch list)."""
+    major, minor = capability
+    return dtype == torch.bfloat16 and major in (9, 10) and f"sm_{major}{minor}" in torch_archs
+
+
+def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension_runs: bool, cutlass_sm90: bool,
+                   torch_archs) -> str:
+    """The grouped GEMM implementation for a GPU of `capability` and inputs of `dtype` (see the table above).
+    extension_runs: our kernels run on this GPU; cutlass_sm90: the extension holds the sm_90a CUTLASS kernels."""
+    if extension_runs and cutlass_sm90 and capability[0] == 9 and dtype in (torch.bfloat16, torch.float16):
+        return CUTLASS_SM90  # grouped_mm.cu choose_path: half precision, sm90::compiled(), major 9
+    if torch_grouped_mm_fast(capability, dtype, torch_archs):
+        return TORCH_GROUPED_MM
+    return PORTABLE if extension_runs else REFERENCE
+
+
+_device_facts: dict[int, tuple] = {}  # device index -> (capability, extension runs, sm_90a CUTLASS built, torch archs)
+_backends: dict[tuple[int, torch.dtype], str] = {}
+
+
+def _facts(index: int) -> tuple:
+    facts = _device_facts.get(index)
+    if facts is None:
+        C = _ext._C
+        facts = _device_facts[index] = (
+            tuple(torch.cuda.get_device_capability(index)),
+            _ext.extension_runs_on(torch.device("cuda", index)),
+            bool(getattr(C, "grouped_mm_has_sm90", False)),
+            tuple(torch.cuda.get_arch_list()),
+        )
+    return facts
+
+
+def grouped_mm_backend(device: torch.device | str | int, dtype: torch.dtype) -> str:
+    """Which implementation grouped_mm (and its dgrad and wgrad) runs for `dtype` inputs on `device`:
+    "cutlass_sm90", "torch_grouped_mm", "portable" or "reference". Host-side facts only, remembered per
+    device. CPU tensors: "portable" under emulation (the CUDA kernels on the CPU), else "reference"."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type != "cuda":
+        return PORTABLE if device.type == "cpu" and _ext.emulation() and not _ext._reference_mode else REFERENCE
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, dtype)
+    backend = _backends.get(key)
+    if backend is None:
+        capability, runs, sm90, archs = _facts(index)
+        backend = _backends[key] = choose_backend(capability, dtype, extension_runs=runs, cutlass_sm90=sm90,
+                                                  torch_archs=archs)
+    return backend
+
+
+def describe_backend(device: torch.device | str | int) -> str:
+    """What grouped_mm runs on a GPU, per dtype, and why, for `python -m moe_kernels`, e.g.
+    "bf16: torch._grouped_mm (no sm_100 CUTLASS build); fp16, fp32: portable CUDA kernel (torch._grouped_mm's
+    fast path is bf16 only)"."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    capability, _, _, archs = _facts(index)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    lines: dict[str, list[str]] = {}
+    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
+        backend = grouped_mm_backend(index, dtype)
+        if backend == CUTLASS_SM90:
+            line = "CUTLASS sm_90a kernel"
+        elif backend == TORCH_GROUPED_MM:
+            line = "torch._grouped_mm (" + (f"no {arch} CUTLASS build" if capability[0] != 9
+                                            else "the extension has no sm_90a CUTLASS kernels") + ")"
+        else:
+            line = "portable CUDA kernel" if backend == PORTABLE else "PyTorch reference"
+            if capability[0] not in (9, 10):
+                line += f" (torch._grouped_mm syncs the host on {arch})"
+            elif dtype != torch.bfloat16:
+                line += " (torch._grouped_mm's fast path is bf16 only)"
+            elif f"sm_{capability[0]}{capability[1]}" not in archs:
+                line += f" (this torch has no {arch} grouped GEMM)"
+        lines.setdefault(line, []).append(name)
+    return "; ".join(f"{', '.join(names)}: {line}" for line, names in lines.items())
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch._grouped_mm with our contract: offsets cumsum(group_sizes) on the device, clamped to the rows there
+# are (a sum past M never reads or writes outside x and out), dgrad's rows past the groups zeroed, wgrad's
+# empty groups zeroed (a zero-length reduction in CUTLASS leaves its accumulators unwritten). No host sync.
+
+
+def _torch_offsets(group_sizes: Tensor, M: int) -> Tensor:
+    """[E] int32 end row of each group: cumsum of the sizes (negative ones as 0), at most M."""
+    return group_sizes.clamp(min=0).cumsum(0).clamp_(max=M).to(torch.int32)
+
+
+def grouped_mm_torch(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    """grouped_mm through torch._grouped_mm: x [M, K] @ w[e]^T per group; rows past the groups unspecified."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), _torch_offsets(group_sizes, x.shape[0]))
+
+
+def grouped_mm_dgrad_torch(dout: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    """dx [M, K] = dout rows of e @ w[e] through torch._grouped_mm; rows past the groups zero."""
+    M = dout.shape[0]
+    offs = _torch_offsets(group_sizes, M)
+    dx = torch._grouped_mm(dout, w, offs)
+    rows = torch.arange(M, device=dout.device).unsqueeze(1)  # [M, 1]
+    return dx.masked_fill_(rows >= offs[-1], 0)
+
+
+def grouped_mm_wgrad_torch(dout: Tensor, x: Tensor, group_sizes: Tensor) -> Tensor:
+    """dw [E, N, K] = dout_e^T @ x_e through torch._grouped_mm (the groups split the reduction); empty groups
+    zero."""
+    offs = _torch_offsets(group_sizes, dout.shape[0])
+    dw = torch._grouped_mm(dout.t(), x, offs)
+    empty = torch.diff(offs, prepend=offs.new_zeros(1)) == 0  # [E]
+    return dw.masked_fill_(empty[:, None, None], 0)
+
+
+def _takes_torch(op: str, t: Tensor, operands: tuple[Tensor, ...], group_sizes: Tensor, M: int, N: int,
+                 K: int) -> bool:
+    """True when torch._grouped_mm runs this call: the chooser picks it for t's GPU and dtype and its kernel
+    takes the problem (non-empty, at most 1023 groups, 16-byte strides and base pointers). In the checking
+    mode the sizes are validated first (a sync)."""
+    E = group_sizes.shape[0]
+    if not (M and N and K and 0 < E <= _TORCH_MAX_GROUPS):
+        return False
+    if grouped_mm_backend(t.device, t.dtype) != TORCH_GROUPED_MM:
+        return False
+    align = 16 // t.element_size()
+    if N % align or K % align or any(o.data_ptr() % 16 for o in operands):
+        return False
+    if _ext.checks_enabled():
+        _check_sizes_values(group_sizes, M, op)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------
 # CUDA: one launcher for the three products; it picks the sm_90a CUTLASS kernel or the portable one.
 
 
@@ -195,6 +354,8 @@ def _grouped_mm_cuda(x, w, group_sizes):
     _check_fwd(x, w, group_sizes)
     M, K = x.shape
     E, N, _ = w.shape
+    if _takes_torch("grouped_mm", x, (x, w), group_sizes, M, N, K):
+        return grouped_mm_torch(x, w, group_sizes)
     C = _cuda_common("grouped_mm", x, group_sizes, M)
     if C is None:
         return grouped_mm_reference(x, w, group_sizes)
@@ -211,6 +372,8 @@ def _grouped_mm_dgrad_cuda(dout, w, group_sizes):
     _check_dgrad(dout, w, group_sizes)
     M, N = dout.shape
     K = w.shape[2]
+    if _takes_torch("grouped_mm_dgrad", dout, (dout, w), group_sizes, M, N, K):
+        return grouped_mm_dgrad_torch(dout, w, group_sizes)
     C = _cuda_common("grouped_mm_dgrad", dout, group_sizes, M)
     if C is None:
         return grouped_mm_dgrad_reference(dout, w, group_sizes)
@@ -228,6 +391,8 @@ def _grouped_mm_wgrad_cuda(dout, x, group_sizes):
     M, N = dout.shape
     K = x.shape[1]
     E = group_sizes.shape[0]
+    if _takes_torch("grouped_mm_wgrad", dout, (dout, x), group_sizes, M, N, K):
+        return grouped_mm_wgrad_torch(dout, x, group_sizes)
     C = _cuda_common("grouped_mm_wgrad", dout, group_sizes, M)
     if C is None:
         return grouped_mm_wgrad_reference(dout, x, group_sizes)
