@@ -38,7 +38,7 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops.activation import swiglu
-from moe_kernels.ops.grouped_mm import grouped_mm
+from moe_kernels.ops.grouped_mm import TORCH_GROUPED_MM, grouped_mm, grouped_mm_backend
 from moe_kernels.ops.permute import permute, permuted_rows, unpermute
 from moe_kernels.ops.router import resolve_topk_options
 from moe_kernels.ops.router_fused import kernel_fits, launch_bwd, launch_fwd
@@ -247,7 +247,16 @@ def _experts_ops(x, group_sizes, w13, w2, row_weights):
 
 @_register("experts", _experts_ops, "experts_fwd (grouped_mm, swiglu, grouped_mm) / experts_bwd (5 products)")
 def experts_region(L: Launch, x: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None):
+    if not experts_fit(x):
+        return _experts_ops(x, group_sizes, w13, w2, row_weights)
     return _Experts.apply(x, group_sizes, w13, w2, row_weights, L)
+
+
+def experts_fit(x: Tensor) -> bool:
+    """The composite runs our grouped GEMM (CUTLASS on sm_90a, else the portable kernel); where grouped_mm
+    prefers torch._grouped_mm for this GPU and dtype (ops/grouped_mm.py, `grouped_mm_backend`), the region
+    composes the registered ops instead, which call it."""
+    return grouped_mm_backend(x.device, x.dtype) != TORCH_GROUPED_MM
 
 
 # ---------------------------------------------------------------------------------------------------
