@@ -33,6 +33,11 @@ sharded only by tp and ep * etp.
   mixed precision, the unsharded parameter's fp32 `.grad` without it). The plan counts both, unsharded
   (sharded only by tp and ep * etp), instead of FSDP's two layers and the sharded gradients.
 
+With `master_weights` (the trainer's paths without FSDP: one process, or expert-parallel replicas;
+moe_kernels.train.master), per parameter a rank holds whole (its experts' slice): the fp32 master 4, a bf16 copy
+c (not the routers', which compute in fp32), the fp32 main gradient 4 and AdamW 8; and transiently one bf16
+gradient, the largest, until its hook adds it into its main gradient. Nothing is gathered.
+
 Activations: the tensors autograd saves for the backward (what torch.autograd.graph.saved_tensors_hooks
 sees, each storage once: a saved view holds its whole base), per micro-batch, read from the code of
 moe_kernels.models, .nn, .dispatch and .parallel as it runs (CUDA's fused regions save the same tensors as
@@ -126,6 +131,7 @@ class MemoryPlan:
     dispatch: float = 0.0  # the nvlink backend's peer buffers
     pp_rank: int = 0  # the pipeline rank these numbers are for
     compute_dtype: torch.dtype = torch.bfloat16
+    master_weights: bool = False  # params: fp32 masters + compute copies; grads: fp32 main + one compute-dtype
 
     @property
     def total(self) -> float:
@@ -151,11 +157,17 @@ class MemoryPlan:
     def table(self) -> str:
         dt = str(self.compute_dtype).removeprefix("torch.").replace("bfloat16", "bf16").replace("float", "fp")
         pipelined = self.layout.pp > 1
-        rows = [("parameters (fp32, sharded)", self.params),
-                ("gradients (fp32, stage unsharded)" if pipelined else "gradients (fp32, sharded)", self.grads),
-                ("optimizer state (AdamW, fp32)", self.optimizer),
-                (f"stage parameters gathered ({dt})" if pipelined else f"FSDP-gathered layers ({dt})", self.gathered),
-                ("activations", self.activations), ("logits, loss, stage buffers", self.workspace)]
+        if self.master_weights:
+            rows = [(f"parameters (fp32 + {dt} copies)", self.params),
+                    (f"gradients (fp32 + one {dt})", self.grads)]
+        else:
+            rows = [("parameters (fp32, sharded)", self.params),
+                    ("gradients (fp32, stage unsharded)" if pipelined else "gradients (fp32, sharded)", self.grads)]
+        rows += [("optimizer state (AdamW, fp32)", self.optimizer),
+                 (f"stage parameters gathered ({dt})" if pipelined else f"FSDP-gathered layers ({dt})", self.gathered),
+                 ("activations", self.activations), ("logits, loss, stage buffers", self.workspace)]
+        if self.master_weights:  # no FSDP
+            del rows[3]
         if self.dispatch:
             rows.append(("nvlink dispatch buffers", self.dispatch))
         rows += [("reserve (context, buffers)", self.reserve), ("total", self.total)]
@@ -341,7 +353,8 @@ def _per_round(pp: int, n: int) -> int:
 def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activation_checkpointing: bool = False,
                 gpu_bytes: float = 80e9, compute_dtype: torch.dtype = torch.bfloat16, ep_backend: str = "all_to_all",
                 capacity: float | None = None, num_microbatches: int | None = None, schedule: str = "1f1b",
-                stages_per_rank: int | None = None, pp_rank: int | None = None, fused_loss: bool = True) -> MemoryPlan:
+                stages_per_rank: int | None = None, pp_rank: int | None = None, fused_loss: bool = True,
+                master_weights: bool = False) -> MemoryPlan:
     """Per-GPU memory of training model config `cfg` (moe_kernels.models) under the resolved layout `pc`
     (module docstring).
 
@@ -352,7 +365,8 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
     num_microbatches (default pp), schedule ("1f1b", "gpipe", "interleaved-1f1b") and stages_per_rank
     (default 2 for the interleaved schedule, else 1): the pipeline's. pp_rank: the pipeline rank to report
     (default: the one whose total is largest). fused_loss: the LM loss by linear_cross_entropy (moe-train's
-    default, TrainConfig.fused_ce) or over materialised logits."""
+    default, TrainConfig.fused_ce) or over materialised logits. master_weights: the trainer's path without FSDP
+    (a layout of expert parallelism alone) with fp32 master weights and bf16 copies (module docstring)."""
     from moe_kernels.models import build_model
     from moe_kernels.parallel.pipeline import stage_bounds
 
@@ -363,6 +377,9 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
         raise ValueError(f"plan_memory: capacity must be a factor > 0 of the balanced load, or None; got {capacity!r}")
     if schedule not in SCHEDULES:
         raise ValueError(f"plan_memory: schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if master_weights and pc.tp * pc.cp * pc.pp * pc.etp * pc.dp_replicate > 1:
+        raise ValueError("plan_memory: master_weights is the trainer's path without FSDP (expert parallelism alone); "
+                         f"this layout ({pc.describe()}) trains under FSDP's mixed precision")
     c = torch.empty((), dtype=compute_dtype).element_size()
     P = pc.pp
     v = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved-1f1b" and P > 1 else 1)
@@ -372,6 +389,8 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
     stage_of = {i: s for s, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
     with torch.device("meta"):
         model = build_model(cfg)
+    fp32_kept = {n for n, p in build_model(cfg, device="meta", dtype=compute_dtype).named_parameters()
+                 if p.dtype == torch.float32} if compute_dtype != torch.float32 else set(model.state_dict())
 
     # The experts' own FSDP unit spans edp, the replicas included; without ep, etp, tp and cp they are in their
     # block's unit, over dp_shard (replicated over dp_replicate).
@@ -380,6 +399,7 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
     sharded, unsharded = [0.0] * P, [0.0] * P
     layer_local = [0.0] * L
     root_local = 0.0  # the parameters outside the blocks (embedding, final norm, LM head)
+    copied, largest = [0.0] * P, [0.0] * P  # master_weights: local elements with a compute copy; the largest
     for name, p in model.named_parameters():
         m = _LAYER.match(name)
         layer = int(m.group(1)) if m else None
@@ -397,6 +417,9 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
             local = n / pc.tp if cat == "split" else n
             sharded[rank] += n / (pc.tp * pc.dp_shard * pc.cp)
         unsharded[rank] += local
+        if name not in fp32_kept:
+            copied[rank] += local
+            largest[rank] = max(largest[rank], local)
         if layer is not None:
             layer_local[layer] += local
         else:
@@ -425,9 +448,14 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
         if ep_backend == "nvlink" and pc.ep > 1 and any(hi > cfg.first_k_dense for lo, hi in
                                                        (bounds[r + j * P] for j in range(v))):
             dispatch = nvlink_buffer_bytes(cfg, pc, batch_size * seq_len / (pc.cp * pc.tp), c, capacity)
-        plans.append(MemoryPlan(pc, params=4 * sharded[r], grads=grads, optimizer=8 * sharded[r], gathered=gathered,
+        params, optimizer = 4 * sharded[r], 8 * sharded[r]
+        if master_weights:  # every local parameter whole, no FSDP
+            params, grads = 4 * unsharded[r] + c * copied[r], 4 * unsharded[r] + c * largest[r]
+            optimizer, gathered = 8 * unsharded[r], 0.0
+        plans.append(MemoryPlan(pc, params=params, grads=grads, optimizer=optimizer, gathered=gathered,
                                 activations=acts, reserve=RESERVE, gpu_bytes=gpu_bytes, workspace=work,
-                                dispatch=dispatch, pp_rank=r, compute_dtype=compute_dtype))
+                                dispatch=dispatch, pp_rank=r, compute_dtype=compute_dtype,
+                                master_weights=master_weights))
     if pp_rank is not None:
         if not 0 <= pp_rank < P:
             raise ValueError(f"plan_memory: pp_rank {pp_rank} is not a rank of pp={P}")

@@ -32,7 +32,13 @@ def train(
     eval_every: int = typer.Option(100),
     checkpoint_every: int = typer.Option(100),
     device: Optional[str] = typer.Option(None, help="cuda or cpu (default: cuda when available)."),
-    bf16: bool = typer.Option(True, help="bf16 autocast on a GPU."),
+    bf16: bool = typer.Option(True, help="bf16 compute on a GPU (master weights, or autocast with "
+                              "--no-master-weights)."),
+    master_weights: Optional[bool] = typer.Option(None, "--master-weights/--no-master-weights", help="bf16 "
+                                                  "parameters for compute, fp32 master weights and gradients for "
+                                                  "AdamW, no autocast (under --dp-shard etc.: FSDP's bf16 / fp32 "
+                                                  "policy). Default: on with --bf16 on a GPU; forced on, on the CPU "
+                                                  "too."),
     precision: str = typer.Option("bf16", help="Expert GEMMs: bf16 (the autocast precision), fp8-blockwise "
                                   "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 128) or nvfp4 "
                                   "(the NVFP4 recipe's numerics, not faster on Hopper; sizes multiples of 16)."),
@@ -96,7 +102,7 @@ def train(
     if plan:
         _plan(layout, preset, num_layers, batch_size, seq_len, activation_checkpointing, world_size, gpu_memory_gb,
               ep_backend=ep_backend, capacity_factor=capacity_factor, microbatches=microbatches,
-              pp_schedule=pp_schedule, fused_ce=fused_ce)
+              pp_schedule=pp_schedule, fused_ce=fused_ce, master_weights=bf16 if master_weights is None else master_weights)
         raise typer.Exit()
     if world_size is not None:
         raise typer.BadParameter("--world-size is for --plan only (the world size is torchrun's)",
@@ -105,7 +111,8 @@ def train(
         cfg = TrainConfig(
             preset=preset, data=str(data) if data else None, steps=steps, batch_size=batch_size, seq_len=seq_len,
             lr=lr, warmup_steps=min(warmup_steps, steps), num_layers=num_layers, out_dir=str(out), log_every=log_every,
-            eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16, precision=precision,
+            eval_every=eval_every, checkpoint_every=checkpoint_every, device=device, bf16=bf16,
+            master_weights=master_weights, precision=precision,
             activation_checkpointing=activation_checkpointing, fused_ce=fused_ce, tensorboard=tensorboard, seed=seed,
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
             dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp, pp=pp, microbatches=microbatches,
@@ -140,9 +147,12 @@ def train(
 
 def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkpointing: bool, world_size,
           gpu_memory_gb: float, *, ep_backend: str = "all_to_all", capacity_factor: float | None = None,
-          microbatches: int | None = None, pp_schedule: str = "1f1b", fused_ce: bool = True) -> None:
+          microbatches: int | None = None, pp_schedule: str = "1f1b", fused_ce: bool = True,
+          master_weights: bool = True) -> None:
     """moe-train --plan: the layout, its per-GPU memory table and the verdict; exit 1 for an impossible layout.
-    With pipeline stages the step's batch splits into micro-batches, as training splits it."""
+    With pipeline stages the step's batch splits into micro-batches, as training splits it. A layout that trains
+    without FSDP (expert parallelism alone, or one GPU) counts master weights unless they are off; one under
+    FSDP counts FSDP's fp32 shards and bf16 gathered copies."""
     from moe_kernels.models import PRESETS
     from moe_kernels.parallel.plan import plan_memory
 
@@ -152,6 +162,8 @@ def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkp
     if num_layers is not None:
         overrides["num_layers"] = num_layers
     cfg = PRESETS[preset](**overrides)
+    without_fsdp = (layout.dp_shard is None and layout.dp_replicate * layout.tp * layout.cp * layout.pp
+                    * layout.etp == 1)  # TrainConfig.sharded is False
     try:
         layout = layout.resolve(world_size)
         n_mb = (microbatches or layout.pp) if layout.pp > 1 else 1
@@ -161,7 +173,7 @@ def _plan(layout, preset: str, num_layers, batch_size: int, seq_len: int, checkp
                              activation_checkpointing=checkpointing, gpu_bytes=gpu_memory_gb * 1e9,
                              ep_backend=ep_backend, capacity=capacity_factor,
                              num_microbatches=n_mb if layout.pp > 1 else None, schedule=pp_schedule,
-                             fused_loss=fused_ce)
+                             fused_loss=fused_ce, master_weights=master_weights and without_fsdp)
     except ValueError as exc:
         print(f"moe-train --plan: {preset}: {exc}")
         raise typer.Exit(1) from exc
