@@ -1,25 +1,31 @@
 """One training step (forward, backward, AdamW) of a qwen3-30b-a3b-shaped model with fewer layers on one
 GPU: our kernels against the same model on the torch-native composition (MoE layers with
-backend="torch": argsort dispatch + torch._grouped_mm + index_add_). Same weights, same batch.
+backend="torch": argsort dispatch + torch._grouped_mm + index_add_). Same weights, same batches, the same
+step for both: the LM loss fused with the lm_head (linear_cross_entropy, moe-train's default) under bf16
+autocast, fused AdamW, gradient accumulation over the step's micro-batches.
 
-Timing: 3 untimed steps, then 10 timed steps (5 with --quick), each between CUDA events (perf_counter on
-the CPU); the median is reported. FLOPs per token from moe_kernels.models.flops_per_token (active experts
-only, fwd + bwd); MFU against the GPU's bf16 datasheet peak (989 TFLOP/s on H100/H200) and against the
-matmul ceiling measured in the same run.
+Cases: micro-batches of B4 x S1024 (S2048 without --quick), 1, 4 and 16 of them a step (4k, 16k and 64k
+tokens); in the perf mode `ctx.tokens` gives the tokens a step (4096, 16384, 65536 -> 1, 4, 16
+micro-batches). Timing: 3 untimed steps, then 10 timed (5 with --quick), each between CUDA events, split
+at the end of the last backward: fwd+bwd and optimizer (AdamW step and zero_grad) reported separately
+(`extra`: fwd_bwd_us, optim_us, optim_share_pct) beside the step's median; peak memory of the step
+(`peak_mem_gb`). FLOPs per token from moe_kernels.models.flops_per_token (active experts only, fwd + bwd);
+MFU against the GPU's bf16 datasheet peak (989 TFLOP/s on H100/H200) and against the matmul ceiling
+measured in the same run.
 
-A second op, train_step_fp8: the same step with the routed experts on the FP8 blockwise recipe
-(moe_kernels.quant.Fp8BlockwiseRecipe: E4M3 forward and dgrad, bf16 wgrad), against our bf16 step and the
-torch-native one; its first loss must be within 5% of the bf16 step's (FP8 rounding). On the CPU the tiny
-model is widened to 128 (the recipe's block) so this path runs there too.
+A second op, train_step_fp8 (one micro-batch a step): the same step with the routed experts on the FP8
+blockwise recipe (moe_kernels.quant.Fp8BlockwiseRecipe), against our bf16 step and the torch-native one;
+its first loss must be within 5% of the bf16 step's (FP8 rounding). On the CPU the tiny model is widened to
+128 (the recipe's block) so this path runs there too.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
 from moe_kernels.quant import RECIPES
@@ -31,33 +37,59 @@ from . import harness as h
 _BAR = bars.bar("train")
 
 
+MICRO_BATCH = 4  # sequences per micro-batch
+MICRO_BATCHES = (1, 4, 16)
+
+
 def _cases(ctx: h.Context):
+    """(preset, overrides, sequences per micro-batch, seq, micro-batches a step)."""
     if not ctx.is_cuda:
-        return [("tiny-qwen3-moe", dict(vocab_size=256, hidden_size=128, ffn_size=128), 4, 64)]
+        tiny = ("tiny-qwen3-moe", dict(vocab_size=256, hidden_size=128, ffn_size=128))
+        return [(*tiny, 4, 64, 1), (*tiny, 4, 64, 2)]
     seq = 1024 if ctx.quick else 2048
-    # ctx.tokens (perf mode): tokens per step, as batches of `seq`-token sequences.
-    batches = [max(1, t // seq) for t in ctx.tokens] if ctx.tokens else [4]
-    return [("qwen3-30b-a3b-4layers", {}, b, seq) for b in batches]
+    per_micro = MICRO_BATCH * seq
+    if ctx.tokens:  # perf mode: tokens a step
+        shapes = [(min(MICRO_BATCH, max(1, t // seq)), max(1, t // per_micro)) for t in ctx.tokens]
+    else:
+        shapes = [(MICRO_BATCH, n) for n in MICRO_BATCHES]
+    return [("qwen3-30b-a3b-4layers", {}, b, seq, n) for b, n in shapes]
 
 
-def _time_steps(ctx: h.Context, step, warmup: int, reps: int) -> h.Timing:
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(reps):
-        if ctx.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append((time.perf_counter() - t0) * 1e6)
+@dataclass
+class StepTiming:
+    step: h.Timing
+    fwd_bwd_us: float  # medians of the parts
+    optim_us: float
+
+
+def _median_timing(times: list[float]) -> h.Timing:
     q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
     return h.Timing(us=statistics.median(times), p20_us=q[0], p80_us=q[-1])
+
+
+def _time_steps(ctx: h.Context, step, warmup: int, reps: int) -> StepTiming:
+    """`step(mark)` calls `mark()` between the last backward and the optimizer."""
+    for _ in range(warmup):
+        step(lambda: None)
+    total, fwd_bwd = [], []
+    for _ in range(reps):
+        if ctx.is_cuda:
+            start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            step(mid.record)
+            end.record()
+            end.synchronize()
+            total.append(start.elapsed_time(end) * 1e3)
+            fwd_bwd.append(start.elapsed_time(mid) * 1e3)
+        else:
+            marks = []
+            t0 = time.perf_counter()
+            step(lambda: marks.append(time.perf_counter()))
+            t1 = time.perf_counter()
+            total.append((t1 - t0) * 1e6)
+            fwd_bwd.append((marks[-1] - t0) * 1e6)
+    fb = statistics.median(fwd_bwd)
+    return StepTiming(_median_timing(total), fb, statistics.median(t - f for t, f in zip(total, fwd_bwd)))
 
 
 def _build(preset: str, overrides: dict, backend: str, device, state=None, recipe=None):
@@ -69,40 +101,58 @@ def _build(preset: str, overrides: dict, backend: str, device, state=None, recip
     return model, opt
 
 
-def _step_fn(ctx: h.Context, model, opt, x, y):
+def _step_fn(ctx: h.Context, model, opt, xs, ys):
+    """One optimizer step over the micro-batches xs, ys: each loss scaled by 1 / len(xs), gradients summed."""
     autocast = torch.autocast(device_type=ctx.device.type, dtype=torch.bfloat16, enabled=ctx.is_cuda)
+    n = len(xs)
 
-    def step():
-        with autocast:
-            logits, aux = model(x)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten()) + aux
-        loss.backward()
+    def step(mark=lambda: None):
+        total = torch.zeros((), device=xs[0].device)
+        for x, y in zip(xs, ys):
+            with autocast:
+                loss, aux = model(x, y)
+            ((loss + aux) / n).backward()
+            total += loss.detach() / n
+        mark()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss.detach()
+        return total
 
     return step
+
+
+def _peak_gb(ctx: h.Context, step) -> float:
+    """Peak memory allocated during one step (0 on the CPU)."""
+    if not ctx.is_cuda:
+        return 0.0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated(ctx.device) / 1e9
 
 
 def run(ctx: h.Context) -> h.Report:
     results, headline, failures = [], [], []
     warmup, reps = 3, (5 if ctx.quick else 10)
     all_cases = _cases(ctx)
-    for i, (preset, overrides, batch, seq) in enumerate(all_cases):
+    peak = peak_flops(ctx.device)
+    for i, (preset, overrides, batch, seq, micro) in enumerate(all_cases):
         if i:  # the previous case is done (the loop below may `continue` past its end)
             ctx.case_done("train", i - 1, len(all_cases))
         overrides = {**overrides, "max_seq_len": seq}
         cfg = PRESETS[preset](**overrides)
-        case = f"{preset}/B{batch}xS{seq}"
+        case = f"{preset}/B{batch}xS{seq}" + (f"x{micro}" if micro > 1 else "")
         g = torch.Generator().manual_seed(0)
-        x = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(ctx.device)
-        y = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(ctx.device)
+        xs = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(ctx.device) for _ in range(micro)]
+        ys = [torch.randint(0, cfg.vocab_size, (batch, seq), generator=g).to(ctx.device) for _ in range(micro)]
         ours, ours_opt = _build(preset, overrides, "kernels", ctx.device)
         state = {k: v.clone() for k, v in ours.state_dict().items()}
-        step = _step_fn(ctx, ours, ours_opt, x, y)
+        step = _step_fn(ctx, ours, ours_opt, xs, ys)
         first = step()
         timing = _time_steps(ctx, step, warmup, reps)
-        if ctx.profile:  # one profiled step, kept as its key_averages table (no raw trace)
+        peak_gb = _peak_gb(ctx, step)
+        if ctx.profile and micro == 1:  # one profiled step, kept as its key_averages table (no raw trace)
             ctx.out_dir.mkdir(parents=True, exist_ok=True)
             table = h.profile_table(step, (), device=ctx.device, reps=1)
             (ctx.out_dir / f"profile_train_step_B{batch}xS{seq}.txt").write_text(f"{case}, one step\n{table}\n")
@@ -110,37 +160,48 @@ def run(ctx: h.Context) -> h.Report:
         if ctx.is_cuda:
             torch.cuda.empty_cache()
         peer, peer_opt = _build(preset, overrides, "torch", ctx.device, state)
-        peer_step = _step_fn(ctx, peer, peer_opt, x, y)
+        peer_step = _step_fn(ctx, peer, peer_opt, xs, ys)
         peer_first = peer_step()
-        # Same weights and batch: the first losses agree to bf16 precision (routing near-ties aside).
+        # Same weights and batches: the first losses agree to bf16 precision (routing near-ties aside).
         if abs(float(first) - float(peer_first)) > 2e-2 * max(1.0, abs(float(peer_first))):
             failures.append(f"{case}: first-step loss {float(first):.4f} vs torch-native {float(peer_first):.4f}")
             continue
         peer_timing = _time_steps(ctx, peer_step, warmup, reps)
         del peer, peer_opt, peer_step
-        fp8 = _fp8_step(ctx, preset, overrides, state, x, y, float(first), warmup, reps, case, failures)
-        tokens = batch * seq
+        if ctx.is_cuda:
+            torch.cuda.empty_cache()
+        fp8 = None
+        if micro == 1:
+            fp8 = _fp8_step(ctx, preset, overrides, state, xs, ys, float(first), warmup, reps, case, failures)
+        tokens = batch * seq * micro
         flops = flops_per_token(cfg, seq) * tokens
-        res = h.make_result(ctx, op="train_step", case=case, shape={"batch": batch, "seq": seq, "layers": cfg.num_layers},
-                            dtype=torch.bfloat16 if ctx.is_cuda else torch.float32, timing=timing, nbytes=0,
-                            flops=flops, peers={"torch_native": peer_timing})
+        res = h.make_result(ctx, op="train_step", case=case,
+                            shape={"batch": batch, "seq": seq, "micro_batches": micro, "layers": cfg.num_layers},
+                            dtype=torch.bfloat16 if ctx.is_cuda else torch.float32, timing=timing.step, nbytes=0,
+                            flops=flops, peers={"torch_native": peer_timing.step})
+        tflops = flops / timing.step.us / 1e6
+        res.extra.update(fwd_bwd_us=timing.fwd_bwd_us, optim_us=timing.optim_us,
+                         optim_share_pct=100 * timing.optim_us / max(timing.step.us, 1e-9), peak_mem_gb=peak_gb,
+                         tokens_per_step=tokens, mfu_datasheet_pct=100 * tflops * 1e12 / peak if peak else 0.0,
+                         peer_fwd_bwd_us=peer_timing.fwd_bwd_us, peer_optim_us=peer_timing.optim_us)
         results.append(res)
-        tflops = flops / timing.us / 1e6
-        peak = peak_flops(ctx.device)
         mfu = f"MFU {100 * tflops * 1e12 / peak:.1f}% of the {peak / 1e12:.0f} TFLOP/s datasheet peak" if peak else "MFU n/a"
         # The % of ceiling is read after the family's end measurement (ctx.finish) has judged it again.
-        headline.append(lambda res=res, case=case, timing=timing, tokens=tokens, tflops=tflops, mfu=mfu: (
-            f"train_step {case}: {1e6 / timing.us:.2f} steps/s, {tokens / timing.us * 1e6:,.0f} tokens/s, "
+        headline.append(lambda res=res, case=case, timing=timing, tokens=tokens, tflops=tflops, mfu=mfu, peak_gb=peak_gb: (
+            f"train_step {case}: {tokens:,} tokens a step, {tokens / timing.step.us * 1e6:,.0f} tokens/s, "
             f"{res.speedup['torch_native']:.2f}x the torch-native composition (bar: >= {_BAR.threshold('speedup:torch_native').value:g}x); "
-            f"{tflops:.1f} TFLOP/s, {mfu} (bar: >= {_BAR.threshold('mfu_pct').value:g}%), {res.pct_of_ceiling:.1f}% of the measured matmul ceiling"
+            f"{tflops:.1f} TFLOP/s, {mfu} (bar: >= {_BAR.threshold('mfu_pct').value:g}%), {res.pct_of_ceiling:.1f}% of the measured "
+            f"matmul ceiling; fwd+bwd {timing.fwd_bwd_us / 1e3:.1f} ms, optimizer {timing.optim_us / 1e3:.1f} ms "
+            f"({res.extra['optim_share_pct']:.0f}%), peak {peak_gb:.1f} GB"
         ))
         if fp8 is not None:
             res8 = h.make_result(ctx, op="train_step_fp8", case=case, shape=res.shape, dtype=torch.float8_e4m3fn,
-                                 timing=fp8, nbytes=0, flops=flops,
-                                 peers={"moe_kernels_bf16": timing, "torch_native": peer_timing})
+                                 timing=fp8.step, nbytes=0, flops=flops,
+                                 peers={"moe_kernels_bf16": timing.step, "torch_native": peer_timing.step})
+            res8.extra.update(fwd_bwd_us=fp8.fwd_bwd_us, optim_us=fp8.optim_us)
             results.append(res8)
             headline.append(
-                f"train_step_fp8 {case}: {tokens / fp8.us * 1e6:,.0f} tokens/s, {res8.speedup['moe_kernels_bf16']:.2f}x "
+                f"train_step_fp8 {case}: {tokens / fp8.step.us * 1e6:,.0f} tokens/s, {res8.speedup['moe_kernels_bf16']:.2f}x "
                 f"our bf16 step, {res8.speedup['torch_native']:.2f}x the torch-native composition"
             )
     ctx.finish("train", results)
@@ -148,7 +209,7 @@ def run(ctx: h.Context) -> h.Report:
                     failures=failures)
 
 
-def _fp8_step(ctx, preset, overrides, state, x, y, bf16_loss, warmup, reps, case, failures) -> h.Timing | None:
+def _fp8_step(ctx, preset, overrides, state, xs, ys, bf16_loss, warmup, reps, case, failures) -> StepTiming | None:
     recipe = RECIPES["fp8-blockwise"]
     try:
         PRESETS[preset](**overrides, recipe=recipe)
@@ -158,7 +219,7 @@ def _fp8_step(ctx, preset, overrides, state, x, y, bf16_loss, warmup, reps, case
     if ctx.is_cuda:
         torch.cuda.empty_cache()
     model, opt = _build(preset, overrides, "kernels", ctx.device, state, recipe=recipe)
-    step = _step_fn(ctx, model, opt, x, y)
+    step = _step_fn(ctx, model, opt, xs, ys)
     first = float(step())
     if abs(first - bf16_loss) > 5e-2 * max(1.0, abs(bf16_loss)):
         failures.append(f"{case}: FP8 first-step loss {first:.4f} vs bf16 {bf16_loss:.4f}")

@@ -23,8 +23,9 @@ them through):
             profiled kernel by kernel (profile_fp8_recipe_*.txt)
   permute   the permute family at deepseek-v3 / 8192 tokens (the 85% bar), unpermute backward included
   dispatch  virtual-rank dispatch and combine at 20 SMs and at all SMs
-  step      the training step at three batch sizes (4k, 8k, 16k tokens a step) and one profiled step's
-            key_averages table (profile_train_step_*.txt)
+  step      the training step at 1, 4 and 16 micro-batches of 4k tokens (4k, 16k, 64k tokens a step), fwd+bwd
+            and optimizer time apart, peak memory, and one profiled step's key_averages table
+            (profile_train_step_*.txt)
 Each part runs its families through the bench harness (same timing method, ceilings at the start,
 middle and end, provenance in every JSON) and writes perf_<part>_<family>.json and its log line as soon
 as the family ends (bench_perf_<part>_<family>[_T<tokens>].json), so a run cut short keeps what it
@@ -138,7 +139,7 @@ PARTS: dict[str, Part] = {p.name: p for p in (
          min_s=60),
     Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
     Part("dispatch", (Run("dispatch", models=("deepseek-v3",)),), min_s=30),
-    Part("step", (Run("train", tokens=(4096, 8192, 16384), profile=True),), min_s=90),
+    Part("step", (Run("train", tokens=(4096, 16384, 65536), profile=True),), min_s=90),
 )}
 
 app = typer.Typer(add_completion=False)
