@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import platform
 
 import torch
@@ -77,6 +78,9 @@ def collect() -> dict:
         op: ("CUDA kernel" if on_gpu and all(hasattr(C, f) for f in fns) else "PyTorch reference")
         for op, fns in CUDA_OPS.items()
     }
+    if gpus:  # the grouped GEMMs choose per GPU and dtype (ops/grouped_mm.py, `grouped_mm_backend`)
+        info["ops"]["grouped_mm"] = importlib.import_module("moe_kernels.ops.grouped_mm").describe_backend(0)
+        info["ops"]["grouped_mm_fp8"] = importlib.import_module("moe_kernels.ops.grouped_mm_fp8").describe_backend(0)
     notes = []
     if driver_problem:  # the same rule as the ops' fallback (_ext.kernels)
         notes.append(f"{driver_problem}; until then every op runs its PyTorch reference")

@@ -176,7 +176,7 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 # bound by M (so we clamp the offsets on the device), and leaves the output rows past offs[-1] unwritten.
 #
 # The choice per (GPU, dtype), from what the host knows (no sync), cached per device:
-#   "cutlass_sm90"      our sm_90a CUTLASS kernels: a 9.x GPU, bf16 / fp16, the extension built with them;
+#   "cutlass_sm90"      our sm_90a CUTLASS kernels: a 9.x GPU, bf16 / fp16 / E4M3, the extension built with them;
 #   "torch_grouped_mm"  torch's CUTLASS fast path: bf16 on 9.x (without our CUTLASS build) or 10.x;
 #   "portable"          our portable kernel (tiled SIMT, fp32 FMA): every other GPU and dtype the extension runs on;
 #   "reference"         the per-expert PyTorch loop: no extension for this GPU (it syncs; after one warning).
@@ -184,6 +184,7 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 CUTLASS_SM90, TORCH_GROUPED_MM, PORTABLE, REFERENCE = "cutlass_sm90", "torch_grouped_mm", "portable", "reference"
 _TORCH_MAX_GROUPS = 1023  # GroupMM.cu: TORCH_CHECK(group_count < 1024)
+_CUTLASS_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
 
 def torch_grouped_mm_fast(capability: tuple[int, int], dtype: torch.dtype, torch_archs) -> bool:
@@ -197,8 +198,8 @@ def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension
                    torch_archs) -> str:
     """The grouped GEMM implementation for a GPU of `capability` and inputs of `dtype` (see the table above).
     extension_runs: our kernels run on this GPU; cutlass_sm90: the extension holds the sm_90a CUTLASS kernels."""
-    if extension_runs and cutlass_sm90 and capability[0] == 9 and dtype in (torch.bfloat16, torch.float16):
-        return CUTLASS_SM90  # grouped_mm.cu choose_path: half precision, sm90::compiled(), major 9
+    if extension_runs and cutlass_sm90 and capability[0] == 9 and dtype in _CUTLASS_DTYPES:
+        return CUTLASS_SM90  # grouped_mm.cu choose_path: bf16, fp16 or E4M3 (blockwise), sm90::compiled(), major 9
     if torch_grouped_mm_fast(capability, dtype, torch_archs):
         return TORCH_GROUPED_MM
     return PORTABLE if extension_runs else REFERENCE

@@ -10,11 +10,20 @@ rows of codes and scales give zeros, not 0 * inf = NaN). On sm_90a with K % 128 
 runs CUTLASS's FP8 blockwise ptr-array kernel: E4M3 WGMMA, fp32 accumulators promoted and scaled by the
 two block scales every 128 of K, bf16 output, shapes and scale layouts per group written on the device
 (no host sync). Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast, and
-it holds fp32 copies of both operands. Rows past the groups are unspecified, as in grouped_mm. Forward
+it holds fp32 copies of both operands.
+
+On a GPU without the sm_90a kernels (an A100 or A10, which have no FP8 tensor cores; an L4, B200, B300 or
+RTX 50, or an extension built without them) both FP8 ops take that dequantize path, after one
+RuntimeWarning that says so. torch offers no replacement: torch._scaled_grouped_mm (and its v2,
+torch.nn.functional.scaled_grouped_mm) takes row-wise fp32 scales or MXFP8 / MXFP4 / NVFP4 block scales,
+not 1x128 / 128x128 blockwise ones (GroupedBlas.cpp's `scale_grouped_kernel_dispatch` lists rowwise_rowwise,
+mxfp8, mxfp4 and nvfp4 only), and runs only on 9.x and 10.x. Rows past the groups are unspecified, as in grouped_mm. Forward
 only: there is no autograd (a training recipe wraps it with its own backward).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -22,9 +31,13 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels.ops._checks import check_tensor
 from moe_kernels.ops.grouped_mm import (
+    CUTLASS_SM90,
+    PORTABLE,
+    REFERENCE,
     _check_sizes_values,
     _launch,
     grouped_mm,
+    grouped_mm_backend,
     grouped_mm_reference,
     grouped_mm_wgrad_reference,
 )
@@ -96,6 +109,42 @@ def _dequantize_experts(w_q: Tensor, w_scale: Tensor) -> Tensor:
     return torch.stack(parts) if parts else w_q.new_empty((0, N, K), dtype=torch.float32)
 
 
+_warned_no_fp8_kernel = False
+
+
+def _why_no_fp8_kernel(capability: tuple[int, int]) -> str:
+    major, minor = capability
+    if (major, minor) < (8, 9):
+        return f"this GPU (sm_{major}{minor}) has no FP8 tensor cores"
+    if major == 9:
+        return "the extension was built without its sm_90a CUTLASS kernels"
+    return (f"moe_kernels has no FP8 blockwise kernel for sm_{major}{minor} (its CUTLASS kernels are sm_90a) and "
+            "torch._scaled_grouped_mm takes no 1x128 / 128x128 block scales")
+
+
+def _warn_without_fp8_kernel(t: Tensor) -> None:
+    """One RuntimeWarning per process when the FP8 ops dequantize on a GPU for want of the sm_90a kernels."""
+    global _warned_no_fp8_kernel
+    if _warned_no_fp8_kernel or t.device.type != "cuda" or grouped_mm_backend(t.device, _E4M3) != PORTABLE:
+        return
+    _warned_no_fp8_kernel = True
+    why = _why_no_fp8_kernel(tuple(torch.cuda.get_device_capability(t.device)))
+    warnings.warn(f"{why}: grouped_mm_fp8 and grouped_mm_fp8_wgrad dequantize to fp32 and run the portable grouped "
+                  "GEMM (correct, slower than bf16, fp32 copies of both operands)", RuntimeWarning, stacklevel=4)
+
+
+def describe_backend(device: torch.device | int) -> str:
+    """What the FP8 grouped GEMMs run on a GPU, for `python -m moe_kernels`."""
+    backend = grouped_mm_backend(device, _E4M3)
+    if backend == CUTLASS_SM90:
+        return "CUTLASS sm_90a FP8 blockwise kernel"
+    if backend == REFERENCE:
+        return "PyTorch reference"
+    index = device if isinstance(device, int) else torch.device(device).index or 0
+    return ("dequantized to fp32, portable CUDA kernel ("
+            f"{_why_no_fp8_kernel(tuple(torch.cuda.get_device_capability(index)))})")
+
+
 def _inverse_scale(scale: Tensor) -> Tensor:
     """1 / scale, and 0 where the scale is 0 (a block of zeros)."""
     return torch.where(scale == 0, 0.0, scale.reciprocal())
@@ -134,6 +183,7 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     if _launch_fp8(C, _FWD, x_q, w_q, out, _inverse_scale(x_scale), _inverse_scale(w_scale), group_sizes, M, N, K):
         return out
     # Not sm_90a, or N % 8: the fp32 path (memory: fp32 copies).
+    _warn_without_fp8_kernel(x_q)
     x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
     return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
 
@@ -173,11 +223,8 @@ def quantize_fp8_tokens(t: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor,
     """[M, C] -> (E4M3 [C, Mp], fp32 [C, Mp / 128]): quantize_fp8(t^T, "block"), i.e. 1x128 blocks along
     the tokens, with the tokens zero-padded to Mp = M rounded up to 128 (whole blocks, 16-byte rows).
     The operands of grouped_mm_fp8_wgrad: with every group 128-aligned, no block straddles two experts."""
-    M, C = t.shape
-    Mp = -(-M // BLOCK) * BLOCK
-    tt = t.new_zeros((C, Mp))
-    tt[:, :M] = t.t()
-    return quantize_fp8(tt, "block", pow2_scale=pow2_scale)
+    # One pass on the GPU (transpose, padding and quantization); the reference is the composition.
+    return torch.ops.moe_kernels.quantize_fp8_tokens(t, bool(pow2_scale))
 
 
 def _check_wgrad(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor) -> None:
@@ -263,6 +310,7 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
         return out
     # Not sm_90a, or M % 16, K % 4: the portable fp32 wgrad (memory: fp32 copies), misaligned groups NaN as
     # on the kernel.
+    _warn_without_fp8_kernel(a_q)
     a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
     b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
     _launch("wgrad", a, b, out, group_sizes, M, N, K, C, group_align=BLOCK)
