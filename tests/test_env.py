@@ -143,10 +143,74 @@ def test_old_driver_falls_back_with_one_warning(monkeypatch, runtime, driver, pr
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: [])
+    _fresh_grouped_mm_choice(monkeypatch)
     info = env.collect()
     assert info["gpus"][0]["kernels_run_here"] is not falls_back
+    grouped = {op: info["ops"].pop(op) for op in ("grouped_mm", "grouped_mm_fp8")}
     assert set(info["ops"].values()) == {"PyTorch reference" if falls_back else "CUDA kernel"}
+    if falls_back:
+        assert grouped == {"grouped_mm": "bf16, fp16, fp32: PyTorch reference", "grouped_mm_fp8": "PyTorch reference"}
+    else:  # this fake extension has no sm_90a CUTLASS kernels, this torch no sm_90 grouped GEMM
+        assert grouped["grouped_mm"] == ("bf16: portable CUDA kernel (this torch has no sm_90 grouped GEMM); fp16, "
+                                         "fp32: portable CUDA kernel (torch._grouped_mm's fast path is bf16 only)")
+        assert grouped["grouped_mm_fp8"].startswith("dequantized to fp32, portable CUDA kernel")
     assert any("R580" in n for n in info["notes"]) is falls_back
+
+
+def _fresh_grouped_mm_choice(monkeypatch):
+    import importlib
+
+    grouped_mm = importlib.import_module("moe_kernels.ops.grouped_mm")
+    monkeypatch.setattr(grouped_mm, "_device_facts", {})
+    monkeypatch.setattr(grouped_mm, "_backends", {})
+
+
+TORCH_ARCHS = ["sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]
+
+
+@pytest.mark.parametrize("name, capability, grouped_mm, grouped_mm_fp8", [
+    ("NVIDIA A100-SXM4-80GB", (8, 0),
+     "bf16, fp16, fp32: portable CUDA kernel (torch._grouped_mm syncs the host on sm_80)",
+     "dequantized to fp32, portable CUDA kernel (this GPU (sm_80) has no FP8 tensor cores)"),
+    ("NVIDIA H100 80GB HBM3", (9, 0),
+     "bf16, fp16: CUTLASS sm_90a kernel; fp32: portable CUDA kernel (torch._grouped_mm's fast path is bf16 only)",
+     "CUTLASS sm_90a FP8 blockwise kernel"),
+    ("NVIDIA B200", (10, 0),
+     "bf16: torch._grouped_mm (no sm_100 CUTLASS build); "
+     "fp16, fp32: portable CUDA kernel (torch._grouped_mm's fast path is bf16 only)",
+     "dequantized to fp32, portable CUDA kernel (moe_kernels has no FP8 blockwise kernel for sm_100"),
+    ("NVIDIA B300", (10, 3),  # a torch wheel without sm_103: its sm_100a grouped GEMM does not load there
+     "bf16: portable CUDA kernel (this torch has no sm_103 grouped GEMM); "
+     "fp16, fp32: portable CUDA kernel (torch._grouped_mm's fast path is bf16 only)",
+     "dequantized to fp32, portable CUDA kernel (moe_kernels has no FP8 blockwise kernel for sm_103"),
+    ("NVIDIA GeForce RTX 5090", (12, 0),
+     "bf16, fp16, fp32: portable CUDA kernel (torch._grouped_mm syncs the host on sm_120)",
+     "dequantized to fp32, portable CUDA kernel (moe_kernels has no FP8 blockwise kernel for sm_120"),
+])
+def test_report_names_the_grouped_gemm_each_gpu_runs(monkeypatch, name, capability, grouped_mm, grouped_mm_fp8):
+    import types
+
+    from moe_kernels import _ext, env
+
+    extension = types.SimpleNamespace(cuda_archs="80-real,90a-real,100-real,120", grouped_mm_has_sm90=True,
+                                      cuda_runtime_version=lambda: 13000, cuda_driver_version=lambda: 13000,
+                                      runtime_probe=lambda: 0, **{f: None for fns in env.CUDA_OPS.values() for f in fns})
+    monkeypatch.setattr(_ext, "_C", extension)
+    monkeypatch.setattr(_ext, "_driver", [])
+    monkeypatch.setattr(_ext, "_device_ok", {})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: TORCH_ARCHS)
+    _fresh_grouped_mm_choice(monkeypatch)
+    info = env.collect()
+    assert info["ops"]["grouped_mm"] == grouped_mm
+    assert info["ops"]["grouped_mm_fp8"].startswith(grouped_mm_fp8)
+    assert info["ops"]["permute"] == "CUDA kernel"
+    monkeypatch.setattr(env, "collect", lambda: info)
+    assert f"grouped_mm            {grouped_mm}" in env.report()
 
 
 def test_extension_errors_are_python_exceptions():

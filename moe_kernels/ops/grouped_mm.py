@@ -255,8 +255,10 @@ def describe_backend(device: torch.device | str | int) -> str:
         elif backend == TORCH_GROUPED_MM:
             line = "torch._grouped_mm (" + (f"no {arch} CUTLASS build" if capability[0] != 9
                                             else "the extension has no sm_90a CUTLASS kernels") + ")"
+        elif backend == REFERENCE:
+            line = "PyTorch reference"
         else:
-            line = "portable CUDA kernel" if backend == PORTABLE else "PyTorch reference"
+            line = "portable CUDA kernel"
             if capability[0] not in (9, 10):
                 line += f" (torch._grouped_mm syncs the host on {arch})"
             elif dtype != torch.bfloat16:
