@@ -6,6 +6,7 @@ parameter, the loss curve tracks the fp32 run's, a resume is bit-identical, the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -14,6 +15,7 @@ from moe_kernels.parallel.plan import plan_memory
 from moe_kernels.testing import assert_tracks_loss_curve
 from moe_kernels.train.master import fp32_parameter_names
 from moe_kernels.train.trainer import TrainConfig, Trainer, _param_groups, lr_factor
+from tests.distributed import run_world
 
 COMMON = dict(preset="tiny-qwen3-moe", num_layers=1, steps=4, batch_size=2, seq_len=32, warmup_steps=1,
               log_every=1, eval_every=100, eval_batches=1, checkpoint_every=100, device="cpu")
@@ -181,3 +183,28 @@ def test_plan_counts_what_the_trainer_holds(tmp_path):
     assert plan.grads == main_grads + router + largest  # fp32 main 4 (routers: their own fp32 .grad) + one bf16
     assert plan.optimizer == adam and plan.gathered == 0
     assert "fp32 + bf16 copies" in plan.table()
+
+
+def _expert_parallel_worker(rank, world, tmp: str):
+    cfg = dict(COMMON, expert_parallel=2, checkpoint_every=2, grad_accum=2)
+    whole = _trainer(tmp, "ep", master_weights=True, **cfg)
+    losses = [r["loss"] for r in whole.train() if r["kind"] == "train"]
+    # The gradients are reduced after the backward, over the fp32 main gradients (no hooks on bf16 ones).
+    assert whole.par.grad_reducer._handles == []
+    fp32 = [r["loss"] for r in _trainer(tmp, "fp32", **cfg).train() if r["kind"] == "train"]
+    for a, b in zip(losses, fp32):  # bf16 compute: a few bf16 ulps of the loss (1 ulp = 0.4%)
+        assert abs(a - b) <= 2e-2 * b, (losses, fp32)
+    resumed = _trainer(tmp, "ep", master_weights=True, **cfg)  # from the sharded step-2 checkpoint
+    assert resumed.resume(f"{tmp}/ep/checkpoints/step_0000002") and resumed.step == 2
+    resumed.train()
+    for (n, a), b in zip(whole.model.named_parameters(), resumed.model.parameters()):
+        assert a.dtype == torch.float32 and torch.equal(a, b), n
+    for a, b in zip(whole.master.copies, resumed.master.copies):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.distributed
+def test_expert_parallel_master_weights(tmp_path):
+    """Two gloo ranks, experts split: the fp32 run's losses within bf16 rounding; a resume from the sharded
+    checkpoint is bit-identical."""
+    run_world(_expert_parallel_worker, 2, str(tmp_path))
