@@ -100,9 +100,19 @@ class MasterWeights:
 
     @torch.no_grad()
     def write_compute_copies(self) -> None:
-        """bf16 copies <- fp32 masters (after each optimizer step, and after loading a checkpoint)."""
-        if self.params:
-            torch._foreach_copy_(self.copies, [p.data for p in self.params])
+        """bf16 copies <- fp32 masters (after each optimizer step, and after loading a checkpoint). Written through
+        the parameters, so their version counters move: a cache keyed on them (moe_kernels.quant.weight_cache)
+        sees the change."""
+        if not self.params:
+            return
+        masters = [p.data for p in self.params]
+        for p, copy in zip(self.params, self.copies):
+            p.data = copy
+        try:
+            torch._foreach_copy_(self.params, masters)
+        finally:
+            for p, master in zip(self.params, masters):
+                p.data = master
 
     def bytes(self) -> tuple[int, int]:
         """(bf16 copies, fp32 main gradients) held besides the parameters."""

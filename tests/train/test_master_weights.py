@@ -90,7 +90,7 @@ def test_steps_equal_the_recipe_by_hand(tmp_path):
         ref = _Reference(_trainer(tmp_path, f"ref{accum}", grad_accum=accum, grad_clip=clip))
         assert ref.t.master is None and trainer.master is not None  # off on the CPU by default
         _check_equal(trainer, ref, "init")
-        for step in range(3):
+        for step in range(2):
             main = {}
             seen = trainer.optimizer.register_step_pre_hook(lambda *_: main.update(
                 {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}))
@@ -134,6 +134,10 @@ def test_the_forward_casts_no_parameter(tmp_path):
     # The routers compute in fp32 (their own parameters), everything else in bf16; at rest all are fp32.
     assert {n for n, d in dtypes.items() if d == torch.float32} == {"layers.0.mlp.router.weight"}
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    # The copies are written through the parameters: their version counters move (the FP8 weight cache's key).
+    versions = [p._version for p in trainer.master.params]
+    trainer.master.write_compute_copies()
+    assert all(p._version > v for p, v in zip(trainer.master.params, versions))
     # Autocast over fp32 parameters (the trainer's without master weights, on CUDA) casts them in every
     # forward: the count sees it.
     fp32 = _trainer(tmp_path, "fp32", fused_ce=False)
