@@ -227,8 +227,8 @@ def test_fp16_and_fp32_never_take_torch(monkeypatch):
 def test_experts_region_composes_the_ops_where_torch_is_preferred(monkeypatch):
     torch.manual_seed(0)
     R, H, F, E = 12, 16, 8, 3
-    x = torch.randn(R, H, dtype=torch.float64)
-    w13, w2 = torch.randn(E, 2 * F, H, dtype=torch.float64), torch.randn(E, H, F, dtype=torch.float64)
+    x = torch.randn(R, H)
+    w13, w2 = torch.randn(E, 2 * F, H), torch.randn(E, H, F)
     gs = torch.tensor([5, 0, 4], dtype=torch.int32)
 
     class Unusable:
@@ -239,7 +239,7 @@ def test_experts_region_composes_the_ops_where_torch_is_preferred(monkeypatch):
     monkeypatch.setattr(fused, "grouped_mm_backend", lambda device, dtype: TORCH)
     assert not fused.experts_fit(x)
     y = fused.run("experts", launch, x, gs, w13, w2, None)
-    torch.testing.assert_close(y, fused._experts_ops(x, gs, w13, w2, None))
+    torch.testing.assert_close(y[:9], fused._experts_ops(x, gs, w13, w2, None)[:9])  # rows past the groups: unspecified
     for other in (CUTLASS, PORTABLE, REFERENCE):
         monkeypatch.setattr(fused, "grouped_mm_backend", lambda device, dtype, b=other: b)
         assert fused.experts_fit(x)
