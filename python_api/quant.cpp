@@ -26,6 +26,17 @@ void register_quant(py::module_& m) {
       py::arg("granularity"), py::arg("e5m2"), py::arg("pow2"), py::arg("dtype"), py::arg("device"),
       py::arg("stream"));
   m.def(
+      "fp8_quantize_tokens",
+      [](uintptr_t x, uintptr_t q, uintptr_t scale, int64_t rows, int64_t cols, bool e5m2, bool pow2, int32_t dtype,
+         int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        quant::fp8_quantize_tokens({ptr<const void>(x), ptr<uint8_t>(q), ptr<float>(scale), rows, cols, e5m2, pow2,
+                                    DType(dtype)},
+                                   stream(s));
+      },
+      py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("rows"), py::arg("cols"), py::arg("e5m2"),
+      py::arg("pow2"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
       "fp8_dequantize",
       [](uintptr_t q, uintptr_t scale, uintptr_t out, int64_t rows, int64_t cols, int32_t granularity, bool e5m2,
          int32_t dtype, int device, uintptr_t s) {

@@ -49,6 +49,7 @@ SASS_CHECKS = (
     (r"dispatch::send_kernel<16>", r"LDG\.E\.128", "the NVLink send loads 16-byte vectors"),
     (r"dispatch::send_kernel<16>", r"STG\.E\.128", "the NVLink send stores 16-byte vectors (to peer memory)"),
     (r"dispatch::move_kernel<16, false>", r"STG\.E\.128", "the NVLink combine push stores 16-byte vectors"),
+    (r"quant::.*tokens_quant_kernel", r"STG\.E\.128", "quantize_fp8_tokens stores 16 codes of a column at once"),
     (r"dispatch::.*barrier_kernel", r"STG\.E\.64\.STRONG\.SYS", "barrier signals are system-scope stores"),
     (r"dispatch::.*barrier_kernel", r"LDG\.E\.64\.STRONG\.SYS", "barrier polls are system-scope loads"),
     (r"dispatch::.*barrier_kernel", r"MEMBAR\.\w+\.SYS", "a system-scope fence orders the data before the signal"),

@@ -48,4 +48,18 @@ struct Fp8DequantParams {
 };
 void fp8_dequantize(const Fp8DequantParams& p, cudaStream_t stream);
 
+// 1x128 blocks along the rows (the tokens), written transposed: quantize_fp8(pad(x)^T, block) with the
+// rows zero-padded to padded_rows = rows rounded up to 128, in one pass (wgrad's operands).
+struct Fp8TokensQuantParams {
+  const void* x;      // [rows, cols], dtype
+  uint8_t* q;         // [cols, padded_rows] fp8 bytes, 16-byte aligned
+  float* scale;       // [cols, padded_rows / 128]
+  int64_t rows;
+  int64_t cols;
+  bool e5m2;
+  bool pow2;
+  DType dtype;
+};
+void fp8_quantize_tokens(const Fp8TokensQuantParams& p, cudaStream_t stream);
+
 }  // namespace moe::quant

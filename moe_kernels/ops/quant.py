@@ -130,6 +130,15 @@ def quantize_fp8_reference(
     return q, scale
 
 
+def quantize_fp8_tokens_reference(t: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
+    """[M, C] -> (E4M3 [C, Mp], fp32 [C, Mp / 128]): the transpose zero-padded to Mp = M rounded up to 128, then
+    1x128 blocks (along the tokens)."""
+    M, C = t.shape
+    tt = t.new_zeros((C, -(-M // BLOCK) * BLOCK))
+    tt[:, :M] = t.t()
+    return quantize_fp8_reference(tt, "block", torch.float8_e4m3fn, pow2_scale)
+
+
 def dequantize_fp8_reference(q: Tensor, scale: Tensor, granularity: str, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     M, K = q.shape
     s = _expand(scale, granularity, M, K)
@@ -151,6 +160,20 @@ def _(x, granularity, fp8_dtype, pow2_scale):
     _check_quant(x, granularity, fp8_dtype)
     return (torch.empty_like(x, dtype=fp8_dtype),
             x.new_empty(scale_shape(granularity, *x.shape), dtype=torch.float32))
+
+
+@torch.library.custom_op("moe_kernels::quantize_fp8_tokens", mutates_args=())
+def _quantize_fp8_tokens(t: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor]:
+    check_tensor("quantize_fp8_tokens", "t", t, ndim=2, dtypes=CUDA_FLOAT_DTYPES, contiguous=False)
+    return quantize_fp8_tokens_reference(t, pow2_scale)
+
+
+@_quantize_fp8_tokens.register_fake
+def _(t, pow2_scale):
+    check_tensor("quantize_fp8_tokens", "t", t, ndim=2, dtypes=CUDA_FLOAT_DTYPES, contiguous=False)
+    M, C = t.shape
+    Mp = -(-M // BLOCK) * BLOCK
+    return t.new_empty((C, Mp), dtype=torch.float8_e4m3fn), t.new_empty((C, Mp // BLOCK), dtype=torch.float32)
 
 
 @torch.library.custom_op("moe_kernels::dequantize_fp8", mutates_args=())
@@ -180,6 +203,22 @@ def _quantize_fp8_cuda(x, granularity, fp8_dtype, pow2_scale):
         granularity=_GRANULARITY_CODES[granularity], e5m2=fp8_dtype == torch.float8_e5m2, pow2=pow2_scale,
         dtype=_ext.dtype_code(x.dtype), **_ext.launch_args(x),
     )
+    return q, scale
+
+
+@_ext.cuda_impl(_quantize_fp8_tokens)
+def _quantize_fp8_tokens_cuda(t, pow2_scale):
+    check_tensor("quantize_fp8_tokens", "t", t, ndim=2, dtypes=CUDA_FLOAT_DTYPES, contiguous=False)
+    C = _ext.kernels("quantize_fp8_tokens", t)
+    if C is None:
+        return quantize_fp8_tokens_reference(t, pow2_scale)
+    t = t.contiguous()
+    M, K = t.shape
+    Mp = -(-M // BLOCK) * BLOCK
+    q = torch.empty((K, Mp), dtype=torch.float8_e4m3fn, device=t.device)  # 16-byte aligned rows: Mp % 128 == 0
+    scale = torch.empty((K, Mp // BLOCK), dtype=torch.float32, device=t.device)
+    C.fp8_quantize_tokens(x=_ext.ptr(t), q=_ext.ptr(q), scale=_ext.ptr(scale), rows=M, cols=K, e5m2=False,
+                          pow2=pow2_scale, dtype=_ext.dtype_code(t.dtype), **_ext.launch_args(t))
     return q, scale
 
 
