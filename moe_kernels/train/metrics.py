@@ -36,6 +36,8 @@ def format_line(m: dict) -> str:
         f"step {m['step']:>6}  loss {m['loss']:7.4f}  aux {m['aux_loss']:.4f}  grad_norm {m['grad_norm']:7.3f}  "
         f"lr {m['lr']:.2e}  tok/s {m['tokens_per_s']:>9,.0f}  TFLOP/s {m['tflops']:7.2f}  MFU {mfu}  "
         f"mem {m['memory_gib']:.2f}GiB"
+        + (f"  tok/step {m['tokens_per_step']:,}" if m.get("tokens_per_step") is not None else "")
+        + (f"  optim {m['optimizer_share'] * 100:4.1f}%" if m.get("optimizer_share") is not None else "")
         + (f"  dropped {m['dropped_tokens']:,}" if m.get("dropped_tokens") is not None else "")
     )
 

@@ -273,6 +273,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
         self._new_metrics = True  # the first train() of a run that did not resume starts a new metrics file
+        self._optimizer_times: list = []  # the optimizer's time per step since the last log (train())
         self.flops_per_token = flops_per_token(self.model_config, cfg.seq_len)
         self.peak = peak_flops(self.device)
 
@@ -576,16 +577,34 @@ class Trainer:
             distributed.reduce_gradients(self.model, self.par, overlap=self.master is None)
             grad_norm = distributed.clip_grad_norm(self.model, self.cfg.grad_clip, self.par)
             loss, aux = distributed.mean_over_ranks(torch.stack([loss.detach(), aux.detach()]))
+        timer = self._optimizer_timer()
         self.optimizer.step()
         if self.master is not None:
             self.master.write_compute_copies()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        timer()
         for layer in self.model.moe_layers():
             if layer.router.expert_bias is not None:
                 layer.router.update_expert_bias()
         self.step += 1
         return {"loss": loss.detach(), "aux_loss": aux.detach(), "grad_norm": grad_norm.detach()}
+
+    def _optimizer_timer(self):
+        """Starts timing the optimizer's part of a step; the returned call ends it. On a GPU, a pair of CUDA
+        events (no sync: they are read at the next log, after its synchronize), else the host clock."""
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._optimizer_times.append((start, end))
+            return end.record
+        t0 = time.perf_counter()
+        return lambda: self._optimizer_times.append(time.perf_counter() - t0)
+
+    def _optimizer_seconds(self) -> float:
+        """The optimizer time of the steps since the last call (their events complete: read after a sync)."""
+        times, self._optimizer_times = self._optimizer_times, []
+        return sum(t if isinstance(t, float) else t[0].elapsed_time(t[1]) / 1e3 for t in times)
 
     def train(self, progress=None) -> list[dict]:
         """Runs to cfg.steps; returns the logged records. `progress(step)` is called after each step."""
@@ -596,6 +615,7 @@ class Trainer:
         self._new_metrics = False
         records: list[dict] = []
         self.model.train()
+        self._optimizer_times = []
         window_start, window_steps = time.perf_counter(), 0
         try:
             while self.step < cfg.steps:
@@ -609,13 +629,16 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     ranks = 1 if self.par is None else self.par.world
                     # all ranks: batch_size sequences per batch, data.world x grad_accum batches a step
-                    tokens_per_s = window_steps * cfg.batch_size * cfg.grad_accum * cfg.seq_len * self.data.world / elapsed
+                    tokens_per_step = cfg.batch_size * cfg.grad_accum * cfg.seq_len * self.data.world
+                    tokens_per_s = window_steps * tokens_per_step / elapsed
                     flops = tokens_per_s / ranks * self.flops_per_token  # per GPU, as MFU is
                     record = {
                         "kind": "train", "step": self.step, "loss": float(out["loss"]),
                         "aux_loss": float(out["aux_loss"]), "grad_norm": float(out["grad_norm"]),
                         "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "tflops": flops / 1e12,
                         "mfu": flops / self.peak if self.peak else None, "memory_gib": memory_gib(self.device),
+                        "tokens_per_step": tokens_per_step,
+                        "optimizer_share": min(1.0, self._optimizer_seconds() / elapsed) if elapsed > 0 else None,
                     }
                     dropped = self.dropped_tokens()
                     if dropped is not None:

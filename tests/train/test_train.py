@@ -91,6 +91,10 @@ def test_cli_trains_and_loss_falls(tmp_path):
     assert (out / "checkpoints" / "latest").exists()
     for key in ("grad_norm", "tokens_per_s", "tflops", "memory_gib", "lr", "aux_loss"):
         assert key in train[-1]
+    # The tokens a step and the optimizer's share of the logged window's time.
+    assert all(r["tokens_per_step"] == 8 * 64 for r in train)
+    assert all(0 < r["optimizer_share"] < 1 for r in train)
+    assert "tok/step 512" in result.output and "optim " in result.output
 
 
 def test_cli_rejects_bad_options(tmp_path):
