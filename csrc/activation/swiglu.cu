@@ -5,14 +5,13 @@
 #include <string>
 
 #include "activation/swiglu.h"
+#include "activation/swiglu_math.cuh"
 #include "common/check.h"
 #include "common/rows.cuh"
 #include "common/vec.cuh"
 
 namespace moe::activation {
 namespace {
-
-__device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x)); }
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kRowBlockThreads)
@@ -31,8 +30,7 @@ __global__ void __launch_bounds__(kRowBlockThreads)
     P res;
 #pragma unroll
     for (int n = 0; n < N; ++n) {
-      const float x = to_float(gv.v[n]);
-      res.v[n] = from_float<T>(x * sigmoidf(x) * to_float(uv.v[n]) * scale);
+      res.v[n] = from_float<T>(swiglu_value(to_float(gv.v[n]), to_float(uv.v[n]), scale));
     }
     dst[v] = res;
   }

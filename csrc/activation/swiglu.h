@@ -32,4 +32,24 @@ struct SwigluBwdParams {
 };
 void swiglu_bwd(const SwigluBwdParams& p, cudaStream_t stream);
 
+// The forward writing the down projection's input in E4M3 only, in both layouts the FP8 recipe reads
+// (quant/fp8.h's rules, bit for bit quantize_fp8(swiglu(h), "block") and quantize_fp8_tokens(swiglu(h))):
+// 1x128 blocks along F for the forward GEMM, 1x128 blocks along the rows, transposed, for wgrad. The
+// value quantized is the activation rounded to h's dtype, as the composition quantizes it. F % 128 == 0,
+// h 16-byte aligned,
+// fp16 or bf16 (a 128 x 128 fp32 tile would not fit the 48 KB of static shared memory).
+struct SwigluFp8Params {
+  const void* h;              // [R, 2F]
+  const float* row_weights;   // [R] or nullptr
+  uint8_t* q;                 // [R, F]
+  float* scale;               // [R, F / 128]
+  uint8_t* q_t;               // [F, Rp], Rp = R rounded up to 128; 16-byte aligned
+  float* scale_t;             // [F, Rp / 128]
+  int64_t rows;
+  int64_t ffn;
+  bool pow2;
+  DType dtype;
+};
+void swiglu_fwd_fp8(const SwigluFp8Params& p, cudaStream_t stream);
+
 }  // namespace moe::activation

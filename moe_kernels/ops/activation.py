@@ -2,6 +2,13 @@
 
 h is the [R, 2F] output of the w13 grouped GEMM (gate columns first). Routing weights, when given
 per row, are applied here instead of in unpermute (one pass less over the expert outputs).
+
+swiglu_quantize_fp8 is the forward for the FP8 blockwise recipe: the down projection's input written as E4M3
+only, in the two layouts the recipe reads, from one read of h (no bf16 activation, no separate quantize
+passes). Its reference is the composition it replaces, matched bit for bit:
+    a = swiglu(h, row_weights)
+    a_q, a_scale = quantize_fp8(a, "block")          # [R, F], [R, F / 128]: the forward GEMM's operand
+    a_t_q, a_t_scale = quantize_fp8_tokens(a)       # [F, Rp], [F, Rp / 128]: wgrad's operand
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
-from moe_kernels.ops._checks import FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
+from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
+from moe_kernels.ops.quant import BLOCK, quantize_fp8, quantize_fp8_reference, quantize_fp8_tokens_reference
 
 
 def _check(h: Tensor, row_weights: Tensor | None) -> None:
@@ -121,3 +129,74 @@ def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     if _onnx.exporting():
         return _onnx.swiglu_traceable(h, row_weights)
     return torch.ops.moe_kernels.swiglu(h, row_weights)
+
+
+# ---------------------------------------------------------------------------------------------------
+# SwiGLU writing FP8 (the FP8 recipe's down-projection input)
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def _check_fp8(h: Tensor, row_weights: Tensor | None) -> None:
+    op = "swiglu_quantize_fp8"
+    check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
+    _check(h, row_weights)
+    if (h.shape[1] // 2) % BLOCK:
+        raise ValueError(f"{op}: F = {h.shape[1] // 2} must be a multiple of {BLOCK} (one scale per 1x128 block)")
+
+
+def swiglu_quantize_fp8_reference(
+    h: Tensor, row_weights: Tensor | None = None, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    a = swiglu_reference(h, row_weights)
+    return (*quantize_fp8_reference(a, "block", _E4M3, pow2_scale), *quantize_fp8_tokens_reference(a, pow2_scale))
+
+
+@torch.library.custom_op("moe_kernels::swiglu_quantize_fp8", mutates_args=())
+def _swiglu_quantize_fp8(h: Tensor, row_weights: Tensor | None, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_fp8(h, row_weights)
+    return swiglu_quantize_fp8_reference(h, row_weights, pow2_scale)
+
+
+@_swiglu_quantize_fp8.register_fake
+def _(h, row_weights, pow2_scale):
+    _check_fp8(h, row_weights)
+    R, F = h.shape[0], h.shape[1] // 2
+    Rp = -(-R // BLOCK) * BLOCK
+    return (h.new_empty((R, F), dtype=_E4M3), h.new_empty((R, F // BLOCK), dtype=torch.float32),
+            h.new_empty((F, Rp), dtype=_E4M3), h.new_empty((F, Rp // BLOCK), dtype=torch.float32))
+
+
+@_ext.cuda_impl(_swiglu_quantize_fp8)
+def _swiglu_quantize_fp8_cuda(h, row_weights, pow2_scale):
+    _check_fp8(h, row_weights)
+    C = _ext.kernels("swiglu_quantize_fp8", h)
+    if C is None:
+        return swiglu_quantize_fp8_reference(h, row_weights, pow2_scale)
+    if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
+        a = torch.ops.moe_kernels.swiglu(h, row_weights)
+        return (*quantize_fp8(a, "block", pow2_scale=pow2_scale),
+                *torch.ops.moe_kernels.quantize_fp8_tokens(a, pow2_scale))
+    if h.data_ptr() % 16:
+        h = h.clone()  # 16-byte loads of gate and up
+    R, F = h.shape[0], h.shape[1] // 2
+    Rp = -(-R // BLOCK) * BLOCK
+    q = torch.empty((R, F), dtype=_E4M3, device=h.device)
+    scale = torch.empty((R, F // BLOCK), dtype=torch.float32, device=h.device)
+    q_t = torch.empty((F, Rp), dtype=_E4M3, device=h.device)
+    scale_t = torch.empty((F, Rp // BLOCK), dtype=torch.float32, device=h.device)
+    w = None if row_weights is None else row_weights.float().contiguous()
+    C.swiglu_fwd_fp8(h=_ext.ptr(h), row_weights=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
+                     scale_t=_ext.ptr(scale_t), rows=R, ffn=F, pow2=pow2_scale, dtype=_ext.dtype_code(h.dtype),
+                     **_ext.launch_args(h))
+    return q, scale, q_t, scale_t
+
+
+def swiglu_quantize_fp8(
+    h: Tensor, row_weights: Tensor | None = None, *, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[R, 2F] (F % 128 == 0) -> (a_q [R, F] E4M3, a_scale [R, F / 128], a_t_q [F, Rp] E4M3, a_t_scale [F, Rp / 128])
+    for a = swiglu(h, row_weights): the forward's 1x128 blocks along F and wgrad's 1x128 blocks along the rows
+    (Rp = R rounded up to 128, padding codes 0), bit for bit quantize_fp8(a, "block") and quantize_fp8_tokens(a).
+    No autograd (the FP8 recipe's function wraps it)."""
+    return torch.ops.moe_kernels.swiglu_quantize_fp8(h, row_weights, bool(pow2_scale))
