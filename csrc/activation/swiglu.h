@@ -36,8 +36,7 @@ void swiglu_bwd(const SwigluBwdParams& p, cudaStream_t stream);
 // (quant/fp8.h's rules, bit for bit quantize_fp8(swiglu(h), "block") and quantize_fp8_tokens(swiglu(h))):
 // 1x128 blocks along F for the forward GEMM, 1x128 blocks along the rows, transposed, for wgrad. The
 // value quantized is the activation rounded to h's dtype, as the composition quantizes it. F % 128 == 0,
-// h 16-byte aligned,
-// fp16 or bf16 (a 128 x 128 fp32 tile would not fit the 48 KB of static shared memory).
+// h 16-byte aligned, fp16 or bf16 (a 128 x 128 fp32 tile would not fit 48 KB of static shared memory).
 struct SwigluFp8Params {
   const void* h;              // [R, 2F]
   const float* row_weights;   // [R] or nullptr
