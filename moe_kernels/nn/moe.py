@@ -152,7 +152,11 @@ class MoELayer(nn.Module):
             row_weights = None
             if cfg.weights_in_activation:
                 row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
-            y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+            if hasattr(cfg.recipe, "swiglu_grouped_mm") and not lora_terms(self.experts, "w2"):
+                # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass).
+                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, self.experts.w2, group_sizes)
+            else:
+                y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
             out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
         else:
             x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)

@@ -31,6 +31,7 @@ from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
+from moe_kernels.ops.activation import swiglu, swiglu_quantize_fp8
 from moe_kernels.ops.permute import permute_quantize_fp8, unpermute
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.quant import weight_cache
@@ -42,6 +43,7 @@ class Fp8BlockwiseRecipe:
     fp8_dgrad: bool = True  # False: dgrad in the input precision too
     fp8_wgrad: bool = True  # False: wgrad in the input precision (the x saved as is)
     fused_permute: bool = True  # the MoE layer's first GEMM takes permute_quantize_fp8's output
+    fused_swiglu: bool = True  # the MoE layer's SwiGLU writes the second GEMM's FP8 input (swiglu_quantize_fp8)
     align: int = 128  # rows per expert padded to this
 
     def __post_init__(self):
@@ -60,6 +62,18 @@ class Fp8BlockwiseRecipe:
         With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128))."""
         return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
                                    weight_cache.cacheable(w))
+
+    def swiglu_grouped_mm(self, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor) -> Tensor:
+        """grouped_mm(swiglu(h, row_weights), w, group_sizes) with the activation written in FP8 by the SwiGLU
+        kernel (swiglu_quantize_fp8: the forward's 1x128 blocks and wgrad's token-major blocks in one pass; the
+        bf16 activation is never written). Bit for bit the composition; differentiable in h, row_weights and
+        w (the SwiGLU backward from h, as swiglu's). The composition runs where the fused kernel does not
+        apply (fp8_wgrad off, F not a multiple of 128, fused_swiglu off)."""
+        F = h.shape[-1] // 2
+        if not (self.fused_swiglu and self.fp8_wgrad and F % BLOCK == 0):
+            return self.grouped_mm(swiglu(h, row_weights), w, group_sizes)
+        return _Fp8SwigluGroupedMM.apply(autocast_input(h), row_weights, w, group_sizes, self, _weight_grad_needed(w),
+                                         weight_cache.cacheable(w))
 
     def permute_grouped_mm(
         self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor
@@ -204,10 +218,11 @@ def _weight_grad_needed(w: Tensor) -> bool:
 
 def _fp8_forward(
     x_q: Tensor, x_scale: Tensor, x: Tensor | None, w: Tensor, group_sizes: Tensor, recipe, need_wgrad: bool,
-    out_dtype: torch.dtype, cache: bool,
+    out_dtype: torch.dtype, cache: bool, x_tokens: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, dict, list[Tensor]]:
     """The forward product from quantized rows, and what the backward needs (`state`). `x` (the rows in the
-    input precision) is read only for wgrad. The weight's tiles come from the weight cache when `cache`."""
+    input precision) is read only for wgrad, unless its token-major E4M3 copy `x_tokens` is given (made by the
+    producer). The weight's tiles come from the weight cache when `cache`."""
     w8 = weight_cache.fp8_expert_weights(w, pow2_scale=recipe.pow2_scale, cache=cache)
     out = grouped_mm_fp8(x_q, x_scale, w8.q, w8.scale, group_sizes).to(out_dtype)  # w8.q [E, N, K]
     fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
@@ -217,7 +232,7 @@ def _fp8_forward(
     if not need_wgrad:
         saved_x = ()
     elif recipe.fp8_wgrad:
-        saved_x = quantize_fp8_tokens(x.detach(), pow2_scale=recipe.pow2_scale)
+        saved_x = x_tokens if x_tokens is not None else quantize_fp8_tokens(x.detach(), pow2_scale=recipe.pow2_scale)
     else:
         saved_x = (x,)
     state["n_x"] = len(saved_x)
@@ -264,6 +279,31 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2])
         return dx, dw, None, None, None, None
+
+
+class _Fp8SwigluGroupedMM(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe,
+                need_wgrad: bool, cache: bool):
+        # One pass over h: both E4M3 layouts of a = swiglu(h, row_weights) (fp8_wgrad is on here).
+        a_q, a_scale, a_t_q, a_t_scale = swiglu_quantize_fp8(h, row_weights, pow2_scale=recipe.pow2_scale)
+        out, ctx.state, saved = _fp8_forward(a_q, a_scale, None, w, group_sizes, recipe, need_wgrad, h.dtype, cache,
+                                             x_tokens=(a_t_q, a_t_scale))
+        ctx.need_drw = row_weights is not None and ctx.needs_input_grad[1]
+        ctx.rw_dtype = None if row_weights is None else row_weights.dtype
+        ctx.save_for_backward(*saved, h, row_weights)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        *saved, h, row_weights = ctx.saved_tensors
+        need_h = ctx.needs_input_grad[0] or ctx.need_drw
+        da, dw = _fp8_backward(ctx.state, saved, dout, need_h, ctx.needs_input_grad[2])
+        dh = drw = None
+        if need_h:  # swiglu's backward, as the composition takes it
+            dh, drw = torch.ops.moe_kernels.swiglu_bwd(da.contiguous(), h, row_weights, ctx.need_drw)
+            drw = drw.to(ctx.rw_dtype) if ctx.need_drw else None
+        return dh, drw, dw, None, None, None, None
 
 
 class _Fp8PermuteGroupedMM(torch.autograd.Function):

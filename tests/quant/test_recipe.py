@@ -160,15 +160,18 @@ def test_config_checks_and_alignment():
 
 
 @pytest.mark.parametrize("fused_permute", [True, False])
-def test_moe_layer_with_the_recipe(fused_permute):
+def test_moe_layer_with_the_recipe(fused_permute, monkeypatch):
     torch.manual_seed(0)
     cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=128, num_experts=4, k=2)
     ref_layer = MoELayer(cfg)
     layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=fused_permute)))
     layer.load_state_dict(ref_layer.state_dict())
-    seen = []
+    seen = []  # the second GEMM's group sizes, by either path (SwiGLU + GEMM fused, or the experts' own)
     second_gemm = layer.experts.forward_from_gate_up
     layer.experts.forward_from_gate_up = lambda h, gs, *a, **kw: seen.append(gs.clone()) or second_gemm(h, gs, *a, **kw)
+    fused_second = Fp8BlockwiseRecipe.swiglu_grouped_mm
+    monkeypatch.setattr(Fp8BlockwiseRecipe, "swiglu_grouped_mm",
+                        lambda self, h, rw, w, gs: seen.append(gs.clone()) or fused_second(self, h, rw, w, gs))
     x = torch.randn(2, 37, 128)
     out, _ = layer(x)
     ref, _ = ref_layer(x)
@@ -185,6 +188,26 @@ def test_fused_permute_is_the_unfused_recipe():
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=128, num_experts=6, k=2)
     fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
     plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=False)))
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 41, 256)
+    grads = []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        out, aux = layer(xi)
+        (out.square().sum() + aux).backward()
+        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("weights_in_activation", [False, True])
+def test_fused_swiglu_is_the_unfused_recipe(weights_in_activation):
+    # swiglu_quantize_fp8 + the FP8 GEMM equals swiglu, then both quantizations + the FP8 GEMM: forward and
+    # gradients (the routing weights' too when SwiGLU applies them).
+    torch.manual_seed(1)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2, weights_in_activation=weights_in_activation)
+    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
+    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_swiglu=False)))
     plain.load_state_dict(fused.state_dict())
     x = torch.randn(3, 41, 256)
     grads = []

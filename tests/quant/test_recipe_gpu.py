@@ -134,3 +134,27 @@ def _nvfp4_experts(w):
     q, s, g = quantize_nvfp4_experts(w)
     return dequantize_nvfp4(q.reshape(-1, q.shape[-1]), s.reshape(-1, s.shape[-1]), g,
                             dtype=torch.float32).view(w.shape).double()
+
+
+@pytest.mark.parametrize("weights_in_activation", [False, True])
+def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_activation):
+    # The SwiGLU kernel writing both E4M3 layouts (swiglu_quantize_fp8) against swiglu, quantize_fp8 and
+    # quantize_fp8_tokens on the same device: the same codes, so the layer's output and every gradient agree
+    # bit for bit (bf16 activations under autocast).
+    from moe_kernels.nn.moe import qwen3_30b_a3b
+
+    torch.manual_seed(2)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2, weights_in_activation=weights_in_activation)
+    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(cuda)
+    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_swiglu=False))).to(cuda)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 41, 256, device=cuda)
+    grads = []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        with torch.autocast(cuda.type, dtype=torch.bfloat16):
+            out, aux = layer(xi)
+        (out.float().square().sum() + aux).backward()
+        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
+    for a, b in zip(*grads):
+        assert_exact(a, b, "fused vs unfused SwiGLU quantization")
