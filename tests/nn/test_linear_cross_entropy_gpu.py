@@ -32,6 +32,7 @@ def test_matches_fp64_on_cuda(cuda, dtype):
             assert_norm_close_to_fp64(g, bg.cpu(), g64, "bf16 gradient", floor=64 * FP32_EPS)
 
 
+@pytest.mark.cuda_device  # the device's allocator statistics
 def test_peak_memory_below_the_logits(cuda):
     N, H, V = 4096, 256, 32768  # the logits would be 512 MiB in fp32
     h = torch.randn(N, H, device=cuda, dtype=torch.bfloat16, requires_grad=True)
