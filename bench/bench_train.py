@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from moe_kernels.models import PRESETS, build_model, flops_per_token
-from moe_kernels.quant import RECIPES
+from moe_kernels.quant import RECIPES, weight_cache
 from moe_kernels.train.metrics import peak_flops
 
 from . import bars
@@ -218,6 +218,7 @@ def _fp8_step(ctx, preset, overrides, state, xs, ys, bf16_loss, warmup, reps, ca
         return None
     if ctx.is_cuda:
         torch.cuda.empty_cache()
+    weight_cache.enable()  # one process, weights changed only by the optimizer: as moe-train runs it
     model, opt = _build(preset, overrides, "kernels", ctx.device, state, recipe=recipe)
     step = _step_fn(ctx, model, opt, xs, ys)
     first = float(step())

@@ -16,7 +16,14 @@ An entry is valid while all of these hold, checked on every lookup (a few attrib
 - the recipe option that shapes the codes (`pow2_scale`) is the same.
 Entries are made and used only where a backward is in view (grad mode on and the weight requiring
 grad): under `no_grad`, `inference_mode` or for frozen experts the weight is quantized afresh and
-nothing is kept. Entries hold a weak reference to their parameter, so a dropped model frees them. The
+nothing is kept.
+
+The cache is off until `enable()`: it is exact only where every change of a weight between optimizer steps
+bumps its version counter. FSDP2 refills its unsharded parameters by all-gather with the version counter
+preserved (torch.autograd._unsafe_preserve_version_counter), so an in-place change of a shard outside an
+optimizer step (a checkpoint load into a live model, a manual edit) would go unseen there. moe-train enables
+it on its paths without FSDP2 (one process, expert parallelism); under FSDP2 the weights are quantized in
+every forward, as without the cache. Entries hold a weak reference to their parameter, so a dropped model frees them. The
 cache holds 2 bytes per expert weight element (the codes in both layouts) plus 2 x 4 bytes per 128x128
 tile of scales between steps; `clear()` drops every entry.
 """
@@ -34,6 +41,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts
 
 _generation = 0
+_enabled = False
 _lock = threading.Lock()
 _entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _stats = {"quantized": 0, "transposed": 0, "hits": 0}
@@ -71,10 +79,23 @@ def _key(w: Tensor, pow2_scale: bool) -> tuple:
     return (w._version, w.data_ptr(), tuple(w.shape), w.stride(), w.dtype, w.device, pow2_scale, _generation)
 
 
+def enable(on: bool = True) -> None:
+    """Turn the cache on (or off, dropping every entry): only where weights change through optimizer steps or
+    version-bumping in-place ops between forwards (module docstring: not under FSDP2)."""
+    global _enabled
+    _enabled = bool(on)
+    if not _enabled:
+        clear()
+
+
+def enabled() -> bool:
+    return _enabled
+
+
 def cacheable(w: Tensor) -> bool:
     """Whether a lookup for `w` may use and keep an entry (decided outside autograd functions, whose forward
-    runs with grad mode off): a backward is in view, and the weight is a plain tensor of this process."""
-    return (torch.is_grad_enabled() and w.requires_grad and not torch.is_inference_mode_enabled()
+    runs with grad mode off): the cache is on, a backward is in view, and the weight is a plain tensor."""
+    return (_enabled and torch.is_grad_enabled() and w.requires_grad and not torch.is_inference_mode_enabled()
             and type(w) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling())
 
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from moe_kernels.models import PRESETS, build_model, flops_per_token
 from moe_kernels.parallel import apply_global_load_balancing
 from moe_kernels.parallel.full_state import model_from_state, optimizer_names
-from moe_kernels.quant import RECIPES
+from moe_kernels.quant import RECIPES, weight_cache
 import torch.distributed as dist
 
 from moe_kernels.train import checkpoint, distributed
@@ -266,6 +266,9 @@ class Trainer:
             from moe_kernels.train.master import MasterWeights, fp32_parameter_names
 
             self.master = MasterWeights(self.model, fp32_parameter_names(self.model_config))
+        # FP8 expert weights quantized once per optimizer step (moe_kernels.quant.weight_cache): exact where every
+        # change of a weight bumps its version, so not under FSDP2, which refills its parameters without.
+        weight_cache.enable(self.parallelized is None)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             fused=self.device.type == "cuda",
