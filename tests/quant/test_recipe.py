@@ -186,18 +186,7 @@ def test_fused_permute_is_the_unfused_recipe():
     # permute_quantize_fp8 + the FP8 GEMM equals permute, then quantize + the FP8 GEMM: forward and gradients.
     torch.manual_seed(0)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=128, num_experts=6, k=2)
-    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
-    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=False)))
-    plain.load_state_dict(fused.state_dict())
-    x = torch.randn(3, 41, 256)
-    grads = []
-    for layer in (fused, plain):
-        xi = x.clone().requires_grad_()
-        out, aux = layer(xi)
-        (out.square().sum() + aux).backward()
-        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
-    for a, b in zip(*grads):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_permute=False))
 
 
 @pytest.mark.parametrize("weights_in_activation", [False, True])
@@ -206,10 +195,15 @@ def test_fused_swiglu_is_the_unfused_recipe(weights_in_activation):
     # gradients (the routing weights' too when SwiGLU applies them).
     torch.manual_seed(1)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2, weights_in_activation=weights_in_activation)
-    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
-    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_swiglu=False)))
+    _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False))
+
+
+def _assert_same_layer(cfg, fused_recipe, plain_recipe):
+    """The MoE layer under the two recipes, same weights and input: output and every gradient bit for bit."""
+    fused = MoELayer(cfg.replace(recipe=fused_recipe))
+    plain = MoELayer(cfg.replace(recipe=plain_recipe))
     plain.load_state_dict(fused.state_dict())
-    x = torch.randn(3, 41, 256)
+    x = torch.randn(3, 41, cfg.hidden_size)
     grads = []
     for layer in (fused, plain):
         xi = x.clone().requires_grad_()
