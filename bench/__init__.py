@@ -13,4 +13,5 @@ BENCHES = {
     "dispatch": "bench.bench_dispatch",
     "train": "bench.bench_train",
     "overhead": "bench.bench_overhead",
+    "bytes": "bench.bench_bytes",
 }

@@ -19,8 +19,10 @@ each 128-token block).
 A third op per case, fp8_recipe_fwd_bwd: Fp8BlockwiseRecipe().grouped_mm forward and backward (dx, dw)
 from bf16 x and w, all three products in FP8, quantization of x, w and dout included (each training step
 quantizes them anew), on the 128-padded groups, against bf16 grouped_mm forward and backward; FLOPs =
-3 * 2 * Mp * N * K. Checked first: out, dx and dw within relative L2 error 0.1 of the bf16 ones (FP8
-keeps ~3 significant bits; a wrong scale or layout is far outside).
+3 * 2 * Mp * N * K; bytes from the byte model (bench/bytes.py: every kernel's reads and writes, the
+quantizations included), with the bf16 path's count and their ratio in `extra`. Checked first: out, dx
+and dw within relative L2 error 0.1 of the bf16 ones (FP8 keeps ~3 significant bits; a wrong scale or
+layout is far outside).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from moe_kernels.quant import Fp8BlockwiseRecipe
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_errors_within_fp64_rule, assert_within_fp32_rounding
 
 from . import bench_grouped_mm as bg
+from . import bytes as byte_model
 from . import bars
 from . import harness as h
 
@@ -161,12 +164,15 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
                   for what, fn in (("fp8 recipe", _fwd_bwd(RECIPE.grouped_mm)), ("bf16", _fwd_bwd(moe_kernels.grouped_mm)))]
         name = c.name.replace("/", "_")
         (ctx.out_dir / f"profile_fp8_recipe_{name}.txt").write_text("\n\n".join(tables) + "\n")
-    bf16_bytes = 2 * (Mp * c.K + c.E * c.N * c.K + Mp * c.N)  # x, w, dout in; out, dx, dw out: 2x that
+    # Bytes from the byte model (bench/bytes.py): every kernel's reads and writes, quantization included.
+    fp8_bytes = byte_model.expert_gemm(c.E, c.N, c.K, Mp, recipe=RECIPE).bytes
+    bf16_bytes = byte_model.expert_gemm(c.E, c.N, c.K, Mp).bytes
     # Its GEMMs run in FP8 (forward and dgrad): judged against the FP8 ceiling, as the GEMMs alone are.
     train = h.make_result(ctx, op="fp8_recipe_fwd_bwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.bfloat16,
                           ceiling="matmul_fp8" if ctx.ceilings().matmul_fp8_tflops else None,
-                          timing=ours_train, nbytes=2 * bf16_bytes, flops=3 * 2 * Mp * c.N * c.K,
+                          timing=ours_train, nbytes=fp8_bytes, flops=3 * 2 * Mp * c.N * c.K,
                           peers={"moe_kernels_bf16": peer_train}, peer_variant={"moe_kernels_bf16": "grouped_mm fwd+bwd"})
+    train.extra.update(bf16_bytes=bf16_bytes, bytes_vs_bf16=fp8_bytes / bf16_bytes)
     return [fwd, wgrad, train]
 
 
@@ -203,8 +209,10 @@ def _headline(op: str, results: list[h.Result]) -> list[str]:
     geo = torch.tensor(s, dtype=torch.float64).log().mean().exp().item()
     best = max(r.tflops or 0.0 for r in picked)
     bar = f" ({BAR})" if op == "grouped_mm_fp8_fwd" else ""
+    ratios = [r.extra["bytes_vs_bf16"] for r in picked if "bytes_vs_bf16" in r.extra]
+    moved = f"; bytes moved {min(ratios):.2f}-{max(ratios):.2f}x the bf16 path's (byte model)" if ratios else ""
     return [f"{op} {picked[0].case.split('/')[0]}: {geo:.2f}x our bf16 grouped_mm (geomean over "
-            f"{len(s)} cases), up to {best:.0f} TFLOP/s{bar}"]
+            f"{len(s)} cases), up to {best:.0f} TFLOP/s{bar}{moved}"]
 
 
 def run(ctx: h.Context) -> h.Report:

@@ -1,0 +1,72 @@
+"""The byte model (bench/bytes.py): each kernel's reads and writes counted on meta tensors, checked against
+hand counts, and the FP8 path's weight reads per optimizer step."""
+
+from __future__ import annotations
+
+import torch
+
+from bench import bytes as B
+from bench import bench_bytes
+from moe_kernels.nn import PRESETS
+from moe_kernels.quant.recipe import Fp8BlockwiseRecipe
+
+
+def test_expert_gemm_bf16_counts_every_operand_once():
+    E, N, K, M = 4, 96, 64, 200
+    c = B.expert_gemm(E, N, K, M)
+    ops = [k.op for k in c.kernels]
+    assert ops == ["moe_kernels.grouped_mm", "moe_kernels.grouped_mm_dgrad", "moe_kernels.grouped_mm_wgrad"]
+    x, w, out, sizes = M * K * 2, E * N * K * 2, M * N * 2, E * 4
+    fwd, dgrad, wgrad = c.kernels
+    assert (fwd.read, fwd.written) == (x + w + sizes, out)
+    assert (dgrad.read, dgrad.written) == (out + w + sizes, x)
+    assert (wgrad.read, wgrad.written) == (out + x + sizes, w)
+    assert c.bytes == 3 * (x + w + out) + 3 * sizes
+    assert c.weight_reads == {"w": 2} and all(k.kind == "gemm" for k in c.kernels)
+
+
+def test_views_launch_nothing_and_data_only_kernels_are_named():
+    with torch.device("meta"):
+        a = torch.empty(8, 16, dtype=torch.bfloat16)
+    counter = B.ByteCounter({"a": a})
+    with counter:
+        v = a.view(16, 8).t().expand(8, 16)  # views: no rows
+        z = torch.zeros(8, 16, device="meta")  # fill: writes only
+        c = v.contiguous()  # a transposed view made contiguous: a transpose
+        f = a.float()  # a cast
+        z.add_(f)  # in place: reads both, writes z
+        z.copy_(c)  # a cast (bf16 -> fp32): reads c, writes z
+    kinds = [(k.op, k.kind, k.read, k.written) for k in counter.kernels]
+    assert kinds == [
+        ("aten.zeros", "fill", 0, 512),
+        ("aten.clone", "transpose", 256, 256),
+        ("aten._to_copy", "cast", 256, 512),
+        ("aten.add_", "kernel", 1024, 512),
+        ("aten.copy_", "cast", 256, 512),
+    ]
+    assert [k.weights for k in counter.kernels] == [(), ("a",), ("a",), (), ()]
+
+
+def test_layer_weight_reads_per_step():
+    """BF16 reads each expert weight twice a micro-batch (forward and dgrad); the FP8 recipe with the weight
+    cache reads each bf16 weight once a step (its quantization), however many micro-batches."""
+    cfg = PRESETS["qwen3-30b-a3b"](hidden_size=256, ffn_size=128, num_experts=16)
+    bf16 = B.layer(cfg, 64, micro_batches=2)
+    fp8 = B.layer(cfg.replace(recipe=Fp8BlockwiseRecipe()), 64, micro_batches=2)
+    assert bf16.weight_reads == {"w13": 4, "w2": 4}
+    assert fp8.weight_reads == {"w13": 1, "w2": 1}
+    assert {k.op for k in fp8.kernels} >= {"moe_kernels.grouped_mm_fp8", "moe_kernels.permute_quantize_fp8"}
+    # The second micro-batch's weight gradients accumulate into .grad: an add over each weight's gradient.
+    adds = [k for k in bf16.kernels if k.phase.startswith("mb1") and k.op in ("aten.add_", "aten.add")
+            and k.written == cfg.num_experts * 2 * cfg.ffn_size * cfg.hidden_size * 2]
+    assert adds
+
+
+def test_bench_case_reports_ratios_from_the_counts():
+    row = bench_bytes.case("qwen3-30b-a3b", 512)
+    b, f = row["bf16"], row["fp8"]
+    assert row["ratio_step_x1"] == f["step_x1"]["bytes"] / b["step_x1"]["bytes"]
+    assert row["ratio_later_mb"] == f["later_mb_bytes"] / b["later_mb_bytes"]
+    assert b["weight_reads_x2"] == {"w13": 4, "w2": 4}
+    assert f["weight_reads_x2"] == {"w13": 1, "w2": 1}
+    assert all(set(k) >= {"case", "bytes", "by_kind", "kernels"} for k in (b["step_x1"], f["gemm_w13"]))
