@@ -79,6 +79,10 @@ def train(
                                    "gathers and writes it) instead of sharded checkpoints (every rank writes its "
                                    "shards; resumable under any layout)."),
     pg_timeout: float = typer.Option(10.0, help="Under torchrun: minutes a collective may wait before the run fails."),
+    cuda_graphs: bool = typer.Option(False, "--cuda-graphs", help="Capture the whole training step (forward, "
+                                     "backward, clipping, AdamW, lr schedule) in one CUDA graph after two eager "
+                                     "steps and replay it: one process on one GPU, bf16 expert GEMMs, no "
+                                     "activation checkpointing."),
     export_hf: Optional[Path] = typer.Option(None, help="After training, write the full model (gathered from any "
                                              "layout) as a transformers checkpoint (config.json + safetensors) here."),
     list_presets: bool = typer.Option(False, "--list-presets", help="Print the presets and exit."),
@@ -117,7 +121,7 @@ def train(
             expert_parallel=expert_parallel, ep_backend=ep_backend, global_load_balancing=global_load_balancing,
             dp_shard=dp_shard, dp_replicate=dp_replicate, tp=tp, cp=cp, etp=etp, pp=pp, microbatches=microbatches,
             pp_schedule=pp_schedule, grad_accum=grad_accum, capacity_factor=capacity_factor, save_full=save_full,
-            pg_timeout_minutes=pg_timeout,
+            pg_timeout_minutes=pg_timeout, cuda_graphs=cuda_graphs,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc

@@ -25,7 +25,7 @@ from moe_kernels.parallel.full_state import model_from_state, optimizer_names
 from moe_kernels.quant import RECIPES, weight_cache
 import torch.distributed as dist
 
-from moe_kernels.train import checkpoint, distributed
+from moe_kernels.train import checkpoint, distributed, graphs
 from moe_kernels.train.data import TokenData, fingerprint, load_tokens
 from moe_kernels.train.metrics import MetricsLogger, format_line, memory_gib, peak_flops
 
@@ -82,6 +82,9 @@ class TrainConfig:
     capacity_factor: float | None = None  # nvlink: expert rows a rank receives, x the balanced load (None: worst case)
     save_full: bool = False  # under torchrun: full-state checkpoint files (rank 0 writes) instead of sharded ones
     pg_timeout_minutes: float = 10.0  # the process group's collective timeout (under torchrun)
+    # The whole step (forward, backward, clipping, AdamW, the lr schedule, the expert-bias update) captured once in
+    # a CUDA graph and replayed (moe_kernels.train.graphs): one process on one GPU, bf16 expert GEMMs.
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         if self.preset not in PRESETS:
@@ -130,6 +133,8 @@ class TrainConfig:
             raise ValueError(f"unknown precision {self.precision!r}; choose from {sorted(RECIPES)}")
         if RECIPES[self.precision] is not None:  # the recipe's shape rules, checked before anything is built
             PRESETS[self.preset](recipe=RECIPES[self.precision])
+        if self.cuda_graphs and graphs.refusal(self) is not None:
+            raise ValueError(graphs.refusal(self))
 
     @property
     def sharded(self) -> bool:
@@ -194,6 +199,8 @@ class Trainer:
         self.cfg = cfg
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else distributed.launched_world()
         self.device = distributed.device_for(world, cfg.device)
+        if cfg.cuda_graphs:
+            graphs.check_device(self.device, world)
         if cfg.ep_backend == "nvlink" and self.device.type != "cuda":
             raise ValueError("ep_backend='nvlink' writes into the other GPUs' memory: it needs CUDA devices; "
                              "use ep_backend='all_to_all' on CPUs")
@@ -271,10 +278,16 @@ class Trainer:
         weight_cache.enable(self.parallelized is None)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
-            fused=self.device.type == "cuda",
+            **graphs.optimizer_flags(self.device, cfg.cuda_graphs),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
         self.step = 0
+        # The captured step (cuda_graphs): the schedule on the device, the batch in static buffers.
+        self.lr_schedule = self.step_graph = None
+        if cfg.cuda_graphs:
+            self.lr_schedule = graphs.DeviceLRSchedule(cfg, self.device)
+            self.step_graph = graphs.StepGraph(self._static_step, (cfg.grad_accum, cfg.batch_size, cfg.seq_len),
+                                               self.device)
         self._new_metrics = True  # the first train() of a run that did not resume starts a new metrics file
         self._optimizer_times: list = []  # the optimizer's time per step since the last log (train())
         self.flops_per_token = flops_per_token(self.model_config, cfg.seq_len)
@@ -447,10 +460,15 @@ class Trainer:
     def _restore_run_state(self, path: Path, state: dict) -> None:
         if self.master is not None:  # the loaded masters' bf16 copies
             self.master.write_compute_copies()
+        for group in self.optimizer.param_groups:  # this run's implementation, whichever wrote the checkpoint
+            group.update(graphs.optimizer_flags(self.device, self.cfg.cuda_graphs))
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.data.seed = state["data"]["seed"]
         self.step = state["step"]
+        if self.step_graph is not None:  # the loaded optimizer state is new tensors: capture again
+            self.lr_schedule.reset(self.step)
+            self.step_graph.reset()
         self._new_metrics = False
         self.echo(f"resumed from {path} at step {self.step}")
 
@@ -553,6 +571,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def train_step(self) -> dict:
+        if self.step_graph is not None:
+            return self._captured_train_step()
         N = self.cfg.grad_accum
         losses = []
         with self._compute():  # with master weights: on exit the fp32 masters, the fp32 sums as gradients
@@ -592,6 +612,51 @@ class Trainer:
                 layer.router.update_expert_bias()
         self.step += 1
         return {"loss": loss.detach(), "aux_loss": aux.detach(), "grad_norm": grad_norm.detach()}
+
+    def _captured_train_step(self) -> dict:
+        """The step through the StepGraph: the batch into its static buffers, then a replay (after the eager
+        warm-up steps and the capture)."""
+        N = self.cfg.grad_accum
+        batches = [self.data.batch(self.step, j, N) for j in range(N)]
+        out = self.step_graph(torch.stack([x for x, _ in batches]), torch.stack([y for _, y in batches]))
+        self.scheduler.step()  # host arithmetic only: the logged lr and the checkpoints' scheduler state
+        self.step += 1
+        return out
+
+    def _static_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> dict:
+        """One training step on device batches [grad_accum, B, S] with no host sync and no value from the host:
+        what the StepGraph captures. The same math as train_step in one process, but for the learning rate:
+        the device schedule's fp32 tensor (DeviceLRSchedule) instead of LambdaLR's float."""
+        loss, aux = self._static_forward_backward(inputs, targets)
+        return self._static_update(loss, aux)
+
+    def _static_forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor):
+        N = inputs.shape[0]
+        losses, auxes = [], []
+        with self._compute():
+            for j in range(N):
+                loss, aux = self._loss(inputs[j], targets[j])
+                ((loss + aux) / N if N > 1 else loss + aux).backward()
+                losses.append(loss.detach())
+                auxes.append(aux.detach())
+        if N == 1:
+            return losses[0], auxes[0]
+        return torch.stack(losses).mean(), torch.stack(auxes).mean()
+
+    def _static_update(self, loss: torch.Tensor, aux: torch.Tensor) -> dict:
+        """Clipping, AdamW with the device learning rate, the bf16 copies, the schedule's next value, the
+        expert-bias update: all on the device."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        with graphs.device_lr(self.optimizer, self.lr_schedule.lr):
+            self.optimizer.step()
+        if self.master is not None:
+            self.master.write_compute_copies()
+        self.lr_schedule.advance()
+        self.optimizer.zero_grad(set_to_none=True)
+        for layer in self.model.moe_layers():
+            if layer.router.expert_bias is not None:
+                layer.router.update_expert_bias()
+        return {"loss": loss, "aux_loss": aux, "grad_norm": grad_norm.detach()}
 
     def _optimizer_timer(self):
         """Starts timing the optimizer's part of a step; the returned call ends it. On a GPU, a pair of CUDA
@@ -641,7 +706,9 @@ class Trainer:
                         "lr": self.scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "tflops": flops / 1e12,
                         "mfu": flops / self.peak if self.peak else None, "memory_gib": memory_gib(self.device),
                         "tokens_per_step": tokens_per_step,
-                        "optimizer_share": min(1.0, self._optimizer_seconds() / elapsed) if elapsed > 0 else None,
+                        # None with cuda_graphs: the optimizer runs inside the step's one graph
+                        "optimizer_share": (min(1.0, self._optimizer_seconds() / elapsed)
+                                            if elapsed > 0 and self.step_graph is None else None),
                     }
                     dropped = self.dropped_tokens()
                     if dropped is not None:
