@@ -14,4 +14,5 @@ BENCHES = {
     "train": "bench.bench_train",
     "overhead": "bench.bench_overhead",
     "bytes": "bench.bench_bytes",
+    "moe_layer_fp8": "bench.bench_moe_layer_fp8",
 }

@@ -20,7 +20,8 @@ them through):
             count: ours, torch-native, Hugging Face and Liger (where liger_kernel imports, its autotune
             pinned off), eager and graph-replayed; a `[moe_layer]` line per check, timing and mode pass
   fp8       the FP8 GEMMs and recipe at deepseek-v3 and qwen3-30b-a3b, with the recipe's fwd+bwd
-            profiled kernel by kernel (profile_fp8_recipe_*.txt)
+            profiled kernel by kernel (profile_fp8_recipe_*.txt); the FP8 MoE layer against the BF16 layer
+            at deepseek-v3 EP-8 local and qwen3-30b-a3b shapes, 8192 tokens; the byte model's table
   permute   the permute family at deepseek-v3 / 8192 tokens (the 85% bar), unpermute backward included
   dispatch  virtual-rank dispatch and combine at 20 SMs and at all SMs
   step      the training step at 1, 4 and 16 micro-batches of 4k tokens (4k, 16k, 64k tokens a step), fwd+bwd
@@ -135,7 +136,8 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     Part("layer", (Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(8192,), modes=True, env=LIGER_PINNED),
                    Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(32768,), modes=True, env=LIGER_PINNED,
                        min_s=60)), min_s=60),
-    Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),),
+    Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),
+                 Run("moe_layer_fp8", tokens=(8192,), min_s=30), Run("bytes", tokens=(8192,), min_s=10)),
          min_s=60),
     Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
     Part("dispatch", (Run("dispatch", models=("deepseek-v3",)),), min_s=30),
