@@ -1,4 +1,5 @@
-"""The README's speed table, generated from the committed bench JSON: `python -m bench.readme [--check]`.
+"""The speed tables of README.md and docs/benchmarks.md, generated from the committed bench JSON:
+`python -m bench.readme [--check]`.
 
 Reads bench/results/<gpu>-<date>/bench_<family>.json (not `latest/`) and judges every result again
 against the right ceiling of its own JSON (specs/perf.md):
@@ -15,8 +16,12 @@ is more than 10% below the best measurement of that ceiling in the same lease (t
 directory written by one build within an hour of each other: one GPU), or when the bench itself marked it
 suspect. Suspect runs also get their figures against the lease's best ceilings.
 
-Writes the table between the bench-table markers of README.md, and a list of the figures that the
-re-judging changes between the rejudged markers of each results directory's README that has them.
+Writes the full table between the bench-table markers of docs/benchmarks.md (and the host-overhead table
+between its overhead-table markers); the last column, "latest figure", of the ops table between the
+ops-table markers of README.md (each row's op, its first `name`, looked up in OPS_FIGURES: the newest run of
+that bench op, its geomean % of ceiling and speedup with GPU, date, tokens and commit); and a list of the
+figures that the re-judging changes between the rejudged markers of each results directory's README that
+has them.
 `--check` writes nothing and fails when a block differs from what would be written.
 """
 
@@ -35,9 +40,22 @@ from typing import Any, Iterable, Sequence
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 README = REPO_ROOT / "README.md"
+BENCHMARKS_DOC = "docs/benchmarks.md"  # beside README.md: the full tables
 TABLE_MARKERS = ("<!-- bench-table:start -->", "<!-- bench-table:end -->")
 REJUDGED_MARKERS = ("<!-- rejudged:start -->", "<!-- rejudged:end -->")
 OVERHEAD_MARKERS = ("<!-- overhead-table:start -->", "<!-- overhead-table:end -->")
+OPS_MARKERS = ("<!-- ops-table:start -->", "<!-- ops-table:end -->")
+
+# README's ops table: the bench op whose newest figure each row quotes (None: no bench measures it alone).
+OPS_FIGURES = {
+    "permute": "permute_fwd", "unpermute": "unpermute_fwd", "tokens_per_expert": "tokens_per_expert",
+    "permute_quantize_fp8": "permute_quantize_fp8", "router_topk": "router_topk_fwd", "router_fused": None,
+    "router_aux_scores": None, "aux_loss": "aux_loss_fwd_bwd", "apply_capacity": "capacity_probs",
+    "update_expert_bias": "expert_bias_update", "grouped_mm": "grouped_mm_fwd",
+    "grouped_mm_fp8": "grouped_mm_fp8_fwd", "grouped_mm_fp8_wgrad": "grouped_mm_fp8_wgrad",
+    "grouped_mm_nvfp4": None, "swiglu": None, "quantize_fp8": "quantize_fp8_block",
+    "quantize_nvfp4": "quantize_nvfp4_1d", "NvlinkDispatcher": "dispatch", "MoELayer": "moe_layer_fwd_bwd",
+}
 
 CEILING_DROP = 0.10  # a ceiling this far below the lease's best means the GPU was not itself when measured
 LEASE_GAP = timedelta(hours=1)  # one lease holds a GPU for at most 30 minutes
@@ -406,6 +424,52 @@ def render_overhead(results_root: Path) -> str:
     return "\n".join(markdown_table(MARKDOWN_HEADER, rows))
 
 
+def latest_cases(runs_by_dir: dict[str, list[Run]], op: str) -> tuple[Run, list[Judged]] | None:
+    """The newest run of bench op `op` (by day; then the most cases, then the family's name)."""
+    found = [(run, cases_of(run, op)) for runs in runs_by_dir.values() for run in runs if cases_of(run, op)]
+    if not found:
+        return None
+    return max(found, key=lambda rc: (str(rc[0].meta.get("date", ""))[:10], len(rc[1]), rc[0].suite))
+
+
+def op_figure(runs_by_dir: dict[str, list[Run]], op: str | None) -> str:
+    """README's "latest figure" cell for bench op `op`."""
+    latest = latest_cases(runs_by_dir, op) if op else None
+    if latest is None:
+        return "not measured"
+    run, cases = latest
+    kinds = " + ".join(CEILING_NAMES[k] for k in dict.fromkeys(sorted(j.kind for j in cases)))
+    figures = [f"{pct(geomean(j.pct for j in cases if j.pct > 0))}% of {kinds}"]
+    peer = main_peer(run, op)
+    if peer is not None:
+        figures.append(f"{times(geomean(j.speedup[peer] for j in cases if peer in j.speedup))} vs {peer}")
+    where = [f"{gpu_name(run).split()[0]} {str(run.meta.get('date', ''))[:10]}", f"{tokens_cell(cases)} tokens", short_commit(run)] + (["suspect"] if run.suspect else [])
+    return f"{', '.join(figures)} ({', '.join(where)})"
+
+
+def row_key(first_cell: str) -> str:
+    m = re.search(r"`([A-Za-z_][A-Za-z0-9_]*)", first_cell)
+    if m is None:
+        raise ValueError(f"ops table: no `name` in the first cell {first_cell!r}")
+    return m.group(1)
+
+
+def render_ops_table(block: str, runs_by_dir: dict[str, list[Run]], where: str) -> str:
+    """The README's ops table with its last column regenerated; the other cells are kept as written."""
+    lines = block.strip("\n").split("\n")
+    if len(lines) < 2 or not lines[1].startswith("|---"):
+        raise ValueError(f"{where}: the ops-table block holds no markdown table")
+    out = lines[:2]
+    for line in lines[2:]:
+        cells = re.split(r"(?<!\\)\|", line.strip())[1:-1]
+        key = row_key(cells[0])
+        if key not in OPS_FIGURES:
+            raise ValueError(f"{where}: ops-table row {key!r} has no entry in bench.readme.OPS_FIGURES")
+        cells[-1] = " " + op_figure(runs_by_dir, OPS_FIGURES[key]).replace("|", "\\|") + " "
+        out.append("|" + "|".join(cells) + "|")
+    return "\n".join(out)
+
+
 # --- README blocks ----------------------------------------------------------------------------------------
 
 def replace_block(text: str, markers: tuple[str, str], block: str, where: str) -> str:
@@ -416,13 +480,27 @@ def replace_block(text: str, markers: tuple[str, str], block: str, where: str) -
     return text[: i + len(start)] + "\n" + block + "\n" + text[j:]
 
 
-def planned_writes(readme: Path, results_root: Path) -> dict[Path, str]:
+def block_of(text: str, markers: tuple[str, str]) -> str:
+    start, end = markers
+    return text[text.index(start) + len(start): text.index(end)]
+
+
+def benchmarks_doc(readme: Path) -> Path:
+    return readme.parent / BENCHMARKS_DOC
+
+
+def planned_writes(readme: Path, results_root: Path, benchmarks: Path | None = None) -> dict[Path, str]:
     """Every file the generator owns a block of, with the text it should have."""
+    benchmarks = benchmarks or benchmarks_doc(readme)
     runs_by_dir = load_all(results_root)
-    text = replace_block(readme.read_text(), TABLE_MARKERS, render_table(runs_by_dir), str(readme))
-    if OVERHEAD_MARKERS[0] in text:
-        text = replace_block(text, OVERHEAD_MARKERS, render_overhead(results_root), str(readme))
-    out = {readme: text}
+    text = readme.read_text()
+    if OPS_MARKERS[0] not in text:
+        raise ValueError(f"{readme}: no {OPS_MARKERS[0]} ... {OPS_MARKERS[1]} block")
+    text = replace_block(text, OPS_MARKERS, render_ops_table(block_of(text, OPS_MARKERS), runs_by_dir, str(readme)),
+                         str(readme))
+    doc = replace_block(benchmarks.read_text(), TABLE_MARKERS, render_table(runs_by_dir), str(benchmarks))
+    doc = replace_block(doc, OVERHEAD_MARKERS, render_overhead(results_root), str(benchmarks))
+    out = {readme: text, benchmarks: doc}
     for dir_name, runs in runs_by_dir.items():
         path = results_root / dir_name / "README.md"
         if path.exists() and REJUDGED_MARKERS[0] in (text := path.read_text()):
@@ -430,17 +508,18 @@ def planned_writes(readme: Path, results_root: Path) -> dict[Path, str]:
     return out
 
 
-def stale(readme: Path = README, results_root: Path = RESULTS_DIR) -> list[Path]:
-    return [p for p, text in planned_writes(readme, results_root).items() if p.read_text() != text]
+def stale(readme: Path = README, results_root: Path = RESULTS_DIR, benchmarks: Path | None = None) -> list[Path]:
+    return [p for p, text in planned_writes(readme, results_root, benchmarks).items() if p.read_text() != text]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.readme", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="write nothing; fail if a generated block is stale")
     ap.add_argument("--readme", type=Path, default=README)
+    ap.add_argument("--benchmarks", type=Path, default=None, help=f"default: {BENCHMARKS_DOC} beside --readme")
     ap.add_argument("--results", type=Path, default=RESULTS_DIR)
     args = ap.parse_args(argv)
-    writes = planned_writes(args.readme, args.results)
+    writes = planned_writes(args.readme, args.results, args.benchmarks)
     changed = [p for p, text in writes.items() if p.read_text() != text]
     if args.check:
         for p in changed:

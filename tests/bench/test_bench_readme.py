@@ -1,6 +1,7 @@
-"""bench.readme: README.md's speed table is the generator's output, every figure is judged against the
-right ceiling of its own JSON (FP8 GEMMs: fp8 matmul; dispatch: copy / 2), suspect runs are named, and
-both JSON formats (one ceiling measurement, or a log of them with each result naming its own) are read."""
+"""bench.readme: docs/benchmarks.md's speed tables and the figures of README.md's ops table are the
+generator's output, every figure is judged against the right ceiling of its own JSON (FP8 GEMMs: fp8 matmul;
+dispatch: copy / 2), suspect runs are named, and both JSON formats (one ceiling measurement, or a log of them
+with each result naming its own) are read."""
 
 import json
 import shutil
@@ -26,7 +27,8 @@ def judged(run, op, case):
 
 
 def copy_results(tmp_path):
-    """Every committed run's JSON and README and the overhead tables, where a test may change them."""
+    """Every committed run's JSON and README, the overhead tables, README.md and docs/benchmarks.md, where a
+    test may change them. Returns the README's and the results' paths."""
     root = tmp_path / "results"
     for run_dir in (p for p in br.RESULTS_DIR.iterdir() if p.is_dir() and p.name != "latest"):
         (root / run_dir.name).mkdir(parents=True)
@@ -34,6 +36,8 @@ def copy_results(tmp_path):
             shutil.copy(p, root / run_dir.name / p.name)
     readme = tmp_path / "README.md"
     shutil.copy(br.README, readme)
+    (tmp_path / "docs").mkdir()
+    shutil.copy(br.benchmarks_doc(br.README), br.benchmarks_doc(readme))
     return readme, root
 
 
@@ -46,28 +50,88 @@ def test_committed_readmes_are_the_generators_output():
 
 def test_check_fails_when_a_figure_is_hand_edited(tmp_path, capsys):
     readme, results = copy_results(tmp_path)
-    text = readme.read_text()
+    doc = br.benchmarks_doc(readme)
+    text = doc.read_text()
     row = "| 442 GB/s (deepseek-v3/EP8/T4096/bf16) |"
     assert text.count(row) == 1
-    readme.write_text(text.replace(row, row.replace("442", "452")))
+    doc.write_text(text.replace(row, row.replace("442", "452")))
     assert br.main(["--check", "--readme", str(readme), "--results", str(results)]) == 1
-    assert f"{readme}: generated block differs" in capsys.readouterr().out
+    assert f"{doc}: generated block differs" in capsys.readouterr().out
     assert br.main(["--readme", str(readme), "--results", str(results)]) == 0
-    assert readme.read_text() == text
+    assert doc.read_text() == text
+
+    # The README's ops table: a figure cell is the generator's, the hand-written cells are kept.
+    readme_text = readme.read_text()
+    cell = "| 85.7% of copy, 2.28x vs torch_eager (H100 2026-11-27, 8192 tokens, e10bddc, suspect) |"
+    assert readme_text.count(cell) == 1
+    readme.write_text(readme_text.replace(cell, cell.replace("2.28x", "2.82x")).replace(
+        "groups token copies by expert", "groups the token copies by expert"))
+    assert br.stale(readme, results) == [readme]
+    assert br.main(["--readme", str(readme), "--results", str(results)]) == 0
+    assert readme.read_text() == readme_text.replace("groups token copies by expert", "groups the token copies by expert")
 
     rejudged = results / H200.name / "README.md"
     rejudged.write_text(rejudged.read_text().replace("geomean 69.6%", "geomean 96.6%", 1))
     assert br.stale(readme, results) == [rejudged]
 
 
-def test_readme_quotes_bench_figures_only_in_the_generated_block():
-    text = br.README.read_text()
-    start, end = (text.index(m) for m in br.TABLE_MARKERS)
-    outside = text[:start] + text[end:]
-    for hand_copied in ("3396 GB/s", "81.6% of copy", "442 GB/s", "1050 TFLOP/s", "0.63x", "1.45x torch eager"):
-        assert hand_copied not in outside
-    assert outside.count("[Speed](#speed)") == 13  # 12 ops-table cells and the NVLink paragraph
-    assert text.index("## Speed") < start < end < text.index("## Models and checkpoints")
+def outside(text, *marker_pairs):
+    """`text` without the generated blocks between each pair of markers."""
+    for start, end in marker_pairs:
+        text = text[: text.index(start)] + text[text.index(end):]
+    return text
+
+
+def test_bench_figures_appear_only_in_generated_blocks():
+    readme = br.README.read_text()
+    doc = br.benchmarks_doc(br.README).read_text()
+    hand_written = [outside(readme, br.OPS_MARKERS), outside(doc, br.TABLE_MARKERS, br.OVERHEAD_MARKERS)]
+    hand_written += [p.read_text() for p in sorted((br.REPO_ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"]
+    for text in hand_written:
+        for figure in ("3396 GB/s", "81.6% of copy", "442 GB/s", "1050 TFLOP/s", "0.63x", "1.45x torch eager",
+                       "85.7% of copy", "2.28x vs torch_eager", "687 TFLOP/s", "2165"):
+            assert figure not in text
+    # The full tables live in docs/benchmarks.md under "## Speed" and "## Host overhead", in that order.
+    assert doc.index("## Speed") < doc.index(br.TABLE_MARKERS[0]) < doc.index(br.TABLE_MARKERS[1]) \
+        < doc.index("## Host overhead") < doc.index(br.OVERHEAD_MARKERS[0]) < doc.index(br.OVERHEAD_MARKERS[1])
+    assert br.TABLE_MARKERS[0] not in readme and br.OVERHEAD_MARKERS[0] not in readme
+
+
+def test_readme_ops_table():
+    """One row per op of OPS_FIGURES, each ending in its generated figure with its provenance, and a link to
+    the full tables."""
+    readme = br.README.read_text()
+    start, end = (readme.index(m) for m in br.OPS_MARKERS)
+    lines = readme[start:end].strip().split("\n")[1:]
+    assert lines[0].startswith("| op |") and lines[0].rstrip().endswith("| latest figure |")
+    rows = {br.row_key(line.split("|")[1]): line for line in lines[2:]}
+    assert list(rows) == list(br.OPS_FIGURES)
+    runs = br.load_all(br.RESULTS_DIR)
+    for key, line in rows.items():
+        assert line.endswith(f"| {br.op_figure(runs, br.OPS_FIGURES[key])} |")
+    assert rows["grouped_mm"].endswith(
+        "| 68.5% of copy + bf16 mm, 0.90x vs torch_grouped_mm (H100 2026-11-27, 8192 tokens, e10bddc, suspect) |")
+    assert rows["quantize_fp8"].endswith("| 50.4% of copy, 17.5x vs torch_eager (H200 2026-11-26, 16384 tokens, ab53801) |")
+    assert rows["swiglu"].endswith("| not measured |")
+    assert "docs/benchmarks.md#speed" in readme[:start]
+
+
+def test_latest_figure_is_the_newest_run_with_the_most_cases(tmp_path):
+    runs = br.load_all(br.RESULTS_DIR)
+    run, cases = br.latest_cases(runs, "permute_fwd")  # H100 2026-11-27: 4 cases at deepseek-v3, 1 in host
+    assert (run.suite, len(cases)) == ("perf_permute_permute_T8192", 4)
+    run, cases = br.latest_cases(runs, "quantize_fp8_block")  # measured on the H200 only
+    assert run.meta["date"].startswith("2026-11-26")
+    assert br.op_figure(runs, "no_such_op") == br.op_figure(runs, None) == "not measured"
+
+
+def test_an_ops_row_without_an_entry_is_refused(tmp_path):
+    readme, results = copy_results(tmp_path)
+    text = readme.read_text()
+    row = next(line for line in text.split("\n") if line.startswith("| `swiglu` |"))
+    readme.write_text(text.replace(row, row + "\n" + row.replace("`swiglu`", "`swiglu_v2`")))
+    with pytest.raises(ValueError, match="swiglu_v2"):
+        br.planned_writes(readme, results)
 
 
 def test_grouped_mm_run_is_suspect_and_given_against_the_lease_best_ceiling(h200):
@@ -201,11 +265,12 @@ def test_both_json_formats(tmp_path):
 
 def test_overhead_block_comes_from_the_committed_tables(tmp_path):
     readme, results = copy_results(tmp_path)
-    text = readme.read_text()
+    doc = br.benchmarks_doc(readme)
+    text = doc.read_text()
     start, end = (text.index(m) for m in br.OVERHEAD_MARKERS)
     assert "| CPU, launches stubbed, 2026-11-27 | qwen3-30b-a3b/T64 |" in text[start:end]
     for p in results.glob("*/overhead_table.json"):
         p.unlink()
-    assert br.stale(readme, results) == [readme]
+    assert br.stale(readme, results) == [doc]
     assert br.main(["--readme", str(readme), "--results", str(results)]) == 0
-    assert "No overhead run is committed yet." in readme.read_text()
+    assert "No overhead run is committed yet." in doc.read_text()
