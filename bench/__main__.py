@@ -1,6 +1,6 @@
 """python -m bench [OPS...] [--quick] [--out DIR] [--device cpu|cuda] [--models M,...] [--tokens T,...]
 [--flush read|write|none]; `python -m bench.perf` runs the GPU perf mode's parts, `python -m bench.readme`
-regenerates the README's speed table from the committed results."""
+regenerates the README's ops figures and docs/benchmarks.md's tables from the committed results."""
 
 from __future__ import annotations
 
