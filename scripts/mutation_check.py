@@ -150,6 +150,15 @@ MUTANTS = (
         "  if (PULL && p.local_experts < 0) {\n",
         ("tests/dispatch/test_nvlink.py", "-k", "test_nvlink_grouped_experts"),
     ),
+    Mutant(
+        "transposed index",
+        "experts_quant_kernel: dgrad's scales written at the forward layout's index ([E, N/128, K/128], not "
+        "[E, K/128, N/128])",
+        "quant/fp8_experts.cu",
+        "      p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;\n",
+        "      p.scale_t[(e * row_tiles + rt) * col_tiles + ct] = s;\n",
+        ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_matches_reference and 256-384"),
+    ),
 )
 
 

@@ -62,4 +62,22 @@ struct Fp8TokensQuantParams {
 };
 void fp8_quantize_tokens(const Fp8TokensQuantParams& p, cudaStream_t stream);
 
+// Expert weights in 128x128 tiles, both layouts from one read: the forward's codes [E, N, K] with scales
+// [E, ceil(N/128), ceil(K/128)], and dgrad's transposed codes [E, K, N] with scales [E, ceil(K/128),
+// ceil(N/128)]. A 128x128 tile is its own transpose, so these are the same codes and scales laid out the
+// other way: bit for bit quantize_fp8(w[e], tile) per expert, then transpose(1, 2). E4M3.
+struct Fp8ExpertsQuantParams {
+  const void* w;      // [experts, rows, cols], dtype
+  uint8_t* q;         // [experts, rows, cols] fp8 bytes
+  float* scale;       // [experts, ceil(rows/128), ceil(cols/128)]
+  uint8_t* q_t;       // [experts, cols, rows] fp8 bytes
+  float* scale_t;     // [experts, ceil(cols/128), ceil(rows/128)]
+  int64_t experts;
+  int64_t rows;       // N
+  int64_t cols;       // K
+  bool pow2;
+  DType dtype;
+};
+void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream);
+
 }  // namespace moe::quant

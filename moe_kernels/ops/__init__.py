@@ -2,7 +2,13 @@
 
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
-from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_experts, quantize_fp8_tokens
+from moe_kernels.ops.grouped_mm_fp8 import (
+    grouped_mm_fp8,
+    grouped_mm_fp8_wgrad,
+    quantize_fp8_experts,
+    quantize_fp8_experts_dual,
+    quantize_fp8_tokens,
+)
 from moe_kernels.ops.permute import permute, permute_quantize_fp8, tokens_per_expert, unpermute
 from moe_kernels.ops.quant import dequantize_fp8, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.ops.router import router_aux_scores, router_topk
@@ -27,6 +33,7 @@ __all__ = [
     "grouped_mm_fp8",
     "grouped_mm_fp8_wgrad",
     "quantize_fp8_experts",
+    "quantize_fp8_experts_dual",
     "quantize_fp8_tokens",
     "swiglu",
     "quantize_fp8",

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from moe_kernels import _ext
-from moe_kernels.ops._checks import check_tensor
+from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, check_tensor
 from moe_kernels.ops.grouped_mm import (
     CUTLASS_SM90,
     PORTABLE,
@@ -41,7 +41,7 @@ from moe_kernels.ops.grouped_mm import (
     grouped_mm_reference,
     grouped_mm_wgrad_reference,
 )
-from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8
+from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8, quantize_fp8_reference
 
 _E4M3 = torch.float8_e4m3fn
 _FWD, _FP8_PATH = 0, 3
@@ -60,6 +60,67 @@ def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor
     if not parts:
         return w.new_empty((0, N, K), dtype=_E4M3), w.new_empty((0, nb, kb), dtype=torch.float32)
     return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+
+
+def _check_experts_dual(w: Tensor) -> None:
+    check_tensor("quantize_fp8_experts_dual", "w", w, ndim=3, dtypes=CUDA_FLOAT_DTYPES, contiguous=False)
+
+
+def quantize_fp8_experts_dual_reference(w: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The composition the one-pass kernel replaces: each expert's 128x128 tiles (quantize_fp8(w[e], "tile")),
+    then the codes and scales transposed."""
+    E, N, K = w.shape
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    parts = [quantize_fp8_reference(w[e], "tile", _E4M3, pow2_scale) for e in range(E)]
+    q = torch.stack([p[0] for p in parts]) if parts else w.new_empty((0, N, K), dtype=_E4M3)
+    s = torch.stack([p[1] for p in parts]) if parts else w.new_empty((0, nb, kb), dtype=torch.float32)
+    # clone, not contiguous(): a transpose that is already contiguous ([E, 1, 1] scales) must not alias.
+    t = dict(memory_format=torch.contiguous_format)
+    return q, s, q.transpose(1, 2).clone(**t), s.transpose(1, 2).clone(**t)
+
+
+@torch.library.custom_op("moe_kernels::quantize_fp8_experts_dual", mutates_args=())
+def _quantize_fp8_experts_dual(w: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_experts_dual(w)
+    return quantize_fp8_experts_dual_reference(w, pow2_scale)
+
+
+@_quantize_fp8_experts_dual.register_fake
+def _(w, pow2_scale):
+    _check_experts_dual(w)
+    E, N, K = w.shape
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    return (w.new_empty((E, N, K), dtype=_E4M3), w.new_empty((E, nb, kb), dtype=torch.float32),
+            w.new_empty((E, K, N), dtype=_E4M3), w.new_empty((E, kb, nb), dtype=torch.float32))
+
+
+@_ext.cuda_impl(_quantize_fp8_experts_dual)
+def _quantize_fp8_experts_dual_cuda(w, pow2_scale):
+    _check_experts_dual(w)
+    C = _ext.kernels("quantize_fp8_experts_dual", w)
+    if C is None:
+        return quantize_fp8_experts_dual_reference(w, pow2_scale)
+    w = w.contiguous()
+    E, N, K = w.shape
+    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
+    q = torch.empty((E, N, K), dtype=_E4M3, device=w.device)
+    scale = torch.empty((E, nb, kb), dtype=torch.float32, device=w.device)
+    q_t = torch.empty((E, K, N), dtype=_E4M3, device=w.device)
+    scale_t = torch.empty((E, kb, nb), dtype=torch.float32, device=w.device)
+    C.fp8_quantize_experts(w=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
+                           scale_t=_ext.ptr(scale_t), experts=E, rows=N, cols=K, pow2=pow2_scale,
+                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w))
+    return q, scale, q_t, scale_t
+
+
+def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Expert weights [E, N, K] -> (q [E, N, K], scale [E, ceil(N / 128), ceil(K / 128)], q_t [E, K, N],
+    scale_t [E, ceil(K / 128), ceil(N / 128)]), E4M3 with fp32 scales: the forward's 128x128 tiles
+    (quantize_fp8_experts) and dgrad's transposed tiles (a tile is its own transpose: the same codes and
+    scales laid out the other way), from one read of w on the GPU. Bit for bit quantize_fp8_experts(w)
+    followed by transpose(1, 2) of codes and scales. No autograd."""
+    _check_experts_dual(w)
+    return torch.ops.moe_kernels.quantize_fp8_experts_dual(w, bool(pow2_scale))
 
 
 def _check(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> None:

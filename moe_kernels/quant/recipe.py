@@ -10,7 +10,8 @@ products in E4M3:
                               runs it in the input precision instead.
 with fp32 accumulation promoted every 128 of the contraction. Scales are current (computed from the
 tensor itself each step), optionally rounded down to powers of two. While training, each expert weight is
-quantized once per optimizer step, its tiles in both layouts kept by moe_kernels.quant.weight_cache and
+quantized once per optimizer step, its tiles in both layouts (one kernel, quantize_fp8_experts_dual, writes
+both from one read of the weight) kept by moe_kernels.quant.weight_cache and
 reused by every micro-batch and recomputation until the weight changes. Each expert's rows are padded to
 `align` (a multiple of 128 for the FP8 wgrad: its token blocks must not straddle two experts). With
 FP8 wgrad the forward saves x quantized along the tokens (1 byte per element) instead of x itself.
@@ -218,14 +219,16 @@ def _weight_grad_needed(w: Tensor) -> bool:
 
 def _fp8_forward(
     x_q: Tensor, x_scale: Tensor, x: Tensor | None, w: Tensor, group_sizes: Tensor, recipe, need_wgrad: bool,
-    out_dtype: torch.dtype, cache: bool, x_tokens: tuple[Tensor, Tensor] | None = None,
+    out_dtype: torch.dtype, cache: bool, x_tokens: tuple[Tensor, Tensor] | None = None, need_dgrad: bool = True,
 ) -> tuple[Tensor, dict, list[Tensor]]:
     """The forward product from quantized rows, and what the backward needs (`state`). `x` (the rows in the
     input precision) is read only for wgrad, unless its token-major E4M3 copy `x_tokens` is given (made by the
-    producer). The weight's tiles come from the weight cache when `cache`."""
-    w8 = weight_cache.fp8_expert_weights(w, pow2_scale=recipe.pow2_scale, cache=cache)
-    out = grouped_mm_fp8(x_q, x_scale, w8.q, w8.scale, group_sizes).to(out_dtype)  # w8.q [E, N, K]
+    producer). The weight's tiles come from the weight cache when `cache`; with FP8 dgrad in view
+    (`need_dgrad`) a fresh quantization writes dgrad's transposed tiles in the same pass."""
     fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
+    w8 = weight_cache.fp8_expert_weights(w, pow2_scale=recipe.pow2_scale, cache=cache,
+                                         transposed=fp8_dgrad and need_dgrad)
+    out = grouped_mm_fp8(x_q, x_scale, w8.q, w8.scale, group_sizes).to(out_dtype)  # w8.q [E, N, K]
     state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=out.dtype,
                  w8=w8 if fp8_dgrad else None)
     # wgrad reads x along the tokens: with FP8 wgrad only its token-blocked E4M3 copy is kept.
@@ -247,7 +250,8 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool,
     if need_dx:
         if state["fp8_dgrad"]:
             d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
-            # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made once per weight version.
+            # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made with them once per weight
+            # version (quantize_fp8_experts_dual).
             wt_q, wt_scale = state["w8"].transposed()
             # Rows past the groups are unspecified, as grouped_mm_dgrad's: the permute backward reads only the
             # rows it mapped, so no masking pass over dx.
@@ -271,7 +275,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool,
                 cache: bool):
         x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale)  # [M, K], [M, K/128]
-        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype, cache)
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
+                                             need_dgrad=ctx.needs_input_grad[0])
         ctx.save_for_backward(*saved)
         return out
 
@@ -287,9 +292,10 @@ class _Fp8SwigluGroupedMM(torch.autograd.Function):
                 need_wgrad: bool, cache: bool):
         # One pass over h: both E4M3 layouts of a = swiglu(h, row_weights) (fp8_wgrad is on here).
         a_q, a_scale, a_t_q, a_t_scale = swiglu_quantize_fp8(h, row_weights, pow2_scale=recipe.pow2_scale)
-        out, ctx.state, saved = _fp8_forward(a_q, a_scale, None, w, group_sizes, recipe, need_wgrad, h.dtype, cache,
-                                             x_tokens=(a_t_q, a_t_scale))
         ctx.need_drw = row_weights is not None and ctx.needs_input_grad[1]
+        out, ctx.state, saved = _fp8_forward(a_q, a_scale, None, w, group_sizes, recipe, need_wgrad, h.dtype, cache,
+                                             x_tokens=(a_t_q, a_t_scale),
+                                             need_dgrad=ctx.needs_input_grad[0] or ctx.need_drw)
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
         ctx.save_for_backward(*saved, h, row_weights)
         return out
@@ -314,7 +320,8 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
         x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
             x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=need_wgrad
         )
-        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype, cache)
+        out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
+                                             need_dgrad=ctx.needs_input_grad[0])
         ctx.save_for_backward(*saved, row_map)
         ctx.mark_non_differentiable(row_map, group_sizes)
         return out, row_map, group_sizes

@@ -1,8 +1,10 @@
 """Expert weights quantized once per optimizer step: the FP8 codes and scales of the forward's 128x128
-tiles, and the transposed tiles dgrad reads, kept per parameter until the parameter changes.
+tiles, and the transposed tiles dgrad reads, kept per parameter until the parameter changes. Where dgrad
+runs in FP8, both layouts come from one kernel (quantize_fp8_experts_dual: one read of the weight, the
+codes written twice), so no transpose pass over the codes follows.
 
 Without it the FP8 recipe re-quantizes every expert weight in every forward (a read of the weight in its
-own precision and a write of its codes) and transposes the 1-byte codes in every backward. A training
+own precision and a write of its codes in both layouts). A training
 step of N micro-batches, each maybe recomputed under activation checkpointing, reads each weight for
 quantization once with the cache, N to 2N times without it.
 
@@ -38,7 +40,7 @@ from torch import Tensor
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts
+from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts, quantize_fp8_experts_dual
 
 _generation = 0
 _enabled = False
@@ -58,8 +60,9 @@ register_optimizer_step_post_hook(_bump_generation)
 @dataclass
 class Fp8Weights:
     """One expert weight [E, N, K] in E4M3: `q` [E, N, K] with `scale` [E, ceil(N/128), K/128] (the forward's
-    tiles), and, made on first use, `qt` [E, K, N] with `scale_t` [E, K/128, ceil(N/128)] (dgrad's; a 128x128
-    tile is its own transpose, so these are the same codes and scales laid out the other way)."""
+    tiles), and `qt` [E, K, N] with `scale_t` [E, K/128, ceil(N/128)] (dgrad's; a 128x128 tile is its own
+    transpose, so these are the same codes and scales laid out the other way): made with the forward's by
+    quantize_fp8_experts_dual when dgrad was in view, else transposed from them on first use."""
 
     q: Tensor
     scale: Tensor
@@ -99,20 +102,26 @@ def cacheable(w: Tensor) -> bool:
             and type(w) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling())
 
 
-def fp8_expert_weights(w: Tensor, *, pow2_scale: bool, cache: bool) -> Fp8Weights:
+def _quantize(w: Tensor, pow2_scale: bool, transposed: bool, key: tuple = ()) -> Fp8Weights:
+    _stats["quantized"] += 1
+    if transposed:  # both layouts from one read of w
+        return Fp8Weights(*quantize_fp8_experts_dual(w.detach(), pow2_scale=pow2_scale), key=key)
+    return Fp8Weights(*quantize_fp8_experts(w.detach(), pow2_scale=pow2_scale), key=key)
+
+
+def fp8_expert_weights(w: Tensor, *, pow2_scale: bool, cache: bool, transposed: bool = False) -> Fp8Weights:
     """The E4M3 tiles of `w` [E, N, K]: from the cache when `cache` (see `cacheable`) and an entry is valid,
-    else quantized now (and kept when `cache`)."""
+    else quantized now (and kept when `cache`). `transposed`: dgrad's tiles will be read too, so a fresh
+    quantization writes both layouts at once."""
     if not cache:
-        _stats["quantized"] += 1
-        return Fp8Weights(*quantize_fp8_experts(w.detach(), pow2_scale=pow2_scale))
+        return _quantize(w, pow2_scale, transposed)
     key = _key(w, pow2_scale)
     with _lock:
         entry = _entries.get(w)
         if entry is not None and entry.key == key:
             _stats["hits"] += 1
             return entry
-    _stats["quantized"] += 1
-    entry = Fp8Weights(*quantize_fp8_experts(w.detach(), pow2_scale=pow2_scale), key=key)
+    entry = _quantize(w, pow2_scale, transposed, key)
     with _lock:
         _entries[w] = entry
     return entry
@@ -125,5 +134,6 @@ def clear() -> None:
 
 
 def stats() -> dict[str, int]:
-    """Counts since import: weights quantized, transposed copies made, and cache hits."""
+    """Counts since import: weights quantized (in one or both layouts), transposed copies made afterwards
+    (an entry made without dgrad's tiles, asked for them later), and cache hits."""
     return dict(_stats, entries=len(_entries))

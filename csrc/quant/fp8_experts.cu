@@ -1,0 +1,140 @@
+// quantize_fp8_experts_dual: expert weights [E, N, K] -> E4M3 128x128 tiles in both layouts the FP8
+// recipe reads, from one read of the weight. A block per tile: its 128 x 128 elements are loaded once
+// into registers (64 per thread, coalesced rows), the tile's amax reduced over the block, the forward's
+// codes stored from registers along K, and the same codes staged in shared memory (16 KB) to be stored
+// transposed, along N, as 16-byte vectors.
+#include <stdexcept>
+
+#include "common/check.h"
+#include "common/dispatch.cuh"
+#include "common/vec.cuh"
+#include "quant/amax.cuh"
+#include "quant/fp8.h"
+#include "quant/fp8_math.cuh"
+
+namespace moe::quant {
+namespace {
+
+constexpr int kThreads = kAmaxThreads;                 // 256
+constexpr int kItems = 8;                              // elements per load
+constexpr int kLanesPerRow = kFp8Block / kItems;       // 16 threads cover a tile row
+constexpr int kRowsPerPass = kThreads / kLanesPerRow;  // 16 rows per pass
+constexpr int kPasses = kFp8Block / kRowsPerPass;      // 8 passes: 64 elements per thread
+constexpr int kVecT = 16;                              // transposed codes per store
+
+// VEC: rows of w start 8-element aligned (cols % 8 == 0, aligned w): each thread loads 8 contiguous
+// elements; otherwise its 8 elements are strided by 16 (still coalesced across the 16 lanes).
+// VEC_T: rows % 16 == 0 and q_t 16-byte aligned: the transposed codes go out as 16-byte vectors.
+template <typename T, bool VEC, bool VEC_T>
+__global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuantParams p, int64_t row_tiles,
+                                                                 int64_t col_tiles, int64_t tiles) {
+  __shared__ __align__(16) uint8_t codes[kFp8Block * kFp8Block];  // [n][k] of the tile
+  const T* w = static_cast<const T*>(p.w);
+  const int lane = threadIdx.x % kLanesPerRow, row_in_pass = threadIdx.x / kLanesPerRow;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t e = t / (row_tiles * col_tiles);
+    const int64_t rt = (t / col_tiles) % row_tiles, ct = t % col_tiles;
+    const int64_t row0 = rt * kFp8Block, col0 = ct * kFp8Block;
+    const T* src = w + e * p.rows * p.cols;
+    float v[kPasses][kItems];
+    float m = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int64_t row = row0 + i * kRowsPerPass + row_in_pass;
+      if constexpr (VEC) {
+        const int64_t col = col0 + lane * kItems;
+        const bool in = row < p.rows && col < p.cols;  // cols % 8 == 0: a vector is all in or all out
+        Pack<T, kItems> pk;
+        if (in) pk = *reinterpret_cast<const Pack<T, kItems>*>(src + row * p.cols + col);
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) v[i][j] = in ? to_float(pk.v[j]) : 0.f;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+          const int64_t col = col0 + lane + j * kLanesPerRow;
+          v[i][j] = row < p.rows && col < p.cols ? to_float(src[row * p.cols + col]) : 0.f;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) m = nan_max(m, fabsf(v[i][j]));  // zeros past the edges never raise it
+    }
+    // The block reduction's barriers also order the previous tile's reads of `codes` before the writes below.
+    const float s = scale_from_amax(block_nan_max(m), false, p.pow2);
+    if (threadIdx.x == 0) {
+      p.scale[(e * row_tiles + rt) * col_tiles + ct] = s;
+      p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;
+    }
+    uint8_t* q = p.q + e * p.rows * p.cols;
+#pragma unroll
+    for (int i = 0; i < kPasses; ++i) {
+      const int r = i * kRowsPerPass + row_in_pass;
+      const int64_t row = row0 + r;
+      Pack<uint8_t, kItems> out;
+#pragma unroll
+      for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[i][j], s), false);
+      if constexpr (VEC) {
+        *reinterpret_cast<Pack<uint8_t, kItems>*>(codes + r * kFp8Block + lane * kItems) = out;
+        const int64_t col = col0 + lane * kItems;
+        if (row < p.rows && col < p.cols) *reinterpret_cast<Pack<uint8_t, kItems>*>(q + row * p.cols + col) = out;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kItems; ++j) {
+          const int c = lane + j * kLanesPerRow;
+          codes[r * kFp8Block + c] = out.v[j];
+          if (row < p.rows && col0 + c < p.cols) q[row * p.cols + col0 + c] = out.v[j];
+        }
+      }
+    }
+    __syncthreads();
+    // Transposed: q_t[e][k][n]. Lanes of a warp take consecutive k of the same 16 rows n: conflict-free reads
+    // of `codes` (consecutive bytes of one row).
+    uint8_t* q_t = p.q_t + e * p.cols * p.rows;
+    if constexpr (VEC_T) {
+      for (int idx = threadIdx.x; idx < kFp8Block * (kFp8Block / kVecT); idx += kThreads) {
+        const int k = idx % kFp8Block, n0 = (idx / kFp8Block) * kVecT;
+        const int64_t col = col0 + k, row = row0 + n0;
+        if (col >= p.cols || row >= p.rows) continue;  // rows % 16 == 0: a vector is all in or all out
+        Pack<uint8_t, kVecT> out;
+#pragma unroll
+        for (int j = 0; j < kVecT; ++j) out.v[j] = codes[(n0 + j) * kFp8Block + k];
+        *reinterpret_cast<Pack<uint8_t, kVecT>*>(q_t + col * p.rows + row) = out;
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < kFp8Block * kFp8Block; idx += kThreads) {
+        const int k = idx / kFp8Block, n = idx % kFp8Block;
+        const int64_t col = col0 + k, row = row0 + n;
+        if (col < p.cols && row < p.rows) q_t[col * p.rows + row] = codes[n * kFp8Block + k];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream) {
+  if (p.experts < 0 || p.rows < 0 || p.cols < 0) throw std::invalid_argument("quantize_fp8_experts_dual: negative size");
+  const int64_t row_tiles = (p.rows + kFp8Block - 1) / kFp8Block, col_tiles = (p.cols + kFp8Block - 1) / kFp8Block;
+  const int64_t tiles = p.experts * row_tiles * col_tiles;
+  if (tiles == 0) return;
+  const unsigned grid = unsigned(tiles < 65536 ? tiles : 65536);
+  by_float_dtype(p.dtype, "quantize_fp8_experts_dual", [&]<typename T>() {
+    const bool vec = p.cols % kItems == 0 && reinterpret_cast<uintptr_t>(p.w) % alignof(Pack<T, kItems>) == 0 &&
+                     reinterpret_cast<uintptr_t>(p.q) % kItems == 0;
+    const bool vec_t = p.rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
+    auto launch = [&]<bool V, bool VT>() {
+      experts_quant_kernel<T, V, VT><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
+    };
+    if (vec && vec_t) {
+      launch.template operator()<true, true>();
+    } else if (vec) {
+      launch.template operator()<true, false>();
+    } else if (vec_t) {
+      launch.template operator()<false, true>();
+    } else {
+      launch.template operator()<false, false>();
+    }
+  });
+  check_launch("fp8 experts_quant_kernel");
+}
+
+}  // namespace moe::quant

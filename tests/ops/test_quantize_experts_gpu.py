@@ -1,0 +1,99 @@
+"""quantize_fp8_experts_dual (the weight cache's quantization: 128x128 tiles in the forward's layout and in
+dgrad's transposed one from one read of the weight): GPU tier, the one-pass kernel against the composition it
+replaces (per-expert tile quantization, then the transposes of codes and scales) bit for bit."""
+
+import pytest
+import torch
+
+from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual, quantize_fp8_experts_dual_reference
+from moe_kernels.testing import assert_exact
+from tests.emulation import skip_if_too_large
+
+pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2**22  # elements per case
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _weights(E, N, K, dtype, seed, specials=False):
+    g = torch.Generator().manual_seed(seed)
+    # Magnitudes spread along both axes and across experts, so the tiles' scales differ.
+    w = (torch.randn(E, N, K, generator=g) * torch.logspace(-3, 3, max(K, 1))[:K]
+         * torch.logspace(-2, 2, max(N, 1))[:N, None] * torch.logspace(-4, 4, max(E, 1))[:E, None, None])
+    if specials and N >= 200 and K >= 200:
+        w[0, 3, 5], w[0, 17, 9], w[0, 29, 130] = float("nan"), float("inf"), -float("inf")
+        w[0, 40:45, 7] = 0.0
+        w[0, 50, 11] = -0.0
+        w[0, 60, 12] = 1e-42  # fp32 denormal
+        w[1, :128, :128] = 0.0  # a tile of zeros
+        w[1, 128:, 128:] = 0.0  # a partial tile of zeros
+        w[1, 130, 3] = float("nan")  # NaN in one tile only
+        w[-1] = 0.0  # an expert of zeros
+    return w.to(dtype)
+
+
+def _check(w_cpu, w_dev, pow2, what):
+    got = quantize_fp8_experts_dual(w_dev, pow2_scale=pow2)
+    want = quantize_fp8_experts_dual_reference(w_cpu, pow2)
+    for name, a, b in zip(("codes", "scales", "transposed codes", "transposed scales"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}"
+        a, b = a.cpu(), b
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert_exact(a, b, f"{what} {name}")
+
+
+@pytest.mark.parametrize("E", [1, 3])
+@pytest.mark.parametrize("N, K", [(128, 128), (256, 384), (200, 130), (1, 1), (129, 7), (300, 256)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_reference(cuda, E, N, K, dtype):
+    skip_if_too_large(E * N * K, EMULATION_BUDGET, "elements")
+    w = _weights(E, N, K, dtype, seed=E * 1000 + N * 7 + K)
+    _check(w, w.to(cuda), False, f"{E}x{N}x{K} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_specials_and_pow2(cuda, dtype, pow2):
+    # NaN, +-inf, zeros, -0, denormals; whole and partial zero tiles; an expert of zeros; partial last tiles.
+    w = _weights(3, 260, 300, torch.float32, seed=11, specials=True).to(dtype)
+    _check(w, w.to(cuda), pow2, f"specials {dtype} pow2={pow2}")
+
+
+@pytest.mark.parametrize("shape", [(0, 128, 128), (2, 0, 128), (2, 128, 0), (0, 0, 0)])
+def test_empty(cuda, shape):
+    w = torch.zeros(shape, dtype=torch.bfloat16)
+    _check(w, w.to(cuda), False, f"empty {shape}")
+
+
+def test_deepseek_w2_layout(cuda):
+    # The wide case of the recipe: N = H = 7168 rows (bf16), K = F = 256, two experts.
+    skip_if_too_large(2 * 7168 * 256, EMULATION_BUDGET, "elements")
+    w = _weights(2, 7168, 256, torch.bfloat16, seed=3)
+    _check(w, w.to(cuda), False, "2x7168x256")
+
+
+def test_misaligned_and_strided_inputs(cuda):
+    # Not 16-byte aligned (the scalar loads), and a transposed view (made contiguous first).
+    w = _weights(2, 256, 256, torch.bfloat16, seed=5)
+    base = torch.empty(w.numel() + 1, dtype=w.dtype, device=cuda)
+    dev = base[1:].view(2, 256, 256)
+    dev.copy_(w.to(cuda))
+    assert dev.data_ptr() % 16 != 0
+    _check(w, dev, False, "misaligned")
+    wt = _weights(2, 384, 256, torch.float32, seed=6)
+    _check(wt.transpose(1, 2), wt.to(cuda).transpose(1, 2), True, "transposed view")
+
+
+@pytest.mark.parametrize("N", [16, 48, 200])
+def test_rows_not_a_multiple_of_128(cuda, N):
+    # N % 16 == 0 takes the 16-byte transposed stores with a partial last tile; 200 the scalar ones.
+    w = _weights(2, N, 256, torch.bfloat16, seed=N)
+    _check(w, w.to(cuda), False, f"N={N}")
+
+
+def test_bad_input_raises_before_the_kernel(cuda):
+    with pytest.raises(ValueError, match="`w` must be 3-D"):
+        quantize_fp8_experts_dual(torch.zeros(128, 128, device=cuda))
+    with pytest.raises(TypeError, match="`w` must have dtype"):
+        quantize_fp8_experts_dual(torch.zeros(1, 128, 128, dtype=torch.float64, device=cuda))
