@@ -159,6 +159,7 @@ class StepGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.outputs: dict | None = None
         self.eager_calls = 0
+        self._side: torch.cuda.Stream | None = None  # the warm-up's stream, one for all its steps
 
     def reset(self) -> None:
         """Drops the graph (after a checkpoint load replaced the optimizer state it reads): the next calls warm
@@ -174,11 +175,12 @@ class StepGraph:
         if not self.capture:
             return self._eager()
         if self.eager_calls < self.warmup:
-            side = torch.cuda.Stream(self.inputs.device)
-            side.wait_stream(torch.cuda.current_stream(self.inputs.device))
-            with torch.cuda.stream(side):
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.inputs.device)
+            self._side.wait_stream(torch.cuda.current_stream(self.inputs.device))
+            with torch.cuda.stream(self._side):
                 out = self._eager()
-            torch.cuda.current_stream(self.inputs.device).wait_stream(side)
+            torch.cuda.current_stream(self.inputs.device).wait_stream(self._side)
             return out
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
