@@ -133,8 +133,9 @@ class TrainConfig:
             raise ValueError(f"unknown precision {self.precision!r}; choose from {sorted(RECIPES)}")
         if RECIPES[self.precision] is not None:  # the recipe's shape rules, checked before anything is built
             PRESETS[self.preset](recipe=RECIPES[self.precision])
-        if self.cuda_graphs and graphs.refusal(self) is not None:
-            raise ValueError(graphs.refusal(self))
+        why = graphs.refusal(self) if self.cuda_graphs else None
+        if why is not None:
+            raise ValueError(why)
 
     @property
     def sharded(self) -> bool:
