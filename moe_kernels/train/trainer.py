@@ -461,8 +461,13 @@ class Trainer:
     def _restore_run_state(self, path: Path, state: dict) -> None:
         if self.master is not None:  # the loaded masters' bf16 copies
             self.master.write_compute_copies()
+        flags = graphs.optimizer_flags(self.device, self.cfg.cuda_graphs)
         for group in self.optimizer.param_groups:  # this run's implementation, whichever wrote the checkpoint
-            group.update(graphs.optimizer_flags(self.device, self.cfg.cuda_graphs))
+            group.update(flags)
+            for p in group["params"] if flags["fused"] or flags["capturable"] else ():
+                saved = self.optimizer.state.get(p, {})
+                if torch.is_tensor(saved.get("step")):  # their step counts: fp32 on the parameter's device
+                    saved["step"] = saved["step"].to(p.device, torch.float32)
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.data.seed = state["data"]["seed"]

@@ -168,3 +168,17 @@ def test_resume_continues_the_static_step_bit_for_bit(tmp_path, static_step_on_c
     assert all(g["fused"] and isinstance(g["lr"], float) for g in resumed.optimizer.param_groups)
     resumed.train()
     _assert_same_state(whole, resumed, "resumed")
+
+
+def test_an_eager_checkpoint_resumes_into_the_static_step(tmp_path, static_step_on_cpu):
+    """A checkpoint written without graphs (torch's per-parameter AdamW on the CPU, its step counts on the host)
+    resumes into the captured step's fused AdamW, and the other way round."""
+    _trainer(tmp_path, "run", steps=2).train()
+    resumed = _trainer(tmp_path, "run", cuda_graphs=True, steps=3)
+    assert resumed.resume()
+    assert all(g["fused"] and not g["capturable"] for g in resumed.optimizer.param_groups)
+    resumed.train()
+    back = _trainer(tmp_path, "run", steps=4)
+    assert back.resume() and back.step == 3
+    assert not any(g["fused"] for g in back.optimizer.param_groups)
+    back.train()
