@@ -19,9 +19,10 @@ copied into static input buffers before it; the loss, aux loss and gradient norm
 Refused (TrainConfig, Trainer): a device other than CUDA, more than one process (torchrun, expert
 parallelism, FSDP2 and the other parallelize() layouts, pipeline parallelism), the nvlink capacity (tokens
 dropped by the receiving rank), global load balancing (an all-reduce across ranks), activation checkpointing
-(torch.utils.checkpoint saves and restores the RNG state on the host) and the FP8 / NVFP4 recipes (their
-weight cache is looked up on the host by version counter, which a replay does not see). Everything the step
-does on the device is free of host syncs (moe_kernels.testing.no_host_sync; ARCHITECTURE decision 4).
+(torch.utils.checkpoint saves and restores the RNG state on the host) and the FP8 / NVFP4 recipes (the FP8
+weight cache is looked up on the host by version counter, which a replay does not repeat; NVFP4 copies host
+constants to the device). The step reads nothing on the host (ARCHITECTURE decision 4; checked with
+moe_kernels.testing.no_host_sync and torch's sync debug mode in tests/train/test_cuda_graphs_gpu.py).
 Gradient accumulation is captured as N forwards and backwards in the one graph.
 """
 
@@ -54,8 +55,8 @@ def refusal(cfg) -> str | None:
     elif cfg.activation_checkpointing:
         why = "activation checkpointing saves and restores the RNG state on the host"
     elif cfg.precision != "bf16":
-        why = (f"precision={cfg.precision!r} looks its quantized weights up on the host (the FP8 weight cache), "
-               "which a replay does not repeat")
+        why = (f"precision={cfg.precision!r} quantizes through host-side state (the FP8 weight cache is looked up "
+               "by version counter, which a replay does not repeat; NVFP4 copies host constants to the device)")
     return None if why is None else f"cuda_graphs (--cuda-graphs) captures one GPU's whole step: {why}"
 
 

@@ -1,7 +1,7 @@
 """A small, honest trainer for the MoE models: AdamW, warmup + cosine, clipping, mixed precision on a GPU
 (bf16 parameters with fp32 master weights and gradients: moe_kernels.train.master; under FSDP2 its
 mixed-precision policy), optional activation checkpointing, periodic eval, atomic checkpoints, bit-identical
-resume."""
+resume; on one GPU the whole step optionally captured in a CUDA graph (moe_kernels.train.graphs)."""
 
 from __future__ import annotations
 
