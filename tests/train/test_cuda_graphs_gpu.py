@@ -1,7 +1,8 @@
 """The captured training step (moe-train --cuda-graphs) on a GPU: a run that captures its step after the warm-up
 and replays it equals the same step run eagerly every step, bit for bit, with and without master weights and
 with grad_accum 2; it equals the normal eager trainer bit for bit where the learning rates are exact in fp32;
-the step syncs nothing with the host; train() logs, evaluates, checkpoints and resumes through the graph.
+the step syncs nothing with the host (also checked on the CPU-executed kernels, MOE_KERNELS_EMULATE); train()
+logs, evaluates, checkpoints and resumes through the graph.
 
 Small shapes on purpose: one block of keys per attention row (seq_len 32), so the attention backward is
 deterministic and "bit for bit" is a property of the capture, not of luck."""
@@ -12,9 +13,10 @@ import pytest
 import torch
 
 from moe_kernels.testing import no_host_sync
+from moe_kernels.train import graphs
 from moe_kernels.train.trainer import TrainConfig, Trainer, lr_factor
 
-pytestmark = [pytest.mark.gpu, pytest.mark.cuda_device]
+pytestmark = pytest.mark.gpu  # the captures also need the physical device (cuda_device)
 
 # A dense block and an MoE block with aux-loss-free balancing (an expert bias).
 COMMON = dict(preset="tiny-deepseek-v3", num_layers=2, steps=8, batch_size=2, seq_len=32, warmup_steps=2,
@@ -44,6 +46,7 @@ def _assert_same_state(a: Trainer, b: Trainer, what: str) -> None:
             assert torch.equal(sa[key], sb[key]), f"{what}: AdamW {key}"
 
 
+@pytest.mark.cuda_device
 @pytest.mark.parametrize("master_weights, grad_accum", [(True, 1), (False, 1), (True, 2)])
 def test_captured_run_equals_eager_run(tmp_path, master_weights, grad_accum):
     kw = dict(cuda_graphs=True, master_weights=master_weights, grad_accum=grad_accum)
@@ -64,6 +67,7 @@ def test_captured_run_equals_eager_run(tmp_path, master_weights, grad_accum):
     assert bias.abs().sum() > 0  # the in-graph balancing moved it
 
 
+@pytest.mark.cuda_device
 def test_captured_run_equals_the_normal_trainer(tmp_path):
     """Learning rates exact in fp32 (lr 2^-8, warmup factors k/8): the device tensor and the eager trainer's float
     are the same number, and both trainers run fused AdamW, so the captured step equals the normal one."""
@@ -77,21 +81,31 @@ def test_captured_run_equals_the_normal_trainer(tmp_path):
         _assert_same_state(captured, normal, f"step {step}")
 
 
-def test_static_step_syncs_nothing(tmp_path):
-    t = _trainer(tmp_path, "t", cuda_graphs=True)
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_static_step_syncs_nothing(tmp_path, cuda, monkeypatch, grad_accum):
+    """The whole step the graph captures (forward, backward, clipping, AdamW, bf16 copies, schedule, expert
+    bias) reads nothing on the host: no_host_sync everywhere, and torch's sync debug mode on a GPU."""
+    if cuda.type != "cuda":  # the CPU-executed kernels: the step runs eagerly, as on a GPU before its capture
+        monkeypatch.setattr(graphs, "check_device", lambda device, world: None)
+    t = _trainer(tmp_path, "t", cuda_graphs=True, device=str(cuda), master_weights=True, grad_accum=grad_accum)
     t.step_graph.capture = False
     t.train_step()  # the optimizer state and the workspaces exist, as at capture
-    x, y = t.data.batch(1)
-    inputs, targets = x[None].cuda(), y[None].cuda()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
+    batches = [t.data.batch(1, j, grad_accum) for j in range(grad_accum)]
+    inputs = torch.stack([x for x, _ in batches]).to(cuda)
+    targets = torch.stack([y for _, y in batches]).to(cuda)
+    debug = cuda.type == "cuda"
+    if debug:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
     try:
         with no_host_sync():
             t._static_step(inputs, targets)
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        if debug:
+            torch.cuda.set_sync_debug_mode("default")
 
 
+@pytest.mark.cuda_device
 def test_train_logs_checkpoints_and_resumes_through_the_graph(tmp_path):
     whole = _trainer(tmp_path, "whole", cuda_graphs=True, steps=8, eval_every=3)
     records = whole.train()
