@@ -159,6 +159,14 @@ MUTANTS = (
         "      p.scale_t[(e * row_tiles + rt) * col_tiles + ct] = s;\n",
         ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_matches_reference and 256-384"),
     ),
+    Mutant(
+        "wrong column offset",
+        "swiglu_bwd_fp8_kernel: d(up)'s token-major blocks written at d(gate)'s columns (c0, not F + c0)",
+        "activation/swiglu_bwd_fp8.cu",
+        "    quant::quantize_tile_columns<T, kFp8Block, kThreads>(tile, red, m_tile, p.ffn + c0, width, padded, p.q_t,\n",
+        "    quant::quantize_tile_columns<T, kFp8Block, kThreads>(tile, red, m_tile, c0, width, padded, p.q_t,\n",
+        ("tests/ops/test_swiglu_fp8_gpu.py", "-k", "test_backward_matches_composition and 256 and 129"),
+    ),
 )
 
 

@@ -49,8 +49,9 @@ __global__ void __launch_bounds__(kRowBlockThreads)
   const P* gate = reinterpret_cast<const P*>(h + rr * 2 * ffn);
   const P* up = reinterpret_cast<const P*>(h + rr * 2 * ffn + ffn);
   const P* d = reinterpret_cast<const P*>(dout + rr * ffn);
-  P* dgate = reinterpret_cast<P*>(dh + rr * 2 * ffn);
-  P* dup = reinterpret_cast<P*>(dh + rr * 2 * ffn + ffn);
+  // dh null: only the routing weights' gradient (the FP8 backward writes dh itself).
+  P* dgate = dh != nullptr ? reinterpret_cast<P*>(dh + rr * 2 * ffn) : nullptr;
+  P* dup = dh != nullptr ? reinterpret_cast<P*>(dh + rr * 2 * ffn + ffn) : nullptr;
   const float scale = w != nullptr && live ? w[rr] : 1.f;
   float dot = 0.f;
   if (live) {
@@ -59,14 +60,16 @@ __global__ void __launch_bounds__(kRowBlockThreads)
       P rg, ru;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        const float x = to_float(gv.v[n]), u = to_float(uv.v[n]), go = to_float(dv.v[n]);
-        const float s = sigmoidf(x), silu = x * s;
-        rg.v[n] = from_float<T>(go * scale * u * (s + x * s * (1.f - s)));
-        ru.v[n] = from_float<T>(go * scale * silu);
-        dot = fmaf(go, silu * u, dot);
+        const float u = to_float(uv.v[n]), go = to_float(dv.v[n]);
+        const SwigluGrad gr = swiglu_grad(to_float(gv.v[n]), u, go, scale);
+        rg.v[n] = from_float<T>(gr.dgate);
+        ru.v[n] = from_float<T>(gr.dup);
+        dot = fmaf(go, gr.silu * u, dot);
       }
-      dgate[v] = rg;
-      dup[v] = ru;
+      if (dgate != nullptr) {
+        dgate[v] = rg;
+        dup[v] = ru;
+      }
     }
   }
   if (dw != nullptr) {

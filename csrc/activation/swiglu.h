@@ -24,7 +24,7 @@ struct SwigluBwdParams {
   const void* dout;           // [R, F]
   const void* h;              // [R, 2F]
   const float* row_weights;   // [R] or nullptr
-  void* dh;                   // [R, 2F]
+  void* dh;                   // [R, 2F], or nullptr: only drow_weights
   float* drow_weights;        // [R] or nullptr
   int64_t rows;
   int64_t ffn;
@@ -50,5 +50,26 @@ struct SwigluFp8Params {
   DType dtype;
 };
 void swiglu_fwd_fp8(const SwigluFp8Params& p, cudaStream_t stream);
+
+// The backward writing dh = [d(gate) | d(up)] in E4M3 only, in both layouts the up projection's FP8 backward
+// reads (bit for bit quantize_fp8(dh, "block") and quantize_fp8_tokens(dh) of swiglu_bwd's dh): 1x128 blocks
+// along 2F for dgrad, 1x128 blocks along the rows, transposed, for wgrad. The value quantized is the gradient
+// rounded to h's dtype, as the composition quantizes it. The routing weights' gradient is not computed here
+// (swiglu_bwd with dh null gives it in its own reduction order). F % 128 == 0, dout and h 16-byte aligned,
+// fp16 or bf16.
+struct SwigluBwdFp8Params {
+  const void* dout;           // [R, F]
+  const void* h;              // [R, 2F]
+  const float* row_weights;   // [R] or nullptr
+  uint8_t* q;                 // [R, 2F]
+  float* scale;               // [R, 2F / 128]
+  uint8_t* q_t;               // [2F, Rp], Rp = R rounded up to 128; 16-byte aligned
+  float* scale_t;             // [2F, Rp / 128]
+  int64_t rows;
+  int64_t ffn;
+  bool pow2;
+  DType dtype;
+};
+void swiglu_bwd_fp8(const SwigluBwdFp8Params& p, cudaStream_t stream);
 
 }  // namespace moe::activation

@@ -1,5 +1,5 @@
-// The SwiGLU math, one definition for every kernel that evaluates it (the SwiGLU forward and backward, the
-// forward's FP8-writing variant, a GEMM epilogue): fp32, products in this order, so every producer of the
+// The SwiGLU math, one definition for every kernel that evaluates it (the SwiGLU forward and backward, their
+// FP8-writing variants, a GEMM epilogue): fp32, products in this order, so every producer of the
 // activation rounds the same value.
 #pragma once
 
@@ -12,6 +12,18 @@ __device__ __forceinline__ float sigmoidf(float x) { return 1.f / (1.f + expf(-x
 // silu(gate) * up * weight (weight: the row's routing weight, or 1).
 __device__ __forceinline__ float swiglu_value(float gate, float up, float weight) {
   return gate * sigmoidf(gate) * up * weight;
+}
+
+// The backward at one element: d(gate) and d(up) for the output gradient `dout` (weight: the row's routing
+// weight, or 1), and silu(gate) for the routing weight's gradient (sum over the row of dout * silu * up).
+struct SwigluGrad {
+  float dgate;
+  float dup;
+  float silu;
+};
+__device__ __forceinline__ SwigluGrad swiglu_grad(float gate, float up, float dout, float weight) {
+  const float s = sigmoidf(gate), silu = gate * s;
+  return {dout * weight * up * (s + gate * s * (1.f - s)), dout * weight * silu, silu};
 }
 
 }  // namespace moe::activation

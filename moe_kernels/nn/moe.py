@@ -146,13 +146,15 @@ class MoELayer(nn.Module):
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
         elif getattr(cfg.recipe, "fused_permute", False) and not lora_terms(self.experts, "w13"):
             # The recipe fuses the permute with its first GEMM's input quantization.
+            fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm") and not lora_terms(self.experts, "w2")
+            # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
-                x_in, routed.indices, cfg.num_experts, cfg.permute_align, self.experts.w13
+                x_in, routed.indices, cfg.num_experts, cfg.permute_align, self.experts.w13, swiglu_next=fused_swiglu
             )
             row_weights = None
             if cfg.weights_in_activation:
                 row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
-            if hasattr(cfg.recipe, "swiglu_grouped_mm") and not lora_terms(self.experts, "w2"):
+            if fused_swiglu:
                 # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass).
                 y = cfg.recipe.swiglu_grouped_mm(h, row_weights, self.experts.w2, group_sizes)
             else:

@@ -9,6 +9,11 @@ passes). Its reference is the composition it replaces, matched bit for bit:
     a = swiglu(h, row_weights)
     a_q, a_scale = quantize_fp8(a, "block")          # [R, F], [R, F / 128]: the forward GEMM's operand
     a_t_q, a_t_scale = quantize_fp8_tokens(a)       # [F, Rp], [F, Rp / 128]: wgrad's operand
+swiglu_bwd_quantize_fp8 is its backward: dh written as E4M3 only, in the two layouts the up projection's
+backward reads, from one read of dout and h; its reference, matched bit for bit:
+    dh, drow_weights = swiglu_bwd(dout, h, row_weights)
+    dh_q, dh_scale = quantize_fp8(dh, "block")       # [R, 2F], [R, 2F / 128]: dgrad's operand
+    dh_t_q, dh_t_scale = quantize_fp8_tokens(dh)     # [2F, Rp], [2F, Rp / 128]: wgrad's operand
 """
 
 from __future__ import annotations
@@ -200,3 +205,85 @@ def swiglu_quantize_fp8(
     (Rp = R rounded up to 128, padding codes 0), bit for bit quantize_fp8(a, "block") and quantize_fp8_tokens(a).
     No autograd (the FP8 recipe's function wraps it)."""
     return torch.ops.moe_kernels.swiglu_quantize_fp8(h, row_weights, bool(pow2_scale))
+
+
+# ---------------------------------------------------------------------------------------------------
+# SwiGLU backward writing FP8 (the FP8 recipe's up-projection gradient)
+
+
+def _check_bwd_fp8(dout: Tensor, h: Tensor, row_weights: Tensor | None) -> None:
+    op = "swiglu_bwd_quantize_fp8"
+    check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
+    _check(h, row_weights)
+    check_tensor(op, "dout", dout, ndim=2, dtypes=(h.dtype,), device=h.device)
+    check_shape(op, "dout", dout, (h.shape[0], h.shape[1] // 2), "[R, F] for h [R, 2F]")
+    if (h.shape[1] // 2) % BLOCK:
+        raise ValueError(f"{op}: F = {h.shape[1] // 2} must be a multiple of {BLOCK} (one scale per 1x128 block)")
+
+
+def swiglu_bwd_quantize_fp8_reference(
+    dout: Tensor, h: Tensor, row_weights: Tensor | None = None, need_dw: bool = False, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dh, dw = swiglu_bwd_reference(dout, h, row_weights, need_dw)
+    return (*quantize_fp8_reference(dh, "block", _E4M3, pow2_scale), *quantize_fp8_tokens_reference(dh, pow2_scale), dw)
+
+
+@torch.library.custom_op("moe_kernels::swiglu_bwd_quantize_fp8", mutates_args=())
+def _swiglu_bwd_quantize_fp8(
+    dout: Tensor, h: Tensor, row_weights: Tensor | None, need_dw: bool, pow2_scale: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_bwd_fp8(dout, h, row_weights)
+    return swiglu_bwd_quantize_fp8_reference(dout, h, row_weights, need_dw, pow2_scale)
+
+
+@_swiglu_bwd_quantize_fp8.register_fake
+def _(dout, h, row_weights, need_dw, pow2_scale):
+    _check_bwd_fp8(dout, h, row_weights)
+    R, W = h.shape
+    Rp = -(-R // BLOCK) * BLOCK
+    return (h.new_empty((R, W), dtype=_E4M3), h.new_empty((R, W // BLOCK), dtype=torch.float32),
+            h.new_empty((W, Rp), dtype=_E4M3), h.new_empty((W, Rp // BLOCK), dtype=torch.float32),
+            h.new_empty((R,) if need_dw else (0,), dtype=torch.float32))
+
+
+@_ext.cuda_impl(_swiglu_bwd_quantize_fp8)
+def _swiglu_bwd_quantize_fp8_cuda(dout, h, row_weights, need_dw, pow2_scale):
+    _check_bwd_fp8(dout, h, row_weights)
+    C = _ext.kernels("swiglu_bwd_quantize_fp8", h)
+    if C is None:
+        return swiglu_bwd_quantize_fp8_reference(dout, h, row_weights, need_dw, pow2_scale)
+    if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
+        dh, dw = torch.ops.moe_kernels.swiglu_bwd(dout, h, row_weights, need_dw)
+        return (*quantize_fp8(dh, "block", pow2_scale=pow2_scale),
+                *torch.ops.moe_kernels.quantize_fp8_tokens(dh, pow2_scale), dw)
+    h_in, dout_in = h, dout  # swiglu_bwd's vector width (so its drow_weights reduction order) follows these
+    h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads of gate, up and dout
+    dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()
+    R, W = h.shape
+    Rp = -(-R // BLOCK) * BLOCK
+    q = torch.empty((R, W), dtype=_E4M3, device=h.device)
+    scale = torch.empty((R, W // BLOCK), dtype=torch.float32, device=h.device)
+    q_t = torch.empty((W, Rp), dtype=_E4M3, device=h.device)
+    scale_t = torch.empty((W, Rp // BLOCK), dtype=torch.float32, device=h.device)
+    dw = torch.empty((R,) if need_dw else (0,), dtype=torch.float32, device=h.device)
+    w = None if row_weights is None else row_weights.float().contiguous()
+    launch = _ext.launch_args(h)
+    C.swiglu_bwd_fp8(dout=_ext.ptr(dout), h=_ext.ptr(h), row_weights=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale),
+                     q_t=_ext.ptr(q_t), scale_t=_ext.ptr(scale_t), rows=R, ffn=W // 2, pow2=pow2_scale,
+                     dtype=_ext.dtype_code(h.dtype), **launch)
+    if need_dw:  # swiglu_bwd's own reduction (bit for bit the composition's), dh not written
+        C.swiglu_bwd(dout=_ext.ptr(dout_in), h=_ext.ptr(h_in), row_weights=_ext.ptr(w), dh=0, drow_weights=_ext.ptr(dw),
+                     rows=R, ffn=W // 2, dtype=_ext.dtype_code(h.dtype), **launch)
+    return q, scale, q_t, scale_t, dw
+
+
+def swiglu_bwd_quantize_fp8(
+    dout: Tensor, h: Tensor, row_weights: Tensor | None = None, *, need_dw: bool = False, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """swiglu's backward with dh [R, 2F] (F % 128 == 0) written in E4M3 only: (dh_q [R, 2F], dh_scale [R, 2F / 128],
+    dh_t_q [2F, Rp], dh_t_scale [2F, Rp / 128], drow_weights [R] fp32, or [0] without `need_dw`): the up
+    projection's dgrad operand (1x128 blocks along 2F) and its wgrad operand (1x128 blocks along the rows, Rp =
+    R rounded up to 128, padding codes 0), bit for bit quantize_fp8(dh, "block") and quantize_fp8_tokens(dh)
+    for dh, drow_weights = swiglu_bwd(dout, h, row_weights). No autograd (the FP8 recipe's function calls it)."""
+    _check_bwd_fp8(dout, h, row_weights)
+    return torch.ops.moe_kernels.swiglu_bwd_quantize_fp8(dout, h, row_weights, bool(need_dw), bool(pow2_scale))

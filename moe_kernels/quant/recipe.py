@@ -17,6 +17,9 @@ reused by every micro-batch and recomputation until the weight changes. Each exp
 FP8 wgrad the forward saves x quantized along the tokens (1 byte per element) instead of x itself.
 In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert GEMM's input comes from
 permute_quantize_fp8: the permute, the padding and the forward quantization in one pass over the tokens.
+With `fused_swiglu` the SwiGLU writes the second GEMM's input in E4M3 (swiglu_quantize_fp8), and in the
+backward the first GEMM's output gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), handed to the
+first GEMM's backward directly: no bf16 dh is written.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
-from moe_kernels.ops.activation import swiglu, swiglu_quantize_fp8
+from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
 from moe_kernels.ops.permute import permute_quantize_fp8, unpermute
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.quant import weight_cache
@@ -68,24 +71,43 @@ class Fp8BlockwiseRecipe:
         """grouped_mm(swiglu(h, row_weights), w, group_sizes) with the activation written in FP8 by the SwiGLU
         kernel (swiglu_quantize_fp8: the forward's 1x128 blocks and wgrad's token-major blocks in one pass; the
         bf16 activation is never written). Bit for bit the composition; differentiable in h, row_weights and
-        w (the SwiGLU backward from h, as swiglu's). The composition runs where the fused kernel does not
+        w (the SwiGLU backward from h, as swiglu's; in E4M3 for the up projection's backward when h comes from
+        permute_grouped_mm(..., swiglu_next=True)). The composition runs where the fused kernel does not
         apply (fp8_wgrad off, F not a multiple of 128, fused_swiglu off)."""
         F = h.shape[-1] // 2
         if not (self.fused_swiglu and self.fp8_wgrad and F % BLOCK == 0):
             return self.grouped_mm(swiglu(h, row_weights), w, group_sizes)
-        return _Fp8SwigluGroupedMM.apply(autocast_input(h), row_weights, w, group_sizes, self, _weight_grad_needed(w),
-                                         weight_cache.cacheable(w))
+        h_in = autocast_input(h)
+        # h straight from permute_grouped_mm(..., swiglu_next=True): the SwiGLU backward hands it dh in FP8.
+        link = getattr(h, "_fp8_grad_link", None) if h_in is h else None
+        if link is not None and link.pow2_scale != self.pow2_scale:
+            link = None
+        return _Fp8SwigluGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
+                                         weight_cache.cacheable(w), link)
 
     def permute_grouped_mm(
-        self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor
+        self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor, *, swiglu_next: bool = False
     ) -> tuple[Tensor, Tensor, Tensor]:
         """permute(x, indices, num_experts, align) followed by grouped_mm(., w, group_sizes), with the
         permute and the forward quantization fused (permute_quantize_fp8): (out [R, N], row_map,
-        group_sizes). Differentiable in x and w; `align` must be a multiple of this recipe's."""
+        group_sizes). Differentiable in x and w; `align` must be a multiple of this recipe's.
+
+        `swiglu_next`: the caller feeds `out` to swiglu_grouped_mm and to nothing else, so the SwiGLU backward
+        may hand this GEMM's backward its gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), with no
+        bf16 gradient written. The gradient autograd then carries for `out` is a placeholder (zeros, no
+        memory): a hook on `out` or a gradient taken with respect to it sees zeros, and another consumer of
+        `out` raises in the backward."""
         if align % self.align:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
-        return _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
-                                          _weight_grad_needed(w), weight_cache.cacheable(w))
+        link = None
+        if (swiglu_next and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad and w.shape[1] % (2 * BLOCK) == 0
+                and not torch.compiler.is_compiling()):
+            link = _Fp8GradLink(self.pow2_scale)
+        out, row_map, group_sizes = _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
+                                                               _weight_grad_needed(w), weight_cache.cacheable(w), link)
+        if link is not None:
+            out._fp8_grad_link = link
+        return out, row_map, group_sizes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -242,14 +264,20 @@ def _fp8_forward(
     return out, state, [*saved_x, w, group_sizes]
 
 
-def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool, need_dw: bool):
+def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx: bool, need_dw: bool,
+                  dout_fp8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None):
+    """dgrad and wgrad from dout, or from its E4M3 layouts `dout_fp8` (d_q [M, N], d_scale [M, N/128], d_t_q
+    [N, Mp], d_t_scale [N, Mp/128]) when its producer wrote them (FP8 dgrad and wgrad on)."""
     n_x = state["n_x"]
     saved_x, (w, group_sizes) = saved[:n_x], saved[n_x:]
-    dout = dout.contiguous()
+    dout = dout.contiguous() if dout_fp8 is None else None
     dx = dw = None
     if need_dx:
         if state["fp8_dgrad"]:
-            d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
+            if dout_fp8 is not None:
+                d_q, d_scale = dout_fp8[:2]
+            else:
+                d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
             # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made with them once per weight
             # version (quantize_fp8_experts_dual).
             wt_q, wt_scale = state["w8"].transposed()
@@ -263,7 +291,7 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor, need_dx: bool,
             raise RuntimeError("Fp8BlockwiseRecipe: the forward ran without a weight gradient in view (grad mode off "
                                "or w.requires_grad False), so nothing was kept for dW")
         if state["fp8_wgrad"]:
-            d_t = quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])  # [N, Mp], [N, Mp/128]
+            d_t = dout_fp8[2:] if dout_fp8 is not None else quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])
             dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes).to(w.dtype)
         else:
             dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, saved_x[0], group_sizes).to(w.dtype)
@@ -286,10 +314,39 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+class _Fp8GradLink:
+    """Carries the up projection's output gradient in E4M3 from the SwiGLU backward to the GEMM backward that
+    made h, past autograd (which carries a zero-stride placeholder for h meanwhile). Made by permute_grouped_mm
+    (swiglu_next=True) for one h; `payload` lives from the one backward to the other."""
+
+    def __init__(self, pow2_scale: bool):
+        self.pow2_scale = pow2_scale
+        self.payload: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
+        self.placeholder: Tensor | None = None
+
+    def send(self, payload: tuple[Tensor, Tensor, Tensor, Tensor], like: Tensor) -> Tensor:
+        self.payload = payload
+        self.placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+        return self.placeholder
+
+    def receive(self, grad: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+        """The E4M3 gradient, or None when none was sent (then `grad` is the gradient)."""
+        payload, placeholder = self.payload, self.placeholder
+        self.payload = self.placeholder = None
+        if payload is None:
+            return None
+        # Autograd hands the placeholder over untouched unless another consumer of h added its gradient.
+        if grad is None or grad.data_ptr() != placeholder.data_ptr() or grad.stride() != placeholder.stride():
+            raise RuntimeError("Fp8BlockwiseRecipe: the output of permute_grouped_mm(..., swiglu_next=True) received "
+                               "a gradient from a consumer other than swiglu_grouped_mm; call it without "
+                               "swiglu_next where the output has other consumers")
+        return payload
+
+
 class _Fp8SwigluGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe,
-                need_wgrad: bool, cache: bool):
+                need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None):
         # One pass over h: both E4M3 layouts of a = swiglu(h, row_weights) (fp8_wgrad is on here).
         a_q, a_scale, a_t_q, a_t_scale = swiglu_quantize_fp8(h, row_weights, pow2_scale=recipe.pow2_scale)
         ctx.need_drw = row_weights is not None and ctx.needs_input_grad[1]
@@ -297,6 +354,7 @@ class _Fp8SwigluGroupedMM(torch.autograd.Function):
                                              x_tokens=(a_t_q, a_t_scale),
                                              need_dgrad=ctx.needs_input_grad[0] or ctx.need_drw)
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
+        ctx.link = link
         ctx.save_for_backward(*saved, h, row_weights)
         return out
 
@@ -306,22 +364,28 @@ class _Fp8SwigluGroupedMM(torch.autograd.Function):
         need_h = ctx.needs_input_grad[0] or ctx.need_drw
         da, dw = _fp8_backward(ctx.state, saved, dout, need_h, ctx.needs_input_grad[2])
         dh = drw = None
-        if need_h:  # swiglu's backward, as the composition takes it
+        if need_h and ctx.link is not None and ctx.needs_input_grad[0]:
+            # dh in E4M3 only, both layouts the up projection's backward reads; autograd carries a placeholder.
+            *dh_fp8, drw = swiglu_bwd_quantize_fp8(da.contiguous(), h, row_weights, need_dw=ctx.need_drw,
+                                                   pow2_scale=ctx.link.pow2_scale)
+            dh = ctx.link.send(tuple(dh_fp8), h)
+        elif need_h:  # swiglu's backward, as the composition takes it
             dh, drw = torch.ops.moe_kernels.swiglu_bwd(da.contiguous(), h, row_weights, ctx.need_drw)
-            drw = drw.to(ctx.rw_dtype) if ctx.need_drw else None
-        return dh, drw, dw, None, None, None, None
+        drw = drw.to(ctx.rw_dtype) if ctx.need_drw else None
+        return dh, drw, dw, None, None, None, None, None
 
 
 class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe,
-                need_wgrad: bool, cache: bool):
+                need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None):
         # One read of each token: its codes, scales and (for wgrad) its input-precision rows.
         x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
             x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=need_wgrad
         )
         out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
                                              need_dgrad=ctx.needs_input_grad[0])
+        ctx.link = link
         ctx.save_for_backward(*saved, row_map)
         ctx.mark_non_differentiable(row_map, group_sizes)
         return out, row_map, group_sizes
@@ -329,7 +393,8 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout: Tensor, _grad_row_map, _grad_group_sizes):
         *saved, row_map = ctx.saved_tensors
-        dx_perm, dw = _fp8_backward(ctx.state, saved, dout, *ctx.needs_input_grad[:2])
+        dout_fp8 = ctx.link.receive(dout) if ctx.link is not None else None
+        dx_perm, dw = _fp8_backward(ctx.state, saved, dout, *ctx.needs_input_grad[:2], dout_fp8=dout_fp8)
         # permute's backward: dx[t] = sum over its slots of dx_perm[row] (fp32 accumulation).
         dx = unpermute(dx_perm.contiguous(), row_map, None) if dx_perm is not None else None
-        return dx, dw, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None

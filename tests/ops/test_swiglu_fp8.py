@@ -1,9 +1,10 @@
-"""swiglu_quantize_fp8: CPU tier (the reference is the composition; shapes under fake tensors)."""
+"""swiglu_quantize_fp8 and swiglu_bwd_quantize_fp8: CPU tier (the references are the compositions; shapes under
+fake tensors)."""
 
 import pytest
 import torch
 
-from moe_kernels.ops.activation import swiglu, swiglu_quantize_fp8
+from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_tokens
 from moe_kernels.ops.quant import quantize_fp8
 
@@ -30,3 +31,37 @@ def test_shapes_on_meta():
 def test_rejects_f_not_a_multiple_of_128():
     with pytest.raises(ValueError, match="multiple of 128"):
         swiglu_quantize_fp8(torch.zeros(4, 200))
+
+
+@pytest.mark.parametrize("weights", [False, True])
+def test_backward_equals_the_composition(weights):
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(130, 512, generator=g).to(torch.bfloat16)
+    da = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+    w = torch.rand(130, generator=g) if weights else None
+    dh, dw = torch.ops.moe_kernels.swiglu_bwd(da, h, w, weights)
+    want = (*quantize_fp8(dh, "block", pow2_scale=True), *quantize_fp8_tokens(dh, pow2_scale=True), dw)
+    got = swiglu_bwd_quantize_fp8(da, h, w, need_dw=weights, pow2_scale=True)
+    for x, y in zip(got, want):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                           y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+
+
+def test_backward_shapes_on_meta():
+    h = torch.empty(300, 512, device="meta", dtype=torch.bfloat16)
+    q, s, qt, st, dw = swiglu_bwd_quantize_fp8(torch.empty(300, 256, device="meta", dtype=torch.bfloat16), h,
+                                               need_dw=True)
+    assert (q.shape, s.shape, qt.shape, st.shape, dw.shape) == ((300, 512), (300, 4), (512, 384), (512, 3), (300,))
+
+
+def test_backward_rejects_bad_input():
+    h = torch.zeros(4, 256)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 100), torch.zeros(4, 200))
+    with pytest.raises(ValueError, match="`dout` must have shape"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 256), h)
+    with pytest.raises(TypeError, match="`dout` must have dtype"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 128, dtype=torch.bfloat16), h)
+    with pytest.raises(TypeError, match="`h` must have dtype"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 128, dtype=torch.float64), h.double())

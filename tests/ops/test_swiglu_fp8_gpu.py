@@ -1,12 +1,13 @@
-"""swiglu_quantize_fp8 (the SwiGLU forward writing the down projection's input in FP8, both layouts): GPU tier,
-bit for bit against the composition it replaces, swiglu then quantize_fp8(., "block") and quantize_fp8_tokens,
-each run on the same device."""
+"""swiglu_quantize_fp8 (the SwiGLU forward writing the down projection's input in FP8, both layouts) and
+swiglu_bwd_quantize_fp8 (the backward writing the up projection's gradient in FP8, both layouts): GPU tier, bit
+for bit against the compositions they replace, swiglu (or swiglu_bwd) then quantize_fp8(., "block") and
+quantize_fp8_tokens, each run on the same device."""
 
 import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.ops.activation import swiglu, swiglu_quantize_fp8
+from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
 from moe_kernels.testing import assert_exact
 from tests.emulation import skip_if_too_large
 
@@ -65,3 +66,85 @@ def test_misaligned_h_and_fp16_weights(cuda):
 def test_rejects_f_not_a_multiple_of_128(cuda):
     with pytest.raises(ValueError, match="multiple of 128"):
         swiglu_quantize_fp8(torch.zeros(4, 2 * 96, dtype=torch.bfloat16, device=cuda))
+
+
+# The backward: swiglu_bwd_quantize_fp8 against swiglu_bwd then quantize_fp8(., "block") and quantize_fp8_tokens.
+
+
+def _check_bwd(da, h, w, need_dw, pow2, what):
+    got = swiglu_bwd_quantize_fp8(da, h, w, need_dw=need_dw, pow2_scale=pow2)
+    dh, dw = torch.ops.moe_kernels.swiglu_bwd(da, h, w, need_dw)
+    want = (*mk.quantize_fp8(dh, "block", pow2_scale=pow2), *mk.quantize_fp8_tokens(dh, pow2_scale=pow2), dw)
+    for name, x, y in zip(("dh_q", "dh_scale", "dh_t_q", "dh_t_scale", "drow_weights"), got, want):
+        assert x.shape == y.shape and x.dtype == y.dtype, f"{what} {name}"
+        if x.dtype == torch.float8_e4m3fn:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert_exact(x.cpu(), y.cpu(), f"{what} {name}")
+
+
+def _grad_input(R, F, dtype, seed, weights):
+    h, w = _input(R, F, dtype, seed, weights)
+    g = torch.Generator().manual_seed(seed + 1)
+    da = (torch.randn(R, F, generator=g) * torch.logspace(-3, 1, R)[:, None]).to(dtype)
+    return da, h, w
+
+
+@pytest.mark.parametrize("R", [0, 1, 127, 128, 129, 300])
+@pytest.mark.parametrize("F", [128, 256, 768])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_backward_matches_composition(cuda, R, F, dtype):
+    skip_if_too_large(R * F, EMULATION_BUDGET, "elements")
+    da, h, w = _grad_input(R, F, dtype, seed=R * 3 + F, weights=R % 2 == 1)
+    _check_bwd(da.to(cuda), h.to(cuda), None if w is None else w.to(cuda), w is not None, False,
+               f"backward {R}x{F} {dtype} weights={w is not None}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_backward_specials_and_pow2(cuda, dtype, pow2):
+    # NaN / inf in h and in the incoming gradient, zero columns and rows (zero blocks in both layouts), an fp16
+    # overflow, a zero routing weight; the routing weights' gradient as well.
+    da, h, w = _grad_input(260, 256, torch.float32, seed=4, weights=True)
+    h[3, 5], h[17, 300], h[29, 9] = float("nan"), float("inf"), -float("inf")
+    da[40, 7], da[41, 130] = float("nan"), float("inf")
+    h[:, 100] = 0.0  # d(up) zero in column 100: a zero token block
+    da[140:150, :] = 0.0  # zero rows: zero forward blocks
+    h[200, 256 + 7] = 1e30  # overflows fp16
+    w[7] = 0.0
+    _check_bwd(da.to(dtype).to(cuda), h.to(dtype).to(cuda), w.to(cuda), True, pow2,
+               f"backward specials {dtype} pow2={pow2}")
+
+
+def test_backward_hot_and_empty_row_ranges(cuda):
+    # A hot expert's long run of large rows next to rows of zeros (an empty expert's padding): per-block scales.
+    da, h, _ = _grad_input(384, 128, torch.bfloat16, seed=8, weights=False)
+    h[:128] *= 100
+    h[128:256] = 0
+    da[128:256] = 0
+    _check_bwd(da.to(cuda), h.to(cuda), None, False, False, "hot and empty")
+
+
+def test_backward_misaligned_inputs(cuda):
+    da, h, w = _grad_input(140, 128, torch.bfloat16, seed=9, weights=True)
+    devs = []
+    for t in (h, da):
+        base = torch.empty(t.numel() + 1, dtype=t.dtype, device=cuda)
+        d = base[1:].view(t.shape)
+        d.copy_(t.to(cuda))
+        assert d.data_ptr() % 16 != 0
+        devs.append(d)
+    _check_bwd(devs[1], devs[0], w.to(torch.float16).to(cuda), True, False, "backward misaligned")
+
+
+def test_backward_bad_input_raises_before_the_kernel(cuda):
+    h = torch.zeros(4, 256, dtype=torch.bfloat16, device=cuda)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 96, dtype=torch.bfloat16, device=cuda),
+                                torch.zeros(4, 192, dtype=torch.bfloat16, device=cuda))
+    with pytest.raises(ValueError, match="`dout` must have shape"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 256, dtype=torch.bfloat16, device=cuda), h)
+    with pytest.raises(TypeError, match="`dout` must have dtype"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 128, dtype=torch.float16, device=cuda), h)
+    with pytest.raises(ValueError, match="`row_weights` must have shape"):
+        swiglu_bwd_quantize_fp8(torch.zeros(4, 128, dtype=torch.bfloat16, device=cuda), h,
+                                torch.ones(5, device=cuda))

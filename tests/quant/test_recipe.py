@@ -192,10 +192,50 @@ def test_fused_permute_is_the_unfused_recipe():
 @pytest.mark.parametrize("weights_in_activation", [False, True])
 def test_fused_swiglu_is_the_unfused_recipe(weights_in_activation):
     # swiglu_quantize_fp8 + the FP8 GEMM equals swiglu, then both quantizations + the FP8 GEMM: forward and
-    # gradients (the routing weights' too when SwiGLU applies them).
+    # gradients (the routing weights' too when SwiGLU applies them); in the backward swiglu_bwd_quantize_fp8
+    # equals swiglu_bwd, then both quantizations of dh in the up projection's backward.
     torch.manual_seed(1)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2, weights_in_activation=weights_in_activation)
     _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False))
+
+
+def test_fused_swiglu_hands_the_up_projection_its_gradient_in_fp8(monkeypatch):
+    # In the layer's backward the SwiGLU writes dh in E4M3 (both layouts) and the up projection's backward reads
+    # it: one dout quantization (the down projection's dgrad), none for dh; still bit for bit the composition.
+    import moe_kernels.quant.recipe as recipe_module
+
+    calls = {"quantize_fp8": 0, "swiglu_bwd_quantize_fp8": 0}
+    def counted(name, fn):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(recipe_module, name, counted(name, getattr(recipe_module, name)))
+    torch.manual_seed(3)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2)
+    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
+    out, aux = layer(torch.randn(2, 29, 256, requires_grad=True))
+    (out.square().sum() + aux).backward()
+    assert calls == {"quantize_fp8": 1, "swiglu_bwd_quantize_fp8": 1}
+
+
+def test_fp8_gradient_link_rejects_a_second_consumer():
+    recipe = Fp8BlockwiseRecipe()
+    torch.manual_seed(4)
+    x = torch.randn(40, 128, requires_grad=True)
+    w13 = torch.nn.Parameter(torch.randn(4, 256, 128) * 0.05)
+    w2 = torch.nn.Parameter(torch.randn(4, 128, 128) * 0.05)
+    indices = torch.randint(0, 4, (40, 2), dtype=torch.int32)
+    h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13, swiglu_next=True)
+    y = recipe.swiglu_grouped_mm(h, None, w2, gs)
+    with pytest.raises(RuntimeError, match="consumer other than swiglu_grouped_mm"):
+        (y.square().sum() + h.float().sum()).backward()
+    # Without swiglu_next the same graph is fine (dh in bf16, summed with the other gradient by autograd).
+    h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
+    (recipe.swiglu_grouped_mm(h, None, w2, gs).square().sum() + h.float().sum()).backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(w13.grad).all()
 
 
 def _assert_same_layer(cfg, fused_recipe, plain_recipe):
