@@ -16,6 +16,9 @@ Environment knobs:
   MOE_KERNELS_CUDA_FROM_PIP=1       build with NVIDIA's CUDA compiler wheels (added to the build requirements
                            by tools/packaging/moe_build_backend.py; automatic on a GPU machine without a toolkit).
   MOE_KERNELS_IGNORE_SYSTEM_CUDA=1  ignore any installed toolkit (use the wheels' nvcc).
+  MOE_KERNELS_PREBUILT=1   package the `_C` built in place (moe_kernels/_C*.so) instead of compiling again;
+                           refused unless its sources and build configuration are the ones recorded beside it
+                           at its build (tools/packaging/moe_build_backend.py). A wheel never holds `_C_emu`.
 """
 
 import importlib.util
@@ -37,7 +40,15 @@ def _say(msg: str) -> None:
 
 
 sys.path.insert(0, str(ROOT / "tools" / "packaging"))
-from moe_build_backend import find_nvcc, wheel_toolkits  # noqa: E402  (one rule for the backend and this file)
+from moe_build_backend import (  # noqa: E402  (one rule for the backend and this file)
+    PREBUILT,
+    build_config,
+    find_nvcc,
+    prebuilt_problems,
+    source_hashes,
+    wheel_toolkits,
+    write_record,
+)
 
 
 def find_cuda_include() -> str | None:
@@ -115,6 +126,12 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        # (module name, source hashes taken before the compile, build configuration) of each `_C` compiled
+        # here: recorded beside the in-place copy, for MOE_KERNELS_PREBUILT.
+        self.compiled: list[tuple[str, dict, dict]] = []
+
     def build_extension(self, ext: Extension) -> None:
         if ext.name.startswith("moe_kernels._C_emu"):
             return self.build_emulated(ext)
@@ -125,6 +142,11 @@ class CMakeBuild(build_ext):
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
         archs = os.environ.get("MOE_KERNELS_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+        cutlass = find_cutlass_root()
+        sources = source_hashes(ROOT)
+        config = build_config(archs, nvcc, cutlass, pybind11.__version__)
+        if _flag(PREBUILT):
+            return self.package_prebuilt(ext, sources, config)
         args = [
             f"-S{ROOT}",
             f"-B{build_dir}",
@@ -136,7 +158,6 @@ class CMakeBuild(build_ext):
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}",
         ]
-        cutlass = find_cutlass_root()
         if cutlass:
             args.append(f"-DMOE_KERNELS_CUTLASS_DIR={cutlass}")
         args += _wheel_toolkit_args(nvcc)
@@ -146,6 +167,27 @@ class CMakeBuild(build_ext):
         _say(f"building _C for {archs} with {jobs} job(s); CUTLASS: {cutlass or 'not found'}")
         subprocess.run(["cmake", *args], check=True)
         subprocess.run(["cmake", "--build", str(build_dir), "--parallel", str(jobs)], check=True)
+        self.compiled.append((ext.name, sources, config))
+
+    def package_prebuilt(self, ext: Extension, sources: dict, config: dict) -> None:
+        """MOE_KERNELS_PREBUILT=1: the in-place `_C` goes into the build as is, if it is up to date."""
+        module = ROOT / self.get_ext_filename(ext.name)
+        problems = prebuilt_problems(module, sources, config)
+        if problems:
+            raise SystemExit(f"moe_kernels: {PREBUILT}=1, but {module.relative_to(ROOT)} cannot be packaged:\n  "
+                             + "\n  ".join(problems)
+                             + f"\nBuild it again in place (pip install -e .), or unset {PREBUILT} to compile.")
+        target = Path(self.get_ext_fullpath(ext.name))
+        _say(f"{PREBUILT}=1: packaging {module.relative_to(ROOT)} as built ({config['cuda_archs']}), no compile")
+        if module.resolve() != target.resolve():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(module, target)
+
+    def copy_extensions_to_source(self) -> None:
+        """In-place builds (pip install -e .): beside each compiled `_C`, the record MOE_KERNELS_PREBUILT checks."""
+        super().copy_extensions_to_source()
+        for name, sources, config in self.compiled:
+            write_record(ROOT / self.get_ext_filename(name), sources, config)
 
     def build_emulated(self, ext: CMakeExtension) -> None:
         """`_C_emu` / `_C_emu_asan`: the CUDA kernels compiled by the host compiler (tools/cuda_on_cpu)."""
@@ -181,7 +223,7 @@ def extensions() -> list[Extension]:
     exts = []
     if _flag("MOE_KERNELS_SKIP_CUDA"):
         _say("MOE_KERNELS_SKIP_CUDA is set: no GPU kernels (every op runs its PyTorch reference).")
-    elif find_nvcc() is None:
+    elif find_nvcc() is None and not _flag(PREBUILT):
         _say("no CUDA compiler (nvcc) found: no GPU kernels (every op runs its PyTorch reference).")
     else:
         exts.append(CMakeExtension("moe_kernels._C"))
