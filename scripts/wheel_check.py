@@ -50,7 +50,7 @@ def _sha256(data: bytes) -> str:
 
 
 def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
-    print("+", " ".join(str(c) for c in cmd), flush=True)
+    print("+", " ".join("<script>" if "\n" in str(c) else str(c) for c in cmd), flush=True)
     return subprocess.run(cmd, check=True, **kw)
 
 
