@@ -83,6 +83,20 @@ void register_permute(py::module_& m) {
       py::arg("dout"), py::arg("y"), py::arg("row_map"), py::arg("weights"), py::arg("dy"), py::arg("dweights"),
       py::arg("row_mask"), py::arg("num_tokens"), py::arg("k"), py::arg("hidden"), py::arg("num_rows"),
       py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "unpermute_bwd_fp8",
+      [](uintptr_t dout, uintptr_t slot_of_row, uintptr_t weights, uintptr_t q, uintptr_t scale, uintptr_t q_t,
+         uintptr_t scale_t, int64_t num_tokens, int64_t k, int64_t hidden, int64_t num_rows, bool pow2, int32_t dtype,
+         int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        permute::unpermute_bwd_fp8({ptr<const void>(dout), ptr<const int32_t>(slot_of_row), ptr<const float>(weights),
+                                    ptr<uint8_t>(q), ptr<float>(scale), ptr<uint8_t>(q_t), ptr<float>(scale_t),
+                                    num_tokens, k, hidden, num_rows, pow2, static_cast<DType>(dtype)},
+                                   stream(s));
+      },
+      py::arg("dout"), py::arg("slot_of_row"), py::arg("weights"), py::arg("q"), py::arg("scale"), py::arg("q_t"),
+      py::arg("scale_t"), py::arg("num_tokens"), py::arg("k"), py::arg("hidden"), py::arg("num_rows"),
+      py::arg("pow2"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
 }
 
 }  // namespace moe::api

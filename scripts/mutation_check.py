@@ -167,6 +167,14 @@ MUTANTS = (
         "    quant::quantize_tile_columns<T, kFp8Block, kThreads>(tile, red, m_tile, c0, width, padded, p.q_t,\n",
         ("tests/ops/test_swiglu_fp8_gpu.py", "-k", "test_backward_matches_composition and 256 and 129"),
     ),
+    Mutant(
+        "wrong row of a gather",
+        "unpermute_bwd_fp8_kernel: a row's token taken as slot % k instead of slot / k",
+        "permute/unpermute_fp8.cu",
+        "        const P d = *reinterpret_cast<const P*>(dout + (slot / p.k) * p.hidden + c);\n",
+        "        const P d = *reinterpret_cast<const P*>(dout + (slot % p.k) * p.hidden + c);\n",
+        ("tests/ops/test_permute_quantize_fp8_gpu.py", "-k", "test_unpermute_bwd_fp8_matches_composition and 37-8-2"),
+    ),
 )
 
 

@@ -96,8 +96,10 @@ __device__ __forceinline__ float vec_dot(const Pack<T, N>& a, const float (&b)[N
   return p[0];
 }
 
-// DW: dweights wanted (y is read). U: vectors per thread per pass (more loads in flight where no y is read).
-template <typename T, int N, bool DW>
+// DW: dweights wanted (y is read). DY: dy written (false: dweights only, for the FP8 backward that writes dy
+// itself; a template flag, not a test per store, so the dy-writing variants keep their registers).
+// U: vectors per thread per pass (more loads in flight where no y is read).
+template <typename T, int N, bool DW, bool DY = true>
 __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocks)
     unpermute_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ y, const int32_t* __restrict__ row_map,
                          const float* __restrict__ weights, T* __restrict__ dy, float* __restrict__ dweights,
@@ -154,7 +156,7 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocks)
           P res;
 #pragma unroll
           for (int n = 0; n < N; ++n) res.v[n] = from_float<T>(__fmul_rn(w[b], df[n]));
-          dys[int64_t(r[b]) * row_vecs + v] = res;
+          if constexpr (DY) dys[int64_t(r[b]) * row_vecs + v] = res;
           if constexpr (DW) dot[b] = __fadd_rn(dot[b], vec_dot(yv[b], df));
         }
       }
@@ -247,7 +249,11 @@ void launch_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
     const T* dout = static_cast<const T*>(p.dout);
     const T* y = static_cast<const T*>(p.y);
     T* dy = static_cast<T*>(p.dy);
-    if (p.dweights != nullptr) {
+    if (p.dweights != nullptr && p.dy == nullptr) {
+      unpermute_bwd_kernel<T, N, true, false><<<blocks, kBwdThreads, 0, stream>>>(
+          dout, y, p.row_map, p.weights, nullptr, p.dweights, p.row_mask, p.num_tokens, p.k, p.hidden, p.num_rows,
+          lanes);
+    } else if (p.dweights != nullptr) {
       unpermute_bwd_kernel<T, N, true><<<blocks, kBwdThreads, 0, stream>>>(
           dout, y, p.row_map, p.weights, dy, p.dweights, p.row_mask, p.num_tokens, p.k, p.hidden, p.num_rows, lanes);
     } else {
@@ -256,7 +262,7 @@ void launch_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
     }
     check_launch("unpermute_bwd_kernel");
   }
-  if (p.num_rows == 0) return;
+  if (p.num_rows == 0 || p.dy == nullptr) return;
   const int64_t want = (p.num_rows + kZeroThreads - 1) / kZeroThreads;  // a warp per 32 rows
   const unsigned zblocks = unsigned(want < kZeroBlocks ? want : kZeroBlocks);
   zero_unmarked_rows_kernel<int(sizeof(T)) * N><<<zblocks, kZeroThreads, 0, stream>>>(
@@ -308,6 +314,7 @@ void unpermute_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
     }
     return;
   }
+  if (p.dy == nullptr && p.dweights == nullptr) return;  // nothing asked for
   const void* ptrs[] = {p.dout, p.y, p.dy};
   dispatch_dtype(p, ptrs, 3, "unpermute_bwd", [&]<typename T, int N>() { launch_bwd<T, N>(p, stream); });
 }

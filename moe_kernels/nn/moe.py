@@ -154,12 +154,15 @@ class MoELayer(nn.Module):
             row_weights = None
             if cfg.weights_in_activation:
                 row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
+            weights = None if cfg.weights_in_activation else routed.weights
             if fused_swiglu:
-                # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass).
+                # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass); in the backward
+                # the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
                 y = cfg.recipe.swiglu_grouped_mm(h, row_weights, self.experts.w2, group_sizes)
+                out = cfg.recipe.unpermute(y, row_map, weights)
             else:
                 y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
-            out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
+                out = ops.unpermute(y, row_map, weights)
         else:
             x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)
             row_weights = None

@@ -14,7 +14,7 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
-from moe_kernels.ops.quant import BLOCK, quantize_fp8_reference
+from moe_kernels.ops.quant import BLOCK, quantize_fp8_reference, quantize_fp8_tokens_reference
 
 INDEX_DTYPES = (torch.int32,)
 # Permute moves bytes, so low-precision payloads (fp8, packed fp4 as uint8) travel through it too.
@@ -530,3 +530,105 @@ def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
         L.C.tokens_per_expert(_ext.ptr(indices), indices.numel(), num_experts, counts.data_ptr(), L.device, L.stream)
         return counts
     return torch.ops.moe_kernels.tokens_per_expert(indices, num_experts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Unpermute backward writing FP8 (the FP8 recipe's down-projection output gradient)
+
+_E4M3 = torch.float8_e4m3fn
+
+
+def _check_unpermute_bwd_fp8(dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None,
+                             num_rows: int) -> None:
+    op = "unpermute_bwd_quantize_fp8"
+    check_tensor(op, "grad_output", dout, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
+    _check_unpermute_bwd(dout, row_map, weights, y, num_rows)
+    if dout.shape[1] % BLOCK:
+        raise ValueError(f"{op}: H = {dout.shape[1]} must be a multiple of {BLOCK} (one scale per 1x128 block)")
+
+
+def unpermute_bwd_quantize_fp8_reference(
+    dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    dy, dweights = unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
+    return (*quantize_fp8_reference(dy, "block", _E4M3, pow2_scale), *quantize_fp8_tokens_reference(dy, pow2_scale),
+            dweights)
+
+
+@torch.library.custom_op("moe_kernels::unpermute_bwd_quantize_fp8", mutates_args=())
+def _unpermute_bwd_quantize_fp8(
+    dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int, pow2_scale: bool
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)
+    _check_row_map_values(row_map, num_rows, "unpermute_bwd_quantize_fp8")
+    return unpermute_bwd_quantize_fp8_reference(dout, row_map, weights, y, num_rows, pow2_scale)
+
+
+@_unpermute_bwd_quantize_fp8.register_fake
+def _(dout, row_map, weights, y, num_rows, pow2_scale):
+    _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)
+    H = dout.shape[1]
+    Rp = -(-num_rows // BLOCK) * BLOCK
+    return (dout.new_empty((num_rows, H), dtype=_E4M3), dout.new_empty((num_rows, H // BLOCK), dtype=torch.float32),
+            dout.new_empty((H, Rp), dtype=_E4M3), dout.new_empty((H, Rp // BLOCK), dtype=torch.float32),
+            dout.new_empty(row_map.shape if y is not None else (0,), dtype=torch.float32))
+
+
+def slot_of_row(row_map: Tensor, num_rows: int) -> Tensor:
+    """[num_rows] int32: the slot t * k + j that row_map sends to each row, -1 for rows no slot maps to (the
+    inverse of row_map). No host sync: dropped slots land on an extra last row that is cut off."""
+    flat = row_map.flatten()
+    valid = flat >= 0
+    slots = torch.arange(flat.numel(), dtype=torch.int32, device=row_map.device)
+    out = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_map.device)
+    return out.scatter(0, torch.where(valid, flat, num_rows).long(), torch.where(valid, slots, -1))[:num_rows]
+
+
+@_ext.cuda_impl(_unpermute_bwd_quantize_fp8)
+def _unpermute_bwd_quantize_fp8_cuda(dout, row_map, weights, y, num_rows, pow2_scale):
+    _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)
+    C = _ext.kernels("unpermute_bwd_quantize_fp8", dout)
+    if C is None or _ext.checks_enabled():
+        _check_row_map_values(row_map, num_rows, "unpermute_bwd_quantize_fp8")
+    if C is None:
+        return unpermute_bwd_quantize_fp8_reference(dout, row_map, weights, y, num_rows, pow2_scale)
+    if dout.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
+        dy, dweights = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, weights, y, num_rows)
+        return (*torch.ops.moe_kernels.quantize_fp8(dy, "block", _E4M3, pow2_scale),
+                *torch.ops.moe_kernels.quantize_fp8_tokens(dy, pow2_scale), dweights)
+    T, k = row_map.shape
+    H = dout.shape[1]
+    Rp = -(-num_rows // BLOCK) * BLOCK
+    dout_in = dout  # unpermute_bwd's vector width (so its dweights reduction order) follows this pointer
+    dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()  # 16-byte loads of dout rows
+    q = torch.empty((num_rows, H), dtype=_E4M3, device=dout.device)
+    scale = torch.empty((num_rows, H // BLOCK), dtype=torch.float32, device=dout.device)
+    q_t = torch.empty((H, Rp), dtype=_E4M3, device=dout.device)
+    scale_t = torch.empty((H, Rp // BLOCK), dtype=torch.float32, device=dout.device)
+    dweights = torch.empty((T, k) if y is not None else (0,), dtype=torch.float32, device=dout.device)
+    w = None if weights is None else weights.float().contiguous()
+    inv = slot_of_row(row_map, num_rows)  # held until the launch is queued
+    launch = _ext.launch_args(dout)
+    C.unpermute_bwd_fp8(dout=_ext.ptr(dout), slot_of_row=_ext.ptr(inv), weights=_ext.ptr(w),
+                        q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t), scale_t=_ext.ptr(scale_t),
+                        num_tokens=T, k=k, hidden=H, num_rows=num_rows, pow2=pow2_scale,
+                        dtype=_ext.dtype_code(dout.dtype), **launch)
+    if y is not None:  # unpermute_bwd's own reduction (bit for bit the composition's), dy not written
+        row_mask = torch.zeros((num_rows,), dtype=torch.uint8, device=dout.device)
+        C.unpermute_bwd(dout=_ext.ptr(dout_in), y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), dy=0,
+                        dweights=_ext.ptr(dweights), row_mask=_ext.ptr(row_mask), num_tokens=T, k=k, hidden=H,
+                        num_rows=num_rows, dtype=_ext.dtype_code(dout.dtype), **launch)
+    return q, scale, q_t, scale_t, dweights
+
+
+def unpermute_bwd_quantize_fp8(
+    dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int, *, pow2_scale: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """unpermute's backward with dy [R, H] (H % 128 == 0) written in E4M3 only: (dy_q [R, H], dy_scale [R, H / 128],
+    dy_t_q [H, Rp], dy_t_scale [H, Rp / 128], dweights [T, k] fp32, or [0] without `y`): the down projection's
+    dgrad operand (1x128 blocks along H) and its wgrad operand (1x128 blocks along the rows, Rp = R rounded up to
+    128, padding codes 0), bit for bit quantize_fp8(dy, "block") and quantize_fp8_tokens(dy) for dy, dweights =
+    unpermute_bwd(dout, row_map, weights, y, R) (rows no slot maps to: zeros). No autograd (the FP8 recipe's
+    function calls it)."""
+    _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)
+    return torch.ops.moe_kernels.unpermute_bwd_quantize_fp8(dout, row_map, weights, y, num_rows, bool(pow2_scale))

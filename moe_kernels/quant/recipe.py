@@ -19,7 +19,8 @@ In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert G
 permute_quantize_fp8: the permute, the padding and the forward quantization in one pass over the tokens.
 With `fused_swiglu` the SwiGLU writes the second GEMM's input in E4M3 (swiglu_quantize_fp8), and in the
 backward the first GEMM's output gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), handed to the
-first GEMM's backward directly: no bf16 dh is written.
+first GEMM's backward directly; the unpermute's backward (`Fp8BlockwiseRecipe.unpermute`) does the same for the
+second GEMM's output gradient (unpermute_bwd_quantize_fp8). No bf16 gradient inside the experts is written.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
 from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
-from moe_kernels.ops.permute import permute_quantize_fp8, unpermute
+from moe_kernels.ops.permute import permute_quantize_fp8, unpermute, unpermute_bwd_quantize_fp8
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.quant import weight_cache
 
@@ -82,8 +83,27 @@ class Fp8BlockwiseRecipe:
         link = getattr(h, "_fp8_grad_link", None) if h_in is h else None
         if link is not None and link.pow2_scale != self.pow2_scale:
             link = None
-        return _Fp8SwigluGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
-                                         weight_cache.cacheable(w), link)
+        # The output's gradient may arrive in FP8 too, from `unpermute` below.
+        out_link = None
+        if self.fp8_dgrad and w.shape[1] % BLOCK == 0 and not torch.compiler.is_compiling():
+            out_link = _Fp8GradLink(self.pow2_scale)
+        out = _Fp8SwigluGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
+                                        weight_cache.cacheable(w), link, out_link)
+        if out_link is not None:
+            out._fp8_grad_link = out_link
+        return out
+
+    def unpermute(self, y: Tensor, row_map: Tensor, weights: Tensor | None) -> Tensor:
+        """ops.unpermute(y, row_map, weights), differentiable in y and weights. Where y comes from
+        swiglu_grouped_mm and nothing else reads it, the backward gathers y's gradient and writes it in E4M3,
+        both layouts the down projection's backward reads (unpermute_bwd_quantize_fp8), no bf16 gradient
+        written; autograd carries a placeholder for y meanwhile (zeros: a hook on y or a gradient taken with
+        respect to it sees zeros, and another consumer of y raises in the backward). Otherwise as
+        ops.unpermute."""
+        link = getattr(y, "_fp8_grad_link", None)
+        if link is None or link.pow2_scale != self.pow2_scale or y.shape[1] % BLOCK:
+            return unpermute(y, row_map, weights)
+        return _Fp8Unpermute.apply(y, row_map, weights, link)
 
     def permute_grouped_mm(
         self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor, *, swiglu_next: bool = False
@@ -316,17 +336,19 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
 class _Fp8GradLink:
     """Carries the up projection's output gradient in E4M3 from the SwiGLU backward to the GEMM backward that
-    made h, past autograd (which carries a zero-stride placeholder for h meanwhile). Made by permute_grouped_mm
-    (swiglu_next=True) for one h; `payload` lives from the one backward to the other."""
+    made h, past autograd (which carries a zero-stride placeholder for h meanwhile); likewise the down
+    projection's output gradient from the unpermute backward. Made for one tensor; `payload` lives from the one
+    backward to the other."""
 
     def __init__(self, pow2_scale: bool):
         self.pow2_scale = pow2_scale
         self.payload: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
         self.placeholder: Tensor | None = None
 
-    def send(self, payload: tuple[Tensor, Tensor, Tensor, Tensor], like: Tensor) -> Tensor:
+    def send(self, payload: tuple[Tensor, Tensor, Tensor, Tensor], shape, dtype: torch.dtype,
+             device: torch.device) -> Tensor:
         self.payload = payload
-        self.placeholder = torch.zeros((), dtype=like.dtype, device=like.device).expand(like.shape)
+        self.placeholder = torch.zeros((), dtype=dtype, device=device).expand(shape)
         return self.placeholder
 
     def receive(self, grad: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -337,16 +359,18 @@ class _Fp8GradLink:
             return None
         # Autograd hands the placeholder over untouched unless another consumer of h added its gradient.
         if grad is None or grad.data_ptr() != placeholder.data_ptr() or grad.stride() != placeholder.stride():
-            raise RuntimeError("Fp8BlockwiseRecipe: the output of permute_grouped_mm(..., swiglu_next=True) received "
-                               "a gradient from a consumer other than swiglu_grouped_mm; call it without "
-                               "swiglu_next where the output has other consumers")
+            raise RuntimeError("Fp8BlockwiseRecipe: a tensor whose gradient travels in FP8 (the output of "
+                               "permute_grouped_mm(..., swiglu_next=True), or of swiglu_grouped_mm passed to "
+                               "Fp8BlockwiseRecipe.unpermute) received a gradient from another consumer; "
+                               "use the plain calls where the tensor has other consumers")
         return payload
 
 
 class _Fp8SwigluGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe,
-                need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None):
+                need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None,
+                out_link: _Fp8GradLink | None = None):
         # One pass over h: both E4M3 layouts of a = swiglu(h, row_weights) (fp8_wgrad is on here).
         a_q, a_scale, a_t_q, a_t_scale = swiglu_quantize_fp8(h, row_weights, pow2_scale=recipe.pow2_scale)
         ctx.need_drw = row_weights is not None and ctx.needs_input_grad[1]
@@ -354,7 +378,7 @@ class _Fp8SwigluGroupedMM(torch.autograd.Function):
                                              x_tokens=(a_t_q, a_t_scale),
                                              need_dgrad=ctx.needs_input_grad[0] or ctx.need_drw)
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
-        ctx.link = link
+        ctx.link, ctx.out_link = link, out_link
         ctx.save_for_backward(*saved, h, row_weights)
         return out
 
@@ -362,17 +386,44 @@ class _Fp8SwigluGroupedMM(torch.autograd.Function):
     def backward(ctx, dout: Tensor):
         *saved, h, row_weights = ctx.saved_tensors
         need_h = ctx.needs_input_grad[0] or ctx.need_drw
-        da, dw = _fp8_backward(ctx.state, saved, dout, need_h, ctx.needs_input_grad[2])
+        dout_fp8 = ctx.out_link.receive(dout) if ctx.out_link is not None else None
+        da, dw = _fp8_backward(ctx.state, saved, dout, need_h, ctx.needs_input_grad[2], dout_fp8=dout_fp8)
         dh = drw = None
         if need_h and ctx.link is not None and ctx.needs_input_grad[0]:
             # dh in E4M3 only, both layouts the up projection's backward reads; autograd carries a placeholder.
             *dh_fp8, drw = swiglu_bwd_quantize_fp8(da.contiguous(), h, row_weights, need_dw=ctx.need_drw,
                                                    pow2_scale=ctx.link.pow2_scale)
-            dh = ctx.link.send(tuple(dh_fp8), h)
+            dh = ctx.link.send(tuple(dh_fp8), h.shape, h.dtype, h.device)
         elif need_h:  # swiglu's backward, as the composition takes it
             dh, drw = torch.ops.moe_kernels.swiglu_bwd(da.contiguous(), h, row_weights, ctx.need_drw)
         drw = drw.to(ctx.rw_dtype) if ctx.need_drw else None
-        return dh, drw, dw, None, None, None, None, None
+        return dh, drw, dw, None, None, None, None, None, None
+
+
+class _Fp8Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: Tensor, row_map: Tensor, weights: Tensor | None, link: _Fp8GradLink):
+        ctx.need_dweights = weights is not None and ctx.needs_input_grad[2]
+        ctx.link, ctx.y_meta = link, (y.shape, y.dtype, y.device)
+        ctx.weights_dtype = None if weights is None else weights.dtype
+        ctx.save_for_backward(row_map, weights, y if ctx.need_dweights else None)
+        return unpermute(y, row_map, weights)
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        row_map, weights, y = ctx.saved_tensors
+        dout = dout.contiguous()
+        shape, dtype, device = ctx.y_meta
+        dy = dweights = None
+        if ctx.needs_input_grad[0]:
+            # The gather writes y's gradient in E4M3 only, both layouts the down projection's backward reads.
+            *dy_fp8, dweights = unpermute_bwd_quantize_fp8(dout, row_map, weights, y, shape[0],
+                                                           pow2_scale=ctx.link.pow2_scale)
+            dy = ctx.link.send(tuple(dy_fp8), shape, dtype, device)
+        elif ctx.need_dweights:
+            _, dweights = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, weights, y, shape[0])
+        dweights = dweights.to(ctx.weights_dtype) if ctx.need_dweights else None
+        return dy, None, dweights, None
 
 
 class _Fp8PermuteGroupedMM(torch.autograd.Function):

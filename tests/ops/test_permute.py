@@ -229,3 +229,36 @@ def test_too_many_rows_rejected():
     idx = torch.empty((2**28, 8), dtype=torch.int32, device="meta")
     with pytest.raises(ValueError, match="int32"):
         mk.permute(x, idx, 8)
+
+
+def test_unpermute_bwd_quantize_fp8_reference_is_the_composition():
+    # CPU tier: the FP8-writing unpermute backward's reference is unpermute_bwd, then both quantizations of dy;
+    # shapes under fake tensors; slot_of_row inverts row_map.
+    from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_tokens
+    from moe_kernels.ops.permute import slot_of_row, unpermute_bwd_quantize_fp8
+    from moe_kernels.ops.quant import quantize_fp8
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.tensor([[0, 2], [1, -1], [2, 0]], dtype=torch.int32)
+    x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    x_perm, row_map, _ = mk.permute(x, idx, 3, align=128)
+    R = x_perm.shape[0]
+    dout = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+    w = torch.rand(3, 2, generator=g)
+    y = torch.randn(R, 256, generator=g).to(torch.bfloat16)
+    dy, dw = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, w, y, R)
+    want = (*quantize_fp8(dy, "block"), *quantize_fp8_tokens(dy), dw)
+    for a, b in zip(unpermute_bwd_quantize_fp8(dout, row_map, w, y, R), want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    inv = slot_of_row(row_map, R)
+    for s, r in enumerate(row_map.flatten().tolist()):
+        if r >= 0:
+            assert inv[r] == s
+    assert int((inv >= 0).sum()) == int((row_map >= 0).sum())
+    q, s, qt, st, dwm = unpermute_bwd_quantize_fp8(dout.to("meta"), row_map.to("meta"), None, None, R)
+    Rp = -(-R // 128) * 128
+    assert (q.shape, s.shape, qt.shape, st.shape, dwm.shape) == ((R, 256), (R, 2), (256, Rp), (256, Rp // 128), (0,))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        unpermute_bwd_quantize_fp8(dout[:, :100].contiguous(), row_map, w, None, R)

@@ -1,4 +1,5 @@
-"""permute_quantize_fp8: GPU tier, the fused kernel against permute + quantize_fp8's references, bit for bit."""
+"""permute_quantize_fp8: GPU tier, the fused kernel against permute + quantize_fp8's references, bit for bit; and
+unpermute_bwd_quantize_fp8 against unpermute_bwd + the two quantizations on the same device."""
 
 import itertools
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.ops.permute import permute_quantize_fp8_reference, permuted_rows
+from moe_kernels.ops.permute import permute_quantize_fp8_reference, permuted_rows, unpermute_bwd_quantize_fp8
 from moe_kernels.testing import assert_exact, random_routing
 from tests.emulation import skip_if_too_large
 
@@ -102,3 +103,73 @@ def test_feeds_grouped_mm_fp8_like_the_unfused_path(cuda):
     fused = mk.grouped_mm_fp8(q, s, wq, ws, gs)[:n]
     plain = mk.grouped_mm_fp8(q2, s2, wq, ws, gs2)[:n]
     assert_exact(fused.cpu(), plain.cpu(), "grouped_mm_fp8 on fused vs unfused rows")
+
+
+# unpermute_bwd_quantize_fp8: the unpermute backward writing dy in E4M3, both layouts, against unpermute_bwd then
+# quantize_fp8(., "block") and quantize_fp8_tokens, each run on the same device.
+
+
+def _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, what):
+    got = unpermute_bwd_quantize_fp8(dout, row_map, weights, y, R, pow2_scale=pow2)
+    dy, dw = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, weights, y, R)
+    want = (*mk.quantize_fp8(dy, "block", pow2_scale=pow2), *mk.quantize_fp8_tokens(dy, pow2_scale=pow2), dw)
+    for name, a, b in zip(("dy_q", "dy_scale", "dy_t_q", "dy_t_scale", "dweights"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}"
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert_exact(a.cpu(), b.cpu(), f"{what} {name}")
+
+
+def _unpermute_problem(dev, T, E, k, H, dtype, kind="uniform", drop=0.0, seed=0, align=128):
+    idx = random_routing(T, E, k, kind=kind, drop=drop, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    x_perm, row_map, _ = mk.permute(x.to(dev), idx.to(dev), E, align=align)
+    R = x_perm.shape[0]
+    dout = (torch.randn(T, H, generator=g) * torch.logspace(-2, 2, T)[:, None]).to(dtype).to(dev)
+    weights = torch.rand(T, k, generator=g).to(dev)
+    y = torch.randn(R, H, generator=g).to(dtype).to(dev)
+    return dout, row_map, weights, y, R
+
+
+@pytest.mark.parametrize("T,E,k", [(0, 4, 2), (1, 4, 1), (37, 8, 2), (300, 16, 4)])
+@pytest.mark.parametrize("H", [128, 384])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_unpermute_bwd_fp8_matches_composition(cuda, T, E, k, H, dtype):
+    skip_if_too_large(T * k * H, EMULATION_BUDGET, "elements")
+    dout, row_map, weights, y, R = _unpermute_problem(cuda, T, E, k, H, dtype, seed=T + H)
+    _check_unpermute_bwd(dout, row_map, weights, y, R, False, f"{T}-{E}-{k} H={H} {dtype}")
+    _check_unpermute_bwd(dout, row_map, None, None, R, False, f"{T}-{E}-{k} H={H} {dtype} no weights")
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_unpermute_bwd_fp8_hot_empty_dropped_and_specials(cuda, pow2):
+    # One hot expert (zipf), empty experts, dropped slots (rows no slot maps to: zeros), NaN / inf / zero rows
+    # of dout, a zero routing weight.
+    dout, row_map, weights, y, R = _unpermute_problem(cuda, 200, 8, 2, 256, torch.bfloat16, kind="zipf", drop=0.2,
+                                                      seed=5)
+    dout[3, 5], dout[17, 130], dout[29, 9] = float("nan"), float("inf"), -float("inf")
+    dout[40:50] = 0.0
+    weights[7, 0] = 0.0
+    _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, f"specials pow2={pow2}")
+    dout, row_map, weights, y, R = _unpermute_problem(cuda, 130, 6, 2, 128, torch.float16, kind="empty", seed=6)
+    _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, f"odd experts empty pow2={pow2}")
+
+
+def test_unpermute_bwd_fp8_misaligned_dout(cuda):
+    dout, row_map, weights, y, R = _unpermute_problem(cuda, 50, 4, 2, 128, torch.bfloat16, seed=7)
+    base = torch.empty(dout.numel() + 1, dtype=dout.dtype, device=cuda)
+    d = base[1:].view(dout.shape)
+    d.copy_(dout)
+    assert d.data_ptr() % 16 != 0
+    _check_unpermute_bwd(d, row_map, weights, y, R, False, "misaligned")
+
+
+def test_unpermute_bwd_fp8_bad_input_raises_before_the_kernel(cuda):
+    dout, row_map, weights, y, R = _unpermute_problem(cuda, 20, 4, 2, 128, torch.bfloat16, seed=8)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        unpermute_bwd_quantize_fp8(dout[:, :100].contiguous(), row_map, weights, None, R)
+    with pytest.raises(ValueError, match="`weights` must have shape"):
+        unpermute_bwd_quantize_fp8(dout, row_map, weights[:, :1].contiguous(), None, R)
+    with pytest.raises(TypeError, match="`grad_output` must have dtype"):
+        unpermute_bwd_quantize_fp8(dout.double(), row_map, weights, None, R)

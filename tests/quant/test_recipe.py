@@ -199,12 +199,14 @@ def test_fused_swiglu_is_the_unfused_recipe(weights_in_activation):
     _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False))
 
 
-def test_fused_swiglu_hands_the_up_projection_its_gradient_in_fp8(monkeypatch):
-    # In the layer's backward the SwiGLU writes dh in E4M3 (both layouts) and the up projection's backward reads
-    # it: one dout quantization (the down projection's dgrad), none for dh; still bit for bit the composition.
+def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch):
+    # In the layer's backward the unpermute writes dy in E4M3 (both layouts) for the down projection's backward
+    # and the SwiGLU writes dh in E4M3 for the up projection's: no quantization of a bf16 gradient anywhere (the
+    # one quantize_fp8_tokens is the forward's, of x for w13's wgrad); still bit for bit the composition.
     import moe_kernels.quant.recipe as recipe_module
 
-    calls = {"quantize_fp8": 0, "swiglu_bwd_quantize_fp8": 0}
+    calls = dict.fromkeys(("quantize_fp8", "quantize_fp8_tokens", "swiglu_bwd_quantize_fp8",
+                           "unpermute_bwd_quantize_fp8"), 0)
     def counted(name, fn):
         def call(*args, **kwargs):
             calls[name] += 1
@@ -218,7 +220,8 @@ def test_fused_swiglu_hands_the_up_projection_its_gradient_in_fp8(monkeypatch):
     layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
     out, aux = layer(torch.randn(2, 29, 256, requires_grad=True))
     (out.square().sum() + aux).backward()
-    assert calls == {"quantize_fp8": 1, "swiglu_bwd_quantize_fp8": 1}
+    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 1, "swiglu_bwd_quantize_fp8": 1,
+                     "unpermute_bwd_quantize_fp8": 1}
 
 
 def test_fp8_gradient_link_rejects_a_second_consumer():
@@ -230,8 +233,14 @@ def test_fp8_gradient_link_rejects_a_second_consumer():
     indices = torch.randint(0, 4, (40, 2), dtype=torch.int32)
     h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13, swiglu_next=True)
     y = recipe.swiglu_grouped_mm(h, None, w2, gs)
-    with pytest.raises(RuntimeError, match="consumer other than swiglu_grouped_mm"):
+    with pytest.raises(RuntimeError, match="received a gradient from another consumer"):
         (y.square().sum() + h.float().sum()).backward()
+    # The same for the down projection's output read by Fp8BlockwiseRecipe.unpermute and by something else.
+    h, row_map, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
+    y = recipe.swiglu_grouped_mm(h, None, w2, gs)
+    out = recipe.unpermute(y, row_map, torch.rand(40, 2))
+    with pytest.raises(RuntimeError, match="received a gradient from another consumer"):
+        (out.square().sum() + y.float().sum()).backward()
     # Without swiglu_next the same graph is fine (dh in bf16, summed with the other gradient by autograd).
     h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
     (recipe.swiglu_grouped_mm(h, None, w2, gs).square().sum() + h.float().sum()).backward()
