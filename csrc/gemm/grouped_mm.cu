@@ -212,7 +212,9 @@ static bool fp8_blockwise_fits(const GroupedParams& p) {
   if (!sm90::compiled() || device_info(p.device).major != 9) return false;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || p.sfa == nullptr || p.sfb == nullptr) return false;
   if (p.op == GemmOp::kFwd) return p.K > 0 && p.K % 128 == 0 && p.N % 8 == 0;
-  if (p.op == GemmOp::kWgrad) return p.M > 0 && p.M % 16 == 0 && p.K % 4 == 0;
+  if (p.op == GemmOp::kWgrad) {  // d's rows are K elements: 16-byte stores need K % 4 (fp32), K % 8 (bf16)
+    return p.M > 0 && p.M % 16 == 0 && p.K % (p.fp8_wgrad_out == DType::kBFloat16 ? 8 : 4) == 0;
+  }
   return false;
 }
 
@@ -242,6 +244,9 @@ Path choose_path(const GroupedParams& p) {
 
 size_t grouped_workspace_bytes(const GroupedParams& p) {
   if (p.num_groups < 1 || p.num_groups > kMaxGroups) throw std::invalid_argument("grouped_mm: num_groups out of range");
+  if (p.fp8_wgrad_out != DType::kFloat32 && p.fp8_wgrad_out != DType::kBFloat16) {
+    throw std::invalid_argument("grouped_mm: fp8_wgrad_out must be float32 or bfloat16");
+  }
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
   if (path == Path::kPortable) return base;
@@ -250,8 +255,8 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
 
 void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
   const Prepared prep = carve(p.workspace, p.num_groups);
-  // FP8 writes bf16 (fwd) or fp32 (wgrad).
-  const DType out = p.dtype != DType::kFloat8E4M3 ? p.dtype : (p.op == GemmOp::kWgrad ? DType::kFloat32 : DType::kBFloat16);
+  // FP8 writes bf16 (fwd) or fp8_wgrad_out (wgrad: fp32 or bf16).
+  const DType out = p.dtype != DType::kFloat8E4M3 ? p.dtype : (p.op == GemmOp::kWgrad ? p.fp8_wgrad_out : DType::kBFloat16);
   by_dtype(out, [&]<typename T>() {
     if (p.op == GemmOp::kDgrad) {
       zero_tail_rows_kernel<T><<<264, 256, 0, stream>>>(static_cast<T*>(p.d), prep.total, p.M, p.K);

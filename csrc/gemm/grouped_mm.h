@@ -43,6 +43,8 @@ struct GroupedParams {
   // wgrad: a group whose rows do not start and end on multiples of this gets NaN (blocks of tokens that
   // would straddle two experts); 0: any rows. The FP8 wgrad always uses 128.
   int32_t group_align = 0;
+  // FP8 wgrad: the output's dtype, float32 or bfloat16 (the epilogue rounds the fp32 accumulators once).
+  DType fp8_wgrad_out = DType::kFloat32;
 };
 
 // Row range of each group inside [0, M), written on the device by the prepare kernel.

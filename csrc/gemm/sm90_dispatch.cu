@@ -23,6 +23,7 @@ MOE_DECLARE(wgrad_bf16_cooperative)
 MOE_DECLARE(wgrad_fp16_cooperative)
 MOE_DECLARE(fwd_fp8_blockwise)
 MOE_DECLARE(wgrad_fp8_blockwise)
+MOE_DECLARE(wgrad_fp8_blockwise_bf16)
 #undef MOE_DECLARE
 
 namespace {
@@ -36,7 +37,8 @@ struct Entry {
 
 Entry pick(const GroupedParams& p, Path path) {
   if (path == Path::kSm90Fp8Blockwise) {
-    return p.op == GemmOp::kWgrad ? MOE_ENTRY(wgrad_fp8_blockwise) : MOE_ENTRY(fwd_fp8_blockwise);
+    if (p.op != GemmOp::kWgrad) return MOE_ENTRY(fwd_fp8_blockwise);
+    return p.fp8_wgrad_out == DType::kBFloat16 ? MOE_ENTRY(wgrad_fp8_blockwise_bf16) : MOE_ENTRY(wgrad_fp8_blockwise);
   }
   const bool bf16 = p.dtype == DType::kBFloat16;
   const bool pingpong = path == Path::kSm90Pingpong;

@@ -252,11 +252,14 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
                 M: int, N: int, K: int) -> bool:
     """Runs the sm_90a FP8 blockwise kernel for `op` when it takes this problem (False: it does not, nothing
-    ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op."""
+    ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op. wgrad writes `out`'s
+    dtype (fp32 or bf16)."""
     E = group_sizes.shape[0]
     code = _ext.dtype_code(_E4M3)
     shape = dict(op=op, dtype=code, num_groups=E, M=M, N=N, K=K, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
                  device=_ext.launch_args(a)["device"], sfa=sfa.data_ptr(), sfb=sfb.data_ptr())
+    if op == _WGRAD and out.dtype != torch.float32:
+        shape["fp8_wgrad_out"] = _ext.dtype_code(out.dtype)
     if C.grouped_mm_path(**shape) != _FP8_PATH:
         return False
     nbytes = C.grouped_mm_workspace_bytes(**shape)
@@ -324,32 +327,47 @@ def _dequantize_tokens(q: Tensor, scale: Tensor, acc: torch.dtype) -> Tensor:
 
 
 def grouped_mm_fp8_wgrad_reference(
-    a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor, acc: torch.dtype = torch.float32
+    a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor, acc: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
 ) -> Tensor:
-    """dW[e] = dequant(a)[:, rows of e] @ dequant(b)[:, rows of e]^T in `acc`: [E, N, K]."""
-    return grouped_mm_wgrad_reference(_dequantize_tokens(a_q, a_scale, acc), _dequantize_tokens(b_q, b_scale, acc),
-                                      group_sizes)
+    """dW[e] = dequant(a)[:, rows of e] @ dequant(b)[:, rows of e]^T in `acc`: [E, N, K], rounded once to
+    `out_dtype` (default: `acc`)."""
+    dw = grouped_mm_wgrad_reference(_dequantize_tokens(a_q, a_scale, acc), _dequantize_tokens(b_q, b_scale, acc),
+                                    group_sizes)
+    return dw if out_dtype is None else dw.to(out_dtype)
+
+
+_WGRAD_OUT = (torch.float32, torch.bfloat16)
+
+
+def _check_out_dtype(out_dtype: torch.dtype) -> None:
+    if out_dtype not in _WGRAD_OUT:
+        raise ValueError(f"grouped_mm_fp8_wgrad: out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
 
 
 @torch.library.custom_op("moe_kernels::grouped_mm_fp8_wgrad", mutates_args=())
-def _grouped_mm_fp8_wgrad(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor) -> Tensor:
+def _grouped_mm_fp8_wgrad(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor,
+                          out_dtype: torch.dtype = torch.float32) -> Tensor:
     _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    _check_out_dtype(out_dtype)
     _check_wgrad_sizes(group_sizes, a_q.shape[1])
-    return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
+    return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype)
 
 
 @_grouped_mm_fp8_wgrad.register_fake
-def _(a_q, a_scale, b_q, b_scale, group_sizes):
+def _(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=torch.float32):
     _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
-    return a_q.new_empty((group_sizes.shape[0], a_q.shape[0], b_q.shape[0]), dtype=torch.float32)
+    _check_out_dtype(out_dtype)
+    return a_q.new_empty((group_sizes.shape[0], a_q.shape[0], b_q.shape[0]), dtype=out_dtype)
 
 
 _WGRAD = 2
 
 
 @_ext.cuda_impl(_grouped_mm_fp8_wgrad)
-def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
+def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=torch.float32):
     _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    _check_out_dtype(out_dtype)
     N, M = a_q.shape
     K = b_q.shape[0]
     E = group_sizes.shape[0]
@@ -357,31 +375,35 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes):
     if C is None or _ext.checks_enabled():
         _check_wgrad_sizes(group_sizes, M)
     if C is None:
-        return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
+        return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype)
     if E > C.grouped_mm_max_groups:
         raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
     if M == 0 or E == 0 or N == 0 or K == 0:
-        return torch.zeros((E, N, K), dtype=torch.float32, device=a_q.device)
-    out = torch.empty((E, N, K), dtype=torch.float32, device=a_q.device)
+        return torch.zeros((E, N, K), dtype=out_dtype, device=a_q.device)
+    out = torch.empty((E, N, K), dtype=out_dtype, device=a_q.device)
     # Dequantization scales (reciprocals, 0 for a zero scale), token-block-major: a group's blocks are one
     # contiguous slice.
     inv_a = _inverse_scale(a_scale).t().contiguous()  # [ceil(M / 128), N]
     inv_b = _inverse_scale(b_scale).t().contiguous()  # [ceil(M / 128), K]
     if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K):
         return out
-    # Not sm_90a, or M % 16, K % 4: the portable fp32 wgrad (memory: fp32 copies), misaligned groups NaN as
-    # on the kernel.
+    # Not sm_90a, or M % 16, K % 4 (K % 8 for bf16 out): the portable fp32 wgrad (memory: fp32 copies),
+    # misaligned groups NaN as on the kernel.
     _warn_without_fp8_kernel(a_q)
     a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
     b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
-    _launch("wgrad", a, b, out, group_sizes, M, N, K, C, group_align=BLOCK)
-    return out
+    dw = out if out_dtype == torch.float32 else torch.empty((E, N, K), dtype=torch.float32, device=a_q.device)
+    _launch("wgrad", a, b, dw, group_sizes, M, N, K, C, group_align=BLOCK)
+    return dw if dw is out else dw.to(out_dtype)
 
 
 def grouped_mm_fp8_wgrad(
-    dout_t_q: Tensor, dout_t_scale: Tensor, x_t_q: Tensor, x_t_scale: Tensor, group_sizes: Tensor
+    dout_t_q: Tensor, dout_t_scale: Tensor, x_t_q: Tensor, x_t_scale: Tensor, group_sizes: Tensor,
+    out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """The weight gradient in FP8, [E, N, K] fp32: dW[e] = dout_e^T x_e over group e's tokens.
+    """The weight gradient in FP8, [E, N, K] in `out_dtype` (float32, or bfloat16: the weight's dtype, the
+    fp32 accumulators rounded once in the kernel's epilogue, bit for bit a cast of the fp32 result, with no
+    fp32 copy written): dW[e] = dout_e^T x_e over group e's tokens.
 
     dout_t_q, dout_t_scale = quantize_fp8_tokens(dout)   # [N, M] E4M3, [N, M / 128]
     x_t_q, x_t_scale = quantize_fp8_tokens(x)            # [K, M] E4M3, [K, M / 128]
@@ -389,9 +411,9 @@ def grouped_mm_fp8_wgrad(
     Both operands are quantized along the tokens in 1x128 blocks, so every group's rows must be a
     multiple of 128 (permute(..., align=128)); sizes that are not raise ValueError where they are checked
     (CPU tensors, MOE_KERNELS_CHECK=1), and otherwise give NaN in that expert's gradient on every CUDA path
-    (never a silently wrong value). Empty experts give zeros. On sm_90a with M % 16 == 0 and
-    K % 4 == 0 this runs CUTLASS's FP8 blockwise ptr-array kernel with the groups splitting K (per-group
-    problem shapes, pointers and scale slices written on the device, no host sync), fp32 accumulators
-    promoted every 128 tokens; elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
+    (never a silently wrong value). Empty experts give zeros. On sm_90a with M % 16 == 0 and K % 4 == 0
+    (K % 8 for bfloat16) this runs CUTLASS's FP8 blockwise ptr-array kernel with the groups splitting K
+    (per-group problem shapes, pointers and scale slices written on the device, no host sync), fp32
+    accumulators promoted every 128 tokens; elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
     """
-    return torch.ops.moe_kernels.grouped_mm_fp8_wgrad(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes)
+    return torch.ops.moe_kernels.grouped_mm_fp8_wgrad(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes, out_dtype)

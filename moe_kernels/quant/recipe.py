@@ -312,7 +312,9 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
                                "or w.requires_grad False), so nothing was kept for dW")
         if state["fp8_wgrad"]:
             d_t = dout_fp8[2:] if dout_fp8 is not None else quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])
-            dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes).to(w.dtype)
+            # The weight's dtype straight from the kernel's epilogue (bf16 or fp32): no fp32 copy, no cast.
+            out_dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes, out_dtype=out_dtype).to(w.dtype)
         else:
             dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, saved_x[0], group_sizes).to(w.dtype)
     return dx, dw

@@ -97,6 +97,15 @@ def test_bad_input():
         mk.grouped_mm_fp8_wgrad(*a, *b, torch.tensor([128, 100], dtype=torch.int32))
     with pytest.raises(ValueError, match="negative"):
         mk.grouped_mm_fp8_wgrad(*a, *b, torch.tensor([-128, 128], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out_dtype must be torch.float32 or torch.bfloat16"):
+        mk.grouped_mm_fp8_wgrad(*a, *b, gs, out_dtype=torch.float16)
+
+
+def test_bf16_output_is_the_fp32_result_rounded_once():
+    dout, x, gs = _operands(384, 32, 48, [128, 0, 256])
+    args = (*mk.quantize_fp8_tokens(dout), *mk.quantize_fp8_tokens(x), gs)
+    out = mk.grouped_mm_fp8_wgrad(*args, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, mk.grouped_mm_fp8_wgrad(*args).to(torch.bfloat16))
 
 
 def test_opcheck():
@@ -104,6 +113,7 @@ def test_opcheck():
     utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic")
     args = (*mk.quantize_fp8_tokens(dout), *mk.quantize_fp8_tokens(x), gs)
     torch.library.opcheck(torch.ops.moe_kernels.grouped_mm_fp8_wgrad, args, test_utils=utils)
+    torch.library.opcheck(torch.ops.moe_kernels.grouped_mm_fp8_wgrad, (*args, torch.bfloat16), test_utils=utils)
 
 
 def test_reference_in_fp64_is_exact_per_group():

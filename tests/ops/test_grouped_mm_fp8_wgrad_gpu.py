@@ -140,3 +140,43 @@ def test_deterministic(cuda):
     first = mk.grouped_mm_fp8_wgrad(*args)
     for _ in range(3):
         assert torch.equal(mk.grouped_mm_fp8_wgrad(*args), first)
+
+
+@pytest.mark.parametrize("N,K,E,blocks,kind", [(256, 384, 8, 9, "empty"), (128, 128, 1, 1, "one_group"),
+                                               (200, 200, 4, 6, "uniform"), (64, 100, 2, 3, "uniform"),
+                                               pytest.param(2048, 7168, 32, 64, "uniform", marks=pytest.mark.gpu_memory)])
+def test_bf16_output_is_the_fp32_result_rounded_once(cuda, N, K, E, blocks, kind):
+    """out_dtype=bfloat16: the epilogue rounds the fp32 accumulators once, so it equals the fp32 output cast
+    to bf16 bit for bit (the same kernel and accumulation order; K % 8 != 0 takes the fallback, which casts),
+    empty experts zero, and no fp32 [E, N, K] is written."""
+    skip_if_too_large(2 * blocks * 128 * N * K, EMULATION_BUDGET, "GEMM FLOP")
+    _, _, a, b, gs = _case(16, N, K, E, blocks, kind, seed=N + K + E + 1)
+    args = [t.to(cuda) for t in (*a, *b, gs)]
+    fp32 = mk.grouped_mm_fp8_wgrad(*args)
+    bf16 = mk.grouped_mm_fp8_wgrad(*args, out_dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and bf16.shape == (E, N, K)
+    assert torch.equal(bf16, fp32.to(torch.bfloat16))
+    assert torch.all(bf16[gs.to(cuda) == 0] == 0)
+
+
+def test_bf16_output_misaligned_groups_give_nan(cuda):
+    _, _, a, b, _ = _case(0, 128, 128, 3, 4, "uniform", seed=6)
+    gs = torch.tensor([128, 100, 284], dtype=torch.int32)
+    out = mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs)), out_dtype=torch.bfloat16).cpu()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and not torch.isnan(out[0]).any()
+
+
+def test_bf16_output_takes_its_own_blockwise_kernel_on_hopper(cuda):
+    if cuda.type != "cuda":
+        pytest.skip("kernel choice exists on a GPU only")
+    from moe_kernels import _ext
+
+    C = _ext.kernels("grouped_mm_fp8_wgrad", torch.empty(1, device=cuda))
+    cc = torch.cuda.get_device_capability(cuda)
+    _, _, a, b, gs = _case(0, 256, 256, 2, 2, "uniform", seed=1)
+    a, b = [t.to(cuda) for t in a], [t.to(cuda) for t in b]
+    out = torch.empty(2, 256, 256, device=cuda, dtype=torch.bfloat16)
+    shape = dict(op=2, dtype=3, num_groups=2, M=256, N=256, K=256, a=a[0].data_ptr(), b=b[0].data_ptr(),
+                 d=out.data_ptr(), device=cuda.index or 0, sfa=a[1].data_ptr(), sfb=b[1].data_ptr(), fp8_wgrad_out=2)
+    assert C.grouped_mm_path(**shape) == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
+    assert C.grouped_mm_path(**dict(shape, K=252)) == 0  # bf16 rows of 252 elements: not 16-byte stores

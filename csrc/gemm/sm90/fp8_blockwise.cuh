@@ -9,7 +9,8 @@
 //   sfb [E, ceil(N / 128), K / 128].
 //
 // wgrad (groups split the contraction, the tokens): a = dout^T codes [N, M] and b = x^T codes [K, M],
-// both quantized along the tokens in 1x128 blocks, fp32 output d [E, N, K].
+// both quantized along the tokens in 1x128 blocks, output d [E, N, K] in fp32 or bf16 (the weight's
+// dtype: the epilogue rounds the fp32 accumulators once, as a cast of the fp32 result would).
 //   d[e] = sum over the token blocks tb of group e: (a[:, tb] @ b[:, tb]^T) * sfa[tb, n] * sfb[tb, k]
 //   Scales token-block-major: sfa [ceil(M / 128), N], sfb [ceil(M / 128), K], so a group's blocks are
 //   one contiguous slice in the packed layout CUTLASS rebuilds from each group's problem shape. Every
@@ -42,24 +43,23 @@ namespace moe::gemm::sm90 {
 
 using namespace cute;
 
-// Per-product choices: scale granularity and major mode, output element.
+// Per-product choices: scale granularity and major mode.
 template <GemmOp kOp> struct Fp8Traits;
 template <> struct Fp8Traits<GemmOp::kFwd> {
-  using ElementD = cutlass::bfloat16_t;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 128, 128, cute::GMMA::Major::K, cute::GMMA::Major::K>;
 };
 template <> struct Fp8Traits<GemmOp::kWgrad> {
-  using ElementD = float;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, 1, 128, cute::GMMA::Major::MN, cute::GMMA::Major::MN>;
 };
 
 constexpr int kFp8Block = 128;
 
-template <GemmOp kOp>
+// ElementOut: bf16 for the forward; fp32 or bf16 for wgrad.
+template <GemmOp kOp, typename ElementOut>
 struct Fp8BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::float_e4m3_t;
-  using ElementD = typename Fp8Traits<kOp>::ElementD;
+  using ElementD = ElementOut;
   // Both operands K-major (FP8 WGMMA needs it): fwd a = x [M, K], b = w[e] [N, K]; wgrad a = dout^T
   // [N, M], b = x^T [K, M] (the contraction runs along the tokens).
   using LayoutA = cutlass::layout::RowMajor;
@@ -153,12 +153,11 @@ struct Fp8BlockwiseGemm {
   static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 };
 
-template <GemmOp kOp>
+template <GemmOp kOp, typename ElementOut>
 __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
-                                      const float* sfb, typename Fp8BlockwiseGemm<kOp>::ElementD* d,
-                                      const GroupInfo* groups, int E, int64_t M, int64_t N, int64_t K,
-                                      typename Fp8BlockwiseGemm<kOp>::Arrays arr) {
-  using G = Fp8BlockwiseGemm<kOp>;
+                                      const float* sfb, ElementOut* d, const GroupInfo* groups, int E, int64_t M,
+                                      int64_t N, int64_t K, typename Fp8BlockwiseGemm<kOp, ElementOut>::Arrays arr) {
+  using G = Fp8BlockwiseGemm<kOp, ElementOut>;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t r0 = groups[e].row_start;
@@ -201,11 +200,12 @@ __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const floa
   arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
-template <GemmOp kOp>
-void Fp8BlockwiseGemm<kOp>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) {
+template <GemmOp kOp, typename ElementOut>
+void Fp8BlockwiseGemm<kOp, ElementOut>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
+                                            cudaStream_t stream) {
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
-  prepare_fp8_blockwise<kOp><<<(E + 127) / 128, 128, 0, stream>>>(
+  prepare_fp8_blockwise<kOp, ElementOut><<<(E + 127) / 128, 128, 0, stream>>>(
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
       static_cast<ElementD*>(p.d), groups, E, p.M, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
