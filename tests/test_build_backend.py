@@ -10,7 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "packaging"))
 import moe_build_backend as backend  # noqa: E402
 
-ENV = ("MOE_KERNELS_CUDA_FROM_PIP", "MOE_KERNELS_IGNORE_SYSTEM_CUDA", "MOE_KERNELS_SKIP_CUDA", "CUDA_HOME", "CUDA_PATH")
+ENV = ("MOE_KERNELS_CUDA_FROM_PIP", "MOE_KERNELS_IGNORE_SYSTEM_CUDA", "MOE_KERNELS_SKIP_CUDA", "CUDA_HOME", "CUDA_PATH",
+       "MOE_KERNELS_CUDA_WHEELS")
 
 
 @pytest.fixture
@@ -65,6 +66,31 @@ def test_flags(machine, monkeypatch):
     assert _extra() == backend.CUDA_WHEELS  # a build machine without a GPU
     monkeypatch.setenv("MOE_KERNELS_SKIP_CUDA", "1")
     assert _extra() == []  # no kernels asked for: nothing to compile with
+
+
+def test_cuda_wheels_version_choice(machine, monkeypatch):
+    machine["driver"] = True
+    monkeypatch.setenv("MOE_KERNELS_CUDA_WHEELS", backend.CUDA_MINOR)  # the pinned version, named
+    assert _extra() == backend.cuda_wheels() == backend.CUDA_WHEELS
+    # CUDA 12: NVIDIA's cu12 wheels hold no nvcc, so the build stops and says to use a system toolkit.
+    for version in ("12.8", "12.9"):
+        monkeypatch.setenv("MOE_KERNELS_CUDA_WHEELS", version)
+        with pytest.raises(ValueError, match=r"nvidia-cuda-nvcc-cu12 .* no nvcc.*CUDA_HOME=/usr/local/cuda-12\.8"):
+            backend.get_requires_for_build_wheel()
+    # A CUDA 13 minor whose wheels are not the checked set, and a value that is no version.
+    for version, reason in (("13.1", "lib64"), ("13.5", "nvidia-cuda-cccl has no 13.4 or 13.5"), ("cu12", "expected")):
+        monkeypatch.setenv("MOE_KERNELS_CUDA_WHEELS", version)
+        with pytest.raises(ValueError, match=reason):
+            backend.get_requires_for_build_editable()
+
+
+def test_cuda_wheels_version_is_not_read_without_the_wheels(machine, monkeypatch):
+    # A system toolkit (CUDA_HOME=/usr/local/cuda-12.8, the CUDA 12 build) or a CPU-only machine: no wheels,
+    # so the version asked of them does not matter.
+    monkeypatch.setenv("MOE_KERNELS_CUDA_WHEELS", "12.8")
+    assert _extra() == []
+    machine["driver"], machine["system"] = True, "/usr/local/cuda-12.8/bin/nvcc"
+    assert _extra() == []
 
 
 def test_wheel_toolkit_is_found(machine, monkeypatch, tmp_path):

