@@ -66,21 +66,10 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(SwigluBwdFp8Pa
       }
       *reinterpret_cast<P*>(tile + r * kFp8Block + lane * kItems) = dg;
       up_grad[i] = du;
-      const float sg = quant::scale_from_amax(quant::warp_nan_max(mg, kLanes), false, p.pow2);
-      const float su = quant::scale_from_amax(quant::warp_nan_max(mu, kLanes), false, p.pow2);
-      if (!live) continue;
-      if (lane == 0) {
-        p.scale[row * blocks_per_row + c0 / kFp8Block] = sg;
-        p.scale[row * blocks_per_row + (p.ffn + c0) / kFp8Block] = su;
-      }
-      Pack<uint8_t, kItems> qg, qu;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) {
-        qg.v[j] = quant::to_fp8(__fmul_rn(to_float(dg.v[j]), sg), false);
-        qu.v[j] = quant::to_fp8(__fmul_rn(to_float(du.v[j]), su), false);
-      }
-      *reinterpret_cast<Pack<uint8_t, kItems>*>(p.q + row * width + c) = qg;
-      *reinterpret_cast<Pack<uint8_t, kItems>*>(p.q + row * width + p.ffn + c) = qu;
+      quant::quantize_row_block<kLanes>(dg, mg, live, p.q + row * width + c,
+                                        p.scale + row * blocks_per_row + c0 / kFp8Block, lane, p.pow2);
+      quant::quantize_row_block<kLanes>(du, mu, live, p.q + row * width + p.ffn + c,
+                                        p.scale + row * blocks_per_row + (p.ffn + c0) / kFp8Block, lane, p.pow2);
     }
     __syncthreads();
     quant::quantize_tile_columns<T, kFp8Block, kThreads>(tile, red, m_tile, c0, width, padded, p.q_t, p.scale_t,

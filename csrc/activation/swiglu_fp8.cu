@@ -53,13 +53,8 @@ __global__ void __launch_bounds__(kThreads) swiglu_fp8_kernel(SwigluFp8Params p,
         for (int j = 0; j < kItems; ++j) a.v[j] = from_float<T>(0.f);  // padding rows: code 0, no effect on amax
       }
       *reinterpret_cast<P*>(tile + r * kFp8Block + lane * kItems) = a;
-      const float s = quant::scale_from_amax(quant::warp_nan_max(m, kLanes), false, p.pow2);
-      if (!live) continue;
-      if (lane == 0) p.scale[row * blocks_per_row + c0 / kFp8Block] = s;
-      Pack<uint8_t, kItems> out;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) out.v[j] = quant::to_fp8(__fmul_rn(to_float(a.v[j]), s), false);
-      *reinterpret_cast<Pack<uint8_t, kItems>*>(p.q + row * p.ffn + c) = out;
+      quant::quantize_row_block<kLanes>(a, m, live, p.q + row * p.ffn + c,
+                                        p.scale + row * blocks_per_row + c0 / kFp8Block, lane, p.pow2);
     }
     __syncthreads();
     quant::quantize_tile_columns<T, kFp8Block, kThreads>(tile, red, m_tile, c0, p.ffn, padded, p.q_t, p.scale_t,

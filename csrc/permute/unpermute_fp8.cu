@@ -56,13 +56,8 @@ __global__ void __launch_bounds__(kThreads) unpermute_bwd_fp8_kernel(UnpermuteBw
         for (int j = 0; j < kItems; ++j) g.v[j] = from_float<T>(0.f);  // unmapped and padding rows: code 0
       }
       *reinterpret_cast<P*>(tile + r * kFp8Block + lane * kItems) = g;
-      const float s = quant::scale_from_amax(quant::warp_nan_max(m, kLanes), false, p.pow2);
-      if (!live) continue;
-      if (lane == 0) p.scale[row * blocks_per_row + c0 / kFp8Block] = s;
-      Pack<uint8_t, kItems> out;
-#pragma unroll
-      for (int j = 0; j < kItems; ++j) out.v[j] = quant::to_fp8(__fmul_rn(to_float(g.v[j]), s), false);
-      *reinterpret_cast<Pack<uint8_t, kItems>*>(p.q + row * p.hidden + c) = out;
+      quant::quantize_row_block<kLanes>(g, m, live, p.q + row * p.hidden + c,
+                                        p.scale + row * blocks_per_row + c0 / kFp8Block, lane, p.pow2);
     }
     __syncthreads();
     quant::quantize_tile_columns<T, kFp8Block, kThreads>(tile, red, m_tile, c0, p.hidden, padded, p.q_t, p.scale_t,

@@ -52,4 +52,20 @@ __device__ __forceinline__ void quantize_tile_columns(const T* tile, float* red,
   __syncthreads();  // the tile and `red` are free again
 }
 
+// The row-major half of a dual-layout producer: one 1x128 block of a row held by kLanes consecutive lanes
+// (kItems values `v` each, `m` this lane's amax of them). Every lane of the group takes the block's scale
+// (a shuffle: call it from all of them); where `store`, this lane writes its kItems codes at `q` and lane 0
+// the scale at `*scale`.
+template <int kLanes, typename T, int kItems>
+__device__ __forceinline__ void quantize_row_block(const Pack<T, kItems>& v, float m, bool store, uint8_t* q,
+                                                   float* scale, int lane, bool pow2) {
+  const float s = scale_from_amax(warp_nan_max(m, kLanes), false, pow2);
+  if (!store) return;
+  if (lane == 0) *scale = s;
+  Pack<uint8_t, kItems> out;
+#pragma unroll
+  for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(to_float(v.v[j]), s), false);
+  *reinterpret_cast<Pack<uint8_t, kItems>*>(q) = out;
+}
+
 }  // namespace moe::quant
