@@ -175,6 +175,23 @@ MUTANTS = (
         "        const P d = *reinterpret_cast<const P*>(dout + (slot % p.k) * p.hidden + c);\n",
         ("tests/ops/test_permute_quantize_fp8_gpu.py", "-k", "test_unpermute_bwd_fp8_matches_composition and 37-8-2"),
     ),
+    Mutant(
+        "scale of the first token block",
+        "quantize_tile_columns (every token-major producer): each 128-token block's scale written over the first "
+        "block's (m_tile dropped from the index)",
+        "quant/fp8_tokens.cuh",
+        "    if (r0 == 0) scale_t[col * (padded_rows / kFp8Block) + m_tile] = s;\n",
+        "    if (r0 == 0) scale_t[col * (padded_rows / kFp8Block)] = s;\n",
+        ("tests/ops/test_quantize_tokens_gpu.py", "-k", "test_matches_reference and 300 and 256"),
+    ),
+    Mutant(
+        "half a block's amax",
+        "quantize_row_block (the dual-layout producers' row blocks): the block's amax taken over half of its lanes",
+        "quant/fp8_tokens.cuh",
+        "  const float s = scale_from_amax(warp_nan_max(m, kLanes), false, pow2);\n",
+        "  const float s = scale_from_amax(warp_nan_max(m, kLanes / 2), false, pow2);\n",
+        ("tests/ops/test_swiglu_fp8_gpu.py", "-k", "test_matches_composition and 129 and 256"),
+    ),
 )
 
 
