@@ -264,11 +264,10 @@ def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb:
         return False
     nbytes = C.grouped_mm_workspace_bytes(**shape)
     ws, ws_ptr = _ext.workspace(nbytes, a)
-    C.grouped_mm(
-        op=op, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(), group_sizes=group_sizes.data_ptr(), num_groups=E,
-        M=M, N=N, K=K, dtype=code, workspace=ws_ptr, workspace_bytes=nbytes, sfa=sfa.data_ptr(), sfb=sfb.data_ptr(),
-        **_ext.launch_args(a),
-    )
+    # The launch takes the problem the path and the workspace were chosen for (the output dtype included).
+    problem = {k: v for k, v in shape.items() if k != "device"}
+    C.grouped_mm(**problem, group_sizes=group_sizes.data_ptr(), workspace=ws_ptr, workspace_bytes=nbytes,
+                 **_ext.launch_args(a))
     return True
 
 
@@ -402,8 +401,9 @@ def grouped_mm_fp8_wgrad(
     out_dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """The weight gradient in FP8, [E, N, K] in `out_dtype` (float32, or bfloat16: the weight's dtype, the
-    fp32 accumulators rounded once in the kernel's epilogue, bit for bit a cast of the fp32 result, with no
-    fp32 copy written): dW[e] = dout_e^T x_e over group e's tokens.
+    fp32 accumulators rounded once, bit for bit a cast of the fp32 result; on the sm_90a kernel in its
+    epilogue, with no fp32 copy written, on the fallback by a cast): dW[e] = dout_e^T x_e over group e's
+    tokens.
 
     dout_t_q, dout_t_scale = quantize_fp8_tokens(dout)   # [N, M] E4M3, [N, M / 128]
     x_t_q, x_t_scale = quantize_fp8_tokens(x)            # [K, M] E4M3, [K, M / 128]

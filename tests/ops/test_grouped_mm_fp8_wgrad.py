@@ -124,3 +124,36 @@ def test_reference_in_fp64_is_exact_per_group():
     # Two fp64 summation orders of 256 terms: within 256 eps_fp64 of the terms' magnitude.
     magnitude = _blockwise_sum(a[0].float().abs().to(E4M3), a[1], b[0].float().abs().to(E4M3), b[1], [256])
     assert torch.all((ref64 - _blockwise_sum(*a, *b, [256])).abs() <= 256 * torch.finfo(torch.float64).eps * magnitude)
+
+
+@pytest.mark.parametrize("out_dtype,code", [(torch.float32, None), (torch.bfloat16, 2)])
+def test_the_launch_takes_the_output_dtype_its_path_and_workspace_were_chosen_for(out_dtype, code):
+    """The kernel chosen, its workspace and the launch must all see the output's dtype: a bf16 output run by
+    the fp32 instance would write twice its bytes. A stub extension records the three calls' arguments."""
+    import importlib
+
+    g = importlib.import_module("moe_kernels.ops.grouped_mm_fp8")
+
+    calls = {}
+
+    class Stub:
+        def grouped_mm_path(self, **kw):
+            calls["path"] = kw
+            return g._FP8_PATH
+
+        def grouped_mm_workspace_bytes(self, **kw):
+            calls["workspace"] = kw
+            return 0
+
+        def grouped_mm(self, **kw):
+            calls["launch"] = kw
+
+    a, b = torch.zeros(32, 256, dtype=E4M3), torch.zeros(48, 256, dtype=E4M3)
+    out = torch.empty(2, 32, 48, dtype=out_dtype)
+    scales = torch.ones(2, 32), torch.ones(2, 48)
+    assert g._launch_fp8(Stub(), g._WGRAD, a, b, out, *scales, torch.tensor([128, 128], dtype=torch.int32), 256, 32, 48)
+    for name in ("path", "workspace", "launch"):
+        assert calls[name].get("fp8_wgrad_out") == code, name
+        assert calls[name]["d"] == out.data_ptr() and calls[name]["op"] == g._WGRAD, name
+    shared = ("op", "dtype", "num_groups", "M", "N", "K", "a", "b", "d", "sfa", "sfb")
+    assert {k: calls["launch"][k] for k in shared} == {k: calls["path"][k] for k in shared}
