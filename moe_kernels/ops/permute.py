@@ -511,11 +511,13 @@ def unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tens
 
 def permuted_row_values(values: Tensor, row_map: Tensor, num_rows: int, fill: float = 0) -> Tensor:
     """[num_rows] value of each permuted row (e.g. its routing weight) from per-slot `values` [T, k] and
-    permute's `row_map` [T, k]; `fill` for padding rows. No host sync: dropped slots land on an extra
-    last row that is cut off. Differentiable in `values`."""
-    target = torch.where(row_map >= 0, row_map, num_rows).flatten().long()
+    permute's `row_map` [T, k]; `fill` for padding rows. No host sync: dropped slots, and entries outside
+    [0, num_rows) (taken as dropped, as the kernels take them), land on an extra last row that is cut off.
+    Differentiable in `values`."""
+    valid = (row_map >= 0) & (row_map < num_rows)
+    target = torch.where(valid, row_map, num_rows).flatten().long()
     out = values.new_full((num_rows + 1,), fill)
-    return out.scatter(0, target, torch.where(row_map >= 0, values, fill).flatten())[:num_rows]
+    return out.scatter(0, target, torch.where(valid, values, fill).flatten())[:num_rows]
 
 
 def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
@@ -576,12 +578,9 @@ def _(dout, row_map, weights, y, num_rows, pow2_scale):
 
 def slot_of_row(row_map: Tensor, num_rows: int) -> Tensor:
     """[num_rows] int32: the slot t * k + j that row_map sends to each row, -1 for rows no slot maps to (the
-    inverse of row_map). No host sync: dropped slots land on an extra last row that is cut off."""
-    flat = row_map.flatten()
-    valid = flat >= 0
-    slots = torch.arange(flat.numel(), dtype=torch.int32, device=row_map.device)
-    out = torch.full((num_rows + 1,), -1, dtype=torch.int32, device=row_map.device)
-    return out.scatter(0, torch.where(valid, flat, num_rows).long(), torch.where(valid, slots, -1))[:num_rows]
+    inverse of row_map)."""
+    slots = torch.arange(row_map.numel(), dtype=torch.int32, device=row_map.device).view(row_map.shape)
+    return permuted_row_values(slots, row_map, num_rows, fill=-1)
 
 
 @_ext.cuda_impl(_unpermute_bwd_quantize_fp8)

@@ -257,6 +257,12 @@ def test_unpermute_bwd_quantize_fp8_reference_is_the_composition():
         if r >= 0:
             assert inv[r] == s
     assert int((inv >= 0).sum()) == int((row_map >= 0).sum())
+    # Entries past the rows are taken as dropped (as the kernels take them), never scattered out of bounds.
+    bad = row_map.clone()
+    bad[0, 0] = R + 5
+    inv_bad = slot_of_row(bad, R)
+    assert inv_bad.shape == (R,) and int((inv_bad >= 0).sum()) == int((row_map >= 0).sum()) - 1
+    assert not (inv_bad == 0).any()
     q, s, qt, st, dwm = unpermute_bwd_quantize_fp8(dout.to("meta"), row_map.to("meta"), None, None, R)
     Rp = -(-R // 128) * 128
     assert (q.shape, s.shape, qt.shape, st.shape, dwm.shape) == ((R, 256), (R, 2), (256, Rp), (256, Rp // 128), (0,))
