@@ -158,7 +158,7 @@ class MoELayer(nn.Module):
             if fused_swiglu:
                 # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass); in the backward
                 # the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
-                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, self.experts.w2, group_sizes)
+                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, self.experts.w2, group_sizes, unpermute_next=True)
                 out = cfg.recipe.unpermute(y, row_map, weights)
             else:
                 y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)

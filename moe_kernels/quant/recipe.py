@@ -68,13 +68,19 @@ class Fp8BlockwiseRecipe:
         return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
                                    weight_cache.cacheable(w))
 
-    def swiglu_grouped_mm(self, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor) -> Tensor:
+    def swiglu_grouped_mm(self, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor, *,
+                          unpermute_next: bool = False) -> Tensor:
         """grouped_mm(swiglu(h, row_weights), w, group_sizes) with the activation written in FP8 by the SwiGLU
         kernel (swiglu_quantize_fp8: the forward's 1x128 blocks and wgrad's token-major blocks in one pass; the
         bf16 activation is never written). Bit for bit the composition; differentiable in h, row_weights and
         w (the SwiGLU backward from h, as swiglu's; in E4M3 for the up projection's backward when h comes from
         permute_grouped_mm(..., swiglu_next=True)). The composition runs where the fused kernel does not
-        apply (fp8_wgrad off, F not a multiple of 128, fused_swiglu off)."""
+        apply (fp8_wgrad off, F not a multiple of 128, fused_swiglu off).
+
+        `unpermute_next`: the caller feeds the output to `unpermute` of this recipe and to nothing else, so
+        that backward may hand this GEMM's backward its gradient in E4M3 (unpermute_bwd_quantize_fp8); the
+        gradient autograd then carries for the output is a placeholder, as with permute_grouped_mm's
+        `swiglu_next`."""
         F = h.shape[-1] // 2
         if not (self.fused_swiglu and self.fp8_wgrad and F % BLOCK == 0):
             return self.grouped_mm(swiglu(h, row_weights), w, group_sizes)
@@ -83,9 +89,9 @@ class Fp8BlockwiseRecipe:
         link = getattr(h, "_fp8_grad_link", None) if h_in is h else None
         if link is not None and link.pow2_scale != self.pow2_scale:
             link = None
-        # The output's gradient may arrive in FP8 too, from `unpermute` below.
+        # The output's gradient may arrive in FP8 too, from `unpermute` below, where the caller says so.
         out_link = None
-        if self.fp8_dgrad and w.shape[1] % BLOCK == 0 and not torch.compiler.is_compiling():
+        if unpermute_next and self.fp8_dgrad and w.shape[1] % BLOCK == 0 and not torch.compiler.is_compiling():
             out_link = _Fp8GradLink(self.pow2_scale)
         out = _Fp8SwigluGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
                                         weight_cache.cacheable(w), link, out_link)
@@ -95,7 +101,7 @@ class Fp8BlockwiseRecipe:
 
     def unpermute(self, y: Tensor, row_map: Tensor, weights: Tensor | None) -> Tensor:
         """ops.unpermute(y, row_map, weights), differentiable in y and weights. Where y comes from
-        swiglu_grouped_mm and nothing else reads it, the backward gathers y's gradient and writes it in E4M3,
+        swiglu_grouped_mm(..., unpermute_next=True), the backward gathers y's gradient and writes it in E4M3,
         both layouts the down projection's backward reads (unpermute_bwd_quantize_fp8), no bf16 gradient
         written; autograd carries a placeholder for y meanwhile (zeros: a hook on y or a gradient taken with
         respect to it sees zeros, and another consumer of y raises in the backward). Otherwise as

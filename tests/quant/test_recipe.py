@@ -171,7 +171,7 @@ def test_moe_layer_with_the_recipe(fused_permute, monkeypatch):
     layer.experts.forward_from_gate_up = lambda h, gs, *a, **kw: seen.append(gs.clone()) or second_gemm(h, gs, *a, **kw)
     fused_second = Fp8BlockwiseRecipe.swiglu_grouped_mm
     monkeypatch.setattr(Fp8BlockwiseRecipe, "swiglu_grouped_mm",
-                        lambda self, h, rw, w, gs: seen.append(gs.clone()) or fused_second(self, h, rw, w, gs))
+                        lambda self, h, rw, w, gs, **kw: seen.append(gs.clone()) or fused_second(self, h, rw, w, gs, **kw))
     x = torch.randn(2, 37, 128)
     out, _ = layer(x)
     ref, _ = ref_layer(x)
@@ -237,10 +237,16 @@ def test_fp8_gradient_link_rejects_a_second_consumer():
         (y.square().sum() + h.float().sum()).backward()
     # The same for the down projection's output read by Fp8BlockwiseRecipe.unpermute and by something else.
     h, row_map, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
-    y = recipe.swiglu_grouped_mm(h, None, w2, gs)
+    y = recipe.swiglu_grouped_mm(h, None, w2, gs, unpermute_next=True)
     out = recipe.unpermute(y, row_map, torch.rand(40, 2))
     with pytest.raises(RuntimeError, match="received a gradient from another consumer"):
         (out.square().sum() + y.float().sum()).backward()
+    # Without unpermute_next y's gradient is an ordinary one: taken with respect to y it is not a placeholder.
+    x.grad = None
+    h, row_map, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
+    y = recipe.swiglu_grouped_mm(h, None, w2, gs)
+    (dy,) = torch.autograd.grad(recipe.unpermute(y, row_map, torch.rand(40, 2)).square().sum(), y)
+    assert dy.abs().sum() > 0
     # Without swiglu_next the same graph is fine (dh in bf16, summed with the other gradient by autograd).
     h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
     (recipe.swiglu_grouped_mm(h, None, w2, gs).square().sum() + h.float().sum()).backward()
