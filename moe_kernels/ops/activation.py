@@ -28,13 +28,13 @@ from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_
 from moe_kernels.ops.quant import BLOCK, quantize_fp8, quantize_fp8_reference, quantize_fp8_tokens_reference
 
 
-def _check(h: Tensor, row_weights: Tensor | None) -> None:
-    check_tensor("swiglu", "h", h, ndim=2, dtypes=FLOAT_DTYPES)
+def _check(h: Tensor, row_weights: Tensor | None, op: str = "swiglu") -> None:
+    check_tensor(op, "h", h, ndim=2, dtypes=FLOAT_DTYPES)
     if h.shape[1] % 2:
-        raise ValueError(f"swiglu: `h` must hold [gate | up] halves, got an odd width {h.shape[1]}")
+        raise ValueError(f"{op}: `h` must hold [gate | up] halves, got an odd width {h.shape[1]}")
     if row_weights is not None:
-        check_tensor("swiglu", "row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
-        check_shape("swiglu", "row_weights", row_weights, (h.shape[0],), "one weight per row of h")
+        check_tensor(op, "row_weights", row_weights, ndim=1, dtypes=FLOAT_DTYPES, device=h.device)
+        check_shape(op, "row_weights", row_weights, (h.shape[0],), "one weight per row of h")
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -145,7 +145,7 @@ _E4M3 = torch.float8_e4m3fn
 def _check_fp8(h: Tensor, row_weights: Tensor | None) -> None:
     op = "swiglu_quantize_fp8"
     check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
-    _check(h, row_weights)
+    _check(h, row_weights, op)
     if (h.shape[1] // 2) % BLOCK:
         raise ValueError(f"{op}: F = {h.shape[1] // 2} must be a multiple of {BLOCK} (one scale per 1x128 block)")
 
@@ -214,7 +214,7 @@ def swiglu_quantize_fp8(
 def _check_bwd_fp8(dout: Tensor, h: Tensor, row_weights: Tensor | None) -> None:
     op = "swiglu_bwd_quantize_fp8"
     check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
-    _check(h, row_weights)
+    _check(h, row_weights, op)
     check_tensor(op, "dout", dout, ndim=2, dtypes=(h.dtype,), device=h.device)
     check_shape(op, "dout", dout, (h.shape[0], h.shape[1] // 2), "[R, F] for h [R, 2F]")
     if (h.shape[1] // 2) % BLOCK:

@@ -71,8 +71,8 @@ def _check_unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None) -> None
         check_shape(op, "weights", weights, row_map.shape, "same as row_map: [T, k]")
 
 
-def _check_unpermute_bwd(dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int) -> None:
-    op = "unpermute backward"
+def _check_unpermute_bwd(dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int,
+                         op: str = "unpermute backward") -> None:
     check_tensor(op, "grad_output", dout, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "row_map", row_map, ndim=2, dtypes=INDEX_DTYPES, device=dout.device)
     check_shape(op, "grad_output", dout, (row_map.shape[0], dout.shape[1]), "[T, H] with T from row_map")
@@ -544,7 +544,7 @@ def _check_unpermute_bwd_fp8(dout: Tensor, row_map: Tensor, weights: Tensor | No
                              num_rows: int) -> None:
     op = "unpermute_bwd_quantize_fp8"
     check_tensor(op, "grad_output", dout, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
-    _check_unpermute_bwd(dout, row_map, weights, y, num_rows)
+    _check_unpermute_bwd(dout, row_map, weights, y, num_rows, op)
     if dout.shape[1] % BLOCK:
         raise ValueError(f"{op}: H = {dout.shape[1]} must be a multiple of {BLOCK} (one scale per 1x128 block)")
 
