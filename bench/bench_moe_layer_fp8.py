@@ -7,7 +7,7 @@ Cases (the bar's shapes; `--tokens` overrides the token count, 8192 by default):
 on the CPU (the dry run): a tiny layer of each family (H = F = 128) on 32 tokens, ours on the reference.
 Ours: MoELayer(cfg) in bf16 (router fp32), and MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())) holding the
 same weights, in training mode, x [1, T, H] bf16 ~ randn; one call = forward, then backward of (out, aux) with
-(dout, 1), every parameter's .grad set to None first (no accumulation). The FP8 weight cache is on, as
+(dout, 1), every parameter's and x's .grad set to None first (no accumulation). The FP8 weight cache is on, as
 moe-train runs it, timed two ways:
   step x1   the cache's generation bumped before each call (an optimizer step between micro-batches): the
             expert weights are quantized in every call. The result's time, and the bar's figure.
@@ -79,6 +79,7 @@ def _fwd_bwd(layer: MoELayer, bump: bool):
             weight_cache._bump_generation()
         for p in params:
             p.grad = None
+        x.grad = None  # no accumulation into the input's gradient either (the byte model has none)
         out, aux = layer(x)
         torch.autograd.backward((out, aux), (dout, one))
         return out, aux

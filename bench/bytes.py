@@ -9,8 +9,10 @@ It is the compulsory traffic of each kernel: every operand once, as a kernel tha
 moves it (a GEMM's A and B read once, its output written once), so it is a lower bound of what the GPU moves
 and the same count for every path. Ops that launch nothing are not rows: views (outputs that alias an
 input: view, transpose, expand, slice, detach) and uninitialised allocations (empty, empty_like).
-The registered custom ops are what the model counts: the fused eager regions launch the same kernels
-(`MoELayer`'s fused regions are taken off, `fused.launch_for` answers None, so every kernel shows as one op).
+The registered custom ops are what the model counts: the fused eager regions, which launch the same kernels,
+stand aside on meta tensors (`fused.launch_for` answers None off CUDA), so every kernel shows as one op. A
+custom op is one kernel with its declared inputs and outputs: where its CUDA implementation runs more than
+one kernel, the others are not seen (docs/benchmarks.md names them).
 Shapes are the worst case the ops allocate without a host sync: with FP8's 128-row alignment every
 row tensor has T*k + E*127 rows (rounded up to 128), so FP8 counts are upper bounds, BF16's exact.
 
@@ -152,29 +154,16 @@ class Count:
 
 
 @contextlib.contextmanager
-def _registered_ops():
-    """MoELayer's fused regions off: every kernel runs as its registered op (the same kernels)."""
-    from moe_kernels.nn import fused
-
-    saved = fused.launch_for
-    fused.launch_for = lambda x: None
-    try:
-        yield
-    finally:
-        fused.launch_for = saved
-
-
-@contextlib.contextmanager
 def _weight_cache_on():
+    """The FP8 weight cache on (as moe-train runs it), its previous state back after. Its entries are keyed
+    by the parameters built here, so nothing of the caller's is hit or dropped."""
     from moe_kernels.quant import weight_cache
 
     was = weight_cache.enabled()
     weight_cache.enable(True)
-    weight_cache.clear()
     try:
         yield weight_cache
     finally:
-        weight_cache.clear()
         weight_cache.enable(was)
 
 
@@ -194,7 +183,7 @@ def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = t
     weights = {"w13": lay.experts.w13, "w2": lay.experts.w2}
     counter = ByteCounter(weights)
     cache = _weight_cache_on() if config.recipe is not None else contextlib.nullcontext()
-    with _registered_ops(), cache:
+    with cache:
         for mb in range(micro_batches):
             with counter:
                 counter.phase = f"mb{mb} fwd"
