@@ -15,4 +15,5 @@ BENCHES = {
     "overhead": "bench.bench_overhead",
     "bytes": "bench.bench_bytes",
     "moe_layer_fp8": "bench.bench_moe_layer_fp8",
+    "tune_grouped_mm": "bench.bench_tune_grouped_mm",
 }

@@ -42,7 +42,8 @@ Checked before timing, on the first input set (x, dout ~ randn, w ~ randn / sqrt
     empty group (E=4, M=64, N=32, K=48), once per run.
 A case's op that fails a check is reported (FAILED) instead of timed; the other ops still are.
 `kernel_path` per result: which of our kernels ran (portable, sm90_pingpong, sm90_cooperative, from
-the extension's grouped_mm_path), or "reference" where ours runs the PyTorch reference.
+the extension's grouped_mm_path, then the sm_90a instance and raster order the tuning table chose), or
+"reference" where ours runs the PyTorch reference.
 """
 
 from __future__ import annotations
@@ -396,7 +397,12 @@ def kernel_path(ctx: h.Context, op: str, a: torch.Tensor, b: torch.Tensor, d: to
         return "unknown (the extension has no grouped_mm_path)"
     code = path(OP_CODES[op], _ext.dtype_code(a.dtype), c.E, c.M, c.N, c.K, a.data_ptr(), b.data_ptr(),
                 d.data_ptr(), a.device.index or 0)
-    return PATHS.get(code, f"path {code}")
+    name = PATHS.get(code, f"path {code}")
+    if code in (1, 2) and hasattr(C, "grouped_mm_sm90_choice"):  # the instance and raster order the table chose
+        dt = _ext.dtype_code(a.dtype)
+        kernel, raster, row = C.grouped_mm_sm90_choice(OP_CODES[op], dt, dt, c.E, c.M, c.N, c.K)
+        name += f" {kernel}/{'along_n' if raster else 'along_m'}{'' if row >= 0 else ' (rule)'}"
+    return name
 
 
 def nbytes(op: str, c: Case, sizes: tuple[int, ...]) -> int:

@@ -57,6 +57,12 @@ _checks = os.environ.get("MOE_KERNELS_CHECK", "0") not in ("", "0")
 _warned_fallback = False
 
 
+def extension():
+    """The extension module the ops call: the CPU-executed one under MOE_KERNELS_EMULATE, else `_C`; None
+    when neither is built."""
+    return _EMU if _EMU is not None else _C
+
+
 def has_cuda_kernels() -> bool:
     """True when the CUDA extension was compiled and imports."""
     return _C is not None

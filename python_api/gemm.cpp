@@ -1,6 +1,9 @@
 #include "gemm/grouped_mm.h"
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "gemm/sm90_kernels.h"
 
 #include "registry.h"
 
@@ -12,13 +15,32 @@ namespace {
 
 gemm::GroupedParams make(int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t E,
                          int64_t M, int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes,
-                         int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out) {
+                         int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel,
+                         int32_t raster) {
   auto p = gemm::GroupedParams{gemm::GemmOp(op),         ptr<const void>(a), ptr<const void>(b), ptr<void>(d),
                              ptr<const int32_t>(group_sizes), E,         M,                  N,
                              K,                        DType(dtype),       ptr<void>(workspace), workspace_bytes,
                              device,                   ptr<const float>(sfa), ptr<const float>(sfb)};
   p.fp8_wgrad_out = DType(fp8_wgrad_out);
+  p.kernel = kernel;
+  p.raster = raster;
   return p;
+}
+
+py::dict spec_dict(const gemm::KernelSpec& k) {
+  py::dict d;
+  d["name"] = k.name;
+  d["op"] = int(k.op);
+  d["dtype"] = int(k.dtype);
+  d["out"] = int(k.out);
+  d["pingpong"] = k.pingpong;
+  d["tile"] = py::make_tuple(k.tile_m, k.tile_n, k.tile_k);
+  d["cluster"] = py::make_tuple(k.cluster_m, k.cluster_n);
+  return d;
+}
+
+py::tuple choice_tuple(const gemm::Choice& c) {
+  return py::make_tuple(gemm::kSm90Kernels[c.kernel].name, int(c.raster), c.table_row);
 }
 
 }  // namespace
@@ -29,42 +51,91 @@ void register_gemm(py::module_& m) {
   m.def(
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
-         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out) {
+         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster) {
         DeviceGuard guard(device);
         return int(gemm::choose_path(
-            make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out)));
+            make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster)));
       },
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise", py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),
-      py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0);
+      py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0,
+      py::arg("kernel") = -1, py::arg("raster") = -1);
   m.def(
       "grouped_mm_workspace_bytes",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
-         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out) {
+         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster) {
         DeviceGuard guard(device);
         return gemm::grouped_workspace_bytes(
-            make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out));
+            make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster));
       },
       py::arg("op"), py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"),
       py::arg("b"), py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0,
-      py::arg("fp8_wgrad_out") = 0);
+      py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1);
   m.def(
       "grouped_mm",
       [](int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t num_groups, int64_t M,
          int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s,
-         uintptr_t sfa, uintptr_t sfb, int32_t group_align, int32_t fp8_wgrad_out) {
+         uintptr_t sfa, uintptr_t sfb, int32_t group_align, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster) {
         DeviceGuard guard(device);
         auto p = make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb,
-                      fp8_wgrad_out);
+                      fp8_wgrad_out, kernel, raster);
         p.group_align = group_align;
         gemm::grouped_mm(p, stream(s));
       },
       "group_align (wgrad): groups whose rows do not start and end on multiples of it get NaN; 0: any. "
-      "fp8_wgrad_out (FP8 wgrad): the output's dtype code, float32 (0) or bfloat16 (2)",
+      "fp8_wgrad_out (FP8 wgrad): the output's dtype code, float32 (0) or bfloat16 (2). kernel, raster (sm_90a): "
+      "the instance (an index into grouped_mm_sm90_kernels()) and raster order (0 along M, 1 along N) to run; "
+      "-1: the tuning table's choice",
       py::arg("op"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_sizes"), py::arg("num_groups"),
       py::arg("M"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"),
       py::arg("device"), py::arg("stream"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("group_align") = 0,
-      py::arg("fp8_wgrad_out") = 0);
+      py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1);
+
+  // The sm_90a instances and their choice (csrc/gemm/sm90_kernels.h); no GPU needed.
+  m.def(
+      "grouped_mm_sm90_kernels",
+      [] {
+        py::list out;
+        for (int i = 0; i < gemm::kNumSm90Kernels; ++i) out.append(spec_dict(gemm::kSm90Kernels[i]));
+        return out;
+      },
+      "The sm_90a grouped GEMM instances, in kernel-id order: name, op, dtype and out codes, schedule, tile, cluster");
+  m.def(
+      "grouped_mm_sm90_table",
+      [] {
+        py::list out;
+        for (int i = 0; i < gemm::kSm90TableRows; ++i) {
+          const auto& r = gemm::kSm90Table[i];
+          py::dict d;
+          d["op"] = int(r.op);
+          d["dtype"] = int(r.dtype);
+          d["out"] = int(r.out);
+          d["E"] = r.E;
+          d["M"] = r.M;
+          d["N"] = r.N;
+          d["K"] = r.K;
+          d["kernel"] = r.kernel;
+          d["raster"] = int(r.raster);
+          d["tuned"] = r.tuned;
+          out.append(d);
+        }
+        return out;
+      },
+      "The tuning table compiled into this build (csrc/gemm/sm90_table.h)");
+  m.def(
+      "grouped_mm_sm90_choice",
+      [](int32_t op, int32_t dtype, int32_t out, int32_t E, int64_t M, int64_t N, int64_t K) {
+        return choice_tuple(gemm::choose_sm90(gemm::GemmOp(op), DType(dtype), DType(out), E, M, N, K));
+      },
+      "(kernel name, raster, table row or -1 for the rule) the table chooses for this problem", py::arg("op"),
+      py::arg("dtype"), py::arg("out"), py::arg("E"), py::arg("M"), py::arg("N"), py::arg("K"));
+  m.def(
+      "grouped_mm_sm90_rule",
+      [](int32_t op, int32_t dtype, int32_t out, int32_t E, int64_t M, int64_t N, int64_t K) {
+        return choice_tuple(gemm::rule_sm90(gemm::GemmOp(op), DType(dtype), DType(out), E, M, N, K));
+      },
+      "(kernel name, raster, -1): the rule's choice, used where the table holds no row for the shape",
+      py::arg("op"), py::arg("dtype"), py::arg("out"), py::arg("E"), py::arg("M"), py::arg("N"), py::arg("K"));
 }
 
 }  // namespace moe::api

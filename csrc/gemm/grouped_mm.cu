@@ -1,9 +1,8 @@
 // Grouped GEMM dispatch and the portable kernel.
 //
-// Path choice (documented in the README): the CUTLASS sm_90a kernels run for bf16/fp16 on compute
+// Path choice (documented in docs/ops.md): the CUTLASS sm_90a kernels run for bf16/fp16 on compute
 // capability 9.0 when TMA's alignment holds (N and K multiples of 8, 16-byte aligned base pointers).
-// Among them, ping-pong (128x128 tiles, two consumer warp groups alternating) when the average group
-// holds <= 256 rows, cooperative (256x128 tiles) otherwise; wgrad always uses cooperative. Everything
+// Among them, the instance and raster order come from the tuning table by shape (sm90_kernels.h). Everything
 // else (fp32, other GPUs, misaligned shapes) runs the portable tiled kernel: 64x64 tiles, fp32
 // accumulation in a fixed order, any strides. FP8 (E4M3 with blockwise scales) runs only the sm_90a
 // blockwise kernels: forward when K % 128 == 0 and N % 8 == 0 (bf16 output rows 16-byte aligned), wgrad
@@ -18,13 +17,13 @@
 #include "common/check.h"
 #include "common/vec.cuh"
 #include "gemm/grouped_mm.h"
+#include "gemm/sm90_kernels.h"
 
 namespace moe::gemm {
 namespace {
 
 constexpr int kBM = 64, kBN = 64, kBK = 16, kThreads = 256;
 constexpr int kPrepThreads = 1024, kPrepItems = kMaxGroups / kPrepThreads;
-constexpr int kPingpongMaxAvgRows = 256;
 
 struct Prepared {
   GroupInfo* groups;   // [E]
@@ -231,15 +230,45 @@ __global__ void nan_misaligned_groups_kernel(T* __restrict__ d, const GroupInfo*
   }
 }
 
-Path choose_path(const GroupedParams& p) {
+namespace {
+
+// The gates every CUTLASS path shares, before any instance is chosen.
+Path gate(const GroupedParams& p) {
   if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_fits(p) ? Path::kSm90Fp8Blockwise : Path::kPortable;
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
   if (!half || !sm90::compiled() || device_info(p.device).major != 9) return Path::kPortable;
   if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
   // A zero-length reduction leaves CUTLASS's accumulators unwritten; the portable kernel writes zeros.
   if ((p.op == GemmOp::kFwd && p.K == 0) || (p.op == GemmOp::kDgrad && p.N == 0)) return Path::kPortable;
-  if (p.op == GemmOp::kWgrad) return Path::kSm90Cooperative;
-  return p.M <= int64_t(kPingpongMaxAvgRows) * p.num_groups ? Path::kSm90Pingpong : Path::kSm90Cooperative;
+  return Path::kSm90Cooperative;  // refined by the chosen instance's schedule
+}
+
+// p with the sm_90a instance and raster order filled in (the table's choice unless p asks for one).
+GroupedParams resolved(const GroupedParams& p) {
+  GroupedParams q = p;
+  const Choice c = resolve_sm90(p);
+  q.kernel = c.kernel;
+  q.raster = int32_t(c.raster);
+  return q;
+}
+
+}  // namespace
+
+Path choose_path(const GroupedParams& p) {
+  const Path path = gate(p);
+  if (path == Path::kPortable) {
+    if (p.kernel >= 0) {
+      throw std::invalid_argument("grouped_mm: kernel " + std::to_string(p.kernel) +
+                                  " requested, but this problem runs the portable kernel (no sm_90a GPU or build, "
+                                  "or unaligned sizes or pointers)");
+    }
+    return path;
+  }
+  if (path == Path::kSm90Fp8Blockwise) {
+    resolve_sm90(p);  // validates a requested kernel
+    return path;
+  }
+  return kSm90Kernels[resolve_sm90(p).kernel].pingpong ? Path::kSm90Pingpong : Path::kSm90Cooperative;
 }
 
 size_t grouped_workspace_bytes(const GroupedParams& p) {
@@ -250,7 +279,7 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
   if (path == Path::kPortable) return base;
-  return base + sm90::workspace_bytes(p, path, device_info(p.device).sms);
+  return base + sm90::workspace_bytes(resolved(p), device_info(p.device).sms);
 }
 
 void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
@@ -294,11 +323,11 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
   check_launch("grouped_mm prepare_kernel");
   if (path != Path::kPortable) {
-    GroupedParams q = p;
+    GroupedParams q = resolved(p);
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
-    sm90::run(q, path, device_info(p.device).sms, prep.groups, stream);
+    sm90::run(q, device_info(p.device).sms, prep.groups, stream);
     if (p.dtype == DType::kFloat8E4M3 && p.op == GemmOp::kFwd) return;  // nothing past the groups to zero
   } else {
     const int64_t ng = p.op == GemmOp::kFwd ? p.N : p.K;

@@ -45,6 +45,10 @@ struct GroupedParams {
   int32_t group_align = 0;
   // FP8 wgrad: the output's dtype, float32 or bfloat16 (the epilogue rounds the fp32 accumulators once).
   DType fp8_wgrad_out = DType::kFloat32;
+  // sm_90a only: the instance (an index into kSm90Kernels, sm90_kernels.h) and raster order (0 along M,
+  // 1 along N) to run; -1 lets the tuning table choose. The tuning sweep sets them; the ops leave them.
+  int32_t kernel = -1;
+  int32_t raster = -1;
 };
 
 // Row range of each group inside [0, M), written on the device by the prepare kernel.
@@ -55,7 +59,7 @@ struct GroupInfo {
 };
 
 // Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent
-// kernel (ping-pong for few rows per group, cooperative for many). See grouped_mm.cu.
+// kernel, ping-pong or cooperative, its instance chosen per shape (sm90_kernels.h). See grouped_mm.cu.
 // FP8 runs only on its sm_90a blockwise kernel; where that cannot run, the Python layer falls back to
 // dequantize + the bf16/fp32 paths before calling here.
 enum class Path : int32_t { kPortable = 0, kSm90Pingpong = 1, kSm90Cooperative = 2, kSm90Fp8Blockwise = 3 };
@@ -70,8 +74,9 @@ void zero_uncovered(const GroupedParams& p, cudaStream_t stream);
 
 namespace sm90 {
 bool compiled();  // false when the build has no sm_90a target
-size_t workspace_bytes(const GroupedParams& p, Path path, int sm_count);
-void run(const GroupedParams& p, Path path, int sm_count, const GroupInfo* groups, cudaStream_t stream);
+// p.kernel and p.raster resolved (>= 0).
+size_t workspace_bytes(const GroupedParams& p, int sm_count);
+void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 }  // namespace sm90
 
 }  // namespace moe::gemm

@@ -1,81 +1,79 @@
-// Picks the CUTLASS sm_90a instantiation for (op, dtype, schedule). Built into every extension; the
-// instantiations themselves exist only when the build targets sm_90a (MOE_KERNELS_HAVE_SM90).
+// Runs the CUTLASS sm_90a instantiation that resolve_sm90 chose (by kernel id, sm90_kernels.h). Built into
+// every extension; the instantiations themselves exist only when the build targets sm_90a
+// (MOE_KERNELS_HAVE_SM90).
 #include <stdexcept>
+#include <string>
 
 #include "gemm/grouped_mm.h"
+#include "gemm/sm90_kernels.h"
 
 namespace moe::gemm::sm90 {
 
 #ifdef MOE_KERNELS_HAVE_SM90
 
-#define MOE_DECLARE(NAME)                                             \
-  size_t NAME##_workspace(const GroupedParams& p, int sm_count);      \
+// The instance list, in kSm90Kernels' order (checked by name at first use).
+#define MOE_SM90_INSTANCES(X)                                                                                \
+  X(fwd_bf16_pingpong_128x128x64_c1x1) X(fwd_bf16_coop_256x128x64_c1x1) X(fwd_bf16_pingpong_64x128x128_c2x1)   \
+  X(fwd_bf16_coop_128x256x64_c2x1) X(fwd_fp16_pingpong_128x128x64_c1x1) X(fwd_fp16_coop_256x128x64_c1x1)       \
+  X(dgrad_bf16_pingpong_128x128x64_c1x1) X(dgrad_bf16_coop_256x128x64_c1x1)                                     \
+  X(dgrad_bf16_pingpong_64x128x128_c2x1) X(dgrad_bf16_coop_128x256x64_c2x1)                                     \
+  X(dgrad_fp16_pingpong_128x128x64_c1x1) X(dgrad_fp16_coop_256x128x64_c1x1) X(wgrad_bf16_coop_256x128x64_c1x1)  \
+  X(wgrad_bf16_pingpong_64x128x128_c2x1) X(wgrad_bf16_coop_128x256x64_c2x1) X(wgrad_fp16_coop_256x128x64_c1x1)  \
+  X(fwd_fp8_blockwise_128x128x128_c1x1) X(fwd_fp8_blockwise_128x128x128_c2x1)                                   \
+  X(wgrad_fp8_blockwise_128x128x128_c1x1) X(wgrad_fp8_blockwise_bf16_128x128x128_c1x1)
+
+#define MOE_DECLARE(NAME)                                        \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count); \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
-MOE_DECLARE(fwd_bf16_pingpong)
-MOE_DECLARE(fwd_bf16_cooperative)
-MOE_DECLARE(fwd_fp16_pingpong)
-MOE_DECLARE(fwd_fp16_cooperative)
-MOE_DECLARE(dgrad_bf16_pingpong)
-MOE_DECLARE(dgrad_bf16_cooperative)
-MOE_DECLARE(dgrad_fp16_pingpong)
-MOE_DECLARE(dgrad_fp16_cooperative)
-MOE_DECLARE(wgrad_bf16_cooperative)
-MOE_DECLARE(wgrad_fp16_cooperative)
-MOE_DECLARE(fwd_fp8_blockwise)
-MOE_DECLARE(wgrad_fp8_blockwise)
-MOE_DECLARE(wgrad_fp8_blockwise_bf16)
+MOE_SM90_INSTANCES(MOE_DECLARE)
 #undef MOE_DECLARE
 
 namespace {
 
 struct Entry {
+  const char* name;
   size_t (*workspace)(const GroupedParams&, int);
   void (*run)(const GroupedParams&, int, const GroupInfo*, cudaStream_t);
 };
 
-#define MOE_ENTRY(NAME) Entry{&NAME##_workspace, &NAME##_run}
-
-Entry pick(const GroupedParams& p, Path path) {
-  if (path == Path::kSm90Fp8Blockwise) {
-    if (p.op != GemmOp::kWgrad) return MOE_ENTRY(fwd_fp8_blockwise);
-    return p.fp8_wgrad_out == DType::kBFloat16 ? MOE_ENTRY(wgrad_fp8_blockwise_bf16) : MOE_ENTRY(wgrad_fp8_blockwise);
-  }
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  const bool pingpong = path == Path::kSm90Pingpong;
-  switch (p.op) {
-    case GemmOp::kFwd:
-      if (bf16) return pingpong ? MOE_ENTRY(fwd_bf16_pingpong) : MOE_ENTRY(fwd_bf16_cooperative);
-      return pingpong ? MOE_ENTRY(fwd_fp16_pingpong) : MOE_ENTRY(fwd_fp16_cooperative);
-    case GemmOp::kDgrad:
-      if (bf16) return pingpong ? MOE_ENTRY(dgrad_bf16_pingpong) : MOE_ENTRY(dgrad_bf16_cooperative);
-      return pingpong ? MOE_ENTRY(dgrad_fp16_pingpong) : MOE_ENTRY(dgrad_fp16_cooperative);
-    case GemmOp::kWgrad:
-      return bf16 ? MOE_ENTRY(wgrad_bf16_cooperative) : MOE_ENTRY(wgrad_fp16_cooperative);
-  }
-  throw std::invalid_argument("grouped_mm: unknown op");
-}
-
+#define MOE_ENTRY(NAME) Entry{#NAME, &NAME##_workspace, &NAME##_run},
+const Entry kEntries[] = {MOE_SM90_INSTANCES(MOE_ENTRY)};
 #undef MOE_ENTRY
+constexpr int kNumEntries = int(sizeof(kEntries) / sizeof(kEntries[0]));
+
+const Entry& entry(const GroupedParams& p) {
+  static const bool same_list = [] {
+    if (kNumEntries != kNumSm90Kernels) return false;
+    for (int i = 0; i < kNumEntries; ++i)
+      if (std::string(kEntries[i].name) != kSm90Kernels[i].name) return false;
+    return true;
+  }();
+  if (!same_list) throw std::logic_error("grouped_mm: the sm_90a instances and kSm90Kernels disagree");
+  if (p.kernel < 0 || p.kernel >= kNumEntries || p.raster < 0) {
+    throw std::logic_error("grouped_mm: the sm_90a kernel was not resolved");
+  }
+  return kEntries[p.kernel];
+}
 
 }  // namespace
 
 bool compiled() { return true; }
 
-size_t workspace_bytes(const GroupedParams& p, Path path, int sm_count) { return pick(p, path).workspace(p, sm_count); }
+size_t workspace_bytes(const GroupedParams& p, int sm_count) { return entry(p).workspace(p, sm_count); }
 
-void run(const GroupedParams& p, Path path, int sm_count, const GroupInfo* groups, cudaStream_t stream) {
-  pick(p, path).run(p, sm_count, groups, stream);
+void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) {
+  entry(p).run(p, sm_count, groups, stream);
 }
 
 #else
 
 bool compiled() { return false; }
 
-size_t workspace_bytes(const GroupedParams&, Path, int) {
+size_t workspace_bytes(const GroupedParams&, int) {
   throw std::logic_error("grouped_mm: this build has no sm_90a kernels");
 }
 
-void run(const GroupedParams&, Path, int, const GroupInfo*, cudaStream_t) {
+void run(const GroupedParams&, int, const GroupInfo*, cudaStream_t) {
   throw std::logic_error("grouped_mm: this build has no sm_90a kernels");
 }
 

@@ -326,19 +326,21 @@ def _takes_torch(op: str, t: Tensor, operands: tuple[Tensor, ...], group_sizes: 
 
 
 def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C,
-            group_align: int = 0) -> None:
-    """group_align (wgrad): groups whose rows do not start and end on multiples of it come out NaN."""
+            group_align: int = 0, kernel: int = -1, raster: int = -1) -> None:
+    """group_align (wgrad): groups whose rows do not start and end on multiples of it come out NaN.
+    kernel, raster: an sm_90a instance (an index into C.grouped_mm_sm90_kernels()) and raster order to run
+    instead of the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests)."""
     E = group_sizes.shape[0]
     # One pointer rule (0 for an empty tensor) for sizing and launching: the path, and so the workspace it
     # needs, follows the pointers' alignment.
     ptrs = dict(a=_ext.ptr(a), b=_ext.ptr(b), d=_ext.ptr(out))
     nbytes = C.grouped_mm_workspace_bytes(op=_OPS[op], dtype=_ext.dtype_code(a.dtype), num_groups=E, M=M, N=N, K=K,
-                                          **ptrs, device=_ext.launch_args(a)["device"])
+                                          **ptrs, device=_ext.launch_args(a)["device"], kernel=kernel, raster=raster)
     ws, ws_ptr = _ext.workspace(nbytes, a)
     C.grouped_mm(
         op=_OPS[op], **ptrs, group_sizes=_ext.ptr(group_sizes), num_groups=E,
         M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=ws_ptr, workspace_bytes=nbytes,
-        group_align=group_align, **_ext.launch_args(a),
+        group_align=group_align, kernel=kernel, raster=raster, **_ext.launch_args(a),
     )
 
 

@@ -250,14 +250,17 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
-                M: int, N: int, K: int) -> bool:
+                M: int, N: int, K: int, kernel: int = -1, raster: int = -1) -> bool:
     """Runs the sm_90a FP8 blockwise kernel for `op` when it takes this problem (False: it does not, nothing
     ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op. wgrad writes `out`'s
-    dtype (fp32 or bf16)."""
+    dtype (fp32 or bf16). kernel, raster: an sm_90a instance and raster order instead of the tuning table's
+    choice (bench tune_grouped_mm and the per-instance GPU tests)."""
     E = group_sizes.shape[0]
     code = _ext.dtype_code(_E4M3)
     shape = dict(op=op, dtype=code, num_groups=E, M=M, N=N, K=K, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
                  device=_ext.launch_args(a)["device"], sfa=sfa.data_ptr(), sfb=sfb.data_ptr())
+    if kernel >= 0 or raster >= 0:
+        shape.update(kernel=kernel, raster=raster)
     if op == _WGRAD and out.dtype != torch.float32:
         shape["fp8_wgrad_out"] = _ext.dtype_code(out.dtype)
     if C.grouped_mm_path(**shape) != _FP8_PATH:

@@ -119,3 +119,27 @@ def test_permuted_padding_rows_give_zeros_and_finite_gradients(cuda):
     dy = unpermute_bwd_reference(2 * out, row_map, weights, None, h.shape[0])[0]
     dw_ref = grouped_mm_wgrad_reference(dy, h, sizes)
     assert_within_fp32_rounding(dw, dw_ref, grouped_mm_wgrad_reference(dy.abs(), h.abs(), sizes), "dw2")
+
+
+@pytest.mark.parametrize("raster", [0, 1], ids=["along_m", "along_n"])
+@pytest.mark.parametrize("kind", ["uniform", "zipf", "one_group"])
+def test_every_fp8_forward_instance_is_bitwise_the_default(cuda, kind, raster):
+    """The FP8 forward instances share the tile and the K-block order, so a cluster or raster order changes
+    how tiles are loaded and visited, not a bit of the result."""
+    from moe_kernels import _ext
+    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+
+    if cuda.type != "cuda" or torch.cuda.get_device_capability(cuda) != (9, 0) or not _ext._C.grouped_mm_has_sm90:
+        pytest.skip("the sm_90a instances need an H100/H200 and a build with them")
+    C = _ext._C
+    M, N, K, E = 777, 512, 768, 8
+    xq, xs, wq, ws, gs = [t.to(cuda) for t in _case(M, N, K, E, kind, seed=11)]
+    expected = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
+    rows = int(gs.sum())
+    for i, spec in enumerate(C.grouped_mm_sm90_kernels()):
+        if spec["dtype"] != 3 or spec["op"] != 0:
+            continue
+        out = torch.full((M, N), float("nan"), device=cuda, dtype=torch.bfloat16)
+        assert _launch_fp8(C, 0, xq, wq, out, _inverse_scale(xs), _inverse_scale(ws), gs, M, N, K, kernel=i,
+                           raster=raster)
+        assert torch.equal(out[:rows], expected[:rows]), f"{spec['name']} raster={raster} {kind}"

@@ -180,3 +180,28 @@ def test_bf16_output_takes_its_own_blockwise_kernel_on_hopper(cuda):
                  d=out.data_ptr(), device=cuda.index or 0, sfa=a[1].data_ptr(), sfb=b[1].data_ptr(), fp8_wgrad_out=2)
     assert C.grouped_mm_path(**shape) == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
     assert C.grouped_mm_path(**dict(shape, K=252)) == 0  # bf16 rows of 252 elements: not 16-byte stores
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["uniform", "empty", "one_group"])
+def test_raster_orders_are_bitwise_equal(cuda, kind, out_dtype):
+    """The raster order (a run-time argument of the tuning table) changes which tile a CTA takes next, not the
+    order of any tile's reduction: both orders give the same bits."""
+    from moe_kernels import _ext
+    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+
+    if cuda.type != "cuda" or torch.cuda.get_device_capability(cuda) != (9, 0) or not _ext._C.grouped_mm_has_sm90:
+        pytest.skip("the sm_90a instances need an H100/H200 and a build with them")
+    C = _ext._C
+    _, _, a, b, gs = _case(64, 256, 384, 8, 9, kind, seed=3)
+    (aq, as_), (bq, bs), gs = [t.to(cuda) for t in a], [t.to(cuda) for t in b], gs.to(cuda)
+    N, M = aq.shape
+    K = bq.shape[0]
+    inv_a, inv_b = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
+    outs = []
+    for raster in (0, 1):
+        out = torch.full((8, N, K), float("nan"), device=cuda, dtype=out_dtype)
+        assert _launch_fp8(C, 2, aq, bq, out, inv_a, inv_b, gs, M, N, K, raster=raster)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1]), kind
+    assert torch.equal(outs[0], mk.grouped_mm_fp8_wgrad(aq, as_, bq, bs, gs, out_dtype=out_dtype)), kind

@@ -229,3 +229,63 @@ def test_wgrad_without_rows(cuda):
         xg = x.detach().requires_grad_()
         mk.grouped_mm(xg, w, gs.to(cuda)).sum().backward()
         assert xg.grad.shape == (0, 32) and bool((w.grad == 0).all()), f"M = 0 backward {dtype}"
+
+
+def _sm90_or_skip(cuda):
+    if cuda.type != "cuda" or torch.cuda.get_device_capability(cuda) != (9, 0) or not _ext._C.grouped_mm_has_sm90:
+        pytest.skip("the sm_90a instances need an H100/H200 and a build with them")
+    return _ext._C
+
+
+@pytest.mark.parametrize("raster", [0, 1], ids=["along_m", "along_n"])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "single", "none"])
+def test_every_sm90_instance(cuda, kind, raster):
+    """Each bf16/fp16 instance of the tuning set (csrc/gemm/sm90_kernels.h), forced whatever the table says,
+    against fp64 on one problem: odd M, rows past the groups, 64- and 128-row tiles straddling groups."""
+    from moe_kernels.ops.grouped_mm import _launch
+
+    C = _sm90_or_skip(cuda)
+    E, M, N, K = 8, 1003, 256, 384
+    gs = splits(kind, M - 3, E, seed=5) if kind != "none" else torch.zeros(E, dtype=torch.int32)
+    n = int(gs.sum())
+    for i, spec in enumerate(C.grouped_mm_sm90_kernels()):
+        dtype = {1: torch.float16, 2: torch.bfloat16}.get(spec["dtype"])
+        if dtype is None:
+            continue  # FP8: tests/ops/test_grouped_mm_fp8_gpu.py
+        x = torch.randn(M, K, device=cuda).to(dtype)
+        w = (torch.randn(E, N, K, device=cuda) / K**0.5).to(dtype)
+        g = torch.randn(M, N, device=cuda).to(dtype)
+        gsd = gs.to(cuda)
+        op = ("fwd", "dgrad", "wgrad")[spec["op"]]
+        a, b, shape = {"fwd": (x, w, (M, N)), "dgrad": (g, w, (M, K)), "wgrad": (g, x, (E, N, K))}[op]
+        out = torch.full(shape, float("nan"), device=cuda, dtype=dtype)
+        _launch(op, a, b, out, gsd, M, N, K, C, kernel=i, raster=raster)
+        what = f"{spec['name']} raster={raster} {kind}"
+        x64, w64, g64 = x.double(), w.double(), g.double()
+        if op == "fwd":
+            ref, base = grouped_mm_reference(x64, w64, gsd), _loop_fwd(x, w, gs)
+            assert_close_to_fp64(out[:n], base[:n], ref[:n], what, floor=1e-3)
+        elif op == "dgrad":
+            ref, base = grouped_mm_dgrad_reference(g64, w64, gsd), _loop_bwd(g, x, w, gs)[0]
+            assert_close_to_fp64(out[:n], base[:n], ref[:n], what, floor=1e-3)
+            assert bool((out[n:] == 0).all()), f"{what}: rows past the groups must be zero"
+        else:
+            ref, base = grouped_mm_wgrad_reference(g64, x64, gsd), _loop_bwd(g, x, w, gs)[1]
+            assert_close_to_fp64(out, base, ref, what, floor=1e-3)
+            for e in (gs == 0).nonzero().flatten().tolist():
+                assert bool((out[e] == 0).all()), f"{what}: empty group {e} must be zero"
+
+
+def test_requested_instance_is_checked(cuda):
+    C = _sm90_or_skip(cuda)
+    from moe_kernels.ops.grouped_mm import _launch
+
+    names = [k["name"] for k in C.grouped_mm_sm90_kernels()]
+    x = torch.randn(64, 128, device=cuda, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 128, device=cuda, dtype=torch.bfloat16)
+    gs = torch.tensor([32, 32], dtype=torch.int32, device=cuda)
+    out = torch.empty(64, 64, device=cuda, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="does not serve fwd"):
+        _launch("fwd", x, w, out, gs, 64, 64, 128, C, kernel=names.index("wgrad_bf16_coop_256x128x64_c1x1"))
+    with pytest.raises(ValueError, match="raster"):
+        _launch("fwd", x, w, out, gs, 64, 64, 128, C, raster=2)

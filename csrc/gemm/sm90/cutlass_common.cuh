@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cutlass/cutlass.h>
+#include <cutlass/gemm/kernel/tile_scheduler_params.h>
 #include <cutlass/kernel_hardware_info.h>
 
 #include <cstddef>
@@ -28,6 +29,12 @@ inline cutlass::KernelHardwareInfo hardware(int device, int sm_count) {
   hw.device_id = device;
   hw.sm_count = sm_count;
   return hw;
+}
+
+// GroupedParams::raster (0 along M, 1 along N) as the grouped tile scheduler's option.
+inline cutlass::gemm::kernel::detail::RasterOrderOptions raster_option(int32_t raster) {
+  using Options = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  return raster == 1 ? Options::AlongN : Options::AlongM;
 }
 
 template <typename Gemm>

@@ -54,8 +54,9 @@ template <> struct Fp8Traits<GemmOp::kWgrad> {
 
 constexpr int kFp8Block = 128;
 
-// ElementOut: bf16 for the forward; fp32 or bf16 for wgrad.
-template <GemmOp kOp, typename ElementOut>
+// ElementOut: bf16 for the forward; fp32 or bf16 for wgrad. kClusterM > 1: the CTAs of neighbouring row
+// tiles share each weight tile (and its scales) by TMA multicast.
+template <GemmOp kOp, typename ElementOut, int kClusterM = 1>
 struct Fp8BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::float_e4m3_t;
@@ -68,7 +69,7 @@ struct Fp8BlockwiseGemm {
   static constexpr int kAlignAB = 16;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<_1, _1, _1>;
+  using Cluster = Shape<Int<kClusterM>, _1, _1>;
   using ScaleConfig = typename Fp8Traits<kOp>::ScaleConfig;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
@@ -132,32 +133,34 @@ struct Fp8BlockwiseGemm {
     return a;
   }
 
-  static typename Gemm::Arguments arguments(const Arrays& arr, int E, int sm_count, int device) {
+  static typename Gemm::Arguments arguments(const Arrays& arr, const GroupedParams& p, int sm_count) {
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
-        {E, arr.shapes, nullptr},
+        {p.num_groups, arr.shapes, nullptr},
         {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b, arr.ptr_sfa, arr.layout_sfa, arr.ptr_sfb, arr.layout_sfb},
         {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
-        hardware(device, sm_count)};
+        hardware(p.device, sm_count)};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
+    args.scheduler.raster_order = raster_option(p.raster);
     return args;
   }
 
   static size_t workspace_bytes(const GroupedParams& p, int sm_count) {
     Arrays arr{};
-    const auto args = arguments(arr, p.num_groups, sm_count, p.device);
+    const auto args = arguments(arr, p, sm_count);
     return arrays_bytes(p.num_groups) + round_up(Gemm::get_workspace_size(args));
   }
 
   static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 };
 
-template <GemmOp kOp, typename ElementOut>
+template <GemmOp kOp, typename ElementOut, int kClusterM>
 __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
                                       const float* sfb, ElementOut* d, const GroupInfo* groups, int E, int64_t M,
-                                      int64_t N, int64_t K, typename Fp8BlockwiseGemm<kOp, ElementOut>::Arrays arr) {
-  using G = Fp8BlockwiseGemm<kOp, ElementOut>;
+                                      int64_t N, int64_t K,
+                                      typename Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>::Arrays arr) {
+  using G = Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t r0 = groups[e].row_start;
@@ -200,16 +203,25 @@ __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const floa
   arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
-template <GemmOp kOp, typename ElementOut>
-void Fp8BlockwiseGemm<kOp, ElementOut>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
-                                            cudaStream_t stream) {
+template <GemmOp kOp, typename ElementOut, int kClusterM>
+void Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
+                                                       cudaStream_t stream) {
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
-  prepare_fp8_blockwise<kOp, ElementOut><<<(E + 127) / 128, 128, 0, stream>>>(
+  prepare_fp8_blockwise<kOp, ElementOut, kClusterM><<<(E + 127) / 128, 128, 0, stream>>>(
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
       static_cast<ElementD*>(p.d), groups, E, p.M, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
-  run_gemm<Gemm>(arguments(arr, E, sm_count, p.device), arr.cutlass_workspace, stream, "grouped_mm fp8 blockwise kernel");
+  run_gemm<Gemm>(arguments(arr, p, sm_count), arr.cutlass_workspace, stream, "grouped_mm fp8 blockwise kernel");
 }
+
+// One explicit instantiation per translation unit, with named entry points for the dispatcher.
+#define MOE_FP8_BLOCKWISE_INSTANCE(NAME, OP, ELEMENT_OUT, CLUSTER_M)                                    \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
+    return Fp8BlockwiseGemm<OP, ELEMENT_OUT, CLUSTER_M>::workspace_bytes(p, sm_count);               \
+  }                                                                                                  \
+  void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
+    Fp8BlockwiseGemm<OP, ELEMENT_OUT, CLUSTER_M>::run(p, sm_count, groups, stream);                  \
+  }
 
 }  // namespace moe::gemm::sm90

@@ -25,18 +25,17 @@ namespace moe::gemm::sm90 {
 
 using namespace cute;
 
-struct Pingpong {
-  using Tile = Shape<_128, _128, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-
-struct Cooperative {
-  using Tile = Shape<_256, _128, _64>;
-  using Cluster = Shape<_1, _1, _1>;
-  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+// One instance's configuration: CTA tile, thread-block cluster (> 1 along M multicasts the weight tile to
+// the CTAs of neighbouring row tiles by TMA), and schedule (ping-pong: two consumer warp groups on
+// alternate tiles, each tile_m rows; cooperative: both on one tile). Listed in sm90_kernels.cu.
+template <int kTileM, int kTileN, int kTileK, int kClusterM, int kClusterN, bool kPingpong>
+struct Sm90Config {
+  using Tile = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
+  using Cluster = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
+  using Kernel = cute::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
+                                     cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>;
+  using Epilogue = cute::conditional_t<kPingpong, cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong,
+                                       cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative>;
 };
 
 // fwd: A row-major x, B = w[e] (N x K rows: K-major). dgrad: A row-major dout, B = w[e] read N-major.
@@ -114,21 +113,22 @@ struct GroupedGemm {
     return a;
   }
 
-  static typename Gemm::Arguments arguments(const Arrays& arr, int E, int sm_count, int device) {
+  static typename Gemm::Arguments arguments(const Arrays& arr, const GroupedParams& p, int sm_count) {
     typename Gemm::Arguments args{
         cutlass::gemm::GemmUniversalMode::kGrouped,
-        {E, arr.shapes, nullptr},  // no host copy of the shapes: they only exist on the device
+        {p.num_groups, arr.shapes, nullptr},  // no host copy of the shapes: they only exist on the device
         {arr.ptr_a, arr.stride_a, arr.ptr_b, arr.stride_b},
         {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
-        hardware(device, sm_count)};
+        hardware(p.device, sm_count)};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
+    args.scheduler.raster_order = raster_option(p.raster);
     return args;
   }
 
   static size_t workspace_bytes(const GroupedParams& p, int sm_count) {
     Arrays arr{};
-    const auto args = arguments(arr, p.num_groups, sm_count, p.device);
+    const auto args = arguments(arr, p, sm_count);
     return arrays_bytes(p.num_groups) + round_up(Gemm::get_workspace_size(args));
   }
 
@@ -182,16 +182,17 @@ void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count
       static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups, E,
       p.N, p.K, arr);
   check_launch("grouped_mm prepare_sm90");
-  run_gemm<Gemm>(arguments(arr, E, sm_count, p.device), arr.cutlass_workspace, stream, "grouped_mm sm90 kernel");
+  run_gemm<Gemm>(arguments(arr, p, sm_count), arr.cutlass_workspace, stream, "grouped_mm sm90 kernel");
 }
 
-// One explicit instantiation per translation unit, with named entry points for the dispatcher.
-#define MOE_GROUPED_SM90_INSTANCE(NAME, ELEMENT, OP, CONFIG)                                          \
+// One explicit instantiation per translation unit, with named entry points for the dispatcher. The
+// configuration is the variadic tail (its template arguments hold commas).
+#define MOE_GROUPED_SM90_INSTANCE(NAME, ELEMENT, OP, ...)                                             \
   size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
-    return GroupedGemm<ELEMENT, OP, CONFIG>::workspace_bytes(p, sm_count);                           \
+    return GroupedGemm<ELEMENT, OP, __VA_ARGS__>::workspace_bytes(p, sm_count);                      \
   }                                                                                                  \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
-    GroupedGemm<ELEMENT, OP, CONFIG>::run(p, sm_count, groups, stream);                              \
+    GroupedGemm<ELEMENT, OP, __VA_ARGS__>::run(p, sm_count, groups, stream);                         \
   }
 
 }  // namespace moe::gemm::sm90

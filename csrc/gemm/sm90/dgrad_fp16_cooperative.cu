@@ -1,5 +1,0 @@
-#include "gemm/sm90/grouped_sm90.cuh"
-
-namespace moe::gemm::sm90 {
-MOE_GROUPED_SM90_INSTANCE(dgrad_fp16_cooperative, cutlass::half_t, GemmOp::kDgrad, Cooperative)
-}  // namespace moe::gemm::sm90

@@ -1,0 +1,168 @@
+"""The sm_90a grouped GEMM instances and their choice (csrc/gemm/sm90_kernels.h, csrc/gemm/sm90_table.h): CPU tier.
+
+The choice is host code compiled into every extension, so it is checked here without a GPU: the table covers
+every perf.md problem, each row names an instance that serves it, every instance file instantiates what the
+list says, and every input gets an answer (or a clear error for what no instance serves)."""
+
+import importlib
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+
+from bench import bench_tune_grouped_mm as T
+from moe_kernels import _ext
+
+ROOT = Path(__file__).resolve().parents[2]
+SM90 = ROOT / "csrc" / "gemm" / "sm90"
+BF16, FP16, FP8, FP32 = 2, 1, 3, 0
+
+
+@pytest.fixture(scope="module")
+def C():
+    for mod in (_ext._C, _ext._EMU):
+        if mod is not None:
+            return mod
+    for name in ("moe_kernels._C_emu", "moe_kernels._C"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            pass
+    pytest.skip("no extension built")
+
+
+def _serves(spec, op, dtype, out):
+    return (spec["op"], spec["dtype"], spec["out"]) == (op, dtype, out)
+
+
+def test_every_instance_file_instantiates_its_listed_configuration(C):
+    specs = {k["name"]: k for k in C.grouped_mm_sm90_kernels()}
+    files = {p.stem: p.read_text() for p in SM90.glob("*.cu")}
+    assert set(files) == set(specs), "one .cu per listed instance, named after it"
+    el = {"cutlass::bfloat16_t": BF16, "cutlass::half_t": FP16}
+    ops = {"kFwd": 0, "kDgrad": 1, "kWgrad": 2}
+    for name, text in files.items():
+        s = specs[name]
+        m = re.search(r"MOE_GROUPED_SM90_INSTANCE\((\w+), ([\w:]+), GemmOp::(\w+), "
+                      r"Sm90Config<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>\)", text)
+        if m:
+            n, element, op, tm, tn, tk, cm, cn, pp = m.groups()
+            assert (n, el[element], el[element], ops[op]) == (name, s["dtype"], s["out"], s["op"]), name
+            assert (int(tm), int(tn), int(tk)) == tuple(s["tile"]) and (int(cm), int(cn)) == tuple(s["cluster"]), name
+            assert (pp == "true") == s["pingpong"], name
+            continue
+        m = re.search(r"MOE_FP8_BLOCKWISE_INSTANCE\((\w+), GemmOp::(\w+), ([\w:]+), (\d+)\)", text)
+        assert m, f"{name}.cu instantiates neither macro"
+        n, op, out, cm = m.groups()
+        out_code = {"float": FP32, "cutlass::bfloat16_t": BF16}[out]
+        assert (n, FP8, out_code, ops[op]) == (name, s["dtype"], s["out"], s["op"]), name
+        assert tuple(s["cluster"]) == (int(cm), 1) and tuple(s["tile"]) == (128, 128, 128) and not s["pingpong"], name
+
+
+def test_dispatch_list_is_the_kernel_list_in_order(C):
+    src = (ROOT / "csrc" / "gemm" / "sm90_dispatch.cu").read_text()
+    body = src[src.index("#define MOE_SM90_INSTANCES(X)"):src.index("#define MOE_DECLARE")]
+    assert re.findall(r"X\((\w+)\)", body) == [k["name"] for k in C.grouped_mm_sm90_kernels()]
+
+
+def test_compiled_table_is_the_file(C):
+    """The extension was built from the committed table (rebuild after `tune_grouped_mm` rewrites it)."""
+    rows = T.parse((ROOT / "csrc" / "gemm" / "sm90_table.h").read_text())
+    compiled = C.grouped_mm_sm90_table()
+    assert len(rows) == len(compiled) > 0
+    for r, c in zip(rows, compiled):
+        assert (r.op, r.dtype, r.out, r.E, r.M, r.N, r.K, r.kernel, r.raster, r.tuned) == (
+            c["op"], c["dtype"], c["out"], c["E"], c["M"], c["N"], c["K"], c["kernel"], c["raster"], c["tuned"])
+
+
+def test_table_covers_every_perf_problem_with_an_instance_that_serves_it(C):
+    specs = {k["name"]: k for k in C.grouped_mm_sm90_kernels()}
+    rows = {(r["op"], r["dtype"], r["out"], r["E"], r["M"], r["N"], r["K"]): r for r in C.grouped_mm_sm90_table()}
+    probs = T.problems()
+    assert len(probs) == 5 * 4 * 2 * 6  # models x token counts x GEMMs x (3 bf16 + 3 fp8) products
+    for p in probs:
+        row = rows.get(p.key)
+        assert row is not None, f"no table row for {p.name}"
+        assert _serves(specs[row["kernel"]], p.op, p.dtype, p.out), f"{p.name}: {row['kernel']}"
+        assert row["raster"] in (0, 1)
+        # The problem's own row is what the choice returns.
+        kernel, raster, index = C.grouped_mm_sm90_choice(p.op, p.dtype, p.out, p.E, p.M, p.N, p.K)
+        assert (kernel, raster) == (row["kernel"], row["raster"]) and index >= 0, p.name
+
+
+def test_untuned_rows_hold_the_rule(C):
+    for r in C.grouped_mm_sm90_table():
+        if not r["tuned"]:
+            kernel, raster, index = C.grouped_mm_sm90_rule(r["op"], r["dtype"], r["out"], r["E"], r["M"], r["N"], r["K"])
+            assert (kernel, raster, index) == (r["kernel"], r["raster"], -1), r
+
+
+def test_choice_is_total(C):
+    """Random problems, on and off the table: always an instance that serves the product and dtypes."""
+    specs = C.grouped_mm_sm90_kernels()
+    table = C.grouped_mm_sm90_table()
+    rng = random.Random(0)
+    combos = [(0, BF16, BF16), (1, BF16, BF16), (2, BF16, BF16), (0, FP16, FP16), (1, FP16, FP16), (2, FP16, FP16),
+              (0, FP8, BF16), (2, FP8, FP32), (2, FP8, BF16)]
+    for i in range(3000):
+        op, dt, out = rng.choice(combos)
+        if i % 3 == 0:  # a table shape with another M
+            r = rng.choice(table)
+            op, dt, out, E, N, K = r["op"], r["dtype"], r["out"], r["E"], r["N"], r["K"]
+        else:
+            E, N, K = rng.randint(1, 4096), 8 * rng.randint(1, 4096), 8 * rng.randint(1, 4096)
+        M = rng.choice([0, 1, rng.randint(1, 1 << 20), rng.randint(1, 1 << 31)])
+        kernel, raster, _ = C.grouped_mm_sm90_choice(op, dt, out, E, M, N, K)
+        spec = next(s for s in specs if s["name"] == kernel)
+        assert _serves(spec, op, dt, out) and raster in (0, 1), (op, dt, out, E, M, N, K, kernel)
+
+
+def test_nearest_row_by_ratio(C):
+    """Between two rows of one shape, M picks the nearer by ratio (the token counts double)."""
+    table = C.grouped_mm_sm90_table()
+    by_shape = {}
+    for i, r in enumerate(table):
+        by_shape.setdefault((r["op"], r["dtype"], r["out"], r["E"], r["N"], r["K"]), []).append((r["M"], i))
+    shape, ms = next((s, sorted(v)) for s, v in by_shape.items() if len(v) >= 2)
+    (m0, i0), (m1, i1) = ms[0], ms[1]
+    below = int(math.sqrt(m0 * m1) * 0.9)
+    above = int(math.sqrt(m0 * m1) * 1.1) + 1
+    op, dt, out, E, N, K = shape
+    assert C.grouped_mm_sm90_choice(op, dt, out, E, below, N, K)[2] == i0
+    assert C.grouped_mm_sm90_choice(op, dt, out, E, above, N, K)[2] == i1
+    assert C.grouped_mm_sm90_choice(op, dt, out, E, 0, N, K)[2] == i0  # M = 0 counts as one row
+
+
+@pytest.mark.parametrize("op,dt,out", [(0, FP32, FP32), (1, FP8, BF16), (0, FP8, FP32), (0, BF16, FP16)])
+def test_what_no_instance_serves_is_an_error(C, op, dt, out):
+    with pytest.raises(ValueError, match="no sm_90a kernel"):
+        C.grouped_mm_sm90_choice(op, dt, out, 8, 1024, 256, 256)
+
+
+def test_rule_table_round_trips_and_equals_the_rule(C, tmp_path):
+    path = T.write_rule_table(tmp_path / "t.h", C)
+    rows = T.parse(path.read_text())
+    assert [r.kernel for r in rows] == [C.grouped_mm_sm90_rule(*p.key)[0] for p in T.problems()]
+    assert not any(r.tuned for r in rows) and all(r.label for r in rows)
+    assert T.parse(T.render(rows, "x")) == rows
+
+
+def test_pick_takes_the_least_geomean_over_routings():
+    times = {("a", 0): {"uniform": 100.0, "zipf": 400.0},  # geomean 200
+             ("b", 1): {"uniform": 150.0, "zipf": 240.0},  # geomean ~190: the winner
+             ("c", 0): {"uniform": 90.0, "zipf": 500.0}}
+    assert T.pick(times) == ("b", 1)
+
+
+def test_sweep_plan_without_a_gpu(C, tmp_path, capsys):
+    """On a CPU the bench prints the plan and writes nothing."""
+    import torch
+
+    from bench import harness as h
+
+    ctx = h.Context(device=torch.device("cpu"), quick=True, out_dir=tmp_path)
+    rep = T.run(ctx)
+    assert "not run" in rep.headline[0] and not list(tmp_path.iterdir())
+    assert f"{len(T.problems())} problems" in capsys.readouterr().out
