@@ -48,6 +48,11 @@ def collect() -> dict:
         info["extension_archs"] = [_ext.describe_arch(a) for a in archs]
         info["extension_cuda_runtime"] = _version_str(C.cuda_runtime_version())
         info["cuda_driver"] = _version_str(C.cuda_driver_version())
+        if getattr(C, "grouped_mm_has_sm90", False) and hasattr(C, "grouped_mm_sm90_table"):
+            rows = C.grouped_mm_sm90_table()
+            info["grouped_mm_sm90_table"] = (f"{len(C.grouped_mm_sm90_kernels())} instances; tuning table of "
+                                             f"{len(rows)} problems, {sum(r['tuned'] for r in rows)} tuned on a GPU "
+                                             "(the rest: the rule)")
     else:
         info["extension_error"] = _ext.import_error()
     gpus = []
@@ -98,7 +103,7 @@ def report() -> str:
     lines = [f"moe_kernels {info['moe_kernels']}"]
     width = 24
     for key in ("python", "torch", "torch_cuda", "extension_built", "extension_archs", "extension_cuda_runtime",
-                "cuda_driver", "extension_error"):
+                "cuda_driver", "grouped_mm_sm90_table", "extension_error"):
         if key in info:
             value = info[key]
             if isinstance(value, list):

@@ -5,7 +5,7 @@
 #                               [bench | bench:OP ...]
 #   (default: build sanitize test bench, in order; a speed run is `build perf`, or `build perf:host,layer`)
 #
-# `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, layer, fp8, permute,
+# `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, tune, layer, fp8, permute,
 # dispatch and step in priority order within PERF_BUDGET seconds (default 360, about 6 minutes after the
 # build), each family's JSON written to OUTDIR as it ends, so a run cut short keeps what it measured;
 # `perf:host,layer` picks parts. The build targets MOE_KERNELS_CUDA_ARCHS (default here: 90a, the GPU
