@@ -289,3 +289,21 @@ def test_requested_instance_is_checked(cuda):
         _launch("fwd", x, w, out, gs, 64, 64, 128, C, kernel=names.index("wgrad_bf16_coop_256x128x64_c1x1"))
     with pytest.raises(ValueError, match="raster"):
         _launch("fwd", x, w, out, gs, 64, 64, 128, C, raster=2)
+
+
+def test_requested_instance_where_the_portable_kernel_runs(cuda):
+    """The instance and raster order reach the extension: where no sm_90a kernel runs (the CPU-executed build,
+    another GPU, fp32), asking for one is an error, not a silent portable run."""
+    from moe_kernels.ops.grouped_mm import _launch
+
+    C = _ext.kernels("grouped_mm", torch.empty(1, device=cuda))
+    if C is None or (cuda.type == "cuda" and torch.cuda.get_device_capability(cuda) == (9, 0)):
+        pytest.skip("sm_90a runs the instance (test_every_sm90_instance)")
+    x = torch.randn(64, 128, device=cuda, dtype=torch.float32)
+    w = torch.randn(2, 64, 128, device=cuda, dtype=torch.float32)
+    gs = torch.tensor([32, 32], dtype=torch.int32, device=cuda)
+    out = torch.empty(64, 64, device=cuda, dtype=torch.float32)
+    with pytest.raises(ValueError, match="runs the portable kernel"):
+        _launch("fwd", x, w, out, gs, 64, 64, 128, C, kernel=0)
+    _launch("fwd", x, w, out, gs, 64, 64, 128, C)  # the table's choice: the portable kernel here
+    assert torch.allclose(out, grouped_mm_reference(x, w, gs), rtol=1e-5, atol=1e-5)
