@@ -166,3 +166,66 @@ def test_sweep_plan_without_a_gpu(C, tmp_path, capsys):
     rep = T.run(ctx)
     assert "not run" in rep.headline[0] and not list(tmp_path.iterdir())
     assert f"{len(T.problems())} problems" in capsys.readouterr().out
+
+
+def test_sweep_logic_with_faked_kernels(C, tmp_path, monkeypatch):
+    """The GPU sweep's own logic on the CPU (so it cannot break unnoticed between GPU runs): the kernels
+    replaced by the reference, the timings by a fixed cost per candidate. It must pick the cheapest candidate
+    per problem, write a table the extension's parser reads back with those rows tuned and the rest the
+    rule's, check each candidate's output, and record every timing."""
+    import torch
+
+    from bench import bench_grouped_mm as G
+    from bench import harness as h
+    from moe_kernels.ops.grouped_mm import grouped_mm_dgrad_reference, grouped_mm_reference, grouped_mm_wgrad_reference
+
+    tiny = [T.Problem("tiny", 64, "w13", op, BF16, BF16, 4, 64, 32, 48) for op in (0, 1, 2)]
+    monkeypatch.setattr(T, "problems", lambda *a, **k: list(tiny))
+    monkeypatch.setitem(G.MODELS, "tiny", (48, 16, 4, 1, 1))
+    cost = {name: 10.0 + i for i, name in enumerate(k["name"] for k in C.grouped_mm_sm90_kernels())}
+    fastest = {p.op: min((n for n in cost if n.startswith(("fwd_", "dgrad_", "wgrad_")[p.op]) and "_bf16_" in n),
+                         key=cost.get) for p in tiny}
+    calls = []
+
+    def runner(C_, p, inp, sizes, kernel, raster):
+        name = C_.grouped_mm_sm90_kernels()[kernel]["name"]
+        ref = (grouped_mm_reference, grouped_mm_dgrad_reference, grouped_mm_wgrad_reference)[p.op]
+
+        def fn():
+            calls.append(name)
+            out = ref(inp["a"].float(), inp["b"].float(), sizes).to(torch.bfloat16)
+            out.cost_us = cost[name] + (5.0 if raster == 0 else 0.0)  # along N cheaper here
+            return out
+        return fn
+
+    def fake_time(fn, **kw):
+        us = fn().cost_us
+        return h.Timing(us, us, us)
+
+    monkeypatch.setattr(T, "_runner", runner)
+    monkeypatch.setattr(T, "_torch_peer", lambda *a: None)
+    monkeypatch.setattr(T.h, "time_fn", fake_time)
+    ctx = h.Context(device=torch.device("cpu"), quick=True, out_dir=tmp_path)
+    table, records, failures = T.sweep(ctx, C, budget_s=60)
+    assert not failures and len(records) == 3
+    for p, row in zip(tiny, table):
+        assert row.tuned and (row.kernel, row.raster) == (fastest[p.op], 1), p.name
+    written = T.parse((tmp_path / "sm90_table.h").read_text())
+    assert [(r.kernel, r.raster, r.tuned) for r in written] == [(r.kernel, r.raster, r.tuned) for r in table]
+    assert "3 of 3 rows tuned" in (tmp_path / "sm90_table.h").read_text()
+    saved = __import__("json").loads((tmp_path / "tune_grouped_mm.json").read_text())
+    assert len(saved["records"][0]["times_us"]) == len(T.candidates(tiny[0], C.grouped_mm_sm90_kernels()))
+    assert set(calls) >= set(fastest.values())
+
+
+def test_sweep_stops_at_its_budget(C, tmp_path, monkeypatch):
+    import torch
+
+    from bench import harness as h
+
+    tiny = [T.Problem("tiny", 64, "w13", 0, BF16, BF16, 4, 64, 32, 48)]
+    monkeypatch.setattr(T, "problems", lambda *a, **k: list(tiny))
+    ctx = h.Context(device=torch.device("cpu"), quick=True, out_dir=tmp_path)
+    table, records, failures = T.sweep(ctx, C, budget_s=-1)
+    assert not records and not any(r.tuned for r in table)
+    assert "0 of 1 rows tuned" in (tmp_path / "sm90_table.h").read_text()
