@@ -174,19 +174,21 @@ def rule_rows(C, probs: list[Problem]) -> list[Row]:
 
 
 def _any_extension():
-    """The extension in use, else whichever is built (the choice is host code, the same in both)."""
+    """The extension in use, else whichever is built (the choice is host code, the same in both); None if none."""
     C = _ext.extension()
     if C is None:
         try:
             from moe_kernels import _C_emu as C  # type: ignore[attr-defined]
         except ImportError:
-            raise SystemExit("tune_grouped_mm --rule needs a built extension (moe_kernels._C or _C_emu)")
+            return None
     return C
 
 
 def write_rule_table(path: Path = TABLE_PATH, C=None) -> Path:
     """The rule's choice for every problem as the table (no GPU needed)."""
     C = C or _any_extension()
+    if C is None:
+        raise SystemExit("tune_grouped_mm --rule needs a built extension (moe_kernels._C or _C_emu)")
     path.write_text(render(rule_rows(C, problems()), "the rule (no GPU has swept these shapes): every row untuned"))
     return path
 
@@ -342,7 +344,8 @@ def sweep(ctx: h.Context, C, budget_s: float) -> tuple[list[Row], list[dict], li
 
 def run(ctx: h.Context, budget_s: float = BUDGET_S) -> h.Report:
     C = _ext.extension()
-    kernels = C.grouped_mm_sm90_kernels() if C is not None else []
+    plan_C = C or _any_extension()
+    kernels = plan_C.grouped_mm_sm90_kernels() if plan_C is not None else []
     probs = problems()
     plan = (f"tune_grouped_mm: {len(probs)} problems, {sum(len(candidates(p, kernels)) for p in probs)} "
             f"candidates (instances x raster orders), 2 routings each")

@@ -1,6 +1,6 @@
 """The GPU perf mode: one short run that measures every open speed question, part by part.
 
-    python -m bench.perf OUT [--parts env,host,gemm,tune,layer,fp8,permute,dispatch,step] [--budget 360] [--dry-run]
+    python -m bench.perf OUT [--parts env,host,gemm,layer,fp8,permute,dispatch,step] [--budget 360] [--dry-run]
 
 Parts, in priority order (`--parts` picks and orders them; scripts/gpu_check.sh `perf:host,layer` passes
 them through):
@@ -16,9 +16,6 @@ them through):
             profile_host_router_<case>.txt and a HOST line per case (bench/host_profile.py)
   gemm      grouped_mm against torch._grouped_mm, interleaved rep by rep, over the perf.md shapes, and
             qwen3-30b-a3b at 32768 tokens (the 500 TFLOP/s forward bar)
-  tune      the sm_90a grouped GEMM instances and raster orders swept over the perf.md problems
-            (bench_tune_grouped_mm): sm90_table.h and tune_grouped_mm.json in OUT; copy the table to
-            csrc/gemm/sm90_table.h, rebuild, and run `gemm` again to measure it
   layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens, one family run (and JSON) per token
             count: ours, torch-native, Hugging Face and Liger (where liger_kernel imports, its autotune
             pinned off), eager and graph-replayed; a `[moe_layer]` line per check, timing and mode pass
@@ -129,9 +126,6 @@ PARTS: dict[str, Part] = {p.name: p for p in (
          after=host_profile.write_router_profiles),
     Part("gemm", (Run("grouped_mm", tokens=(8192,)),
                   Run("grouped_mm", models=("qwen3-30b-a3b",), tokens=(32768,))), min_s=60),
-    # The sweep stops itself at its budget (bench_tune_grouped_mm.BUDGET_S, ~4 minutes) and writes the table
-    # for the rows it reached; the rest keep the rule.
-    Part("tune", (Run("tune_grouped_mm"),), min_s=120),
     # One run per token count, so 8192's JSON is written before 32768 starts. Expected on an H100 (from its
     # 2026-11-27 kernel times: ours 5.7 ms fwd+bwd at 8192, torch-native 10.8 ms; 4x at 32768; the Hugging
     # Face eager loop's fwd+bwd ~0.3 s, capped at QUICK_TIME_BUDGET_S = 3 s per op): per routing case, the

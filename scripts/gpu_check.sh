@@ -2,10 +2,10 @@
 # GPU verification on a machine without network: build, GPU tests, compute-sanitizer, benchmarks.
 #
 #   scripts/gpu_check.sh OUTDIR [build] [perf | perf:PART,PART ...] [test | test:PATH ...] [sanitize]
-#                               [bench | bench:OP ...]
+#                               [bench | bench:OP ...] [tune]
 #   (default: build sanitize test bench, in order; a speed run is `build perf`, or `build perf:host,layer`)
 #
-# `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, tune, layer, fp8, permute,
+# `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, layer, fp8, permute,
 # dispatch and step in priority order within PERF_BUDGET seconds (default 360, about 6 minutes after the
 # build), each family's JSON written to OUTDIR as it ends, so a run cut short keeps what it measured;
 # `perf:host,layer` picks parts. The build targets MOE_KERNELS_CUDA_ARCHS (default here: 90a, the GPU
@@ -18,6 +18,9 @@
 # TEST_TIMEOUT seconds (default 300, with pytest-timeout), verbose, so a run cut short still lists what
 # passed; then the tests marked gpu_memory (tens of GB each) one at a time (gpu_tests_serial.log). On an H200 (2026-11-26): build 64 s with 16 jobs, sanitize 21 s, 854 GPU tests in 240 s on 8
 # workers (before the fp64 references moved to the device), the quick benches 10-90 s a family.
+#
+# `tune` sweeps the grouped GEMM instances (bench tune_grouped_mm), installs the table it writes and rebuilds
+# _C with it: `build tune perf:gemm` measures the tuned choice against torch._grouped_mm.
 #
 # `test:PATH` runs the GPU tier of one part of tests/ (e.g. test:tests/ops/test_grouped_mm_gpu.py), for when
 # the whole tier does not fit one command; `test:PATH,PATH,...` runs several parts in one pytest session.
@@ -138,6 +141,21 @@ stage_perf() {  # [part,part,...]
   echo $?
 }
 
+stage_tune() {
+  # The grouped GEMM tuning sweep (bench tune_grouped_mm, ~4 minutes on an H100/H200): its table is installed
+  # into this copy's csrc/gemm/sm90_table.h and _C rebuilt with it, so a `perf:gemm` after this stage measures
+  # the tuned choice. The table comes back as tune_sm90_table.txt (commit it as csrc/gemm/sm90_table.h).
+  capped "$(left)" "$PY" -m bench tune_grouped_mm --out "$OUT" >"$OUT/tune.log" 2>&1
+  local rc=$?
+  if [ "$rc" -eq 0 ] && [ -f "$OUT/sm90_table.h" ]; then
+    cp "$OUT/sm90_table.h" csrc/gemm/sm90_table.h
+    cp "$OUT/sm90_table.h" "$OUT/tune_sm90_table.txt"
+    [ -f "$OUT/build.log" ] && mv "$OUT/build.log" "$OUT/build_before_tune.log"
+    rc=$(stage_build)
+  fi
+  echo "$rc"
+}
+
 stage_bench() {  # [op]; BENCH_ARGS=--quick for the short sweep
   if [ -n "${1:-}" ]; then
     capped "$(left)" "$PY" -m bench "$1" ${BENCH_ARGS:-} --out "$OUT" >"$OUT/bench_$1.log" 2>&1
@@ -173,6 +191,7 @@ for stage in $STAGES; do
     sanitize) detail=$(grep -m1 -E "ERROR SUMMARY" "$OUT/sanitizer.log"; tail -n 1 "$OUT/sanitizer.log") ;;
     bench) log="$OUT/bench${arg:+_${arg#:}}.log"; detail=$(grep -E "^HEADLINE" "$log" | tr '\n' ' ') ;;
     perf) detail=$(grep -E "^\[perf\]" "$OUT/perf.log" | tr '\n' ' ') ;;
+    tune) detail=$(grep -E "^HEADLINE" "$OUT/tune.log" | tr '\n' ' ') ;;
     *) detail="unknown stage" ;;
   esac
   record "$stage" "$rc" "$secs" "${detail//|//}"
