@@ -15,8 +15,11 @@ both from one read of the weight) kept by moe_kernels.quant.weight_cache and
 reused by every micro-batch and recomputation until the weight changes. Each expert's rows are padded to
 `align` (a multiple of 128 for the FP8 wgrad: its token blocks must not straddle two experts). With
 FP8 wgrad the forward saves x quantized along the tokens (1 byte per element) instead of x itself.
-In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert GEMM's input comes from
-permute_quantize_fp8: the permute, the padding and the forward quantization in one pass over the tokens.
+In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert GEMM's input is written in E4M3
+by the pass that permutes it: with FP8 wgrad, a gather of each permuted row's token writing both layouts the
+GEMM reads (unpermute_bwd_quantize_fp8 with no weights: the forward's 1x128 blocks and wgrad's token-major
+blocks), so no bf16 copy of the permuted rows is written or saved; otherwise permute_quantize_fp8 (the permute,
+the padding and the forward quantization in one pass over the tokens).
 With `fused_swiglu` the SwiGLU writes the second GEMM's input in E4M3 (swiglu_quantize_fp8), and in the
 backward the first GEMM's output gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), handed to the
 first GEMM's backward directly; the unpermute's backward (`Fp8BlockwiseRecipe.unpermute`) does the same for the
@@ -37,7 +40,8 @@ from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
 from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
-from moe_kernels.ops.permute import permute_quantize_fp8, unpermute, unpermute_bwd_quantize_fp8
+from moe_kernels.ops.permute import (permute, permute_quantize_fp8, permuted_rows, unpermute,
+                                     unpermute_bwd_quantize_fp8)
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.quant import weight_cache
 
@@ -438,12 +442,23 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe,
                 need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None):
-        # One read of each token: its codes, scales and (for wgrad) its input-precision rows.
-        x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
-            x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=need_wgrad
-        )
+        if need_wgrad and recipe.fp8_wgrad and x.shape[1] % BLOCK == 0:
+            # Both layouts the GEMM reads, from one gather of the tokens: the forward's 1x128 blocks and wgrad's
+            # token-major blocks (bit for bit quantize_fp8 and quantize_fp8_tokens of the permuted rows), so
+            # no bf16 copy of the permuted rows is written or kept for the backward. The routing alone first.
+            _, row_map, group_sizes = permute(x.new_empty((x.shape[0], 0)), indices, num_experts, align=align)
+            rows = permuted_rows(x.shape[0], indices.shape[1], num_experts, align)
+            x_q, x_scale, x_t_q, x_t_scale, _ = unpermute_bwd_quantize_fp8(x, row_map, None, None, rows,
+                                                                          pow2_scale=recipe.pow2_scale)
+            x_perm, x_tokens = None, (x_t_q, x_t_scale)
+        else:
+            # One read of each token: its codes, scales and (for a wgrad in bf16) its input-precision rows.
+            x_q, x_scale, row_map, group_sizes, x_perm = permute_quantize_fp8(
+                x, indices, num_experts, align=align, pow2_scale=recipe.pow2_scale, keep_rows=need_wgrad
+            )
+            x_tokens = None
         out, ctx.state, saved = _fp8_forward(x_q, x_scale, x_perm, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
-                                             need_dgrad=ctx.needs_input_grad[0])
+                                             x_tokens=x_tokens, need_dgrad=ctx.needs_input_grad[0])
         ctx.link = link
         ctx.save_for_backward(*saved, row_map)
         ctx.mark_non_differentiable(row_map, group_sizes)

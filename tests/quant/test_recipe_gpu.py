@@ -158,3 +158,27 @@ def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_acti
         grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
     for a, b in zip(*grads):
         assert_exact(a, b, "fused vs unfused SwiGLU quantization")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_permute_is_the_unfused_recipe_on_the_kernels(cuda, dtype):
+    # The first GEMM's input written in both E4M3 layouts by the gather of the permuted rows (routing-only
+    # permute, then unpermute_bwd_quantize_fp8 with no weights) against permute, quantize_fp8 and
+    # quantize_fp8_tokens on the same device: the same codes, so the layer's output and every gradient agree
+    # bit for bit (empty experts and a token count off the 128-row blocks included).
+    from moe_kernels.nn.moe import qwen3_30b_a3b
+
+    torch.manual_seed(5)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=128, num_experts=8, k=2)
+    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(cuda, dtype)
+    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=False))).to(cuda, dtype)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(2, 45, 256, device=cuda, dtype=dtype)
+    grads = []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        out, aux = layer(xi)
+        (out.float().square().sum() + aux).backward()
+        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
+    for a, b in zip(*grads):
+        assert_exact(a, b, f"gathered vs unfused permute quantization ({dtype})")
