@@ -53,7 +53,8 @@ SASS_CHECKS = (
     (r"dispatch::.*barrier_kernel", r"STG\.E\.64\.STRONG\.SYS", "barrier signals are system-scope stores"),
     (r"dispatch::.*barrier_kernel", r"LDG\.E\.64\.STRONG\.SYS", "barrier polls are system-scope loads"),
     (r"dispatch::.*barrier_kernel", r"MEMBAR\.\w+\.SYS", "a system-scope fence orders the data before the signal"),
-    (r"cutlass::device_kernel\[\w+_bf16_", r"HGMMA\.\w+\.F32\.BF16", "the bf16 CUTLASS GEMMs run on WGMMA"),
+    # bf16 operands (an FP8 GEMM with a bf16 output, wgrad_fp8_blockwise_bf16_*, is the FP8 row's)
+    (r"cutlass::device_kernel\[(?!\w*_fp8_)\w+_bf16_", r"HGMMA\.\w+\.F32\.BF16", "the bf16 CUTLASS GEMMs run on WGMMA"),
     (r"cutlass::device_kernel\[\w+_fp16_", r"HGMMA\.\w+\.F32 ", "the fp16 CUTLASS GEMMs run on WGMMA"),
     (r"cutlass::device_kernel\[\w+_fp8_", r"QGMMA\.\w+\.F32\.E4M3\.E4M3", "the FP8 CUTLASS GEMM runs on FP8 WGMMA"),
 )
@@ -174,7 +175,7 @@ def demangle(names: list[str]) -> dict[str, str]:
 
 def short_name(demangled: str, source: str) -> str:
     """`void moe::permute::(anonymous namespace)::copy_kernel<16>(...)` -> `permute::copy_kernel<16>`;
-    a CUTLASS kernel (one per file) -> `cutlass::device_kernel[fwd_bf16_cooperative]`."""
+    a CUTLASS kernel (one per file) -> `cutlass::device_kernel[fwd_bf16_coop_256x128x64_c1x1]`."""
     if "cutlass13device_kernel" in demangled or demangled.startswith("void cutlass::device_kernel"):
         return f"cutlass::device_kernel[{Path(source).stem}]"
     name = demangled
