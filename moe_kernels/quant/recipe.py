@@ -442,10 +442,11 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe,
                 need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None):
-        if need_wgrad and recipe.fp8_wgrad and x.shape[1] % BLOCK == 0:
+        if need_wgrad and recipe.fp8_wgrad and x.shape[1] % BLOCK == 0 and x.dtype != torch.float32:
             # Both layouts the GEMM reads, from one gather of the tokens: the forward's 1x128 blocks and wgrad's
             # token-major blocks (bit for bit quantize_fp8 and quantize_fp8_tokens of the permuted rows), so
-            # no bf16 copy of the permuted rows is written or kept for the backward. The routing alone first.
+            # no bf16 copy of the permuted rows is written and read back. The routing alone first. (fp32 rows
+            # keep permute_quantize_fp8: the gather's kernel takes 16-bit rows, and composes passes for fp32.)
             _, row_map, group_sizes = permute(x.new_empty((x.shape[0], 0)), indices, num_experts, align=align)
             rows = permuted_rows(x.shape[0], indices.shape[1], num_experts, align)
             x_q, x_scale, x_t_q, x_t_scale, _ = unpermute_bwd_quantize_fp8(x, row_map, None, None, rows,

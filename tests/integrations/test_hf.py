@@ -567,9 +567,9 @@ def test_precision_recipe(family, monkeypatch):
 
 
 def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
-    # The FP8 recipe on a patched model: the first expert GEMM takes its rows in E4M3 from the gather that
-    # permutes them (unpermute_bwd_quantize_fp8, both layouts), the weight gradients come from
-    # grouped_mm_fp8_wgrad; logits within FP8's error of the model's own.
+    # The FP8 recipe on a patched model: the first expert GEMM takes its rows in E4M3 from the pass that
+    # permutes them, the weight gradients come from grouped_mm_fp8_wgrad; logits within FP8's error of the
+    # model's own.
     from moe_kernels.quant import Fp8BlockwiseRecipe, recipe as recipe_mod
     from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
 
@@ -579,9 +579,13 @@ def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
         ref = run(model, ids).logits
     mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
     seen = {"fused": 0, "wgrad": 0}
-    fused, wgrad = recipe_mod.unpermute_bwd_quantize_fp8, recipe_mod.grouped_mm_fp8_wgrad
+    gather, fused, wgrad = (recipe_mod.unpermute_bwd_quantize_fp8, recipe_mod.permute_quantize_fp8,
+                            recipe_mod.grouped_mm_fp8_wgrad)
+    # The first GEMM's input: the gather writing both layouts (16-bit rows) or permute_quantize_fp8 (fp32 rows).
     monkeypatch.setattr(recipe_mod, "unpermute_bwd_quantize_fp8",
-                        lambda *a, **kw: seen.__setitem__("fused", seen["fused"] + (a[2] is None)) or fused(*a, **kw))
+                        lambda *a, **kw: seen.__setitem__("fused", seen["fused"] + (a[2] is None)) or gather(*a, **kw))
+    monkeypatch.setattr(recipe_mod, "permute_quantize_fp8",
+                        lambda *a, **kw: seen.__setitem__("fused", seen["fused"] + 1) or fused(*a, **kw))
     monkeypatch.setattr(recipe_mod, "grouped_mm_fp8_wgrad",
                         lambda *a, **kw: seen.__setitem__("wgrad", seen["wgrad"] + 1) or wgrad(*a, **kw))
     out = run(model, ids, labels=ids)

@@ -182,11 +182,13 @@ def test_moe_layer_with_the_recipe(fused_permute, monkeypatch):
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.parameters())
 
 
-def test_fused_permute_is_the_unfused_recipe():
-    # permute_quantize_fp8 + the FP8 GEMM equals permute, then quantize + the FP8 GEMM: forward and gradients.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_permute_is_the_unfused_recipe(dtype):
+    # The first GEMM's E4M3 input from the pass that permutes it (bf16: the gather writing both layouts; fp32:
+    # permute_quantize_fp8) + the FP8 GEMM equals permute, then quantize + the FP8 GEMM: forward and gradients.
     torch.manual_seed(0)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=128, num_experts=6, k=2)
-    _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_permute=False))
+    _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_permute=False), dtype)
 
 
 @pytest.mark.parametrize("weights_in_activation", [False, True])
@@ -218,8 +220,8 @@ def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch):
         monkeypatch.setattr(recipe_module, name, counted(name, getattr(recipe_module, name)))
     torch.manual_seed(3)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2)
-    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe()))
-    out, aux = layer(torch.randn(2, 29, 256, requires_grad=True))
+    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(torch.bfloat16)
+    out, aux = layer(torch.randn(2, 29, 256, dtype=torch.bfloat16, requires_grad=True))
     (out.square().sum() + aux).backward()
     assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "swiglu_bwd_quantize_fp8": 1,
                      "unpermute_bwd_quantize_fp8": 2}
@@ -254,12 +256,12 @@ def test_fp8_gradient_link_rejects_a_second_consumer():
     assert torch.isfinite(x.grad).all() and torch.isfinite(w13.grad).all()
 
 
-def _assert_same_layer(cfg, fused_recipe, plain_recipe):
+def _assert_same_layer(cfg, fused_recipe, plain_recipe, dtype=torch.float32):
     """The MoE layer under the two recipes, same weights and input: output and every gradient bit for bit."""
-    fused = MoELayer(cfg.replace(recipe=fused_recipe))
-    plain = MoELayer(cfg.replace(recipe=plain_recipe))
+    fused = MoELayer(cfg.replace(recipe=fused_recipe)).to(dtype)
+    plain = MoELayer(cfg.replace(recipe=plain_recipe)).to(dtype)
     plain.load_state_dict(fused.state_dict())
-    x = torch.randn(3, 41, cfg.hidden_size)
+    x = torch.randn(3, 41, cfg.hidden_size, dtype=dtype)
     grads = []
     for layer in (fused, plain):
         xi = x.clone().requires_grad_()

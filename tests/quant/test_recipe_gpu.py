@@ -163,9 +163,9 @@ def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_acti
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_permute_is_the_unfused_recipe_on_the_kernels(cuda, dtype):
     # The first GEMM's input written in both E4M3 layouts by the gather of the permuted rows (routing-only
-    # permute, then unpermute_bwd_quantize_fp8 with no weights) against permute, quantize_fp8 and
-    # quantize_fp8_tokens on the same device: the same codes, so the layer's output and every gradient agree
-    # bit for bit (empty experts and a token count off the 128-row blocks included).
+    # permute, then unpermute_bwd_quantize_fp8 with no weights; fp32 rows: permute_quantize_fp8) against
+    # permute, quantize_fp8 and quantize_fp8_tokens on the same device: the same codes, so the layer's output
+    # and every gradient agree bit for bit (empty experts and a token count off the 128-row blocks included).
     from moe_kernels.nn.moe import qwen3_30b_a3b
 
     torch.manual_seed(5)
