@@ -16,8 +16,8 @@ reused by every micro-batch and recomputation until the weight changes. Each exp
 `align` (a multiple of 128 for the FP8 wgrad: its token blocks must not straddle two experts). With
 FP8 wgrad the forward saves x quantized along the tokens (1 byte per element) instead of x itself.
 In the MoE layer (`permute_grouped_mm`, `fused_permute=True`) the first expert GEMM's input is written in E4M3
-by the pass that permutes it: with FP8 wgrad, a gather of each permuted row's token writing both layouts the
-GEMM reads (unpermute_bwd_quantize_fp8 with no weights: the forward's 1x128 blocks and wgrad's token-major
+by the pass that permutes it: with FP8 wgrad and 16-bit rows, a gather of each permuted row's token writing both
+layouts the GEMM reads (unpermute_bwd_quantize_fp8 with no weights: the forward's 1x128 blocks and wgrad's token-major
 blocks), so no bf16 copy of the permuted rows is written or saved; otherwise permute_quantize_fp8 (the permute,
 the padding and the forward quantization in one pass over the tokens).
 With `fused_swiglu` the SwiGLU writes the second GEMM's input in E4M3 (swiglu_quantize_fp8), and in the
