@@ -21,13 +21,11 @@ const KernelSpec kSm90Kernels[] = {
     // name                                  op  dtype  out    pingpong tile          cluster
     {"fwd_bf16_pingpong_128x128x64_c1x1", kF, kBf16, kBf16, true, 128, 128, 64, 1, 1},
     {"fwd_bf16_coop_256x128x64_c1x1", kF, kBf16, kBf16, false, 256, 128, 64, 1, 1},
-    {"fwd_bf16_pingpong_64x128x128_c2x1", kF, kBf16, kBf16, true, 64, 128, 128, 2, 1},
     {"fwd_bf16_coop_128x256x64_c2x1", kF, kBf16, kBf16, false, 128, 256, 64, 2, 1},
     {"fwd_fp16_pingpong_128x128x64_c1x1", kF, kFp16, kFp16, true, 128, 128, 64, 1, 1},
     {"fwd_fp16_coop_256x128x64_c1x1", kF, kFp16, kFp16, false, 256, 128, 64, 1, 1},
     {"dgrad_bf16_pingpong_128x128x64_c1x1", kD, kBf16, kBf16, true, 128, 128, 64, 1, 1},
     {"dgrad_bf16_coop_256x128x64_c1x1", kD, kBf16, kBf16, false, 256, 128, 64, 1, 1},
-    {"dgrad_bf16_pingpong_64x128x128_c2x1", kD, kBf16, kBf16, true, 64, 128, 128, 2, 1},
     {"dgrad_bf16_coop_128x256x64_c2x1", kD, kBf16, kBf16, false, 128, 256, 64, 2, 1},
     {"dgrad_fp16_pingpong_128x128x64_c1x1", kD, kFp16, kFp16, true, 128, 128, 64, 1, 1},
     {"dgrad_fp16_coop_256x128x64_c1x1", kD, kFp16, kFp16, false, 256, 128, 64, 1, 1},
