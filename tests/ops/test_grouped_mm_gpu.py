@@ -241,7 +241,7 @@ def _sm90_or_skip(cuda):
 @pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "single", "none"])
 def test_every_sm90_instance(cuda, kind, raster):
     """Each bf16/fp16 instance of the tuning set (csrc/gemm/sm90_kernels.h), forced whatever the table says,
-    against fp64 on one problem: odd M, rows past the groups, 64- and 128-row tiles straddling groups."""
+    against fp64 on one problem: odd M, rows past the groups, tiles straddling groups."""
     from moe_kernels.ops.grouped_mm import _launch
 
     C = _sm90_or_skip(cuda)
