@@ -70,6 +70,7 @@ from moe_kernels.parallel.sequence import (
     linear_cross_entropy_share,
 )
 from moe_kernels.parallel.tensor_parallel import apply_tensor_parallel
+from moe_kernels.quant.fsdp_fp8 import enable_fp8_all_gather, fp8_all_gather_applies
 
 
 @dataclass
@@ -93,6 +94,9 @@ class Parallelized:
     # The loss from the final hidden states and the lm_head weight in chunks (moe_kernels.nn.linear_cross_entropy),
     # never the [tokens, V] logits; False: F.cross_entropy over the model's logits.
     fused_loss: bool = True
+    # With the fp8-blockwise recipe: why a layer's experts are gathered in bf16 rather than E4M3 (one entry per
+    # such layer; empty where every layer's are gathered in E4M3, moe_kernels.quant.fsdp_fp8).
+    fp8_all_gather_reasons: list = field(default_factory=list)
 
     @torch.no_grad()
     def evaluate(self, inputs: Tensor, labels: Tensor) -> Tensor:
@@ -305,7 +309,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                 mixed_precision: bool | None = None, ep_backend: str = "all_to_all",
                 max_tokens_per_rank: int | None = None, capacity: float | None = None,
                 num_microbatches: int | None = None, schedule: str = "1f1b", stages_per_rank: int = 1,
-                seed: int | None = None, fused_loss: bool = True) -> Parallelized:
+                seed: int | None = None, fused_loss: bool = True, fp8_all_gather: bool = True) -> Parallelized:
     """Shard `model` over the default process group's ranks, in place: a model built identically on every
     rank, or one built on the meta device (`build_model(cfg, device="meta")`), which is then materialised
     on `device` with each rank holding and initialising only its pieces, drawn from `seed` as one process's
@@ -319,6 +323,10 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
     "interleaved-1f1b") and stages_per_rank: the pipeline's, with pp > 1. fused_loss: the cross-entropy from
     the final hidden states and the lm_head weight in chunks of tokens (moe_kernels.nn.linear_cross_entropy), in
     `forward_backward`, `evaluate` and the pipeline's last stage; False: over the [tokens, V] logits.
+    fp8_all_gather: with the fp8-blockwise recipe, FSDP2 gathers the routed experts' weights as E4M3 codes and
+    scales, each shard quantized once per optimizer step (moe_kernels.quant.fsdp_fp8: bit for bit the bf16
+    gather's training, half its bytes), where its conditions hold; `fp8_all_gather_reasons` on the result
+    says why not elsewhere.
     """
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -415,6 +423,7 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
 
     ep_params = {id(p) for p in expert_parameters(model)}
     expert_modules = []
+    fp8_reasons: list[str] = []
     for i, block in enumerate(_blocks(model)):
         routers = [m for m in block.modules() if isinstance(m, Router)]
         for router in routers:  # each its own unit, over the ranks its parameters would otherwise share
@@ -434,7 +443,15 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                 continue
             # Expert-parallel experts, and with tp or cp every rank's experts (their gradients are its tokens'
             # part): summed over edp, which holds the tp and cp ranks too.
-            if any(id(p) in ep_params for p in routed.parameters()) or sharding is not None:
+            own_unit = any(id(p) in ep_params for p in routed.parameters()) or sharding is not None
+            if fp8_all_gather and isinstance(m, MoELayer):
+                mesh = expert_mesh if own_unit else split_mesh
+                why = fp8_all_gather_applies(routed, m.config.recipe, mesh.size(mesh.ndim - 1))
+                if why is None:
+                    enable_fp8_all_gather(routed, m.config.recipe.pow2_scale)
+                elif m.config.recipe is not None:
+                    fp8_reasons.append(why)
+            if own_unit:
                 summed(fully_shard(routed, mesh=expert_mesh, mp_policy=expert_mp, reshard_after_forward=True),
                        expert_mesh)
                 expert_modules.append(routed)
@@ -456,4 +473,4 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
         init_parameters(model, model_rules(model, model.config), seed,
                         splits_of(model, None if sharding is None else sharding.tp_group))
     return Parallelized(model, pc, pg.attention, pg.expert, sharding, expert_modules, pipeline, stage_group,
-                        full_names, groups, fused_loss)
+                        full_names, groups, fused_loss, fp8_reasons)

@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts, quantize_fp8_experts_dual
+from moe_kernels.quant.fsdp_fp8 import Fp8GatheredWeight
 
 _generation = 0
 _enabled = False
@@ -113,6 +114,8 @@ def fp8_expert_weights(w: Tensor, *, pow2_scale: bool, cache: bool, transposed: 
     """The E4M3 tiles of `w` [E, N, K]: from the cache when `cache` (see `cacheable`) and an entry is valid,
     else quantized now (and kept when `cache`). `transposed`: dgrad's tiles will be read too, so a fresh
     quantization writes both layouts at once."""
+    if isinstance(w, Fp8GatheredWeight):  # gathered by FSDP2 in FP8 (moe_kernels.quant.fsdp_fp8)
+        return _gathered(w, pow2_scale)
     if not cache:
         return _quantize(w, pow2_scale, transposed)
     key = _key(w, pow2_scale)
@@ -125,6 +128,25 @@ def fp8_expert_weights(w: Tensor, *, pow2_scale: bool, cache: bool, transposed: 
     with _lock:
         _entries[w] = entry
     return entry
+
+
+@dataclass
+class _GatheredFp8Weights(Fp8Weights):
+    """The tiles of an FP8-gathered weight: the forward's as gathered now; dgrad's read from the parameter when
+    the backward asks, after FSDP2 gathered them again (in dgrad's layout)."""
+
+    gathered: Fp8GatheredWeight | None = field(default=None, repr=False)
+
+    def transposed(self) -> tuple[Tensor, Tensor]:
+        return self.gathered.dgrad_tiles()
+
+
+def _gathered(w: Fp8GatheredWeight, pow2_scale: bool) -> Fp8Weights:
+    if w.pow2_scale != pow2_scale:
+        raise ValueError(f"Fp8BlockwiseRecipe(pow2_scale={pow2_scale}): the expert weight was gathered in FP8 with "
+                         f"pow2_scale={w.pow2_scale} (enable_fp8_all_gather's); make the two agree")
+    q, scale = w.forward_tiles()
+    return _GatheredFp8Weights(q, scale, gathered=w)
 
 
 def clear() -> None:
