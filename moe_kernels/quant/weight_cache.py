@@ -24,8 +24,10 @@ The cache is off until `enable()`: it is exact only where every change of a weig
 bumps its version counter. FSDP2 refills its unsharded parameters by all-gather with the version counter
 preserved (torch.autograd._unsafe_preserve_version_counter), so an in-place change of a shard outside an
 optimizer step (a checkpoint load into a live model, a manual edit) would go unseen there. moe-train enables
-it on its paths without FSDP2 (one process, expert parallelism); under FSDP2 the weights are quantized in
-every forward, as without the cache. Entries hold a weak reference to their parameter, so a dropped model frees them. The
+it on its paths without FSDP2 (one process, expert parallelism). Under FSDP2, parallelize() has each rank
+quantize its shard once per step and gather the codes (moe_kernels.quant.fsdp_fp8): the gathered parameter
+carries its tiles, taken here as they are; where that does not apply, the gathered bf16 weights are quantized
+in every forward, as without the cache. Entries hold a weak reference to their parameter, so a dropped model frees them. The
 cache holds 2 bytes per expert weight element (the codes in both layouts) plus 2 x 4 bytes per 128x128
 tile of scales between steps; `clear()` drops every entry.
 """

@@ -275,8 +275,13 @@ class Trainer:
 
             self.master = MasterWeights(self.model, fp32_parameter_names(self.model_config))
         # FP8 expert weights quantized once per optimizer step (moe_kernels.quant.weight_cache): exact where every
-        # change of a weight bumps its version, so not under FSDP2, which refills its parameters without.
+        # change of a weight bumps its version, so not under FSDP2, which refills its parameters without. There,
+        # parallelize() has each rank quantize its shard once a step and gather the codes (quant.fsdp_fp8); a
+        # layer where that does not apply quantizes its gathered bf16 weights in every forward.
         weight_cache.enable(self.parallelized is None)
+        for why in sorted(set(self.parallelized.fp8_all_gather_reasons if self.parallelized else [])):
+            warnings.warn(f"FP8 recipe under FSDP2: experts gathered in bf16 and quantized every forward ({why})",
+                          stacklevel=2)
         self.optimizer = torch.optim.AdamW(
             _param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
             **graphs.optimizer_flags(self.device, cfg.cuda_graphs),

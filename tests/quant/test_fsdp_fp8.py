@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from moe_kernels.nn.experts import GroupedExperts
+from tests.emulation import EMULATED
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual
 from moe_kernels.quant import Fp8BlockwiseRecipe
 from moe_kernels.quant import fsdp_fp8
@@ -269,3 +270,14 @@ def test_parallelize_gathers_the_experts_in_fp8_and_trains_as_the_bf16_gather():
     from tests.distributed import run_world
 
     run_world(_model_body, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not EMULATED, reason="two FSDP2 ranks on the CPU-executed kernels (one GPU holds one NCCL rank)")
+def test_fsdp2_fp8_all_gather_on_the_kernels():
+    """The same two ranks with the quantization and the FP8 GEMMs on the CUDA implementations (the spawned
+    ranks inherit the emulation): the shard's dual-layout kernel and the GEMMs on gathered codes."""
+    from tests.distributed import run_world
+
+    with tempfile.TemporaryDirectory() as tmp:
+        run_world(_fsdp_body, 2, True, tmp)
