@@ -227,7 +227,7 @@ def test_fsdp2_fp8_all_gather_trains_as_the_bf16_gather(reshard_after_forward):
 
 # A whole model through parallelize(): FSDP2 over 2 gloo ranks, the experts gathered in E4M3 or in bf16.
 
-def _model_body(rank, world_size):
+def _model_body(rank, world_size, layout):
     import copy
 
     from moe_kernels.models import build_model
@@ -237,10 +237,11 @@ def _model_body(rank, world_size):
     from tests.parallel.test_data_parallel import _batch
 
     torch.manual_seed(0)
-    ref = build_model(tiny_qwen3_moe(hidden_size=128, ffn_size=128, num_experts=4, recipe=Fp8BlockwiseRecipe()))
+    ref = build_model(tiny_qwen3_moe(hidden_size=128, ffn_size=128, num_experts=2 * world_size,
+                                     recipe=Fp8BlockwiseRecipe()))
     runs = []
     for fp8 in (False, True):
-        par = parallelize(copy.deepcopy(ref), ParallelConfig(dp_shard=2), mixed_precision=True, fp8_all_gather=fp8)
+        par = parallelize(copy.deepcopy(ref), ParallelConfig(**layout), mixed_precision=True, fp8_all_gather=fp8)
         experts = [layer.experts for layer in par.model.moe_layers()]
         assert all(isinstance(e.w13.to_local(), Fp8ShardWeight) == fp8 for e in experts)
         assert par.fp8_all_gather_reasons == []
@@ -259,17 +260,21 @@ def _model_body(rank, world_size):
     for name in p0:
         torch.testing.assert_close(p1[name], p0[name], rtol=0, atol=0, msg=name)
     # Where it does not apply, the layer keeps the bf16 gather and says why.
-    bf16_dgrad = parallelize(build_model(tiny_qwen3_moe(hidden_size=128, ffn_size=128, num_experts=4,
+    bf16_dgrad = parallelize(build_model(tiny_qwen3_moe(hidden_size=128, ffn_size=128, num_experts=2 * world_size,
                                                         recipe=Fp8BlockwiseRecipe(fp8_dgrad=False))),
-                             ParallelConfig(dp_shard=2))
+                             ParallelConfig(**layout))
     reasons = bf16_dgrad.fp8_all_gather_reasons
     assert len(reasons) == 2 and all("dgrad" in r for r in reasons), reasons
 
 
-def test_parallelize_gathers_the_experts_in_fp8_and_trains_as_the_bf16_gather():
+@pytest.mark.parametrize("world,layout", [
+    (2, dict(dp_shard=2)),  # the experts in their block's FSDP unit, over both ranks
+    pytest.param(4, dict(ep=2), marks=pytest.mark.extended),  # EP 2 x FSDP 2: the experts' own unit over edp
+])
+def test_parallelize_gathers_the_experts_in_fp8_and_trains_as_the_bf16_gather(world, layout):
     from tests.distributed import run_world
 
-    run_world(_model_body, 2)
+    run_world(_model_body, world, layout)
 
 
 @pytest.mark.gpu
