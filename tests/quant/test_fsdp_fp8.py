@@ -233,6 +233,7 @@ def _model_body(rank, world_size, layout):
     from moe_kernels.models import build_model
     from moe_kernels.models.presets import tiny_qwen3_moe
     from moe_kernels.parallel.layout import ParallelConfig
+    from moe_kernels.parallel.full_state import full_state
     from moe_kernels.parallel.parallelize import parallelize
     from tests.parallel.test_data_parallel import _batch
 
@@ -254,11 +255,17 @@ def _model_body(rank, world_size, layout):
             opt.step()
             opt.zero_grad()
         params = {n: p.detach().to_local() for n, p in par.model.named_parameters()}
-        runs.append((torch.stack(losses), {n: getattr(p, "_data", p) for n, p in params.items()}))
-    (l0, p0), (l1, p1) = runs
+        full = full_state(par, opt)  # what --save-full and --export-hf write (rank 0)
+        runs.append((torch.stack(losses), {n: getattr(p, "_data", p) for n, p in params.items()}, full))
+    (l0, p0, f0), (l1, p1, f1) = runs
     torch.testing.assert_close(l1, l0, rtol=0, atol=0)
     for name in p0:
         torch.testing.assert_close(p1[name], p0[name], rtol=0, atol=0, msg=name)
+    if rank == 0:
+        assert f0[0].keys() == f1[0].keys()
+        for name, t in f1[0].items():
+            assert type(t) is torch.Tensor, (name, type(t))
+            torch.testing.assert_close(t, f0[0][name], rtol=0, atol=0, msg=name)
     # Where it does not apply, the layer keeps the bf16 gather and says why.
     bf16_dgrad = parallelize(build_model(tiny_qwen3_moe(hidden_size=128, ffn_size=128, num_experts=2 * world_size,
                                                         recipe=Fp8BlockwiseRecipe(fp8_dgrad=False))),
