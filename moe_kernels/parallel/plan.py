@@ -397,6 +397,8 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
     expert_fsdp = pc.edp if pc.ep * pc.etp * pc.tp * pc.cp > 1 else pc.dp_shard
     # Per pipeline rank: sharded (FSDP) and unsharded (tp, ep * etp only) element counts; per layer the latter.
     sharded, unsharded = [0.0] * P, [0.0] * P
+    fp8_codes = [0.0] * P  # the FP8 all-gather's codes each expert shard keeps between steps (quant.fsdp_fp8)
+    fp8_gather = _fp8_all_gather_applies(cfg, pc, expert_fsdp) and not master_weights
     layer_local = [0.0] * L
     root_local = 0.0  # the parameters outside the blocks (embedding, final norm, LM head)
     copied, largest = [0.0] * P, [0.0] * P  # master_weights: local elements with a compute copy; the largest
@@ -413,6 +415,8 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
         if cat == "expert":
             local = n / (pc.ep * pc.etp)
             sharded[rank] += local / expert_fsdp
+            if fp8_gather:  # both layouts' codes, 1 byte an element each, and two fp32 scales per 128x128 tile
+                fp8_codes[rank] += (2 + 8 / (128 * 128)) * local / expert_fsdp
         else:
             local = n / pc.tp if cat == "split" else n
             sharded[rank] += n / (pc.tp * pc.dp_shard * pc.cp)
@@ -448,7 +452,7 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
         if ep_backend == "nvlink" and pc.ep > 1 and any(hi > cfg.first_k_dense for lo, hi in
                                                        (bounds[r + j * P] for j in range(v))):
             dispatch = nvlink_buffer_bytes(cfg, pc, batch_size * seq_len / (pc.cp * pc.tp), c, capacity)
-        params, optimizer = 4 * sharded[r], 8 * sharded[r]
+        params, optimizer = 4 * sharded[r] + fp8_codes[r], 8 * sharded[r]
         if master_weights:  # every local parameter whole, no FSDP
             params, grads = 4 * unsharded[r] + c * copied[r], 4 * unsharded[r] + c * largest[r]
             optimizer, gathered = 8 * unsharded[r], 0.0
@@ -461,6 +465,20 @@ def plan_memory(cfg, pc: ParallelConfig, *, batch_size: int, seq_len: int, activ
             raise ValueError(f"plan_memory: pp_rank {pp_rank} is not a rank of pp={P}")
         return plans[pp_rank]
     return max(plans, key=lambda mp: mp.total)
+
+
+def _fp8_all_gather_applies(cfg, pc: ParallelConfig, expert_fsdp: int) -> bool:
+    """Whether parallelize() gathers the experts in E4M3 (moe_kernels.quant.fsdp_fp8.fp8_all_gather_applies,
+    from the config alone: every expert dimension of a rank's slice a multiple of 128)."""
+    from moe_kernels.quant.recipe import Fp8BlockwiseRecipe
+
+    moe = getattr(cfg, "moe", None)
+    recipe = getattr(moe, "recipe", None)
+    if not isinstance(recipe, Fp8BlockwiseRecipe) or not recipe.fp8_dgrad or expert_fsdp < 2:
+        return False
+    local_experts = moe.router.num_experts // pc.ep
+    F = moe.ffn_size // pc.etp
+    return local_experts % expert_fsdp == 0 and F % 128 == 0 and cfg.hidden_size % 128 == 0
 
 
 def nvlink_buffer_bytes(cfg, pc: ParallelConfig, tokens: float, c: int, capacity: float | None) -> float:

@@ -79,6 +79,26 @@ def test_plan_shards_parameters_as_the_layout_says():
                                       + one.workspace + RESERVE)
 
 
+def test_plan_counts_the_codes_the_fp8_all_gather_keeps():
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+
+    def plan(layout, world, **recipe):
+        cfg = PRESETS["tiny-qwen3-moe"](hidden_size=128, ffn_size=128, recipe=Fp8BlockwiseRecipe(**recipe))
+        bf16 = plan_memory(cfg.replace(recipe=None), layout.resolve(world), batch_size=2, seq_len=64)
+        return cfg, plan_memory(cfg, layout.resolve(world), batch_size=2, seq_len=64).params - bf16.params
+
+    # FSDP over 2 ranks: each rank's half of the experts keeps both layouts' codes (2 B) and two scales a tile.
+    cfg, extra = plan(ParallelConfig(), 2)
+    experts = _param_count(cfg, lambda name: ".experts." in name)
+    assert extra == pytest.approx((2 + 8 / 128**2) * experts / 2)
+    # EP 2 x FSDP 2 on 4 ranks: a quarter.
+    assert plan(ParallelConfig(ep=2), 4)[1] == pytest.approx((2 + 8 / 128**2) * experts / 4)
+    # Nothing where the bf16 gather stays: one FSDP rank, bf16 dgrad, experts that do not divide evenly.
+    assert plan(ParallelConfig(ep=2), 2)[1] == 0  # ep 2 on 2 ranks: edp 1
+    assert plan(ParallelConfig(), 2, fp8_dgrad=False)[1] == 0
+    assert plan(ParallelConfig(), 16)[1] == 0  # 8 experts over 16 ranks
+
+
 def test_plan_pipeline_stages_hold_their_parameters_unsharded_with_fp32_gradients():
     """torch.distributed.pipelining leaves every FSDP unit of a stage gathered after a micro-batch's backward and
     accumulates unsharded gradients until the step's last backward (module docstring): the plan counts the
