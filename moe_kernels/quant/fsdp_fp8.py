@@ -13,7 +13,7 @@ Both come from one quantize_fp8_experts_dual pass over the shard, made on the fi
 changed (its version counter, bumped by the optimizer's in-place update, or an optimizer step since) and kept
 until then: each weight is read for quantization once per step, 1/world of it per rank. The shard keeps
 those codes between steps: 2 bytes per shard element plus 8 per 128x128 tile (what the weight cache holds
-for a whole weight without FSDP2, here 1/world of it; `moe-train --plan` does not count it yet).
+for a whole weight without FSDP2, here 1/world of it; `moe-train --plan` counts it).
 
 The gathered parameter is an `Fp8GatheredWeight`: a tensor of the weight's shape and FSDP2's compute dtype
 that holds the gathered codes and scales. The recipe (weight_cache.fp8_expert_weights) takes its tiles as
