@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(kPrepThreads)
 template <typename T>
 __global__ void __launch_bounds__(kThreads)
     portable_kernel(GemmOp op, const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ d, int E, int64_t N,
-                    int64_t K, Prepared prep) {
+                    int64_t K, Prepared prep, bool accumulate) {
   __shared__ float As[kBK][kBM + 1];
   __shared__ float Bs[kBK][kBN + 1];
   const int tile = blockIdx.x;
@@ -148,7 +148,10 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
       const int64_t i = i0 + ty + 16 * u, j = j0 + tx + 16 * v;
-      if (i < Mg && j < Ng) C[i * ldc + j] = from_float<T>(acc[u][v]);
+      if (i < Mg && j < Ng) {
+        T& out = C[i * ldc + j];
+        out = from_float<T>(accumulate ? to_float(out) + acc[u][v] : acc[u][v]);
+      }
     }
 }
 
@@ -293,8 +296,10 @@ void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
     } else if (p.op == GemmOp::kWgrad && p.N * p.K > 0) {
       const int64_t nk = p.N * p.K;
       const unsigned bx = unsigned(std::min<int64_t>((nk + 255) / 256, 64));
-      zero_empty_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), prep.groups, nk);
-      check_launch("grouped_mm zero_empty_groups_kernel");
+      if (!p.accumulate) {  // accumulating, an empty group adds nothing
+        zero_empty_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), prep.groups, nk);
+        check_launch("grouped_mm zero_empty_groups_kernel");
+      }
       const int32_t align = p.dtype == DType::kFloat8E4M3 ? 128 : p.group_align;
       if (align > 1) {
         nan_misaligned_groups_kernel<T><<<dim3(bx, p.num_groups), 256, 0, stream>>>(static_cast<T*>(p.d), prep.groups,
@@ -313,6 +318,11 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   const int64_t out_cols = p.op == GemmOp::kFwd ? p.N : p.K;
   if (out_rows == 0 || out_cols == 0) return;  // empty output
   if (reinterpret_cast<uintptr_t>(p.workspace) % 256) throw std::invalid_argument("grouped_mm: workspace must be 256-byte aligned");
+  if (p.accumulate) {
+    const DType out = p.dtype == DType::kFloat8E4M3 ? p.fp8_wgrad_out : p.dtype;
+    if (p.op != GemmOp::kWgrad || out != DType::kFloat32)
+      throw std::invalid_argument("grouped_mm: accumulate is for wgrad with a float32 output");
+  }
   const Path path = choose_path(p);
   if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise) {
     throw std::invalid_argument(
@@ -337,7 +347,8 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     const dim3 grid{unsigned(ytiles), unsigned(col_tiles)};
     by_dtype(p.dtype, [&]<typename T>() {
       portable_kernel<T><<<grid, kThreads, 0, stream>>>(p.op, static_cast<const T*>(p.a), static_cast<const T*>(p.b),
-                                                        static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep);
+                                                        static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep,
+                                                        p.accumulate);
     });
     check_launch("grouped_mm portable_kernel");
   }

@@ -4,6 +4,7 @@
 //   fwd:   d[M, N]    = a[M, K] (x)    @ b[e]^T  with b = w [E, N, K]
 //   dgrad: d[M, K]    = a[M, N] (dout) @ b[e]    with b = w [E, N, K]; rows past the groups are zeroed
 //   wgrad: d[E, N, K] = a_e^T (dout)   @ b_e     with b = x [M, K]; empty groups get zeros
+//          (accumulate, fp32 output: d[E, N, K] += the product; empty groups keep d)
 // FP8 (dtype float8_e4m3, sm_90a only), E4M3 operands with fp32 blockwise dequantization scales:
 //   fwd:   a = x [M, K], sfa [M, K / 128]; b = w [E, N, K], sfb [E, ceil(N / 128), K / 128]; d bf16 [M, N]
 //   wgrad: a = dout^T [N, M], sfa [ceil(M / 128), N]; b = x^T [K, M], sfb [ceil(M / 128), K] (both
@@ -45,6 +46,9 @@ struct GroupedParams {
   int32_t group_align = 0;
   // FP8 wgrad: the output's dtype, float32 or bfloat16 (the epilogue rounds the fp32 accumulators once).
   DType fp8_wgrad_out = DType::kFloat32;
+  // wgrad with a float32 output (the FP8 wgrad's, or float32 inputs): d += the product, d read first (an fp32
+  // main gradient accumulated in the epilogue); empty groups keep d, misaligned ones still get NaN.
+  bool accumulate = false;
   // sm_90a only: the instance (an index into kSm90Kernels, sm90_kernels.h) and raster order (0 along M,
   // 1 along N) to run; -1 lets the tuning table choose. The tuning sweep sets them; the ops leave them.
   int32_t kernel = -1;

@@ -326,10 +326,11 @@ def _takes_torch(op: str, t: Tensor, operands: tuple[Tensor, ...], group_sizes: 
 
 
 def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C,
-            group_align: int = 0, kernel: int = -1, raster: int = -1) -> None:
+            group_align: int = 0, kernel: int = -1, raster: int = -1, accumulate: bool = False) -> None:
     """group_align (wgrad): groups whose rows do not start and end on multiples of it come out NaN.
     kernel, raster: an sm_90a instance (an index into C.grouped_mm_sm90_kernels()) and raster order to run
-    instead of the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests)."""
+    instead of the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests).
+    accumulate (wgrad, float32): out += the product; empty groups keep out."""
     E = group_sizes.shape[0]
     # One pointer rule (0 for an empty tensor) for sizing and launching: the path, and so the workspace it
     # needs, follows the pointers' alignment.
@@ -341,6 +342,7 @@ def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: 
         op=_OPS[op], **ptrs, group_sizes=_ext.ptr(group_sizes), num_groups=E,
         M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=ws_ptr, workspace_bytes=nbytes,
         group_align=group_align, kernel=kernel, raster=raster, **_ext.launch_args(a),
+        **({"accumulate": True} if accumulate else {}),
     )
 
 

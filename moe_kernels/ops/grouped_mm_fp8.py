@@ -250,7 +250,7 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
-                M: int, N: int, K: int, kernel: int = -1, raster: int = -1) -> bool:
+                M: int, N: int, K: int, kernel: int = -1, raster: int = -1, accumulate: bool = False) -> bool:
     """Runs the sm_90a FP8 blockwise kernel for `op` when it takes this problem (False: it does not, nothing
     ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op. wgrad writes `out`'s
     dtype (fp32 or bf16). kernel, raster: an sm_90a instance and raster order instead of the tuning table's
@@ -270,7 +270,7 @@ def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb:
     # The launch takes the problem the path and the workspace were chosen for (the output dtype included).
     problem = {k: v for k, v in shape.items() if k != "device"}
     C.grouped_mm(**problem, group_sizes=group_sizes.data_ptr(), workspace=ws_ptr, workspace_bytes=nbytes,
-                 **_ext.launch_args(a))
+                 **_ext.launch_args(a), **({"accumulate": True} if accumulate else {}))
     return True
 
 
@@ -399,9 +399,64 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtyp
     return dw if dw is out else dw.to(out_dtype)
 
 
+def _check_into(a_q: Tensor, b_q: Tensor, group_sizes: Tensor, out: Tensor) -> None:
+    shape = (group_sizes.shape[0], a_q.shape[0], b_q.shape[0])
+    check_tensor("grouped_mm_fp8_wgrad", "out", out, ndim=3, dtypes=(torch.float32,), device=a_q.device)
+    if tuple(out.shape) != shape or not out.is_contiguous():
+        raise ValueError(f"grouped_mm_fp8_wgrad: `out` must be a contiguous float32 [E, N, K] = {list(shape)} tensor, "
+                         f"got {list(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}")
+
+
+@torch.library.custom_op("moe_kernels::grouped_mm_fp8_wgrad_into", mutates_args=("out",))
+def _grouped_mm_fp8_wgrad_into(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor,
+                               out: Tensor, accumulate: bool) -> None:
+    _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    _check_into(a_q, b_q, group_sizes, out)
+    _check_wgrad_sizes(group_sizes, a_q.shape[1])
+    dw = grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
+    out.add_(dw) if accumulate else out.copy_(dw)
+
+
+@_grouped_mm_fp8_wgrad_into.register_fake
+def _(a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate):
+    _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    _check_into(a_q, b_q, group_sizes, out)
+
+
+@_ext.cuda_impl(_grouped_mm_fp8_wgrad_into)
+def _grouped_mm_fp8_wgrad_into_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate):
+    _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
+    _check_into(a_q, b_q, group_sizes, out)
+    N, M = a_q.shape
+    K = b_q.shape[0]
+    E = group_sizes.shape[0]
+    C = _ext.kernels("grouped_mm_fp8_wgrad", a_q)
+    if C is None or _ext.checks_enabled():
+        _check_wgrad_sizes(group_sizes, M)
+    if C is None:
+        dw = grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
+        out.add_(dw) if accumulate else out.copy_(dw)
+        return
+    if E > C.grouped_mm_max_groups:
+        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+    if M == 0 or E == 0 or N == 0 or K == 0:  # no tokens: the product is zero
+        if not accumulate:
+            out.zero_()
+        return
+    inv_a = _inverse_scale(a_scale).t().contiguous()
+    inv_b = _inverse_scale(b_scale).t().contiguous()
+    if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K, accumulate=accumulate):
+        return
+    # The portable fp32 wgrad, accumulating in its stores as the kernel does in its epilogue.
+    _warn_without_fp8_kernel(a_q)
+    a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
+    b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
+    _launch("wgrad", a, b, out, group_sizes, M, N, K, C, group_align=BLOCK, accumulate=accumulate)
+
+
 def grouped_mm_fp8_wgrad(
     dout_t_q: Tensor, dout_t_scale: Tensor, x_t_q: Tensor, x_t_scale: Tensor, group_sizes: Tensor,
-    out_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype = torch.float32, *, out: Tensor | None = None, accumulate: bool = False,
 ) -> Tensor:
     """The weight gradient in FP8, [E, N, K] in `out_dtype` (float32, or bfloat16: the weight's dtype, the
     fp32 accumulators rounded once, bit for bit a cast of the fp32 result; on the sm_90a kernel in its
@@ -418,5 +473,19 @@ def grouped_mm_fp8_wgrad(
     (K % 8 for bfloat16) this runs CUTLASS's FP8 blockwise ptr-array kernel with the groups splitting K
     (per-group problem shapes, pointers and scale slices written on the device, no host sync), fp32
     accumulators promoted every 128 tokens; elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
+
+    out: a contiguous float32 [E, N, K] tensor to write instead (an fp32 main gradient), returned; with
+    `accumulate` the product is added into it (out += dW, one fp32 addition per element: bit for bit
+    `out + grouped_mm_fp8_wgrad(...)`, on the sm_90a kernel in its epilogue, which reads `out` as its source),
+    and empty experts keep their values.
     """
-    return torch.ops.moe_kernels.grouped_mm_fp8_wgrad(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes, out_dtype)
+    if out is None:
+        if accumulate:
+            raise ValueError("grouped_mm_fp8_wgrad: accumulate=True adds into `out`; pass the tensor to add into")
+        return torch.ops.moe_kernels.grouped_mm_fp8_wgrad(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes,
+                                                          out_dtype)
+    if out_dtype != torch.float32:
+        raise ValueError(f"grouped_mm_fp8_wgrad: `out` is float32 (an fp32 main gradient); out_dtype is {out_dtype}")
+    torch.ops.moe_kernels.grouped_mm_fp8_wgrad_into(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes, out,
+                                                    bool(accumulate))
+    return out

@@ -37,6 +37,7 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import autocast_input
+from moe_kernels.nn import grad_sink
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
 from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
@@ -322,6 +323,13 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
                                "or w.requires_grad False), so nothing was kept for dW")
         if state["fp8_wgrad"]:
             d_t = dout_fp8[2:] if dout_fp8 is not None else quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])
+            sink = grad_sink.sink_of(w)
+            if sink is not None:
+                # Into the fp32 main gradient from the kernel's epilogue (moe_kernels.nn.grad_sink): added to what
+                # this step's earlier micro-batches wrote, or written afresh; autograd gets no gradient for w.
+                grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes, out=sink.buffer(), accumulate=sink.written())
+                sink.mark()
+                return dx, None
             # The weight's dtype straight from the kernel's epilogue (bf16 or fp32): no fp32 copy, no cast.
             out_dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
             dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes, out_dtype=out_dtype).to(w.dtype)

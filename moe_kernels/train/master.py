@@ -4,7 +4,9 @@ FSDP (one process, and the expert-parallel replicas of moe_kernels.train.distrib
 Megatron-Core's and NeMo's recipe: the forward and backward run on bf16 parameters (no autocast, so no cast of
 the weights per forward); each weight gradient is added into an fp32 main gradient as soon as autograd has
 produced it (one fused add a parameter, from a post-accumulate-grad hook, so the bf16 gradient is freed at
-once and accumulation over micro-batches happens in fp32); the optimizer (torch's AdamW, fused on CUDA) steps
+once and accumulation over micro-batches happens in fp32; a kernel that can add its fp32 product into the main
+gradient itself, the FP8 recipe's wgrad, does so from its epilogue through moe_kernels.nn.grad_sink, and no bf16
+gradient is written); the optimizer (torch's AdamW, fused on CUDA) steps
 on the fp32 masters with the fp32 gradients, and one `torch._foreach_copy_` then writes the bf16 copies.
 
 At rest (outside `compute()`) every parameter holds its fp32 master and, after a backward, its fp32 main
@@ -28,6 +30,8 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
+from moe_kernels.nn import grad_sink
+
 
 def fp32_parameter_names(model_config) -> set[str]:
     """The parameters `build_model(model_config, dtype=bf16)` keeps in fp32 (the routers)."""
@@ -48,8 +52,12 @@ class MasterWeights:
         master.write_compute_copies()   # one foreach copy: masters -> bf16
     """
 
-    def __init__(self, model: nn.Module, keep_fp32: set[str] = frozenset(), dtype: torch.dtype = torch.bfloat16):
+    def __init__(self, model: nn.Module, keep_fp32: set[str] = frozenset(), dtype: torch.dtype = torch.bfloat16,
+                 kernels_accumulate: bool = True):
         self.dtype = dtype
+        # Weight-gradient kernels that can add into the fp32 main gradient from their epilogue do (the FP8
+        # recipe's wgrad): no bf16 gradient written, no hook, fp32 accumulation of the products themselves.
+        self.kernels_accumulate = kernels_accumulate
         self.params: list[nn.Parameter] = []
         for name, p in model.named_parameters():
             if not p.requires_grad or name in keep_fp32 or not p.is_floating_point():
@@ -62,11 +70,17 @@ class MasterWeights:
         self._touched: list[bool] = [False] * len(self.params)  # a gradient arrived in this step
         self._active = False
         self._handles = [p.register_post_accumulate_grad_hook(self._folder(i)) for i, p in enumerate(self.params)]
+        # Kernels that accumulate a weight gradient into its main gradient themselves (the FP8 recipe's wgrad,
+        # moe_kernels.nn.grad_sink) find it here while compute() is active.
+        for i, p in enumerate(self.params):
+            grad_sink.register(p, _MainGradSink(self, i))
 
     def _folder(self, i: int):
         @torch.no_grad()
         def fold(p: Tensor) -> None:
-            if not self._active:
+            # (No gradient: a kernel wrote it into the main gradient itself, through the sink, and gave autograd
+            # none; autograd still runs the hook.)
+            if not self._active or p.grad is None:
                 return
             # fp32 accumulation: a bf16 sum over micro-batches would keep 8 bits of each.
             if self._touched[i]:
@@ -123,3 +137,21 @@ class MasterWeights:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p in self.params:
+            grad_sink.unregister(p)
+
+
+class _MainGradSink:
+    """Parameter i's fp32 main gradient as a kernel's output (moe_kernels.nn.grad_sink), live inside compute()."""
+
+    def __init__(self, master: MasterWeights, i: int):
+        self.master, self.i = master, i
+
+    def buffer(self) -> Tensor | None:
+        return self.master.main_grads[self.i] if self.master._active and self.master.kernels_accumulate else None
+
+    def written(self) -> bool:
+        return self.master._touched[self.i]
+
+    def mark(self) -> None:
+        self.master._touched[self.i] = True

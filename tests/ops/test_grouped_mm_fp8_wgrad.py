@@ -157,3 +157,54 @@ def test_the_launch_takes_the_output_dtype_its_path_and_workspace_were_chosen_fo
         assert calls[name]["d"] == out.data_ptr() and calls[name]["op"] == g._WGRAD, name
     shared = ("op", "dtype", "num_groups", "M", "N", "K", "a", "b", "d", "sfa", "sfb")
     assert {k: calls["launch"][k] for k in shared} == {k: calls["path"][k] for k in shared}
+
+
+@pytest.mark.parametrize("sizes", [[128, 0, 256], [0, 0], [256]])
+def test_into_a_buffer_written_or_accumulated(sizes):
+    """out= writes the fp32 product into the buffer; accumulate=True adds it there (out + dW, bit for bit),
+    empty experts keeping what they held."""
+    dout, x, gs = _operands(sum(sizes) + 16, 32, 48, sizes, seed=5)
+    args = (*mk.quantize_fp8_tokens(dout), *mk.quantize_fp8_tokens(x), gs)
+    dw = mk.grouped_mm_fp8_wgrad(*args)
+    before = torch.randn(len(sizes), 32, 48, generator=torch.Generator().manual_seed(3))
+    out = before.clone()
+    assert mk.grouped_mm_fp8_wgrad(*args, out=out, accumulate=True) is out
+    assert torch.equal(out, before + dw)
+    empty = gs == 0
+    assert torch.equal(out[empty], before[empty])
+    mk.grouped_mm_fp8_wgrad(*args, out=out)
+    assert torch.equal(out, dw)
+
+
+def test_into_opcheck():
+    dout, x, gs = _operands(256, 32, 48, [128, 0, 128])
+    args = (*mk.quantize_fp8_tokens(dout), *mk.quantize_fp8_tokens(x), gs)
+    utils = ("test_faketensor", "test_aot_dispatch_dynamic")  # (test_schema perturbs inputs: no float8 mul on CPU)
+    for accumulate in (False, True):
+        torch.library.opcheck(torch.ops.moe_kernels.grouped_mm_fp8_wgrad_into,
+                              (*args, torch.randn(3, 32, 48), accumulate), test_utils=utils)
+
+
+def test_the_launch_passes_accumulate():
+    import importlib
+
+    g = importlib.import_module("moe_kernels.ops.grouped_mm_fp8")
+    calls = {}
+
+    class Stub:
+        def grouped_mm_path(self, **kw):
+            return g._FP8_PATH
+
+        def grouped_mm_workspace_bytes(self, **kw):
+            return 0
+
+        def grouped_mm(self, **kw):
+            calls["launch"] = kw
+
+    a, b = torch.zeros(32, 256, dtype=E4M3), torch.zeros(48, 256, dtype=E4M3)
+    out = torch.empty(2, 32, 48)
+    scales = torch.ones(2, 32), torch.ones(2, 48)
+    gs = torch.tensor([128, 128], dtype=torch.int32)
+    for accumulate in (False, True):
+        assert g._launch_fp8(Stub(), g._WGRAD, a, b, out, *scales, gs, 256, 32, 48, accumulate=accumulate)
+        assert calls["launch"].get("accumulate", False) is accumulate

@@ -205,3 +205,77 @@ def test_raster_orders_are_bitwise_equal(cuda, kind, out_dtype):
         outs.append(out)
     assert torch.equal(outs[0], outs[1]), kind
     assert torch.equal(outs[0], mk.grouped_mm_fp8_wgrad(aq, as_, bq, bs, gs, out_dtype=out_dtype)), kind
+
+
+# Into an fp32 buffer (an fp32 main gradient), written afresh or accumulated (out=, accumulate=)
+
+@pytest.mark.parametrize("N,K,E,blocks,kind", [(256, 384, 8, 9, "empty"), (128, 128, 1, 1, "one_group"),
+                                               (200, 196, 4, 6, "uniform"), (64, 100, 2, 3, "uniform"),
+                                               pytest.param(2048, 7168, 32, 64, "uniform", marks=pytest.mark.gpu_memory)])
+def test_accumulate_adds_the_product_once_in_fp32(cuda, N, K, E, blocks, kind):
+    """out += dW: one fp32 addition per element of the same accumulators (the kernel's epilogue reads `out` as
+    its source, beta 1), so bit for bit `out + grouped_mm_fp8_wgrad(...)`; empty experts keep `out`. Written
+    afresh (accumulate=False), `out` equals the fp32 result, empty experts zero, whatever it held."""
+    skip_if_too_large(2 * blocks * 128 * N * K, EMULATION_BUDGET, "GEMM FLOP")
+    _, _, a, b, gs = _case(16, N, K, E, blocks, kind, seed=N + K + E + 2)
+    args = [t.to(cuda) for t in (*a, *b, gs)]
+    dw = mk.grouped_mm_fp8_wgrad(*args)
+    before = torch.randn(E, N, K, generator=torch.Generator().manual_seed(1)).to(cuda)
+    out = before.clone()
+    assert mk.grouped_mm_fp8_wgrad(*args, out=out, accumulate=True) is out
+    assert torch.equal(out, before + dw)
+    empty = gs.to(cuda) == 0
+    assert torch.equal(out[empty], before[empty]), "an empty expert adds nothing"
+    fresh = torch.full((E, N, K), float("nan"), device=cuda)
+    mk.grouped_mm_fp8_wgrad(*args, out=fresh)
+    assert torch.equal(fresh, dw) and torch.all(fresh[empty] == 0)
+
+
+def test_accumulate_misaligned_groups_give_nan(cuda):
+    _, _, a, b, _ = _case(0, 128, 128, 3, 4, "uniform", seed=6)
+    gs = torch.tensor([128, 100, 284], dtype=torch.int32)
+    out = torch.ones(3, 128, 128, device=cuda)
+    mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs)), out=out, accumulate=True)
+    out = out.cpu()
+    assert torch.isnan(out[1]).all() and torch.isnan(out[2]).all() and not torch.isnan(out[0]).any()
+
+
+def test_accumulate_no_tokens(cuda):
+    _, _, a, b, _ = _case(0, 128, 128, 2, 1, "uniform", seed=7)
+    gs = torch.zeros(2, dtype=torch.int32)
+    a, b = (a[0][:, :0], a[1][:, :0]), (b[0][:, :0], b[1][:, :0])
+    out = torch.ones(2, 128, 128, device=cuda)
+    mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs)), out=out, accumulate=True)
+    assert torch.all(out == 1)
+    mk.grouped_mm_fp8_wgrad(*(t.to(cuda) for t in (*a, *b, gs)), out=out)
+    assert torch.all(out == 0)
+
+
+def test_accumulate_refuses_a_wrong_buffer(cuda):
+    _, _, a, b, gs = _case(0, 128, 128, 2, 2, "uniform", seed=9)
+    args = [t.to(cuda) for t in (*a, *b, gs)]
+    for bad, error, why in ((torch.zeros(2, 128, 128, device=cuda, dtype=torch.bfloat16), TypeError, "float32"),
+                            (torch.zeros(2, 128, 64, device=cuda), ValueError, r"\[E, N, K\]"),
+                            (torch.zeros(2, 128, 256, device=cuda)[:, :, :128], ValueError, "contiguous")):
+        with pytest.raises(error, match=why):
+            mk.grouped_mm_fp8_wgrad(*args, out=bad, accumulate=True)
+    with pytest.raises(ValueError, match="accumulate"):
+        mk.grouped_mm_fp8_wgrad(*args, accumulate=True)
+    with pytest.raises(ValueError, match="out_dtype"):
+        mk.grouped_mm_fp8_wgrad(*args, out_dtype=torch.bfloat16, out=torch.zeros(2, 128, 128, device=cuda))
+
+
+@pytest.mark.cuda_device
+def test_accumulate_cuda_graph_replay_adds_each_time(cuda):
+    _, _, a, b, gs = _case(0, 256, 256, 4, 8, "uniform", seed=12)
+    args = [t.to(cuda) for t in (*a, *b, gs)]
+    dw = mk.grouped_mm_fp8_wgrad(*args)
+    out = torch.zeros(4, 256, 256, device=cuda)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mk.grouped_mm_fp8_wgrad(*args, out=out, accumulate=True)
+    out.zero_()
+    graph.replay()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, dw + dw)

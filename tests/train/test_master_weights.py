@@ -212,3 +212,67 @@ def test_expert_parallel_master_weights(tmp_path):
     """Two gloo ranks, experts split: the fp32 run's losses within bf16 rounding; a resume from the sharded
     checkpoint is bit-identical."""
     run_world(_expert_parallel_worker, 2, str(tmp_path))
+
+
+def _fp8_experts_steps(kernels_accumulate: bool, micro_batches: int):
+    """A GroupedExperts under the FP8 recipe with master weights: `micro_batches` backward passes into the main
+    gradients. Returns the main gradients (w13, w2), each weight gradient product the recipe computed (in
+    backward order: w2's, then w13's, per micro-batch; fp32 where the kernel accumulates, else the bf16 it
+    returns), and the dtypes of the gradients autograd handed to the parameters."""
+    import moe_kernels.quant.recipe as recipe_module
+    from moe_kernels.nn.experts import GroupedExperts
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+    from moe_kernels.train.master import MasterWeights
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(3, 128, 128)
+    recipe = Fp8BlockwiseRecipe()
+    autograd_grads = []  # (a hook registered before the master weights' fold, which frees the gradient)
+    for p in experts.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: autograd_grads.append(p.grad.dtype) if p.grad is not None
+                                             else None)
+    master = MasterWeights(experts, kernels_accumulate=kernels_accumulate)
+    products = []
+    original = recipe_module.grouped_mm_fp8_wgrad
+
+    def spy(*args, out=None, accumulate=False, **kw):
+        products.append(original(*args, **kw))  # the product alone (fp32, or the bf16 the hook path returns)
+        return original(*args, out=out, accumulate=accumulate, **kw)
+
+    gs = torch.tensor([128, 0, 256], dtype=torch.int32)
+    gen = torch.Generator().manual_seed(1)
+    recipe_module.grouped_mm_fp8_wgrad = spy
+    try:
+        with master.compute():
+            for _ in range(micro_batches):
+                x = torch.randn(384, 128, generator=gen).bfloat16()
+                experts(x, gs, mm=recipe.grouped_mm).float().square().sum().backward()
+    finally:
+        recipe_module.grouped_mm_fp8_wgrad = original
+        master.remove_hooks()
+    return (experts.w13.grad, experts.w2.grad), products, autograd_grads
+
+
+def _in_order(terms):
+    total = terms[0].float().clone()
+    for t in terms[1:]:
+        total += t.float()
+    return total
+
+
+def test_fp8_wgrad_accumulates_into_the_main_gradient_itself():
+    """The FP8 recipe's wgrad writes the first micro-batch's product into the fp32 main gradient and adds the
+    later ones there from its epilogue (moe_kernels.nn.grad_sink): autograd gets no gradient for the expert
+    weights, and the main gradient is the fp32 products summed in order, bit for bit. The hook's path sums
+    the same products rounded to bf16 first."""
+
+    (w13, w2), products, autograd_grads = _fp8_experts_steps(True, 3)
+    assert autograd_grads == [] and all(t.dtype == torch.float32 for t in products) and len(products) == 6
+    assert torch.equal(w2, _in_order(products[0::2])) and torch.equal(w13, _in_order(products[1::2]))
+    (h13, h2), hooked_products, hooked_grads = _fp8_experts_steps(False, 3)
+    assert hooked_grads == [torch.bfloat16] * 6 and all(t.dtype == torch.bfloat16 for t in hooked_products)
+    assert torch.equal(h2, _in_order(hooked_products[0::2])) and torch.equal(h13, _in_order(hooked_products[1::2]))
+    # The same products: the bf16 ones are the fp32 ones rounded once.
+    for fp32, bf16 in zip(products, hooked_products):
+        assert torch.equal(fp32.to(torch.bfloat16), bf16)
+    assert not torch.equal(w13, h13)

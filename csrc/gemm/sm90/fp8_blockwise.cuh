@@ -34,6 +34,7 @@
 #include <cute/tensor.hpp>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "common/check.h"
 #include "gemm/grouped_mm.h"
@@ -61,6 +62,10 @@ struct Fp8BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::float_e4m3_t;
   using ElementD = ElementOut;
+  // The fp32 wgrad reads its output too where it accumulates (GroupedParams::accumulate: beta 1, C = D, an
+  // fp32 main gradient); with beta 0 the epilogue never loads C. The other products have no source.
+  static constexpr bool kSource = kOp == GemmOp::kWgrad && std::is_same_v<ElementOut, float>;
+  using ElementC = std::conditional_t<kSource, float, void>;
   // Both operands K-major (FP8 WGMMA needs it): fwd a = x [M, K], b = w[e] [N, K]; wgrad a = dout^T
   // [N, M], b = x^T [K, M] (the contraction runs along the tokens).
   using LayoutA = cutlass::layout::RowMajor;
@@ -76,9 +81,9 @@ struct Fp8BlockwiseGemm {
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD, ElementD, LayoutD*,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
       kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
-      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
@@ -92,6 +97,7 @@ struct Fp8BlockwiseGemm {
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
   using StrideD = typename Kernel::InternalStrideD;
+  static_assert(!kSource || std::is_same_v<typename Kernel::InternalStrideC, StrideD>, "C is read where D is written");
   using Shape3 = typename ProblemShape::UnderlyingProblemShape;
 
   struct Arrays {
@@ -142,6 +148,13 @@ struct Fp8BlockwiseGemm {
         hardware(p.device, sm_count)};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
+    if constexpr (kSource) {
+      if (p.accumulate) {  // d += the product, in place: C is D, tile by tile
+        args.epilogue.ptr_C = const_cast<const float**>(arr.ptr_d);
+        args.epilogue.dC = arr.stride_d;
+        args.epilogue.thread.beta = 1.0f;
+      }
+    }
     args.scheduler.raster_order = raster_option(p.raster);
     return args;
   }
