@@ -10,6 +10,9 @@ Per case and path (bf16, fp8):
   later mb    a later micro-batch of a step with gradient accumulation (the FP8 weight cache hits; the
               weight gradients accumulate into .grad)
   gemm        one expert GEMM (w13, then w2) fwd+bwd alone, x1
+  ... (mw)    step x1 and later mb with master weights, as moe-train trains on CUDA without FSDP: fp32 masters,
+              bf16 copies rewritten after the step, BF16's weight gradients folded into fp32 main gradients
+              by a hook, the FP8 wgrad writing them from its epilogue
 and per FP8 case: how many kernels read each bf16 expert weight in a step of 2 micro-batches, and every
 kernel that only casts, copies, transposes, fills or masks (the table names them), split into those the
 BF16 layer has too (the router's fp32 input cast and its gradient's cast back, autograd's zero gradients
@@ -37,7 +40,7 @@ BAR = bars.bar("fp8_layer_bytes").threshold("bytes_fraction").value
 
 def _later(count: B.Count) -> int:
     """Bytes of the last micro-batch of a count over several."""
-    last = count.kernels[-1].phase.split()[0]
+    last = [k.phase for k in count.kernels if k.phase.startswith("mb")][-1].split()[0]  # (not the step's rows)
     return sum(k.bytes for k in count.kernels if k.phase.startswith(last + " "))
 
 
@@ -51,11 +54,16 @@ def case(name: str, tokens: int) -> dict:
         rows = tokens * cfg.router.k
         gemms = [B.expert_gemm(cfg.num_experts, n, kk, rows, recipe=c.recipe)
                  for n, kk in ((2 * cfg.ffn_size, cfg.hidden_size), (cfg.hidden_size, cfg.ffn_size))]
+        mw_one = B.layer(c, tokens, micro_batches=1, master_weights=True)
+        mw_two = B.layer(c, tokens, micro_batches=2, master_weights=True)
         row[path] = {"step_x1": one.to_json(), "later_mb_bytes": _later(two), "weight_reads_x2": two.weight_reads,
-                     "gemm_w13": gemms[0].to_json(), "gemm_w2": gemms[1].to_json()}
+                     "gemm_w13": gemms[0].to_json(), "gemm_w2": gemms[1].to_json(),
+                     "mw_step_x1_bytes": mw_one.bytes, "mw_later_mb_bytes": _later(mw_two)}
     b, f = row["bf16"], row["fp8"]
     row["ratio_step_x1"] = f["step_x1"]["bytes"] / b["step_x1"]["bytes"]
     row["ratio_later_mb"] = f["later_mb_bytes"] / b["later_mb_bytes"]
+    row["ratio_step_x1_mw"] = f["mw_step_x1_bytes"] / b["mw_step_x1_bytes"]
+    row["ratio_later_mb_mw"] = f["mw_later_mb_bytes"] / b["mw_later_mb_bytes"]
     row["ratio_gemm_w13"] = f["gemm_w13"]["bytes"] / b["gemm_w13"]["bytes"]
     row["ratio_gemm_w2"] = f["gemm_w2"]["bytes"] / b["gemm_w2"]["bytes"]
     row["fp8_added_data_only"] = _added(f["step_x1"]["data_only"], b["step_x1"]["data_only"])
@@ -91,7 +99,8 @@ def run(ctx: h.Context) -> h.Report:
         {"meta": h.run_metadata(ctx), "rows": rows, "method": __doc__, "model": B.__doc__}, indent=1) + "\n")
     _print(rows)
     head = [f"{r['case']}/T{r['T']} bytes, FP8 / BF16 (byte model): layer step x1 {r['ratio_step_x1']:.2f}x, later "
-            f"micro-batch {r['ratio_later_mb']:.2f}x, w13 GEMM fwd+bwd {r['ratio_gemm_w13']:.2f}x, w2 "
+            f"micro-batch {r['ratio_later_mb']:.2f}x (with master weights {r['ratio_step_x1_mw']:.2f}x and "
+            f"{r['ratio_later_mb_mw']:.2f}x), w13 GEMM fwd+bwd {r['ratio_gemm_w13']:.2f}x, w2 "
             f"{r['ratio_gemm_w2']:.2f}x; FP8 weight reads a 2-micro-batch step {r['fp8']['weight_reads_x2']}; "
             f"data-only kernels on the FP8 path: {len(r['fp8_added_data_only'])} of its own, "
             f"{len(r['fp8']['step_x1']['data_only']) - len(r['fp8_added_data_only'])} shared with the BF16 layer "

@@ -71,6 +71,8 @@ def _kind(ns: str, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor])
         return "gemm"
     if name in ("_to_copy", "to", "type_as") and ins and outs:
         return "cast" if outs[0].dtype != ins[0].dtype else ("copy" if ins[0].is_contiguous() else "transpose")
+    if name == "_foreach_copy_":
+        return "cast" if ins[0].dtype != ins[-1].dtype else "copy"
     if name in ("clone", "copy_", "contiguous", "copy"):
         src = ins[-1] if name == "copy_" else ins[0]
         if name == "copy_" and outs and src.dtype != outs[0].dtype:
@@ -108,9 +110,14 @@ class ByteCounter(TorchDispatchMode):
         mutated = [a for a, arg in zip(args, schema.arguments)
                    if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
         kind = _kind(ns, name, ins, outs)
-        read = 0 if kind == "fill" else sum(_nbytes(t) for t in ins if not (name == "copy_" and t is args[0]))
+        # copy_ overwrites its destination (_foreach_copy_ each of its list); the FP8 wgrad into a buffer reads it
+        # only when it accumulates.
+        overwritten = {id(t) for t in tree_leaves(args[0])} if name in ("copy_", "_foreach_copy_") else (
+            {id(args[5])} if name == "grouped_mm_fp8_wgrad_into" and not args[6] else set())
+        read = 0 if kind == "fill" else sum(_nbytes(t) for t in ins if id(t) not in overwritten)
         written = sum(_nbytes(t) for t in (mutated or outs))
-        weights = tuple(sorted({self._weights[_storage(t)] for t in ins if _storage(t) in self._weights}))
+        weights = tuple(sorted({self._weights[_storage(t)] for t in ins
+                                if _storage(t) in self._weights and id(t) not in overwritten}))
         shapes = " ".join(_shape(t) for t in ins) + " -> " + " ".join(_shape(t) for t in outs)
         self.kernels.append(Kernel(f"{ns}.{name}", kind, read, written, shapes, weights, self.phase))
         return out
@@ -167,23 +174,33 @@ def _weight_cache_on():
         weight_cache.enable(was)
 
 
-def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = torch.bfloat16) -> Count:
+def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = torch.bfloat16,
+          master_weights: bool = False) -> Count:
     """MoELayer(config) fwd+bwd on [1, tokens, H] `dtype` (router fp32, as in training), `micro_batches`
     times with the gradients accumulated, then one optimizer step (the FP8 weight cache's generation bumped):
     the kernels of one optimizer step's layer work. The FP8 recipe runs with the weight cache on, as
-    moe-train runs it."""
+    moe-train runs it. master_weights: as moe-train trains on CUDA without FSDP (moe_kernels.train.master):
+    fp32 parameters with bf16 copies, each weight gradient folded into an fp32 main gradient by a hook, or
+    written there by the kernel (the FP8 wgrad), and the copies rewritten after the step (counted)."""
     from moe_kernels.nn import MoELayer
+    from moe_kernels.train.master import MasterWeights
 
     with torch.device("meta"):
-        lay = MoELayer(config).to(dtype)
+        lay = MoELayer(config).to(torch.float32 if master_weights else dtype)
         lay.router.float()
         x = torch.empty(1, tokens, config.hidden_size, dtype=dtype, requires_grad=True)
         dout = torch.empty(1, tokens, config.hidden_size, dtype=dtype)
     one = torch.ones((), device="meta")
+    master = None
+    if master_weights:
+        master = MasterWeights(lay, {n for n, _ in lay.named_parameters() if n.startswith("router.")}, dtype)
     weights = {"w13": lay.experts.w13, "w2": lay.experts.w2}
+    if master is not None:  # the kernels read the bf16 copies
+        weights = {name: master.copies[next(i for i, p in enumerate(master.params) if p is w)]
+                   for name, w in weights.items()}
     counter = ByteCounter(weights)
     cache = _weight_cache_on() if config.recipe is not None else contextlib.nullcontext()
-    with cache:
+    with cache, (master.compute() if master is not None else contextlib.nullcontext()):
         for mb in range(micro_batches):
             with counter:
                 counter.phase = f"mb{mb} fwd"
@@ -191,10 +208,15 @@ def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = t
                 counter.phase = f"mb{mb} bwd"
                 torch.autograd.backward((out, aux), (dout, one))
             x.grad = None
-        if config.recipe is not None:
-            from moe_kernels.quant import weight_cache
+    if config.recipe is not None:
+        from moe_kernels.quant import weight_cache
 
-            weight_cache._bump_generation()
+        weight_cache._bump_generation()
+    if master is not None:
+        with counter:
+            counter.phase = "step"
+            master.write_compute_copies()
+        master.remove_hooks()
     return _count(f"layer x{micro_batches}", counter, weights)
 
 

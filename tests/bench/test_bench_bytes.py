@@ -74,3 +74,30 @@ def test_bench_case_reports_ratios_from_the_counts():
     assert b["weight_reads_x2"] == {"w13": 4, "w2": 4}
     assert f["weight_reads_x2"] == {"w13": 1, "w2": 1}
     assert all(set(k) >= {"case", "bytes", "by_kind", "kernels"} for k in (b["step_x1"], f["gemm_w13"]))
+
+
+def test_master_weights_fp8_wgrad_writes_the_main_gradient_itself():
+    """With master weights (moe-train on CUDA without FSDP): BF16's weight gradients are written in bf16 and
+    folded into the fp32 main gradients by a hook (a copy in the first micro-batch, an add after); the FP8
+    wgrad writes the main gradient from its epilogue (written in the first, read and written after), so no
+    [E, N, K] bf16 gradient exists. The step's copy-back of the bf16 copies counts as one cast, and each
+    weight is still read once a step for its quantization."""
+    cfg = PRESETS["qwen3-30b-a3b"](hidden_size=256, ffn_size=128, num_experts=16)
+    E, N13, H, F = 16, 256, 256, 128
+    w13 = E * N13 * H
+    bf16 = B.layer(cfg, 64, micro_batches=2, master_weights=True)
+    fp8 = B.layer(cfg.replace(recipe=Fp8BlockwiseRecipe()), 64, micro_batches=2, master_weights=True)
+    assert bf16.weight_reads == {"w13": 4, "w2": 4} and fp8.weight_reads == {"w13": 1, "w2": 1}
+    into = [k for k in fp8.kernels if k.op == "moe_kernels.grouped_mm_fp8_wgrad_into"]
+    assert len(into) == 4  # w13 and w2, two micro-batches
+    first = next(k for k in into if k.phase == "mb0 bwd" and k.written == 4 * w13)
+    later = next(k for k in into if k.phase == "mb1 bwd" and k.written == 4 * w13)
+    assert later.read - first.read == 4 * w13  # the main gradient read only when accumulating
+    grads = {f"bf16[{E},{N13},{H}]", f"bf16[{E},{H},{F}]"}  # no bf16 weight gradient written
+    assert not any(k.shapes.split("->")[1].strip() in grads for k in fp8.kernels)
+    assert any(k.shapes.split("->")[1].strip() in grads for k in bf16.kernels)
+    folds = [k for k in bf16.kernels if k.phase.endswith("bwd") and k.written == 4 * w13
+             and k.op in ("aten.copy_", "aten.add_")]
+    assert [k.op for k in folds] == ["aten.copy_", "aten.add_"]
+    steps = [k for k in fp8.kernels if k.phase == "step"]
+    assert len(steps) == 1 and steps[0].kind == "cast"
