@@ -192,6 +192,23 @@ MUTANTS = (
         "  const float s = scale_from_amax(warp_nan_max(m, kLanes / 2), false, pow2);\n",
         ("tests/ops/test_swiglu_fp8_gpu.py", "-k", "test_matches_composition and 129 and 256"),
     ),
+    Mutant(
+        "accumulate dropped in the store",
+        "portable_kernel (the FP8 wgrad's fallback into an fp32 main gradient): the accumulators overwrite the "
+        "buffer instead of adding to it",
+        "gemm/grouped_mm.cu",
+        "        out = from_float<T>(accumulate ? to_float(out) + acc[u][v] : acc[u][v]);\n",
+        "        out = from_float<T>(acc[u][v]);\n",
+        ("tests/ops/test_grouped_mm_fp8_wgrad_gpu.py", "-k", "test_accumulate_adds and 200-196"),
+    ),
+    Mutant(
+        "empty experts zeroed while accumulating",
+        "zero_uncovered: an empty expert's main gradient cleared although the wgrad adds into it",
+        "gemm/grouped_mm.cu",
+        "      if (!p.accumulate) {  // accumulating, an empty group adds nothing\n",
+        "      if (true) {  // accumulating, an empty group adds nothing\n",
+        ("tests/ops/test_grouped_mm_fp8_wgrad_gpu.py", "-k", "test_accumulate_adds and 256-384"),
+    ),
 )
 
 
