@@ -53,6 +53,12 @@ def collect() -> dict:
             info["grouped_mm_sm90_table"] = (f"{len(C.grouped_mm_sm90_kernels())} instances; tuning table of "
                                              f"{len(rows)} problems, {sum(r['tuned'] for r in rows)} tuned on a GPU "
                                              "(the rest: the rule)")
+        if getattr(C, "grouped_mm_has_sm100", False):
+            from moe_kernels.ops.grouped_mm import SM100_OPT_IN, sm100_opted_in
+
+            info["grouped_mm_sm100"] = ("bf16 fwd, dgrad and wgrad for sm_100f (B200, B300), "
+                                        + ("on" if sm100_opted_in() else f"off (opt-in: {SM100_OPT_IN}=1)")
+                                        + "; not yet run on a Blackwell GPU by this project")
     else:
         info["extension_error"] = _ext.import_error()
     gpus = []
@@ -103,7 +109,7 @@ def report() -> str:
     lines = [f"moe_kernels {info['moe_kernels']}"]
     width = 24
     for key in ("python", "torch", "torch_cuda", "extension_built", "extension_archs", "extension_cuda_runtime",
-                "cuda_driver", "grouped_mm_sm90_table", "extension_error"):
+                "cuda_driver", "grouped_mm_sm90_table", "grouped_mm_sm100", "extension_error"):
         if key in info:
             value = info[key]
             if isinstance(value, list):

@@ -48,6 +48,7 @@ py::tuple choice_tuple(const gemm::Choice& c) {
 void register_gemm(py::module_& m) {
   m.attr("grouped_mm_max_groups") = gemm::kMaxGroups;
   m.attr("grouped_mm_has_sm90") = gemm::sm90::compiled();
+  m.attr("grouped_mm_has_sm100") = gemm::sm100::compiled();
   m.def(
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
@@ -56,7 +57,9 @@ void register_gemm(py::module_& m) {
         return int(gemm::choose_path(
             make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster)));
       },
-      "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise", py::arg("op"),
+      "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
+      "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1)",
+      py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),
       py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0,
       py::arg("kernel") = -1, py::arg("raster") = -1);

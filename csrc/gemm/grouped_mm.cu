@@ -239,11 +239,14 @@ namespace {
 Path gate(const GroupedParams& p) {
   if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_fits(p) ? Path::kSm90Fp8Blockwise : Path::kPortable;
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
-  if (!half || !sm90::compiled() || device_info(p.device).major != 9) return Path::kPortable;
+  const int major = half ? device_info(p.device).major : 0;
+  const bool sm90 = major == 9 && sm90::compiled();
+  const bool sm100 = major == 10 && p.dtype == DType::kBFloat16 && sm100::enabled();
+  if (!sm90 && !sm100) return Path::kPortable;
   if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
   // A zero-length reduction leaves CUTLASS's accumulators unwritten; the portable kernel writes zeros.
   if ((p.op == GemmOp::kFwd && p.K == 0) || (p.op == GemmOp::kDgrad && p.N == 0)) return Path::kPortable;
-  return Path::kSm90Cooperative;  // refined by the chosen instance's schedule
+  return sm100 ? Path::kSm100 : Path::kSm90Cooperative;  // sm_90a: refined by the chosen instance's schedule
 }
 
 // p with the sm_90a instance and raster order filled in (the table's choice unless p asks for one).
@@ -271,6 +274,13 @@ Path choose_path(const GroupedParams& p) {
     resolve_sm90(p);  // validates a requested kernel
     return path;
   }
+  if (path == Path::kSm100) {
+    if (p.kernel >= 0 || p.raster > 1) {
+      throw std::invalid_argument("grouped_mm: a kernel or raster order was requested, but this problem runs the "
+                                  "sm_100f instance (one per product)");
+    }
+    return path;
+  }
   return kSm90Kernels[resolve_sm90(p).kernel].pingpong ? Path::kSm90Pingpong : Path::kSm90Cooperative;
 }
 
@@ -282,6 +292,7 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
   if (path == Path::kPortable) return base;
+  if (path == Path::kSm100) return base + sm100::workspace_bytes(p, device_info(p.device).sms);
   return base + sm90::workspace_bytes(resolved(p), device_info(p.device).sms);
 }
 
@@ -332,7 +343,13 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   const Prepared prep = carve(p.workspace, p.num_groups);
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
   check_launch("grouped_mm prepare_kernel");
-  if (path != Path::kPortable) {
+  if (path == Path::kSm100) {
+    GroupedParams q = p;
+    const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
+    q.workspace = static_cast<char*>(p.workspace) + base;
+    q.workspace_bytes = p.workspace_bytes - base;
+    sm100::run(q, device_info(p.device).sms, prep.groups, stream);
+  } else if (path != Path::kPortable) {
     GroupedParams q = resolved(p);
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
     q.workspace = static_cast<char*>(p.workspace) + base;

@@ -66,7 +66,13 @@ struct GroupInfo {
 // kernel, ping-pong or cooperative, its instance chosen per shape (sm90_kernels.h). See grouped_mm.cu.
 // FP8 runs only on its sm_90a blockwise kernel; where that cannot run, the Python layer falls back to
 // dequantize + the bf16/fp32 paths before calling here.
-enum class Path : int32_t { kPortable = 0, kSm90Pingpong = 1, kSm90Cooperative = 2, kSm90Fp8Blockwise = 3 };
+enum class Path : int32_t {
+  kPortable = 0,
+  kSm90Pingpong = 1,
+  kSm90Cooperative = 2,
+  kSm90Fp8Blockwise = 3,
+  kSm100 = 4,  // bf16 on a 10.x GPU, opted in (sm100::enabled)
+};
 Path choose_path(const GroupedParams& p);
 
 size_t grouped_workspace_bytes(const GroupedParams& p);
@@ -82,5 +88,14 @@ bool compiled();  // false when the build has no sm_90a target
 size_t workspace_bytes(const GroupedParams& p, int sm_count);
 void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 }  // namespace sm90
+
+// Blackwell (sm_100f: B200, B300) bf16 instances, one per product (sm100_dispatch.cu). Opt-in until they have
+// run on a Blackwell GPU: enabled() needs the build to hold them and MOE_KERNELS_SM100_CUTLASS=1.
+namespace sm100 {
+bool compiled();
+bool enabled();
+size_t workspace_bytes(const GroupedParams& p, int sm_count);
+void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
+}  // namespace sm100
 
 }  // namespace moe::gemm

@@ -8,6 +8,8 @@ the input dtype. Rows at or past sum(group_sizes) are unspecified in `out` and z
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -177,12 +179,16 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 #
 # The choice per (GPU, dtype), from what the host knows (no sync), cached per device:
 #   "cutlass_sm90"      our sm_90a CUTLASS kernels: a 9.x GPU, bf16 / fp16 / E4M3, the extension built with them;
+#   "cutlass_sm100"     our sm_100f CUTLASS kernels: bf16 on a 10.x GPU, the extension built with them, and
+#                       MOE_KERNELS_SM100_CUTLASS=1 (opt-in: they have not run on a Blackwell GPU yet);
 #   "torch_grouped_mm"  torch's CUTLASS fast path: bf16 on 9.x (without our CUTLASS build) or 10.x;
 #   "portable"          our portable kernel (tiled SIMT, fp32 FMA): every other GPU and dtype the extension runs on;
 #   "reference"         the per-expert PyTorch loop: no extension for this GPU (it syncs; after one warning).
 # A call whose shape torch's kernel does not take (alignment, group count, empty sizes) runs ours instead.
 
 CUTLASS_SM90, TORCH_GROUPED_MM, PORTABLE, REFERENCE = "cutlass_sm90", "torch_grouped_mm", "portable", "reference"
+CUTLASS_SM100 = "cutlass_sm100"
+SM100_OPT_IN = "MOE_KERNELS_SM100_CUTLASS"  # =1: a 10.x GPU runs our sm_100f bf16 kernels (read once, as in C++)
 _TORCH_MAX_GROUPS = 1023  # GroupMM.cu: TORCH_CHECK(group_count < 1024)
 _CUTLASS_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
@@ -194,18 +200,26 @@ def torch_grouped_mm_fast(capability: tuple[int, int], dtype: torch.dtype, torch
     return dtype == torch.bfloat16 and major in (9, 10) and f"sm_{major}{minor}" in torch_archs
 
 
+def sm100_opted_in() -> bool:
+    return os.environ.get(SM100_OPT_IN) == "1"
+
+
 def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension_runs: bool, cutlass_sm90: bool,
-                   torch_archs) -> str:
+                   torch_archs, cutlass_sm100: bool = False, sm100_opt_in: bool = False) -> str:
     """The grouped GEMM implementation for a GPU of `capability` and inputs of `dtype` (see the table above).
-    extension_runs: our kernels run on this GPU; cutlass_sm90: the extension holds the sm_90a CUTLASS kernels."""
+    extension_runs: our kernels run on this GPU; cutlass_sm90 / cutlass_sm100: the extension holds the sm_90a /
+    sm_100f CUTLASS kernels; sm100_opt_in: MOE_KERNELS_SM100_CUTLASS=1."""
     if extension_runs and cutlass_sm90 and capability[0] == 9 and dtype in _CUTLASS_DTYPES:
         return CUTLASS_SM90  # grouped_mm.cu choose_path: bf16, fp16 or E4M3 (blockwise), sm90::compiled(), major 9
+    if extension_runs and cutlass_sm100 and sm100_opt_in and capability[0] == 10 and dtype == torch.bfloat16:
+        return CUTLASS_SM100  # grouped_mm.cu choose_path: bf16, sm100::enabled(), major 10
     if torch_grouped_mm_fast(capability, dtype, torch_archs):
         return TORCH_GROUPED_MM
     return PORTABLE if extension_runs else REFERENCE
 
 
-_device_facts: dict[int, tuple] = {}  # device index -> (capability, extension runs, sm_90a CUTLASS built, torch archs)
+_device_facts: dict[int, tuple] = {}  # device index -> (capability, extension runs, sm_90a CUTLASS built, torch archs,
+#                                                         sm_100f CUTLASS built)
 _backends: dict[tuple[int, torch.dtype], str] = {}
 
 
@@ -218,6 +232,7 @@ def _facts(index: int) -> tuple:
             _ext.extension_runs_on(torch.device("cuda", index)),
             bool(getattr(C, "grouped_mm_has_sm90", False)),
             tuple(torch.cuda.get_arch_list()),
+            bool(getattr(C, "grouped_mm_has_sm100", False)),
         )
     return facts
 
@@ -233,9 +248,9 @@ def grouped_mm_backend(device: torch.device | str | int, dtype: torch.dtype) -> 
     key = (index, dtype)
     backend = _backends.get(key)
     if backend is None:
-        capability, runs, sm90, archs = _facts(index)
+        capability, runs, sm90, archs, sm100 = _facts(index)
         backend = _backends[key] = choose_backend(capability, dtype, extension_runs=runs, cutlass_sm90=sm90,
-                                                  torch_archs=archs)
+                                                  torch_archs=archs, cutlass_sm100=sm100, sm100_opt_in=sm100_opted_in())
     return backend
 
 
@@ -245,16 +260,23 @@ def describe_backend(device: torch.device | str | int) -> str:
     fast path is bf16 only)"."""
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    capability, _, _, archs = _facts(index)
+    capability, _, _, archs, sm100 = _facts(index)
     arch = f"sm_{capability[0]}{capability[1]}"
     lines: dict[str, list[str]] = {}
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
         backend = grouped_mm_backend(index, dtype)
         if backend == CUTLASS_SM90:
             line = "CUTLASS sm_90a kernel"
+        elif backend == CUTLASS_SM100:
+            line = f"CUTLASS sm_100f kernel ({SM100_OPT_IN}=1; not yet run on a Blackwell GPU by this project)"
         elif backend == TORCH_GROUPED_MM:
-            line = "torch._grouped_mm (" + (f"no {arch} CUTLASS build" if capability[0] != 9
-                                            else "the extension has no sm_90a CUTLASS kernels") + ")"
+            if capability[0] == 10 and sm100:
+                why = f"the sm_100f CUTLASS kernels are opt-in: {SM100_OPT_IN}=1"
+            elif capability[0] != 9:
+                why = f"no {arch} CUTLASS build"
+            else:
+                why = "the extension has no sm_90a CUTLASS kernels"
+            line = f"torch._grouped_mm ({why})"
         elif backend == REFERENCE:
             line = "PyTorch reference"
         else:

@@ -36,10 +36,12 @@ TABLE = [
 ]
 
 
-def fake_gpu(monkeypatch, capability, *, sm90=True, archs=DEFAULT_BUILD, torch_archs=TORCH_ARCHS, driver_ok=True):
-    """A GPU of `capability` and an extension built for `archs` (with or without its sm_90a CUTLASS kernels),
-    as far as the host-side choice can tell."""
-    extension = types.SimpleNamespace(cuda_archs=archs, grouped_mm_has_sm90=sm90, grouped_mm_max_groups=1024)
+def fake_gpu(monkeypatch, capability, *, sm90=True, archs=DEFAULT_BUILD, torch_archs=TORCH_ARCHS, driver_ok=True,
+             sm100=True):
+    """A GPU of `capability` and an extension built for `archs` (with or without its sm_90a and sm_100f CUTLASS
+    kernels), as far as the host-side choice can tell."""
+    extension = types.SimpleNamespace(cuda_archs=archs, grouped_mm_has_sm90=sm90, grouped_mm_has_sm100=sm100,
+                                      grouped_mm_max_groups=1024)
     monkeypatch.setattr(_ext, "_C", extension)
     monkeypatch.setattr(_ext, "_driver", [None if driver_ok else "no driver"])
     monkeypatch.setattr(_ext, "_device_ok", {})
@@ -62,6 +64,29 @@ def test_choice_for_every_architecture(monkeypatch, capability, sm90, torch_arch
     described = gm.describe_backend(0)
     assert ("torch._grouped_mm (" in described) is (TORCH in got)
     assert ("CUTLASS sm_90a" in described) is (CUTLASS in got)
+
+
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3)])
+def test_blackwell_cutlass_kernels_are_opt_in(monkeypatch, capability):
+    """A 10.x GPU takes torch._grouped_mm for bf16 unless MOE_KERNELS_SM100_CUTLASS=1 and the build holds the
+    sm_100f instances; then bf16 runs ours (fp16, fp32 stay portable, E4M3 has no sm_100f kernel yet). No other
+    GPU is affected."""
+    fake_gpu(monkeypatch, capability)
+    monkeypatch.delenv(gm.SM100_OPT_IN, raising=False)
+    cuda0 = torch.device("cuda", 0)
+    assert gm.grouped_mm_backend(cuda0, BF16) == TORCH
+    assert "opt-in" in gm.describe_backend(0)
+    monkeypatch.setenv(gm.SM100_OPT_IN, "1")
+    fake_gpu(monkeypatch, capability)
+    got = tuple(gm.grouped_mm_backend(cuda0, dtype) for dtype in (BF16, FP16, FP32, E4M3))
+    assert got == (gm.CUTLASS_SM100, PORTABLE, PORTABLE, PORTABLE)
+    assert "CUTLASS sm_100f" in gm.describe_backend(0)
+    assert fused.experts_fit(types.SimpleNamespace(device=cuda0, dtype=BF16))  # the experts region runs ours
+    fake_gpu(monkeypatch, capability, sm100=False)  # a build without them: torch's, as before
+    assert gm.grouped_mm_backend(cuda0, BF16) == TORCH
+    for other in ((9, 0), (12, 0)):
+        fake_gpu(monkeypatch, other)
+        assert gm.grouped_mm_backend(cuda0, BF16) != gm.CUTLASS_SM100
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (9, 0), (10, 0), (12, 0)])

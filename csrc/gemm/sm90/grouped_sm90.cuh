@@ -25,11 +25,13 @@ namespace moe::gemm::sm90 {
 
 using namespace cute;
 
-// One instance's configuration: CTA tile, thread-block cluster (> 1 along M multicasts the weight tile to
+// One instance's configuration (GroupedGemm takes any whose Arch, Tile, Cluster, Kernel and Epilogue name a
+// CUTLASS ptr-array schedule pair: Sm100Config in gemm/sm100 is Blackwell's): CTA tile, thread-block cluster (> 1 along M multicasts the weight tile to
 // the CTAs of neighbouring row tiles by TMA), and schedule (ping-pong: two consumer warp groups on
 // alternate tiles, each tile_m rows; cooperative: both on one tile). Listed in sm90_kernels.cu.
 template <int kTileM, int kTileN, int kTileK, int kClusterM, int kClusterN, bool kPingpong>
 struct Sm90Config {
+  using Arch = cutlass::arch::Sm90;
   using Tile = Shape<Int<kTileM>, Int<kTileN>, Int<kTileK>>;
   using Cluster = Shape<Int<kClusterM>, Int<kClusterN>, _1>;
   using Kernel = cute::conditional_t<kPingpong, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong,
@@ -63,13 +65,13 @@ struct GroupedGemm {
   static constexpr int kAlign = 16 / sizeof(Element);
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
+      typename Config::Arch, cutlass::arch::OpClassTensorOp, typename Config::Tile, typename Config::Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlign, Element, LayoutD*,
       kAlign, typename Config::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Element, float, void, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
+      typename Config::Arch, cutlass::arch::OpClassTensorOp, Element, LayoutA*, kAlign, Element, LayoutB*, kAlign,
       float, typename Config::Tile, typename Config::Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,

@@ -1,0 +1,90 @@
+"""The Blackwell (sm_100f) bf16 grouped GEMM instances, GPU tier: forward, dgrad and wgrad through the public ops
+on a 10.x GPU with MOE_KERNELS_SM100_CUTLASS=1 (they are opt-in until these tests have passed on one), against
+fp64 with the bound of the per-expert torch loop in bf16: odd M, rows past the groups, empty experts, one hot
+expert, tiles straddling groups, sizes that are not multiples of the 256x256 tile. Skipped elsewhere (there is
+no CPU-executed form of a CUTLASS kernel); the choice itself is tested on the CPU (test_grouped_mm_dispatch)."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels import _ext
+from moe_kernels.ops.grouped_mm import grouped_mm_dgrad_reference, grouped_mm_reference, grouped_mm_wgrad_reference
+from moe_kernels.testing import assert_close_to_fp64
+from tests.ops.test_grouped_mm_gpu import _loop_bwd, _loop_fwd, splits
+
+pytestmark = pytest.mark.gpu
+
+SM100_PATH = 4  # grouped_mm_path's code for the sm_100f instances
+
+
+def _sm100_or_skip(cuda, N=256, K=384):
+    if cuda.type != "cuda" or torch.cuda.get_device_capability(cuda)[0] != 10:
+        pytest.skip("the sm_100f instances need a B200 / B300")
+    C = _ext._C
+    if not getattr(C, "grouped_mm_has_sm100", False):
+        pytest.skip("this build has no sm_100f instances (MOE_KERNELS_CUDA_ARCHS without a 10.x target)")
+    x = torch.empty(16, K, device=cuda, dtype=torch.bfloat16)
+    w = torch.empty(2, N, K, device=cuda, dtype=torch.bfloat16)
+    path = C.grouped_mm_path(op=0, dtype=_ext.dtype_code(torch.bfloat16), num_groups=2, M=16, N=N, K=K,
+                             a=x.data_ptr(), b=w.data_ptr(), d=x.data_ptr(), device=cuda.index or 0)
+    if path != SM100_PATH:
+        pytest.skip("the sm_100f instances are opt-in: run with MOE_KERNELS_SM100_CUTLASS=1")
+    return C
+
+
+@pytest.mark.parametrize("E,M,N,K", [(8, 1003, 256, 384), (32, 4096, 2048, 7168 // 4), (3, 77, 200, 136),
+                                     (128, 8192, 1536, 512)])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "single", "none"])
+def test_products_match_fp64(cuda, E, M, N, K, kind):
+    _sm100_or_skip(cuda, N, K)
+    gs = splits(kind, M - 3, E, seed=E + M) if kind != "none" else torch.zeros(E, dtype=torch.int32)
+    n = int(gs.sum())
+    gen = torch.Generator().manual_seed(M + N)
+    x = torch.randn(M, K, generator=gen).to(cuda, torch.bfloat16)
+    w = (torch.randn(E, N, K, generator=gen) / K**0.5).to(cuda, torch.bfloat16)
+    g = torch.randn(M, N, generator=gen).to(cuda, torch.bfloat16)
+    gsd = gs.to(cuda)
+    what = f"sm_100f E={E} M={M} N={N} K={K} {kind}"
+    x64, w64, g64 = x.double(), w.double(), g.double()
+    out = mk.grouped_mm(x, w, gsd)
+    if n:  # rows past the groups are unspecified
+        assert_close_to_fp64(out[:n], _loop_fwd(x, w, gs)[:n], grouped_mm_reference(x64, w64, gsd)[:n],
+                             f"{what} fwd", floor=1e-3)
+    dx = torch.ops.moe_kernels.grouped_mm_dgrad(g, w, gsd)
+    dx_loop, dw_loop = _loop_bwd(g, x, w, gs)
+    if n:
+        assert_close_to_fp64(dx[:n], dx_loop[:n], grouped_mm_dgrad_reference(g64, w64, gsd)[:n], f"{what} dgrad",
+                             floor=1e-3)
+    assert bool((dx[n:] == 0).all()), f"{what}: dgrad rows past the groups must be zero"
+    dw = torch.ops.moe_kernels.grouped_mm_wgrad(g, x, gsd)
+    assert_close_to_fp64(dw, dw_loop, grouped_mm_wgrad_reference(g64, x64, gsd), f"{what} wgrad", floor=1e-3)
+    for e in (gs == 0).nonzero().flatten().tolist():
+        assert bool((dw[e] == 0).all()), f"{what}: empty expert {e} must have a zero gradient"
+
+
+def test_deterministic_and_graph_capturable(cuda):
+    _sm100_or_skip(cuda)
+    E, M, N, K = 16, 4096, 1024, 2048
+    gs = splits("skewed", M, E, seed=1).to(cuda)
+    x = torch.randn(M, K, device=cuda, dtype=torch.bfloat16)
+    w = torch.randn(E, N, K, device=cuda, dtype=torch.bfloat16)
+    first = mk.grouped_mm(x, w, gs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = mk.grouped_mm(x, w, gs)
+    graph.replay()
+    torch.cuda.synchronize()
+    n = int(gs.sum())
+    assert torch.equal(out[:n], first[:n]) and torch.equal(mk.grouped_mm(x, w, gs)[:n], first[:n])
+
+
+def test_a_requested_sm90_instance_is_refused(cuda):
+    C = _sm100_or_skip(cuda)
+    from moe_kernels.ops.grouped_mm import _launch
+
+    x = torch.randn(64, 128, device=cuda, dtype=torch.bfloat16)
+    w = torch.randn(2, 64, 128, device=cuda, dtype=torch.bfloat16)
+    gs = torch.tensor([32, 32], dtype=torch.int32, device=cuda)
+    with pytest.raises(ValueError, match="sm_100f"):
+        _launch("fwd", x, w, torch.empty(64, 64, device=cuda, dtype=torch.bfloat16), gs, 64, 64, 128, C, kernel=0)
