@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual
 
@@ -104,7 +104,7 @@ class Fp8ShardWeight(Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        pow2 = next(a.pow2_scale for a in _flat(args, kwargs) if isinstance(a, Fp8ShardWeight))
+        pow2 = next(a.pow2_scale for a in tree_leaves((args, kwargs)) if isinstance(a, Fp8ShardWeight))
         out = func(*tree_map_only(Fp8ShardWeight, lambda t: t._data, args),
                    **tree_map_only(Fp8ShardWeight, lambda t: t._data, kwargs))
         if _inplace(func) and args and isinstance(args[0], Fp8ShardWeight):
@@ -140,14 +140,6 @@ class Fp8ShardWeight(Tensor):
             self._quantized = (key, quantize_fp8_experts_dual(w, pow2_scale=self.pow2_scale))
             stats["quantized"] += 1
         return self._quantized[1]
-
-
-def _flat(args, kwargs):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a
 
 
 def _transpose_tiles(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
