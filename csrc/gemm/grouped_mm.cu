@@ -210,14 +210,22 @@ bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 =
 
 }  // namespace
 
-static bool fp8_blockwise_fits(const GroupedParams& p) {
-  if (!sm90::compiled() || device_info(p.device).major != 9) return false;
-  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || p.sfa == nullptr || p.sfb == nullptr) return false;
-  if (p.op == GemmOp::kFwd) return p.K > 0 && p.K % 128 == 0 && p.N % 8 == 0;
-  if (p.op == GemmOp::kWgrad) {  // d's rows are K elements: 16-byte stores need K % 4 (fp32), K % 8 (bf16)
-    return p.M > 0 && p.M % 16 == 0 && p.K % (p.fp8_wgrad_out == DType::kBFloat16 ? 8 : 4) == 0;
+// The FP8 blockwise kernel for p (sm_90a, or sm_100f when opted in), or the portable path.
+static Path fp8_blockwise_path(const GroupedParams& p) {
+  const int major = device_info(p.device).major;
+  const Path kernel = major == 9 && sm90::compiled()     ? Path::kSm90Fp8Blockwise
+                      : major == 10 && sm100::enabled() ? Path::kSm100Fp8Blockwise
+                                                        : Path::kPortable;
+  if (kernel == Path::kPortable) return kernel;
+  if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || p.sfa == nullptr || p.sfb == nullptr) {
+    return Path::kPortable;
   }
-  return false;
+  if (p.op == GemmOp::kFwd) return p.K > 0 && p.K % 128 == 0 && p.N % 8 == 0 ? kernel : Path::kPortable;
+  if (p.op == GemmOp::kWgrad) {  // d's rows are K elements: 16-byte stores need K % 4 (fp32), K % 8 (bf16)
+    const bool fits = p.M > 0 && p.M % 16 == 0 && p.K % (p.fp8_wgrad_out == DType::kBFloat16 ? 8 : 4) == 0;
+    return fits ? kernel : Path::kPortable;
+  }
+  return Path::kPortable;
 }
 
 // wgrad with group_align: a group whose rows do not start and end on multiples of `align` gets NaN (the
@@ -237,7 +245,7 @@ namespace {
 
 // The gates every CUTLASS path shares, before any instance is chosen.
 Path gate(const GroupedParams& p) {
-  if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_fits(p) ? Path::kSm90Fp8Blockwise : Path::kPortable;
+  if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_path(p);
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
   const int major = half ? device_info(p.device).major : 0;
   const bool sm90 = major == 9 && sm90::compiled();
@@ -274,7 +282,7 @@ Path choose_path(const GroupedParams& p) {
     resolve_sm90(p);  // validates a requested kernel
     return path;
   }
-  if (path == Path::kSm100) {
+  if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
     if (p.kernel >= 0 || p.raster > 1) {
       throw std::invalid_argument("grouped_mm: a kernel or raster order was requested, but this problem runs the "
                                   "sm_100f instance (one per product)");
@@ -292,7 +300,9 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
   if (path == Path::kPortable) return base;
-  if (path == Path::kSm100) return base + sm100::workspace_bytes(p, device_info(p.device).sms);
+  if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
+    return base + sm100::workspace_bytes(p, device_info(p.device).sms);
+  }
   return base + sm90::workspace_bytes(resolved(p), device_info(p.device).sms);
 }
 
@@ -335,15 +345,16 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
       throw std::invalid_argument("grouped_mm: accumulate is for wgrad with a float32 output");
   }
   const Path path = choose_path(p);
-  if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise) {
+  if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise && path != Path::kSm100Fp8Blockwise) {
     throw std::invalid_argument(
-        "grouped_mm fp8: the blockwise kernels need sm_90a, 16-byte aligned operands, both scale tensors, and "
+        "grouped_mm fp8: the blockwise kernels need sm_90a (or sm_100f, opted in), 16-byte aligned operands, both "
+        "scale tensors, and "
         "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
   check_launch("grouped_mm prepare_kernel");
-  if (path == Path::kSm100) {
+  if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
     GroupedParams q = p;
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
     q.workspace = static_cast<char*>(p.workspace) + base;

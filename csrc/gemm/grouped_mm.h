@@ -72,6 +72,7 @@ enum class Path : int32_t {
   kSm90Cooperative = 2,
   kSm90Fp8Blockwise = 3,
   kSm100 = 4,  // bf16 on a 10.x GPU, opted in (sm100::enabled)
+  kSm100Fp8Blockwise = 5,  // E4M3 blockwise on a 10.x GPU, opted in
 };
 Path choose_path(const GroupedParams& p);
 
@@ -89,8 +90,9 @@ size_t workspace_bytes(const GroupedParams& p, int sm_count);
 void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 }  // namespace sm90
 
-// Blackwell (sm_100f: B200, B300) bf16 instances, one per product (sm100_dispatch.cu). Opt-in until they have
-// run on a Blackwell GPU: enabled() needs the build to hold them and MOE_KERNELS_SM100_CUTLASS=1.
+// Blackwell (sm_100f: B200, B300) instances, one per product and dtypes (sm100_dispatch.cu): bf16 forward,
+// dgrad and wgrad; E4M3 blockwise forward and wgrad (fp32 or bf16 out). Opt-in until they have run on a
+// Blackwell GPU: enabled() needs the build to hold them and MOE_KERNELS_SM100_CUTLASS=1.
 namespace sm100 {
 bool compiled();
 bool enabled();

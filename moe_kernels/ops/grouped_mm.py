@@ -179,7 +179,7 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 #
 # The choice per (GPU, dtype), from what the host knows (no sync), cached per device:
 #   "cutlass_sm90"      our sm_90a CUTLASS kernels: a 9.x GPU, bf16 / fp16 / E4M3, the extension built with them;
-#   "cutlass_sm100"     our sm_100f CUTLASS kernels: bf16 on a 10.x GPU, the extension built with them, and
+#   "cutlass_sm100"     our sm_100f CUTLASS kernels: bf16 / E4M3 on a 10.x GPU, the extension built with them, and
 #                       MOE_KERNELS_SM100_CUTLASS=1 (opt-in: they have not run on a Blackwell GPU yet);
 #   "torch_grouped_mm"  torch's CUTLASS fast path: bf16 on 9.x (without our CUTLASS build) or 10.x;
 #   "portable"          our portable kernel (tiled SIMT, fp32 FMA): every other GPU and dtype the extension runs on;
@@ -211,8 +211,9 @@ def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension
     sm_100f CUTLASS kernels; sm100_opt_in: MOE_KERNELS_SM100_CUTLASS=1."""
     if extension_runs and cutlass_sm90 and capability[0] == 9 and dtype in _CUTLASS_DTYPES:
         return CUTLASS_SM90  # grouped_mm.cu choose_path: bf16, fp16 or E4M3 (blockwise), sm90::compiled(), major 9
-    if extension_runs and cutlass_sm100 and sm100_opt_in and capability[0] == 10 and dtype == torch.bfloat16:
-        return CUTLASS_SM100  # grouped_mm.cu choose_path: bf16, sm100::enabled(), major 10
+    if (extension_runs and cutlass_sm100 and sm100_opt_in and capability[0] == 10
+            and dtype in (torch.bfloat16, torch.float8_e4m3fn)):
+        return CUTLASS_SM100  # grouped_mm.cu choose_path: bf16 or E4M3 (blockwise), sm100::enabled(), major 10
     if torch_grouped_mm_fast(capability, dtype, torch_archs):
         return TORCH_GROUPED_MM
     return PORTABLE if extension_runs else REFERENCE

@@ -32,6 +32,7 @@ from moe_kernels import _ext
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, check_tensor
 from moe_kernels.ops.grouped_mm import (
     CUTLASS_SM90,
+    CUTLASS_SM100,
     PORTABLE,
     REFERENCE,
     _check_sizes_values,
@@ -44,7 +45,7 @@ from moe_kernels.ops.grouped_mm import (
 from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8, quantize_fp8_reference
 
 _E4M3 = torch.float8_e4m3fn
-_FWD, _FP8_PATH = 0, 3
+_FWD, _FP8_PATH, _SM100_FP8_PATH = 0, 3, 5  # grouped_mm_path: sm_90a, sm_100f (opted in) FP8 blockwise
 
 
 def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
@@ -199,6 +200,8 @@ def describe_backend(device: torch.device | int) -> str:
     backend = grouped_mm_backend(device, _E4M3)
     if backend == CUTLASS_SM90:
         return "CUTLASS sm_90a FP8 blockwise kernel"
+    if backend == CUTLASS_SM100:
+        return "CUTLASS sm_100f FP8 blockwise kernel (opted in; not yet run on a Blackwell GPU by this project)"
     if backend == REFERENCE:
         return "PyTorch reference"
     index = device if isinstance(device, int) else torch.device(device).index or 0
@@ -263,7 +266,7 @@ def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb:
         shape.update(kernel=kernel, raster=raster)
     if op == _WGRAD and out.dtype != torch.float32:
         shape["fp8_wgrad_out"] = _ext.dtype_code(out.dtype)
-    if C.grouped_mm_path(**shape) != _FP8_PATH:
+    if C.grouped_mm_path(**shape) not in (_FP8_PATH, _SM100_FP8_PATH):
         return False
     nbytes = C.grouped_mm_workspace_bytes(**shape)
     ws, ws_ptr = _ext.workspace(nbytes, a)

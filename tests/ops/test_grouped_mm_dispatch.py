@@ -69,7 +69,7 @@ def test_choice_for_every_architecture(monkeypatch, capability, sm90, torch_arch
 @pytest.mark.parametrize("capability", [(10, 0), (10, 3)])
 def test_blackwell_cutlass_kernels_are_opt_in(monkeypatch, capability):
     """A 10.x GPU takes torch._grouped_mm for bf16 unless MOE_KERNELS_SM100_CUTLASS=1 and the build holds the
-    sm_100f instances; then bf16 runs ours (fp16, fp32 stay portable, E4M3 has no sm_100f kernel yet). No other
+    sm_100f instances; then bf16 and E4M3 (blockwise) run ours (fp16, fp32 stay portable). No other
     GPU is affected."""
     fake_gpu(monkeypatch, capability)
     monkeypatch.delenv(gm.SM100_OPT_IN, raising=False)
@@ -79,7 +79,8 @@ def test_blackwell_cutlass_kernels_are_opt_in(monkeypatch, capability):
     monkeypatch.setenv(gm.SM100_OPT_IN, "1")
     fake_gpu(monkeypatch, capability)
     got = tuple(gm.grouped_mm_backend(cuda0, dtype) for dtype in (BF16, FP16, FP32, E4M3))
-    assert got == (gm.CUTLASS_SM100, PORTABLE, PORTABLE, PORTABLE)
+    assert got == (gm.CUTLASS_SM100, PORTABLE, PORTABLE, gm.CUTLASS_SM100)
+    assert "CUTLASS sm_100f FP8" in fp8.describe_backend(0)
     assert "CUTLASS sm_100f" in gm.describe_backend(0)
     assert fused.experts_fit(types.SimpleNamespace(device=cuda0, dtype=BF16))  # the experts region runs ours
     fake_gpu(monkeypatch, capability, sm100=False)  # a build without them: torch's, as before

@@ -1,8 +1,11 @@
-"""The Blackwell (sm_100f) bf16 grouped GEMM instances, GPU tier: forward, dgrad and wgrad through the public ops
-on a 10.x GPU with MOE_KERNELS_SM100_CUTLASS=1 (they are opt-in until these tests have passed on one), against
-fp64 with the bound of the per-expert torch loop in bf16: odd M, rows past the groups, empty experts, one hot
-expert, tiles straddling groups, sizes that are not multiples of the 256x256 tile. Skipped elsewhere (there is
-no CPU-executed form of a CUTLASS kernel); the choice itself is tested on the CPU (test_grouped_mm_dispatch)."""
+"""The Blackwell (sm_100f) grouped GEMM instances, GPU tier, on a 10.x GPU with MOE_KERNELS_SM100_CUTLASS=1 (they
+are opt-in until these tests have passed on one): bf16 forward, dgrad and wgrad through the public ops against
+fp64 with the bound of the per-expert torch loop in bf16 (odd M, rows past the groups, empty experts, one hot
+expert, tiles straddling groups, sizes that are not multiples of the 256x256 tile), and the E4M3 blockwise
+instances taking the FP8 ops. With the switch set, the FP8 GPU tests (test_grouped_mm_fp8_gpu.py,
+test_grouped_mm_fp8_wgrad_gpu.py, the accumulate cases included) and the bf16 ones (test_grouped_mm_gpu.py)
+run these instances too. Skipped elsewhere (there is no CPU-executed form of a CUTLASS kernel); the choice itself
+is tested on the CPU (test_grouped_mm_dispatch)."""
 
 import pytest
 import torch
@@ -88,3 +91,20 @@ def test_a_requested_sm90_instance_is_refused(cuda):
     gs = torch.tensor([32, 32], dtype=torch.int32, device=cuda)
     with pytest.raises(ValueError, match="sm_100f"):
         _launch("fwd", x, w, torch.empty(64, 64, device=cuda, dtype=torch.bfloat16), gs, 64, 64, 128, C, kernel=0)
+
+
+def test_fp8_products_take_the_sm100_instances(cuda):
+    _sm100_or_skip(cuda)
+    from moe_kernels.ops.grouped_mm_fp8 import _SM100_FP8_PATH
+
+    C = _ext._C
+    code = _ext.dtype_code(torch.float8_e4m3fn)
+    a = torch.empty(256, 256, device=cuda, dtype=torch.float8_e4m3fn)
+    s = torch.empty(256, 2, device=cuda)
+    for op, out_dtype in ((0, torch.bfloat16), (2, torch.float32), (2, torch.bfloat16)):
+        d = torch.empty(2, 256, 256, device=cuda, dtype=out_dtype)
+        extra = {"fp8_wgrad_out": _ext.dtype_code(out_dtype)} if op == 2 and out_dtype != torch.float32 else {}
+        path = C.grouped_mm_path(op=op, dtype=code, num_groups=2, M=256, N=256, K=256, a=a.data_ptr(),
+                                 b=a.data_ptr(), d=d.data_ptr(), device=cuda.index or 0, sfa=s.data_ptr(),
+                                 sfb=s.data_ptr(), **extra)
+        assert path == _SM100_FP8_PATH, (op, out_dtype)

@@ -55,9 +55,19 @@ template <> struct Fp8Traits<GemmOp::kWgrad> {
 
 constexpr int kFp8Block = 128;
 
-// ElementOut: bf16 for the forward; fp32 or bf16 for wgrad. kClusterM > 1: the CTAs of neighbouring row
-// tiles share each weight tile (and its scales) by TMA multicast.
-template <GemmOp kOp, typename ElementOut, int kClusterM = 1>
+// The architecture and schedules: sm_90a's cooperative FP8 blockwise kernel, kClusterM > 1 making the CTAs
+// of neighbouring row tiles share each weight tile (and its scales) by TMA multicast. (gemm/sm100 has
+// Blackwell's: the scale layouts are the same Sm1xx configuration.)
+template <int kClusterM>
+struct Sm90Fp8Schedule {
+  using Arch = cutlass::arch::Sm90;
+  using Cluster = Shape<Int<kClusterM>, _1, _1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// ElementOut: bf16 for the forward; fp32 or bf16 for wgrad.
+template <GemmOp kOp, typename ElementOut, typename Schedule = Sm90Fp8Schedule<1>>
 struct Fp8BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::float_e4m3_t;
@@ -74,23 +84,23 @@ struct Fp8BlockwiseGemm {
   static constexpr int kAlignAB = 16;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Tile = Shape<_128, _128, _128>;
-  using Cluster = Shape<Int<kClusterM>, _1, _1>;
+  using Cluster = typename Schedule::Cluster;
   using ScaleConfig = typename Fp8Traits<kOp>::ScaleConfig;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
 
   using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Cluster,
+      typename Schedule::Arch, cutlass::arch::OpClassTensorOp, Tile, Cluster,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, ElementC, LayoutD*, kAlignD, ElementD, LayoutD*,
-      kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      kAlignD, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
+      typename Schedule::Arch, cutlass::arch::OpClassTensorOp, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB,
       ElementAB, cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
 
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -168,12 +178,12 @@ struct Fp8BlockwiseGemm {
   static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 };
 
-template <GemmOp kOp, typename ElementOut, int kClusterM>
+template <GemmOp kOp, typename ElementOut, typename Schedule>
 __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
                                       const float* sfb, ElementOut* d, const GroupInfo* groups, int E, int64_t M,
                                       int64_t N, int64_t K,
-                                      typename Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>::Arrays arr) {
-  using G = Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>;
+                                      typename Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::Arrays arr) {
+  using G = Fp8BlockwiseGemm<kOp, ElementOut, Schedule>;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= E) return;
   const int64_t r0 = groups[e].row_start;
@@ -216,12 +226,12 @@ __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const floa
   arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
-template <GemmOp kOp, typename ElementOut, int kClusterM>
-void Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
+template <GemmOp kOp, typename ElementOut, typename Schedule>
+void Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
                                                        cudaStream_t stream) {
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
-  prepare_fp8_blockwise<kOp, ElementOut, kClusterM><<<(E + 127) / 128, 128, 0, stream>>>(
+  prepare_fp8_blockwise<kOp, ElementOut, Schedule><<<(E + 127) / 128, 128, 0, stream>>>(
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
       static_cast<ElementD*>(p.d), groups, E, p.M, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
@@ -229,12 +239,14 @@ void Fp8BlockwiseGemm<kOp, ElementOut, kClusterM>::run(const GroupedParams& p, i
 }
 
 // One explicit instantiation per translation unit, with named entry points for the dispatcher.
-#define MOE_FP8_BLOCKWISE_INSTANCE(NAME, OP, ELEMENT_OUT, CLUSTER_M)                                    \
+#define MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, SCHEDULE)                          \
   size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
-    return Fp8BlockwiseGemm<OP, ELEMENT_OUT, CLUSTER_M>::workspace_bytes(p, sm_count);               \
+    return Fp8BlockwiseGemm<OP, ELEMENT_OUT, SCHEDULE>::workspace_bytes(p, sm_count);                \
   }                                                                                                  \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
-    Fp8BlockwiseGemm<OP, ELEMENT_OUT, CLUSTER_M>::run(p, sm_count, groups, stream);                  \
+    Fp8BlockwiseGemm<OP, ELEMENT_OUT, SCHEDULE>::run(p, sm_count, groups, stream);                   \
   }
+#define MOE_FP8_BLOCKWISE_INSTANCE(NAME, OP, ELEMENT_OUT, CLUSTER_M) \
+  MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, Sm90Fp8Schedule<CLUSTER_M>)
 
 }  // namespace moe::gemm::sm90
