@@ -49,6 +49,9 @@ void register_gemm(py::module_& m) {
   m.attr("grouped_mm_max_groups") = gemm::kMaxGroups;
   m.attr("grouped_mm_has_sm90") = gemm::sm90::compiled();
   m.attr("grouped_mm_has_sm100") = gemm::sm100::compiled();
+  m.def("grouped_mm_sm100_enabled", &gemm::sm100::enabled,
+        "Whether a 10.0 / 10.3 GPU runs the sm_100f instances: built, and MOE_KERNELS_SM100_CUTLASS=1 when first "
+        "asked (the choice the kernels' dispatch makes; read once per process)");
   m.def(
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,

@@ -191,7 +191,7 @@ int64_t max_row_tiles(const GroupedParams& p) {
 size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16; }
 
 struct DeviceInfo {
-  int major = 0, sms = 0;
+  int major = 0, minor = 0, sms = 0;
 };
 
 DeviceInfo device_info(int device) {
@@ -201,6 +201,7 @@ DeviceInfo device_info(int device) {
   DeviceInfo& info = cache[device & 63];
   if (info.sms == 0) {
     check_cuda(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device), "grouped_mm");
+    check_cuda(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device), "grouped_mm");
     check_cuda(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device), "grouped_mm");
   }
   return info;
@@ -208,14 +209,17 @@ DeviceInfo device_info(int device) {
 
 bool aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The GPUs the sm_100f family cubins load on: 10.0 (B200) and 10.3 (B300).
+bool sm100_family(const DeviceInfo& d) { return d.major == 10 && (d.minor == 0 || d.minor == 3); }
+
 }  // namespace
 
 // The FP8 blockwise kernel for p (sm_90a, or sm_100f when opted in), or the portable path.
 static Path fp8_blockwise_path(const GroupedParams& p) {
-  const int major = device_info(p.device).major;
-  const Path kernel = major == 9 && sm90::compiled()     ? Path::kSm90Fp8Blockwise
-                      : major == 10 && sm100::enabled() ? Path::kSm100Fp8Blockwise
-                                                        : Path::kPortable;
+  const DeviceInfo d = device_info(p.device);
+  const Path kernel = d.major == 9 && sm90::compiled()           ? Path::kSm90Fp8Blockwise
+                      : sm100_family(d) && sm100::enabled() ? Path::kSm100Fp8Blockwise
+                                                            : Path::kPortable;
   if (kernel == Path::kPortable) return kernel;
   if (!aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || p.sfa == nullptr || p.sfb == nullptr) {
     return Path::kPortable;
@@ -247,9 +251,9 @@ namespace {
 Path gate(const GroupedParams& p) {
   if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_path(p);
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
-  const int major = half ? device_info(p.device).major : 0;
-  const bool sm90 = major == 9 && sm90::compiled();
-  const bool sm100 = major == 10 && p.dtype == DType::kBFloat16 && sm100::enabled();
+  const DeviceInfo d = half ? device_info(p.device) : DeviceInfo{};
+  const bool sm90 = d.major == 9 && sm90::compiled();
+  const bool sm100 = sm100_family(d) && p.dtype == DType::kBFloat16 && sm100::enabled();
   if (!sm90 && !sm100) return Path::kPortable;
   if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
   // A zero-length reduction leaves CUTLASS's accumulators unwritten; the portable kernel writes zeros.

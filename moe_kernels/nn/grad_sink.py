@@ -8,7 +8,9 @@ the parameter's sink, writes into it, marks it, and gives autograd no gradient f
 hook runs and no bf16 gradient is ever written).
 
 A sink is registered per parameter by its owner and is live only while the owner says so (the master
-weights' `compute()`); outside, `sink_of` returns None and gradients flow as usual.
+weights' `compute()`); outside, `sink_of` returns None and gradients flow as usual. Inside, a backward that
+reaches such a kernel writes the main gradient whether or not that call asked for the parameter's gradient
+(`torch.autograd.grad(loss, inputs)` adds the weight gradient there too); a sink holds its owner weakly.
 """
 
 from __future__ import annotations

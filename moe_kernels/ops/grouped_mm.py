@@ -8,8 +8,6 @@ the input dtype. Rows at or past sum(group_sizes) are unspecified in `out` and z
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -188,7 +186,7 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 
 CUTLASS_SM90, TORCH_GROUPED_MM, PORTABLE, REFERENCE = "cutlass_sm90", "torch_grouped_mm", "portable", "reference"
 CUTLASS_SM100 = "cutlass_sm100"
-SM100_OPT_IN = "MOE_KERNELS_SM100_CUTLASS"  # =1: a 10.x GPU runs our sm_100f bf16 kernels (read once, as in C++)
+SM100_OPT_IN = "MOE_KERNELS_SM100_CUTLASS"  # =1: a 10.0 / 10.3 GPU runs our sm_100f kernels (read once, in C++)
 _TORCH_MAX_GROUPS = 1023  # GroupMM.cu: TORCH_CHECK(group_count < 1024)
 _CUTLASS_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
@@ -201,7 +199,10 @@ def torch_grouped_mm_fast(capability: tuple[int, int], dtype: torch.dtype, torch
 
 
 def sm100_opted_in() -> bool:
-    return os.environ.get(SM100_OPT_IN) == "1"
+    """Whether the extension runs its sm_100f instances on a 10.0 / 10.3 GPU: the C++ dispatch's own answer (it
+    reads MOE_KERNELS_SM100_CUTLASS once), so the two layers never disagree."""
+    C = _ext._C
+    return bool(getattr(C, "grouped_mm_has_sm100", False)) and bool(C.grouped_mm_sm100_enabled())
 
 
 def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension_runs: bool, cutlass_sm90: bool,
@@ -211,7 +212,7 @@ def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension
     sm_100f CUTLASS kernels; sm100_opt_in: MOE_KERNELS_SM100_CUTLASS=1."""
     if extension_runs and cutlass_sm90 and capability[0] == 9 and dtype in _CUTLASS_DTYPES:
         return CUTLASS_SM90  # grouped_mm.cu choose_path: bf16, fp16 or E4M3 (blockwise), sm90::compiled(), major 9
-    if (extension_runs and cutlass_sm100 and sm100_opt_in and capability[0] == 10
+    if (extension_runs and cutlass_sm100 and sm100_opt_in and tuple(capability) in ((10, 0), (10, 3))
             and dtype in (torch.bfloat16, torch.float8_e4m3fn)):
         return CUTLASS_SM100  # grouped_mm.cu choose_path: bf16 or E4M3 (blockwise), sm100::enabled(), major 10
     if torch_grouped_mm_fast(capability, dtype, torch_archs):
@@ -220,7 +221,7 @@ def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension
 
 
 _device_facts: dict[int, tuple] = {}  # device index -> (capability, extension runs, sm_90a CUTLASS built, torch archs,
-#                                                         sm_100f CUTLASS built)
+#                                                         sm_100f CUTLASS built, sm_100f on)
 _backends: dict[tuple[int, torch.dtype], str] = {}
 
 
@@ -234,6 +235,7 @@ def _facts(index: int) -> tuple:
             bool(getattr(C, "grouped_mm_has_sm90", False)),
             tuple(torch.cuda.get_arch_list()),
             bool(getattr(C, "grouped_mm_has_sm100", False)),
+            sm100_opted_in(),
         )
     return facts
 
@@ -249,9 +251,9 @@ def grouped_mm_backend(device: torch.device | str | int, dtype: torch.dtype) -> 
     key = (index, dtype)
     backend = _backends.get(key)
     if backend is None:
-        capability, runs, sm90, archs, sm100 = _facts(index)
+        capability, runs, sm90, archs, sm100, sm100_on = _facts(index)
         backend = _backends[key] = choose_backend(capability, dtype, extension_runs=runs, cutlass_sm90=sm90,
-                                                  torch_archs=archs, cutlass_sm100=sm100, sm100_opt_in=sm100_opted_in())
+                                                  torch_archs=archs, cutlass_sm100=sm100, sm100_opt_in=sm100_on)
     return backend
 
 
@@ -261,7 +263,7 @@ def describe_backend(device: torch.device | str | int) -> str:
     fast path is bf16 only)"."""
     device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    capability, _, _, archs, sm100 = _facts(index)
+    capability, _, _, archs, sm100, _ = _facts(index)
     arch = f"sm_{capability[0]}{capability[1]}"
     lines: dict[str, list[str]] = {}
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):

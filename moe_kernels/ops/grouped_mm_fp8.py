@@ -369,6 +369,17 @@ def _(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=torch.float32):
 _WGRAD = 2
 
 
+def _wgrad_kernels(a_q: Tensor, group_sizes: Tensor):
+    """The extension for the FP8 wgrad on a_q's GPU (None: the reference runs), after the checks every CUDA
+    path makes: the group sizes where values are checked, the group count the kernel takes."""
+    C = _ext.kernels("grouped_mm_fp8_wgrad", a_q)
+    if C is None or _ext.checks_enabled():
+        _check_wgrad_sizes(group_sizes, a_q.shape[1])
+    if C is not None and group_sizes.shape[0] > C.grouped_mm_max_groups:
+        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+    return C
+
+
 @_ext.cuda_impl(_grouped_mm_fp8_wgrad)
 def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=torch.float32):
     _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
@@ -376,13 +387,9 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtyp
     N, M = a_q.shape
     K = b_q.shape[0]
     E = group_sizes.shape[0]
-    C = _ext.kernels("grouped_mm_fp8_wgrad", a_q)
-    if C is None or _ext.checks_enabled():
-        _check_wgrad_sizes(group_sizes, M)
+    C = _wgrad_kernels(a_q, group_sizes)
     if C is None:
         return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype)
-    if E > C.grouped_mm_max_groups:
-        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
     if M == 0 or E == 0 or N == 0 or K == 0:
         return torch.zeros((E, N, K), dtype=out_dtype, device=a_q.device)
     out = torch.empty((E, N, K), dtype=out_dtype, device=a_q.device)
@@ -433,15 +440,11 @@ def _grouped_mm_fp8_wgrad_into_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out
     N, M = a_q.shape
     K = b_q.shape[0]
     E = group_sizes.shape[0]
-    C = _ext.kernels("grouped_mm_fp8_wgrad", a_q)
-    if C is None or _ext.checks_enabled():
-        _check_wgrad_sizes(group_sizes, M)
+    C = _wgrad_kernels(a_q, group_sizes)
     if C is None:
         dw = grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
         out.add_(dw) if accumulate else out.copy_(dw)
         return
-    if E > C.grouped_mm_max_groups:
-        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
     if M == 0 or E == 0 or N == 0 or K == 0:  # no tokens: the product is zero
         if not accumulate:
             out.zero_()

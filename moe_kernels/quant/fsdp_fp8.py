@@ -115,6 +115,12 @@ class Fp8ShardWeight(Tensor):
 
     # FSDP2's all-gather extension
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        if mesh is not None and mesh.size() < 2:
+            raise RuntimeError("Fp8ShardWeight: FSDP2 over one rank copies a single all-gather input; gather this "
+                               "weight in bf16 there (fp8_all_gather_applies says so)")
+        if tuple(outer_size[1:]) != tuple(self.shape[1:]):
+            raise RuntimeError(f"Fp8ShardWeight: the shard {tuple(self.shape)} of {tuple(outer_size)} is not whole "
+                               "experts (FSDP2 must shard dim 0: the 128x128 tiles never cross experts)")
         dtype = mp_policy.param_dtype or self.dtype
         q, scale, q_t, scale_t = self.quantized(dtype)
         dgrad = torch._C._current_graph_task_id() != -1  # gathered by the backward (hooks the autograd engine runs)

@@ -26,6 +26,7 @@ gradient 4 + AdamW 8, and one bf16 gradient at a time until its hook folds it.
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -142,16 +143,18 @@ class MasterWeights:
 
 
 class _MainGradSink:
-    """Parameter i's fp32 main gradient as a kernel's output (moe_kernels.nn.grad_sink), live inside compute()."""
+    """Parameter i's fp32 main gradient as a kernel's output (moe_kernels.nn.grad_sink), live inside compute().
+    It holds its MasterWeights weakly: the registry's values must not keep their parameter keys alive."""
 
     def __init__(self, master: MasterWeights, i: int):
-        self.master, self.i = master, i
+        self.master, self.i = weakref.ref(master), i
 
     def buffer(self) -> Tensor | None:
-        return self.master.main_grads[self.i] if self.master._active and self.master.kernels_accumulate else None
+        m = self.master()
+        return m.main_grads[self.i] if m is not None and m._active and m.kernels_accumulate else None
 
     def written(self) -> bool:
-        return self.master._touched[self.i]
+        return self.master()._touched[self.i]
 
     def mark(self) -> None:
-        self.master._touched[self.i] = True
+        self.master()._touched[self.i] = True

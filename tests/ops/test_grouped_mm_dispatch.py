@@ -2,6 +2,7 @@
 the torch._grouped_mm path keeping our op's contract (run on CPU tensors, where torch._grouped_mm runs too)."""
 
 import importlib
+import os
 import types
 import warnings
 
@@ -41,6 +42,7 @@ def fake_gpu(monkeypatch, capability, *, sm90=True, archs=DEFAULT_BUILD, torch_a
     """A GPU of `capability` and an extension built for `archs` (with or without its sm_90a and sm_100f CUTLASS
     kernels), as far as the host-side choice can tell."""
     extension = types.SimpleNamespace(cuda_archs=archs, grouped_mm_has_sm90=sm90, grouped_mm_has_sm100=sm100,
+                                      grouped_mm_sm100_enabled=lambda: sm100 and os.environ.get(gm.SM100_OPT_IN) == "1",
                                       grouped_mm_max_groups=1024)
     monkeypatch.setattr(_ext, "_C", extension)
     monkeypatch.setattr(_ext, "_driver", [None if driver_ok else "no driver"])
@@ -85,7 +87,7 @@ def test_blackwell_cutlass_kernels_are_opt_in(monkeypatch, capability):
     assert fused.experts_fit(types.SimpleNamespace(device=cuda0, dtype=BF16))  # the experts region runs ours
     fake_gpu(monkeypatch, capability, sm100=False)  # a build without them: torch's, as before
     assert gm.grouped_mm_backend(cuda0, BF16) == TORCH
-    for other in ((9, 0), (12, 0)):
+    for other in ((9, 0), (10, 1), (12, 0)):  # (10.1: not a GPU the sm_100f cubins load on)
         fake_gpu(monkeypatch, other)
         assert gm.grouped_mm_backend(cuda0, BF16) != gm.CUTLASS_SM100
 

@@ -10,6 +10,7 @@ import tempfile
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from moe_kernels.nn.experts import GroupedExperts
 from tests.emulation import EMULATED
@@ -155,7 +156,8 @@ def _gathered_bytes(log, original):
     return all_gather
 
 
-def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_dir: str | None):
+def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_dir: str | None,
+         checkpointed: bool = False):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     recipe = Fp8BlockwiseRecipe()
@@ -175,7 +177,9 @@ def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_d
     try:
         for _ in range(steps):
             x = torch.randn(sum(SIZES), H, generator=gen).bfloat16()
-            out = model(x, torch.tensor(SIZES, dtype=torch.int32))
+            gs = torch.tensor(SIZES, dtype=torch.int32)
+            # Checkpointed: the forward runs again inside the backward, where the gather sends dgrad's tiles.
+            out = checkpoint(model, x, gs, use_reentrant=False) if checkpointed else model(x, gs)
             out.float().square().mean().backward()
             outs.append(out.detach())
             outs += [p.grad.to_local().clone() for p in model.parameters()]
@@ -200,10 +204,11 @@ def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_d
     return outs, params, sum(log), fsdp_fp8.stats["quantized"] - n0
 
 
-def _fsdp_body(rank, world_size, reshard_after_forward, ckpt_root):
+def _fsdp_body(rank, world_size, reshard_after_forward, ckpt_root, checkpointed=False):
     steps = 3
-    ref_outs, ref_params, ref_bytes, _ = _run(rank, False, reshard_after_forward, steps, None)
-    outs, params, nbytes, quantized = _run(rank, True, reshard_after_forward, steps, os.path.join(ckpt_root, "c"))
+    ref_outs, ref_params, ref_bytes, _ = _run(rank, False, reshard_after_forward, steps, None, checkpointed)
+    outs, params, nbytes, quantized = _run(rank, True, reshard_after_forward, steps, os.path.join(ckpt_root, "c"),
+                                           checkpointed)
     for i, (a, b) in enumerate(zip(outs, ref_outs)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"output/gradient {i}")
     for a, b in zip(params, ref_params):
@@ -212,17 +217,19 @@ def _fsdp_body(rank, world_size, reshard_after_forward, ckpt_root):
     assert quantized == 2 * steps, quantized
     # Codes (1 byte) and one fp32 scale per 128x128 tile, against bf16's 2 bytes an element.
     elements = E * (2 * F * H + H * F) // world_size
+    # The forward's, and the backward's when resharded after the forward (checkpointed: the recomputed forward
+    # runs on the backward's gather, in dgrad's layout, its own tiles transposed from them).
     gathers = steps * (2 if reshard_after_forward else 1)
     assert ref_bytes == gathers * elements * 2, (ref_bytes, nbytes, gathers, elements)
     assert nbytes == gathers * (elements + elements // (128 * 128) * 4)
 
 
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_fsdp2_fp8_all_gather_trains_as_the_bf16_gather(reshard_after_forward):
+@pytest.mark.parametrize("reshard_after_forward,checkpointed", [(True, False), (False, False), (True, True)])
+def test_fsdp2_fp8_all_gather_trains_as_the_bf16_gather(reshard_after_forward, checkpointed):
     from tests.distributed import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_world(_fsdp_body, 2, reshard_after_forward, tmp)
+        run_world(_fsdp_body, 2, reshard_after_forward, tmp, checkpointed)
 
 
 # A whole model through parallelize(): FSDP2 over 2 gloo ranks, the experts gathered in E4M3 or in bf16.
