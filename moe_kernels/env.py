@@ -56,7 +56,7 @@ def collect() -> dict:
         if getattr(C, "grouped_mm_has_sm100", False):
             from moe_kernels.ops.grouped_mm import SM100_OPT_IN, sm100_opted_in
 
-            info["grouped_mm_sm100"] = ("bf16 fwd, dgrad and wgrad for sm_100f (B200, B300), "
+            info["grouped_mm_sm100"] = ("bf16 fwd, dgrad, wgrad and FP8 blockwise fwd, wgrad for sm_100f (B200, B300), "
                                         + ("on" if sm100_opted_in() else f"off (opt-in: {SM100_OPT_IN}=1)")
                                         + "; not yet run on a Blackwell GPU by this project")
     else:
