@@ -248,14 +248,22 @@ def blackwell_checks(cuobjdump: str, so: Path, env: dict) -> tuple[list[str], li
             accepted.append(f"- sm_100f `{k.name}`: {k.local + k.stack} B of local memory, accepted: "
                             f"{ACCEPTED_LOCAL[k.name]}")
     rows = ["", *accepted, "", "| SASS check (sm_100f) | kernels | result |", "|---|---|---|"]
-    for kpat, ipat, why in SM100_CHECKS:
-        matched = [k for k in cutlass if re.search(kpat, k.name)]
+    rows += sass_checks(SM100_CHECKS, cutlass, sass, problems)
+    return rows, problems
+
+
+def sass_checks(checks, kernels, sass: dict[str, str], problems: list[str]) -> list[str]:
+    """One table row per (kernel pattern, instruction pattern, why): every matching kernel's SASS must hold the
+    instruction, and some kernel must match; failures appended to `problems`."""
+    rows = []
+    for kpat, ipat, why in checks:
+        matched = [k for k in kernels if re.search(kpat, k.name)]
         bad = [k.name for k in matched if not re.search(ipat, sass.get(k.mangled, ""))]
         ok = bool(matched) and not bad
         if not ok:
             problems.append(f"SASS: {why}: " + (f"missing in {bad}" if matched else f"no kernel matches {kpat!r}"))
         rows.append(f"| {why} (`{ipat}`) | {len(matched)} | {'ok' if ok else 'FAILED'} |")
-    return rows, problems
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,14 +306,8 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"{k.name}: {local} bytes of local memory (register spills or a local array)")
         rows.append(f"| `{k.name}` | {Path(k.source).name} | {k.regs} | {k.shared} | {local} | "
                     f"{block[0] if block else '?'} | {f'{occ[0]:.0%}' if occ else '?'} | {occ[1] if occ else ''} |")
-    checks = ["", "| SASS check | kernels | result |", "|---|---|---|"]
-    for kpat, ipat, why in SASS_CHECKS:
-        matched = [k for k in kernels if re.search(kpat, k.name)]
-        bad = [k.name for k in matched if not re.search(ipat, sass.get(k.mangled, ""))]
-        ok = bool(matched) and not bad
-        if not ok:
-            problems.append(f"SASS: {why}: " + (f"missing in {bad}" if matched else f"no kernel matches {kpat!r}"))
-        checks.append(f"| {why} (`{ipat}`) | {len(matched)} | {'ok' if ok else 'FAILED'} |")
+    checks = ["", "| SASS check | kernels | result |", "|---|---|---|",
+              *sass_checks(SASS_CHECKS, kernels, sass, problems)]
     blackwell, blackwell_problems = blackwell_checks(cuobjdump, so, env)
     problems += blackwell_problems
     report = "\n".join([f"# Kernel resources: {so.name}", "", *rows, *checks, *blackwell, ""])

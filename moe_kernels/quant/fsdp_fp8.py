@@ -239,8 +239,3 @@ def enable_fp8_all_gather(experts: nn.Module, pow2_scale: bool = False) -> None:
         if isinstance(w.data, Fp8ShardWeight):
             continue
         setattr(experts, name, nn.Parameter(Fp8ShardWeight(w.data, pow2_scale), requires_grad=w.requires_grad))
-
-
-def gathered_tiles(w: Tensor) -> Fp8GatheredWeight | None:
-    """`w` as an Fp8GatheredWeight when FSDP2 gathered it in FP8, else None."""
-    return w if isinstance(w, Fp8GatheredWeight) else None
