@@ -6,6 +6,8 @@ test with that rank's traceback.
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 
 import torch
@@ -33,6 +35,12 @@ def _entry(rank: int, fn, world_size: int, init_method: str, args: tuple) -> Non
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # A rank that finished leaves without finalizing the interpreter: gloo's worker threads can still be
+    # dropping Work objects then (the abort above, seen under load). A failing rank raised before here,
+    # so its traceback still reaches the parent.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_world(fn, world_size: int, *args) -> None:
