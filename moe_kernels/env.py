@@ -24,6 +24,7 @@ CUDA_OPS = {
     "grouped_mm": ("grouped_mm",),
     "grouped_mm_fp8": ("grouped_mm",),
     "swiglu": ("swiglu_fwd", "swiglu_bwd"),
+    "expert_mlp": ("expert_mlp_fwd", "expert_mlp_bwd"),
     "quantize_fp8": ("fp8_quantize",),
     "dequantize_fp8": ("fp8_dequantize",),
     "quantize_nvfp4": ("nvfp4_quantize",),
@@ -92,6 +93,9 @@ def collect() -> dict:
     if gpus:  # the grouped GEMMs choose per GPU and dtype (ops/grouped_mm.py, `grouped_mm_backend`)
         info["ops"]["grouped_mm"] = importlib.import_module("moe_kernels.ops.grouped_mm").describe_backend(0)
         info["ops"]["grouped_mm_fp8"] = importlib.import_module("moe_kernels.ops.grouped_mm_fp8").describe_backend(0)
+        if info["ops"]["expert_mlp"] == "CUDA kernel":  # MoELayer.expert_path says which path a layer took
+            info["ops"]["expert_mlp"] = ("CUDA kernels, gathered rows on the portable grouped GEMM (no CUTLASS gather "
+                                         "instance yet); opt-in: MoEConfig(gather_experts=True)")
     notes = []
     if driver_problem:  # the same rule as the ops' fallback (_ext.kernels)
         notes.append(f"{driver_problem}; until then every op runs its PyTorch reference")

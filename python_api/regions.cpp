@@ -11,6 +11,7 @@
 
 #include "activation/swiglu.h"
 #include "gemm/grouped_mm.h"
+#include "permute/permute.h"
 #include "registry.h"
 
 namespace py = pybind11;
@@ -85,6 +86,84 @@ void register_regions(py::module_& m) {
                                 ptr<float>(drow_weights), rows, ffn, dt},
                                stream(s));
         if (dx) gemm::grouped_mm(dx_p, stream(s));
+        if (dw13) gemm::grouped_mm(dw13_p, stream(s));
+        return 0;
+      });
+
+  // The gather-fused expert MLP (ops/expert_mlp.py): out [T, H] = sum over each token's slots of
+  // swiglu(x[t] W13_e^T, row_weight) W2_e^T, read straight from the tokens. x [T, H], row_map [T, k] (permute's,
+  // R rows), w13 [E, 2F, H], w2 [E, H, F]. Writes row_token [R] (each row's token, -1: padding) and h [R, 2F]
+  // for the backward; a [R, F] and y [R, H] are scratch. No permuted copy of x is written. R > 0.
+  m.def(
+      "expert_mlp_fwd",
+      [](uintptr_t x, uintptr_t row_map, uintptr_t group_sizes, uintptr_t w13, uintptr_t w2, uintptr_t row_weights,
+         uintptr_t row_token, uintptr_t h, uintptr_t a, uintptr_t y, uintptr_t out, int64_t tokens, int64_t k,
+         int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype, uintptr_t workspace, size_t ws_bytes,
+         int device, uintptr_t s) -> size_t {
+        DeviceGuard guard(device);
+        const DType dt = DType(dtype);
+        auto up = gemm_params(GemmOp::kFwd, x, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes,
+                              device);
+        up.a_rows = ptr<const int32_t>(row_token);
+        up.gather_rows = tokens;
+        up.act = ptr<void>(a);
+        up.act_weights = ptr<const float>(row_weights);
+        auto down = gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
+                                device);
+        const size_t need = need_of({&up, &down});
+        if (ws_bytes < need) return need;
+        permute::rows_to_tokens(ptr<const int32_t>(row_map), tokens, k, rows, ptr<int32_t>(row_token), stream(s));
+        gemm::grouped_mm(up, stream(s));
+        gemm::grouped_mm(down, stream(s));
+        permute::unpermute_fwd({ptr<const void>(y), ptr<const int32_t>(row_map), nullptr, ptr<void>(out), tokens, k,
+                                hidden, rows, dt},
+                               stream(s));
+        return 0;
+      });
+  // Its backward: dout [T, H] -> dx [T, H], dw13, dw2, drow_weights [R] fp32 (each only when its pointer is
+  // non-zero). dout's rows are gathered into both products of the down projection, x's into the up
+  // projection's wgrad; a [R, F] (recomputed from h), da [R, F], dh [R, 2F] and dxp [R, H] are scratch.
+  m.def(
+      "expert_mlp_bwd",
+      [](uintptr_t dout, uintptr_t x, uintptr_t row_token, uintptr_t row_map, uintptr_t h, uintptr_t w13, uintptr_t w2,
+         uintptr_t group_sizes, uintptr_t row_weights, uintptr_t a, uintptr_t da, uintptr_t dh, uintptr_t dxp,
+         uintptr_t dx, uintptr_t dw13, uintptr_t dw2, uintptr_t drow_weights, int64_t tokens, int64_t k, int64_t rows,
+         int64_t hidden, int64_t ffn, int32_t E, int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device,
+         uintptr_t s) -> size_t {
+        DeviceGuard guard(device);
+        const DType dt = DType(dtype);
+        const auto* tok = ptr<const int32_t>(row_token);
+        auto da_p = gemm_params(GemmOp::kDgrad, dout, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace,
+                                ws_bytes, device);
+        da_p.a_rows = tok;
+        da_p.gather_rows = tokens;
+        auto dw2_p = gemm_params(GemmOp::kWgrad, dout, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace,
+                                 ws_bytes, device);
+        dw2_p.a_rows = tok;
+        dw2_p.gather_rows = tokens;
+        auto dx_p = gemm_params(GemmOp::kDgrad, dh, w13, dxp, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
+                                ws_bytes, device);
+        auto dw13_p = gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
+                                  ws_bytes, device);
+        dw13_p.b_rows = tok;
+        dw13_p.gather_rows = tokens;
+        const size_t need = need_of({&da_p, &dw2_p, &dx_p, &dw13_p});
+        if (ws_bytes < need) return need;
+        gemm::grouped_mm(da_p, stream(s));
+        if (dw2) {
+          activation::swiglu_fwd({ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a), rows, ffn, dt},
+                                 stream(s));
+          gemm::grouped_mm(dw2_p, stream(s));
+        }
+        activation::swiglu_bwd({ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh),
+                                ptr<float>(drow_weights), rows, ffn, dt},
+                               stream(s));
+        if (dx) {
+          gemm::grouped_mm(dx_p, stream(s));
+          permute::unpermute_fwd({ptr<const void>(dxp), ptr<const int32_t>(row_map), nullptr, ptr<void>(dx), tokens,
+                                  k, hidden, rows, dt},
+                                 stream(s));
+        }
         if (dw13) gemm::grouped_mm(dw13_p, stream(s));
         return 0;
       });

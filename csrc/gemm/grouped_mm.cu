@@ -14,6 +14,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "activation/swiglu_math.cuh"
 #include "common/check.h"
 #include "common/vec.cuh"
 #include "gemm/grouped_mm.h"
@@ -72,13 +73,33 @@ __global__ void __launch_bounds__(kPrepThreads)
   }
 }
 
-// C_g[i, j] = sum_r A_g(i, r) * B_g(j, r) for the group and row-tile that this block finds.
+// Gathered rows and the SwiGLU epilogue, as the portable kernel takes them (GroupedParams).
+struct Fusion {
+  const int32_t* a_rows;
+  const int32_t* b_rows;
+  int64_t gather_rows;
+  void* act;
+  const float* act_weights;
+};
+
+// The operand element at (row, col) of a gathered operand: row `pos` of the group (group-ordered) is the
+// source row rows[row_start + pos]; a source index outside [0, n) reads 0.
 template <typename T>
+__device__ __forceinline__ float gathered(const T* base, const int32_t* rows, int64_t n, int64_t row_start,
+                                          int64_t pos, int64_t row_stride, int64_t col) {
+  const int32_t src = rows[row_start + pos];
+  return src >= 0 && src < n ? to_float(base[int64_t(src) * row_stride + col]) : 0.f;
+}
+
+// C_g[i, j] = sum_r A_g(i, r) * B_g(j, r) for the group and row-tile that this block finds. kDual (the
+// forward's SwiGLU epilogue): the block's output columns j index [0, N / 2) and it accumulates both the
+// gate column j and the up column N / 2 + j, in the same order as two plain tiles would.
+template <typename T, bool kDual>
 __global__ void __launch_bounds__(kThreads)
     portable_kernel(GemmOp op, const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ d, int E, int64_t N,
-                    int64_t K, Prepared prep, bool accumulate) {
+                    int64_t K, Prepared prep, bool accumulate, Fusion fu) {
   __shared__ float As[kBK][kBM + 1];
-  __shared__ float Bs[kBK][kBN + 1];
+  __shared__ float Bs[kDual ? 2 : 1][kBK][kBN + 1];
   const int tile = blockIdx.x;
   if (tile >= *prep.tiles) return;
   int lo = 0, hi = E - 1;  // last group whose tile_start <= tile (empty groups own no tiles)
@@ -91,55 +112,78 @@ __global__ void __launch_bounds__(kThreads)
   int64_t Mg, Ng, Kg, sai, sar, sbj, sbr, ldc;
   const T *A, *B;
   T* C;
+  // With gathered rows the operand's pointer stays at its first row (gathered() adds the source row).
+  const int64_t a_row0 = fu.a_rows != nullptr ? 0 : info.row_start;
+  const int64_t b_row0 = fu.b_rows != nullptr ? 0 : info.row_start;
   switch (op) {
     case GemmOp::kFwd:
-      Mg = info.rows; Ng = N; Kg = K;
-      A = a + info.row_start * K; sai = K; sar = 1;
+      Mg = info.rows; Ng = kDual ? N / 2 : N; Kg = K;
+      A = a + a_row0 * K; sai = K; sar = 1;
       B = b + int64_t(g) * N * K; sbj = K; sbr = 1;
       C = d + info.row_start * N; ldc = N;
       break;
     case GemmOp::kDgrad:
       Mg = info.rows; Ng = K; Kg = N;
-      A = a + info.row_start * N; sai = N; sar = 1;
+      A = a + a_row0 * N; sai = N; sar = 1;
       B = b + int64_t(g) * N * K; sbj = 1; sbr = K;
       C = d + info.row_start * K; ldc = K;
       break;
     default:
       Mg = N; Ng = K; Kg = info.rows;
-      A = a + info.row_start * N; sai = 1; sar = N;
-      B = b + info.row_start * K; sbj = 1; sbr = K;
+      A = a + a_row0 * N; sai = 1; sar = N;
+      B = b + b_row0 * K; sbj = 1; sbr = K;
       C = d + int64_t(g) * N * K; ldc = K;
       break;
   }
   const int64_t i0 = int64_t(tile - info.tile_start) * kBM, j0 = int64_t(blockIdx.y) * kBN;
   if (j0 >= Ng) return;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  float acc[4][4] = {};
+  float acc[kDual ? 2 : 1][4][4] = {};
   for (int64_t r0 = 0; r0 < Kg; r0 += kBK) {
     // Neighbouring threads walk the operand's contiguous index, so loads coalesce for every layout.
     for (int idx = threadIdx.x; idx < kBK * kBM; idx += kThreads) {
       const int r = sar == 1 ? idx % kBK : idx / kBM, i = sar == 1 ? idx / kBK : idx % kBM;
       const bool in = i0 + i < Mg && r0 + r < Kg;
-      As[r][i] = in ? to_float(A[(i0 + i) * sai + (r0 + r) * sar]) : 0.f;
+      float v = 0.f;
+      if (in && fu.a_rows == nullptr) {
+        v = to_float(A[(i0 + i) * sai + (r0 + r) * sar]);
+      } else if (in) {  // the gathered dimension is the group's rows: i (fwd, dgrad) or r (wgrad)
+        v = sar == 1 ? gathered(A, fu.a_rows, fu.gather_rows, info.row_start, i0 + i, sai, r0 + r)
+                     : gathered(A, fu.a_rows, fu.gather_rows, info.row_start, r0 + r, sar, i0 + i);
+      }
+      As[r][i] = v;
     }
-    for (int idx = threadIdx.x; idx < kBK * kBN; idx += kThreads) {
-      const int r = sbr == 1 ? idx % kBK : idx / kBN, j = sbr == 1 ? idx / kBK : idx % kBN;
-      const bool in = j0 + j < Ng && r0 + r < Kg;
-      Bs[r][j] = in ? to_float(B[(j0 + j) * sbj + (r0 + r) * sbr]) : 0.f;
+#pragma unroll
+    for (int half = 0; half < (kDual ? 2 : 1); ++half) {
+      const T* Bh = B + (half ? (N / 2) * sbj : 0);  // kDual: the up rows follow the gate rows
+      for (int idx = threadIdx.x; idx < kBK * kBN; idx += kThreads) {
+        const int r = sbr == 1 ? idx % kBK : idx / kBN, j = sbr == 1 ? idx / kBK : idx % kBN;
+        const bool in = j0 + j < Ng && r0 + r < Kg;
+        float v = 0.f;
+        if (in && fu.b_rows == nullptr) {
+          v = to_float(Bh[(j0 + j) * sbj + (r0 + r) * sbr]);
+        } else if (in) {  // wgrad's x: rows along r
+          v = gathered(Bh, fu.b_rows, fu.gather_rows, info.row_start, r0 + r, sbr, j0 + j);
+        }
+        Bs[half][r][j] = v;
+      }
     }
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < kBK; ++r) {
-      float av[4], bv[4];
+      float av[4];
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        av[u] = As[r][ty + 16 * u];
-        bv[u] = Bs[r][tx + 16 * u];
+      for (int u = 0; u < 4; ++u) av[u] = As[r][ty + 16 * u];
+#pragma unroll
+      for (int half = 0; half < (kDual ? 2 : 1); ++half) {
+        float bv[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) bv[u] = Bs[half][r][tx + 16 * u];
+#pragma unroll
+        for (int u = 0; u < 4; ++u)
+#pragma unroll
+          for (int v = 0; v < 4; ++v) acc[half][u][v] = fmaf(av[u], bv[v], acc[half][u][v]);
       }
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-#pragma unroll
-        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);
     }
     __syncthreads();
   }
@@ -149,8 +193,18 @@ __global__ void __launch_bounds__(kThreads)
     for (int v = 0; v < 4; ++v) {
       const int64_t i = i0 + ty + 16 * u, j = j0 + tx + 16 * v;
       if (i < Mg && j < Ng) {
-        T& out = C[i * ldc + j];
-        out = from_float<T>(accumulate ? to_float(out) + acc[u][v] : acc[u][v]);
+        if constexpr (kDual) {
+          const T gate = from_float<T>(acc[0][u][v]), up = from_float<T>(acc[1][u][v]);
+          C[i * ldc + j] = gate;
+          C[i * ldc + Ng + j] = up;
+          const int64_t row = info.row_start + i;
+          const float w = fu.act_weights != nullptr ? fu.act_weights[row] : 1.f;
+          static_cast<T*>(fu.act)[row * Ng + j] =
+              from_float<T>(activation::swiglu_value(to_float(gate), to_float(up), w));
+        } else {
+          T& out = C[i * ldc + j];
+          out = from_float<T>(accumulate ? to_float(out) + acc[0][u][v] : acc[0][u][v]);
+        }
       }
     }
 }
@@ -272,8 +326,10 @@ GroupedParams resolved(const GroupedParams& p) {
 
 }  // namespace
 
+static bool fused(const GroupedParams& p) { return p.a_rows != nullptr || p.b_rows != nullptr || p.act != nullptr; }
+
 Path choose_path(const GroupedParams& p) {
-  const Path path = gate(p);
+  const Path path = fused(p) ? Path::kPortable : gate(p);
   if (path == Path::kPortable) {
     if (p.kernel >= 0) {
       throw std::invalid_argument("grouped_mm: kernel " + std::to_string(p.kernel) +
@@ -348,6 +404,14 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     if (p.op != GemmOp::kWgrad || out != DType::kFloat32)
       throw std::invalid_argument("grouped_mm: accumulate is for wgrad with a float32 output");
   }
+  if (fused(p)) {
+    if (p.dtype == DType::kFloat8E4M3) throw std::invalid_argument("grouped_mm: gathered rows and the SwiGLU epilogue take bf16, fp16 or fp32");
+    if (p.b_rows != nullptr && p.op != GemmOp::kWgrad) throw std::invalid_argument("grouped_mm: b_rows is for wgrad");
+    if (p.gather_rows < 0) throw std::invalid_argument("grouped_mm: negative gather_rows");
+    if (p.act != nullptr && (p.op != GemmOp::kFwd || p.N % 2 || p.accumulate)) {
+      throw std::invalid_argument("grouped_mm: the SwiGLU epilogue is for the forward with an even N");
+    }
+  }
   const Path path = choose_path(p);
   if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise && path != Path::kSm100Fp8Blockwise) {
     throw std::invalid_argument(
@@ -372,15 +436,17 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     sm90::run(q, device_info(p.device).sms, prep.groups, stream);
     if (p.dtype == DType::kFloat8E4M3 && p.op == GemmOp::kFwd) return;  // nothing past the groups to zero
   } else {
-    const int64_t ng = p.op == GemmOp::kFwd ? p.N : p.K;
+    const bool dual = p.act != nullptr;
+    const int64_t ng = p.op == GemmOp::kFwd ? (dual ? p.N / 2 : p.N) : p.K;
     const int64_t ytiles = max_row_tiles(p);
     const int64_t col_tiles = (ng + kBN - 1) / kBN;
     if (col_tiles > 65535) throw std::invalid_argument("grouped_mm: output too wide for the portable kernel");
     const dim3 grid{unsigned(ytiles), unsigned(col_tiles)};
+    const Fusion fu{p.a_rows, p.b_rows, p.gather_rows, p.act, p.act_weights};
     by_dtype(p.dtype, [&]<typename T>() {
-      portable_kernel<T><<<grid, kThreads, 0, stream>>>(p.op, static_cast<const T*>(p.a), static_cast<const T*>(p.b),
-                                                        static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep,
-                                                        p.accumulate);
+      auto* kernel = dual ? portable_kernel<T, true> : portable_kernel<T, false>;
+      kernel<<<grid, kThreads, 0, stream>>>(p.op, static_cast<const T*>(p.a), static_cast<const T*>(p.b),
+                                            static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep, p.accumulate, fu);
     });
     check_launch("grouped_mm portable_kernel");
   }

@@ -53,6 +53,18 @@ struct GroupedParams {
   // 1 along N) to run; -1 lets the tuning table choose. The tuning sweep sets them; the ops leave them.
   int32_t kernel = -1;
   int32_t raster = -1;
+  // Gathered operand rows (the gather-fused expert MLP, ops/expert_mlp.py): the group-ordered row r of an
+  // operand is its row a_rows[r] (b_rows[r]); an index outside [0, gather_rows) reads a row of zeros, so the
+  // permuted copy is never written. a_rows: the A operand of every product (fwd's x, dgrad's and wgrad's
+  // dout); b_rows: wgrad's B (x). The portable kernel runs gathered products (no CUTLASS gather instance yet).
+  const int32_t* a_rows = nullptr;
+  const int32_t* b_rows = nullptr;
+  int64_t gather_rows = 0;
+  // Forward only, the SwiGLU epilogue: d = h [M, N] = [gate | up] (N = 2F) exactly as without it, and
+  // act [M, F] = silu(gate) * up * act_weights[row] (1 when null) from h's rounded values: swiglu_fwd's
+  // math (activation/swiglu_math.cuh), bit for bit. Portable kernel only for now.
+  void* act = nullptr;
+  const float* act_weights = nullptr;
 };
 
 // Row range of each group inside [0, M), written on the device by the prepare kernel.

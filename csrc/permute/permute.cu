@@ -426,4 +426,30 @@ void tokens_per_expert(const int32_t* indices, int64_t num_slots, int32_t E, int
   check_launch("tokens_per_expert_kernel");
 }
 
+namespace {
+
+__global__ void rows_to_tokens_kernel(const int32_t* __restrict__ row_map, int64_t num_slots, int64_t k, int64_t R,
+                                      int32_t* __restrict__ row_token) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < num_slots; s += stride) {
+    const int32_t r = row_map[s];
+    if (r >= 0 && r < R) row_token[r] = int32_t(s / k);
+  }
+}
+
+}  // namespace
+
+void rows_to_tokens(const int32_t* row_map, int64_t num_tokens, int64_t k, int64_t num_rows, int32_t* row_token,
+                    cudaStream_t stream) {
+  if (num_rows == 0) return;
+  check_cuda(cudaMemsetAsync(row_token, 0xff, sizeof(int32_t) * num_rows, stream), "rows_to_tokens memset");  // -1
+  const int64_t n = num_tokens * k;
+  if (n == 0) return;
+  constexpr int kThreads = 256;
+  const int64_t want = (n + kThreads - 1) / kThreads;
+  rows_to_tokens_kernel<<<unsigned(want < 1024 ? want : 1024), kThreads, 0, stream>>>(row_map, n, k, num_rows,
+                                                                                     row_token);
+  check_launch("rows_to_tokens_kernel");
+}
+
 }  // namespace moe::permute

@@ -49,6 +49,11 @@ int64_t permute_starts_offset(int64_t num_slots, int32_t num_experts);
 void tokens_per_expert(const int32_t* indices, int64_t num_slots, int32_t num_experts, int32_t* counts,
                        cudaStream_t stream);
 
+// row_token[r] = the token t whose slot (t, j) row_map sends to row r, -1 for rows no slot maps to (padding);
+// row_map values outside [0, R) are skipped. Each row receives at most one slot (permute's row_map).
+void rows_to_tokens(const int32_t* row_map, int64_t num_tokens, int64_t k, int64_t num_rows, int32_t* row_token,
+                    cudaStream_t stream);
+
 struct UnpermuteParams {
   const void* y;           // [R, H]
   const int32_t* row_map;  // [T, k]; rows outside [0, R) are treated as dropped

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from moe_kernels import _ext
+from moe_kernels.ops import expert_mlp as _mlp
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import TORCH_GROUPED_MM, grouped_mm, grouped_mm_backend
 from moe_kernels.ops.permute import permute, permuted_rows, unpermute
@@ -257,6 +258,43 @@ def experts_fit(x: Tensor) -> bool:
     prefers torch._grouped_mm for this GPU and dtype (ops/grouped_mm.py, `grouped_mm_backend`), the region
     composes the registered ops instead, which call it."""
     return grouped_mm_backend(x.device, x.dtype) != TORCH_GROUPED_MM
+
+
+# ---------------------------------------------------------------------------------------------------
+# expert_mlp: the gather-fused experts (ops/expert_mlp.py), tokens in, tokens out, one call each way
+
+
+class _ExpertMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, row_map, group_sizes, w13, w2, row_weights, num_rows, L):
+        rw = None if row_weights is None else row_weights.float().contiguous()
+        out, row_token, h = _mlp.launch_fwd(L.C, L.device, L.stream, x, row_map, group_sizes, w13, w2, rw, num_rows)
+        ctx.save_for_backward(x, row_token, row_map, h, w13, w2, group_sizes, rw)
+        ctx.L = L
+        ctx.rw_dtype = None if row_weights is None else row_weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        _first_order_only()
+        x, row_token, row_map, h, w13, w2, group_sizes, rw = ctx.saved_tensors
+        L = ctx.L
+        need_x, _, _, need_w13, need_w2, need_rw, _, _ = ctx.needs_input_grad
+        dx, dw13, dw2, drw = _mlp.launch_bwd(L.C, L.device, L.stream, dout.contiguous(), x, row_token, row_map, h, w13,
+                                             w2, group_sizes, rw, need_x, need_w13, need_w2, need_rw)
+        return dx, None, None, dw13, dw2, (drw.to(ctx.rw_dtype) if drw is not None else None), None, None
+
+
+def _expert_mlp_ops(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
+    return _mlp.expert_mlp(x, row_map, group_sizes, w13, w2, row_weights, num_rows=num_rows)
+
+
+@_register("expert_mlp", _expert_mlp_ops,
+           "expert_mlp_fwd (rows_to_tokens, gathered grouped_mm + SwiGLU epilogue, grouped_mm, unpermute) / "
+           "expert_mlp_bwd (gathered dgrad, swiglu, gathered wgrad, swiglu_bwd, dgrad, unpermute, gathered wgrad)")
+def expert_mlp_region(L: Launch, x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor,
+                      row_weights: Tensor | None, num_rows: int):
+    return _ExpertMLP.apply(x, row_map, group_sizes, w13, w2, row_weights, num_rows, L)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,8 +16,16 @@ from moe_kernels.nn.experts import GroupedExperts
 from moe_kernels.nn.lora import lora_terms
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
+from moe_kernels.ops.expert_mlp import expert_mlp_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
-from moe_kernels.ops.permute import permute, permute_reference, permuted_row_values, unpermute, unpermute_reference
+from moe_kernels.ops.permute import (
+    permute,
+    permute_reference,
+    permuted_row_values,
+    permuted_rows,
+    unpermute,
+    unpermute_reference,
+)
 from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
 
 BACKENDS = ("kernels", "reference", "torch")
@@ -50,6 +58,10 @@ class MoEConfig:
     shared_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(x . w_gate)
     align: int = 1  # rows per expert padded to this (16 or 128 for FP8 recipes)
     weights_in_activation: bool = False  # Megatron's fusion; default: weights applied in unpermute
+    # The routed experts as one gather-fused op (ops/expert_mlp.py): tokens read straight into the first GEMM,
+    # no permuted copy, no expert-output gradient; needs weights_in_activation. Opt-in: its gathered products
+    # run the portable grouped GEMM until a CUTLASS gather instance lands. MoELayer.expert_path says what ran.
+    gather_experts: bool = False
     backend: str = "kernels"  # "reference": the plain references; "torch": the torch-native composition
     recipe: Fp8BlockwiseRecipe | Nvfp4Recipe | None = None  # routed experts' GEMM precision; None: the input's
 
@@ -62,6 +74,14 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.shared_gate and not self.shared_ffn_size:
             raise ValueError("MoEConfig: shared_gate needs shared experts (shared_ffn_size > 0)")
+        if self.gather_experts:
+            if not self.weights_in_activation:
+                raise ValueError("MoEConfig: gather_experts needs weights_in_activation=True (the routing weights "
+                                 "applied in the activation, so the expert outputs need not be kept)")
+            if self.recipe is not None:
+                raise ValueError("MoEConfig: gather_experts has no low-precision recipe yet (recipe must be None)")
+            if self.backend == "torch":
+                raise ValueError("MoEConfig: gather_experts runs the kernels or the references, not backend='torch'")
         if self.recipe is not None:
             if self.backend == "torch":
                 raise ValueError("MoEConfig: the torch-native backend has no low-precision recipe")
@@ -119,6 +139,9 @@ class MoELayer(nn.Module):
         # Expert parallelism (moe_kernels.parallel.apply_expert_parallel) sets a token dispatcher and
         # keeps only this rank's experts in `experts`; None: every expert is local.
         self.dispatcher = None
+        # How the last forward ran the routed experts: "gathered" (the gather-fused op), "fused" (the fused
+        # regions over a permuted copy), "dispatched", "recipe" or "ops"; None before the first forward.
+        self.expert_path: str | None = None
 
     def forward(self, x: Tensor, *, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
         cfg = self.config
@@ -140,11 +163,17 @@ class MoELayer(nn.Module):
                              **({"launch": launch} if launch is not None else {}))
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
         x_in = autocast_input(x2)
-        if launch is not None and self._fused_experts_fit(launch, x_in):
+        if cfg.gather_experts and self._gathered_fit(x_in):
+            self.expert_path = "gathered"
+            out = self._forward_gathered(launch, x_in, routed)
+        elif launch is not None and self._fused_experts_fit(launch, x_in):
+            self.expert_path = "fused"
             out = self._forward_fused(launch, x_in, routed)
         elif self.dispatcher is not None:
+            self.expert_path = "dispatched"
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
         elif getattr(cfg.recipe, "fused_permute", False) and not lora_terms(self.experts, "w13"):
+            self.expert_path = "recipe"
             # The recipe fuses the permute with its first GEMM's input quantization.
             fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm") and not lora_terms(self.experts, "w2")
             # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
@@ -164,6 +193,7 @@ class MoELayer(nn.Module):
                 y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
                 out = ops.unpermute(y, row_map, weights)
         else:
+            self.expert_path = "ops"
             x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)
             row_weights = None
             if cfg.weights_in_activation:
@@ -200,6 +230,31 @@ class MoELayer(nn.Module):
         w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
         y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
         return fused.run("unpermute", launch, y, row_map, None if cfg.weights_in_activation else routed.weights)
+
+    def _gathered_fit(self, x: Tensor) -> bool:
+        """The gather-fused experts take the plain local layer (no dispatcher, no adapters, plain weights in x's
+        dtype after autocast); elsewhere the layer keeps its other paths."""
+        w13, w2 = self.experts.w13, self.experts.w2
+        return (self.dispatcher is None and type(w13) in _PLAIN and type(w2) in _PLAIN
+                and _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
+                and not lora_terms(self.experts, "w13") and not lora_terms(self.experts, "w2"))
+
+    def _forward_gathered(self, launch: fused.Launch | None, x: Tensor, routed) -> Tensor:
+        cfg = self.config
+        E, align = cfg.num_experts, cfg.permute_align
+        R = permuted_rows(x.shape[0], routed.indices.shape[1], E, align)
+        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
+        if cfg.backend == "reference":
+            _, row_map, group_sizes = permute_reference(x[:, :0], routed.indices, E, align)
+            row_weights = permuted_row_values(routed.weights, row_map, R)
+            return expert_mlp_reference(x, row_map, group_sizes, w13, w2, row_weights, R)
+        if launch is not None and not self._fused_experts_fit(launch, x):
+            launch = None  # the registered ops
+        x = x.contiguous()
+        # The routing alone (row_map, group_sizes): a permute of zero-width rows copies nothing.
+        _, row_map, group_sizes = fused.run("permute", launch, x[:, :0], routed.indices, E, align)
+        row_weights = permuted_row_values(routed.weights, row_map, R)
+        return fused.run("expert_mlp", launch, x, row_map, group_sizes, w13, w2, row_weights, R)
 
     def _forward_dispatched(self, x: Tensor, weights: Tensor, indices: Tensor, ops) -> Tensor:
         cfg = self.config
