@@ -39,6 +39,11 @@ from moe_kernels.ops.grouped_mm import (
 from moe_kernels.ops.permute import _check_row_map_values, unpermute_reference
 
 _OP = "expert_mlp"
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The routing weights' gradient's dtype (swiglu_bwd's): fp64 for fp64, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 _INT32_MAX = 2**31 - 1
 
 
@@ -145,9 +150,11 @@ def _expert_mlp_bwd(dout: Tensor, x: Tensor, row_token: Tensor, row_map: Tensor,
 
 def _filled(dx, dw13, dw2, drw, x, w13, w2, R):
     """Gradients not asked for as empty tensors (a custom op returns tensors)."""
-    empty = x.new_empty((0,))
-    return (empty if dx is None else dx, empty if dw13 is None else dw13, empty if dw2 is None else dw2,
-            x.new_empty((0,), dtype=torch.float32) if drw is None else drw.float())
+    def empty():  # one each: a custom op's outputs may not alias
+        return x.new_empty((0,))
+
+    return (empty() if dx is None else dx, empty() if dw13 is None else dw13, empty() if dw2 is None else dw2,
+            x.new_empty((0,), dtype=_acc(x.dtype)) if drw is None else drw)
 
 
 @_expert_mlp.register_fake
@@ -160,7 +167,7 @@ def _(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
 def _(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights, need_dx, need_dw13, need_dw2, need_drw):
     return (x.new_empty(x.shape if need_dx else (0,)), w13.new_empty(w13.shape if need_dw13 else (0,)),
             w2.new_empty(w2.shape if need_dw2 else (0,)),
-            x.new_empty((h.shape[0],) if need_drw else (0,), dtype=torch.float32))
+            x.new_empty((h.shape[0],) if need_drw else (0,), dtype=_acc(x.dtype)))
 
 
 _needs: dict[tuple, int] = {}  # workspace bytes per (direction, device, shape, dtype)

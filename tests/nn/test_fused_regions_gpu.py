@@ -158,3 +158,85 @@ def test_compile_fullgraph_takes_registered_ops(cuda, registered_ops):
     names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, got, eager):
         assert_exact(a, b, f"compiled: {name}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# The gather-fused experts (MoEConfig.gather_experts, ops/expert_mlp.py)
+
+GATHERED = ["qwen3-30b-a3b", "deepseek-v3", "capacity-probs", "losses"]
+
+
+def _gathered_layer(case, device, dtype=torch.float32, gather=True):
+    layer = _layer(case, device, dtype)
+    layer.config = layer.config.replace(weights_in_activation=True, gather_experts=gather)
+    return layer
+
+
+@pytest.mark.parametrize("case", GATHERED)
+def test_gathered_region_equals_registered_ops(cuda, case, registered_ops):
+    layer = _gathered_layer(case, cuda)
+    x, g = _inputs(cuda, torch.float32)
+    _step(layer, x, g)
+    assert layer.expert_path == "gathered"
+    with extension_calls() as ext:
+        thin = _step(layer, x, g)
+    calls = ext.calls
+    # router (its kernel each way; capacity adds two), the routing-only permute, the expert MLP each way: no
+    # copy of the tokens, no unpermute launch of its own.
+    assert calls.get("expert_mlp_fwd") == 1 and calls.get("expert_mlp_bwd") == 1 and calls.get("permute_fwd") == 1
+    assert "experts_fwd" not in calls and "unpermute_fwd" not in calls and "unpermute_bwd" not in calls, calls
+    assert sum(calls.values()) == 2 + (2 if layer.config.router.capacity_factor is not None else 0) + 3, calls
+    registered_ops()
+    with extension_calls() as ext:
+        ops = _step(layer, x, g)
+    assert ext.calls.get("expert_mlp_fwd") == 1 and ext.calls.get("expert_mlp_bwd") == 1, ext.calls
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, thin, ops):
+        assert_exact(a, b, f"{case}: {name}")
+
+
+@pytest.mark.parametrize("case", GATHERED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gathered_equals_the_permuted_path(cuda, case, dtype):
+    """Same values as the layer over a permuted copy with the weights in the activation: bit for bit where both
+    run the portable grouped GEMM (the CPU-executed kernels), within the grouped GEMMs' rounding on sm_90a
+    (there the permuted path runs CUTLASS: another summation order)."""
+    x, g = _inputs(cuda, dtype)
+    gathered = _step(_gathered_layer(case, cuda, dtype), x, g)
+    permuted_layer = _gathered_layer(case, cuda, dtype, gather=False)
+    permuted = _step(permuted_layer, x, g)
+    assert permuted_layer.expert_path == "fused"
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in permuted_layer.named_parameters()]
+    for name, a, b in zip(names, gathered, permuted):
+        if cuda.type == "cpu":
+            assert_exact(a, b, f"{case}: {name}")
+        else:  # bf16 outputs: a few roundings of bf16 apart; fp32: fp32 sums in another order
+            tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(a.float(), b.float(), **tol, msg=f"{case}: {name}")
+
+
+@pytest.mark.parametrize("path", ["fused", "registered"])
+def test_gathered_has_no_host_sync(cuda, path, registered_ops):
+    layer = _gathered_layer("deepseek-v3", cuda)
+    x, g = _inputs(cuda, torch.float32)
+    if path == "registered":
+        registered_ops()
+    with no_host_sync():
+        _step(layer, x, g)
+
+
+def test_gathered_compile_fullgraph(cuda, registered_ops):
+    layer = _gathered_layer("losses", cuda)
+    x, g = _inputs(cuda, torch.float32)
+    eager = _step(layer, x, g)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    layer.zero_grad(set_to_none=True)
+    xc = x.detach().requires_grad_()
+    with extension_calls() as ext:
+        out, aux = compiled(xc)
+        ((out.float() * g).sum() + aux).backward()
+    assert ext.calls.get("expert_mlp_fwd") == 1 and ext.calls.get("expert_mlp_bwd") == 1, ext.calls
+    got = [out.detach(), aux.detach(), xc.grad] + [p.grad for p in layer.parameters()]
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, got, eager):
+        assert_exact(a, b, f"compiled: {name}")
