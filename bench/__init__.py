@@ -16,4 +16,5 @@ BENCHES = {
     "bytes": "bench.bench_bytes",
     "moe_layer_fp8": "bench.bench_moe_layer_fp8",
     "tune_grouped_mm": "bench.bench_tune_grouped_mm",
+    "expert_mlp": "bench.bench_expert_mlp",
 }

@@ -18,7 +18,8 @@ them through):
             qwen3-30b-a3b at 32768 tokens (the 500 TFLOP/s forward bar)
   layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens, one family run (and JSON) per token
             count: ours, torch-native, Hugging Face and Liger (where liger_kernel imports, its autotune
-            pinned off), eager and graph-replayed; a `[moe_layer]` line per check, timing and mode pass
+            pinned off), eager and graph-replayed; a `[moe_layer]` line per check, timing and mode pass; then
+            the gather-fused experts (bench_expert_mlp) against the permuted path at 8192 tokens
   fp8       the FP8 GEMMs and recipe at deepseek-v3 and qwen3-30b-a3b, with the recipe's fwd+bwd
             profiled kernel by kernel (profile_fp8_recipe_*.txt); the FP8 MoE layer against the BF16 layer
             at deepseek-v3 EP-8 local and qwen3-30b-a3b shapes, 8192 tokens; the byte model's table
@@ -135,7 +136,9 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     # ~110 s; with Liger's autotune on add minutes (bench_moe_layer's docstring).
     Part("layer", (Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(8192,), modes=True, env=LIGER_PINNED),
                    Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(32768,), modes=True, env=LIGER_PINNED,
-                       min_s=60)), min_s=60),
+                       min_s=60),
+                   # The gather-fused experts against the permuted path: time, and peak memory measured (~20 s).
+                   Run("expert_mlp", models=("qwen3-30b-a3b",), tokens=(8192,), min_s=30)), min_s=60),
     Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),
                  Run("moe_layer_fp8", tokens=(8192,), min_s=30), Run("bytes", tokens=(8192,), min_s=10)),
          min_s=60),
