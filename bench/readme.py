@@ -55,6 +55,7 @@ OPS_FIGURES = {
     "grouped_mm_fp8": "grouped_mm_fp8_fwd", "grouped_mm_fp8_wgrad": "grouped_mm_fp8_wgrad",
     "grouped_mm_nvfp4": None, "swiglu": None, "quantize_fp8": "quantize_fp8_block",
     "quantize_nvfp4": "quantize_nvfp4_1d", "NvlinkDispatcher": "dispatch", "MoELayer": "moe_layer_fwd_bwd",
+    "expert_mlp": "expert_mlp_fwd_bwd",
 }
 
 CEILING_DROP = 0.10  # a ceiling this far below the lease's best means the GPU was not itself when measured
@@ -68,7 +69,7 @@ RECEIVED_BYTES_SUITES = {"dispatch"}  # results count bytes received, not read +
 MAIN_PEER = {"permute": "torch_eager", "router": "torch_eager", "router_losses": "torch_eager",
              "quant": "torch_eager", "grouped_mm": "torch_grouped_mm", "grouped_mm_fp8": "moe_kernels_bf16",
              "moe_layer": "hf_grouped_mm", "dispatch": "all_to_all_virtual", "lora": "peft_materialised",
-             "train": "torch_native"}
+             "train": "torch_native", "expert_mlp": "permuted"}
 # Ops whose bar names another peer than their suite's: the FP8 step against our bf16 step, the captured step
 # against the same step run eagerly.
 MAIN_PEER_BY_OP = {"train_step_fp8": "moe_kernels_bf16", "train_step_graphed": "eager_step"}
