@@ -60,6 +60,9 @@ def collect() -> dict:
             info["grouped_mm_sm100"] = ("bf16 fwd, dgrad, wgrad and FP8 blockwise fwd, wgrad for sm_100f (B200, B300), "
                                         + ("on" if sm100_opted_in() else f"off (opt-in: {SM100_OPT_IN}=1)")
                                         + "; not yet run on a Blackwell GPU by this project")
+        if hasattr(C, "expert_mlp_fwd"):  # MoELayer.expert_path says which path a layer's last forward took
+            info["expert_mlp"] = ("gathered rows and the SwiGLU epilogue on the portable grouped GEMM (no CUTLASS "
+                                  "gather instance yet); opt-in: MoEConfig(gather_experts=True)")
     else:
         info["extension_error"] = _ext.import_error()
     gpus = []
@@ -93,9 +96,6 @@ def collect() -> dict:
     if gpus:  # the grouped GEMMs choose per GPU and dtype (ops/grouped_mm.py, `grouped_mm_backend`)
         info["ops"]["grouped_mm"] = importlib.import_module("moe_kernels.ops.grouped_mm").describe_backend(0)
         info["ops"]["grouped_mm_fp8"] = importlib.import_module("moe_kernels.ops.grouped_mm_fp8").describe_backend(0)
-        if info["ops"]["expert_mlp"] == "CUDA kernel":  # MoELayer.expert_path says which path a layer took
-            info["ops"]["expert_mlp"] = ("CUDA kernels, gathered rows on the portable grouped GEMM (no CUTLASS gather "
-                                         "instance yet); opt-in: MoEConfig(gather_experts=True)")
     notes = []
     if driver_problem:  # the same rule as the ops' fallback (_ext.kernels)
         notes.append(f"{driver_problem}; until then every op runs its PyTorch reference")
@@ -113,7 +113,7 @@ def report() -> str:
     lines = [f"moe_kernels {info['moe_kernels']}"]
     width = 24
     for key in ("python", "torch", "torch_cuda", "extension_built", "extension_archs", "extension_cuda_runtime",
-                "cuda_driver", "grouped_mm_sm90_table", "grouped_mm_sm100", "extension_error"):
+                "cuda_driver", "grouped_mm_sm90_table", "grouped_mm_sm100", "expert_mlp", "extension_error"):
         if key in info:
             value = info[key]
             if isinstance(value, list):
