@@ -16,8 +16,9 @@ Reported per case:
   peak       on CUDA, the peak allocated during one step above the step's start, ours and permuted
              (extra.peak_mib, extra.peer_peak_mib); not measured on the CPU.
   time       fwd+bwd, harness.time_fn, ours against permuted in the same run.
-The gathered products run the portable grouped GEMM today (no CUTLASS gather instance yet), so on sm_90a the
-permuted path (CUTLASS) is expected to be faster: this bench measures by how much, and the memory it saves.
+The gathered products run the sm_90a gather kernels where MOE_KERNELS_GATHER_CUTLASS=1 was set before the process
+first asked (the perf mode sets it), else the portable grouped GEMM; the result's peer_variant["ours"] and
+extra.gather_kernels say which.
 Checked first, on the first input set: both paths' outputs and x gradients, relative L2 error at most
 4 x 2^-8 apart on a GPU (bf16: each rounding 2^-9 relative, the two paths sum in other orders on sm_90a), and
 equal on the CPU (the same reference products).
@@ -156,7 +157,10 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     r = h.make_result(ctx, op="expert_mlp_fwd_bwd", case=c.name, shape=dict(T=c.T, H=H, F=F, E=E, k=k),
                       dtype=dtype, timing=t_ours, nbytes=nbytes, flops=flops, peers={"permuted": t_peer},
                       peer_variant={"permuted": "permute + fused experts region + unpermute"})
-    r.extra.update(kept_mib=kept / 2**20, peer_kept_mib=peer_kept / 2**20, saved_mib=(peer_kept - kept) / 2**20,
+    C = getattr(__import__("moe_kernels")._ext, "_C", None)
+    gather = ctx.is_cuda and C is not None and getattr(C, "grouped_mm_gather_enabled", lambda: False)()
+    r.peer_variant["ours"] = "sm_90a gather kernels" if gather else "portable grouped GEMM (gathered rows)"
+    r.extra.update(gather_kernels=float(gather), kept_mib=kept / 2**20, peer_kept_mib=peer_kept / 2**20, saved_mib=(peer_kept - kept) / 2**20,
                    saved_mib_model=model / 2**20)
     if peak is not None:
         r.extra.update(peak_mib=peak, peer_peak_mib=peer_peak)

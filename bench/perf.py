@@ -19,7 +19,8 @@ them through):
   layer     the qwen3-30b-a3b MoE layer at 8192 and 32768 tokens, one family run (and JSON) per token
             count: ours, torch-native, Hugging Face and Liger (where liger_kernel imports, its autotune
             pinned off), eager and graph-replayed; a `[moe_layer]` line per check, timing and mode pass; then
-            the gather-fused experts (bench_expert_mlp) against the permuted path at 8192 tokens
+            the gather-fused experts (bench_expert_mlp, on the sm_90a gather kernels) against the permuted path at
+            8192 tokens
   fp8       the FP8 GEMMs and recipe at deepseek-v3 and qwen3-30b-a3b, with the recipe's fwd+bwd
             profiled kernel by kernel (profile_fp8_recipe_*.txt); the FP8 MoE layer against the BF16 layer
             at deepseek-v3 EP-8 local and qwen3-30b-a3b shapes, 8192 tokens; the byte model's table
@@ -138,7 +139,8 @@ PARTS: dict[str, Part] = {p.name: p for p in (
                    Run("moe_layer", models=("qwen3-30b-a3b",), tokens=(32768,), modes=True, env=LIGER_PINNED,
                        min_s=60),
                    # The gather-fused experts against the permuted path: time, and peak memory measured (~20 s).
-                   Run("expert_mlp", models=("qwen3-30b-a3b",), tokens=(8192,), min_s=30)), min_s=60),
+                   Run("expert_mlp", models=("qwen3-30b-a3b",), tokens=(8192,), min_s=30,
+                       env=(("MOE_KERNELS_GATHER_CUTLASS", "1"),))), min_s=60),
     Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),
                  Run("moe_layer_fp8", tokens=(8192,), min_s=30), Run("bytes", tokens=(8192,), min_s=10)),
          min_s=60),

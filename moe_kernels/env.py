@@ -32,6 +32,7 @@ CUDA_OPS = {
 }
 
 _version_str = _ext.version_str
+GATHER_OPT_IN = "MOE_KERNELS_GATHER_CUTLASS"
 
 
 def collect() -> dict:
@@ -61,8 +62,11 @@ def collect() -> dict:
                                         + ("on" if sm100_opted_in() else f"off (opt-in: {SM100_OPT_IN}=1)")
                                         + "; not yet run on a Blackwell GPU by this project")
         if hasattr(C, "expert_mlp_fwd"):  # MoELayer.expert_path says which path a layer's last forward took
-            info["expert_mlp"] = ("gathered rows and the SwiGLU epilogue on the portable grouped GEMM (no CUTLASS "
-                                  "gather instance yet); opt-in: MoEConfig(gather_experts=True)")
+            enabled = getattr(C, "grouped_mm_gather_enabled", None)
+            gather = ("on" if enabled() else f"off (opt-in: {GATHER_OPT_IN}=1)") \
+                if enabled is not None and getattr(C, "grouped_mm_has_sm90", False) else "not in this build"
+            info["expert_mlp"] = ("opt-in: MoEConfig(gather_experts=True); its gathered products on sm_90a's cp.async "
+                                  f"gather kernels {gather}, not yet run on a GPU; elsewhere the portable grouped GEMM")
     else:
         info["extension_error"] = _ext.import_error()
     gpus = []

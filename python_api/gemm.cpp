@@ -52,6 +52,9 @@ void register_gemm(py::module_& m) {
   m.def("grouped_mm_sm100_enabled", &gemm::sm100::enabled,
         "Whether a 10.0 / 10.3 GPU runs the sm_100f instances: built, and MOE_KERNELS_SM100_CUTLASS=1 when first "
         "asked (the choice the kernels' dispatch makes; read once per process)");
+  m.def("grouped_mm_gather_enabled", &gemm::sm90::gather_enabled,
+        "Whether a 9.0 GPU runs the gathered products (expert_mlp) on the sm_90a gather kernels: built, and "
+        "MOE_KERNELS_GATHER_CUTLASS=1 when first asked (read once per process); else the portable kernel");
   m.def(
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
@@ -61,7 +64,8 @@ void register_gemm(py::module_& m) {
             make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster)));
       },
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
-      "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1)",
+      "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1), 5 = sm_100f fp8 blockwise, 6 = sm_90a gather (expert_mlp's "
+      "gathered products, opted in: MOE_KERNELS_GATHER_CUTLASS=1)",
       py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),
       py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0,

@@ -64,6 +64,9 @@ SASS_CHECKS = (
     (r"cutlass::device_kernel\[(?!\w*_fp8_)\w+_bf16_", r"HGMMA\.\w+\.F32\.BF16", "the bf16 CUTLASS GEMMs run on WGMMA"),
     (r"cutlass::device_kernel\[\w+_fp16_", r"HGMMA\.\w+\.F32 ", "the fp16 CUTLASS GEMMs run on WGMMA"),
     (r"cutlass::device_kernel\[\w+_fp8_", r"QGMMA\.\w+\.F32\.E4M3\.E4M3", "the FP8 CUTLASS GEMM runs on FP8 WGMMA"),
+    # The gathered products (expert_mlp): cp.async of 16 bytes per row chunk into WGMMA's shared memory.
+    (r"sm90::gather_gemm_kernel", r"HGMMA\.\w+\.F32\.BF16", "the gathered sm_90a GEMMs run on WGMMA"),
+    (r"sm90::gather_gemm_kernel", r"LDGSTS\.E\.BYPASS\.128", "the gathered sm_90a GEMMs load 16-byte cp.async chunks"),
 )
 
 

@@ -40,7 +40,8 @@ Prepared carve(void* ws, int E) {
 
 // Offsets from sizes (one block, cub scan), clamped so that no group reaches past row M.
 __global__ void __launch_bounds__(kPrepThreads)
-    prepare_kernel(const int32_t* __restrict__ sizes, int E, int64_t M, int64_t N, GemmOp op, Prepared out) {
+    prepare_kernel(const int32_t* __restrict__ sizes, int E, int64_t M, int64_t N, GemmOp op, int tile_rows,
+                   Prepared out) {
   using Scan = cub::BlockScan<int64_t, kPrepThreads>;
   __shared__ typename Scan::TempStorage scan_rows, scan_tiles;
   int64_t rows[kPrepItems], starts[kPrepItems], tiles[kPrepItems], tile_starts[kPrepItems];
@@ -56,9 +57,9 @@ __global__ void __launch_bounds__(kPrepThreads)
     const int64_t begin = min(starts[i], M), end = min(starts[i] + rows[i], M);
     rows[i] = end - begin;
     starts[i] = begin;
-    const int64_t tile_rows = op == GemmOp::kWgrad ? N : rows[i];
+    const int64_t rows_of_tiles = op == GemmOp::kWgrad ? N : rows[i];
     const int e = threadIdx.x * kPrepItems + i;
-    tiles[i] = e < E ? (tile_rows + kBM - 1) / kBM : 0;
+    tiles[i] = e < E ? (rows_of_tiles + tile_rows - 1) / tile_rows : 0;
   }
   int64_t total_tiles;
   Scan(scan_tiles).ExclusiveSum(tiles, tile_starts, total_tiles);
@@ -328,9 +329,22 @@ GroupedParams resolved(const GroupedParams& p) {
 
 static bool fused(const GroupedParams& p) { return p.a_rows != nullptr || p.b_rows != nullptr || p.act != nullptr; }
 
+// Gathered rows or the SwiGLU epilogue: the sm_90a gather kernels where opted in and they fit (bf16, 16-byte rows
+// and pointers, the epilogue's tiles of 64 features whole), else the portable kernel.
+static Path gather_path(const GroupedParams& p) {
+  if (!sm90::gather_enabled() || p.dtype != DType::kBFloat16 || p.accumulate || p.kernel >= 0) return Path::kPortable;
+  if (device_info(p.device).major != 9) return Path::kPortable;
+  if (p.N % 8 || p.K % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d) || !aligned16(p.act)) {
+    return Path::kPortable;
+  }
+  if ((p.op == GemmOp::kFwd && p.K == 0) || (p.op == GemmOp::kDgrad && p.N == 0)) return Path::kPortable;
+  if (p.act != nullptr && (p.N / 2) % 64) return Path::kPortable;
+  return Path::kSm90Gather;
+}
+
 Path choose_path(const GroupedParams& p) {
-  const Path path = fused(p) ? Path::kPortable : gate(p);
-  if (path == Path::kPortable) {
+  const Path path = fused(p) ? gather_path(p) : gate(p);
+  if (path == Path::kPortable || path == Path::kSm90Gather) {
     if (p.kernel >= 0) {
       throw std::invalid_argument("grouped_mm: kernel " + std::to_string(p.kernel) +
                                   " requested, but this problem runs the portable kernel (no sm_90a GPU or build, "
@@ -359,7 +373,7 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
   }
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
-  if (path == Path::kPortable) return base;
+  if (path == Path::kPortable || path == Path::kSm90Gather) return base;
   if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
     return base + sm100::workspace_bytes(p, device_info(p.device).sms);
   }
@@ -420,9 +434,13 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
         "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
-  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, prep);
+  const int tile_rows = path == Path::kSm90Gather ? sm90::kGatherTileRows : kBM;
+  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, tile_rows, prep);
   check_launch("grouped_mm prepare_kernel");
-  if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
+  if (path == Path::kSm90Gather) {
+    const int64_t row_tiles = (p.M + sm90::kGatherTileRows - 1) / sm90::kGatherTileRows + p.num_groups;
+    sm90::gather_run(p, prep.groups, prep.tiles, row_tiles, stream);
+  } else if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
     GroupedParams q = p;
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
     q.workspace = static_cast<char*>(p.workspace) + base;

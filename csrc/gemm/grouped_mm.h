@@ -85,6 +85,7 @@ enum class Path : int32_t {
   kSm90Fp8Blockwise = 3,
   kSm100 = 4,  // bf16 on a 10.x GPU, opted in (sm100::enabled)
   kSm100Fp8Blockwise = 5,  // E4M3 blockwise on a 10.x GPU, opted in
+  kSm90Gather = 6,  // gathered rows / the SwiGLU epilogue on sm_90a (gemm/sm90/gather_sm90.cuh), opted in
 };
 Path choose_path(const GroupedParams& p);
 
@@ -100,6 +101,13 @@ bool compiled();  // false when the build has no sm_90a target
 // p.kernel and p.raster resolved (>= 0).
 size_t workspace_bytes(const GroupedParams& p, int sm_count);
 void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
+// The gathered products (a_rows, b_rows, the SwiGLU epilogue) on WGMMA with cp.async gathers, bf16: fwd, dgrad,
+// wgrad. Opt-in until they have run on a GPU: gather_enabled() needs the build to hold them and
+// MOE_KERNELS_GATHER_CUTLASS=1. `tiles` / `row_tiles`: the prepare kernel's row-tiles of kGatherTileRows (fwd, dgrad).
+constexpr int kGatherTileRows = 128;
+bool gather_enabled();
+void gather_run(const GroupedParams& p, const GroupInfo* groups, const int32_t* tiles, int64_t row_tiles,
+                cudaStream_t stream);
 }  // namespace sm90
 
 // Blackwell (sm_100f: B200, B300) instances, one per product and dtypes (sm100_dispatch.cu): bf16 forward,

@@ -1,6 +1,8 @@
 // Runs the CUTLASS sm_90a instantiation that resolve_sm90 chose (by kernel id, sm90_kernels.h). Built into
 // every extension; the instantiations themselves exist only when the build targets sm_90a
 // (MOE_KERNELS_HAVE_SM90).
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -63,6 +65,30 @@ void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStre
   entry(p).run(p, sm_count, groups, stream);
 }
 
+#define MOE_GATHER_INSTANCES(X) X(gather_fwd_bf16_128x128x64) X(gather_dgrad_bf16_128x128x64) X(gather_wgrad_bf16_128x128x64)
+#define MOE_DECLARE(NAME) \
+  void NAME##_run(const GroupedParams& p, const GroupInfo* groups, const int32_t* tiles, int64_t row_tiles, cudaStream_t stream);
+MOE_GATHER_INSTANCES(MOE_DECLARE)
+#undef MOE_DECLARE
+
+bool gather_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOE_KERNELS_GATHER_CUTLASS");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+void gather_run(const GroupedParams& p, const GroupInfo* groups, const int32_t* tiles, int64_t row_tiles,
+                cudaStream_t stream) {
+  if (p.dtype != DType::kBFloat16) throw std::logic_error("grouped_mm: the gathered sm_90a kernels take bf16");
+  switch (p.op) {
+    case GemmOp::kFwd: return gather_fwd_bf16_128x128x64_run(p, groups, tiles, row_tiles, stream);
+    case GemmOp::kDgrad: return gather_dgrad_bf16_128x128x64_run(p, groups, tiles, row_tiles, stream);
+    default: return gather_wgrad_bf16_128x128x64_run(p, groups, tiles, row_tiles, stream);
+  }
+}
+
 #else
 
 bool compiled() { return false; }
@@ -72,6 +98,12 @@ size_t workspace_bytes(const GroupedParams&, int) {
 }
 
 void run(const GroupedParams&, int, const GroupInfo*, cudaStream_t) {
+  throw std::logic_error("grouped_mm: this build has no sm_90a kernels");
+}
+
+bool gather_enabled() { return false; }
+
+void gather_run(const GroupedParams&, const GroupInfo*, const int32_t*, int64_t, cudaStream_t) {
   throw std::logic_error("grouped_mm: this build has no sm_90a kernels");
 }
 

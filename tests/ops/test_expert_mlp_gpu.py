@@ -29,6 +29,9 @@ CASES = {
     "odd-sizes": dict(T=29, H=37, F=19, E=5, k=3, align=4),
     "unweighted": dict(weighted=False),
     "wide": dict(T=70, H=136, F=72, E=3, k=2),
+    # The sm_90a gather kernels' shapes (bf16, H and 2F multiples of 8, F a multiple of 64), several tiles a group.
+    "tiles": dict(T=300, H=256, F=128, E=4, k=2),
+    "tiles-padded-skewed": dict(T=260, H=136, F=192, E=5, k=3, align=16, kind="zipf", drop=0.1),
 }
 
 
@@ -122,3 +125,27 @@ def test_needs_only_what_is_asked(cuda):
     out = expert_mlp(x, row_map, gs, p["w13"], p["w2"], None, num_rows=R)
     (dx,) = torch.autograd.grad(out, (x,), p["dout"])
     assert_exact(dx, full[1], "dx")
+
+
+@pytest.mark.cuda_device
+def test_sm90_gather_kernels(cuda):
+    """The sm_90a gather kernels (MOE_KERNELS_GATHER_CUTLASS=1, read once per process): the tests above in a fresh
+    process with them on, against the composition (CUTLASS there too) and fp64."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import moe_kernels
+
+    C = moe_kernels._ext._C
+    if torch.cuda.get_device_capability(cuda) != (9, 0) or not getattr(C, "grouped_mm_has_sm90", False):
+        pytest.skip("needs a 9.0 GPU and the sm_90a build")
+    env = dict(os.environ, MOE_KERNELS_GATHER_CUTLASS="1")
+    root = Path(__file__).resolve().parents[2]
+    check = subprocess.run([sys.executable, "-c", "import moe_kernels; assert moe_kernels._ext._C.grouped_mm_gather_enabled()"],
+                           env=env, cwd=root, capture_output=True, text=True, timeout=120)
+    assert check.returncode == 0, check.stderr
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                           "not sm90_gather", "-x"], env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
