@@ -7,7 +7,9 @@
 // accumulation in a fixed order, any strides. FP8 (E4M3 with blockwise scales) runs only the sm_90a
 // blockwise kernels: forward when K % 128 == 0 and N % 8 == 0 (bf16 output rows 16-byte aligned), wgrad
 // when M % 16 == 0 (TMA's 16-byte row stride over the tokens) and K % 4 == 0 (fp32 output rows); the
-// Python layer falls back to dequantize + fp32 elsewhere.
+// Python layer falls back to dequantize + fp32 elsewhere. Gathered rows and the SwiGLU epilogue (expert_mlp) run
+// the sm_90a gather kernels (gemm/sm90/gather_sm90.cuh) where opted in (MOE_KERNELS_GATHER_CUTLASS=1), bf16, N and
+// K multiples of 8, 16-byte aligned pointers; else the portable kernel, which takes them everywhere.
 #include <cub/block/block_scan.cuh>
 
 #include <mutex>

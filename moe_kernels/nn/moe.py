@@ -60,7 +60,7 @@ class MoEConfig:
     weights_in_activation: bool = False  # Megatron's fusion; default: weights applied in unpermute
     # The routed experts as one gather-fused op (ops/expert_mlp.py): tokens read straight into the first GEMM,
     # no permuted copy, no expert-output gradient; needs weights_in_activation. Opt-in: its gathered products
-    # run the portable grouped GEMM until a CUTLASS gather instance lands. MoELayer.expert_path says what ran.
+    # have sm_90a kernels, themselves opt-in (MOE_KERNELS_GATHER_CUTLASS=1). MoELayer.expert_path says what ran.
     gather_experts: bool = False
     backend: str = "kernels"  # "reference": the plain references; "torch": the torch-native composition
     recipe: Fp8BlockwiseRecipe | Nvfp4Recipe | None = None  # routed experts' GEMM precision; None: the input's

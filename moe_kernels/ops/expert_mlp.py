@@ -18,8 +18,9 @@ kernels, without writing what that chain writes only to move rows around:
 Per layer that keeps R * (H + F) elements fewer than the composition (its x_perm and activation) and writes
 R * H fewer in each direction (x_perm; the expert outputs' gradient).
 
-Today the gathered products run the portable grouped GEMM (no CUTLASS gather instance yet), so on a GPU it is
-slower than the composition; MoEConfig(gather_experts=True) opts in.
+On sm_90a the gathered products run WGMMA kernels of their own (csrc/gemm/sm90/gather_sm90.cuh: cp.async row
+gathers, the SwiGLU epilogue from registers), opt-in with MOE_KERNELS_GATHER_CUTLASS=1 until they have run on a GPU;
+elsewhere, and by default, the portable grouped GEMM. MoEConfig(gather_experts=True) opts the layer in.
 """
 
 from __future__ import annotations
