@@ -209,6 +209,31 @@ MUTANTS = (
         "      if (true) {  // accumulating, an empty group adds nothing\n",
         ("tests/ops/test_grouped_mm_fp8_wgrad_gpu.py", "-k", "test_accumulate_adds and 256-384"),
     ),
+    Mutant(
+        "gather table ignored",
+        "portable_kernel (expert_mlp's gathered products): an operand row read at its group position instead of "
+        "the token the row table names",
+        "gemm/grouped_mm.cu",
+        "  const int32_t src = rows[row_start + pos];\n",
+        "  const int32_t src = int32_t(row_start + pos);\n",
+        ("tests/ops/test_expert_mlp_gpu.py", "-k", "test_matches_composition_and_fp64 and uniform and float32"),
+    ),
+    Mutant(
+        "gate and up swapped in the epilogue",
+        "portable_kernel's SwiGLU epilogue: silu applied to the up half",
+        "gemm/grouped_mm.cu",
+        "              from_float<T>(activation::swiglu_value(to_float(gate), to_float(up), w));\n",
+        "              from_float<T>(activation::swiglu_value(to_float(up), to_float(gate), w));\n",
+        ("tests/ops/test_expert_mlp_gpu.py", "-k", "test_matches_composition_and_fp64 and uniform and float32"),
+    ),
+    Mutant(
+        "padding rows mapped to token 0",
+        "rows_to_tokens: rows no slot maps to start as token 0 instead of -1, so padding rows read a token",
+        "permute/permute.cu",
+        "  check_cuda(cudaMemsetAsync(row_token, 0xff, sizeof(int32_t) * num_rows, stream), \"rows_to_tokens memset\");  // -1\n",
+        "  check_cuda(cudaMemsetAsync(row_token, 0, sizeof(int32_t) * num_rows, stream), \"rows_to_tokens memset\");  // -1\n",
+        ("tests/ops/test_expert_mlp_gpu.py", "-k", "test_matches_composition_and_fp64 and padding-rows and float32"),
+    ),
 )
 
 

@@ -341,6 +341,9 @@ static Path gather_path(const GroupedParams& p) {
   }
   if ((p.op == GemmOp::kFwd && p.K == 0) || (p.op == GemmOp::kDgrad && p.N == 0)) return Path::kPortable;
   if (p.act != nullptr && (p.N / 2) % 64) return Path::kPortable;
+  // The grid's y extent: output column tiles (64 features with the epilogue, else 128 columns).
+  const int64_t cols = p.op == GemmOp::kFwd ? (p.act != nullptr ? p.N / 2 : p.N) : p.K;
+  if ((cols + 63) / 64 > 65535) return Path::kPortable;
   return Path::kSm90Gather;
 }
 

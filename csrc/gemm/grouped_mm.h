@@ -56,13 +56,14 @@ struct GroupedParams {
   // Gathered operand rows (the gather-fused expert MLP, ops/expert_mlp.py): the group-ordered row r of an
   // operand is its row a_rows[r] (b_rows[r]); an index outside [0, gather_rows) reads a row of zeros, so the
   // permuted copy is never written. a_rows: the A operand of every product (fwd's x, dgrad's and wgrad's
-  // dout); b_rows: wgrad's B (x). The portable kernel runs gathered products (no CUTLASS gather instance yet).
+  // dout); b_rows: wgrad's B (x). The portable kernel runs gathered products everywhere, the sm_90a gather kernels
+  // where opted in (sm90::gather_enabled).
   const int32_t* a_rows = nullptr;
   const int32_t* b_rows = nullptr;
   int64_t gather_rows = 0;
   // Forward only, the SwiGLU epilogue: d = h [M, N] = [gate | up] (N = 2F) exactly as without it, and
   // act [M, F] = silu(gate) * up * act_weights[row] (1 when null) from h's rounded values: swiglu_fwd's
-  // math (activation/swiglu_math.cuh), bit for bit. Portable kernel only for now.
+  // math (activation/swiglu_math.cuh), bit for bit; N / 2 a multiple of 64 for the sm_90a gather kernels.
   void* act = nullptr;
   const float* act_weights = nullptr;
 };
@@ -71,7 +72,8 @@ struct GroupedParams {
 struct GroupInfo {
   int64_t row_start;   // first row of the group in x / dout (clamped to M)
   int32_t rows;        // rows of the group inside [0, M)
-  int32_t tile_start;  // first row-tile of the group in the portable kernel's grid
+  int32_t tile_start;  // first row-tile of the group in the kernel's grid (tiles of kBM rows, or of
+                       // sm90::kGatherTileRows for the gather kernels)
 };
 
 // Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent

@@ -88,7 +88,7 @@ NAMES = ["out", "dx", "dw13", "dw2", "dweights"]
 
 
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 def test_matches_composition_and_fp64(cuda, case, dtype):
     p = _problem(cuda, dtype, **CASES[case])
     with extension_calls() as ext:

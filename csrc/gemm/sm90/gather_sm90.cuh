@@ -15,9 +15,13 @@
 //   dgrad  d = dout[rows] @ w[e]             A K-major [M], B = w read N-major
 //   wgrad  d[e] = dout[rows]^T @ x[rows]     A and B M/N-major, both gathered along K (the group's rows)
 // The same values as the portable kernel's up to the order of the fp32 sums (WGMMA's), the same roundings.
+// The handoff from the cp.async writes to WGMMA's reads is CUTLASS's cp.async mainloop's own (an mbarrier that
+// cp.async arrives on, no proxy fence), as in its cp.async cooperative kernel.
 #pragma once
 
 #include <cuda_runtime.h>
+
+#include <atomic>
 
 #include <cutlass/cutlass.h>
 #include <cutlass/arch/barrier.h>
@@ -202,7 +206,8 @@ __global__ void __launch_bounds__(GatherGemm<Element, kOp>::kThreads, 1)
   using G = GatherGemm<Element, kOp>;
   using Mainloop = typename G::Mainloop;
   constexpr int kTileM = G::kTileM, kTileN = G::kTileN, kTileK = G::kTileK;
-  extern __shared__ __align__(128) char smem_raw[];
+  // The swizzled tiles and WGMMA's descriptors assume a 1024-byte aligned base (no static shared memory here).
+  extern __shared__ __align__(1024) char smem_raw[];
   auto& shared = *reinterpret_cast<typename G::SharedStorage*>(smem_raw);
 
   GatherTile tile;
@@ -319,8 +324,14 @@ void gather_gemm_run(const GroupedParams& p, const GroupInfo* groups, const int3
   }
   if (grid.x == 0 || grid.y == 0 || grid.z == 0) return;
   auto* kernel = gather_gemm_kernel<Element, kOp>;
-  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(G::kSmemBytes)),
-             "grouped_mm gather: shared memory");
+  static std::atomic<bool> smem_set[64] = {};  // the attribute is per device: set once each
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "grouped_mm gather");
+  if (!smem_set[device & 63].load(std::memory_order_acquire)) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(G::kSmemBytes)),
+               "grouped_mm gather: shared memory");
+    smem_set[device & 63].store(true, std::memory_order_release);
+  }
   kernel<<<grid, G::kThreads, G::kSmemBytes, stream>>>(q);
   check_launch("grouped_mm gather_gemm_kernel");
 }
