@@ -28,6 +28,9 @@ CASES = {
     "padding-rows": dict(align=16, E=6),
     "odd-sizes": dict(T=29, H=37, F=19, E=5, k=3, align=4),
     "unweighted": dict(weighted=False),
+    # Padding rows without routing weights: nothing scales them to zero, so a padding row that read a token would
+    # reach the weight gradients.
+    "padding-rows-unweighted": dict(align=16, E=6, weighted=False),
     "wide": dict(T=70, H=136, F=72, E=3, k=2),
     # The sm_90a gather kernels' shapes (bf16, H and 2F multiples of 8, F a multiple of 64), several tiles a group.
     "tiles": dict(T=300, H=256, F=128, E=4, k=2),
