@@ -283,6 +283,23 @@ def workspace(nbytes: int, like: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ws, (p + _WORKSPACE_ALIGN - 1) // _WORKSPACE_ALIGN * _WORKSPACE_ALIGN if pad and p else p
 
 
+_region_needs: dict[tuple, int] = {}  # workspace bytes last asked for, per region and shape
+
+
+def with_workspace(key: tuple, fn, like: torch.Tensor, *args) -> None:
+    """Calls a region entry `fn(*args, workspace, workspace_bytes, device, stream)` (the last two in `args`): with
+    the size remembered for `key` first, again with the size it asks for when that was too small (the regions'
+    convention, python_api/regions.cpp)."""
+    *head, device, stream = args
+    nbytes = _region_needs.get(key, 0)
+    while True:
+        _, p = workspace(nbytes, like)  # held until the call has queued its launches
+        need = fn(*head, p, nbytes, device, stream)
+        if not need:
+            return
+        _region_needs[key] = nbytes = max(need, nbytes)
+
+
 def ptr(t: torch.Tensor | None) -> int:
     """Device address of a tensor, 0 for None or an empty tensor."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()

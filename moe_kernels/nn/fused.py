@@ -95,20 +95,7 @@ def _first_order_only() -> None:
     if torch.is_grad_enabled():
         raise RuntimeError("moe_kernels: the MoE layer's fused regions have first derivatives only; for a "
                            "second derivative, run the layer under torch.compile or with backend='reference'")
-_needs: dict[tuple, int] = {}  # workspace bytes last asked for, per region and shape
-
-
-def _with_workspace(key: tuple, fn, like: Tensor, *args) -> None:
-    """Calls `fn(*args, workspace, workspace_bytes, device, stream)` (the last two in `args`): with the
-    remembered size first, again with the size it asks for when that was too small."""
-    *head, device, stream = args
-    nbytes = _needs.get(key, 0)
-    while True:
-        ws, p = _ext.workspace(nbytes, like)
-        need = fn(*head, p, nbytes, device, stream)
-        if not need:
-            return
-        _needs[key] = nbytes = max(need, nbytes)
+_with_workspace = _ext.with_workspace
 
 
 # ---------------------------------------------------------------------------------------------------

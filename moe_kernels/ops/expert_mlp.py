@@ -171,21 +171,6 @@ def _(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights, need_dx
             x.new_empty((h.shape[0],) if need_drw else (0,), dtype=_acc(x.dtype)))
 
 
-_needs: dict[tuple, int] = {}  # workspace bytes per (direction, device, shape, dtype)
-
-
-def _call(key: tuple, fn, like: Tensor, *args, device: int, stream: int) -> None:
-    """fn(*args, workspace, bytes, device, stream): with the remembered workspace size, again with the size it asks
-    for when that was too small (the region convention, moe_kernels/nn/fused.py)."""
-    nbytes = _needs.get(key, 0)
-    while True:
-        ws, p = _ext.workspace(nbytes, like)
-        need = fn(*args, p, nbytes, device, stream)
-        if not need:
-            return
-        _needs[key] = nbytes = max(need, nbytes)
-
-
 def launch_fwd(C, device: int, stream: int, x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor,
                rw: Tensor | None, num_rows: int) -> tuple[Tensor, Tensor, Tensor]:
     """(out [T, H], row_token [R] int32, h [R, 2F]) from the extension; rw fp32 or None. Shared by the registered
@@ -206,9 +191,10 @@ def launch_fwd(C, device: int, stream: int, x: Tensor, row_map: Tensor, group_si
     a = x.new_empty((R, F))
     y = x.new_empty((R, H))
     dt = _ext.dtype_code(x.dtype)
-    _call(("fwd", device, T, k, R, H, F, E, dt), C.expert_mlp_fwd, x, _ext.ptr(x), _ext.ptr(row_map),
-          _ext.ptr(group_sizes), _ext.ptr(w13), _ext.ptr(w2), _ext.ptr(rw), _ext.ptr(row_token), _ext.ptr(h), _ext.ptr(a),
-          _ext.ptr(y), _ext.ptr(out), T, k, R, H, F, E, dt, device=device, stream=stream)
+    _ext.with_workspace(("expert_mlp_fwd", device, T, k, R, H, F, E, dt), C.expert_mlp_fwd, x, _ext.ptr(x),
+                        _ext.ptr(row_map), _ext.ptr(group_sizes), _ext.ptr(w13), _ext.ptr(w2), _ext.ptr(rw),
+                        _ext.ptr(row_token), _ext.ptr(h), _ext.ptr(a), _ext.ptr(y), _ext.ptr(out), T, k, R, H, F, E, dt,
+                        device, stream)
     return out, row_token, h
 
 
@@ -234,10 +220,10 @@ def launch_bwd(C, device: int, stream: int, dout: Tensor, x: Tensor, row_token: 
     dh = x.new_empty((R, F2))
     dxp = x.new_empty((R, H)) if need_dx else None
     dt = _ext.dtype_code(x.dtype)
-    _call(("bwd", device, T, k, R, H, F, E, dt), C.expert_mlp_bwd, x, _ext.ptr(dout), _ext.ptr(x), _ext.ptr(row_token),
-          _ext.ptr(row_map), _ext.ptr(h), _ext.ptr(w13), _ext.ptr(w2), _ext.ptr(group_sizes), _ext.ptr(rw), _ext.ptr(a),
-          _ext.ptr(da), _ext.ptr(dh), _ext.ptr(dxp), _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(drw), T, k, R,
-          H, F, E, dt, device=device, stream=stream)
+    _ext.with_workspace(("expert_mlp_bwd", device, T, k, R, H, F, E, dt), C.expert_mlp_bwd, x, _ext.ptr(dout),
+                        _ext.ptr(x), _ext.ptr(row_token), _ext.ptr(row_map), _ext.ptr(h), _ext.ptr(w13), _ext.ptr(w2),
+                        _ext.ptr(group_sizes), _ext.ptr(rw), _ext.ptr(a), _ext.ptr(da), _ext.ptr(dh), _ext.ptr(dxp),
+                        _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(drw), T, k, R, H, F, E, dt, device, stream)
     return dx, dw13, dw2, drw
 
 

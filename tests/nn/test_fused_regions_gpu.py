@@ -143,9 +143,9 @@ def test_nvlink_virtual_ranks_have_no_host_sync(cuda):
     assert all(x.grad is not None for x in xs)
 
 
-def test_compile_fullgraph_takes_registered_ops(cuda, registered_ops):
-    layer = _layer("losses", cuda)
-    x, g = _inputs(cuda, torch.float32)
+def _compiled_equals_eager(layer, x, g) -> dict:
+    """The layer under torch.compile(fullgraph=True) gives the eager layer's outputs and gradients bit for bit;
+    returns the extension calls of the compiled step."""
     eager = _step(layer, x, g)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     layer.zero_grad(set_to_none=True)
@@ -153,11 +153,17 @@ def test_compile_fullgraph_takes_registered_ops(cuda, registered_ops):
     with extension_calls() as ext:
         out, aux = compiled(xc)
         ((out.float() * g).sum() + aux).backward()
-    assert "experts_fwd" not in ext.calls and "grouped_mm" in ext.calls, ext.calls
     got = [out.detach(), aux.detach(), xc.grad] + [p.grad for p in layer.parameters()]
     names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, got, eager):
         assert_exact(a, b, f"compiled: {name}")
+    return ext.calls
+
+
+def test_compile_fullgraph_takes_registered_ops(cuda, registered_ops):
+    x, g = _inputs(cuda, torch.float32)
+    calls = _compiled_equals_eager(_layer("losses", cuda), x, g)
+    assert "experts_fwd" not in calls and "grouped_mm" in calls, calls
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -226,17 +232,6 @@ def test_gathered_has_no_host_sync(cuda, path, registered_ops):
 
 
 def test_gathered_compile_fullgraph(cuda, registered_ops):
-    layer = _gathered_layer("losses", cuda)
     x, g = _inputs(cuda, torch.float32)
-    eager = _step(layer, x, g)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    layer.zero_grad(set_to_none=True)
-    xc = x.detach().requires_grad_()
-    with extension_calls() as ext:
-        out, aux = compiled(xc)
-        ((out.float() * g).sum() + aux).backward()
-    assert ext.calls.get("expert_mlp_fwd") == 1 and ext.calls.get("expert_mlp_bwd") == 1, ext.calls
-    got = [out.detach(), aux.detach(), xc.grad] + [p.grad for p in layer.parameters()]
-    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
-    for name, a, b in zip(names, got, eager):
-        assert_exact(a, b, f"compiled: {name}")
+    calls = _compiled_equals_eager(_gathered_layer("losses", cuda), x, g)
+    assert calls.get("expert_mlp_fwd") == 1 and calls.get("expert_mlp_bwd") == 1, calls
