@@ -40,6 +40,14 @@ def _serves(spec, op, dtype, out):
 def test_every_instance_file_instantiates_its_listed_configuration(C):
     specs = {k["name"]: k for k in C.grouped_mm_sm90_kernels()}
     files = {p.stem: p.read_text() for p in SM90.glob("*.cu")}
+    # The gathered products' kernels (expert_mlp) are not table instances: one file each, named in gather_run's list.
+    gather = {n: t for n, t in files.items() if "MOE_GATHER_SM90_INSTANCE(" in t}
+    dispatch = (ROOT / "csrc" / "gemm" / "sm90_dispatch.cu").read_text()
+    listed = re.findall(r"X\((\w+)\)", dispatch[dispatch.index("#define MOE_GATHER_INSTANCES(X)"):].split("\n")[0])
+    assert sorted(gather) == sorted(listed) and len(listed) == 3, (sorted(gather), listed)
+    for name, text in gather.items():
+        assert re.search(rf"MOE_GATHER_SM90_INSTANCE\({name}, cutlass::bfloat16_t, GemmOp::k\w+\)", text), name
+        files.pop(name)
     assert set(files) == set(specs), "one .cu per listed instance, named after it"
     el = {"cutlass::bfloat16_t": BF16, "cutlass::half_t": FP16}
     ops = {"kFwd": 0, "kDgrad": 1, "kWgrad": 2}
