@@ -101,7 +101,7 @@ def _step(layer):
         x = x.detach().requires_grad_()
         out, aux = layer(x)
         torch.autograd.backward((out, aux), (dout, torch.ones_like(aux)))
-        return out, x.grad
+        return out.detach(), x.grad
     return run
 
 
