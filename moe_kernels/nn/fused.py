@@ -95,7 +95,6 @@ def _first_order_only() -> None:
     if torch.is_grad_enabled():
         raise RuntimeError("moe_kernels: the MoE layer's fused regions have first derivatives only; for a "
                            "second derivative, run the layer under torch.compile or with backend='reference'")
-_with_workspace = _ext.with_workspace
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,7 +190,7 @@ class _Experts(torch.autograd.Function):
         rw = None if row_weights is None else row_weights.float().contiguous()
         dt = _DTYPE[x.dtype]
         if R:
-            _with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
+            _ext.with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
                             _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), _ext.ptr(group_sizes), _ext.ptr(rw),
                             _ext.ptr(h), _ext.ptr(a), _ext.ptr(y), R, H, F, E, dt, L.device, L.stream)
         ctx.save_for_backward(x, h, a, w13, w2, group_sizes, rw)
@@ -222,7 +221,7 @@ class _Experts(torch.autograd.Function):
             da = x.new_empty((R, F))
             dh = x.new_empty((R, F2))
             dt = _DTYPE[x.dtype]
-            _with_workspace(("experts_bwd", L.device, R, H, F, E, dt), L.C.experts_bwd, x,
+            _ext.with_workspace(("experts_bwd", L.device, R, H, F, E, dt), L.C.experts_bwd, x,
                             _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), _ext.ptr(a), _ext.ptr(w13), _ext.ptr(w2),
                             _ext.ptr(group_sizes), _ext.ptr(rw), _ext.ptr(da), _ext.ptr(dh), _ext.ptr(dx),
                             _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, dt, L.device, L.stream)

@@ -248,9 +248,9 @@ class MoELayer(nn.Module):
             _, row_map, group_sizes = permute_reference(x[:, :0], routed.indices, E, align)
             row_weights = permuted_row_values(routed.weights, row_map, R)
             return expert_mlp_reference(x, row_map, group_sizes, w13, w2, row_weights, R)
+        x = x.contiguous()
         if launch is not None and not self._fused_experts_fit(launch, x):
             launch = None  # the registered ops
-        x = x.contiguous()
         # The routing alone (row_map, group_sizes): a permute of zero-width rows copies nothing.
         _, row_map, group_sizes = fused.run("permute", launch, x[:, :0], routed.indices, E, align)
         row_weights = permuted_row_values(routed.weights, row_map, R)

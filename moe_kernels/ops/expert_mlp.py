@@ -37,7 +37,7 @@ from moe_kernels.ops.grouped_mm import (
     grouped_mm_reference,
     grouped_mm_wgrad_reference,
 )
-from moe_kernels.ops.permute import _check_row_map_values, unpermute_reference
+from moe_kernels.ops.permute import _check_row_map_values, slot_of_row, unpermute_reference
 
 _OP = "expert_mlp"
 
@@ -85,13 +85,8 @@ def _check_values(row_map: Tensor, group_sizes: Tensor, num_rows: int) -> None:
 
 def rows_to_tokens_reference(row_map: Tensor, num_rows: int) -> Tensor:
     """[R] int32: the token whose slot row_map sends to each row, -1 for rows no slot maps to."""
-    T, k = row_map.shape
-    flat = row_map.reshape(-1).long()
-    valid = (flat >= 0) & (flat < num_rows)
-    target = torch.where(valid, flat, num_rows)
-    tokens = torch.arange(T * k, device=row_map.device) // k
-    out = torch.full((num_rows + 1,), -1, dtype=torch.long, device=row_map.device)
-    return out.scatter(0, target, torch.where(valid, tokens, -1))[:num_rows].to(torch.int32)
+    slot = slot_of_row(row_map, num_rows)
+    return torch.where(slot >= 0, slot // row_map.shape[1], -1).to(torch.int32)
 
 
 def _gather_rows(t: Tensor, row_token: Tensor) -> Tensor:
@@ -103,13 +98,11 @@ def _gather_rows(t: Tensor, row_token: Tensor) -> Tensor:
 def expert_mlp_reference(x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor,
                          row_weights: Tensor | None, num_rows: int) -> Tensor:
     """The definition; differentiable (plain PyTorch)."""
-    row_token = rows_to_tokens_reference(row_map, num_rows)
-    h = grouped_mm_reference(_gather_rows(x, row_token), w13, group_sizes)
-    y = grouped_mm_reference(swiglu_reference(h, row_weights), w2, group_sizes)
-    return unpermute_reference(y, row_map, None)
+    return _forward_reference(x, row_map, group_sizes, w13, w2, row_weights, num_rows)[0]
 
 
 def _forward_reference(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
+    """(out, row_token, h): the definition with what its backward keeps."""
     row_token = rows_to_tokens_reference(row_map, num_rows)
     h = grouped_mm_reference(_gather_rows(x, row_token), w13, group_sizes)
     y = grouped_mm_reference(swiglu_reference(h, row_weights), w2, group_sizes)
@@ -146,10 +139,10 @@ def _expert_mlp_bwd(dout: Tensor, x: Tensor, row_token: Tensor, row_map: Tensor,
                     need_drw: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     dx, dw13, dw2, drw = expert_mlp_bwd_reference(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights,
                                                   need_dx, need_dw13, need_dw2, need_drw)
-    return _filled(dx, dw13, dw2, drw, x, w13, w2, h.shape[0])
+    return _filled(dx, dw13, dw2, drw, x)
 
 
-def _filled(dx, dw13, dw2, drw, x, w13, w2, R):
+def _filled(dx, dw13, dw2, drw, x):
     """Gradients not asked for as empty tensors (a custom op returns tensors)."""
     def empty():  # one each: a custom op's outputs may not alias
         return x.new_empty((0,))
@@ -254,12 +247,12 @@ def _expert_mlp_bwd_cuda(dout, x, row_token, row_map, h, w13, w2, group_sizes, r
     C = _ext.kernels(_OP, x)
     if C is None:
         return _filled(*expert_mlp_bwd_reference(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights,
-                                                 need_dx, need_dw13, need_dw2, need_drw), x, w13, w2, h.shape[0])
+                                                 need_dx, need_dw13, need_dw2, need_drw), x)
     rw = None if row_weights is None else row_weights.float().contiguous()
     launch = _ext.launch_args(x)
     grads = launch_bwd(C, launch["device"], launch["stream"], dout.contiguous(), x, row_token, row_map, h, w13, w2,
                        group_sizes, rw, need_dx, need_dw13, need_dw2, need_drw)
-    return _filled(*grads, x, w13, w2, h.shape[0])
+    return _filled(*grads, x)
 
 
 def _setup(ctx, inputs, output):
