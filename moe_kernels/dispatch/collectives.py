@@ -13,6 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+if dist.is_available():
+    # torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is imported, and torch
+    # imports it lazily (the first custom-op call pulls in torch._dynamo, which imports it). Imported after
+    # init_process_group, those defaults hold the gloo group past destroy_process_group: its worker threads are
+    # never joined and abort the process at exit ("terminate called without an active exception"). Imported here,
+    # with the dispatchers, before a program creates its groups, the defaults are None.
+    import torch.distributed.nn  # noqa: F401
+
 
 _BYTE_FLOATS = (torch.float8_e4m3fn, torch.float8_e5m2)
 
