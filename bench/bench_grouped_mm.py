@@ -28,6 +28,10 @@ Peers, timed in the same run on the same inputs:
                     dgrad dout[M, N] @ W[N, K], wgrad dout^T[N, M] @ x[M, K]): the ceiling at this
                     size; its "speedup" is the fraction of dense cuBLAS throughput we reach.
   reference         moe_kernels' per-expert reference loops called directly, on the CPU only.
+  expert_order      (wgrad, where ours runs its kernels) ours with the groups visited in expert order
+                    (group_order=0) instead of the default, largest first: the same kernel and bits (checked
+                    equal), timed to show what visiting the largest groups first gains under skewed routing
+                    (the `expert_order` speedup > 1 where it helps; one headline line over the zipf cases).
 `pct_of_ceiling` is against the harness's ceiling (the dense 8192^3 bf16 matmul for a GEMM); `pct_of_dense`
 against dense_mm.
 Checked before timing, on the first input set (x, dout ~ randn, w ~ randn / sqrt(K)):
@@ -242,6 +246,20 @@ def expert_loop(op: str, sizes: tuple[int, ...]) -> Callable:
     return {"fwd": fwd, "dgrad": dgrad, "wgrad": wgrad}[op]
 
 
+def wgrad_expert_order(c: Case, group_sizes: torch.Tensor) -> Callable:
+    """fn(dout, x): ours' wgrad with the groups visited in expert order (group_order=0), into a fresh output
+    as the op allocates it."""
+    from moe_kernels.ops.grouped_mm import _launch
+
+    def fn(dout, x):
+        out = torch.empty((c.E, c.N, c.K), dtype=dout.dtype, device=dout.device)
+        _launch("wgrad", dout, x, out, group_sizes, c.M, c.N, c.K, _ext.kernels(OP_NAMES["wgrad"], dout),
+                group_order=0)
+        return out
+
+    return fn
+
+
 def dense_mm(op: str) -> tuple[Callable, Callable]:
     """(fn, operands from an input set): one dense matmul with the op's FLOPs and layout."""
     return {
@@ -434,6 +452,8 @@ def check_op(ctx: h.Context, c: Case, op: str, s: dict[str, torch.Tensor], sizes
     if base is None:
         base, base_name = expert_loop(op, sizes)(a, b), "expert_loop"
     check_close(f"{what} vs {base_name}", _rows(op, ours, n), _rows(op, base, n))
+    if op == "wgrad" and path != "reference":
+        assert torch.equal(wgrad_expert_order(c, gs)(a, b), ours), f"{what}: expert order changed the bits"
     if fp64:
         ref64 = REFERENCE[op](a.double(), b.double(), gs)
         check_fp64(f"{what} vs fp64 (baseline {base_name})", _rows(op, ours, n), _rows(op, base, n),
@@ -481,6 +501,9 @@ def run_case(ctx: h.Context, c: Case, torch_status: dict[str, str | None],
         if not ctx.is_cuda:
             peers["reference"] = ctx.time(lambda a, b, _f=REFERENCE[op]: _f(a, b, gs), inputs)
             variant["reference"] = REFERENCE[op].__name__
+        if op == "wgrad" and path != "reference":
+            peers["expert_order"] = ctx.time(wgrad_expert_order(c, gs), inputs)
+            variant["expert_order"] = "ours, group_order=0 (the default visits the largest groups first)"
 
         r = h.make_result(ctx, op=OP_NAMES[op], case=c.name, shape=c.shape(ctx.seed), dtype=torch.bfloat16,
                           timing=timing, nbytes=nbytes(op, c, sizes), flops=2 * sum(sizes) * c.N * c.K,
@@ -517,6 +540,15 @@ def headline(ctx: h.Context, results: list[GemmResult]) -> list[str]:
         lines.append(f"{name}: {g:.2f}x torch._grouped_mm geomean over {len(rs)}"
                      f"{'' if len(rs) == n_all else f' of {n_all}'} cases, min {min(s):.2f}x at {worst.case} "
                      f"(bar: {BAR_TORCH}) [{'meets bar' if ok else 'below bar'}]")
+    ordered = [r for r in results if r.op == OP_NAMES["wgrad"] and "expert_order" in r.speedup]
+    for routing in ROUTINGS:
+        rs = [r for r in ordered if r.case.split("/")[2] == routing]
+        if rs:
+            s = [r.speedup["expert_order"] for r in rs]
+            worst = min(rs, key=lambda r: r.speedup["expert_order"])
+            lines.append(f"grouped_mm_wgrad, groups visited largest first vs expert order ({routing} routing): "
+                         f"{_geomean(s):.2f}x geomean over {len(rs)} cases, min {min(s):.2f}x at {worst.case}, "
+                         f"max {max(s):.2f}x")
     rows = LARGE_GROUP_ROWS if ctx.is_cuda else CPU_LARGE_GROUP_ROWS
     for op in OPS:
         name = OP_NAMES[op]

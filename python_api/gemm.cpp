@@ -86,23 +86,44 @@ void register_gemm(py::module_& m) {
       [](int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t num_groups, int64_t M,
          int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s,
          uintptr_t sfa, uintptr_t sfb, int32_t group_align, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
-         bool accumulate) {
+         bool accumulate, int32_t group_order) {
         DeviceGuard guard(device);
         auto p = make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb,
                       fp8_wgrad_out, kernel, raster);
         p.group_align = group_align;
         p.accumulate = accumulate;
+        p.group_order = group_order;
         gemm::grouped_mm(p, stream(s));
       },
       "group_align (wgrad): groups whose rows do not start and end on multiples of it get NaN; 0: any. "
       "fp8_wgrad_out (FP8 wgrad): the output's dtype code, float32 (0) or bfloat16 (2). kernel, raster (sm_90a): "
       "the instance (an index into grouped_mm_sm90_kernels()) and raster order (0 along M, 1 along N) to run; "
       "-1: the tuning table's choice. accumulate (wgrad with a float32 output): d += the product, empty groups "
-      "keep d",
+      "keep d. group_order: the order the CUTLASS schedulers visit the groups, 1 largest first (sizes read on the "
+      "device), 0 expert order, -1 the default (largest first for wgrad); the output is the same",
       py::arg("op"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_sizes"), py::arg("num_groups"),
       py::arg("M"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"),
       py::arg("device"), py::arg("stream"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("group_align") = 0,
-      py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("accumulate") = false);
+      py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("accumulate") = false,
+      py::arg("group_order") = -1);
+  m.attr("grouped_mm_max_ordered_groups") = gemm::kMaxOrderedGroups;
+  m.def(
+      "grouped_mm_visit_order",
+      [](int32_t op, uintptr_t group_sizes, int32_t num_groups, int64_t M, int64_t N, int64_t K, int32_t dtype,
+         uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s, uintptr_t order, int32_t group_order) {
+        DeviceGuard guard(device);
+        auto p = make(op, 0, 0, 0, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, 0, 0, 0,
+                      -1, -1);
+        p.group_order = group_order;
+        gemm::group_visit_order(p, ptr<int32_t>(order), stream(s));
+      },
+      "Writes order[num_groups] (int32): the order in which grouped_mm's CUTLASS schedulers visit the groups for "
+      "these sizes (order[s] = the group visited s-th), from grouped_mm's own prepare kernel; workspace as "
+      "grouped_mm_workspace_bytes sizes it. Expert order where group_order resolves to it (or past "
+      "grouped_mm_max_ordered_groups groups)",
+      py::arg("op"), py::arg("group_sizes"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"),
+      py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"),
+      py::arg("order"), py::arg("group_order") = -1);
 
   // The sm_90a instances and their choice (csrc/gemm/sm90_kernels.h); no GPU needed.
   m.def(

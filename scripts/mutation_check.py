@@ -234,6 +234,14 @@ MUTANTS = (
         "  check_cuda(cudaMemsetAsync(row_token, 0, sizeof(int32_t) * num_rows, stream), \"rows_to_tokens memset\");  // -1\n",
         ("tests/ops/test_expert_mlp_gpu.py", "-k", "test_matches_composition_and_fp64 and padding-rows-unweighted and float32"),
     ),
+    Mutant(
+        "group order ties broken backwards",
+        "prepare_kernel: groups of equal rows ranked by descending index, so the visiting order is not the stated one",
+        "gemm/grouped_mm.cu",
+        "      rank += (r > key) | ((r == key) & (j < e));\n",
+        "      rank += (r > key) | ((r == key) & (j > e));\n",
+        ("tests/ops/test_grouped_mm_gpu.py", "-k", "test_visit_order and ties"),
+    ),
 )
 
 

@@ -27,25 +27,31 @@ namespace {
 
 constexpr int kBM = 64, kBN = 64, kBK = 16, kThreads = 256;
 constexpr int kPrepThreads = 1024, kPrepItems = kMaxGroups / kPrepThreads;
+static_assert(kMaxOrderedGroups <= kMaxGroups);
 
 struct Prepared {
   GroupInfo* groups;   // [E]
   int64_t* total;      // rows covered by all groups
   int32_t* tiles;      // row-tiles in use
+  int32_t* order;      // [E]: the groups largest first (written only when asked for)
 };
 
 Prepared carve(void* ws, int E) {
   auto* g = static_cast<GroupInfo*>(ws);
   auto* total = reinterpret_cast<int64_t*>(g + E);
-  return {g, total, reinterpret_cast<int32_t*>(total + 1)};
+  return {g, total, reinterpret_cast<int32_t*>(total + 1), reinterpret_cast<int32_t*>(total + 2)};
 }
 
-// Offsets from sizes (one block, cub scan), clamped so that no group reaches past row M.
+// Offsets from sizes (one block, cub scan), clamped so that no group reaches past row M. Where out.order is
+// given it gets the visiting order: with `largest_first` (E <= kMaxOrderedGroups) the groups by their clamped
+// rows, descending, ties in expert order (each group's rank counts the groups before it in that order, from
+// shared-memory broadcast reads); else expert order.
 __global__ void __launch_bounds__(kPrepThreads)
     prepare_kernel(const int32_t* __restrict__ sizes, int E, int64_t M, int64_t N, GemmOp op, int tile_rows,
-                   Prepared out) {
+                   bool largest_first, Prepared out) {
   using Scan = cub::BlockScan<int64_t, kPrepThreads>;
   __shared__ typename Scan::TempStorage scan_rows, scan_tiles;
+  __shared__ int32_t ranked_rows[kMaxOrderedGroups];
   int64_t rows[kPrepItems], starts[kPrepItems], tiles[kPrepItems], tile_starts[kPrepItems];
 #pragma unroll
   for (int i = 0; i < kPrepItems; ++i) {
@@ -73,6 +79,26 @@ __global__ void __launch_bounds__(kPrepThreads)
   if (threadIdx.x == 0) {
     *out.total = min(total, M);
     *out.tiles = int32_t(total_tiles);
+  }
+  if (out.order == nullptr) return;  // block-uniform
+  if (!largest_first) {
+    for (int e = threadIdx.x; e < E; e += kPrepThreads) out.order[e] = e;
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < kPrepItems; ++i) {
+    const int e = threadIdx.x * kPrepItems + i;
+    if (e < E) ranked_rows[e] = int32_t(rows[i]);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += kPrepThreads) {
+    const int32_t key = ranked_rows[e];
+    int rank = 0;
+    for (int j = 0; j < E; ++j) {
+      const int32_t r = ranked_rows[j];
+      rank += (r > key) | ((r == key) & (j < e));
+    }
+    out.order[rank] = e;
   }
 }
 
@@ -245,7 +271,7 @@ int64_t max_row_tiles(const GroupedParams& p) {
   return (p.M + kBM - 1) / kBM + p.num_groups;  // each group adds at most one partial tile
 }
 
-size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16; }
+size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16 + size_t(E) * sizeof(int32_t); }
 
 struct DeviceInfo {
   int major = 0, minor = 0, sms = 0;
@@ -371,8 +397,17 @@ Path choose_path(const GroupedParams& p) {
   return kSm90Kernels[resolve_sm90(p).kernel].pingpong ? Path::kSm90Pingpong : Path::kSm90Cooperative;
 }
 
+bool largest_first(const GroupedParams& p) {
+  if (p.group_order < -1 || p.group_order > 1) {
+    throw std::invalid_argument("grouped_mm: group_order must be -1 (the default), 0 (expert order) or 1 (largest first)");
+  }
+  const bool want = p.group_order == 1 || (p.group_order == -1 && p.op == GemmOp::kWgrad);
+  return want && p.num_groups <= kMaxOrderedGroups;
+}
+
 size_t grouped_workspace_bytes(const GroupedParams& p) {
   if (p.num_groups < 1 || p.num_groups > kMaxGroups) throw std::invalid_argument("grouped_mm: num_groups out of range");
+  largest_first(p);  // validates group_order
   if (p.fp8_wgrad_out != DType::kFloat32 && p.fp8_wgrad_out != DType::kBFloat16) {
     throw std::invalid_argument("grouped_mm: fp8_wgrad_out must be float32 or bfloat16");
   }
@@ -440,19 +475,25 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
   const int tile_rows = path == Path::kSm90Gather ? sm90::kGatherTileRows : kBM;
-  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, tile_rows, prep);
+  const bool ordered = path != Path::kPortable && largest_first(p);
+  Prepared launch_prep = prep;
+  if (!ordered) launch_prep.order = nullptr;
+  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, tile_rows, ordered,
+                                                 launch_prep);
   check_launch("grouped_mm prepare_kernel");
+  GroupedParams v = p;
+  v.visit = launch_prep.order;
   if (path == Path::kSm90Gather) {
     const int64_t row_tiles = (p.M + sm90::kGatherTileRows - 1) / sm90::kGatherTileRows + p.num_groups;
-    sm90::gather_run(p, prep.groups, prep.tiles, row_tiles, stream);
+    sm90::gather_run(v, prep.groups, prep.tiles, row_tiles, stream);
   } else if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
-    GroupedParams q = p;
+    GroupedParams q = v;
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
     sm100::run(q, device_info(p.device).sms, prep.groups, stream);
   } else if (path != Path::kPortable) {
-    GroupedParams q = resolved(p);
+    GroupedParams q = resolved(v);
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
@@ -474,6 +515,17 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     check_launch("grouped_mm portable_kernel");
   }
   zero_uncovered(p, stream);
+}
+
+void group_visit_order(const GroupedParams& p, int32_t* order, cudaStream_t stream) {
+  if (p.workspace_bytes < grouped_workspace_bytes(p)) throw std::invalid_argument("grouped_mm: workspace too small");
+  Prepared prep = carve(p.workspace, p.num_groups);
+  const bool ordered = largest_first(p);
+  prep.order = order;
+  const int tile_rows = choose_path(p) == Path::kSm90Gather ? sm90::kGatherTileRows : kBM;
+  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, tile_rows, ordered,
+                                                 prep);
+  check_launch("grouped_mm prepare_kernel");
 }
 
 }  // namespace moe::gemm

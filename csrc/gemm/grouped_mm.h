@@ -24,6 +24,7 @@
 namespace moe::gemm {
 
 constexpr int kMaxGroups = 4096;
+constexpr int kMaxOrderedGroups = 512;  // GroupedParams::group_order: a rank count, O(E^2 / threads)
 
 enum class GemmOp : int32_t { kFwd = 0, kDgrad = 1, kWgrad = 2 };
 
@@ -53,6 +54,17 @@ struct GroupedParams {
   // 1 along N) to run; -1 lets the tuning table choose. The tuning sweep sets them; the ops leave them.
   int32_t kernel = -1;
   int32_t raster = -1;
+  // The order in which the CUTLASS and gather kernels' schedulers visit the groups: 1 the largest groups first
+  // (sizes read on the device by the prepare kernel; ties in expert order), 0 expert order, -1 the default:
+  // largest first for wgrad, expert order for fwd and dgrad. A wgrad tile's cost grows with its group's rows,
+  // and the persistent schedulers hand out tiles round-robin in the visiting order, so largest first bounds
+  // the spread of work between CTAs by one tile of the largest group, whatever the routing's skew; a forward
+  // or dgrad tile costs the same in every group. More than kMaxOrderedGroups groups keep expert order.
+  // The output is the same in either order (each group's tiles are computed alone).
+  int32_t group_order = -1;
+  // Set by grouped_mm, not by callers: the visiting order on the device ([E], group indices), null for expert
+  // order.
+  const int32_t* visit = nullptr;
   // Gathered operand rows (the gather-fused expert MLP, ops/expert_mlp.py): the group-ordered row r of an
   // operand is its row a_rows[r] (b_rows[r]); an index outside [0, gather_rows) reads a row of zeros, so the
   // permuted copy is never written. a_rows: the A operand of every product (fwd's x, dgrad's and wgrad's
@@ -93,6 +105,13 @@ Path choose_path(const GroupedParams& p);
 
 size_t grouped_workspace_bytes(const GroupedParams& p);
 void grouped_mm(const GroupedParams& p, cudaStream_t stream);
+// GroupedParams::group_order resolved: true when the schedulers visit the groups largest first (the portable
+// kernel, which maps its blocks to groups by their tile offsets, has no order and ignores it).
+bool largest_first(const GroupedParams& p);
+// The visiting order that grouped_mm(p) gives the schedulers (order[s] = the group visited s-th), written to
+// order[E] by grouped_mm's own prepare kernel in p.workspace (sized by grouped_workspace_bytes); expert order
+// where largest_first(p) is false. On every build, the CPU-executed one included (tests).
+void group_visit_order(const GroupedParams& p, int32_t* order, cudaStream_t stream);
 
 // Shared by both paths: zero dgrad rows past the groups and wgrad outputs of empty groups; NaN in wgrad
 // outputs of groups that break group_align.

@@ -351,11 +351,14 @@ def _takes_torch(op: str, t: Tensor, operands: tuple[Tensor, ...], group_sizes: 
 
 
 def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C,
-            group_align: int = 0, kernel: int = -1, raster: int = -1, accumulate: bool = False) -> None:
+            group_align: int = 0, kernel: int = -1, raster: int = -1, accumulate: bool = False,
+            group_order: int = -1) -> None:
     """group_align (wgrad): groups whose rows do not start and end on multiples of it come out NaN.
     kernel, raster: an sm_90a instance (an index into C.grouped_mm_sm90_kernels()) and raster order to run
     instead of the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests).
-    accumulate (wgrad, float32): out += the product; empty groups keep out."""
+    accumulate (wgrad, float32): out += the product; empty groups keep out. group_order: the order the
+    CUTLASS scheduler visits the groups, 1 largest first, 0 expert order, -1 the default (largest first for
+    wgrad); the output is the same (bench grouped_mm's group-order cases)."""
     E = group_sizes.shape[0]
     # One pointer rule (0 for an empty tensor) for sizing and launching: the path, and so the workspace it
     # needs, follows the pointers' alignment.
@@ -367,8 +370,44 @@ def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: 
         op=_OPS[op], **ptrs, group_sizes=_ext.ptr(group_sizes), num_groups=E,
         M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=ws_ptr, workspace_bytes=nbytes,
         group_align=group_align, kernel=kernel, raster=raster, **_ext.launch_args(a),
-        **({"accumulate": True} if accumulate else {}),
+        **({"accumulate": True} if accumulate else {}), **({"group_order": group_order} if group_order != -1 else {}),
     )
+
+
+def visit_order(op: str, group_sizes: Tensor, M: int, N: int, K: int, dtype: torch.dtype = torch.bfloat16,
+                group_order: int = -1) -> Tensor:
+    """The order in which grouped_mm's CUTLASS schedulers visit the groups of this problem (int32 [E] on
+    group_sizes' device, order[s] = the group visited s-th), as the op's own prepare kernel writes it on the
+    device: for wgrad (or group_order=1) the groups by their rows (clamped to M) largest first, ties in expert
+    order; expert order for fwd and dgrad, with group_order=0, or past C.grouped_mm_max_ordered_groups groups.
+    For tests and the bench; the CPU-executed build computes it too."""
+    C = _ext.kernels(op, group_sizes)
+    if C is None:
+        raise RuntimeError("visit_order needs the extension's kernels on this device")
+    E = group_sizes.shape[0]
+    code = _ext.dtype_code(dtype)
+    dev = _ext.launch_args(group_sizes)
+    nbytes = C.grouped_mm_workspace_bytes(op=_OPS[op], dtype=code, num_groups=E, M=M, N=N, K=K, a=0, b=0, d=0,
+                                          device=dev["device"])
+    ws, ws_ptr = _ext.workspace(nbytes, group_sizes)
+    order = torch.empty(E, dtype=torch.int32, device=group_sizes.device)
+    C.grouped_mm_visit_order(op=_OPS[op], group_sizes=group_sizes.data_ptr(), num_groups=E, M=M, N=N, K=K,
+                             dtype=code, workspace=ws_ptr, workspace_bytes=nbytes, order=order.data_ptr(),
+                             group_order=group_order, **dev)
+    return order
+
+
+def visit_order_reference(op: str, group_sizes: Tensor, M: int, group_order: int = -1,
+                          max_ordered: int = 512) -> Tensor:
+    """visit_order's definition on any device: the rows each group holds inside [0, M), sorted descending
+    (stable), where the order applies; else 0..E-1."""
+    E = group_sizes.shape[0]
+    sizes = group_sizes.to(torch.int64).clamp(min=0)
+    ends = sizes.cumsum(0).clamp(max=M)
+    rows = ends - torch.cat([ends.new_zeros(1), ends[:-1]])
+    if group_order == 0 or (group_order == -1 and op != "wgrad") or E > max_ordered:
+        return torch.arange(E, dtype=torch.int32, device=group_sizes.device)
+    return torch.sort(-rows, stable=True).indices.to(torch.int32)
 
 
 def _cuda_common(op: str, t: Tensor, group_sizes: Tensor, M: int):

@@ -253,11 +253,13 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
-                M: int, N: int, K: int, kernel: int = -1, raster: int = -1, accumulate: bool = False) -> bool:
+                M: int, N: int, K: int, kernel: int = -1, raster: int = -1, accumulate: bool = False,
+                group_order: int = -1) -> bool:
     """Runs the sm_90a FP8 blockwise kernel for `op` when it takes this problem (False: it does not, nothing
     ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op. wgrad writes `out`'s
     dtype (fp32 or bf16). kernel, raster: an sm_90a instance and raster order instead of the tuning table's
-    choice (bench tune_grouped_mm and the per-instance GPU tests)."""
+    choice (bench tune_grouped_mm and the per-instance GPU tests). group_order: the order the scheduler visits
+    the groups (1 largest first, 0 expert order, -1 the default: largest first for wgrad)."""
     E = group_sizes.shape[0]
     code = _ext.dtype_code(_E4M3)
     shape = dict(op=op, dtype=code, num_groups=E, M=M, N=N, K=K, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
@@ -273,7 +275,8 @@ def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb:
     # The launch takes the problem the path and the workspace were chosen for (the output dtype included).
     problem = {k: v for k, v in shape.items() if k != "device"}
     C.grouped_mm(**problem, group_sizes=group_sizes.data_ptr(), workspace=ws_ptr, workspace_bytes=nbytes,
-                 **_ext.launch_args(a), **({"accumulate": True} if accumulate else {}))
+                 **_ext.launch_args(a), **({"accumulate": True} if accumulate else {}),
+                 **({"group_order": group_order} if group_order != -1 else {}))
     return True
 
 

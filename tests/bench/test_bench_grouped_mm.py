@@ -206,3 +206,24 @@ def test_grouped_mm_torch_peer_left_out_with_reason(monkeypatch, tmp_path):
     assert any(line.startswith("grouped_mm_dgrad: torch._grouped_mm not timed (RuntimeError") for line in rep.headline)
     assert "note: torch_grouped_mm not timed for grouped_mm_dgrad: RuntimeError: grouped gemm is not supported here" \
         in rep.headline
+
+
+@pytest.mark.gpu
+def test_grouped_mm_wgrad_expert_order_peer(cuda):
+    """The expert-order peer (ours with group_order=0) computes wgrad: equal to ours bit for bit, zeros for the
+    empty experts, whatever the fresh output held (on the CPU-executed build the portable kernel has no order,
+    so this checks the launch; on an H100/H200 the CUTLASS scheduler's two orders)."""
+    c = bg.Case("tiny", 64, *bg.CPU_MODELS["tiny"], "zipf", "w13")
+    sizes = c.sizes(0)
+    gs = torch.tensor(sizes, dtype=torch.int32, device=cuda)
+    g = torch.Generator().manual_seed(3)
+    dout = torch.randn(c.M, c.N, generator=g).to(torch.bfloat16).to(cuda)
+    x = torch.randn(c.M, c.K, generator=g).to(torch.bfloat16).to(cuda)
+    got = bg.wgrad_expert_order(c, gs)(dout, x)
+    assert torch.equal(got, torch.ops.moe_kernels.grouped_mm_wgrad(dout, x, gs))
+    ref = grouped_mm_wgrad_reference(dout.double(), x.double(), gs)
+    # One bf16 rounding of each fp32 sum (relative 2^-9, rtol 10x that); the fp32 sums of <= 256 products of
+    # unit normals err by ~1e-5, far below atol.
+    assert torch.allclose(got.double(), ref, rtol=2e-2, atol=2e-2)
+    for e in [e for e, n in enumerate(sizes) if n == 0]:
+        assert bool((got[e] == 0).all())

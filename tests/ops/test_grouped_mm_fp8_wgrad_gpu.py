@@ -185,8 +185,8 @@ def test_bf16_output_takes_its_own_blockwise_kernel_on_hopper(cuda):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["uniform", "empty", "one_group"])
 def test_raster_orders_are_bitwise_equal(cuda, kind, out_dtype):
-    """The raster order (a run-time argument of the tuning table) changes which tile a CTA takes next, not the
-    order of any tile's reduction: both orders give the same bits."""
+    """The raster order (a run-time argument of the tuning table) and the order the groups are visited in
+    (group_order) change which tile a CTA takes next, not the order of any tile's reduction: the same bits."""
     from moe_kernels import _ext
     from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
 
@@ -199,11 +199,12 @@ def test_raster_orders_are_bitwise_equal(cuda, kind, out_dtype):
     K = bq.shape[0]
     inv_a, inv_b = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
     outs = []
-    for raster in (0, 1):
+    for raster, group_order in ((0, -1), (1, -1), (0, 0), (1, 1)):  # the groups largest first by default
         out = torch.full((8, N, K), float("nan"), device=cuda, dtype=out_dtype)
-        assert _launch_fp8(C, 2, aq, bq, out, inv_a, inv_b, gs, M, N, K, raster=raster)
+        assert _launch_fp8(C, 2, aq, bq, out, inv_a, inv_b, gs, M, N, K, raster=raster, group_order=group_order)
         outs.append(out)
-    assert torch.equal(outs[0], outs[1]), kind
+    for other in outs[1:]:
+        assert torch.equal(outs[0], other), kind
     assert torch.equal(outs[0], mk.grouped_mm_fp8_wgrad(aq, as_, bq, bs, gs, out_dtype=out_dtype)), kind
 
 

@@ -29,6 +29,8 @@ def splits(kind: str, M: int, E: int, seed: int = 0) -> torch.Tensor:
     elif kind == "single":  # one expert holds every row
         sizes = torch.zeros(E, dtype=torch.int64)
         sizes[E // 2] = M
+    elif kind == "rising":  # skewed, the largest groups last (largest-first visiting reverses them)
+        sizes = splits("skewed", M, E, seed).to(torch.int64).sort().values
     else:
         raise ValueError(kind)
     return sizes.to(torch.int32)
@@ -238,10 +240,12 @@ def _sm90_or_skip(cuda):
 
 
 @pytest.mark.parametrize("raster", [0, 1], ids=["along_m", "along_n"])
-@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "single", "none"])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "rising", "empty", "single", "none"])
 def test_every_sm90_instance(cuda, kind, raster):
     """Each bf16/fp16 instance of the tuning set (csrc/gemm/sm90_kernels.h), forced whatever the table says,
-    against fp64 on one problem: odd M, rows past the groups, tiles straddling groups."""
+    against fp64 on one problem: odd M, rows past the groups, tiles straddling groups. Each instance also runs
+    with its groups visited in expert order and largest first (group_order): the same bits, as each tile's
+    reduction is the same."""
     from moe_kernels.ops.grouped_mm import _launch
 
     C = _sm90_or_skip(cuda)
@@ -261,6 +265,10 @@ def test_every_sm90_instance(cuda, kind, raster):
         out = torch.full(shape, float("nan"), device=cuda, dtype=dtype)
         _launch(op, a, b, out, gsd, M, N, K, C, kernel=i, raster=raster)
         what = f"{spec['name']} raster={raster} {kind}"
+        for group_order in (0, 1):
+            again = torch.full(shape, float("nan"), device=cuda, dtype=dtype)
+            _launch(op, a, b, again, gsd, M, N, K, C, kernel=i, raster=raster, group_order=group_order)
+            assert torch.equal(again, out), f"{what} group_order={group_order}"
         x64, w64, g64 = x.double(), w.double(), g.double()
         if op == "fwd":
             if n:  # rows past the groups are unspecified
@@ -276,6 +284,50 @@ def test_every_sm90_instance(cuda, kind, raster):
             assert_close_to_fp64(out, base, ref, what, floor=1e-3)
             for e in (gs == 0).nonzero().flatten().tolist():
                 assert bool((out[e] == 0).all()), f"{what}: empty group {e} must be zero"
+
+
+@pytest.mark.parametrize("E", [1, 8, 256, 512, 513])
+@pytest.mark.parametrize("kind", ["skewed", "rising", "empty", "ties", "past_m"])
+def test_visit_order(cuda, E, kind):
+    """The order the CUTLASS schedulers visit the groups in, as grouped_mm's own prepare kernel writes it on
+    the device (GroupedParams::group_order): wgrad by default and group_order=1 the groups by their rows
+    inside [0, M), largest first, ties in expert order; expert order for fwd and dgrad by default, with
+    group_order=0, and past C.grouped_mm_max_ordered_groups (512) groups."""
+    from moe_kernels.ops.grouped_mm import visit_order, visit_order_reference
+
+    C = _ext.kernels("grouped_mm", torch.empty(1, device=cuda))
+    if C is None:
+        pytest.skip("no extension kernels on this device")
+    assert C.grouped_mm_max_ordered_groups == 512
+    M = 40 * E + 3
+    if kind == "ties":  # a few distinct sizes, each held by many groups
+        sizes = (torch.arange(E) * 7 % 3 * 5).to(torch.int32)
+    elif kind == "past_m":  # the sizes sum past M: the groups at the end are clamped, some to 0
+        sizes = splits("skewed", M, E, seed=E) * 2
+    else:
+        sizes = splits(kind, M, E, seed=E)
+    gs = sizes.to(cuda)
+    for op in ("fwd", "dgrad", "wgrad"):
+        for group_order in (-1, 0, 1):
+            got = visit_order(op, gs, M, 64, 96, group_order=group_order)
+            want = visit_order_reference(op, gs, M, group_order)
+            assert torch.equal(got.cpu(), want.cpu()), f"{op} group_order={group_order}"
+            assert sorted(got.tolist()) == list(range(E)), "a permutation of the groups"
+    if E > 1 and E <= 512 and kind == "rising":
+        assert visit_order("wgrad", gs, M, 64, 96).tolist() != list(range(E)), "the order must change"
+
+
+def test_group_order_is_checked(cuda):
+    from moe_kernels.ops.grouped_mm import _launch
+
+    C = _ext.kernels("grouped_mm", torch.empty(1, device=cuda))
+    if C is None:
+        pytest.skip("no extension kernels on this device")
+    x = torch.randn(64, 128, device=cuda, dtype=torch.bfloat16)
+    gs = torch.tensor([32, 32], dtype=torch.int32, device=cuda)
+    out = torch.empty(2, 64, 128, device=cuda, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="group_order"):
+        _launch("wgrad", x[:, :64], x, out, gs, 64, 64, 128, C, group_order=2)
 
 
 def test_requested_instance_is_checked(cuda):

@@ -180,50 +180,51 @@ struct Fp8BlockwiseGemm {
 
 template <GemmOp kOp, typename ElementOut, typename Schedule>
 __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
-                                      const float* sfb, ElementOut* d, const GroupInfo* groups, int E, int64_t M,
-                                      int64_t N, int64_t K,
+                                      const float* sfb, ElementOut* d, const GroupInfo* groups, const int32_t* visit,
+                                      int E, int64_t M, int64_t N, int64_t K,
                                       typename Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::Arrays arr) {
   using G = Fp8BlockwiseGemm<kOp, ElementOut, Schedule>;
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= E) return;
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;  // problem s of the list: group visit[s] (prepare_sm90)
+  if (s >= E) return;
+  const int e = visit != nullptr ? visit[s] : s;
   const int64_t r0 = groups[e].row_start;
   const int m = groups[e].rows;
   if constexpr (kOp == GemmOp::kWgrad) {
-    // Problem e: [N, m] @ [m, K]. An empty or misaligned group becomes a 0 x 0 problem (skipped).
+    // Group e: [N, m] @ [m, K]. An empty or misaligned group becomes a 0 x 0 problem (skipped).
     const bool run = m > 0 && r0 % kFp8Block == 0 && m % kFp8Block == 0;
     const int mm = run ? m : 0;
-    arr.shapes[e] = {run ? int(N) : 0, run ? int(K) : 0, mm};
-    arr.ptr_a[e] = a + r0;
-    arr.ptr_b[e] = b + r0;
-    arr.ptr_sfa[e] = sfa + (r0 / kFp8Block) * N;
-    arr.ptr_sfb[e] = sfb + (r0 / kFp8Block) * K;
-    arr.ptr_d[e] = d + int64_t(e) * N * K;
+    arr.shapes[s] = {run ? int(N) : 0, run ? int(K) : 0, mm};
+    arr.ptr_a[s] = a + r0;
+    arr.ptr_b[s] = b + r0;
+    arr.ptr_sfa[s] = sfa + (r0 / kFp8Block) * N;
+    arr.ptr_sfb[s] = sfb + (r0 / kFp8Block) * K;
+    arr.ptr_d[s] = d + int64_t(e) * N * K;
     // Rows of a and b hold all M tokens: the leading dimension is M, not the group's size.
     auto sa = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(N), mm, 1});
     auto sb = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), mm, 1});
     cute::get<0>(sa) = M;
     cute::get<0>(sb) = M;
-    arr.stride_a[e] = sa;
-    arr.stride_b[e] = sb;
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(N), int(K), 1});
-    arr.layout_sfa[e] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(int(N), int(K), mm, 1));
-    arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(int(N), int(K), mm, 1));
+    arr.stride_a[s] = sa;
+    arr.stride_b[s] = sb;
+    arr.stride_d[s] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(N), int(K), 1});
+    arr.layout_sfa[s] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(int(N), int(K), mm, 1));
+    arr.layout_sfb[s] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(int(N), int(K), mm, 1));
     return;
   }
   const int64_t kb = K / 128, nb = (N + 127) / 128;
-  arr.shapes[e] = {m, int(N), int(K)};
-  arr.ptr_a[e] = a + r0 * K;
-  arr.ptr_b[e] = b + int64_t(e) * N * K;
-  arr.ptr_sfa[e] = sfa + r0 * kb;
-  arr.ptr_sfb[e] = sfb + int64_t(e) * nb * kb;
-  arr.ptr_d[e] = d + r0 * N;
-  arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
-  arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
-  arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
+  arr.shapes[s] = {m, int(N), int(K)};
+  arr.ptr_a[s] = a + r0 * K;
+  arr.ptr_b[s] = b + int64_t(e) * N * K;
+  arr.ptr_sfa[s] = sfa + r0 * kb;
+  arr.ptr_sfb[s] = sfb + int64_t(e) * nb * kb;
+  arr.ptr_d[s] = d + r0 * N;
+  arr.stride_a[s] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
+  arr.stride_b[s] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
+  arr.stride_d[s] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
   // In grouped mode CUTLASS rebuilds these layouts from the device problem shapes; they are written
   // anyway so the arguments stay self-consistent.
-  arr.layout_sfa[e] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, int(N), int(K), 1));
-  arr.layout_sfb[e] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
+  arr.layout_sfa[s] = G::ScaleConfig::tile_atom_to_shape_SFA(make_shape(m, int(N), int(K), 1));
+  arr.layout_sfb[s] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
 template <GemmOp kOp, typename ElementOut, typename Schedule>
@@ -233,7 +234,7 @@ void Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::run(const GroupedParams& p, in
   const Arrays arr = carve(p.workspace, E);
   prepare_fp8_blockwise<kOp, ElementOut, Schedule><<<(E + 127) / 128, 128, 0, stream>>>(
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
-      static_cast<ElementD*>(p.d), groups, E, p.M, p.N, p.K, arr);
+      static_cast<ElementD*>(p.d), groups, p.visit, E, p.M, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
   run_gemm<Gemm>(arguments(arr, p, sm_count), arr.cutlass_workspace, stream, "grouped_mm fp8 blockwise kernel");
 }

@@ -100,6 +100,7 @@ struct GatherGemm {
     int64_t gather_rows;
     Element* act;  // fwd: the SwiGLU epilogue's output [M, N / 2], or null
     const float* act_weights;
+    const int32_t* visit;  // wgrad: blockIdx.z's group (GroupedParams::visit: largest first), or null
   };
 };
 
@@ -175,7 +176,8 @@ template <typename Element, GemmOp kOp>
 __device__ __forceinline__ bool resolve_tile(const typename GatherGemm<Element, kOp>::Params& p, GatherTile& t) {
   using G = GatherGemm<Element, kOp>;
   if constexpr (kOp == GemmOp::kWgrad) {
-    const int g = blockIdx.z;
+    // The hardware starts blocks in linear order (x, y, then z), so the largest groups' tiles go first.
+    const int g = p.visit != nullptr ? p.visit[blockIdx.z] : int(blockIdx.z);
     const GroupInfo info = p.groups[g];
     if (info.rows <= 0) return false;  // an empty group: zero_uncovered writes its zeros
     t = {g, info.row_start, int64_t(blockIdx.x) * G::kTileM, int64_t(blockIdx.y) * G::kTileN, p.N, p.K, info.rows};
@@ -312,7 +314,7 @@ void gather_gemm_run(const GroupedParams& p, const GroupInfo* groups, const int3
   using G = GatherGemm<Element, kOp>;
   typename G::Params q{static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d),
                        groups, tiles, p.num_groups, p.M, p.N, p.K, p.a_rows, p.b_rows, p.gather_rows,
-                       static_cast<Element*>(p.act), p.act_weights};
+                       static_cast<Element*>(p.act), p.act_weights, p.visit};
   dim3 grid;
   if constexpr (kOp == GemmOp::kWgrad) {
     grid = dim3(unsigned((p.N + G::kTileM - 1) / G::kTileM), unsigned((p.K + G::kTileN - 1) / G::kTileN),

@@ -138,39 +138,41 @@ struct GroupedGemm {
 };
 
 // The group row ranges come from the portable path's prepare kernel (GroupInfo in the base workspace);
-// this kernel turns them into CUTLASS problem shapes, pointers and packed strides.
+// this kernel turns them into CUTLASS problem shapes, pointers and packed strides. Problem s of the list is
+// group visit[s] (GroupedParams::visit: the scheduler visits the problems in list order), group s without it.
 template <typename G, typename Element, GemmOp kOp>
 __global__ void prepare_sm90(const Element* a, const Element* b, Element* d, const GroupInfo* groups,
-                             int E, int64_t N, int64_t K, typename G::Arrays arr) {
-  const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= E) return;
+                             const int32_t* visit, int E, int64_t N, int64_t K, typename G::Arrays arr) {
+  const int s = blockIdx.x * blockDim.x + threadIdx.x;
+  if (s >= E) return;
+  const int e = visit != nullptr ? visit[s] : s;
   const int64_t r0 = groups[e].row_start;
   const int m = groups[e].rows;
   if constexpr (kOp == GemmOp::kFwd) {
-    arr.shapes[e] = {m, int(N), int(K)};
-    arr.ptr_a[e] = a + r0 * K;
-    arr.ptr_b[e] = b + int64_t(e) * N * K;
-    arr.ptr_d[e] = d + r0 * N;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
+    arr.shapes[s] = {m, int(N), int(K)};
+    arr.ptr_a[s] = a + r0 * K;
+    arr.ptr_b[s] = b + int64_t(e) * N * K;
+    arr.ptr_d[s] = d + r0 * N;
+    arr.stride_a[s] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(K), 1});
+    arr.stride_b[s] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(N), int(K), 1});
+    arr.stride_d[s] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(N), 1});
   } else if constexpr (kOp == GemmOp::kDgrad) {
-    arr.shapes[e] = {m, int(K), int(N)};
-    arr.ptr_a[e] = a + r0 * N;
-    arr.ptr_b[e] = b + int64_t(e) * N * K;
-    arr.ptr_d[e] = d + r0 * K;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(N), 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), int(N), 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(K), 1});
+    arr.shapes[s] = {m, int(K), int(N)};
+    arr.ptr_a[s] = a + r0 * N;
+    arr.ptr_b[s] = b + int64_t(e) * N * K;
+    arr.ptr_d[s] = d + r0 * K;
+    arr.stride_a[s] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {m, int(N), 1});
+    arr.stride_b[s] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), int(N), 1});
+    arr.stride_d[s] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {m, int(K), 1});
   } else {
     // An empty group becomes a 0 x 0 problem (skipped); its zeros are written separately.
-    arr.shapes[e] = {m > 0 ? int(N) : 0, m > 0 ? int(K) : 0, m};
-    arr.ptr_a[e] = a + r0 * N;
-    arr.ptr_b[e] = b + r0 * K;
-    arr.ptr_d[e] = d + int64_t(e) * N * K;
-    arr.stride_a[e] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(N), m, 1});
-    arr.stride_b[e] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), m, 1});
-    arr.stride_d[e] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(N), int(K), 1});
+    arr.shapes[s] = {m > 0 ? int(N) : 0, m > 0 ? int(K) : 0, m};
+    arr.ptr_a[s] = a + r0 * N;
+    arr.ptr_b[s] = b + r0 * K;
+    arr.ptr_d[s] = d + int64_t(e) * N * K;
+    arr.stride_a[s] = cutlass::make_cute_packed_stride(typename G::StrideA{}, {int(N), m, 1});
+    arr.stride_b[s] = cutlass::make_cute_packed_stride(typename G::StrideB{}, {int(K), m, 1});
+    arr.stride_d[s] = cutlass::make_cute_packed_stride(typename G::StrideD{}, {int(N), int(K), 1});
   }
 }
 
@@ -181,8 +183,8 @@ void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
   prepare_sm90<Self, Element, kOp><<<(E + 127) / 128, 128, 0, stream>>>(
-      static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups, E,
-      p.N, p.K, arr);
+      static_cast<const Element*>(p.a), static_cast<const Element*>(p.b), static_cast<Element*>(p.d), groups,
+      p.visit, E, p.N, p.K, arr);
   check_launch("grouped_mm prepare_sm90");
   run_gemm<Gemm>(arguments(arr, p, sm_count), arr.cutlass_workspace, stream, "grouped_mm sm90 kernel");
 }
