@@ -58,41 +58,51 @@ void register_gemm(py::module_& m) {
   m.def(
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
-         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster) {
+         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
+         uintptr_t a_global, uintptr_t b_global) {
         DeviceGuard guard(device);
-        return int(gemm::choose_path(
-            make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster)));
+        auto p = make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster);
+        p.a_global = ptr<const float>(a_global);
+        p.b_global = ptr<const float>(b_global);
+        return int(gemm::choose_path(p));
       },
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
       "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1), 5 = sm_100f fp8 blockwise, 6 = sm_90a gather (expert_mlp's "
-      "gathered products, opted in: MOE_KERNELS_GATHER_CUTLASS=1)",
+      "gathered products, opted in: MOE_KERNELS_GATHER_CUTLASS=1), 7 = sm_100f nvfp4 block-scaled (opted in: "
+      "MOE_KERNELS_SM100_CUTLASS=1)",
       py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),
       py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0,
-      py::arg("kernel") = -1, py::arg("raster") = -1);
+      py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0);
   m.def(
       "grouped_mm_workspace_bytes",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
-         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster) {
+         uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
+         uintptr_t a_global, uintptr_t b_global) {
         DeviceGuard guard(device);
-        return gemm::grouped_workspace_bytes(
-            make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster));
+        auto p = make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster);
+        p.a_global = ptr<const float>(a_global);
+        p.b_global = ptr<const float>(b_global);
+        return gemm::grouped_workspace_bytes(p);
       },
       py::arg("op"), py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"),
       py::arg("b"), py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0,
-      py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1);
+      py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("a_global") = 0,
+      py::arg("b_global") = 0);
   m.def(
       "grouped_mm",
       [](int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t num_groups, int64_t M,
          int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s,
          uintptr_t sfa, uintptr_t sfb, int32_t group_align, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
-         bool accumulate, int32_t group_order) {
+         bool accumulate, int32_t group_order, uintptr_t a_global, uintptr_t b_global) {
         DeviceGuard guard(device);
         auto p = make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb,
                       fp8_wgrad_out, kernel, raster);
         p.group_align = group_align;
         p.accumulate = accumulate;
         p.group_order = group_order;
+        p.a_global = ptr<const float>(a_global);
+        p.b_global = ptr<const float>(b_global);
         gemm::grouped_mm(p, stream(s));
       },
       "group_align (wgrad): groups whose rows do not start and end on multiples of it get NaN; 0: any. "
@@ -100,12 +110,36 @@ void register_gemm(py::module_& m) {
       "the instance (an index into grouped_mm_sm90_kernels()) and raster order (0 along M, 1 along N) to run; "
       "-1: the tuning table's choice. accumulate (wgrad with a float32 output): d += the product, empty groups "
       "keep d. group_order: the order the CUTLASS schedulers visit the groups, 1 largest first (sizes read on the "
-      "device), 0 expert order, -1 the default (largest first for wgrad); the output is the same",
+      "device), 0 expert order, -1 the default (largest first for wgrad); the output is the same. a_global, "
+      "b_global (nvfp4, dtype 6): the operands' fp32 global scales on the device",
       py::arg("op"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_sizes"), py::arg("num_groups"),
       py::arg("M"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"),
       py::arg("device"), py::arg("stream"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("group_align") = 0,
       py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("accumulate") = false,
-      py::arg("group_order") = -1);
+      py::arg("group_order") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0);
+  m.def("grouped_mm_nvfp4_scale_atoms", &gemm::nvfp4_scale_atoms,
+        "Atoms (512 bytes each) of NVFP4 scales in CUTLASS's blocked layout for atom_rows rows of 128 and K "
+        "elements", py::arg("atom_rows"), py::arg("K"));
+  m.def(
+      "grouped_mm_nvfp4_blocked_scales",
+      [](uintptr_t src, uintptr_t dst, uintptr_t group_sizes, int32_t num_groups, int64_t M, int64_t N, int64_t K,
+         uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        if (group_sizes == 0) {
+          gemm::nvfp4_blocked_scales(ptr<const uint8_t>(src), ptr<uint8_t>(dst), nullptr, num_groups, N, K,
+                                     int64_t(num_groups) * ((N + 127) / 128), stream(s));
+          return;
+        }
+        auto p = make(0, 0, 0, 0, group_sizes, num_groups, M, N, K, int32_t(DType::kFloat4E2M1), workspace,
+                      workspace_bytes, device, src, 0, 0, -1, -1);
+        gemm::nvfp4_blocked_activation_scales(p, ptr<uint8_t>(dst), stream(s));
+      },
+      "NVFP4 block scales (E4M3 bytes, row-major [rows, K / 16]) into the blocked layout the sm_100f NVFP4 kernel "
+      "reads, by the kernel grouped_mm runs: with group_sizes, the activations' rows in groups (M rows, each group "
+      "padded to 128; workspace as grouped_mm_workspace_bytes sizes an fp32 problem); without, num_groups experts "
+      "of N rows",
+      py::arg("src"), py::arg("dst"), py::arg("group_sizes"), py::arg("num_groups"), py::arg("M"), py::arg("N"),
+      py::arg("K"), py::arg("workspace"), py::arg("workspace_bytes"), py::arg("device"), py::arg("stream"));
   m.attr("grouped_mm_max_ordered_groups") = gemm::kMaxOrderedGroups;
   m.def(
       "grouped_mm_visit_order",

@@ -12,6 +12,7 @@ enum class DType : int32_t {
   kFloat8E4M3 = 3,
   kFloat8E5M2 = 4,
   kUInt8 = 5,
+  kFloat4E2M1 = 6,  // NVFP4 codes, two a byte (the first element in the low nibble); sizes count elements
 };
 
 inline int dtype_size(DType t) {

@@ -238,6 +238,45 @@ __global__ void __launch_bounds__(kThreads)
     }
 }
 
+// NVFP4 scales into CUTLASS's blocked layout (grouped_mm.h, nvfp4_blocked_scales): block (t, j) writes atom
+// row t's atom column j, thread i its row i (4 scales, one 32-bit store). Atom rows past the groups' are left.
+__global__ void __launch_bounds__(128)
+    nvfp4_blocked_scales_kernel(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst,
+                                const GroupInfo* __restrict__ groups, const int32_t* __restrict__ tiles, int E,
+                                int64_t N, int64_t K) {
+  const int64_t t = blockIdx.x, j = blockIdx.y, cols = K / 16;
+  int64_t row_start, rows, first_tile;
+  if (groups != nullptr) {
+    if (t >= *tiles) return;
+    int lo = 0, hi = E - 1;  // the last group whose first tile is at or before t (empty groups own none)
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (groups[mid].tile_start <= t) lo = mid; else hi = mid - 1;
+    }
+    row_start = groups[lo].row_start;
+    rows = groups[lo].rows;
+    first_tile = groups[lo].tile_start;
+  } else {  // E experts of N rows
+    const int64_t per = (N + 127) / 128;
+    row_start = t / per * N;
+    rows = N;
+    first_tile = t / per * per;
+  }
+  const int i = threadIdx.x;
+  const int64_t local = (t - first_tile) * 128 + i;
+  uint32_t word = 0;
+  if (local < rows) {
+    const uint8_t* in = src + (row_start + local) * cols;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int64_t col = j * 4 + c;
+      if (col < cols) word |= uint32_t(in[col]) << (8 * c);
+    }
+  }
+  const int64_t atom = t * ((cols + 3) / 4) + j;
+  *reinterpret_cast<uint32_t*>(dst + atom * 512 + (i % 32) * 16 + (i / 32) * 4) = word;
+}
+
 template <typename T>
 __global__ void zero_tail_rows_kernel(T* __restrict__ d, const int64_t* __restrict__ total, int64_t M, int64_t K) {
   const int64_t begin = *total * K, end = M * K;
@@ -330,9 +369,19 @@ __global__ void nan_misaligned_groups_kernel(T* __restrict__ d, const GroupInfo*
 
 namespace {
 
+// NVFP4: the sm_100f block-scaled forward where opted in and it fits, else none (the Python layer runs the
+// exact emulation: dequantize + the fp32 grouped GEMM).
+Path nvfp4_path(const GroupedParams& p) {
+  if (p.op != GemmOp::kFwd || !sm100_family(device_info(p.device)) || !sm100::enabled()) return Path::kPortable;
+  if (p.sfa == nullptr || p.sfb == nullptr || p.a_global == nullptr || p.b_global == nullptr) return Path::kPortable;
+  if (p.K <= 0 || p.K % 32 || p.N % 8 || !aligned16(p.a) || !aligned16(p.b) || !aligned16(p.d)) return Path::kPortable;
+  return Path::kSm100Nvfp4;
+}
+
 // The gates every CUTLASS path shares, before any instance is chosen.
 Path gate(const GroupedParams& p) {
   if (p.dtype == DType::kFloat8E4M3) return fp8_blockwise_path(p);
+  if (p.dtype == DType::kFloat4E2M1) return nvfp4_path(p);
   const bool half = p.dtype == DType::kBFloat16 || p.dtype == DType::kFloat16;
   const DeviceInfo d = half ? device_info(p.device) : DeviceInfo{};
   const bool sm90 = d.major == 9 && sm90::compiled();
@@ -387,7 +436,7 @@ Path choose_path(const GroupedParams& p) {
     resolve_sm90(p);  // validates a requested kernel
     return path;
   }
-  if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
+  if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise || path == Path::kSm100Nvfp4) {
     if (p.kernel >= 0 || p.raster > 1) {
       throw std::invalid_argument("grouped_mm: a kernel or raster order was requested, but this problem runs the "
                                   "sm_100f instance (one per product)");
@@ -395,6 +444,54 @@ Path choose_path(const GroupedParams& p) {
     return path;
   }
   return kSm90Kernels[resolve_sm90(p).kernel].pingpong ? Path::kSm90Pingpong : Path::kSm90Cooperative;
+}
+
+int64_t nvfp4_scale_atoms(int64_t atom_rows, int64_t K) { return atom_rows * ((K / 16 + 3) / 4); }
+
+// The blocked NVFP4 scales' sections of the workspace, after the prepared groups: the activations' (at most
+// ceil(M / 128) + E atom rows: each group adds at most one partial one) and the weights' (ceil(N / 128) per
+// expert).
+struct Nvfp4Scales {
+  int64_t a_rows, b_rows;
+  size_t a_bytes, b_bytes;
+};
+static Nvfp4Scales nvfp4_scales(const GroupedParams& p) {
+  Nvfp4Scales s;
+  s.a_rows = (p.M + 127) / 128 + p.num_groups;
+  s.b_rows = int64_t(p.num_groups) * ((p.N + 127) / 128);
+  s.a_bytes = (size_t(nvfp4_scale_atoms(s.a_rows, p.K)) * 512 + 255) / 256 * 256;
+  s.b_bytes = (size_t(nvfp4_scale_atoms(s.b_rows, p.K)) * 512 + 255) / 256 * 256;
+  return s;
+}
+
+static void launch_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupInfo* groups, const int32_t* tiles,
+                                  int E, int64_t N, int64_t K, int64_t atom_rows, cudaStream_t stream) {
+  const int64_t cols = (K / 16 + 3) / 4;
+  if (atom_rows == 0 || cols == 0) return;
+  if (atom_rows > int64_t(0x7fffffff) || cols > 65535) throw std::invalid_argument("grouped_mm nvfp4: scales too large");
+  nvfp4_blocked_scales_kernel<<<dim3(unsigned(atom_rows), unsigned(cols)), 128, 0, stream>>>(src, dst, groups, tiles,
+                                                                                              E, N, K);
+  check_launch("grouped_mm nvfp4_blocked_scales_kernel");
+}
+
+void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupInfo* groups, int E, int64_t N, int64_t K,
+                          int64_t atom_rows, cudaStream_t stream) {
+  if (groups != nullptr) throw std::invalid_argument("nvfp4_blocked_scales: grouped rows go through grouped_mm");
+  launch_blocked_scales(src, dst, nullptr, nullptr, E, N, K, atom_rows, stream);
+}
+
+void nvfp4_blocked_activation_scales(const GroupedParams& p, uint8_t* dst, cudaStream_t stream) {
+  if (p.num_groups < 1 || p.num_groups > kMaxGroups) throw std::invalid_argument("grouped_mm: num_groups out of range");
+  if (p.K % 16) throw std::invalid_argument("grouped_mm nvfp4: K must be a multiple of 16");
+  if (p.workspace_bytes < prepared_bytes(p.num_groups)) throw std::invalid_argument("grouped_mm: workspace too small");
+  const Prepared prep = carve(p.workspace, p.num_groups);
+  Prepared launch_prep = prep;
+  launch_prep.order = nullptr;
+  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, GemmOp::kFwd, 128, false,
+                                                 launch_prep);
+  check_launch("grouped_mm prepare_kernel");
+  launch_blocked_scales(reinterpret_cast<const uint8_t*>(p.sfa), dst, prep.groups, prep.tiles, p.num_groups, p.N,
+                        p.K, (p.M + 127) / 128 + p.num_groups, stream);
 }
 
 bool largest_first(const GroupedParams& p) {
@@ -414,6 +511,10 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
   if (path == Path::kPortable || path == Path::kSm90Gather) return base;
+  if (path == Path::kSm100Nvfp4) {
+    const Nvfp4Scales sc = nvfp4_scales(p);
+    return base + sc.a_bytes + sc.b_bytes + sm100::workspace_bytes(p, device_info(p.device).sms);
+  }
   if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
     return base + sm100::workspace_bytes(p, device_info(p.device).sms);
   }
@@ -467,6 +568,11 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     }
   }
   const Path path = choose_path(p);
+  if (p.dtype == DType::kFloat4E2M1 && path != Path::kSm100Nvfp4) {
+    throw std::invalid_argument("grouped_mm nvfp4: the block-scaled kernel needs a 10.0/10.3 GPU with the sm_100f "
+                                "instances opted in (MOE_KERNELS_SM100_CUTLASS=1), the forward, both scale tensors and "
+                                "global scales, K % 32 == 0, N % 8 == 0 and 16-byte aligned operands");
+  }
   if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise && path != Path::kSm100Fp8Blockwise) {
     throw std::invalid_argument(
         "grouped_mm fp8: the blockwise kernels need sm_90a (or sm_100f, opted in), 16-byte aligned operands, both "
@@ -474,7 +580,7 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
         "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
-  const int tile_rows = path == Path::kSm90Gather ? sm90::kGatherTileRows : kBM;
+  const int tile_rows = path == Path::kSm90Gather ? sm90::kGatherTileRows : path == Path::kSm100Nvfp4 ? 128 : kBM;
   const bool ordered = path != Path::kPortable && largest_first(p);
   Prepared launch_prep = prep;
   if (!ordered) launch_prep.order = nullptr;
@@ -486,6 +592,23 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   if (path == Path::kSm90Gather) {
     const int64_t row_tiles = (p.M + sm90::kGatherTileRows - 1) / sm90::kGatherTileRows + p.num_groups;
     sm90::gather_run(v, prep.groups, prep.tiles, row_tiles, stream);
+  } else if (path == Path::kSm100Nvfp4) {
+    // The scales into CUTLASS's blocked layout (one run of atoms per group), then the block-scaled GEMM.
+    const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
+    const Nvfp4Scales sc = nvfp4_scales(p);
+    auto* sfa = static_cast<uint8_t*>(p.workspace) + base;
+    auto* sfb = sfa + sc.a_bytes;
+    launch_blocked_scales(reinterpret_cast<const uint8_t*>(p.sfa), sfa, prep.groups, prep.tiles, p.num_groups, p.N,
+                          p.K, sc.a_rows, stream);
+    launch_blocked_scales(reinterpret_cast<const uint8_t*>(p.sfb), sfb, nullptr, nullptr, p.num_groups, p.N, p.K,
+                          sc.b_rows, stream);
+    GroupedParams q = v;
+    q.sfa = reinterpret_cast<const float*>(sfa);
+    q.sfb = reinterpret_cast<const float*>(sfb);
+    q.workspace = sfb + sc.b_bytes;
+    q.workspace_bytes = p.workspace_bytes - base - sc.a_bytes - sc.b_bytes;
+    sm100::run(q, device_info(p.device).sms, prep.groups, stream);
+    return;  // rows past the groups are unspecified in the forward
   } else if (path == Path::kSm100 || path == Path::kSm100Fp8Blockwise) {
     GroupedParams q = v;
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;

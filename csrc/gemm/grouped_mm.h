@@ -78,6 +78,13 @@ struct GroupedParams {
   // math (activation/swiglu_math.cuh), bit for bit; N / 2 a multiple of 64 for the sm_90a gather kernels.
   void* act = nullptr;
   const float* act_weights = nullptr;
+  // NVFP4 (dtype float4_e2m1, the forward, sm_100f only where opted in): a = x codes [M, K / 2] and b = w codes
+  // [E, N, K / 2] (two E2M1 codes a byte, the first element in the low nibble), sfa / sfb their E4M3 block scales
+  // (one per 16 elements along K) in quantize_nvfp4's row-major layout, [M, K / 16] and [E, N, K / 16] (the
+  // `const float*` fields hold their byte addresses), a_global / b_global the fp32 global scales on the device;
+  // d bf16 [M, N] = dequant(a) @ dequant(b[e])^T per group (specs/lowprec.md). K % 32 == 0, N % 8 == 0.
+  const float* a_global = nullptr;
+  const float* b_global = nullptr;
 };
 
 // Row range of each group inside [0, M), written on the device by the prepare kernel.
@@ -100,6 +107,7 @@ enum class Path : int32_t {
   kSm100 = 4,  // bf16 on a 10.x GPU, opted in (sm100::enabled)
   kSm100Fp8Blockwise = 5,  // E4M3 blockwise on a 10.x GPU, opted in
   kSm90Gather = 6,  // gathered rows / the SwiGLU epilogue on sm_90a (gemm/sm90/gather_sm90.cuh), opted in
+  kSm100Nvfp4 = 7,  // NVFP4 block-scaled on a 10.x GPU, opted in (gemm/sm100/nvfp4_sm100.cuh)
 };
 Path choose_path(const GroupedParams& p);
 
@@ -131,8 +139,22 @@ void gather_run(const GroupedParams& p, const GroupInfo* groups, const int32_t* 
                 cudaStream_t stream);
 }  // namespace sm90
 
+// NVFP4 scales into CUTLASS's blocked layout (gemm/sm100/nvfp4_sm100.cuh): row-major E4M3 `src` [rows, K / 16]
+// -> `dst`, for each group its rows padded to 128 (the padding scales 0), atoms of 128 rows x 4 scales (512
+// bytes, K-block-major), group g's atom rows starting at groups[g].tile_start. With `groups` null: E groups of
+// N rows each (an expert weight), expert e's atom rows at e * ceil(N / 128). Runs on every build (the CPU-
+// executed one included); nvfp4_scale_atoms sizes dst (in atoms of 512 bytes) without a sync.
+int64_t nvfp4_scale_atoms(int64_t atom_rows, int64_t K);
+void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupInfo* groups, int E, int64_t N, int64_t K,
+                          int64_t atom_rows, cudaStream_t stream);
+// nvfp4_blocked_scales for the activations of p, through grouped_mm's own prepare kernel (tiles of 128 rows):
+// writes dst (nvfp4_scale_atoms(M / 128 + E, K) atoms) from p.sfa. For tests on every build; workspace as
+// grouped_workspace_bytes sizes p with dtype float8_e4m3 (any path).
+void nvfp4_blocked_activation_scales(const GroupedParams& p, uint8_t* dst, cudaStream_t stream);
+
 // Blackwell (sm_100f: B200, B300) instances, one per product and dtypes (sm100_dispatch.cu): bf16 forward,
-// dgrad and wgrad; E4M3 blockwise forward and wgrad (fp32 or bf16 out). Opt-in until they have run on a
+// dgrad and wgrad; E4M3 blockwise forward and wgrad (fp32 or bf16 out); NVFP4 block-scaled forward (p.sfa /
+// p.sfb already blocked, grouped_mm.cu's conversion). Opt-in until they have run on a
 // Blackwell GPU: enabled() needs the build to hold them and MOE_KERNELS_SM100_CUTLASS=1.
 namespace sm100 {
 bool compiled();

@@ -15,7 +15,7 @@ namespace moe::gemm::sm100 {
 #define MOE_SM100_INSTANCES(X)                                                                           \
   X(fwd_bf16_2sm_256x256x64_c2x1) X(dgrad_bf16_2sm_256x256x64_c2x1) X(wgrad_bf16_2sm_256x256x64_c2x1)      \
   X(fwd_fp8_blockwise_1sm_128x128x128_c1x1) X(wgrad_fp8_blockwise_1sm_128x128x128_c1x1)                 \
-  X(wgrad_fp8_blockwise_bf16_1sm_128x128x128_c1x1)
+  X(wgrad_fp8_blockwise_bf16_1sm_128x128x128_c1x1) X(fwd_nvfp4_1sm_128x256x256_c1x1)
 
 #define MOE_DECLARE(NAME)                                        \
   size_t NAME##_workspace(const GroupedParams& p, int sm_count); \
@@ -34,14 +34,16 @@ struct Entry {
   Entry { &NAME##_workspace, &NAME##_run }
 
 // bf16: one per product; E4M3: the forward and the wgrad by its output dtype (no FP8 dgrad: the recipe runs
-// dgrad as a forward product on the transposed weight tiles).
+// dgrad as a forward product on the transposed weight tiles); NVFP4: the forward (dgrad likewise).
 const Entry& entry(const GroupedParams& p) {
   static const Entry kBf16[] = {MOE_ENTRY(fwd_bf16_2sm_256x256x64_c2x1), MOE_ENTRY(dgrad_bf16_2sm_256x256x64_c2x1),
                                 MOE_ENTRY(wgrad_bf16_2sm_256x256x64_c2x1)};
   static const Entry kFp8Fwd = MOE_ENTRY(fwd_fp8_blockwise_1sm_128x128x128_c1x1);
   static const Entry kFp8Wgrad = MOE_ENTRY(wgrad_fp8_blockwise_1sm_128x128x128_c1x1);
   static const Entry kFp8WgradBf16 = MOE_ENTRY(wgrad_fp8_blockwise_bf16_1sm_128x128x128_c1x1);
+  static const Entry kNvfp4Fwd = MOE_ENTRY(fwd_nvfp4_1sm_128x256x256_c1x1);
   if (p.dtype == DType::kBFloat16) return kBf16[int(p.op)];
+  if (p.dtype == DType::kFloat4E2M1 && p.op == GemmOp::kFwd) return kNvfp4Fwd;
   if (p.dtype == DType::kFloat8E4M3 && p.op == GemmOp::kFwd) return kFp8Fwd;
   if (p.dtype == DType::kFloat8E4M3 && p.op == GemmOp::kWgrad) {
     return p.fp8_wgrad_out == DType::kBFloat16 ? kFp8WgradBf16 : kFp8Wgrad;

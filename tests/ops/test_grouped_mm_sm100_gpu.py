@@ -108,3 +108,58 @@ def test_fp8_products_take_the_sm100_instances(cuda):
                                  b=a.data_ptr(), d=d.data_ptr(), device=cuda.index or 0, sfa=s.data_ptr(),
                                  sfb=s.data_ptr(), **extra)
         assert path == _SM100_FP8_PATH, (op, out_dtype)
+
+
+# NVFP4 block-scaled forward (grouped_mm_nvfp4 on a 10.x GPU, opted in)
+
+NVFP4_PATH = 7  # grouped_mm_path's code for the sm_100f NVFP4 instance
+
+
+def _nvfp4_operands(cuda, E, M, N, K, seed):
+    from moe_kernels.ops.grouped_mm_nvfp4 import quantize_nvfp4_experts
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.logspace(-2, 2, K)  # blocks of very different scales
+    w = torch.randn(E, N, K, generator=g) / K**0.5
+    return (*mk.quantize_nvfp4(x.to(cuda)), *quantize_nvfp4_experts(w.to(cuda)))
+
+
+@pytest.mark.parametrize("E,M,N,K", [(8, 1003, 256, 384), (3, 77, 200, 128), (32, 4096, 2048, 1792),
+                                     (128, 8192, 1536, 512)])
+@pytest.mark.parametrize("kind", ["uniform", "skewed", "empty", "single", "none"])
+def test_nvfp4_matches_fp64(cuda, E, M, N, K, kind):
+    """The block-scaled kernel against the fp64 value of the same codes and scales, with the emulation (exact
+    block-scaled values, fp32 accumulation, one bf16 rounding) as the error baseline (moe_kernels.testing's
+    policy: at most 2x its error + 1e-3). Groups start at any row (the scales are re-blocked per group)."""
+    from moe_kernels.ops.grouped_mm_nvfp4 import _launch_sm100, grouped_mm_nvfp4, grouped_mm_nvfp4_reference
+
+    _sm100_or_skip(cuda)
+    x_q, x_s, x_g, w_q, w_s, w_g = _nvfp4_operands(cuda, E, M, N, K, seed=E + M + K)
+    gs = splits(kind, M - 3, E, seed=E + M) if kind != "none" else torch.zeros(E, dtype=torch.int32)
+    gsd, n = gs.to(cuda), int(gs.sum())
+    ours = _launch_sm100(x_q, x_s, x_g, w_q, w_s, w_g, gsd)
+    assert ours is not None, "the NVFP4 kernel must take this problem (K % 32 == 0, N % 8 == 0)"
+    emulated = grouped_mm_nvfp4(x_q, x_s, x_g, w_q, w_s, w_g, gsd, out_dtype=torch.float32).to(torch.bfloat16)
+    ref = grouped_mm_nvfp4_reference(x_q, x_s, x_g, w_q, w_s, w_g, gsd)
+    if n:
+        assert_close_to_fp64(ours[:n], emulated[:n], ref[:n], f"nvfp4 E={E} M={M} N={N} K={K} {kind}", floor=1e-3)
+    assert torch.equal(grouped_mm_nvfp4(x_q, x_s, x_g, w_q, w_s, w_g, gsd)[:n], ours[:n]), "the op takes the kernel"
+
+
+def test_nvfp4_path_and_determinism(cuda):
+    from moe_kernels.ops.grouped_mm_nvfp4 import _launch_sm100
+
+    C = _sm100_or_skip(cuda)
+    x_q, x_s, x_g, w_q, w_s, w_g = _nvfp4_operands(cuda, 4, 300, 256, 256, seed=1)
+    out = torch.empty(300, 256, device=cuda, dtype=torch.bfloat16)
+    xg, wg = x_g.reshape(1), w_g.reshape(1)
+    shape = dict(op=0, dtype=6, num_groups=4, M=300, N=256, K=256, a=x_q.data_ptr(), b=w_q.data_ptr(),
+                 d=out.data_ptr(), device=cuda.index or 0, sfa=x_s.data_ptr(), sfb=w_s.data_ptr(),
+                 a_global=xg.data_ptr(), b_global=wg.data_ptr())
+    assert C.grouped_mm_path(**shape) == NVFP4_PATH
+    assert C.grouped_mm_path(**dict(shape, K=240)) == 0  # K % 32
+    assert C.grouped_mm_path(**dict(shape, b_global=0)) == 0  # no global scale
+    gs = torch.tensor([100, 0, 150, 47], dtype=torch.int32, device=cuda)
+    a = _launch_sm100(x_q, x_s, x_g, w_q, w_s, w_g, gs)
+    b = _launch_sm100(x_q, x_s, x_g, w_q, w_s, w_g, gs)
+    assert torch.equal(a[:297], b[:297])

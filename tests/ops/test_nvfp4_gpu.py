@@ -97,3 +97,79 @@ def test_deterministic(cuda):
     for _ in range(3):
         again = mk.quantize_nvfp4(x)
         assert torch.equal(first[0], again[0]) and torch.equal(first[2], again[2])
+
+
+# The scales' conversion into CUTLASS's blocked layout (the sm_100f NVFP4 GEMM's input; it runs on every build)
+
+
+@pytest.mark.parametrize("K", [16, 48, 64, 1024, 7168])
+@pytest.mark.parametrize("sizes", [[5, 0, 130, 7], [0], [300], [128, 128, 0, 1], [0, 0, 0], [100, 100, 100]],
+                         ids=["mixed", "empty", "one-group", "aligned-then-one", "all-empty", "past-m"])
+def test_blocked_scales_of_grouped_rows(cuda, K, sizes):
+    """Each group's rows padded to 128 and laid out in atoms of 128 rows x 4 scales (nvfp4_blocked_scales_reference:
+    CUTLASS's Sm1xxBlockScaledConfig), through grouped_mm's own prepare kernel; sizes past the rows are clamped
+    (past-m: 300 rows asked of 250), atom rows past the groups' stay untouched."""
+    from moe_kernels.ops.grouped_mm_nvfp4 import nvfp4_blocked_scales, nvfp4_blocked_scales_reference
+
+    M = 250 if len(sizes) == 3 and sum(sizes) == 300 else sum(sizes) + 3
+    g = torch.Generator().manual_seed(K + M)
+    scale = torch.randint(1, 255, (M, K // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    gs = torch.tensor(sizes, dtype=torch.int32)
+    got = nvfp4_blocked_scales(scale.to(cuda), gs.to(cuda))
+    assert_exact(got.cpu(), nvfp4_blocked_scales_reference(scale, gs), f"K={K} sizes={sizes}")
+
+
+@pytest.mark.parametrize("E,N,K", [(1, 128, 64), (3, 200, 48), (4, 16, 1024), (2, 2048, 7168)])
+def test_blocked_scales_of_expert_weights(cuda, E, N, K):
+    from moe_kernels.ops.grouped_mm_nvfp4 import nvfp4_blocked_scales, nvfp4_blocked_scales_reference
+
+    g = torch.Generator().manual_seed(E * N + K)
+    scale = torch.randint(1, 255, (E, N, K // 16), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    assert_exact(nvfp4_blocked_scales(scale.to(cuda)).cpu(), nvfp4_blocked_scales_reference(scale), f"{E}x{N}x{K}")
+
+
+def test_blocked_scales_reference_is_cutlass_layout():
+    """The reference's byte order, written out for one atom: row i, scale c at (i % 32) * 16 + (i // 32) * 4 + c
+    (Sm1xxBlockScaledBasicChunk's K-major atom: Shape((32, 4), (16, 4)), Stride((16, 4), (0, 1)))."""
+    from moe_kernels.ops.grouped_mm_nvfp4 import nvfp4_blocked_scales_reference
+
+    rows = torch.arange(128, dtype=torch.int64)
+    scale = torch.stack([(rows * 4 + c) % 251 for c in range(4)], 1).to(torch.uint8)  # [128, 4]: K = 64
+    got = nvfp4_blocked_scales_reference(scale.view(torch.float8_e4m3fn)[None])  # one expert of 128 rows
+    for i in (0, 1, 31, 32, 33, 127):
+        for c in range(4):
+            assert int(got[(i % 32) * 16 + (i // 32) * 4 + c]) == int(scale[i, c])
+
+
+def test_nvfp4_grouped_mm_off_blackwell_takes_the_emulation(cuda):
+    """Where no sm_100f NVFP4 kernel runs (every GPU but an opted-in 10.0/10.3, the CPU-executed build), the
+    extension answers the portable path, grouped_mm_nvfp4 runs the exact emulation, and asking the extension
+    for the NVFP4 product anyway is a clear error."""
+    from moe_kernels import _ext
+    from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, grouped_mm_nvfp4_reference, quantize_nvfp4_experts
+
+    C = _ext.kernels("grouped_mm_nvfp4", torch.empty(1, device=cuda))
+    if C is None:
+        pytest.skip("no extension kernels on this device")
+    if cuda.type == "cuda" and torch.cuda.get_device_capability(cuda)[0] == 10:
+        pytest.skip("a Blackwell GPU: tests/ops/test_grouped_mm_sm100_gpu.py")
+    E, M, N, K = 3, 40, 32, 64
+    g = torch.Generator().manual_seed(7)
+    x_q, x_s, x_g = mk.quantize_nvfp4(torch.randn(M, K, generator=g).to(cuda))
+    w_q, w_s, w_g = quantize_nvfp4_experts(torch.randn(E, N, K, generator=g).to(cuda))
+    gs = torch.tensor([10, 0, 30], dtype=torch.int32, device=cuda)
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=cuda)
+    x_g1, w_g1 = x_g.reshape(1), w_g.reshape(1)
+    shape = dict(op=0, dtype=6, num_groups=E, M=M, N=N, K=K, a=x_q.data_ptr(), b=w_q.data_ptr(), d=out.data_ptr(),
+                 sfa=x_s.data_ptr(), sfb=w_s.data_ptr(), a_global=x_g1.data_ptr(), b_global=w_g1.data_ptr())
+    assert C.grouped_mm_path(**shape, device=_ext.launch_args(x_q)["device"]) == 0
+    nbytes = C.grouped_mm_workspace_bytes(**shape, device=_ext.launch_args(x_q)["device"])
+    ws, ws_ptr = _ext.workspace(nbytes, x_q)
+    with pytest.raises(ValueError, match="nvfp4: the block-scaled kernel needs"):
+        C.grouped_mm(**shape, group_sizes=gs.data_ptr(), workspace=ws_ptr, workspace_bytes=nbytes,
+                     **_ext.launch_args(x_q))
+    got = grouped_mm_nvfp4(x_q, x_s, x_g, w_q, w_s, w_g, gs)
+    ref = grouped_mm_nvfp4_reference(x_q.cpu(), x_s.cpu(), x_g.cpu(), w_q.cpu(), w_s.cpu(), w_g.cpu(), gs.cpu())
+    # The emulation: exact block-scaled values, fp32 accumulation over K = 64, then one bf16 rounding (2^-9
+    # relative); 2^-7 relative leaves 4x margin, the absolute term covers the fp32 sums of values near 0.
+    assert torch.allclose(got[:40].double().cpu(), ref[:40], rtol=2**-7, atol=1e-3 * float(ref.abs().max()))
