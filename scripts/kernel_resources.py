@@ -228,6 +228,7 @@ def read_launch_log(path: Path | None) -> dict[str, tuple[int, int]]:
 SM100_CHECKS = (
     (r"cutlass::device_kernel\[\w+_bf16_2sm_", r"UTCHMMA\.2CTA", "the bf16 sm_100f GEMMs run 2-SM tcgen05 MMAs"),
     (r"cutlass::device_kernel\[\w+_fp8_blockwise_\w*1sm_", r"UTCQMMA", "the FP8 sm_100f GEMMs run tcgen05 FP8 MMAs"),
+    (r"cutlass::device_kernel\[\w+_nvfp4_1sm_", r"UTCOMMA", "the NVFP4 sm_100f GEMM runs block-scaled tcgen05 MMAs"),
 )
 
 
