@@ -58,7 +58,9 @@ def collect() -> dict:
         if getattr(C, "grouped_mm_has_sm100", False):
             from moe_kernels.ops.grouped_mm import SM100_OPT_IN, sm100_opted_in
 
-            info["grouped_mm_sm100"] = ("bf16 fwd, dgrad, wgrad and FP8 blockwise fwd, wgrad for sm_100f (B200, B300), "
+            nvfp4 = "; NVFP4 block-scaled fwd" if hasattr(C, "grouped_mm_nvfp4_blocked_scales") else ""
+            info["grouped_mm_sm100"] = ("bf16 fwd, dgrad, wgrad; FP8 blockwise fwd, wgrad" + nvfp4 +
+                                        " for sm_100f (B200, B300), "
                                         + ("on" if sm100_opted_in() else f"off (opt-in: {SM100_OPT_IN}=1)")
                                         + "; not yet run on a Blackwell GPU by this project")
         if hasattr(C, "expert_mlp_fwd"):  # MoELayer.expert_path says which path a layer's last forward took
