@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(kPrepThreads)
     *out.tiles = int32_t(total_tiles);
   }
   if (out.order == nullptr) return;  // block-uniform
-  if (!largest_first) {
+  if (!largest_first || E > kMaxOrderedGroups) {  // the rank count's shared array holds kMaxOrderedGroups
     for (int e = threadIdx.x; e < E; e += kPrepThreads) out.order[e] = e;
     return;
   }

@@ -91,8 +91,8 @@ struct GroupedParams {
 struct GroupInfo {
   int64_t row_start;   // first row of the group in x / dout (clamped to M)
   int32_t rows;        // rows of the group inside [0, M)
-  int32_t tile_start;  // first row-tile of the group in the kernel's grid (tiles of kBM rows, or of
-                       // sm90::kGatherTileRows for the gather kernels)
+  int32_t tile_start;  // first row-tile of the group in the kernel's grid (tiles of kBM rows, of
+                       // sm90::kGatherTileRows for the gather kernels, of 128 for the NVFP4 scales' atoms)
 };
 
 // Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent
@@ -116,9 +116,10 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream);
 // GroupedParams::group_order resolved: true when the schedulers visit the groups largest first (the portable
 // kernel, which maps its blocks to groups by their tile offsets, has no order and ignores it).
 bool largest_first(const GroupedParams& p);
-// The visiting order that grouped_mm(p) gives the schedulers (order[s] = the group visited s-th), written to
-// order[E] by grouped_mm's own prepare kernel in p.workspace (sized by grouped_workspace_bytes); expert order
-// where largest_first(p) is false. On every build, the CPU-executed one included (tests).
+// The visiting order that grouped_mm(p) gives the CUTLASS and gather schedulers (order[s] = the group visited
+// s-th), written to order[E] by grouped_mm's own prepare kernel in p.workspace (sized by grouped_workspace_bytes);
+// expert order where largest_first(p) is false. Computed whatever the path (the portable kernel, which has no
+// scheduler, ignores it), so the CPU-executed build checks it (tests).
 void group_visit_order(const GroupedParams& p, int32_t* order, cudaStream_t stream);
 
 // Shared by both paths: zero dgrad rows past the groups and wgrad outputs of empty groups; NaN in wgrad
@@ -148,8 +149,8 @@ int64_t nvfp4_scale_atoms(int64_t atom_rows, int64_t K);
 void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupInfo* groups, int E, int64_t N, int64_t K,
                           int64_t atom_rows, cudaStream_t stream);
 // nvfp4_blocked_scales for the activations of p, through grouped_mm's own prepare kernel (tiles of 128 rows):
-// writes dst (nvfp4_scale_atoms(M / 128 + E, K) atoms) from p.sfa. For tests on every build; workspace as
-// grouped_workspace_bytes sizes p with dtype float8_e4m3 (any path).
+// writes dst (nvfp4_scale_atoms(ceil(M / 128) + E, K) atoms) from p.sfa. For tests on every build; p.workspace
+// holds the prepared groups (grouped_workspace_bytes of any problem with E groups is enough).
 void nvfp4_blocked_activation_scales(const GroupedParams& p, uint8_t* dst, cudaStream_t stream);
 
 // Blackwell (sm_100f: B200, B300) instances, one per product and dtypes (sm100_dispatch.cu): bf16 forward,

@@ -67,6 +67,9 @@ def grouped_mm_nvfp4(x_q: Tensor, x_scale: Tensor, x_global: Tensor, w_q: Tensor
         check_tensor(op, name, g, dtypes=(torch.float32,), device=x_q.device)
         if g.numel() != 1:
             raise ValueError(f"{op}: `{name}` must be one fp32 value, got shape {tuple(g.shape)}")
+    from moe_kernels.ops.grouped_mm import _check_group_sizes
+
+    _check_group_sizes(op, group_sizes, E, x_q.device)
     if x_q.device.type == "cuda" and out_dtype == torch.bfloat16:
         out = _launch_sm100(x_q, x_scale, x_global, w_q, w_scale, w_global, group_sizes)
         if out is not None:

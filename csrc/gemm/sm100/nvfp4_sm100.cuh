@@ -6,7 +6,7 @@
 // Forward only (the recipe runs dgrad as a forward on the transposed weight, wgrad in its own precision):
 //   d[rows of e] = alpha * sum_k (a[rows, k] * sfa[rows, k / 16]) (b[e][:, k] * sfb[e][:, k / 16])
 //   a = x codes [M, K / 2] (two E2M1 codes a byte, the first element in the low nibble: quantize_nvfp4's
-//   packing), b = w codes [E, N, K / 2], d bf16 [M, N], alpha = 1 / (a_global * b_global) read on the device.
+//   packing), b = w codes [E, N, K / 2], d bf16 [M, N], alpha = (1 / a_global) / b_global read on the device.
 // The scales reach this kernel in CUTLASS's blocked layout (Sm1xxBlockScaledConfig: atoms of 128 rows x 4
 // scales, 512 bytes, rows r % 32 at stride 16 and r / 32 % 4 at stride 4, atoms K-block-major), one run of
 // whole atoms per group: grouped_mm.cu converts quantize_nvfp4's row-major [rows, K / 16] scales into it
@@ -124,7 +124,7 @@ struct Nvfp4Gemm {
         {{}, nullptr, nullptr, arr.ptr_d, arr.stride_d},
         sm90::hardware(p.device, sm_count)};
     args.epilogue.thread.alpha = 1.0f;
-    args.epilogue.thread.alpha_ptr = arr.alpha;  // 1 / (a_global * b_global), written by prepare_nvfp4
+    args.epilogue.thread.alpha_ptr = arr.alpha;  // (1 / a_global) / b_global, written by prepare_nvfp4
     args.epilogue.thread.beta = 0.0f;
     args.scheduler.raster_order = sm90::raster_option(p.raster);
     return args;
@@ -148,7 +148,10 @@ __global__ void prepare_nvfp4(const uint8_t* a, const uint8_t* sfa, const uint8_
                               const GroupInfo* groups, const int32_t* visit, int E, int64_t N, int64_t K,
                               typename G::Arrays arr) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x;
-  if (s == 0) *arr.alpha = (1.0f / *a_global) / *b_global;  // two divisions, as the reference's
+  // One fp32 factor (1 / g_a) / g_b for the epilogue (the emulation divides the output by each instead): it
+  // stays a normal float while amax_a * amax_b >= ~1e-31 (alpha = amax_a amax_b / 2688^2), loses precision
+  // below and reaches 0 near 1e-38; the outputs there are as small (docs/ops.md).
+  if (s == 0) *arr.alpha = (1.0f / *a_global) / *b_global;
   if (s >= E) return;
   const int e = visit != nullptr ? visit[s] : s;
   const int64_t r0 = groups[e].row_start;
