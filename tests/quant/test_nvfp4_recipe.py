@@ -41,7 +41,7 @@ def test_grouped_mm_matches_dequantized_product_to_fp32_rounding():
         grouped_mm_nvfp4(*xq, wq[0][..., :8].contiguous(), wq[1], wq[2], gs)
     with pytest.raises(ValueError, match="`x_global` must be one fp32 value"):
         grouped_mm_nvfp4(xq[0], xq[1], xq[2].reshape(1).repeat(2), *wq, gs)
-    with pytest.raises(ValueError, match="grouped_mm_nvfp4: `group_sizes`"):
+    with pytest.raises(TypeError, match="grouped_mm_nvfp4: `group_sizes` must have dtype"):
         grouped_mm_nvfp4(*xq, *wq, gs.long())  # checked before any kernel reads it
     with pytest.raises(ValueError, match="grouped_mm_nvfp4: `group_sizes`"):
         grouped_mm_nvfp4(*xq, *wq, gs[:-1])
