@@ -354,6 +354,22 @@ class _Fp8GroupedMM(torch.autograd.Function):
         return dx, dw, None, None, None, None
 
 
+_ZERO_SCALARS: dict[tuple[torch.dtype, torch.device], Tensor] = {}
+
+
+def _zero_scalar(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-d zero of dtype on device, made once per process (the placeholders below expand it: no fill kernel a
+    step). Never cached from inside a CUDA graph capture, where the fill is recorded, not run."""
+    device = torch.device(device)
+    key = (dtype, device)
+    z = _ZERO_SCALARS.get(key)
+    if z is None:
+        z = torch.zeros((), dtype=dtype, device=device)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _ZERO_SCALARS[key] = z
+    return z
+
+
 class _Fp8GradLink:
     """Carries the up projection's output gradient in E4M3 from the SwiGLU backward to the GEMM backward that
     made h, past autograd (which carries a zero-stride placeholder for h meanwhile); likewise the down
@@ -368,7 +384,7 @@ class _Fp8GradLink:
     def send(self, payload: tuple[Tensor, Tensor, Tensor, Tensor], shape, dtype: torch.dtype,
              device: torch.device) -> Tensor:
         self.payload = payload
-        self.placeholder = torch.zeros((), dtype=dtype, device=device).expand(shape)
+        self.placeholder = _zero_scalar(dtype, device).expand(shape)
         return self.placeholder
 
     def receive(self, grad: Tensor | None) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
@@ -378,7 +394,8 @@ class _Fp8GradLink:
         if payload is None:
             return None
         # Autograd hands the placeholder over untouched unless another consumer of h added its gradient.
-        if grad is None or grad.data_ptr() != placeholder.data_ptr() or grad.stride() != placeholder.stride():
+        if (grad is None or grad.data_ptr() != placeholder.data_ptr() or grad.stride() != placeholder.stride()
+                or grad.shape != placeholder.shape):
             raise RuntimeError("Fp8BlockwiseRecipe: a tensor whose gradient travels in FP8 (the output of "
                                "permute_grouped_mm(..., swiglu_next=True), or of swiglu_grouped_mm passed to "
                                "Fp8BlockwiseRecipe.unpermute) received a gradient from another consumer; "
