@@ -227,3 +227,20 @@ def test_grouped_mm_wgrad_expert_order_peer(cuda):
     assert torch.allclose(got.double(), ref, rtol=2e-2, atol=2e-2)
     for e in [e for e, n in enumerate(sizes) if n == 0]:
         assert bool((got[e] == 0).all())
+
+
+@pytest.mark.gpu
+def test_grouped_mm_expert_order_peer_and_headline(cuda, monkeypatch, tmp_path):
+    """Where ours runs its kernels, wgrad gets the expert-order peer and one headline line per routing (here the
+    CPU-executed kernels stand in for a GPU's: the kernel path is forced, so the code a GPU run takes runs)."""
+    if cuda.type != "cpu":
+        pytest.skip("a GPU runs this in the bench itself")
+    monkeypatch.setattr(bg, "kernel_path", lambda *a: "portable")
+    ctx = _cpu_ctx(tmp_path)
+    rep = bg.run(ctx)
+    assert rep.failures == []
+    wgrad = [r for r in rep.results if r.op == "grouped_mm_wgrad"]
+    assert wgrad and all("expert_order" in r.speedup and r.speedup["expert_order"] > 0 for r in wgrad)
+    assert not any("expert_order" in r.speedup for r in rep.results if r.op != "grouped_mm_wgrad")
+    lines = [line for line in rep.headline if "largest first vs expert order" in line]
+    assert len(lines) == len(bg.ROUTINGS) and all("geomean over" in line for line in lines)
