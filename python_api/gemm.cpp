@@ -16,7 +16,7 @@ namespace {
 gemm::GroupedParams make(int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t E,
                          int64_t M, int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes,
                          int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel,
-                         int32_t raster) {
+                         int32_t raster, uintptr_t a_global = 0, uintptr_t b_global = 0) {
   auto p = gemm::GroupedParams{gemm::GemmOp(op),         ptr<const void>(a), ptr<const void>(b), ptr<void>(d),
                              ptr<const int32_t>(group_sizes), E,         M,                  N,
                              K,                        DType(dtype),       ptr<void>(workspace), workspace_bytes,
@@ -24,6 +24,8 @@ gemm::GroupedParams make(int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uint
   p.fp8_wgrad_out = DType(fp8_wgrad_out);
   p.kernel = kernel;
   p.raster = raster;
+  p.a_global = ptr<const float>(a_global);
+  p.b_global = ptr<const float>(b_global);
   return p;
 }
 
@@ -61,10 +63,8 @@ void register_gemm(py::module_& m) {
          uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
          uintptr_t a_global, uintptr_t b_global) {
         DeviceGuard guard(device);
-        auto p = make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster);
-        p.a_global = ptr<const float>(a_global);
-        p.b_global = ptr<const float>(b_global);
-        return int(gemm::choose_path(p));
+        return int(gemm::choose_path(make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb,
+                                          fp8_wgrad_out, kernel, raster, a_global, b_global)));
       },
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
       "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1), 5 = sm_100f fp8 blockwise, 6 = sm_90a gather (expert_mlp's "
@@ -80,10 +80,8 @@ void register_gemm(py::module_& m) {
          uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
          uintptr_t a_global, uintptr_t b_global) {
         DeviceGuard guard(device);
-        auto p = make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster);
-        p.a_global = ptr<const float>(a_global);
-        p.b_global = ptr<const float>(b_global);
-        return gemm::grouped_workspace_bytes(p);
+        return gemm::grouped_workspace_bytes(make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb,
+                                                  fp8_wgrad_out, kernel, raster, a_global, b_global));
       },
       py::arg("op"), py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"),
       py::arg("b"), py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0,
@@ -97,12 +95,10 @@ void register_gemm(py::module_& m) {
          bool accumulate, int32_t group_order, uintptr_t a_global, uintptr_t b_global) {
         DeviceGuard guard(device);
         auto p = make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb,
-                      fp8_wgrad_out, kernel, raster);
+                      fp8_wgrad_out, kernel, raster, a_global, b_global);
         p.group_align = group_align;
         p.accumulate = accumulate;
         p.group_order = group_order;
-        p.a_global = ptr<const float>(a_global);
-        p.b_global = ptr<const float>(b_global);
         gemm::grouped_mm(p, stream(s));
       },
       "group_align (wgrad): groups whose rows do not start and end on multiples of it get NaN; 0: any. "
@@ -126,8 +122,7 @@ void register_gemm(py::module_& m) {
          uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s) {
         DeviceGuard guard(device);
         if (group_sizes == 0) {
-          gemm::nvfp4_blocked_scales(ptr<const uint8_t>(src), ptr<uint8_t>(dst), nullptr, num_groups, N, K,
-                                     int64_t(num_groups) * ((N + 127) / 128), stream(s));
+          gemm::nvfp4_blocked_scales(ptr<const uint8_t>(src), ptr<uint8_t>(dst), num_groups, N, K, stream(s));
           return;
         }
         auto p = make(0, 0, 0, 0, group_sizes, num_groups, M, N, K, int32_t(DType::kFloat4E2M1), workspace,

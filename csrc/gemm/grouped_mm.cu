@@ -474,10 +474,8 @@ static void launch_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupI
   check_launch("grouped_mm nvfp4_blocked_scales_kernel");
 }
 
-void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupInfo* groups, int E, int64_t N, int64_t K,
-                          int64_t atom_rows, cudaStream_t stream) {
-  if (groups != nullptr) throw std::invalid_argument("nvfp4_blocked_scales: grouped rows go through grouped_mm");
-  launch_blocked_scales(src, dst, nullptr, nullptr, E, N, K, atom_rows, stream);
+void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, int E, int64_t N, int64_t K, cudaStream_t stream) {
+  launch_blocked_scales(src, dst, nullptr, nullptr, E, N, K, int64_t(E) * ((N + 127) / 128), stream);
 }
 
 void nvfp4_blocked_activation_scales(const GroupedParams& p, uint8_t* dst, cudaStream_t stream) {
@@ -645,9 +643,7 @@ void group_visit_order(const GroupedParams& p, int32_t* order, cudaStream_t stre
   Prepared prep = carve(p.workspace, p.num_groups);
   const bool ordered = largest_first(p);
   prep.order = order;
-  const int tile_rows = choose_path(p) == Path::kSm90Gather ? sm90::kGatherTileRows : kBM;
-  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, tile_rows, ordered,
-                                                 prep);
+  prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, kBM, ordered, prep);
   check_launch("grouped_mm prepare_kernel");
 }
 

@@ -142,12 +142,11 @@ void gather_run(const GroupedParams& p, const GroupInfo* groups, const int32_t* 
 
 // NVFP4 scales into CUTLASS's blocked layout (gemm/sm100/nvfp4_sm100.cuh): row-major E4M3 `src` [rows, K / 16]
 // -> `dst`, for each group its rows padded to 128 (the padding scales 0), atoms of 128 rows x 4 scales (512
-// bytes, K-block-major), group g's atom rows starting at groups[g].tile_start. With `groups` null: E groups of
-// N rows each (an expert weight), expert e's atom rows at e * ceil(N / 128). Runs on every build (the CPU-
-// executed one included); nvfp4_scale_atoms sizes dst (in atoms of 512 bytes) without a sync.
+// bytes, K-block-major), group g's atom rows starting at groups[g].tile_start. nvfp4_blocked_scales: E groups
+// of N rows each (an expert weight [E, N, K / 16]), expert e's atom rows at e * ceil(N / 128). Runs on every
+// build (the CPU-executed one included); nvfp4_scale_atoms sizes dst (in atoms of 512 bytes) without a sync.
 int64_t nvfp4_scale_atoms(int64_t atom_rows, int64_t K);
-void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, const GroupInfo* groups, int E, int64_t N, int64_t K,
-                          int64_t atom_rows, cudaStream_t stream);
+void nvfp4_blocked_scales(const uint8_t* src, uint8_t* dst, int E, int64_t N, int64_t K, cudaStream_t stream);
 // nvfp4_blocked_scales for the activations of p, through grouped_mm's own prepare kernel (tiles of 128 rows):
 // writes dst (nvfp4_scale_atoms(ceil(M / 128) + E, K) atoms) from p.sfa. For tests on every build; p.workspace
 // holds the prepared groups (grouped_workspace_bytes of any problem with E groups is enough).
