@@ -300,6 +300,29 @@ def with_workspace(key: tuple, fn, like: torch.Tensor, *args) -> None:
         _region_needs[key] = nbytes = max(need, nbytes)
 
 
+def carve(like: torch.Tensor, *nbytes: int) -> tuple[torch.Tensor, list[int]]:
+    """One uint8 allocation on `like`'s device holding consecutive parts of `nbytes` bytes each, and each part's
+    256-byte aligned address (0 for an empty part): a region's scratch and saved tensors in one allocator call."""
+    offsets, total = [], 0
+    for n in nbytes:
+        offsets.append(total if n else -1)
+        total += (n + _WORKSPACE_ALIGN - 1) // _WORKSPACE_ALIGN * _WORKSPACE_ALIGN
+    buf, base = workspace(total, like)
+    return buf, [base + o if o >= 0 else 0 for o in offsets]
+
+
+def region_need(key: tuple, need: int | None = None) -> int | None:
+    """The workspace protocol of the regions (python_api/regions.cpp), for callers that allocate the workspace
+    themselves: region_need(key) is the size to try first (the one remembered for `key`); region_need(key,
+    need), with what the call returned, is None when it launched, else the size to try next (remembered)."""
+    if need is None:
+        return _region_needs.get(key, 0)
+    if not need:
+        return None
+    _region_needs[key] = n = max(need, _region_needs.get(key, 0))
+    return n
+
+
 def ptr(t: torch.Tensor | None) -> int:
     """Device address of a tensor, 0 for None or an empty tensor."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()

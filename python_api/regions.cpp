@@ -90,6 +90,83 @@ void register_regions(py::module_& m) {
         return 0;
       });
 
+  // The routed experts of the plain local layer, tokens in, tokens out: permute, the experts (grouped GEMM,
+  // SwiGLU, grouped GEMM) and the weighted unpermute, the launches of the permute, experts and unpermute
+  // entries above in their order. x [T, H], indices [T, k], weights [T, k] fp32 (0: a plain sum);
+  // x_perm [R, H], row_map [T, k], group_sizes [E], h [R, 2F], a [R, F], y [R, H] are written for the
+  // backward, out [T, H]. The permute and the GEMMs share the workspace (they run in order on one stream).
+  m.def(
+      "moe_fwd",
+      [](uintptr_t x, uintptr_t indices, uintptr_t weights, uintptr_t w13, uintptr_t w2, uintptr_t x_perm,
+         uintptr_t row_map, uintptr_t group_sizes, uintptr_t h, uintptr_t a, uintptr_t y, uintptr_t out,
+         int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t align,
+         int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
+        DeviceGuard guard(device);
+        const DType dt = DType(dtype);
+        auto up = gemm_params(GemmOp::kFwd, x_perm, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
+                              ws_bytes, device);
+        auto down = gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
+                                device);
+        const size_t need = std::max(permute::permute_workspace_bytes(tokens * k, E), need_of({&up, &down}));
+        if (ws_bytes < need) return need;
+        permute::permute_fwd({ptr<const void>(x), ptr<const int32_t>(indices), ptr<void>(x_perm), ptr<int32_t>(row_map),
+                              ptr<int32_t>(group_sizes), ptr<void>(workspace), tokens, k, hidden * dtype_size(dt), E,
+                              align},
+                             stream(s));
+        if (rows > 0) {
+          gemm::grouped_mm(up, stream(s));
+          activation::swiglu_fwd({ptr<const void>(h), nullptr, ptr<void>(a), rows, ffn, dt}, stream(s));
+          gemm::grouped_mm(down, stream(s));
+        }
+        permute::unpermute_fwd({ptr<const void>(y), ptr<const int32_t>(row_map), ptr<const float>(weights),
+                                ptr<void>(out), tokens, k, hidden, rows, dt},
+                               stream(s));
+        return 0;
+      });
+  // Its backward: dout [T, H] -> dx [T, H], dw13, dw2, dweights [T, k] fp32 (each only when its pointer is
+  // non-zero; dweights reads y): the unpermute's backward, the experts' five products, the permute's backward
+  // (an unpermute of dx_perm). dy [R, H], da [R, F], dh [R, 2F], dx_perm [R, H] are scratch; the unpermute
+  // backward's row mask lives in the workspace. R > 0.
+  m.def(
+      "moe_bwd",
+      [](uintptr_t dout, uintptr_t x_perm, uintptr_t row_map, uintptr_t weights, uintptr_t group_sizes, uintptr_t h,
+         uintptr_t a, uintptr_t y, uintptr_t w13, uintptr_t w2, uintptr_t dy, uintptr_t da, uintptr_t dh,
+         uintptr_t dx_perm, uintptr_t dx, uintptr_t dw13, uintptr_t dw2, uintptr_t dweights, int64_t tokens,
+         int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype, uintptr_t workspace,
+         size_t ws_bytes, int device, uintptr_t s) -> size_t {
+        DeviceGuard guard(device);
+        const DType dt = DType(dtype);
+        auto da_p = gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
+                                device);
+        auto dw2_p = gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace,
+                                 ws_bytes, device);
+        auto dx_p = gemm_params(GemmOp::kDgrad, dh, w13, dx_perm, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
+                                ws_bytes, device);
+        auto dw13_p = gemm_params(GemmOp::kWgrad, dh, x_perm, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt,
+                                  workspace, ws_bytes, device);
+        const size_t need = std::max(size_t(rows), need_of({&da_p, &dw2_p, &dx_p, &dw13_p}));
+        if (ws_bytes < need) return need;
+        auto* row_mask = ptr<uint8_t>(workspace);  // zero-filled scratch of unpermute_bwd, done before the GEMMs
+        check_cuda(cudaMemsetAsync(row_mask, 0, size_t(rows), stream(s)), "moe_bwd");
+        permute::unpermute_bwd({ptr<const void>(dout), ptr<const void>(y), ptr<const int32_t>(row_map),
+                                ptr<const float>(weights), ptr<void>(dy), ptr<float>(dweights), row_mask, tokens, k,
+                                hidden, rows, dt},
+                               stream(s));
+        gemm::grouped_mm(da_p, stream(s));
+        if (dw2) gemm::grouped_mm(dw2_p, stream(s));
+        activation::swiglu_bwd({ptr<const void>(da), ptr<const void>(h), nullptr, ptr<void>(dh), nullptr, rows, ffn,
+                                dt},
+                               stream(s));
+        if (dx) {
+          gemm::grouped_mm(dx_p, stream(s));
+          permute::unpermute_fwd({ptr<const void>(dx_perm), ptr<const int32_t>(row_map), nullptr, ptr<void>(dx),
+                                  tokens, k, hidden, rows, dt},
+                                 stream(s));
+        }
+        if (dw13) gemm::grouped_mm(dw13_p, stream(s));
+        return 0;
+      });
+
   // The gather-fused expert MLP (ops/expert_mlp.py): out [T, H] = sum over each token's slots of
   // swiglu(x[t] W13_e^T, row_weight) W2_e^T, read straight from the tokens. x [T, H], row_map [T, k] (permute's,
   // R rows), w13 [E, 2F, H], w2 [E, H, F]. Writes row_token [R] (each row's token, -1: padding) and h [R, 2F]

@@ -247,6 +247,97 @@ def experts_fit(x: Tensor) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------------
+# moe: permute, experts and the weighted unpermute as one node, tokens in, tokens out, one call each way
+
+
+class _Moe(torch.autograd.Function):
+    """Its tensors for the backward (x_perm, row_map, group_sizes, h, a, and y when the weights need a gradient)
+    are parts of one allocation, the workspace and the scratch of each direction another: two allocator calls
+    each way besides the outputs."""
+
+    @staticmethod
+    def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L):
+        T, H = x.shape
+        k = indices.shape[1]
+        E, F2, _ = w13.shape
+        F = F2 // 2
+        R = permuted_rows(T, k, num_experts, align)
+        es = x.element_size()
+        need_w = weights is not None and ctx.needs_input_grad[2]
+        kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * F * es, R * H * es if need_w else 0)
+        x_perm, row_map, group_sizes, h, a, y = parts
+        out = x.new_empty((T, H))
+        w = None if weights is None else weights.float().contiguous()
+        dt = _DTYPE[x.dtype]
+        key = ("moe_fwd", L.device, T, k, R, H, F, E, dt)
+        nbytes = _ext.region_need(key)
+        while True:
+            scratch, (y_tmp, ws) = _ext.carve(x, 0 if need_w else R * H * es, nbytes)
+            nbytes = _ext.region_need(key, L.C.moe_fwd(
+                _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), x_perm, row_map, group_sizes,
+                h, a, y or y_tmp, _ext.ptr(out), T, k, R, H, F, E, align, dt, ws, nbytes, L.device, L.stream))
+            if nbytes is None:
+                break
+        del scratch  # after the launches are queued: the caching allocator reuses it in stream order
+        ctx.save_for_backward(kept, w, w13, w2)
+        ctx.L, ctx.need_w, ctx.shape = L, need_w, (T, k, R, H, F, E, es)
+        ctx.offsets = [p - kept.data_ptr() if p else -1 for p in parts]
+        ctx.w_dtype = None if weights is None else weights.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        _first_order_only()
+        kept, w, w13, w2 = ctx.saved_tensors
+        L, need_w = ctx.L, ctx.need_w
+        T, k, R, H, F, E, es = ctx.shape
+        base = kept.data_ptr()
+        x_perm, row_map, group_sizes, h, a, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
+        need_x, _, _, need_w13, need_w2, _, _, _ = ctx.needs_input_grad
+        dout = dout.contiguous()
+        dev = dout.device
+        if R == 0:  # no slots: nothing flows back
+            dx = dout.new_zeros((T, H)) if need_x else None
+            dw13 = torch.zeros_like(w13) if need_w13 else None
+            dw2 = torch.zeros_like(w2) if need_w2 else None
+            dw = torch.zeros((T, k), dtype=_F32, device=dev) if need_w else None
+        else:
+            dx = dout.new_empty((T, H)) if need_x else None
+            dw13 = torch.empty_like(w13) if need_w13 else None
+            dw2 = torch.empty_like(w2) if need_w2 else None
+            dw = torch.empty((T, k), dtype=_F32, device=dev) if need_w else None
+            dt = _DTYPE[dout.dtype]
+            key = ("moe_bwd", L.device, T, k, R, H, F, E, dt)
+            nbytes = _ext.region_need(key)
+            while True:
+                # dy, da, dh, dx_perm, then the workspace
+                scratch, (dy, da, dh, dx_perm, ws) = _ext.carve(dout, R * H * es, R * F * es, R * 2 * F * es,
+                                                                 R * H * es if need_x else 0, nbytes)
+                nbytes = _ext.region_need(key, L.C.moe_bwd(
+                    _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, a, y, _ext.ptr(w13), _ext.ptr(w2),
+                    dy, da, dh, dx_perm, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(dw), T, k, R, H, F,
+                    E, dt, ws, nbytes, L.device, L.stream))
+                if nbytes is None:
+                    break
+            del scratch
+        return dx, None, (dw.to(ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None
+
+
+def _moe_ops(x, indices, weights, w13, w2, num_experts, align):
+    x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
+    return unpermute(_experts_ops(x_perm, group_sizes, w13, w2, None), row_map, weights)
+
+
+@_register("moe", _moe_ops, "moe_fwd (permute, grouped_mm, swiglu, grouped_mm, unpermute) / "
+           "moe_bwd (unpermute_bwd, 5 products, unpermute of dx)")
+def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w13: Tensor, w2: Tensor,
+               num_experts: int, align: int):
+    """out [T, H] = unpermute(experts(permute(x)), weights): the plain local layer's routed experts (the routing
+    weights applied in the unpermute)."""
+    return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L)
+
+
+# ---------------------------------------------------------------------------------------------------
 # expert_mlp: the gather-fused experts (ops/expert_mlp.py), tokens in, tokens out, one call each way
 
 

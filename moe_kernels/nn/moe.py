@@ -222,12 +222,16 @@ class MoELayer(nn.Module):
 
     def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
         cfg = self.config
+        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
+        if not cfg.weights_in_activation and fused.experts_fit(x):
+            # One node for the routed experts, tokens in, tokens out.
+            return fused.run("moe", launch, x, routed.indices, routed.weights, w13, w2, cfg.num_experts,
+                             cfg.permute_align)
         x_perm, row_map, group_sizes = fused.run("permute", launch, x, routed.indices, cfg.num_experts,
                                                  cfg.permute_align)
         row_weights = None
         if cfg.weights_in_activation:
             row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
-        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
         y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
         return fused.run("unpermute", launch, y, row_map, None if cfg.weights_in_activation else routed.weights)
 

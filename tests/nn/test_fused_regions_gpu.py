@@ -73,7 +73,8 @@ def test_fused_regions_equal_registered_ops(cuda, case, registered_ops):
     _step(layer, x, g)  # the first call of a shape also asks for its workspace size
     with extension_calls() as ext:
         thin = _step(layer, x, g)
-    assert ext.calls.get("experts_fwd") == 1 and ext.calls.get("experts_bwd") == 1, ext.calls
+    experts = ("experts_fwd", "experts_bwd") if layer.config.weights_in_activation else ("moe_fwd", "moe_bwd")
+    assert all(ext.calls.get(name) == 1 for name in experts), ext.calls
     registered_ops()
     with extension_calls() as ext:
         ops = _step(layer, x, g)
@@ -86,9 +87,10 @@ def test_fused_regions_equal_registered_ops(cuda, case, registered_ops):
 
 def _expected_calls(cfg) -> int:
     """Extension launches of one layer fwd + bwd on the fused regions: the router (router_fused_fwd / _bwd,
-    whatever losses are on; capacity adds apply_capacity and tokens_per_expert), permute (1 + its backward's
+    whatever losses are on; capacity adds apply_capacity and tokens_per_expert), then the routed experts as one
+    region (moe_fwd / moe_bwd), or, with the weights applied in the activation, permute (1 + its backward's
     unpermute_fwd), experts (1 + 1) and unpermute (1 + 1)."""
-    return 2 + (2 if cfg.router.capacity_factor is not None else 0) + 6
+    return 2 + (2 if cfg.router.capacity_factor is not None else 0) + (6 if cfg.weights_in_activation else 2)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -99,9 +101,13 @@ def test_one_extension_call_per_region(cuda, case):
     with extension_calls() as ext:
         _step(layer, x, g)
     calls = ext.calls
-    for name in ("router_fused_fwd", "router_fused_bwd", "permute_fwd", "experts_fwd", "experts_bwd", "unpermute_bwd"):
+    if layer.config.weights_in_activation:
+        once = ("permute_fwd", "experts_fwd", "experts_bwd", "unpermute_bwd")
+        assert calls["unpermute_fwd"] == 2, calls  # unpermute, and permute's backward
+    else:
+        once = ("moe_fwd", "moe_bwd")
+    for name in ("router_fused_fwd", "router_fused_bwd", *once):
         assert calls[name] == 1, (name, calls)
-    assert calls["unpermute_fwd"] == 2, calls  # unpermute, and permute's backward
     assert sum(calls.values()) == _expected_calls(layer.config), calls
 
 
@@ -235,3 +241,30 @@ def test_gathered_compile_fullgraph(cuda, registered_ops):
     x, g = _inputs(cuda, torch.float32)
     calls = _compiled_equals_eager(_gathered_layer("losses", cuda), x, g)
     assert calls.get("expert_mlp_fwd") == 1 and calls.get("expert_mlp_bwd") == 1, calls
+
+
+@pytest.mark.parametrize("batch", ["empty", "one-token", "hot-expert"])
+def test_moe_region_edge_batches(cuda, batch, registered_ops):
+    """The routed experts' region (moe_fwd / moe_bwd) on no tokens, one token, and every token on one expert
+    (the other groups empty): identical to the registered ops."""
+    layer = _layer("qwen3-30b-a3b", cuda)
+    T = {"empty": 0, "one-token": 1, "hot-expert": 37}[batch]
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(1, T, H, generator=gen).to(cuda)
+    g = torch.randn(1, T, H, generator=gen).to(cuda)
+    if batch == "hot-expert":
+        with torch.no_grad():
+            layer.router.weight.zero_()
+            layer.router.weight[3] += 1.0  # positive inputs route to expert 3 first
+        x = x.abs() + 0.1
+    _step(layer, x, g)
+    with extension_calls() as ext:
+        thin = _step(layer, x, g)
+    assert ext.calls.get("moe_fwd") == 1 and ext.calls.get("moe_bwd", 0) == (1 if T else 0), ext.calls
+    registered_ops()
+    ops = _step(layer, x, g)
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, thin, ops):
+        assert_exact(a, b, f"{batch}: {name}")
+    if T:
+        assert thin[2].abs().sum() > 0 and thin[names.index("experts.w13")].abs().sum() > 0
