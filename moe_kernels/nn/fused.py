@@ -9,8 +9,9 @@ directly. The calling convention, which every op on the hot path follows:
 - A `Launch` (the extension module, device index, stream) is resolved once per layer call by
   `launch_for` and handed to every region; the backward reuses the forward's (autograd runs a backward
   node on its forward's stream).
-- The extension is called with positional arguments; a region's forward is one extension call where its
-  kernels allow it (permute, experts, unpermute), the router's one kernel each way (router_fused) takes its losses too.
+- The extension is called with positional arguments; a region's forward is one extension call (the routed
+  experts: permute, experts and unpermute in `moe`), the router's one kernel each way (router_fused) takes its
+  losses too.
 - Workspaces are sized by the region itself: a region that needs one returns the bytes it needs when
   the given workspace is too small, launching nothing; the size is remembered per shape, so the steady
   state is one call, and each workspace is a fresh caching-allocator block on the current stream
