@@ -90,6 +90,18 @@ def _register(name: str, ops: Callable, launches: str):
 _DTYPE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+def _f32(t: Tensor | None) -> Tensor | None:
+    """t as contiguous fp32; t itself when it already is (no dispatch on the hot path)."""
+    if t is None or (t.dtype is _F32 and t.is_contiguous()):
+        return t
+    return t.float().contiguous()
+
+
+def as_dtype(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype) without the dispatch when t already has it."""
+    return t if t.dtype is dtype else t.to(dtype)
+
+
 def _first_order_only() -> None:
     """The regions' backward kernels are not differentiable: a second derivative (backward with
     create_graph=True) must fail loudly, not come out silently zero."""
@@ -145,7 +157,7 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, y, row_map, weights, L):
         T, k = row_map.shape
         out = y.new_empty((T, y.shape[1]))
-        w = None if weights is None else weights.float().contiguous()
+        w = _f32(weights)
         L.C.unpermute_fwd(_ext.ptr(y), _ext.ptr(row_map), _ext.ptr(w), _ext.ptr(out), T, k, y.shape[1], y.shape[0],
                           _DTYPE[y.dtype], L.device, L.stream)
         need_dw = weights is not None and ctx.needs_input_grad[2]
@@ -167,7 +179,7 @@ class _Unpermute(torch.autograd.Function):
         L.C.unpermute_bwd(_ext.ptr(g), _ext.ptr(y), _ext.ptr(row_map), _ext.ptr(w), _ext.ptr(dy),
                           _ext.ptr(dw) if ctx.need_dw else 0, _ext.ptr(row_mask), T, k, g.shape[1], ctx.num_rows,
                           _DTYPE[g.dtype], L.device, L.stream)
-        return dy, None, (dw.to(ctx.w_dtype) if ctx.need_dw else None), None
+        return dy, None, (as_dtype(dw, ctx.w_dtype) if ctx.need_dw else None), None
 
 
 @_register("unpermute", unpermute, "unpermute_fwd / unpermute_bwd")
@@ -188,7 +200,7 @@ class _Experts(torch.autograd.Function):
         h = x.new_empty((R, F2))
         a = x.new_empty((R, F))
         y = x.new_empty((R, H))
-        rw = None if row_weights is None else row_weights.float().contiguous()
+        rw = _f32(row_weights)
         dt = _DTYPE[x.dtype]
         if R:
             _ext.with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
@@ -226,7 +238,7 @@ class _Experts(torch.autograd.Function):
                             _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), _ext.ptr(a), _ext.ptr(w13), _ext.ptr(w2),
                             _ext.ptr(group_sizes), _ext.ptr(rw), _ext.ptr(da), _ext.ptr(dh), _ext.ptr(dx),
                             _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, dt, L.device, L.stream)
-        return dx, None, dw13, dw2, (drw.to(ctx.rw_dtype) if need_rw else None), None
+        return dx, None, dw13, dw2, (as_dtype(drw, ctx.rw_dtype) if need_rw else None), None
 
 
 def _experts_ops(x, group_sizes, w13, w2, row_weights):
@@ -268,7 +280,7 @@ class _Moe(torch.autograd.Function):
         kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * F * es, R * H * es if need_w else 0)
         x_perm, row_map, group_sizes, h, a, y = parts
         out = x.new_empty((T, H))
-        w = None if weights is None else weights.float().contiguous()
+        w = _f32(weights)
         dt = _DTYPE[x.dtype]
         key = ("moe_fwd", L.device, T, k, R, H, F, E, dt)
         nbytes = _ext.region_need(key)
@@ -321,7 +333,7 @@ class _Moe(torch.autograd.Function):
                 if nbytes is None:
                     break
             del scratch
-        return dx, None, (dw.to(ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None
+        return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None
 
 
 def _moe_ops(x, indices, weights, w13, w2, num_experts, align):
@@ -345,7 +357,7 @@ def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w1
 class _ExpertMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, row_map, group_sizes, w13, w2, row_weights, num_rows, L):
-        rw = None if row_weights is None else row_weights.float().contiguous()
+        rw = _f32(row_weights)
         out, row_token, h = _mlp.launch_fwd(L.C, L.device, L.stream, x, row_map, group_sizes, w13, w2, rw, num_rows)
         ctx.save_for_backward(x, row_token, row_map, h, w13, w2, group_sizes, rw)
         ctx.L = L
@@ -360,7 +372,7 @@ class _ExpertMLP(torch.autograd.Function):
         need_x, _, _, need_w13, need_w2, need_rw, _, _ = ctx.needs_input_grad
         dx, dw13, dw2, drw = _mlp.launch_bwd(L.C, L.device, L.stream, dout.contiguous(), x, row_token, row_map, h, w13,
                                              w2, group_sizes, rw, need_x, need_w13, need_w2, need_rw)
-        return dx, None, None, dw13, dw2, (drw.to(ctx.rw_dtype) if drw is not None else None), None, None
+        return dx, None, None, dw13, dw2, (as_dtype(drw, ctx.rw_dtype) if drw is not None else None), None, None
 
 
 def _expert_mlp_ops(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
@@ -452,8 +464,8 @@ class _Router(torch.autograd.Function):
             g_weights = torch.zeros(indices.shape, dtype=_F32, device=logits.device)
         elif spec.capacity_factor is not None:
             g_weights = torch.where(kept >= 0, g_weights, 0.0)
-        g_loss = None if g_loss is None else g_loss.float().contiguous()
-        grad = launch_bwd(L.C, L.device, L.stream, g_weights.float().contiguous(), g_loss, logits, indices, aux_counts,
+        g_loss = _f32(g_loss)
+        grad = launch_bwd(L.C, L.device, L.stream, _f32(g_weights), g_loss, logits, indices, aux_counts,
                           seq_counts, spec.k, spec.score, spec.pre_softmax, spec.normalize, spec.scale, spec.aux_coeff,
                           spec.seq_coeff, ctx.seq_len, spec.z_coeff)
         return grad, None, None, None, None

@@ -35,10 +35,23 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 def _gemm_dtype(w: Tensor) -> torch.dtype:
     """w's dtype in the expert GEMMs: the autocast dtype under torch.autocast (autocast_input)."""
+    if w.dtype is torch.float64:
+        return w.dtype
     device_type = w.device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and w.dtype != torch.float64:
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         return torch.get_autocast_dtype(device_type)
     return w.dtype
+
+_fused_limits: dict[int, int] = {}
+
+
+def _max_fused_experts(C) -> int:
+    """The most experts the fused regions' kernels take (permute's histograms, grouped_mm's group table)."""
+    n = _fused_limits.get(id(C))
+    if n is None:
+        n = _fused_limits[id(C)] = min(C.permute_max_experts, C.grouped_mm_max_groups)
+    return n
+
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
 _REFERENCE_OPS = SimpleNamespace(
@@ -211,14 +224,15 @@ class MoELayer(nn.Module):
     def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
         """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
         plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
+        if self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
+            return False
         experts = self.experts
         w13, w2 = experts.w13, experts.w2
-        return (self.dispatcher is None and self.config.recipe is None and x.dtype in _FUSED_DTYPES
-                and x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN
-                and _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
+        return (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN
                 and w13.is_contiguous() and w2.is_contiguous()
+                and _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
                 and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
-                and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups))
+                and experts.num_experts <= _max_fused_experts(launch.C))
 
     def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
         cfg = self.config

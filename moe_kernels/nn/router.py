@@ -152,9 +152,9 @@ class Router(nn.Module):
         dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
             with torch.autocast(device_type=x.device.type, enabled=False):
-                logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
+                logits = F.linear(fused.as_dtype(x, dtype), fused.as_dtype(self.weight, dtype))  # [T, E]
         else:
-            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+            logits = F.linear(fused.as_dtype(x, dtype), fused.as_dtype(self.weight, dtype))
         if reference:
             weights, indices, counts, loss = self._route_reference(logits, seq_len)
         else:
