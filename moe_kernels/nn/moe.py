@@ -35,12 +35,18 @@ _PLAIN = (torch.Tensor, nn.Parameter)
 
 def _gemm_dtype(w: Tensor) -> torch.dtype:
     """w's dtype in the expert GEMMs: the autocast dtype under torch.autocast (autocast_input)."""
-    if w.dtype is torch.float64:
-        return w.dtype
     device_type = w.device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and w.dtype != torch.float64:
         return torch.get_autocast_dtype(device_type)
     return w.dtype
+
+
+def _autocast_dtype(t: Tensor) -> torch.dtype | None:
+    """The autocast dtype on t's device type, None when autocast is off there."""
+    device_type = t.device.type
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
 
 _fused_limits: dict[int, int] = {}
 
@@ -177,16 +183,16 @@ class MoELayer(nn.Module):
         # Under autocast the copies move in the autocast dtype (half the bytes of fp32 activations).
         x_in = autocast_input(x2)
         if cfg.gather_experts and self._gathered_fit(x_in):
-            self.expert_path = "gathered"
+            self._took("gathered")
             out = self._forward_gathered(launch, x_in, routed)
-        elif launch is not None and self._fused_experts_fit(launch, x_in):
-            self.expert_path = "fused"
-            out = self._forward_fused(launch, x_in, routed)
+        elif launch is not None and (weights := self._fused_weights(launch, x_in)) is not None:
+            self._took("fused")
+            out = self._forward_fused(launch, x_in, routed, *weights)
         elif self.dispatcher is not None:
-            self.expert_path = "dispatched"
+            self._took("dispatched")
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
         elif getattr(cfg.recipe, "fused_permute", False) and not lora_terms(self.experts, "w13"):
-            self.expert_path = "recipe"
+            self._took("recipe")
             # The recipe fuses the permute with its first GEMM's input quantization.
             fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm") and not lora_terms(self.experts, "w2")
             # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
@@ -206,7 +212,7 @@ class MoELayer(nn.Module):
                 y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
                 out = ops.unpermute(y, row_map, weights)
         else:
-            self.expert_path = "ops"
+            self._took("ops")
             x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)
             row_weights = None
             if cfg.weights_in_activation:
@@ -217,26 +223,33 @@ class MoELayer(nn.Module):
             out = out + self.shared_experts(x2)
         return out.view(shape), routed.aux_loss
 
+    def _took(self, path: str) -> None:
+        """Records the expert path of this forward; nn.Module's attribute setter runs only when it changes."""
+        if self.expert_path != path:
+            self.expert_path = path
+
     def _launch(self, x: Tensor) -> fused.Launch | None:
         """The fused regions' launch for this call (moe_kernels.nn.fused), or None for the registered ops."""
         return fused.launch_for(x)
 
-    def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
-        """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
+    def _fused_weights(self, launch: fused.Launch, x: Tensor) -> tuple[Tensor, Tensor] | None:
+        """(w13, w2) as the fused regions take them (in the autocast dtype under autocast), or None where they do
+        not cover the layer. They cover the plain local layer: no dispatcher, no precision recipe, no adapters,
         plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
         if self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
-            return False
+            return None
         experts = self.experts
         w13, w2 = experts.w13, experts.w2
-        return (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN
-                and w13.is_contiguous() and w2.is_contiguous()
-                and _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
-                and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
-                and experts.num_experts <= _max_fused_experts(launch.C))
+        if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
+                and w2.is_contiguous() and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
+                and experts.num_experts <= _max_fused_experts(launch.C)):
+            return None
+        if _autocast_dtype(x) is not None:
+            w13, w2 = autocast_input(w13), autocast_input(w2)
+        return (w13, w2) if w13.dtype == x.dtype and w2.dtype == x.dtype else None
 
-    def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
+    def _forward_fused(self, launch: fused.Launch, x: Tensor, routed, w13: Tensor, w2: Tensor) -> Tensor:
         cfg = self.config
-        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
         if not cfg.weights_in_activation and fused.experts_fit(x):
             # One node for the routed experts, tokens in, tokens out.
             return fused.run("moe", launch, x, routed.indices, routed.weights, w13, w2, cfg.num_experts,
@@ -267,7 +280,7 @@ class MoELayer(nn.Module):
             row_weights = permuted_row_values(routed.weights, row_map, R)
             return expert_mlp_reference(x, row_map, group_sizes, w13, w2, row_weights, R)
         x = x.contiguous()
-        if launch is not None and not self._fused_experts_fit(launch, x):
+        if launch is not None and self._fused_weights(launch, x) is None:
             launch = None  # the registered ops
         # The routing alone (row_map, group_sizes): a permute of zero-width rows copies nothing.
         _, row_map, group_sizes = fused.run("permute", launch, x[:, :0], routed.indices, E, align)
