@@ -300,14 +300,21 @@ def with_workspace(key: tuple, fn, like: torch.Tensor, *args) -> None:
         _region_needs[key] = nbytes = max(need, nbytes)
 
 
-def carve(like: torch.Tensor, *nbytes: int) -> tuple[torch.Tensor, list[int]]:
+def carve(like: torch.Tensor, *nbytes: int, saved: bool = False) -> tuple[torch.Tensor, list[int]]:
     """One uint8 allocation on `like`'s device holding consecutive parts of `nbytes` bytes each, and each part's
-    256-byte aligned address (0 for an empty part): a region's scratch and saved tensors in one allocator call."""
+    address (0 for an empty part): a region's scratch and saved tensors in one allocator call. Parts start at
+    multiples of 256 bytes from an aligned start, as `workspace` aligns it; with `saved`, from the allocation's
+    own start (256 bytes on CUDA, 64 on the CPU), so that a part sits at the same offset in any copy of it (the
+    copy autograd makes when saved_tensors_hooks offload it, or a recomputed forward's allocation)."""
     offsets, total = [], 0
     for n in nbytes:
         offsets.append(total if n else -1)
         total += (n + _WORKSPACE_ALIGN - 1) // _WORKSPACE_ALIGN * _WORKSPACE_ALIGN
-    buf, base = workspace(total, like)
+    if saved:
+        buf = torch.empty(total, dtype=torch.uint8, device=like.device)
+        base = buf.data_ptr() if total else 0
+    else:
+        buf, base = workspace(total, like)
     return buf, [base + o if o >= 0 else 0 for o in offsets]
 
 

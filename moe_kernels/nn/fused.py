@@ -277,7 +277,8 @@ class _Moe(torch.autograd.Function):
         R = permuted_rows(T, k, num_experts, align)
         es = x.element_size()
         need_w = weights is not None and ctx.needs_input_grad[2]
-        kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * F * es, R * H * es if need_w else 0)
+        kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * F * es, R * H * es if need_w else 0,
+                                  saved=True)
         x_perm, row_map, group_sizes, h, a, y = parts
         out = x.new_empty((T, H))
         w = _f32(weights)

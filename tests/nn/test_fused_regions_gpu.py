@@ -268,3 +268,37 @@ def test_moe_region_edge_batches(cuda, batch, registered_ops):
         assert_exact(a, b, f"{batch}: {name}")
     if T:
         assert thin[2].abs().sum() > 0 and thin[names.index("experts.w13")].abs().sum() > 0
+
+
+@pytest.mark.parametrize("how", ["checkpoint", "offload"])
+def test_moe_region_saved_tensors_move(cuda, how):
+    """The routed experts' region keeps its saved tensors as parts of one allocation: the backward finds them
+    where the forward put them in a recomputed forward's allocation (non-reentrant activation checkpointing)
+    and in the copy saved_tensors_hooks make (offloading to host memory): the same outputs and gradients."""
+    layer = _layer("deepseek-v3", cuda)
+    x, g = _inputs(cuda, torch.float32)
+    _step(layer, x, g)
+    plain = _step(layer, x, g)
+
+    def run():
+        layer.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_()
+        if how == "checkpoint":
+            out, aux = torch.utils.checkpoint.checkpoint(layer, xx, use_reentrant=False)
+        else:
+            def pack(t):  # a copy elsewhere in memory, shifted off the allocation's alignment
+                buf = torch.empty(t.numel() * t.element_size() + 80, dtype=torch.uint8, device=t.device)
+                view = buf[80:].view(t.dtype).view(t.shape) if t.numel() else t.clone()
+                return view.copy_(t) if t.numel() else view
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.clone()):
+                out, aux = layer(xx)
+        ((out.float() * g).sum() + aux).backward()
+        return [out.detach(), aux.detach(), xx.grad] + [p.grad for p in layer.parameters()]
+
+    with extension_calls() as ext:
+        moved = run()
+    assert ext.calls.get("moe_bwd") == 1, ext.calls
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, moved, plain):
+        assert_exact(a, b, f"{how}: {name}")
