@@ -305,6 +305,8 @@ class _Moe(torch.autograd.Function):
         kept, w, w13, w2 = ctx.saved_tensors
         L, need_w = ctx.L, ctx.need_w
         T, k, R, H, F, E, es = ctx.shape
+        if kept.data_ptr() % 16:  # restored at an unaligned address (a saved_tensors_hooks unpack): realign
+            kept = kept.clone()
         base = kept.data_ptr()
         x_perm, row_map, group_sizes, h, a, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
         need_x, _, _, need_w13, need_w2, _, _, _ = ctx.needs_input_grad

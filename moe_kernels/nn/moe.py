@@ -185,9 +185,9 @@ class MoELayer(nn.Module):
         if cfg.gather_experts and self._gathered_fit(x_in):
             self._took("gathered")
             out = self._forward_gathered(launch, x_in, routed)
-        elif launch is not None and (weights := self._fused_weights(launch, x_in)) is not None:
+        elif launch is not None and self._fused_experts_fit(launch, x_in):
             self._took("fused")
-            out = self._forward_fused(launch, x_in, routed, *weights)
+            out = self._forward_fused(launch, x_in, routed)
         elif self.dispatcher is not None:
             self._took("dispatched")
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
@@ -232,24 +232,24 @@ class MoELayer(nn.Module):
         """The fused regions' launch for this call (moe_kernels.nn.fused), or None for the registered ops."""
         return fused.launch_for(x)
 
-    def _fused_weights(self, launch: fused.Launch, x: Tensor) -> tuple[Tensor, Tensor] | None:
-        """(w13, w2) as the fused regions take them (in the autocast dtype under autocast), or None where they do
-        not cover the layer. They cover the plain local layer: no dispatcher, no precision recipe, no adapters,
+    def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
+        """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
         plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
         if self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
-            return None
+            return False
         experts = self.experts
         w13, w2 = experts.w13, experts.w2
         if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
                 and w2.is_contiguous() and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
                 and experts.num_experts <= _max_fused_experts(launch.C)):
-            return None
-        if _autocast_dtype(x) is not None:
-            w13, w2 = autocast_input(w13), autocast_input(w2)
-        return (w13, w2) if w13.dtype == x.dtype and w2.dtype == x.dtype else None
+            return False
+        if _autocast_dtype(x) is None:
+            return w13.dtype == x.dtype and w2.dtype == x.dtype
+        return _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
 
-    def _forward_fused(self, launch: fused.Launch, x: Tensor, routed, w13: Tensor, w2: Tensor) -> Tensor:
+    def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
         cfg = self.config
+        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
         if not cfg.weights_in_activation and fused.experts_fit(x):
             # One node for the routed experts, tokens in, tokens out.
             return fused.run("moe", launch, x, routed.indices, routed.weights, w13, w2, cfg.num_experts,
@@ -280,7 +280,7 @@ class MoELayer(nn.Module):
             row_weights = permuted_row_values(routed.weights, row_map, R)
             return expert_mlp_reference(x, row_map, group_sizes, w13, w2, row_weights, R)
         x = x.contiguous()
-        if launch is not None and self._fused_weights(launch, x) is None:
+        if launch is not None and not self._fused_experts_fit(launch, x):
             launch = None  # the registered ops
         # The routing alone (row_map, group_sizes): a permute of zero-width rows copies nothing.
         _, row_map, group_sizes = fused.run("permute", launch, x[:, :0], routed.indices, E, align)

@@ -2,6 +2,8 @@
 and gradients, one extension call per region (the router: one per kernel it runs), no host sync on
 either path, and torch.compile(fullgraph=True) taking the registered ops."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -270,15 +272,27 @@ def test_moe_region_edge_batches(cuda, batch, registered_ops):
         assert thin[2].abs().sum() > 0 and thin[names.index("experts.w13")].abs().sum() > 0
 
 
-@pytest.mark.parametrize("how", ["checkpoint", "offload"])
+@pytest.mark.parametrize("how", ["checkpoint", "offload", "offload-unaligned"])
 def test_moe_region_saved_tensors_move(cuda, how):
     """The routed experts' region keeps its saved tensors as parts of one allocation: the backward finds them
     where the forward put them in a recomputed forward's allocation (non-reentrant activation checkpointing)
-    and in the copy saved_tensors_hooks make (offloading to host memory): the same outputs and gradients."""
+    and in the copy saved_tensors_hooks hand back (offloading), also at an address off the alignment the parts
+    need (the region realigns it). The original allocation is overwritten once copied, so a backward that read
+    it instead of the copy would differ: the same outputs and gradients as without checkpointing or hooks."""
     layer = _layer("deepseek-v3", cuda)
     x, g = _inputs(cuda, torch.float32)
     _step(layer, x, g)
     plain = _step(layer, x, g)
+    shift = {"offload": 256, "offload-unaligned": 4}.get(how, 0)
+
+    originals = []
+
+    def pack(t):
+        if t.dtype != torch.uint8 or not t.numel():  # the inputs and parameters: as they are
+            return t
+        originals.append(t)
+        buf = torch.empty(t.numel() + shift, dtype=torch.uint8, device=t.device)
+        return buf[shift:].copy_(t)
 
     def run():
         layer.zero_grad(set_to_none=True)
@@ -286,13 +300,11 @@ def test_moe_region_saved_tensors_move(cuda, how):
         if how == "checkpoint":
             out, aux = torch.utils.checkpoint.checkpoint(layer, xx, use_reentrant=False)
         else:
-            def pack(t):  # a copy elsewhere in memory, shifted off the allocation's alignment
-                buf = torch.empty(t.numel() * t.element_size() + 80, dtype=torch.uint8, device=t.device)
-                view = buf[80:].view(t.dtype).view(t.shape) if t.numel() else t.clone()
-                return view.copy_(t) if t.numel() else view
-
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t.clone()):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out, aux = layer(xx)
+            assert len(originals) == 1
+            with torch.no_grad():
+                originals.pop().fill_(0xFF)  # the region's own allocation, read by nothing else now: poisoned
         ((out.float() * g).sum() + aux).backward()
         return [out.detach(), aux.detach(), xx.grad] + [p.grad for p in layer.parameters()]
 
@@ -302,3 +314,43 @@ def test_moe_region_saved_tensors_move(cuda, how):
     names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, moved, plain):
         assert_exact(a, b, f"{how}: {name}")
+
+
+@pytest.mark.parametrize("case", ["x-without-grad", "router-frozen", "experts-frozen", "autocast"])
+def test_moe_region_partial_gradients(cuda, case, registered_ops):
+    """The routed experts' region when only some inputs need a gradient (no dx, no routing-weight gradient and so
+    no saved expert output, no expert weight gradients) and under autocast (fp32 layer, bf16 kernels):
+    identical to the registered ops."""
+    layer = _layer("qwen3-30b-a3b", cuda)
+    if case == "router-frozen":
+        layer.router.requires_grad_(False)
+    if case == "experts-frozen":
+        layer.experts.requires_grad_(False)
+    x, g = _inputs(cuda, torch.float32)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xx = x.detach().requires_grad_(case != "x-without-grad")
+        ctx = torch.autocast(cuda.type, dtype=torch.bfloat16) if case == "autocast" else contextlib.nullcontext()
+        with ctx:
+            out, aux = layer(xx)
+        loss = (out.float() * g).sum() + aux
+        if loss.requires_grad:
+            loss.backward()
+        return [out.detach(), aux.detach(), xx.grad] + [p.grad for p in layer.parameters()]
+
+    step()
+    with extension_calls() as ext:
+        thin = step()
+    assert ext.calls.get("moe_fwd") == 1, ext.calls
+    registered_ops()
+    ops = step()
+    names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, a, b in zip(names, thin, ops):
+        assert (a is None) == (b is None), f"{case}: {name}"
+        if a is not None:
+            assert_exact(a, b, f"{case}: {name}")
+    if case == "autocast":
+        assert thin[0].dtype == torch.bfloat16
+    if case == "x-without-grad":
+        assert thin[2] is None and thin[names.index("experts.w13")] is not None
