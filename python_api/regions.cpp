@@ -36,6 +36,57 @@ size_t need_of(std::initializer_list<const gemm::GroupedParams*> gemms) {
   return need;
 }
 
+// The experts' forward: x [R, H] -> h = x W13^T [R, 2F], a = swiglu(h, row_weights) [R, F], y = a W2^T [R, H].
+struct ExpertsFwd {
+  gemm::GroupedParams up, down;
+  const void* h;
+  const float* row_weights;
+  void* a;
+
+  size_t need() const { return need_of({&up, &down}); }
+  void run(int64_t rows, int64_t ffn, DType dt, cudaStream_t s) const {
+    gemm::grouped_mm(up, s);
+    activation::swiglu_fwd({h, row_weights, a, rows, ffn, dt}, s);
+    gemm::grouped_mm(down, s);
+  }
+};
+
+ExpertsFwd experts_fwd_params(uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes, uintptr_t row_weights,
+                              uintptr_t h, uintptr_t a, uintptr_t y, int64_t rows, int64_t hidden, int64_t ffn,
+                              int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device) {
+  return {gemm_params(GemmOp::kFwd, x, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes, device),
+          gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
+          ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a)};
+}
+
+// Its backward's five products: dy [R, H] -> da = dy W2 [R, F], dw2 = dy^T a, dh = swiglu_bwd(da, h) [R, 2F] (and
+// drow_weights), dx = dh W13 [R, H], dw13 = dh^T x. run_head launches the first three (dw2 only when asked for);
+// the caller launches dx and dw13, with whatever goes between.
+struct ExpertsBwd {
+  gemm::GroupedParams da, dw2, dx, dw13;
+  activation::SwigluBwdParams act;
+
+  size_t need() const { return need_of({&da, &dw2, &dx, &dw13}); }
+  void run_head(cudaStream_t s) const {
+    gemm::grouped_mm(da, s);
+    if (dw2.d) gemm::grouped_mm(dw2, s);
+    activation::swiglu_bwd(act, s);
+  }
+};
+
+ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t a, uintptr_t w13, uintptr_t w2,
+                              uintptr_t group_sizes, uintptr_t row_weights, uintptr_t da, uintptr_t dh, uintptr_t dx,
+                              uintptr_t dw13, uintptr_t dw2, uintptr_t drow_weights, int64_t rows, int64_t hidden,
+                              int64_t ffn, int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device) {
+  return {
+      gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
+      gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
+      gemm_params(GemmOp::kDgrad, dh, w13, dx, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes, device),
+      gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes, device),
+      {ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh), ptr<float>(drow_weights),
+       rows, ffn, dt}};
+}
+
 }  // namespace
 
 void register_regions(py::module_& m) {
@@ -48,16 +99,12 @@ void register_regions(py::module_& m) {
          uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
-        auto up = gemm_params(GemmOp::kFwd, x, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes,
-                              device);
-        auto down = gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
-                                device);
-        const size_t need = need_of({&up, &down});
+        const auto mlp =
+            experts_fwd_params(x, w13, w2, group_sizes, row_weights, h, a, y, rows, hidden, ffn, E, dt, workspace,
+                               ws_bytes, device);
+        const size_t need = mlp.need();
         if (ws_bytes < need) return need;
-        gemm::grouped_mm(up, stream(s));
-        activation::swiglu_fwd({ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a), rows, ffn, dt},
-                               stream(s));
-        gemm::grouped_mm(down, stream(s));
+        mlp.run(rows, ffn, dt, stream(s));
         return 0;
       });
   // The backward of experts_fwd: dy [R, H] -> dx [R, H], dw13, dw2, drow_weights [R] fp32 (each only when its
@@ -70,23 +117,13 @@ void register_regions(py::module_& m) {
          uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
-        auto da_p = gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
-                                device);
-        auto dw2_p = gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace,
-                                 ws_bytes, device);
-        auto dx_p = gemm_params(GemmOp::kDgrad, dh, w13, dx, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
-                                ws_bytes, device);
-        auto dw13_p = gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
-                                  ws_bytes, device);
-        const size_t need = need_of({&da_p, &dw2_p, &dx_p, &dw13_p});
+        const auto mlp = experts_bwd_params(dy, x, h, a, w13, w2, group_sizes, row_weights, da, dh, dx, dw13, dw2,
+                                            drow_weights, rows, hidden, ffn, E, dt, workspace, ws_bytes, device);
+        const size_t need = mlp.need();
         if (ws_bytes < need) return need;
-        gemm::grouped_mm(da_p, stream(s));
-        if (dw2) gemm::grouped_mm(dw2_p, stream(s));
-        activation::swiglu_bwd({ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh),
-                                ptr<float>(drow_weights), rows, ffn, dt},
-                               stream(s));
-        if (dx) gemm::grouped_mm(dx_p, stream(s));
-        if (dw13) gemm::grouped_mm(dw13_p, stream(s));
+        mlp.run_head(stream(s));
+        if (dx) gemm::grouped_mm(mlp.dx, stream(s));
+        if (dw13) gemm::grouped_mm(mlp.dw13, stream(s));
         return 0;
       });
 
@@ -103,21 +140,15 @@ void register_regions(py::module_& m) {
          int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
-        auto up = gemm_params(GemmOp::kFwd, x_perm, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
-                              ws_bytes, device);
-        auto down = gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
-                                device);
-        const size_t need = std::max(permute::permute_workspace_bytes(tokens * k, E), need_of({&up, &down}));
+        const auto mlp = experts_fwd_params(x_perm, w13, w2, group_sizes, 0, h, a, y, rows, hidden, ffn, E, dt,
+                                            workspace, ws_bytes, device);
+        const size_t need = std::max(permute::permute_workspace_bytes(tokens * k, E), mlp.need());
         if (ws_bytes < need) return need;
         permute::permute_fwd({ptr<const void>(x), ptr<const int32_t>(indices), ptr<void>(x_perm), ptr<int32_t>(row_map),
                               ptr<int32_t>(group_sizes), ptr<void>(workspace), tokens, k, hidden * dtype_size(dt), E,
                               align},
                              stream(s));
-        if (rows > 0) {
-          gemm::grouped_mm(up, stream(s));
-          activation::swiglu_fwd({ptr<const void>(h), nullptr, ptr<void>(a), rows, ffn, dt}, stream(s));
-          gemm::grouped_mm(down, stream(s));
-        }
+        if (rows > 0) mlp.run(rows, ffn, dt, stream(s));
         permute::unpermute_fwd({ptr<const void>(y), ptr<const int32_t>(row_map), ptr<const float>(weights),
                                 ptr<void>(out), tokens, k, hidden, rows, dt},
                                stream(s));
@@ -136,15 +167,9 @@ void register_regions(py::module_& m) {
          size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
-        auto da_p = gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes,
-                                device);
-        auto dw2_p = gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace,
-                                 ws_bytes, device);
-        auto dx_p = gemm_params(GemmOp::kDgrad, dh, w13, dx_perm, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace,
-                                ws_bytes, device);
-        auto dw13_p = gemm_params(GemmOp::kWgrad, dh, x_perm, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt,
-                                  workspace, ws_bytes, device);
-        const size_t need = std::max(size_t(rows), need_of({&da_p, &dw2_p, &dx_p, &dw13_p}));
+        const auto mlp = experts_bwd_params(dy, x_perm, h, a, w13, w2, group_sizes, 0, da, dh, dx_perm, dw13, dw2, 0,
+                                            rows, hidden, ffn, E, dt, workspace, ws_bytes, device);
+        const size_t need = std::max(size_t(rows), mlp.need());
         if (ws_bytes < need) return need;
         auto* row_mask = ptr<uint8_t>(workspace);  // zero-filled scratch of unpermute_bwd, done before the GEMMs
         check_cuda(cudaMemsetAsync(row_mask, 0, size_t(rows), stream(s)), "moe_bwd");
@@ -152,18 +177,14 @@ void register_regions(py::module_& m) {
                                 ptr<const float>(weights), ptr<void>(dy), ptr<float>(dweights), row_mask, tokens, k,
                                 hidden, rows, dt},
                                stream(s));
-        gemm::grouped_mm(da_p, stream(s));
-        if (dw2) gemm::grouped_mm(dw2_p, stream(s));
-        activation::swiglu_bwd({ptr<const void>(da), ptr<const void>(h), nullptr, ptr<void>(dh), nullptr, rows, ffn,
-                                dt},
-                               stream(s));
+        mlp.run_head(stream(s));
         if (dx) {
-          gemm::grouped_mm(dx_p, stream(s));
+          gemm::grouped_mm(mlp.dx, stream(s));
           permute::unpermute_fwd({ptr<const void>(dx_perm), ptr<const int32_t>(row_map), nullptr, ptr<void>(dx),
                                   tokens, k, hidden, rows, dt},
                                  stream(s));
         }
-        if (dw13) gemm::grouped_mm(dw13_p, stream(s));
+        if (dw13) gemm::grouped_mm(mlp.dw13, stream(s));
         return 0;
       });
 
