@@ -291,10 +291,18 @@ def with_workspace(key: tuple, fn, like: torch.Tensor, *args) -> None:
     the size remembered for `key` first, again with the size it asks for when that was too small (the regions'
     convention, python_api/regions.cpp)."""
     *head, device, stream = args
+    with_scratch(key, like, (), lambda parts, ws, nbytes: fn(*head, ws, nbytes, device, stream))
+
+
+def with_scratch(key: tuple, like: torch.Tensor, sizes: tuple[int, ...], call) -> None:
+    """The regions' workspace convention for an entry that also takes scratch: one allocation carved into parts of
+    `sizes` bytes and the workspace; `call(parts' addresses, workspace address, workspace bytes)` returns 0 when it
+    launched, else the workspace bytes it needs (remembered for `key`, so the steady state is one call). The
+    allocation is held until the call has queued its launches."""
     nbytes = _region_needs.get(key, 0)
     while True:
-        _, p = workspace(nbytes, like)  # held until the call has queued its launches
-        need = fn(*head, p, nbytes, device, stream)
+        _, (*parts, ws) = carve(like, *sizes, nbytes)
+        need = call(parts, ws, nbytes)
         if not need:
             return
         _region_needs[key] = nbytes = max(need, nbytes)
@@ -316,18 +324,6 @@ def carve(like: torch.Tensor, *nbytes: int, saved: bool = False) -> tuple[torch.
     else:
         buf, base = workspace(total, like)
     return buf, [base + o if o >= 0 else 0 for o in offsets]
-
-
-def region_need(key: tuple, need: int | None = None) -> int | None:
-    """The workspace protocol of the regions (python_api/regions.cpp), for callers that allocate the workspace
-    themselves: region_need(key) is the size to try first (the one remembered for `key`); region_need(key,
-    need), with what the call returned, is None when it launched, else the size to try next (remembered)."""
-    if need is None:
-        return _region_needs.get(key, 0)
-    if not need:
-        return None
-    _region_needs[key] = n = max(need, _region_needs.get(key, 0))
-    return n
 
 
 def ptr(t: torch.Tensor | None) -> int:

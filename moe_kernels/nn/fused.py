@@ -283,16 +283,11 @@ class _Moe(torch.autograd.Function):
         out = x.new_empty((T, H))
         w = _f32(weights)
         dt = _DTYPE[x.dtype]
-        key = ("moe_fwd", L.device, T, k, R, H, F, E, dt)
-        nbytes = _ext.region_need(key)
-        while True:
-            scratch, (y_tmp, ws) = _ext.carve(x, 0 if need_w else R * H * es, nbytes)
-            nbytes = _ext.region_need(key, L.C.moe_fwd(
-                _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), x_perm, row_map, group_sizes,
-                h, a, y or y_tmp, _ext.ptr(out), T, k, R, H, F, E, align, dt, ws, nbytes, L.device, L.stream))
-            if nbytes is None:
-                break
-        del scratch  # after the launches are queued: the caching allocator reuses it in stream order
+        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, dt), x, (0 if need_w else R * H * es,),
+                          lambda scratch, ws, nbytes: L.C.moe_fwd(
+                              _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), x_perm,
+                              row_map, group_sizes, h, a, y or scratch[0], _ext.ptr(out), T, k, R, H, F, E, align, dt,
+                              ws, nbytes, L.device, L.stream))
         ctx.save_for_backward(kept, w, w13, w2)
         ctx.L, ctx.need_w, ctx.shape = L, need_w, (T, k, R, H, F, E, es)
         ctx.offsets = [p - kept.data_ptr() if p else -1 for p in parts]
@@ -323,19 +318,13 @@ class _Moe(torch.autograd.Function):
             dw2 = torch.empty_like(w2) if need_w2 else None
             dw = torch.empty((T, k), dtype=_F32, device=dev) if need_w else None
             dt = _DTYPE[dout.dtype]
-            key = ("moe_bwd", L.device, T, k, R, H, F, E, dt)
-            nbytes = _ext.region_need(key)
-            while True:
-                # dy, da, dh, dx_perm, then the workspace
-                scratch, (dy, da, dh, dx_perm, ws) = _ext.carve(dout, R * H * es, R * F * es, R * 2 * F * es,
-                                                                 R * H * es if need_x else 0, nbytes)
-                nbytes = _ext.region_need(key, L.C.moe_bwd(
-                    _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, a, y, _ext.ptr(w13), _ext.ptr(w2),
-                    dy, da, dh, dx_perm, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(dw), T, k, R, H, F,
-                    E, dt, ws, nbytes, L.device, L.stream))
-                if nbytes is None:
-                    break
-            del scratch
+            # scratch: dy, da, dh, dx_perm
+            _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, dt), dout,
+                              (R * H * es, R * F * es, R * 2 * F * es, R * H * es if need_x else 0),
+                              lambda scratch, ws, nbytes: L.C.moe_bwd(
+                                  _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, a, y, _ext.ptr(w13),
+                                  _ext.ptr(w2), *scratch, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(dw),
+                                  T, k, R, H, F, E, dt, ws, nbytes, L.device, L.stream))
         return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None
 
 

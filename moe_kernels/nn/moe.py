@@ -33,14 +33,6 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PLAIN = (torch.Tensor, nn.Parameter)
 
 
-def _gemm_dtype(w: Tensor) -> torch.dtype:
-    """w's dtype in the expert GEMMs: the autocast dtype under torch.autocast (autocast_input)."""
-    device_type = w.device.type
-    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and w.dtype != torch.float64:
-        return torch.get_autocast_dtype(device_type)
-    return w.dtype
-
-
 def _autocast_dtype(t: Tensor) -> torch.dtype | None:
     """The autocast dtype on t's device type, None when autocast is off there."""
     device_type = t.device.type
@@ -48,15 +40,10 @@ def _autocast_dtype(t: Tensor) -> torch.dtype | None:
         return torch.get_autocast_dtype(device_type)
     return None
 
-_fused_limits: dict[int, int] = {}
 
-
-def _max_fused_experts(C) -> int:
-    """The most experts the fused regions' kernels take (permute's histograms, grouped_mm's group table)."""
-    n = _fused_limits.get(id(C))
-    if n is None:
-        n = _fused_limits[id(C)] = min(C.permute_max_experts, C.grouped_mm_max_groups)
-    return n
+def _gemm_dtype(w: Tensor, autocast: torch.dtype | None) -> torch.dtype:
+    """w's dtype in the expert GEMMs: the autocast dtype under torch.autocast (autocast_input)."""
+    return autocast if autocast is not None and w.dtype != torch.float64 else w.dtype
 
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
@@ -241,11 +228,10 @@ class MoELayer(nn.Module):
         w13, w2 = experts.w13, experts.w2
         if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
                 and w2.is_contiguous() and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
-                and experts.num_experts <= _max_fused_experts(launch.C)):
+                and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups)):
             return False
-        if _autocast_dtype(x) is None:
-            return w13.dtype == x.dtype and w2.dtype == x.dtype
-        return _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
+        autocast = _autocast_dtype(x)
+        return _gemm_dtype(w13, autocast) == x.dtype and _gemm_dtype(w2, autocast) == x.dtype
 
     def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
         cfg = self.config
@@ -266,8 +252,9 @@ class MoELayer(nn.Module):
         """The gather-fused experts take the plain local layer (no dispatcher, no adapters, plain weights in x's
         dtype after autocast); elsewhere the layer keeps its other paths."""
         w13, w2 = self.experts.w13, self.experts.w2
+        autocast = _autocast_dtype(x)
         return (self.dispatcher is None and type(w13) in _PLAIN and type(w2) in _PLAIN
-                and _gemm_dtype(w13) == x.dtype and _gemm_dtype(w2) == x.dtype
+                and _gemm_dtype(w13, autocast) == x.dtype and _gemm_dtype(w2, autocast) == x.dtype
                 and not lora_terms(self.experts, "w13") and not lora_terms(self.experts, "w2"))
 
     def _forward_gathered(self, launch: fused.Launch | None, x: Tensor, routed) -> Tensor:
