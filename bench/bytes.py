@@ -17,7 +17,7 @@ Shapes are the worst case the ops allocate without a host sync: with FP8's 128-r
 row tensor has T*k + E*127 rows (rounded up to 128), so FP8 counts are upper bounds, BF16's exact.
 
 Kinds: gemm (mm, the grouped GEMMs), kernel (the other moe_kernels ops and elementwise math), and the
-passes that only move data: cast (a dtype change, `_to_copy`), copy/transpose (`clone`, `copy_`; transpose
+passes that only move data: cast (a dtype change, `_to_copy`), copy/transpose (`clone`, `copy_`, `cat`; transpose
 when its input is not contiguous), fill (zeros, ones, zero_, fill_), mask (masked_fill, where).
 """
 
@@ -73,7 +73,7 @@ def _kind(ns: str, name: str, ins: list[torch.Tensor], outs: list[torch.Tensor])
         return "cast" if outs[0].dtype != ins[0].dtype else ("copy" if ins[0].is_contiguous() else "transpose")
     if name == "_foreach_copy_":
         return "cast" if ins[0].dtype != ins[-1].dtype else "copy"
-    if name in ("clone", "copy_", "contiguous", "copy"):
+    if name in ("clone", "copy_", "contiguous", "copy", "cat"):
         src = ins[-1] if name == "copy_" else ins[0]
         if name == "copy_" and outs and src.dtype != outs[0].dtype:
             return "cast"

@@ -91,7 +91,8 @@ ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t 
 
 void register_regions(py::module_& m) {
   // y = swiglu(x W13^T, row_weights) W2^T per expert group. x [R, H], w13 [E, 2F, H], w2 [E, H, F];
-  // h [R, 2F] and a [R, F] are written for the backward; R > 0.
+  // h [R, 2F] and a [R, F] are written for the backward; R > 0. group_sizes 0: every row is expert 0's (a dense
+  // SwiGLU MLP with E = 1, the shared experts' `mlp` region).
   m.def(
       "experts_fwd",
       [](uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes, uintptr_t row_weights, uintptr_t h,

@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kPrepThreads)
 #pragma unroll
   for (int i = 0; i < kPrepItems; ++i) {
     const int e = threadIdx.x * kPrepItems + i;
-    rows[i] = e < E ? max(sizes[e], 0) : 0;
+    rows[i] = e < E ? (sizes != nullptr ? max(sizes[e], 0) : M) : 0;  // null sizes: group 0 takes every row
   }
   int64_t total;
   Scan(scan_rows).ExclusiveSum(rows, starts, total);

@@ -33,7 +33,8 @@ struct GroupedParams {
   const void* a;
   const void* b;
   void* d;
-  const int32_t* group_sizes;  // [E]; a sum past M is clamped (memory-safe)
+  const int32_t* group_sizes;  // [E]; a sum past M is clamped (memory-safe); null: one group of all M rows (a
+                               // dense GEMM; groups past the first are empty)
   int32_t num_groups;
   int64_t M, N, K;
   DType dtype;

@@ -191,21 +191,50 @@ def unpermute_region(L: Launch, y: Tensor, row_map: Tensor, weights: Tensor | No
 # experts: grouped GEMM, SwiGLU, grouped GEMM (and the five products of the backward) in one call each way
 
 
+def _experts_fwd(L: Launch, x: Tensor, group_sizes: int, E: int, w13: Tensor, w2: Tensor, rw: Tensor | None):
+    """experts_fwd on x [R, H] (group_sizes: the device address of the sizes, 0 for one group of every row):
+    (h [R, 2F], a [R, F], y [R, H])."""
+    R, H = x.shape
+    F = w13.shape[-2] // 2
+    h = x.new_empty((R, 2 * F))
+    a = x.new_empty((R, F))
+    y = x.new_empty((R, H))
+    dt = _DTYPE[x.dtype]
+    if R:
+        _ext.with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
+                            _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), group_sizes, _ext.ptr(rw), _ext.ptr(h),
+                            _ext.ptr(a), _ext.ptr(y), R, H, F, E, dt, L.device, L.stream)
+    return h, a, y
+
+
+def _experts_bwd(L: Launch, dy: Tensor, x: Tensor, h: Tensor, a: Tensor, w13: Tensor, w2: Tensor, group_sizes: int,
+                 E: int, rw: Tensor | None, need_x: bool, need_w13: bool, need_w2: bool, need_rw: bool):
+    """experts_bwd: (dx, dw13, dw2, drow_weights fp32), each None where not needed; the weights' gradients zero
+    where there are no rows."""
+    R, H = x.shape
+    F = w13.shape[-2] // 2
+    dy = dy.contiguous()
+    dx = x.new_empty((R, H)) if need_x else None
+    alloc = torch.empty_like if R else torch.zeros_like
+    dw13 = alloc(w13) if need_w13 else None
+    dw2 = alloc(w2) if need_w2 else None
+    drw = torch.empty((R,), dtype=_F32, device=x.device) if need_rw else None
+    if R:
+        dt, es = _DTYPE[x.dtype], x.element_size()
+        # scratch: da [R, F], dh [R, 2F]
+        _ext.with_scratch(("experts_bwd", L.device, R, H, F, E, dt), x, (R * F * es, R * 2 * F * es),
+                          lambda scratch, ws, nbytes: L.C.experts_bwd(
+                              _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), _ext.ptr(a), _ext.ptr(w13), _ext.ptr(w2),
+                              group_sizes, _ext.ptr(rw), *scratch, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2),
+                              _ext.ptr(drw), R, H, F, E, dt, ws, nbytes, L.device, L.stream))
+    return dx, dw13, dw2, drw
+
+
 class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_sizes, w13, w2, row_weights, L):
-        R, H = x.shape
-        E, F2, _ = w13.shape
-        F = F2 // 2
-        h = x.new_empty((R, F2))
-        a = x.new_empty((R, F))
-        y = x.new_empty((R, H))
         rw = _f32(row_weights)
-        dt = _DTYPE[x.dtype]
-        if R:
-            _ext.with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
-                            _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), _ext.ptr(group_sizes), _ext.ptr(rw),
-                            _ext.ptr(h), _ext.ptr(a), _ext.ptr(y), R, H, F, E, dt, L.device, L.stream)
+        h, a, y = _experts_fwd(L, x, _ext.ptr(group_sizes), w13.shape[0], w13, w2, rw)
         ctx.save_for_backward(x, h, a, w13, w2, group_sizes, rw)
         ctx.L = L
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
@@ -215,29 +244,10 @@ class _Experts(torch.autograd.Function):
     def backward(ctx, dy):
         _first_order_only()
         x, h, a, w13, w2, group_sizes, rw = ctx.saved_tensors
-        L = ctx.L
         need_x, _, need_w13, need_w2, need_rw, _ = ctx.needs_input_grad
         need_rw = need_rw and rw is not None
-        R, H = x.shape
-        E, F2, _ = w13.shape
-        F = F2 // 2
-        dy = dy.contiguous()
-        dx = x.new_empty((R, H)) if need_x else None
-        if R == 0:
-            dw13 = torch.zeros_like(w13) if need_w13 else None
-            dw2 = torch.zeros_like(w2) if need_w2 else None
-            drw = torch.empty((0,), dtype=_F32, device=x.device) if need_rw else None
-        else:
-            dw13 = torch.empty_like(w13) if need_w13 else None
-            dw2 = torch.empty_like(w2) if need_w2 else None
-            drw = torch.empty((R,), dtype=_F32, device=x.device) if need_rw else None
-            da = x.new_empty((R, F))
-            dh = x.new_empty((R, F2))
-            dt = _DTYPE[x.dtype]
-            _ext.with_workspace(("experts_bwd", L.device, R, H, F, E, dt), L.C.experts_bwd, x,
-                            _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), _ext.ptr(a), _ext.ptr(w13), _ext.ptr(w2),
-                            _ext.ptr(group_sizes), _ext.ptr(rw), _ext.ptr(da), _ext.ptr(dh), _ext.ptr(dx),
-                            _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, dt, L.device, L.stream)
+        dx, dw13, dw2, drw = _experts_bwd(ctx.L, dy, x, h, a, w13, w2, _ext.ptr(group_sizes), w13.shape[0], rw,
+                                          need_x, need_w13, need_w2, need_rw)
         return dx, None, dw13, dw2, (as_dtype(drw, ctx.rw_dtype) if need_rw else None), None
 
 
@@ -257,6 +267,47 @@ def experts_fit(x: Tensor) -> bool:
     prefers torch._grouped_mm for this GPU and dtype (ops/grouped_mm.py, `grouped_mm_backend`), the region
     composes the registered ops instead, which call it."""
     return grouped_mm_backend(x.device, x.dtype) != TORCH_GROUPED_MM
+
+
+# ---------------------------------------------------------------------------------------------------
+# mlp: a dense SwiGLU MLP (the shared experts) as the experts' products over one group of every row
+
+
+class _Mlp(torch.autograd.Function):
+    """down(silu(gate(x)) * up(x)) for x [T, H], gate and up [F, H], down [H, F]: experts_fwd / experts_bwd with
+    one expert whose w13 is gate and up stacked (one copy of those weights a forward) and no group sizes (the
+    GEMMs take every row as one group)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, up, down, L):
+        w13 = torch.cat((gate, up))
+        h, a, y = _experts_fwd(L, x, 0, 1, w13, down, None)
+        ctx.save_for_backward(x, h, a, w13, down)
+        ctx.L = L
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        _first_order_only()
+        x, h, a, w13, down = ctx.saved_tensors
+        need_x, need_gate, need_up, need_down, _ = ctx.needs_input_grad
+        dx, dw13, ddown, _ = _experts_bwd(ctx.L, dy, x, h, a, w13, down, 0, 1, None, need_x, need_gate or need_up,
+                                          need_down, False)
+        dgate, dup = dw13.chunk(2) if dw13 is not None else (None, None)
+        return dx, dgate, dup, ddown, None
+
+
+def _mlp_ops(x, gate, up, down):
+    sizes = torch.full((1,), x.shape[0], dtype=_I32, device=x.device)
+    return _experts_ops(x, sizes, torch.cat((gate, up)).unsqueeze(0), down.unsqueeze(0), None)
+
+
+@_register("mlp", _mlp_ops, "experts_fwd (grouped_mm, swiglu, grouped_mm; one group) / experts_bwd (5 products)")
+def mlp_region(L: Launch, x: Tensor, gate: Tensor, up: Tensor, down: Tensor):
+    """(silu(x gate^T) * (x up^T)) down^T [T, H] for x [T, H]: a dense SwiGLU MLP of bias-free nn.Linear weights."""
+    if not experts_fit(x):
+        return _mlp_ops(x, gate, up, down)
+    return _Mlp.apply(x, gate, up, down, L)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _nn_module
 
 from moe_kernels.nn import fused, torch_native
 from moe_kernels.nn.experts import GroupedExperts
@@ -44,6 +45,11 @@ def _autocast_dtype(t: Tensor) -> torch.dtype | None:
 def _gemm_dtype(w: Tensor, autocast: torch.dtype | None) -> torch.dtype:
     """w's dtype in the expert GEMMs: the autocast dtype under torch.autocast (autocast_input)."""
     return autocast if autocast is not None and w.dtype != torch.float64 else w.dtype
+
+
+def _nn_hooks() -> bool:
+    """Whether global nn.Module forward hooks are registered (a fused region would skip them)."""
+    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
 
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
@@ -121,9 +127,42 @@ class SharedExperts(nn.Module):
         self.down_proj = nn.Linear(ffn_size, hidden_size, **factory)
         self.gate = nn.Linear(hidden_size, 1, **factory) if gate else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: Tensor, *, kernels: bool = False, launch: fused.Launch | None = None) -> Tensor:
+        """x [..., H] -> [..., H]. kernels: the MLP as the `mlp` fused region (our grouped GEMM over one group and
+        the fused SwiGLU; `launch`: its thin path, None: the registered ops), where the projections are plain
+        bias-free nn.Linear weights without hooks; else (and by default) the nn.Linear modules."""
+        weights = self._region_weights(x) if kernels else None
+        if weights is not None:
+            x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            out = fused.run("mlp", launch, autocast_input(x2), *weights)
+            out = out if x.dim() == 2 else out.view(x.shape)
+        else:
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
+
+    def _region_weights(self, x: Tensor) -> list[Tensor] | None:
+        """The gate, up and down weights as the `mlp` region takes them (in the autocast dtype under autocast), or
+        None where the region would skip what the modules do or cannot take them."""
+        autocast = _autocast_dtype(x)
+        dtype = _gemm_dtype(x, autocast)
+        if dtype not in _FUSED_DTYPES or not x.is_contiguous() or _nn_hooks():
+            return None
+        mods = self._modules
+        weights = []
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            m = mods[name]
+            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+                return None
+            params = m._parameters
+            w = params["weight"]
+            if params["bias"] is not None or type(w) not in _PLAIN or not w.is_contiguous():
+                return None
+            if w.dtype is not dtype:
+                if _gemm_dtype(w, autocast) != dtype:
+                    return None
+                w = w.to(dtype)  # under autocast, as nn.Linear casts it
+            weights.append(w)
+        return weights
 
 
 class MoELayer(nn.Module):
@@ -207,7 +246,7 @@ class MoELayer(nn.Module):
             y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
             out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x2)
+            out = out + self.shared_experts(x2, kernels=cfg.backend == "kernels", launch=launch)
         return out.view(shape), routed.aux_loss
 
     def _took(self, path: str) -> None:

@@ -77,10 +77,13 @@ def test_fused_regions_equal_registered_ops(cuda, case, registered_ops):
         thin = _step(layer, x, g)
     experts = ("experts_fwd", "experts_bwd") if layer.config.weights_in_activation else ("moe_fwd", "moe_bwd")
     assert all(ext.calls.get(name) == 1 for name in experts), ext.calls
+    shared = layer.shared_experts is not None  # the `mlp` region: experts_fwd / experts_bwd over one group
+    if shared:
+        assert ext.calls.get("experts_fwd") == ext.calls.get("experts_bwd") == 1, ext.calls
     registered_ops()
     with extension_calls() as ext:
         ops = _step(layer, x, g)
-    assert "experts_fwd" not in ext.calls and ext.calls.get("grouped_mm") == 6, ext.calls
+    assert "experts_fwd" not in ext.calls and ext.calls.get("grouped_mm") == 6 * (1 + shared), ext.calls
     names = ["out", "aux_loss", "dx"] + [n for n, _ in layer.named_parameters()]
     for name, a, b in zip(names, thin, ops):
         assert_exact(a, b, f"{case}: {name}")
@@ -91,8 +94,10 @@ def _expected_calls(cfg) -> int:
     """Extension launches of one layer fwd + bwd on the fused regions: the router (router_fused_fwd / _bwd,
     whatever losses are on; capacity adds apply_capacity and tokens_per_expert), then the routed experts as one
     region (moe_fwd / moe_bwd), or, with the weights applied in the activation, permute (1 + its backward's
-    unpermute_fwd), experts (1 + 1) and unpermute (1 + 1)."""
-    return 2 + (2 if cfg.router.capacity_factor is not None else 0) + (6 if cfg.weights_in_activation else 2)
+    unpermute_fwd), experts (1 + 1) and unpermute (1 + 1); shared experts add the `mlp`
+    region (experts_fwd / experts_bwd over one group)."""
+    return (2 + (2 if cfg.router.capacity_factor is not None else 0) + (6 if cfg.weights_in_activation else 2)
+            + (2 if cfg.shared_ffn_size else 0))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -108,6 +113,8 @@ def test_one_extension_call_per_region(cuda, case):
         assert calls["unpermute_fwd"] == 2, calls  # unpermute, and permute's backward
     else:
         once = ("moe_fwd", "moe_bwd")
+    if layer.shared_experts is not None:
+        assert calls["experts_fwd"] == calls["experts_bwd"] == 1, calls
     for name in ("router_fused_fwd", "router_fused_bwd", *once):
         assert calls[name] == 1, (name, calls)
     assert sum(calls.values()) == _expected_calls(layer.config), calls
@@ -196,10 +203,12 @@ def test_gathered_region_equals_registered_ops(cuda, case, registered_ops):
         thin = _step(layer, x, g)
     calls = ext.calls
     # router (its kernel each way; capacity adds two), the routing-only permute, the expert MLP each way: no
-    # copy of the tokens, no unpermute launch of its own.
+    # copy of the tokens, no unpermute launch of its own (deepseek-v3's shared experts: the `mlp` region each way).
+    shared = 2 if layer.shared_experts is not None else 0
     assert calls.get("expert_mlp_fwd") == 1 and calls.get("expert_mlp_bwd") == 1 and calls.get("permute_fwd") == 1
-    assert "experts_fwd" not in calls and "unpermute_fwd" not in calls and "unpermute_bwd" not in calls, calls
-    assert sum(calls.values()) == 2 + (2 if layer.config.router.capacity_factor is not None else 0) + 3, calls
+    assert calls.get("experts_fwd", 0) == calls.get("experts_bwd", 0) == shared // 2, calls
+    assert "unpermute_fwd" not in calls and "unpermute_bwd" not in calls, calls
+    assert sum(calls.values()) == 2 + (2 if layer.config.router.capacity_factor is not None else 0) + 3 + shared, calls
     registered_ops()
     with extension_calls() as ext:
         ops = _step(layer, x, g)
@@ -354,3 +363,115 @@ def test_moe_region_partial_gradients(cuda, case, registered_ops):
         assert thin[0].dtype == torch.bfloat16
     if case == "x-without-grad":
         assert thin[2] is None and thin[names.index("experts.w13")] is not None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The shared experts as the `mlp` region (experts_fwd / experts_bwd over one group of every row)
+
+
+def _shared(device, dtype=torch.float32, gate=False, seed=3):
+    from moe_kernels.nn import SharedExperts
+
+    torch.manual_seed(seed)
+    return SharedExperts(H, 2 * F, gate=gate).to(device, dtype)
+
+
+def _mlp_step(mlp, x, g, kernels, launch=None, grad_x=True, ctx=contextlib.nullcontext):
+    mlp.zero_grad(set_to_none=True)
+    xx = x.detach().requires_grad_(grad_x)
+    with ctx():
+        out = mlp(xx, kernels=kernels, launch=launch)
+    loss = (out.float() * g).sum()
+    if loss.requires_grad:
+        loss.backward()
+    return [out.detach(), xx.grad] + [p.grad for p in mlp.parameters()]
+
+
+@pytest.mark.parametrize("case", ["fp32", "bf16", "empty", "one-token", "odd", "x-without-grad", "gate-frozen",
+                                  "down-frozen", "autocast", "shared-gate"])
+def test_mlp_region_equals_registered_ops(cuda, case):
+    """The dense SwiGLU MLP region on its thin path against its registered-op composition (grouped_mm over one
+    group of every row, swiglu): identical outputs and gradients, one extension call each way, over batch
+    edges (no token, one, an odd count), partial gradients, autocast and Qwen2-MoE's sigmoid gate."""
+    dtype = torch.bfloat16 if case == "bf16" else torch.float32
+    mlp = _shared(cuda, dtype, gate=case == "shared-gate")
+    T = {"empty": 0, "one-token": 1, "odd": 37}.get(case, 24)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(T, H, generator=gen).to(cuda, dtype)
+    g = torch.randn(T, H, generator=gen).to(cuda)
+    if case == "gate-frozen":
+        mlp.gate_proj.requires_grad_(False)
+    if case == "down-frozen":
+        mlp.down_proj.requires_grad_(False)
+    autocast = (lambda: torch.autocast(cuda.type, dtype=torch.bfloat16)) if case == "autocast" else (
+        contextlib.nullcontext)
+    kw = dict(grad_x=case != "x-without-grad", ctx=autocast)
+    launch = fused.launch_for(x)
+    assert launch is not None
+    _mlp_step(mlp, x, g, True, launch, **kw)
+    with extension_calls() as ext:
+        thin = _mlp_step(mlp, x, g, True, fused.launch_for(x), **kw)
+    assert ext.calls.get("experts_fwd", 0) == (1 if T else 0) and ext.calls.get("experts_bwd", 0) == (1 if T else 0)
+    assert sum(ext.calls.values()) == (2 if T else 0), ext.calls
+    with extension_calls() as ext:
+        ops = _mlp_step(mlp, x, g, True, None, **kw)
+    products = 6 - (case == "x-without-grad") - (case == "down-frozen")  # the products the gradients need
+    assert "experts_fwd" not in ext.calls and ext.calls.get("grouped_mm", 0) == (products if T else 0), ext.calls
+    names = ["out", "dx"] + [n for n, _ in mlp.named_parameters()]
+    for name, a, b in zip(names, thin, ops):
+        assert (a is None) == (b is None), f"{case}: {name}"
+        if a is not None:
+            assert_exact(a, b, f"{case}: {name}")
+    frozen = {"gate-frozen": "gate_proj.weight", "down-frozen": "down_proj.weight"}.get(case)
+    for name, grad in zip(names, thin):
+        assert (grad is None) == (name == frozen or (name == "dx" and case == "x-without-grad")), name
+        if grad is not None and T and name != "out":
+            assert grad.abs().sum() > 0, f"{case}: {name} is zero"
+        if grad is not None and not T and name != "out":
+            assert not grad.abs().sum(), f"{case}: {name} is not zero without tokens"
+
+
+def test_mlp_region_computes_the_modules_mlp(cuda):
+    """The region is the nn.Linear modules' MLP (gate rows first, then up, as SwiGLU reads them), not just equal
+    to its own composition: fp32 against the modules' forward and backward in float64. Error model: each fp32
+    product of K <= 2F = 64 terms (inputs of order 1) rounds to within about K * 2^-24 * sum|terms| ~ 4e-6 per
+    GEMM, three GEMMs and the SwiGLU chained, fwd or bwd; bound 1e-4 (over 20x margin)."""
+    mlp = _shared(cuda)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(29, H, generator=gen).to(cuda)
+    g = torch.randn(29, H, generator=gen).to(cuda)
+    thin = _mlp_step(mlp, x, g, True, fused.launch_for(x))
+    ref = _mlp_step(mlp.double(), x.double(), g.double(), False)
+    names = ["out", "dx"] + [n for n, _ in mlp.named_parameters()]
+    for name, a, b in zip(names, thin, ref):
+        err = (a.double() - b).abs().max().item()
+        assert err < 1e-4, f"{name}: {err}"
+        assert b.abs().max() > 0.05, name  # the comparison is not between two near-zero tensors
+
+
+def test_mlp_region_falls_back_to_the_modules(cuda):
+    """Where the region would skip what the modules do, the modules run: a forward hook on a projection, a
+    global forward hook, a bias, a replaced projection (as peft's LoRA makes)."""
+    x = torch.randn(8, H, device=cuda)
+    for change in ("hook", "global-hook", "bias", "replaced"):
+        mlp = _shared(cuda)
+        seen = []
+        handle = None
+        if change == "hook":
+            mlp.up_proj.register_forward_hook(lambda m, args, out: seen.append(1))
+        elif change == "global-hook":
+            handle = torch.nn.modules.module.register_module_forward_hook(lambda m, args, out: seen.append(1))
+        elif change == "bias":
+            mlp.down_proj.bias = torch.nn.Parameter(torch.ones(H, device=cuda))
+        else:
+            mlp.gate_proj = torch.nn.Sequential(mlp.gate_proj)
+        try:
+            with extension_calls() as ext:
+                out = mlp(x, kernels=True, launch=fused.launch_for(x))
+        finally:
+            if handle is not None:
+                handle.remove()
+        assert "experts_fwd" not in ext.calls, (change, ext.calls)
+        assert_exact(out, mlp(x), change)
+        if change in ("hook", "global-hook"):
+            assert seen, change
