@@ -4,7 +4,8 @@
 //   row:    one block per row: amax pass, then quantize (the second read hits L2).
 //   block:  16 lanes per 1x128 block, 8 elements each (one 16-byte load when the row allows it),
 //           amax by shuffles, then 8 fp8 bytes stored at once.
-//   tile:   one block per 128x128 tile, amax pass then quantize.
+//   tile:   the experts' tile kernel (fp8_experts.cu) on one expert, the row-major layout alone: the tile
+//           loaded once into registers with 16-byte loads, amax over the block, codes from registers.
 #include <cuda_fp8.h>
 
 #include <algorithm>
@@ -110,29 +111,6 @@ __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p,
 }
 
 template <typename T>
-__global__ void __launch_bounds__(kThreads) tile_quant_kernel(Fp8QuantParams p, int64_t tiles_per_row, int64_t tiles) {
-  const T* x = static_cast<const T*>(p.x);
-  const int col = threadIdx.x % kFp8Block, row0 = threadIdx.x / kFp8Block;
-  constexpr int kRowStep = kThreads / kFp8Block;
-  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
-    const int64_t r_begin = (t / tiles_per_row) * kFp8Block;
-    const int64_t r_end = r_begin + kFp8Block < p.rows ? r_begin + kFp8Block : p.rows;
-    const int64_t c = (t % tiles_per_row) * kFp8Block + col;
-    float m = 0.f;
-    if (c < p.cols) {
-      for (int64_t r = r_begin + row0; r < r_end; r += kRowStep) m = nan_max(m, fabsf(to_float(x[r * p.cols + c])));
-    }
-    const float s = scale_from_amax(block_nan_max(m), p.e5m2, p.pow2);
-    if (threadIdx.x == 0) p.scale[t] = s;
-    if (c < p.cols) {
-      for (int64_t r = r_begin + row0; r < r_end; r += kRowStep) {
-        p.q[r * p.cols + c] = to_fp8(__fmul_rn(to_float(x[r * p.cols + c]), s), p.e5m2);
-      }
-    }
-  }
-}
-
-template <typename T>
 __global__ void __launch_bounds__(kThreads) dequant_kernel(Fp8DequantParams p, int64_t blocks_per_row) {
   T* out = static_cast<T*>(p.out);
   for (int64_t r = blockIdx.x; r < p.rows; r += gridDim.x) {
@@ -193,13 +171,10 @@ void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
         check_launch("fp8 block_quant_kernel");
         break;
       }
-      case Granularity::kTile: {
-        const int64_t tiles = ((p.rows + kFp8Block - 1) / kFp8Block) * bpr;
-        if (tiles == 0) return;
-        tile_quant_kernel<T><<<capped_grid(tiles), kThreads, 0, stream>>>(p, bpr, tiles);
-        check_launch("fp8 tile_quant_kernel");
+      case Granularity::kTile:  // one expert of the experts' tile kernel, the row-major layout alone
+        fp8_quantize_experts({p.x, p.q, p.scale, nullptr, nullptr, 1, p.rows, p.cols, p.pow2, p.dtype, p.e5m2},
+                             stream);
         break;
-      }
       default: throw std::invalid_argument("quantize_fp8: unknown granularity");
     }
   });

@@ -70,13 +70,14 @@ struct Fp8ExpertsQuantParams {
   const void* w;      // [experts, rows, cols], dtype
   uint8_t* q;         // [experts, rows, cols] fp8 bytes
   float* scale;       // [experts, ceil(rows/128), ceil(cols/128)]
-  uint8_t* q_t;       // [experts, cols, rows] fp8 bytes
+  uint8_t* q_t;       // [experts, cols, rows] fp8 bytes; nullptr: the row-major layout only (then scale_t unused)
   float* scale_t;     // [experts, ceil(cols/128), ceil(rows/128)]
   int64_t experts;
   int64_t rows;       // N
   int64_t cols;       // K
   bool pow2;
   DType dtype;
+  bool e5m2 = false;  // E5M2 codes (the generic tile quantization; the FP8 recipe's weights are E4M3)
 };
 void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream);
 

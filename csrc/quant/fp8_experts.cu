@@ -1,8 +1,10 @@
 // quantize_fp8_experts_dual: expert weights [E, N, K] -> E4M3 128x128 tiles in both layouts the FP8
 // recipe reads, from one read of the weight. A block per tile: its 128 x 128 elements are loaded once
-// into registers (64 per thread, coalesced rows), the tile's amax reduced over the block, the forward's
-// codes stored from registers along K, and the same codes staged in shared memory (16 KB) to be stored
-// transposed, along N, as 16-byte vectors.
+// into registers (64 per thread, coalesced rows, all eight 16-byte loads in flight before the first is
+// used), the tile's amax reduced over the block, the forward's codes stored from registers along K, and
+// the same codes staged in shared memory (16 KB) to be stored transposed, along N, as 16-byte vectors.
+// Without q_t the same kernel writes the row-major layout alone: quantize_fp8's 128x128 tile granularity
+// (one expert) runs it too.
 #include <stdexcept>
 
 #include "common/check.h"
@@ -25,10 +27,11 @@ constexpr int kVecT = 16;                              // transposed codes per s
 // VEC: rows of w start 8-element aligned (cols % 8 == 0, aligned w): each thread loads 8 contiguous
 // elements; otherwise its 8 elements are strided by 16 (still coalesced across the 16 lanes).
 // VEC_T: rows % 16 == 0 and q_t 16-byte aligned: the transposed codes go out as 16-byte vectors.
-template <typename T, bool VEC, bool VEC_T>
+// DUAL: q_t is written (else the row-major codes alone, no staging).
+template <typename T, bool VEC, bool VEC_T, bool DUAL>
 __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuantParams p, int64_t row_tiles,
                                                                  int64_t col_tiles, int64_t tiles) {
-  __shared__ __align__(16) uint8_t codes[kFp8Block * kFp8Block];  // [n][k] of the tile
+  __shared__ __align__(16) uint8_t codes[DUAL ? kFp8Block * kFp8Block : kVecT];  // [n][k] of the tile
   const T* w = static_cast<const T*>(p.w);
   const int lane = threadIdx.x % kLanesPerRow, row_in_pass = threadIdx.x / kLanesPerRow;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -59,10 +62,10 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
       for (int j = 0; j < kItems; ++j) m = nan_max(m, fabsf(v[i][j]));  // zeros past the edges never raise it
     }
     // The block reduction's barriers also order the previous tile's reads of `codes` before the writes below.
-    const float s = scale_from_amax(block_nan_max(m), false, p.pow2);
+    const float s = scale_from_amax(block_nan_max(m), p.e5m2, p.pow2);
     if (threadIdx.x == 0) {
       p.scale[(e * row_tiles + rt) * col_tiles + ct] = s;
-      p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;
+      if constexpr (DUAL) p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;
     }
     uint8_t* q = p.q + e * p.rows * p.cols;
 #pragma unroll
@@ -71,20 +74,21 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
       const int64_t row = row0 + r;
       Pack<uint8_t, kItems> out;
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[i][j], s), false);
+      for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[i][j], s), p.e5m2);
       if constexpr (VEC) {
-        *reinterpret_cast<Pack<uint8_t, kItems>*>(codes + r * kFp8Block + lane * kItems) = out;
+        if constexpr (DUAL) *reinterpret_cast<Pack<uint8_t, kItems>*>(codes + r * kFp8Block + lane * kItems) = out;
         const int64_t col = col0 + lane * kItems;
         if (row < p.rows && col < p.cols) *reinterpret_cast<Pack<uint8_t, kItems>*>(q + row * p.cols + col) = out;
       } else {
 #pragma unroll
         for (int j = 0; j < kItems; ++j) {
           const int c = lane + j * kLanesPerRow;
-          codes[r * kFp8Block + c] = out.v[j];
+          if constexpr (DUAL) codes[r * kFp8Block + c] = out.v[j];
           if (row < p.rows && col0 + c < p.cols) q[row * p.cols + col0 + c] = out.v[j];
         }
       }
     }
+    if constexpr (!DUAL) continue;  // the next tile's block reduction orders nothing here: no shared codes
     __syncthreads();
     // Transposed: q_t[e][k][n]. Lanes of a warp take consecutive k of the same 16 rows n: conflict-free reads
     // of `codes` (consecutive bytes of one row).
@@ -120,9 +124,17 @@ void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream) {
   by_float_dtype(p.dtype, "quantize_fp8_experts_dual", [&]<typename T>() {
     const bool vec = p.cols % kItems == 0 && reinterpret_cast<uintptr_t>(p.w) % alignof(Pack<T, kItems>) == 0 &&
                      reinterpret_cast<uintptr_t>(p.q) % kItems == 0;
+    if (p.q_t == nullptr) {  // the row-major layout alone
+      if (vec) {
+        experts_quant_kernel<T, true, false, false><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
+      } else {
+        experts_quant_kernel<T, false, false, false><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
+      }
+      return;
+    }
     const bool vec_t = p.rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
     auto launch = [&]<bool V, bool VT>() {
-      experts_quant_kernel<T, V, VT><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
+      experts_quant_kernel<T, V, VT, true><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
     };
     if (vec && vec_t) {
       launch.template operator()<true, true>();

@@ -57,7 +57,7 @@ def test_specials_formats_and_pow2(cuda, gran, fp8_dtype, pow2):
     _check(x, x.to(cuda), gran, fp8_dtype, pow2, f"{gran} {fp8_dtype} pow2={pow2}")
 
 
-@pytest.mark.parametrize("gran", ["block", "row"])
+@pytest.mark.parametrize("gran", ["block", "row", "tile"])
 def test_misaligned_rows_take_the_scalar_path(cuda, gran):
     # A contiguous tensor whose storage starts one element in: 16-byte loads are not allowed.
     x = _input(9, 256, torch.bfloat16, seed=3)
@@ -90,6 +90,13 @@ def test_past_2_31_elements(cuda):
         rq, rs = quantize_fp8_reference(x[r : r + 1].cpu(), "block")
         assert_exact(q[r : r + 1].cpu().view(torch.uint8), rq.view(torch.uint8), f"row {r} codes")
         assert_exact(s[r : r + 1].cpu(), rs, f"row {r} scales")
+    del q, s
+    q, s = mk.quantize_fp8(x, "tile")  # 128-row tiles: the first, the middle and the last (3 rows)
+    for r in (0, (M // 2) // 128 * 128, M - 3):
+        rows = min(128, M - r)
+        rq, rs = quantize_fp8_reference(x[r : r + rows].cpu(), "tile")
+        assert_exact(q[r : r + rows].cpu().view(torch.uint8), rq.view(torch.uint8), f"tile at row {r} codes")
+        assert_exact(s[r // 128 : r // 128 + 1].cpu(), rs, f"tile at row {r} scales")
 
 
 @pytest.mark.parametrize("H", [1024, 7168])
