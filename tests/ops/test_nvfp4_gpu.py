@@ -173,3 +173,23 @@ def test_nvfp4_grouped_mm_off_blackwell_takes_the_emulation(cuda):
     # The emulation: exact block-scaled values, fp32 accumulation over K = 64, then one bf16 rounding (2^-9
     # relative); 2^-7 relative leaves 4x margin, the absolute term covers the fp32 sums of values near 0.
     assert torch.allclose(got[:40].double().cpu(), ref[:40], rtol=2**-7, atol=1e-3 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_every_e2m1_input_rounds_as_the_reference(cuda, dtype):
+    """The E2M1 rounding on every bf16 magnitude in [0, 8] and, in fp32, one ulp either side of each tie and grid
+    point, both signs: each block holds a 6 (its amax) and the global amax is 2688 = 448 * 6, so the block scale is
+    1 and the codes are those of the values themselves."""
+    mags = torch.arange(0, 0x4100 + 1, dtype=torch.int16).view(torch.bfloat16).float()  # bf16 bits 0 .. 8.0
+    if dtype == torch.float32:
+        pts = torch.tensor([0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 7.0, 8.0])
+        mags = torch.cat([mags, torch.nextafter(pts, torch.zeros(())), torch.nextafter(pts, torch.full((), 9.0))])
+    vals = torch.cat([mags, -mags, torch.tensor([float("inf"), -float("inf"), float("nan")])])
+    vals = torch.cat([vals, vals.new_zeros(-vals.numel() % (15 * 8))]).view(-1, 15)  # blocks: a multiple of 8
+    x = torch.cat([vals, torch.full((vals.shape[0], 1), 6.0)], dim=1).reshape(-1, 16 * 8).to(dtype)
+    _check(x, x.to(cuda), f"every e2m1 input {dtype}", global_amax=torch.tensor(2688.0))
+    p, sb, _ = mk.quantize_nvfp4(x.to(cuda), global_amax=torch.tensor(2688.0, device=cuda))
+    blocks = x.view(-1, 16).float()
+    unit = torch.isfinite(blocks).all(dim=1) & (blocks.abs().amax(dim=1) <= 6)  # amax 6: block scale 1
+    assert unit.sum() > 0.9 * unit.numel()
+    assert (sb.cpu().view(torch.uint8).view(-1)[unit] == 0x38).all()  # E4M3 1.0: the codes are the values' own
