@@ -77,7 +77,7 @@ struct Fp8ExpertsQuantParams {
   int64_t cols;       // K
   bool pow2;
   DType dtype;
-  bool e5m2 = false;  // E5M2 codes (the generic tile quantization; the FP8 recipe's weights are E4M3)
+  bool e5m2 = false;  // E5M2 codes, the row-major layout alone (the generic tile quantization); dual: E4M3
 };
 void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream);
 

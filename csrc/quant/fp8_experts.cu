@@ -33,6 +33,7 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
                                                                  int64_t col_tiles, int64_t tiles) {
   __shared__ __align__(16) uint8_t codes[DUAL ? kFp8Block * kFp8Block : kVecT];  // [n][k] of the tile
   const T* w = static_cast<const T*>(p.w);
+  const bool e5m2 = DUAL ? false : p.e5m2;  // the dual layouts are the recipe's E4M3 (and keep their registers)
   const int lane = threadIdx.x % kLanesPerRow, row_in_pass = threadIdx.x / kLanesPerRow;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t e = t / (row_tiles * col_tiles);
@@ -62,7 +63,7 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
       for (int j = 0; j < kItems; ++j) m = nan_max(m, fabsf(v[i][j]));  // zeros past the edges never raise it
     }
     // The block reduction's barriers also order the previous tile's reads of `codes` before the writes below.
-    const float s = scale_from_amax(block_nan_max(m), p.e5m2, p.pow2);
+    const float s = scale_from_amax(block_nan_max(m), e5m2, p.pow2);
     if (threadIdx.x == 0) {
       p.scale[(e * row_tiles + rt) * col_tiles + ct] = s;
       if constexpr (DUAL) p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;
@@ -74,7 +75,7 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
       const int64_t row = row0 + r;
       Pack<uint8_t, kItems> out;
 #pragma unroll
-      for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[i][j], s), p.e5m2);
+      for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[i][j], s), e5m2);
       if constexpr (VEC) {
         if constexpr (DUAL) *reinterpret_cast<Pack<uint8_t, kItems>*>(codes + r * kFp8Block + lane * kItems) = out;
         const int64_t col = col0 + lane * kItems;
