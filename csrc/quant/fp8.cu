@@ -58,8 +58,7 @@ __global__ void __launch_bounds__(kThreads) row_quant_kernel(Fp8QuantParams p) {
 }
 
 // VEC: each lane's 8 elements are contiguous (cols % 8 == 0, 16-byte aligned rows) or strided by 16.
-// I: the block index type, int32_t where every block index fits (a cheaper division), else int64_t.
-template <typename T, bool VEC, typename I>
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p, int64_t blocks_per_row) {
   const T* x = static_cast<const T*>(p.x);
   const int lane = threadIdx.x % kGroupLanes;
@@ -67,9 +66,8 @@ __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p,
   for (int64_t base = int64_t(blockIdx.x) * kGroupsPerBlock; base < total; base += int64_t(gridDim.x) * kGroupsPerBlock) {
     const int64_t g = base + threadIdx.x / kGroupLanes;  // the whole warp runs the shuffles below
     const bool live = g < total;
-    const I rq = live ? I(g) / I(blocks_per_row) : I(0);
-    const int64_t r = rq;
-    const int64_t c0 = live ? int64_t(I(g) - rq * I(blocks_per_row)) * kFp8Block : 0;
+    const int64_t r = live ? g / blocks_per_row : 0;
+    const int64_t c0 = live ? (g % blocks_per_row) * kFp8Block : 0;
     float v[kGroupItems];
     float m = 0.f;
     if constexpr (VEC) {
@@ -139,6 +137,10 @@ void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.cols < 0) throw std::invalid_argument("quantize_fp8: negative size");
   const int64_t n = p.rows * p.cols;
   const int64_t bpr = (p.cols + kFp8Block - 1) / kFp8Block;
+  if (p.granularity == Granularity::kTile) {  // one expert of the experts' tile kernel, the row-major layout alone
+    fp8_quantize_experts({p.x, p.q, p.scale, nullptr, nullptr, 1, p.rows, p.cols, p.pow2, p.dtype, p.e5m2}, stream);
+    return;
+  }
   by_float_dtype(p.dtype, "quantize_fp8", [&]<typename T>() {
     switch (p.granularity) {
       case Granularity::kTensor: {
@@ -165,21 +167,14 @@ void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
         const bool vec = p.cols % kGroupItems == 0 &&
                          reinterpret_cast<uintptr_t>(p.x) % alignof(Pack<T, kGroupItems>) == 0 &&
                          reinterpret_cast<uintptr_t>(p.q) % 8 == 0;
-        // int32 indices while every group index a block computes (past the last one included) fits
-        const bool small = int64_t(grid) * kGroupsPerBlock + total < (int64_t(1) << 31);
-        auto launch = [&]<bool V, typename I>() { block_quant_kernel<T, V, I><<<grid, kThreads, 0, stream>>>(p, bpr); };
         if (vec) {
-          small ? launch.template operator()<true, int32_t>() : launch.template operator()<true, int64_t>();
+          block_quant_kernel<T, true><<<grid, kThreads, 0, stream>>>(p, bpr);
         } else {
-          small ? launch.template operator()<false, int32_t>() : launch.template operator()<false, int64_t>();
+          block_quant_kernel<T, false><<<grid, kThreads, 0, stream>>>(p, bpr);
         }
         check_launch("fp8 block_quant_kernel");
         break;
       }
-      case Granularity::kTile:  // one expert of the experts' tile kernel, the row-major layout alone
-        fp8_quantize_experts({p.x, p.q, p.scale, nullptr, nullptr, 1, p.rows, p.cols, p.pow2, p.dtype, p.e5m2},
-                             stream);
-        break;
       default: throw std::invalid_argument("quantize_fp8: unknown granularity");
     }
   });

@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(kThreads) tile_amax_kernel(Nvfp4QuantParams p,
   }
 }
 
-// I: the block index type, int32_t where rows * kblocks fits (cheaper division), else int64_t.
-template <typename T, bool VEC, typename I>
+template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads) quant_kernel(Nvfp4QuantParams p, int64_t kblocks) {
   const float amax = p.amax != nullptr ? *p.amax : __uint_as_float(*p.amax_scratch);
   const float sg = global_scale_from(amax);
@@ -135,8 +134,7 @@ __global__ void __launch_bounds__(kThreads) quant_kernel(Nvfp4QuantParams p, int
   const T* x = static_cast<const T*>(p.x);
   const int64_t total = p.rows * kblocks;
   for (int64_t b = int64_t(blockIdx.x) * kThreads + threadIdx.x; b < total; b += int64_t(gridDim.x) * kThreads) {
-    const I rq = I(b) / I(kblocks);
-    const int64_t r = rq, kb = I(b) - rq * I(kblocks);
+    const int64_t r = b / kblocks, kb = b % kblocks;
     float v[kNvfp4Block];
     load16<T, VEC>(x + r * p.cols + kb * kNvfp4Block, v);
     float bamax = 0.f;
@@ -220,14 +218,10 @@ void nvfp4_quantize(const Nvfp4QuantParams& p, cudaStream_t stream) {
       check_launch("nvfp4 tile_amax_kernel");
     }
     const bool vec = reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
-    const bool small = p.rows * kblocks < (int64_t(1) << 31);  // int32 block indices (b < total in the loop)
-    auto launch = [&]<bool V, typename I>() {
-      quant_kernel<T, V, I><<<grid_for(p.rows * kblocks), kThreads, 0, stream>>>(p, kblocks);
-    };
     if (vec) {
-      small ? launch.template operator()<true, int32_t>() : launch.template operator()<true, int64_t>();
+      quant_kernel<T, true><<<grid_for(p.rows * kblocks), kThreads, 0, stream>>>(p, kblocks);
     } else {
-      small ? launch.template operator()<false, int32_t>() : launch.template operator()<false, int64_t>();
+      quant_kernel<T, false><<<grid_for(p.rows * kblocks), kThreads, 0, stream>>>(p, kblocks);
     }
     check_launch("nvfp4 quant_kernel");
   });
