@@ -107,15 +107,18 @@ class ByteCounter(TorchDispatchMode):
                 seen.add(id(a))
                 ins.append(a)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        mutated = [a for a, arg in zip(args, schema.arguments)
-                   if isinstance(a, torch.Tensor) and arg.alias_info is not None and arg.alias_info.is_write]
+        # (a list argument, _foreach_copy_'s, writes each of its tensors)
+        mutated = [t for a, arg in zip(args, schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write
+                   for t in tree_leaves(a) if isinstance(t, torch.Tensor)]
+        fresh = [t for t in outs if all(t.untyped_storage()._cdata != _storage(m) for m in mutated)]
         kind = _kind(ns, name, ins, outs)
-        # copy_ overwrites its destination (_foreach_copy_ each of its list); the FP8 wgrad into a buffer reads it
-        # only when it accumulates.
+        # copy_ overwrites its destination (_foreach_copy_ each of its list), the copying weight quantization its
+        # copy; the FP8 wgrad into a buffer reads it only when it accumulates.
         overwritten = {id(t) for t in tree_leaves(args[0])} if name in ("copy_", "_foreach_copy_") else (
-            {id(args[5])} if name == "grouped_mm_fp8_wgrad_into" and not args[6] else set())
+            {id(args[1])} if name == "quantize_fp8_experts_dual_copy" else (
+                {id(args[5])} if name == "grouped_mm_fp8_wgrad_into" and not args[6] else set()))
         read = 0 if kind == "fill" else sum(_nbytes(t) for t in ins if id(t) not in overwritten)
-        written = sum(_nbytes(t) for t in (mutated or outs))
+        written = sum(_nbytes(t) for t in mutated + fresh)  # an in-place op's output is its mutated argument
         weights = tuple(sorted({self._weights[_storage(t)] for t in ins
                                 if _storage(t) in self._weights and id(t) not in overwritten}))
         shapes = " ".join(_shape(t) for t in ins) + " -> " + " ".join(_shape(t) for t in outs)
@@ -200,24 +203,44 @@ def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = t
                    for name, w in weights.items()}
     counter = ByteCounter(weights)
     cache = _weight_cache_on() if config.recipe is not None else contextlib.nullcontext()
-    with cache, (master.compute() if master is not None else contextlib.nullcontext()):
-        for mb in range(micro_batches):
-            with counter:
-                counter.phase = f"mb{mb} fwd"
+    with cache:
+        if master is not None and config.recipe is not None:
+            # A step before, not counted: its write of the bf16 copies remakes the FP8 tiles (weight_cache.refresh),
+            # so the counted step is a later one, whose forwards find their tiles made.
+            _micro_batches(lay, x, dout, one, 1, master, None)
+            _step(config, master, None)
+        _micro_batches(lay, x, dout, one, micro_batches, master, counter)
+        _step(config, master, counter)
+    if master is not None:
+        master.remove_hooks()
+    return _count(f"layer x{micro_batches}", counter, weights)
+
+
+def _micro_batches(lay, x, dout, one, n: int, master, counter: ByteCounter | None) -> None:
+    with master.compute() if master is not None else contextlib.nullcontext():
+        for mb in range(n):
+            with counter if counter is not None else contextlib.nullcontext():
+                if counter is not None:
+                    counter.phase = f"mb{mb} fwd"
                 out, aux = lay(x)
-                counter.phase = f"mb{mb} bwd"
+                if counter is not None:
+                    counter.phase = f"mb{mb} bwd"
                 torch.autograd.backward((out, aux), (dout, one))
             x.grad = None
+
+
+def _step(config, master, counter: ByteCounter | None) -> None:
+    """The optimizer step's part that the model counts: the FP8 weight cache's generation bumped (as the
+    optimizer's post-step hook does), then the masters' bf16 copies written (with the FP8 tiles)."""
     if config.recipe is not None:
         from moe_kernels.quant import weight_cache
 
         weight_cache._bump_generation()
     if master is not None:
-        with counter:
-            counter.phase = "step"
+        with counter if counter is not None else contextlib.nullcontext():
+            if counter is not None:
+                counter.phase = "step"
             master.write_compute_copies()
-        master.remove_hooks()
-    return _count(f"layer x{micro_batches}", counter, weights)
 
 
 def expert_gemm(num_experts: int, n: int, k: int, rows: int, *, recipe=None, micro_batches: int = 1,

@@ -39,14 +39,17 @@ void register_quant(py::module_& m) {
   m.def(
       "fp8_quantize_experts",
       [](uintptr_t w, uintptr_t q, uintptr_t scale, uintptr_t q_t, uintptr_t scale_t, int64_t experts, int64_t rows,
-         int64_t cols, bool pow2, int32_t dtype, int device, uintptr_t s) {
+         int64_t cols, bool pow2, int32_t dtype, int device, uintptr_t s, uintptr_t copy, int32_t copy_dtype) {
         DeviceGuard guard(device);
-        quant::fp8_quantize_experts({ptr<const void>(w), ptr<uint8_t>(q), ptr<float>(scale), ptr<uint8_t>(q_t),
-                                     ptr<float>(scale_t), experts, rows, cols, pow2, DType(dtype)},
-                                    stream(s));
+        quant::Fp8ExpertsQuantParams p{ptr<const void>(w), ptr<uint8_t>(q), ptr<float>(scale), ptr<uint8_t>(q_t),
+                                       ptr<float>(scale_t), experts, rows, cols, pow2, DType(dtype)};
+        p.copy = ptr<void>(copy);
+        p.copy_dtype = DType(copy_dtype);
+        quant::fp8_quantize_experts(p, stream(s));
       },
       py::arg("w"), py::arg("q"), py::arg("scale"), py::arg("q_t"), py::arg("scale_t"), py::arg("experts"),
-      py::arg("rows"), py::arg("cols"), py::arg("pow2"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+      py::arg("rows"), py::arg("cols"), py::arg("pow2"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
+      py::arg("copy") = 0, py::arg("copy_dtype") = int32_t(DType::kBFloat16));
   m.def(
       "fp8_dequantize",
       [](uintptr_t q, uintptr_t scale, uintptr_t out, int64_t rows, int64_t cols, int32_t granularity, bool e5m2,

@@ -160,6 +160,15 @@ MUTANTS = (
         ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_matches_reference and 256-384"),
     ),
     Mutant(
+        "quantized before the rounding",
+        "experts_quant_kernel with a copy (master weights): the fp32 master quantized instead of its rounded "
+        "compute copy",
+        "quant/fp8_experts.cu",
+        "            v[i][j] = to_float(ck.v[j]);\n",
+        "            v[i][j] = in ? to_float(pk.v[j]) : 0.f;\n",
+        ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_copy_matches and 2-256-384"),
+    ),
+    Mutant(
         "wrong column offset",
         "swiglu_bwd_fp8_kernel: d(up)'s token-major blocks written at d(gate)'s columns (c0, not F + c0)",
         "activation/swiglu_bwd_fp8.cu",

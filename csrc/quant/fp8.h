@@ -78,6 +78,12 @@ struct Fp8ExpertsQuantParams {
   bool pow2;
   DType dtype;
   bool e5m2 = false;  // E5M2 codes, the row-major layout alone (the generic tile quantization); dual: E4M3
+  // With both layouts, an fp32 w (the master weights) may be rounded to copy_dtype (bf16 or fp16) on the way:
+  // the rounded weights written to `copy` [experts, rows, cols] and the rounded values quantized, bit for bit
+  // copy = w.to(copy_dtype) and then the dual quantization of copy (the optimizer step's compute copy and the
+  // FP8 weight cache's refresh from one read of the master). nullptr: no copy.
+  void* copy = nullptr;
+  DType copy_dtype = DType::kBFloat16;
 };
 void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream);
 

@@ -4,8 +4,10 @@
 // used), the tile's amax reduced over the block, the forward's codes stored from registers along K, and
 // the same codes staged in shared memory (16 KB) to be stored transposed, along N, as 16-byte vectors.
 // Without q_t the same kernel writes the row-major layout alone: quantize_fp8's 128x128 tile granularity
-// (one expert) runs it too.
+// (one expert) runs it too. With a copy (fp32 masters, both layouts) each element is first rounded to the
+// copy's dtype, stored there from the same registers, and the rounded value quantized.
 #include <stdexcept>
+#include <type_traits>
 
 #include "common/check.h"
 #include "common/dispatch.cuh"
@@ -28,9 +30,12 @@ constexpr int kVecT = 16;                              // transposed codes per s
 // elements; otherwise its 8 elements are strided by 16 (still coalesced across the 16 lanes).
 // VEC_T: rows % 16 == 0 and q_t 16-byte aligned: the transposed codes go out as 16-byte vectors.
 // DUAL: q_t is written (else the row-major codes alone, no staging).
-template <typename T, bool VEC, bool VEC_T, bool DUAL>
+// C: the copy's element type (void: no copy); T is float where it is not.
+template <typename T, bool VEC, bool VEC_T, bool DUAL, typename C = void>
 __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuantParams p, int64_t row_tiles,
                                                                  int64_t col_tiles, int64_t tiles) {
+  constexpr bool kCopy = !std::is_void_v<C>;
+  using CopyT = std::conditional_t<kCopy, C, T>;  // (a placeholder where there is no copy)
   __shared__ __align__(16) uint8_t codes[DUAL ? kFp8Block * kFp8Block : kVecT];  // [n][k] of the tile
   const T* w = static_cast<const T*>(p.w);
   const bool e5m2 = DUAL ? false : p.e5m2;  // the dual layouts are the recipe's E4M3 (and keep their registers)
@@ -40,6 +45,7 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
     const int64_t rt = (t / col_tiles) % row_tiles, ct = t % col_tiles;
     const int64_t row0 = rt * kFp8Block, col0 = ct * kFp8Block;
     const T* src = w + e * p.rows * p.cols;
+    CopyT* dst = static_cast<CopyT*>(p.copy) + e * p.rows * p.cols;  // (unused without a copy)
     float v[kPasses][kItems];
     float m = 0.f;
 #pragma unroll
@@ -50,13 +56,30 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
         const bool in = row < p.rows && col < p.cols;  // cols % 8 == 0: a vector is all in or all out
         Pack<T, kItems> pk;
         if (in) pk = *reinterpret_cast<const Pack<T, kItems>*>(src + row * p.cols + col);
+        if constexpr (kCopy) {
+          Pack<C, kItems> ck;
 #pragma unroll
-        for (int j = 0; j < kItems; ++j) v[i][j] = in ? to_float(pk.v[j]) : 0.f;
+          for (int j = 0; j < kItems; ++j) {
+            ck.v[j] = from_float<C>(in ? to_float(pk.v[j]) : 0.f);
+            v[i][j] = to_float(ck.v[j]);
+          }
+          if (in) *reinterpret_cast<Pack<C, kItems>*>(dst + row * p.cols + col) = ck;
+        } else {
+#pragma unroll
+          for (int j = 0; j < kItems; ++j) v[i][j] = in ? to_float(pk.v[j]) : 0.f;
+        }
       } else {
 #pragma unroll
         for (int j = 0; j < kItems; ++j) {
           const int64_t col = col0 + lane + j * kLanesPerRow;
-          v[i][j] = row < p.rows && col < p.cols ? to_float(src[row * p.cols + col]) : 0.f;
+          const bool in = row < p.rows && col < p.cols;
+          float x = in ? to_float(src[row * p.cols + col]) : 0.f;
+          if constexpr (kCopy) {
+            const C c = from_float<C>(x);
+            if (in) dst[row * p.cols + col] = c;
+            x = to_float(c);
+          }
+          v[i][j] = x;
         }
       }
 #pragma unroll
@@ -122,6 +145,37 @@ void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream) {
   const int64_t tiles = p.experts * row_tiles * col_tiles;
   if (tiles == 0) return;
   const unsigned grid = unsigned(tiles < 65536 ? tiles : 65536);
+  if (p.copy != nullptr) {
+    if (p.q_t == nullptr || p.dtype != DType::kFloat32) {
+      throw std::invalid_argument("quantize_fp8_experts_dual: a copy takes an fp32 w and both layouts");
+    }
+    const bool vec = p.cols % kItems == 0 && reinterpret_cast<uintptr_t>(p.w) % alignof(Pack<float, kItems>) == 0 &&
+                     reinterpret_cast<uintptr_t>(p.q) % kItems == 0 && reinterpret_cast<uintptr_t>(p.copy) % 16 == 0;
+    const bool vec_t = p.rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
+    auto launch = [&]<typename C, bool V, bool VT>() {
+      experts_quant_kernel<float, V, VT, true, C><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
+    };
+    auto by_layout = [&]<typename C>() {
+      if (vec && vec_t) {
+        launch.template operator()<C, true, true>();
+      } else if (vec) {
+        launch.template operator()<C, true, false>();
+      } else if (vec_t) {
+        launch.template operator()<C, false, true>();
+      } else {
+        launch.template operator()<C, false, false>();
+      }
+    };
+    if (p.copy_dtype == DType::kBFloat16) {
+      by_layout.template operator()<__nv_bfloat16>();
+    } else if (p.copy_dtype == DType::kFloat16) {
+      by_layout.template operator()<__half>();
+    } else {
+      throw std::invalid_argument("quantize_fp8_experts_dual: the copy is bfloat16 or float16");
+    }
+    check_launch("fp8 experts_quant_kernel (copy)");
+    return;
+  }
   by_float_dtype(p.dtype, "quantize_fp8_experts_dual", [&]<typename T>() {
     const bool vec = p.cols % kItems == 0 && reinterpret_cast<uintptr_t>(p.w) % alignof(Pack<T, kItems>) == 0 &&
                      reinterpret_cast<uintptr_t>(p.q) % kItems == 0;

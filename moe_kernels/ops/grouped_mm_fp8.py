@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from moe_kernels import _ext
-from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, check_tensor
+from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, check_shape, check_tensor
 from moe_kernels.ops.grouped_mm import (
     CUTLASS_SM90,
     CUTLASS_SM100,
@@ -86,13 +86,17 @@ def _quantize_fp8_experts_dual(w: Tensor, pow2_scale: bool) -> tuple[Tensor, Ten
     return quantize_fp8_experts_dual_reference(w, pow2_scale)
 
 
-@_quantize_fp8_experts_dual.register_fake
-def _(w, pow2_scale):
-    _check_experts_dual(w)
+def _dual_outputs_like(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     E, N, K = w.shape
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     return (w.new_empty((E, N, K), dtype=_E4M3), w.new_empty((E, nb, kb), dtype=torch.float32),
             w.new_empty((E, K, N), dtype=_E4M3), w.new_empty((E, kb, nb), dtype=torch.float32))
+
+
+@_quantize_fp8_experts_dual.register_fake
+def _(w, pow2_scale):
+    _check_experts_dual(w)
+    return _dual_outputs_like(w)
 
 
 @_ext.cuda_impl(_quantize_fp8_experts_dual)
@@ -103,23 +107,72 @@ def _quantize_fp8_experts_dual_cuda(w, pow2_scale):
         return quantize_fp8_experts_dual_reference(w, pow2_scale)
     w = w.contiguous()
     E, N, K = w.shape
-    nb, kb = -(-N // BLOCK), -(-K // BLOCK)
-    q = torch.empty((E, N, K), dtype=_E4M3, device=w.device)
-    scale = torch.empty((E, nb, kb), dtype=torch.float32, device=w.device)
-    q_t = torch.empty((E, K, N), dtype=_E4M3, device=w.device)
-    scale_t = torch.empty((E, kb, nb), dtype=torch.float32, device=w.device)
+    q, scale, q_t, scale_t = _dual_outputs_like(w)
     C.fp8_quantize_experts(w=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
                            scale_t=_ext.ptr(scale_t), experts=E, rows=N, cols=K, pow2=pow2_scale,
                            dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w))
     return q, scale, q_t, scale_t
 
 
-def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _check_experts_dual_copy(w: Tensor, copy: Tensor) -> None:
+    op = "quantize_fp8_experts_dual"
+    check_tensor(op, "w", w, ndim=3, dtypes=(torch.float32,), contiguous=False)
+    check_tensor(op, "copy_to", copy, ndim=3, dtypes=(torch.bfloat16, torch.float16), device=w.device)
+    check_shape(op, "copy_to", copy, w.shape, "w's")
+    if copy.numel() and w.numel() and copy.untyped_storage()._cdata == w.untyped_storage()._cdata:
+        raise ValueError(f"{op}: `copy_to` shares its storage with `w`")
+
+
+def quantize_fp8_experts_dual_copy_reference(w: Tensor, copy: Tensor, pow2_scale: bool = False
+                                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What the copying form of the one-pass kernel is, bit for bit: `copy` <- w rounded to its dtype, then
+    the dual tiles of those rounded weights."""
+    copy.copy_(w)
+    return quantize_fp8_experts_dual_reference(copy, pow2_scale)
+
+
+@torch.library.custom_op("moe_kernels::quantize_fp8_experts_dual_copy", mutates_args=("copy",))
+def _quantize_fp8_experts_dual_copy(w: Tensor, copy: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_experts_dual_copy(w, copy)
+    return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale)
+
+
+@_quantize_fp8_experts_dual_copy.register_fake
+def _(w, copy, pow2_scale):
+    _check_experts_dual_copy(w, copy)
+    return _dual_outputs_like(copy)
+
+
+@_ext.cuda_impl(_quantize_fp8_experts_dual_copy)
+def _quantize_fp8_experts_dual_copy_cuda(w, copy, pow2_scale):
+    _check_experts_dual_copy(w, copy)
+    C = _ext.kernels("quantize_fp8_experts_dual", w)
+    if C is None:
+        return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale)
+    w = w.contiguous()
+    E, N, K = w.shape
+    q, scale, q_t, scale_t = _dual_outputs_like(copy)
+    C.fp8_quantize_experts(w=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
+                           scale_t=_ext.ptr(scale_t), experts=E, rows=N, cols=K, pow2=pow2_scale,
+                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w), copy=_ext.ptr(copy),
+                           copy_dtype=_ext.dtype_code(copy.dtype))
+    return q, scale, q_t, scale_t
+
+
+def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: Tensor | None = None
+                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Expert weights [E, N, K] -> (q [E, N, K], scale [E, ceil(N / 128), ceil(K / 128)], q_t [E, K, N],
     scale_t [E, ceil(K / 128), ceil(N / 128)]), E4M3 with fp32 scales: the forward's 128x128 tiles
     (quantize_fp8_experts) and dgrad's transposed tiles (a tile is its own transpose: the same codes and
     scales laid out the other way), from one read of w on the GPU. Bit for bit quantize_fp8_experts(w)
-    followed by transpose(1, 2) of codes and scales. No autograd."""
+    followed by transpose(1, 2) of codes and scales. No autograd.
+
+    copy_to: a contiguous bf16 or fp16 tensor of w's shape, w fp32 (master weights): w is rounded to
+    copy_to's dtype and written there, and the rounded weights are quantized, in the same pass; bit for bit
+    copy_to.copy_(w) followed by quantize_fp8_experts_dual(copy_to) (a NaN may keep another payload)."""
+    if copy_to is not None:
+        _check_experts_dual_copy(w, copy_to)
+        return torch.ops.moe_kernels.quantize_fp8_experts_dual_copy(w, copy_to, bool(pow2_scale))
     _check_experts_dual(w)
     return torch.ops.moe_kernels.quantize_fp8_experts_dual(w, bool(pow2_scale))
 

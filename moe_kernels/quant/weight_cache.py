@@ -27,7 +27,9 @@ optimizer step (a checkpoint load into a live model, a manual edit) would go uns
 it on its paths without FSDP2 (one process, expert parallelism). Under FSDP2, parallelize() has each rank
 quantize its shard once per step and gather the codes (moe_kernels.quant.fsdp_fp8): the gathered parameter
 carries its tiles, taken here as they are; where that does not apply, the gathered bf16 weights are quantized
-in every forward, as without the cache. Entries hold a weak reference to their parameter, so a dropped model frees them. The
+in every forward, as without the cache. With fp32 master weights (moe_kernels.train.master) the step's
+write of the bf16 copies remakes the entries in the same pass (`refresh`): the master read once, the copy and
+both layouts of its codes written, so no forward quantizes. Entries hold a weak reference to their parameter, so a dropped model frees them. The
 cache holds 2 bytes per expert weight element (the codes in both layouts) plus 2 x 4 bytes per 128x128
 tile of scales between steps; `clear()` drops every entry.
 """
@@ -49,7 +51,7 @@ _generation = 0
 _enabled = False
 _lock = threading.Lock()
 _entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_stats = {"quantized": 0, "transposed": 0, "hits": 0}
+_stats = {"quantized": 0, "transposed": 0, "hits": 0, "refreshed": 0}
 
 
 def _bump_generation(*_args, **_kwargs) -> None:
@@ -151,6 +153,36 @@ def _gathered(w: Fp8GatheredWeight, pow2_scale: bool) -> Fp8Weights:
     return _GatheredFp8Weights(q, scale, gathered=w)
 
 
+def refresh(w: Tensor, master: Tensor) -> bool:
+    """Write `w` (a compute copy: bf16 or fp16 [E, N, K] expert weights) from its fp32 `master` and remake w's
+    entry from the same pass (quantize_fp8_experts_dual with copy_to: one read of the master writes the copy and
+    both layouts of its codes), so the next forward finds the step's tiles made. For moe_kernels.train.master's
+    copies after an optimizer step; call it with the step's generation already bumped. Done where w holds an
+    entry (its pow2_scale kept; both layouts written even where the entry had the forward's alone: the
+    transposed codes' byte per element costs less than reading the copy back to quantize it): True. Else w is
+    left alone (False) for the caller to copy as before, and its next forward quantizes as usual. Not under
+    CUDA-graph capture (a lookup is host work)."""
+    if not _enabled or not isinstance(w, Tensor) or not isinstance(master, Tensor):
+        return False
+    with _lock:
+        entry = _entries.get(w)
+    if entry is None or not entry.key or isinstance(entry, _GatheredFp8Weights):
+        return False
+    if (master.dtype != torch.float32 or w.dtype not in (torch.bfloat16, torch.float16) or w.dim() != 3
+            or master.shape != w.shape or master.device != w.device or not w.is_contiguous()):
+        return False
+    if w.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    pow2_scale = entry.key[6]
+    with torch.no_grad():
+        tiles = quantize_fp8_experts_dual(master, pow2_scale=pow2_scale, copy_to=w)
+    fresh = Fp8Weights(*tiles, key=_key(w, pow2_scale))  # w's version moved with the write
+    with _lock:
+        _entries[w] = fresh
+    _stats["refreshed"] += 1
+    return True
+
+
 def clear() -> None:
     """Drop every cached entry (their memory is freed once no autograd graph holds them)."""
     with _lock:
@@ -159,5 +191,6 @@ def clear() -> None:
 
 def stats() -> dict[str, int]:
     """Counts since import: weights quantized (in one or both layouts), transposed copies made afterwards
-    (an entry made without dgrad's tiles, asked for them later), and cache hits."""
+    (an entry made without dgrad's tiles, asked for them later), cache hits, and entries remade with their
+    compute copies (`refresh`)."""
     return dict(_stats, entries=len(_entries))

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_kernels.nn import grad_sink
+from moe_kernels.quant import weight_cache
 
 
 def fp32_parameter_names(model_config) -> set[str]:
@@ -50,7 +51,7 @@ class MasterWeights:
             for batch in micro_batches:
                 loss(batch).backward()  # each bf16 weight gradient added into its fp32 main gradient
         clip(model); optimizer.step()   # fp32 masters, fp32 gradients
-        master.write_compute_copies()   # one foreach copy: masters -> bf16
+        master.write_compute_copies()   # masters -> bf16 (and the FP8 weight cache's tiles)
     """
 
     def __init__(self, model: nn.Module, keep_fp32: set[str] = frozenset(), dtype: torch.dtype = torch.bfloat16,
@@ -117,14 +118,20 @@ class MasterWeights:
     def write_compute_copies(self) -> None:
         """bf16 copies <- fp32 masters (after each optimizer step, and after loading a checkpoint). Written through
         the parameters, so their version counters move: a cache keyed on them (moe_kernels.quant.weight_cache)
-        sees the change."""
+        sees the change. Expert weights the FP8 recipe reads through that cache are written by the pass that
+        quantizes them (weight_cache.refresh: the master read once, the copy and both layouts of its codes
+        written); the rest by one foreach copy."""
         if not self.params:
             return
         masters = [p.data for p in self.params]
         for p, copy in zip(self.params, self.copies):
             p.data = copy
         try:
-            torch._foreach_copy_(self.params, masters)
+            rest = [i for i, (p, m) in enumerate(zip(self.params, masters)) if not weight_cache.refresh(p, m)]
+            if len(rest) == len(self.params):
+                torch._foreach_copy_(self.params, masters)
+            elif rest:
+                torch._foreach_copy_([self.params[i] for i in rest], [masters[i] for i in rest])
         finally:
             for p, master in zip(self.params, masters):
                 p.data = master

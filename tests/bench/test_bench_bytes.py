@@ -36,6 +36,7 @@ def test_views_launch_nothing_and_data_only_kernels_are_named():
         f = a.float()  # a cast
         z.add_(f)  # in place: reads both, writes z
         z.copy_(c)  # a cast (bf16 -> fp32): reads c, writes z
+        torch._foreach_copy_([a, c], [z, f])  # a cast of each pair: reads the sources, writes the list
     kinds = [(k.op, k.kind, k.read, k.written) for k in counter.kernels]
     assert kinds == [
         ("aten.zeros", "fill", 0, 512),
@@ -43,8 +44,9 @@ def test_views_launch_nothing_and_data_only_kernels_are_named():
         ("aten._to_copy", "cast", 256, 512),
         ("aten.add_", "kernel", 1024, 512),
         ("aten.copy_", "cast", 256, 512),
+        ("aten._foreach_copy_", "cast", 1024, 512),
     ]
-    assert [k.weights for k in counter.kernels] == [(), ("a",), ("a",), (), ()]
+    assert [k.weights for k in counter.kernels] == [(), ("a",), ("a",), (), (), ()]
 
 
 def test_layer_weight_reads_per_step():
@@ -80,14 +82,15 @@ def test_master_weights_fp8_wgrad_writes_the_main_gradient_itself():
     """With master weights (moe-train on CUDA without FSDP): BF16's weight gradients are written in bf16 and
     folded into the fp32 main gradients by a hook (a copy in the first micro-batch, an add after); the FP8
     wgrad writes the main gradient from its epilogue (written in the first, read and written after), so no
-    [E, N, K] bf16 gradient exists. The step's copy-back of the bf16 copies counts as one cast, and each
-    weight is still read once a step for its quantization."""
+    [E, N, K] bf16 gradient exists. BF16's step writes the bf16 copies with one foreach cast; FP8's writes each
+    expert weight's copy with its tiles in both layouts from one read of the master (weight_cache.refresh), so
+    no kernel of the step or the micro-batches reads a bf16 expert weight, and none quantizes one."""
     cfg = PRESETS["qwen3-30b-a3b"](hidden_size=256, ffn_size=128, num_experts=16)
     E, N13, H, F = 16, 256, 256, 128
     w13 = E * N13 * H
     bf16 = B.layer(cfg, 64, micro_batches=2, master_weights=True)
     fp8 = B.layer(cfg.replace(recipe=Fp8BlockwiseRecipe()), 64, micro_batches=2, master_weights=True)
-    assert bf16.weight_reads == {"w13": 4, "w2": 4} and fp8.weight_reads == {"w13": 1, "w2": 1}
+    assert bf16.weight_reads == {"w13": 4, "w2": 4} and fp8.weight_reads == {"w13": 0, "w2": 0}
     into = [k for k in fp8.kernels if k.op == "moe_kernels.grouped_mm_fp8_wgrad_into"]
     assert len(into) == 4  # w13 and w2, two micro-batches
     first = next(k for k in into if k.phase == "mb0 bwd" and k.written == 4 * w13)
@@ -99,5 +102,10 @@ def test_master_weights_fp8_wgrad_writes_the_main_gradient_itself():
     folds = [k for k in bf16.kernels if k.phase.endswith("bwd") and k.written == 4 * w13
              and k.op in ("aten.copy_", "aten.add_")]
     assert [k.op for k in folds] == ["aten.copy_", "aten.add_"]
+    (cast,) = [k for k in bf16.kernels if k.phase == "step"]
+    assert cast.kind == "cast" and (cast.read, cast.written) == (4 * (w13 + E * H * F), 2 * (w13 + E * H * F))
     steps = [k for k in fp8.kernels if k.phase == "step"]
-    assert len(steps) == 1 and steps[0].kind == "cast"
+    assert [k.op for k in steps] == ["moe_kernels.quantize_fp8_experts_dual_copy"] * 2
+    tiles13 = E * (N13 // 128) * (H // 128) * 4  # fp32 scales of one layout
+    assert (steps[0].read, steps[0].written) == (4 * w13, 2 * w13 + 2 * w13 + 2 * tiles13)
+    assert not any("quantize_fp8_experts_dual" in k.op for k in fp8.kernels if k.phase != "step")

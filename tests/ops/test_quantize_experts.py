@@ -35,3 +35,15 @@ def test_shapes_on_meta():
 def test_bad_input_names_the_argument(bad, error, match):
     with pytest.raises(error, match=match):
         quantize_fp8_experts_dual(bad)
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_copy_writes_the_rounded_master_and_its_tiles(copy_dtype):
+    # copy_to: the fp32 master rounded into the copy, and the copy's tiles, bit for bit.
+    w = torch.randn(2, 200, 384, generator=torch.Generator().manual_seed(3)) * 30
+    copy = torch.zeros(2, 200, 384, dtype=copy_dtype)
+    got = quantize_fp8_experts_dual(w, copy_to=copy)
+    assert torch.equal(copy, w.to(copy_dtype))
+    for a, b in zip(got, quantize_fp8_experts_dual(w.to(copy_dtype))):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)

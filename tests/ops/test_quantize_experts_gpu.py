@@ -97,3 +97,82 @@ def test_bad_input_raises_before_the_kernel(cuda):
         quantize_fp8_experts_dual(torch.zeros(128, 128, device=cuda))
     with pytest.raises(TypeError, match="`w` must have dtype"):
         quantize_fp8_experts_dual(torch.zeros(1, 128, 128, dtype=torch.float64, device=cuda))
+
+
+# The copying form (copy_to): fp32 masters rounded to the compute dtype, written there, and the rounded values
+# quantized in the same pass; bit for bit copy_to.copy_(w), then the dual tiles of copy_to.
+
+def _masters(E, N, K, seed, copy_dtype):
+    w = _weights(E, N, K, torch.float32, seed=seed, specials=True)
+    if N >= 4 and K >= 4:
+        # fp32 values halfway between two neighbours of the copy's dtype (ties to even, both ways), and values
+        # that round past its largest finite value.
+        mant = 8 if copy_dtype == torch.bfloat16 else 11  # significand bits kept, the implicit one included
+        base = torch.tensor([1.0, 1.5, 3.0, 100.0])
+        w[-1, 0, :4] = base * (1 + 2.0 ** -mant)
+        w[-1, 1, :4] = base * (1 + 3 * 2.0 ** -mant)
+        w[-1, 2, :4] = -base * (1 + 2.0 ** -mant)
+        big = torch.finfo(copy_dtype).max
+        w[-1, 3, :4] = torch.tensor([big * (1 + 2.0 ** -(mant + 1)), big * (1 + 2.0 ** -mant), 3.0e38, -3.0e38])
+    return w
+
+
+def _check_copy(w_cpu, w_dev, copy_dev, pow2, what):
+    got = quantize_fp8_experts_dual(w_dev, pow2_scale=pow2, copy_to=copy_dev)
+    want_copy = w_cpu.to(copy_dev.dtype)
+    want = quantize_fp8_experts_dual_reference(want_copy, pow2)
+    assert_exact(copy_dev.cpu(), want_copy, f"{what} copy")
+    for name, a, b in zip(("codes", "scales", "transposed codes", "transposed scales"), got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}"
+        a = a.cpu()
+        if a.dtype == torch.float8_e4m3fn:
+            a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert_exact(a, b, f"{what} {name}")
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("E, N, K", [(3, 260, 300), (1, 128, 128), (2, 129, 7), (2, 256, 384), (1, 1, 1), (2, 48, 256)])
+def test_copy_matches_the_copy_then_the_quantization(cuda, copy_dtype, E, N, K):
+    skip_if_too_large(E * N * K, EMULATION_BUDGET, "elements")
+    w = _masters(E, N, K, seed=E * 31 + N + K, copy_dtype=copy_dtype)
+    copy = torch.full((E, N, K), 7.0, dtype=copy_dtype, device=cuda)
+    for pow2 in (False, True):
+        _check_copy(w, w.to(cuda), copy, pow2, f"{E}x{N}x{K} {copy_dtype} pow2={pow2}")
+
+
+def test_copy_misaligned_and_strided(cuda):
+    # The scalar loads and stores: a master and a copy that do not start on 16 bytes; a transposed master.
+    w = _masters(2, 256, 256, seed=8, copy_dtype=torch.bfloat16)
+    base = torch.empty(w.numel() + 1, device=cuda)
+    dev = base[1:].view(w.shape)
+    dev.copy_(w.to(cuda))
+    cbase = torch.empty(w.numel() + 1, dtype=torch.bfloat16, device=cuda)
+    copy = cbase[1:].view(w.shape)
+    assert dev.data_ptr() % 16 and copy.data_ptr() % 16
+    _check_copy(w, dev, copy, False, "misaligned")
+    wt = _masters(2, 384, 256, seed=9, copy_dtype=torch.bfloat16).transpose(1, 2)
+    _check_copy(wt, wt.to(cuda), torch.empty(wt.shape, dtype=torch.bfloat16, device=cuda), True, "transposed master")
+
+
+@pytest.mark.parametrize("shape", [(0, 128, 128), (2, 0, 128), (2, 128, 0)])
+def test_copy_empty(cuda, shape):
+    w = torch.zeros(shape)
+    _check_copy(w, w.to(cuda), torch.empty(shape, dtype=torch.bfloat16, device=cuda), False, f"empty {shape}")
+
+
+def test_copy_bad_input_raises_before_the_kernel(cuda):
+    w = torch.randn(2, 128, 128, device=cuda)
+    copy = torch.zeros(2, 128, 128, dtype=torch.bfloat16, device=cuda)
+    with pytest.raises(TypeError, match="`w` must have dtype in \\(float32\\)"):
+        quantize_fp8_experts_dual(w.bfloat16(), copy_to=copy)
+    with pytest.raises(TypeError, match="`copy_to` must have dtype"):
+        quantize_fp8_experts_dual(w, copy_to=copy.float())
+    with pytest.raises(ValueError, match="`copy_to` must have shape \\(2, 128, 128\\)"):
+        quantize_fp8_experts_dual(w, copy_to=copy[:1])
+    with pytest.raises(ValueError, match="`copy_to` must be contiguous"):
+        quantize_fp8_experts_dual(w, copy_to=copy.transpose(1, 2))
+    with pytest.raises(ValueError, match="`copy_to` is on meta"):
+        quantize_fp8_experts_dual(w, copy_to=copy.to("meta"))
+    with pytest.raises(ValueError, match="`copy_to` shares its storage with `w`"):
+        quantize_fp8_experts_dual(w, copy_to=w.view(-1).view(torch.bfloat16)[:w.numel()].view(w.shape))
+    assert torch.count_nonzero(copy) == 0  # nothing written

@@ -54,7 +54,7 @@ def _fresh(recipe, x, w, gs, dout, monkeypatch):
 
 def _delta(before):
     now = weight_cache.stats()
-    return {k: now[k] - before[k] for k in ("quantized", "transposed", "hits")}
+    return {k: now[k] - before[k] for k in ("quantized", "transposed", "hits", "refreshed")}
 
 
 @pytest.mark.parametrize("pow2", [False, True])
@@ -65,7 +65,7 @@ def test_quantized_once_per_step_and_refreshed_after_the_optimizer(pow2, monkeyp
     for step in range(2):
         before = weight_cache.stats()
         runs = [_fwd_bwd(recipe, x + i, w, gs, dout) for i in range(3)]  # three micro-batches
-        assert _delta(before) == {"quantized": 1, "transposed": 0, "hits": 2}, step
+        assert _delta(before) == {"quantized": 1, "transposed": 0, "hits": 2, "refreshed": 0}, step
         for i, got in enumerate(runs):
             for a, b in zip(got, _fresh(recipe, x + i, w, gs, dout, monkeypatch)):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -98,9 +98,9 @@ def test_entry_made_without_dgrad_gets_its_transposed_tiles_later(monkeypatch):
     before = weight_cache.stats()
     out = recipe.grouped_mm(x, w, gs)  # x needs no gradient: only the forward's tiles are made
     (dw,) = torch.autograd.grad(out, (w,), dout)
-    assert _delta(before) == {"quantized": 1, "transposed": 0, "hits": 0}
+    assert _delta(before) == {"quantized": 1, "transposed": 0, "hits": 0, "refreshed": 0}
     got = _fwd_bwd(recipe, x, w, gs, dout)  # now dgrad reads the transposed tiles of the same entry
-    assert _delta(before) == {"quantized": 1, "transposed": 1, "hits": 1}
+    assert _delta(before) == {"quantized": 1, "transposed": 1, "hits": 1, "refreshed": 0}
     want = _fresh(recipe, x, w, gs, dout, monkeypatch)
     for a, b in zip((*got, dw), (*want, want[2])):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -135,9 +135,75 @@ def test_checkpoint_recomputation_reuses_the_tiles(monkeypatch):
     before = weight_cache.stats()
     out = checkpoint(block, xr, use_reentrant=False)
     dx, dw = torch.autograd.grad(out, (xr, w), dout)
-    assert _delta(before) == {"quantized": 1, "transposed": 0, "hits": 1}
+    assert _delta(before) == {"quantized": 1, "transposed": 0, "hits": 1, "refreshed": 0}
     want = _fresh(recipe, x, w, gs, dout, monkeypatch)
     for a, b in zip((out.detach(), dx, dw), want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_step_remakes_the_tiles_with_the_copy(pow2, copy_dtype, monkeypatch):
+    """With fp32 master weights the step's write of the compute copy remakes the entry in the same pass
+    (weight_cache.refresh): from the second step on no forward quantizes, the copy is the master rounded, and
+    every result equals quantizing that copy afresh, bit for bit."""
+    from moe_kernels.train.master import MasterWeights
+
+    recipe = Fp8BlockwiseRecipe(pow2_scale=pow2)
+    x, w, gs, dout = _problem(4)
+    model = torch.nn.Module()
+    model.w = w
+    master = MasterWeights(model, dtype=copy_dtype, kernels_accumulate=False)
+    opt = torch.optim.SGD([w], lr=0.5)
+    x, dout = x.to(copy_dtype), dout.to(copy_dtype)
+    try:
+        for step in range(3):
+            before = weight_cache.stats()
+            with master.compute():
+                runs = [_fwd_bwd(recipe, x + i, model.w, gs, dout) for i in range(2)]
+                want_counts = {"quantized": 1 if step == 0 else 0, "transposed": 0, "hits": 1 if step == 0 else 2,
+                               "refreshed": 0}
+                assert _delta(before) == want_counts, step
+                for i, got in enumerate(runs):
+                    for a, b in zip(got, _fresh(recipe, x + i, model.w, gs, dout, monkeypatch)):
+                        torch.testing.assert_close(a, b, rtol=0, atol=0)
+                copy = model.w.detach().clone()
+            assert w.dtype == torch.float32 and torch.equal(copy, w.detach().to(copy_dtype)), step
+            w.grad = runs[0][2].float()
+            opt.step()
+            before = weight_cache.stats()
+            master.write_compute_copies()
+            assert _delta(before) == {"quantized": 0, "transposed": 0, "hits": 0, "refreshed": 1}, step
+    finally:
+        master.remove_hooks()
+
+
+def test_refresh_leaves_what_it_cannot_remake(monkeypatch):
+    """refresh() declines (the caller copies as before) without an entry, with the cache off, and for a master
+    that is not fp32 or not of the copy's shape, and writes nothing then; an entry made without dgrad's tiles
+    is remade with both."""
+    recipe = Fp8BlockwiseRecipe()
+    x, w32, gs, dout = _problem(6)
+    w = torch.nn.Parameter(w32.detach().bfloat16())
+    master = w32.detach().clone()
+    weight_cache.clear()
+    assert not weight_cache.refresh(w, master)  # no entry
+    _fwd_bwd(recipe, x.bfloat16(), w, gs, dout.bfloat16())  # an entry
+    kept = w.detach().clone()
+    assert not weight_cache.refresh(w, master.bfloat16())  # not an fp32 master
+    assert not weight_cache.refresh(w, master[:, :128])  # not the copy's shape
+    weight_cache.enable(False)
+    assert not weight_cache.refresh(w, master)
+    assert torch.equal(w.detach(), kept)
+    weight_cache.enable(True)
+    out = recipe.grouped_mm(x.bfloat16(), w, gs)  # x without a gradient: the forward's tiles alone
+    torch.autograd.grad(out, (w,), dout.bfloat16())
+    assert weight_cache.refresh(w, master * 2) and torch.equal(w.detach(), (master * 2).bfloat16())
+    before = weight_cache.stats()
+    got = _fwd_bwd(recipe, x.bfloat16(), w, gs, dout.bfloat16())  # dgrad's tiles too, made by the refresh
+    assert _delta(before) == {"quantized": 0, "transposed": 0, "hits": 1, "refreshed": 0}
+    want = _fresh(recipe, x.bfloat16(), w, gs, dout.bfloat16(), monkeypatch)
+    for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 

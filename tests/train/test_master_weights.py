@@ -276,3 +276,54 @@ def test_fp8_wgrad_accumulates_into_the_main_gradient_itself():
     for fp32, bf16 in zip(products, hooked_products):
         assert torch.equal(fp32.to(torch.bfloat16), bf16)
     assert not torch.equal(w13, h13)
+
+
+def _fp8_layer_steps(monkeypatch, refresh: bool, steps: int = 3):
+    """An FP8-recipe MoELayer trained with master weights and the weight cache on, as moe-train runs it: the
+    losses, the final masters, and the weight cache's counts."""
+    from moe_kernels.nn import PRESETS, MoELayer
+    from moe_kernels.quant import Fp8BlockwiseRecipe, weight_cache
+    from moe_kernels.train.master import MasterWeights
+
+    if not refresh:
+        monkeypatch.setattr(weight_cache, "refresh", lambda w, master: False)
+    torch.manual_seed(0)
+    cfg = PRESETS["qwen3-30b-a3b"](hidden_size=128, ffn_size=128, num_experts=4, k=2, recipe=Fp8BlockwiseRecipe())
+    layer = MoELayer(cfg)
+    master = MasterWeights(layer, {n for n, _ in layer.named_parameters() if n.startswith("router.")})
+    opt = torch.optim.AdamW(layer.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    weight_cache.enable(True)
+    before = weight_cache.stats()
+    try:
+        for _ in range(steps):
+            with master.compute():
+                for _ in range(2):
+                    x = torch.randn(1, 96, 128, generator=gen).bfloat16()
+                    out, aux = layer(x)
+                    loss = out.float().square().mean() + aux
+                    loss.backward()
+                    losses.append(loss.detach())
+            opt.step()
+            master.write_compute_copies()
+            opt.zero_grad(set_to_none=True)
+    finally:
+        counts = {k: weight_cache.stats()[k] - before[k] for k in ("quantized", "refreshed", "hits")}
+        weight_cache.enable(False)
+        master.remove_hooks()
+    return torch.stack(losses), {n: p.detach().clone() for n, p in layer.named_parameters()}, counts
+
+
+def test_fp8_step_writes_the_tiles_with_the_copies(monkeypatch):
+    """The step's write of the bf16 copies remakes the FP8 tiles of the expert weights in the same pass
+    (weight_cache.refresh): after the first step no forward quantizes, and training is bit-identical to
+    copying the masters and quantizing the copies in the next forward."""
+    losses, params, counts = _fp8_layer_steps(monkeypatch, refresh=True)
+    assert counts["quantized"] == 2 and counts["refreshed"] == 2 * 3  # w13 and w2: the first forward, each step
+    with monkeypatch.context() as m:
+        want_losses, want_params, want_counts = _fp8_layer_steps(m, refresh=False)
+    assert want_counts["quantized"] == 2 * 3 and want_counts["refreshed"] == 0
+    assert torch.equal(losses, want_losses)
+    for n, p in params.items():
+        assert torch.equal(p, want_params[n]), n
