@@ -7,12 +7,18 @@ Bytes, each input read once and each output written once (es = element size of x
                                modes: given_amax (the perf.md bar: >= 80% of copy bandwidth), 1d (an
                                amax pass first: x is read twice, counted once), stochastic, tile_2d (weights)
   dequantize_nvfp4             codes + block scales -> x M*K*es
+  quantize_fp8_experts_dual    w E*N*K*es -> codes in both layouts 2*E*N*K + scales 2*4 per 128x128 tile
+  quantize_fp8_experts_dual_copy
+                               fp32 masters E*N*K*4 -> bf16 copy E*N*K*2 + the dual codes and scales (the
+                               master-weights step's write of an expert weight, weight_cache.refresh)
 Cases: activations [T, H] ("tensor", "row", "block" = 1x128 along H) and one expert's weight
 [2F, H] stacked over the local experts ("tile" = 128x128), per perf.md model.
 Peer, timed in the same run on the same inputs:
   torch_eager  moe_kernels' PyTorch reference called directly: abs + amax per scale (padding the last
                block), one division per scale, multiply, clamp, cast, and a NaN code fix-up; the
                vectorised composition a user would write.
+  copy_then_quantize  (the copying form only) what it replaces: the bf16 copy written by `copy_`, then read
+               back by our one-layout-pair kernel (quantize_fp8_experts_dual).
 Checked before timing, on the first input set: codes and scales bit-identical to the reference.
 """
 
@@ -95,7 +101,51 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     results.append(h.make_result(ctx, op="dequantize_fp8_block", case=c.name, shape=dict(M=c.T, K=c.H),
                                  dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_quant("block", c.T, c.H, 2),
                                  flops=0, peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"}))
+    results += _experts(ctx, c, weights)
     results += _nvfp4(ctx, c, acts, weights)
+    return results
+
+
+def _nbytes_experts_dual(E: int, N: int, K: int, es_in: int, es_copy: int = 0) -> int:
+    tiles = E * -(-N // 128) * -(-K // 128)
+    return E * N * K * (es_in + es_copy + 2) + 2 * 4 * tiles
+
+
+def _experts(ctx: h.Context, c: Case, weights: list) -> list[h.Result]:
+    """The weight cache's quantization of the stacked experts [8, 2F, H], from bf16 weights and, with the copy,
+    from fp32 masters."""
+    from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual_reference
+
+    ws = [w.view(8, 2 * c.F, c.H) for w in weights]
+    E, N, K = ws[0].shape
+    what = f"{c.name} quantize_fp8_experts_dual"
+    for a, b in zip(moe_kernels.quantize_fp8_experts_dual(ws[0]), quantize_fp8_experts_dual_reference(ws[0])):
+        h.check_exact(what, a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                      b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    ours = ctx.time(lambda w: moe_kernels.quantize_fp8_experts_dual(w), [(w,) for w in ws])
+    peer = ctx.time(lambda w: quantize_fp8_experts_dual_reference(w), [(w,) for w in ws])
+    results = [h.make_result(ctx, op="quantize_fp8_experts_dual", case=c.name, shape=dict(E=E, N=N, K=K),
+                             dtype=torch.bfloat16, timing=ours, nbytes=_nbytes_experts_dual(E, N, K, 2), flops=0,
+                             peers={"torch_eager": peer}, peer_variant={"torch_eager": "reference"})]
+    masters = [w.float() * 1.001 for w in ws]  # values a bf16 copy rounds
+    copies = [torch.empty_like(w) for w in ws]
+    got = moe_kernels.quantize_fp8_experts_dual(masters[0], copy_to=copies[0])
+    h.check_exact(f"{what} copy", copies[0], masters[0].to(torch.bfloat16))
+    for a, b in zip(got, moe_kernels.quantize_fp8_experts_dual(masters[0].to(torch.bfloat16))):
+        h.check_exact(f"{what} copy tiles", a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                      b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+    def composed(m, cp):
+        cp.copy_(m)
+        return moe_kernels.quantize_fp8_experts_dual(cp)
+
+    inputs = list(zip(masters, copies))
+    ours = ctx.time(lambda m, cp: moe_kernels.quantize_fp8_experts_dual(m, copy_to=cp), inputs)
+    peer = ctx.time(composed, inputs)
+    results.append(h.make_result(ctx, op="quantize_fp8_experts_dual_copy", case=c.name, shape=dict(E=E, N=N, K=K),
+                                 dtype=torch.float32, timing=ours, nbytes=_nbytes_experts_dual(E, N, K, 4, 2),
+                                 flops=0, peers={"copy_then_quantize": peer},
+                                 peer_variant={"copy_then_quantize": "ours"}))
     return results
 
 
@@ -141,7 +191,8 @@ def _nvfp4(ctx: h.Context, c: Case, acts: list, weights: list) -> list[h.Result]
 def headline(ctx: h.Context, results: list[h.Result]) -> list[str]:
     case = HEADLINE_CASE if any(r.case == HEADLINE_CASE for r in results) else results[0].case
     return [f"{r.op} {case}: {r.pct_of_ceiling:.1f}% of copy bandwidth ({r.gbps:.0f} of "
-            f"{ctx.ceiling_of(r).copy_gbps:.0f} GB/s), {r.speedup['torch_eager']:.2f}x torch eager"
+            f"{ctx.ceiling_of(r).copy_gbps:.0f} GB/s), "
+            + ", ".join(f"{r.speedup[p]:.2f}x {p.replace('_', ' ')}" for p in r.speedup)
             for r in results if r.case == case]
 
 

@@ -14,7 +14,8 @@ from bench import harness
 ROOT = Path(__file__).resolve().parents[2]
 OPS = {"quantize_fp8_tensor", "quantize_fp8_row", "quantize_fp8_block", "quantize_fp8_tile", "dequantize_fp8_block",
        "quantize_nvfp4_given_amax", "quantize_nvfp4_1d", "quantize_nvfp4_stochastic", "quantize_nvfp4_tile_2d",
-       "dequantize_nvfp4"}
+       "dequantize_nvfp4", "quantize_fp8_experts_dual", "quantize_fp8_experts_dual_copy"}
+EXPERTS = {"quantize_fp8_experts_dual": (2, 0, "torch_eager"), "quantize_fp8_experts_dual_copy": (4, 2, "copy_then_quantize")}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +34,11 @@ def test_json_and_stdout(quant_run):
     assert {r["op"] for r in data["results"]} == OPS
     T, (H, F) = 64, bq.CPU_MODELS["tiny"]
     for r in data["results"]:
+        if r["op"] in EXPERTS:  # the stacked experts [8, 2F, H], from bf16 weights or fp32 masters (with the copy)
+            es_in, es_copy, peer = EXPERTS[r["op"]]
+            assert r["shape"] == {"E": 8, "N": 2 * F, "K": H} and set(r["speedup"]) == {peer}
+            assert r["bytes"] == 8 * 2 * F * H * (es_in + es_copy + 2) + 2 * 4 * 8 * (2 * F // 128) * (H // 128)
+            continue
         M, K = (8 * 2 * F, H) if r["op"] in ("quantize_fp8_tile", "quantize_nvfp4_tile_2d") else (T, H)
         assert r["shape"] == {"M": M, "K": K}
         if "nvfp4" in r["op"]:
