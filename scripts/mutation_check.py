@@ -160,6 +160,15 @@ MUTANTS = (
         ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_matches_reference and 256-384"),
     ),
     Mutant(
+        "a lane group's blocks overlap",
+        "block_quant_kernel (quantize_fp8, 1x128 blocks): each of a lane group's U blocks taken U rows of groups "
+        "apart in the wrong unit (kGroupItems, not kGroupsPerBlock), so some blocks are never quantized",
+        "quant/fp8.cu",
+        "      g[u] = base + u * kGroupsPerBlock + threadIdx.x / kGroupLanes;",
+        "      g[u] = base + u * kGroupItems + threadIdx.x / kGroupLanes;",
+        ("tests/ops/test_quant_gpu.py", "-k", "test_quantize_matches_reference and block and 130-7168"),
+    ),
+    Mutant(
         "quantized before the rounding",
         "experts_quant_kernel with a copy (master weights): the fp32 master quantized instead of its rounded "
         "compute copy",
@@ -312,6 +321,8 @@ def _run_tests(copy: Path, tests: tuple[str, ...]) -> tuple[bool, str, float]:
     out = r.stdout + r.stderr
     if r.returncode == 5:  # a mutant is never "caught" by an empty selection
         raise SystemExit(f"mutation_check: no test selected by {' '.join(tests)}")
+    if r.returncode == 0 and not re.search(r"\b[1-9]\d* passed", out):  # nor "missed" by skipped tests alone
+        raise SystemExit(f"mutation_check: every test selected by {' '.join(tests)} was skipped")
     return r.returncode == 0, out, time.time() - t0
 
 

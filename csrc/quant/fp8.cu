@@ -2,8 +2,9 @@
 //   tensor: a grid-wide amax (atomicMax on the bits of |x|, NaN above every number) then one
 //           elementwise pass that derives the scale on the device: no host sync.
 //   row:    one block per row: amax pass, then quantize (the second read hits L2).
-//   block:  16 lanes per 1x128 block, 8 elements each (one 16-byte load when the row allows it),
-//           amax by shuffles, then 8 fp8 bytes stored at once.
+//   block:  16 lanes per 1x128 block, 8 elements each (one 16-byte load when the row allows it), four
+//           blocks per lane group loaded before the first is reduced (two for fp32), amax by shuffles,
+//           then 8 fp8 bytes stored at once.
 //   tile:   the experts' tile kernel (fp8_experts.cu) on one expert, the row-major layout alone: the tile
 //           loaded once into registers with 16-byte loads, amax over the block, codes from registers.
 #include <cuda_fp8.h>
@@ -58,53 +59,69 @@ __global__ void __launch_bounds__(kThreads) row_quant_kernel(Fp8QuantParams p) {
 }
 
 // VEC: each lane's 8 elements are contiguous (cols % 8 == 0, 16-byte aligned rows) or strided by 16.
-template <typename T, bool VEC>
+// U: 1x128 blocks per lane group and iteration, all their loads issued before the first amax (U vector loads
+// in flight per thread: one per thread leaves the memory system short of requests at these sizes). The
+// CTA's 16 groups take 16 consecutive blocks per u, so each u's loads stay coalesced across the CTA.
+template <typename T, bool VEC, int U>
 __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p, int64_t blocks_per_row) {
   const T* x = static_cast<const T*>(p.x);
   const int lane = threadIdx.x % kGroupLanes;
   const int64_t total = p.rows * blocks_per_row;
-  for (int64_t base = int64_t(blockIdx.x) * kGroupsPerBlock; base < total; base += int64_t(gridDim.x) * kGroupsPerBlock) {
-    const int64_t g = base + threadIdx.x / kGroupLanes;  // the whole warp runs the shuffles below
-    const bool live = g < total;
-    const int64_t r = live ? g / blocks_per_row : 0;
-    const int64_t c0 = live ? (g % blocks_per_row) * kFp8Block : 0;
-    float v[kGroupItems];
-    float m = 0.f;
-    if constexpr (VEC) {
-      const int64_t c = c0 + lane * kGroupItems;
-      const bool in = live && c < p.cols;
-      Pack<T, kGroupItems> pk;
-      if (in) pk = *reinterpret_cast<const Pack<T, kGroupItems>*>(x + r * p.cols + c);
+  constexpr int64_t kStep = int64_t(kGroupsPerBlock) * U;
+  for (int64_t base = int64_t(blockIdx.x) * kStep; base < total; base += int64_t(gridDim.x) * kStep) {
+    // Per u: the block index g (its scale's index), the offset of the lane's first element and its column.
+    // VEC keeps the loaded elements packed (half the registers of floats) until their amax.
+    int64_t g[U], off[U], col[VEC ? 1 : U];
+    bool in[U];  // VEC: the lane's vector is in the row (cols % 8 == 0: all in or all out)
+    Pack<T, kGroupItems> pk[U];
+    float v[VEC ? 1 : U][kGroupItems];
 #pragma unroll
-      for (int j = 0; j < kGroupItems; ++j) {
-        v[j] = in ? to_float(pk.v[j]) : 0.f;
-        m = nan_max(m, fabsf(v[j]));
-      }
-    } else {
+    for (int u = 0; u < U; ++u) {
+      g[u] = base + u * kGroupsPerBlock + threadIdx.x / kGroupLanes;  // the whole warp shuffles below
+      const bool live = g[u] < total;
+      const int64_t r = live ? g[u] / blocks_per_row : 0;
+      const int64_t c = live ? (g[u] - r * blocks_per_row) * kFp8Block + lane * (VEC ? kGroupItems : 1) : p.cols;
+      off[u] = r * p.cols + c;
+      in[u] = c < p.cols;
+      if constexpr (VEC) {
+        if (in[u]) pk[u] = *reinterpret_cast<const Pack<T, kGroupItems>*>(x + off[u]);
+      } else {
+        col[u] = c;
 #pragma unroll
-      for (int j = 0; j < kGroupItems; ++j) {
-        const int64_t c = c0 + lane + j * kGroupLanes;
-        v[j] = (live && c < p.cols) ? to_float(x[r * p.cols + c]) : 0.f;
-        m = nan_max(m, fabsf(v[j]));
+        for (int j = 0; j < kGroupItems; ++j) {
+          v[u][j] = col[u] + j * kGroupLanes < p.cols ? to_float(x[off[u] + j * kGroupLanes]) : 0.f;
+        }
       }
     }
-    const float s = scale_from_amax(warp_nan_max(m, kGroupLanes), p.e5m2, p.pow2);
-    if (!live) continue;
-    if (lane == 0) p.scale[g] = s;
-    uint8_t* q = p.q + r * p.cols;
-    if constexpr (VEC) {
-      const int64_t c = c0 + lane * kGroupItems;
-      if (c < p.cols) {
-        Pack<uint8_t, kGroupItems> out;
 #pragma unroll
-        for (int j = 0; j < kGroupItems; ++j) out.v[j] = to_fp8(__fmul_rn(v[j], s), p.e5m2);
-        *reinterpret_cast<Pack<uint8_t, kGroupItems>*>(q + c) = out;
-      }
-    } else {
+    for (int u = 0; u < U; ++u) {
+      float e[kGroupItems];
 #pragma unroll
       for (int j = 0; j < kGroupItems; ++j) {
-        const int64_t c = c0 + lane + j * kGroupLanes;
-        if (c < p.cols) q[c] = to_fp8(__fmul_rn(v[j], s), p.e5m2);
+        if constexpr (VEC) {
+          e[j] = in[u] ? to_float(pk[u].v[j]) : 0.f;
+        } else {
+          e[j] = v[u][j];
+        }
+      }
+      float m = 0.f;
+#pragma unroll
+      for (int j = 0; j < kGroupItems; ++j) m = nan_max(m, fabsf(e[j]));
+      const float s = scale_from_amax(warp_nan_max(m, kGroupLanes), p.e5m2, p.pow2);
+      if (g[u] >= total) continue;
+      if (lane == 0) p.scale[g[u]] = s;
+      if constexpr (VEC) {
+        if (in[u]) {
+          Pack<uint8_t, kGroupItems> out;
+#pragma unroll
+          for (int j = 0; j < kGroupItems; ++j) out.v[j] = to_fp8(__fmul_rn(e[j], s), p.e5m2);
+          *reinterpret_cast<Pack<uint8_t, kGroupItems>*>(p.q + off[u]) = out;
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < kGroupItems; ++j) {
+          if (col[u] + j * kGroupLanes < p.cols) p.q[off[u] + j * kGroupLanes] = to_fp8(__fmul_rn(e[j], s), p.e5m2);
+        }
       }
     }
   }
@@ -162,15 +179,17 @@ void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
       case Granularity::kBlock: {
         const int64_t total = p.rows * bpr;
         if (total == 0) return;
-        const unsigned grid = capped_grid((total + kGroupsPerBlock - 1) / kGroupsPerBlock);
-        // Pack<T, 8> is 16 bytes for 2-byte types and 32 for float (one 256-bit load on sm_100).
+        // Pack<T, 8> is 16 bytes for 2-byte types and 32 for float (one 256-bit load on sm_100): 64 bytes of
+        // loads in flight per thread either way.
+        constexpr int U = sizeof(T) == 4 ? 2 : 4;
+        const unsigned grid = capped_grid((total + kGroupsPerBlock * U - 1) / (kGroupsPerBlock * U));
         const bool vec = p.cols % kGroupItems == 0 &&
                          reinterpret_cast<uintptr_t>(p.x) % alignof(Pack<T, kGroupItems>) == 0 &&
                          reinterpret_cast<uintptr_t>(p.q) % 8 == 0;
         if (vec) {
-          block_quant_kernel<T, true><<<grid, kThreads, 0, stream>>>(p, bpr);
+          block_quant_kernel<T, true, U><<<grid, kThreads, 0, stream>>>(p, bpr);
         } else {
-          block_quant_kernel<T, false><<<grid, kThreads, 0, stream>>>(p, bpr);
+          block_quant_kernel<T, false, U><<<grid, kThreads, 0, stream>>>(p, bpr);
         }
         check_launch("fp8 block_quant_kernel");
         break;

@@ -133,13 +133,15 @@ __global__ void __launch_bounds__(kThreads) quant_kernel(Nvfp4QuantParams p, int
   }
   const T* x = static_cast<const T*>(p.x);
   const int64_t total = p.rows * kblocks;
+  // Rows are cols = 16 * kblocks elements long, so block b starts at element 16 b and its codes at byte 8 b: no
+  // division by kblocks but the 2-D tiles' (their amax index).
   for (int64_t b = int64_t(blockIdx.x) * kThreads + threadIdx.x; b < total; b += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = b / kblocks, kb = b % kblocks;
     float v[kNvfp4Block];
-    load16<T, VEC>(x + r * p.cols + kb * kNvfp4Block, v);
+    load16<T, VEC>(x + b * kNvfp4Block, v);
     float bamax = 0.f;
     if (p.tile_2d) {
-      bamax = p.tile_amax[(r / kNvfp4Block) * kblocks + kb];
+      const int64_t r = b / kblocks;
+      bamax = p.tile_amax[(r / kNvfp4Block) * kblocks + (b - r * kblocks)];
     } else {
 #pragma unroll
       for (int j = 0; j < kNvfp4Block; ++j) bamax = nan_max(bamax, fabsf(v[j]));
@@ -166,7 +168,7 @@ __global__ void __launch_bounds__(kThreads) quant_kernel(Nvfp4QuantParams p, int
         }
       }
     }
-    *reinterpret_cast<uint2*>(p.packed + r * (p.cols / 2) + kb * (kNvfp4Block / 2)) = make_uint2(words[0], words[1]);
+    *reinterpret_cast<uint2*>(p.packed + b * (kNvfp4Block / 2)) = make_uint2(words[0], words[1]);
     p.block_scale[b] = sb;
   }
 }
@@ -177,10 +179,9 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(Nvfp4DequantParams p,
   T* out = static_cast<T*>(p.out);
   const int64_t total = p.rows * kblocks;
   for (int64_t b = int64_t(blockIdx.x) * kThreads + threadIdx.x; b < total; b += int64_t(gridDim.x) * kThreads) {
-    const int64_t r = b / kblocks, kb = b % kblocks;
-    const uint2 w = *reinterpret_cast<const uint2*>(p.packed + r * (p.cols / 2) + kb * (kNvfp4Block / 2));
+    const uint2 w = *reinterpret_cast<const uint2*>(p.packed + b * (kNvfp4Block / 2));  // (as in quant_kernel)
     const float sbf = from_e4m3(p.block_scale[b]);
-    T* dst = out + r * p.cols + kb * kNvfp4Block;
+    T* dst = out + b * kNvfp4Block;
 #pragma unroll
     for (int e = 0; e < kNvfp4Block; ++e) {
       const uint32_t code = ((e < 8 ? w.x : w.y) >> (4 * (e % 8))) & 0xfu;
