@@ -102,15 +102,23 @@ def _(w, pow2_scale):
 @_ext.cuda_impl(_quantize_fp8_experts_dual)
 def _quantize_fp8_experts_dual_cuda(w, pow2_scale):
     _check_experts_dual(w)
+    return _dual_cuda(w, None, pow2_scale)
+
+
+def _dual_cuda(w: Tensor, copy: Tensor | None, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The one-pass kernel, with the copy where `copy` is given (inputs checked by the caller)."""
     C = _ext.kernels("quantize_fp8_experts_dual", w)
     if C is None:
-        return quantize_fp8_experts_dual_reference(w, pow2_scale)
+        if copy is None:
+            return quantize_fp8_experts_dual_reference(w, pow2_scale)
+        return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale)
     w = w.contiguous()
     E, N, K = w.shape
     q, scale, q_t, scale_t = _dual_outputs_like(w)
+    with_copy = {} if copy is None else dict(copy=_ext.ptr(copy), copy_dtype=_ext.dtype_code(copy.dtype))
     C.fp8_quantize_experts(w=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
                            scale_t=_ext.ptr(scale_t), experts=E, rows=N, cols=K, pow2=pow2_scale,
-                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w))
+                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w), **with_copy)
     return q, scale, q_t, scale_t
 
 
@@ -146,17 +154,7 @@ def _(w, copy, pow2_scale):
 @_ext.cuda_impl(_quantize_fp8_experts_dual_copy)
 def _quantize_fp8_experts_dual_copy_cuda(w, copy, pow2_scale):
     _check_experts_dual_copy(w, copy)
-    C = _ext.kernels("quantize_fp8_experts_dual", w)
-    if C is None:
-        return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale)
-    w = w.contiguous()
-    E, N, K = w.shape
-    q, scale, q_t, scale_t = _dual_outputs_like(copy)
-    C.fp8_quantize_experts(w=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
-                           scale_t=_ext.ptr(scale_t), experts=E, rows=N, cols=K, pow2=pow2_scale,
-                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w), copy=_ext.ptr(copy),
-                           copy_dtype=_ext.dtype_code(copy.dtype))
-    return q, scale, q_t, scale_t
+    return _dual_cuda(w, copy, pow2_scale)
 
 
 def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: Tensor | None = None
