@@ -4,7 +4,8 @@ The computation runs on the meta device (no memory, no kernels: each op's fake i
 outputs' shapes) under a TorchDispatchMode that sees every ATen op and every moe_kernels custom op with its
 tensors. Each op that launches a kernel is one row:
   read     the bytes of its distinct tensor inputs (numel x element size; a view counts what it shows)
-  written  the bytes of its outputs (an in-place op: its mutated argument)
+  written  the bytes of its outputs (an in-place op: its mutated arguments, each tensor of a list argument, and
+           any output that is not one of them)
 It is the compulsory traffic of each kernel: every operand once, as a kernel that keeps its tiles on chip
 moves it (a GEMM's A and B read once, its output written once), so it is a lower bound of what the GPU moves
 and the same count for every path. Ops that launch nothing are not rows: views (outputs that alias an

@@ -169,6 +169,15 @@ MUTANTS = (
         ("tests/ops/test_quant_gpu.py", "-k", "test_quantize_matches_reference and block and 130-7168"),
     ),
     Mutant(
+        "copy alignment unchecked",
+        "fp8_quantize_experts with a copy: the copy's 16-byte alignment left out of the vector-path test, so a "
+        "misaligned copy takes 16-byte stores",
+        "quant/fp8_experts.cu",
+        " && reinterpret_cast<uintptr_t>(p.copy) % 16 == 0;",
+        ";",
+        ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_copy_misaligned"),
+    ),
+    Mutant(
         "quantized before the rounding",
         "experts_quant_kernel with a copy (master weights): the fp32 master quantized instead of its rounded "
         "compute copy",

@@ -45,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
     const int64_t rt = (t / col_tiles) % row_tiles, ct = t % col_tiles;
     const int64_t row0 = rt * kFp8Block, col0 = ct * kFp8Block;
     const T* src = w + e * p.rows * p.cols;
-    CopyT* dst = static_cast<CopyT*>(p.copy) + e * p.rows * p.cols;  // (unused without a copy)
+    CopyT* dst = kCopy ? static_cast<CopyT*>(p.copy) + e * p.rows * p.cols : nullptr;
     float v[kPasses][kItems];
     float m = 0.f;
 #pragma unroll

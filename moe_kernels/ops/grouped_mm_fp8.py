@@ -129,6 +129,8 @@ def _check_experts_dual_copy(w: Tensor, copy: Tensor) -> None:
     check_shape(op, "copy_to", copy, w.shape, "w's")
     if copy.numel() and w.numel() and copy.untyped_storage()._cdata == w.untyped_storage()._cdata:
         raise ValueError(f"{op}: `copy_to` shares its storage with `w`")
+    if copy.requires_grad and torch.is_grad_enabled():
+        raise RuntimeError(f"{op}: `copy_to` requires grad: write it under torch.no_grad() (as copy_ would ask)")
 
 
 def quantize_fp8_experts_dual_copy_reference(w: Tensor, copy: Tensor, pow2_scale: bool = False

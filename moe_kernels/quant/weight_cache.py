@@ -157,7 +157,8 @@ def refresh(w: Tensor, master: Tensor) -> bool:
     """Write `w` (a compute copy: bf16 or fp16 [E, N, K] expert weights) from its fp32 `master` and remake w's
     entry from the same pass (quantize_fp8_experts_dual with copy_to: one read of the master writes the copy and
     both layouts of its codes), so the next forward finds the step's tiles made. For moe_kernels.train.master's
-    copies after an optimizer step; call it with the step's generation already bumped. Done where w holds an
+    copies after an optimizer step; call it with the step's generation already bumped (an optimizer stepping
+    afterwards, before the next forward, makes the entry miss: correct, one quantization wasted). Done where w holds an
     entry (its pow2_scale kept; both layouts written even where the entry had the forward's alone: the
     transposed codes' byte per element costs less than reading the copy back to quantize it): True. Else w is
     left alone (False) for the caller to copy as before, and its next forward quantizes as usual. Not under

@@ -39,7 +39,8 @@ def test_bad_input_names_the_argument(bad, error, match):
 
 @pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float16])
 def test_copy_writes_the_rounded_master_and_its_tiles(copy_dtype):
-    # copy_to: the fp32 master rounded into the copy, and the copy's tiles, bit for bit.
+    # copy_to on the CPU reference path (the op's wiring: the copy written, the copy's tiles returned; the kernel
+    # is compared with the same composition in the GPU tier), and a copy that requires grad refused.
     w = torch.randn(2, 200, 384, generator=torch.Generator().manual_seed(3)) * 30
     copy = torch.zeros(2, 200, 384, dtype=copy_dtype)
     got = quantize_fp8_experts_dual(w, copy_to=copy)
@@ -47,3 +48,7 @@ def test_copy_writes_the_rounded_master_and_its_tiles(copy_dtype):
     for a, b in zip(got, quantize_fp8_experts_dual(w.to(copy_dtype))):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    with pytest.raises(RuntimeError, match="`copy_to` requires grad"):
+        quantize_fp8_experts_dual(w, copy_to=torch.nn.Parameter(copy))
+    with torch.no_grad():
+        quantize_fp8_experts_dual(w, copy_to=torch.nn.Parameter(copy))

@@ -150,6 +150,12 @@ def test_copy_misaligned_and_strided(cuda):
     copy = cbase[1:].view(w.shape)
     assert dev.data_ptr() % 16 and copy.data_ptr() % 16
     _check_copy(w, dev, copy, False, "misaligned")
+    # An aligned master with a copy that is not on 16 bytes: the copy alone keeps the kernel off its vector stores.
+    for shift in (1, 4):
+        cbase = torch.empty(w.numel() + shift, dtype=torch.bfloat16, device=cuda)
+        copy = cbase[shift:].view(w.shape)
+        assert copy.data_ptr() % 16
+        _check_copy(w, w.to(cuda), copy, False, f"copy shifted by {shift}")
     wt = _masters(2, 384, 256, seed=9, copy_dtype=torch.bfloat16).transpose(1, 2)
     _check_copy(wt, wt.to(cuda), torch.empty(wt.shape, dtype=torch.bfloat16, device=cuda), True, "transposed master")
 
