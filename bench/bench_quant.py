@@ -116,12 +116,15 @@ def _experts(ctx: h.Context, c: Case, weights: list) -> list[h.Result]:
     from fp32 masters."""
     from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual_reference
 
+    def check_tiles(what: str, got: tuple, want: tuple) -> None:
+        for name, a, b in zip(("codes", "scales", "transposed codes", "transposed scales"), got, want):
+            bits = (lambda t: t.view(torch.uint8)) if a.dtype == torch.float8_e4m3fn else (lambda t: t)
+            h.check_exact(f"{what} {name}", bits(a), bits(b))
+
     ws = [w.view(8, 2 * c.F, c.H) for w in weights]
     E, N, K = ws[0].shape
     what = f"{c.name} quantize_fp8_experts_dual"
-    for a, b in zip(moe_kernels.quantize_fp8_experts_dual(ws[0]), quantize_fp8_experts_dual_reference(ws[0])):
-        h.check_exact(what, a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                      b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    check_tiles(what, moe_kernels.quantize_fp8_experts_dual(ws[0]), quantize_fp8_experts_dual_reference(ws[0]))
     ours = ctx.time(lambda w: moe_kernels.quantize_fp8_experts_dual(w), [(w,) for w in ws])
     peer = ctx.time(lambda w: quantize_fp8_experts_dual_reference(w), [(w,) for w in ws])
     results = [h.make_result(ctx, op="quantize_fp8_experts_dual", case=c.name, shape=dict(E=E, N=N, K=K),
@@ -131,9 +134,7 @@ def _experts(ctx: h.Context, c: Case, weights: list) -> list[h.Result]:
     copies = [torch.empty_like(w) for w in ws]
     got = moe_kernels.quantize_fp8_experts_dual(masters[0], copy_to=copies[0])
     h.check_exact(f"{what} copy", copies[0], masters[0].to(torch.bfloat16))
-    for a, b in zip(got, moe_kernels.quantize_fp8_experts_dual(masters[0].to(torch.bfloat16))):
-        h.check_exact(f"{what} copy tiles", a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                      b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+    check_tiles(f"{what} copy", got, moe_kernels.quantize_fp8_experts_dual(masters[0].to(torch.bfloat16)))
 
     def composed(m, cp):
         cp.copy_(m)

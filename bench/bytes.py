@@ -111,7 +111,7 @@ class ByteCounter(TorchDispatchMode):
         # (a list argument, _foreach_copy_'s, writes each of its tensors)
         mutated = [t for a, arg in zip(args, schema.arguments) if arg.alias_info is not None and arg.alias_info.is_write
                    for t in tree_leaves(a) if isinstance(t, torch.Tensor)]
-        fresh = [t for t in outs if all(t.untyped_storage()._cdata != _storage(m) for m in mutated)]
+        fresh = [t for t in outs if all(_storage(t) != _storage(m) for m in mutated)]
         kind = _kind(ns, name, ins, outs)
         # copy_ overwrites its destination (_foreach_copy_ each of its list), the copying weight quantization its
         # copy; the FP8 wgrad into a buffer reads it only when it accumulates.
@@ -206,10 +206,10 @@ def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = t
     cache = _weight_cache_on() if config.recipe is not None else contextlib.nullcontext()
     with cache:
         if master is not None and config.recipe is not None:
-            # A step before, not counted: its write of the bf16 copies remakes the FP8 tiles (weight_cache.refresh),
-            # so the counted step is a later one, whose forwards find their tiles made.
-            _micro_batches(lay, x, dout, one, 1, master, None)
-            _step(config, master, None)
+            # A step before, counted apart and dropped: its write of the bf16 copies remakes the FP8 tiles
+            # (weight_cache.refresh), so the counted step is a later one, whose forwards find their tiles made.
+            _micro_batches(lay, x, dout, one, 1, master, ByteCounter())
+            _step(config, master, ByteCounter())
         _micro_batches(lay, x, dout, one, micro_batches, master, counter)
         _step(config, master, counter)
     if master is not None:
@@ -217,20 +217,18 @@ def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = t
     return _count(f"layer x{micro_batches}", counter, weights)
 
 
-def _micro_batches(lay, x, dout, one, n: int, master, counter: ByteCounter | None) -> None:
+def _micro_batches(lay, x, dout, one, n: int, master, counter: ByteCounter) -> None:
     with master.compute() if master is not None else contextlib.nullcontext():
         for mb in range(n):
-            with counter if counter is not None else contextlib.nullcontext():
-                if counter is not None:
-                    counter.phase = f"mb{mb} fwd"
+            with counter:
+                counter.phase = f"mb{mb} fwd"
                 out, aux = lay(x)
-                if counter is not None:
-                    counter.phase = f"mb{mb} bwd"
+                counter.phase = f"mb{mb} bwd"
                 torch.autograd.backward((out, aux), (dout, one))
             x.grad = None
 
 
-def _step(config, master, counter: ByteCounter | None) -> None:
+def _step(config, master, counter: ByteCounter) -> None:
     """The optimizer step's part that the model counts: the FP8 weight cache's generation bumped (as the
     optimizer's post-step hook does), then the masters' bf16 copies written (with the FP8 tiles)."""
     if config.recipe is not None:
@@ -238,9 +236,8 @@ def _step(config, master, counter: ByteCounter | None) -> None:
 
         weight_cache._bump_generation()
     if master is not None:
-        with counter if counter is not None else contextlib.nullcontext():
-            if counter is not None:
-                counter.phase = "step"
+        with counter:
+            counter.phase = "step"
             master.write_compute_copies()
 
 

@@ -163,7 +163,7 @@ def refresh(w: Tensor, master: Tensor) -> bool:
     transposed codes' byte per element costs less than reading the copy back to quantize it): True. Else w is
     left alone (False) for the caller to copy as before, and its next forward quantizes as usual. Not under
     CUDA-graph capture (a lookup is host work)."""
-    if not _enabled or not isinstance(w, Tensor) or not isinstance(master, Tensor):
+    if not _enabled:
         return False
     with _lock:
         entry = _entries.get(w)

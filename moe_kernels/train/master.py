@@ -127,11 +127,9 @@ class MasterWeights:
         for p, copy in zip(self.params, self.copies):
             p.data = copy
         try:
-            rest = [i for i, (p, m) in enumerate(zip(self.params, masters)) if not weight_cache.refresh(p, m)]
-            if len(rest) == len(self.params):
-                torch._foreach_copy_(self.params, masters)
-            elif rest:
-                torch._foreach_copy_([self.params[i] for i in rest], [masters[i] for i in rest])
+            rest = [(p, m) for p, m in zip(self.params, masters) if not weight_cache.refresh(p, m)]
+            if rest:
+                torch._foreach_copy_([p for p, _ in rest], [m for _, m in rest])
         finally:
             for p, master in zip(self.params, masters):
                 p.data = master
