@@ -2,7 +2,8 @@
 
 Bytes, each input read once and each output written once (scores and logits fp32 [T, E], indices
 int32 and weights fp32 [T, k], counts int32 [E]):
-  aux_loss_fwd_bwd      scores + counts -> loss; backward: grad [T, E]
+  aux_loss_fwd_bwd      scores + counts -> loss; backward: grad, one [E] row broadcast over the T rows (as
+                        sum's backward returns it, the peer's too: no [T, E] write)
   seq_aux_loss_fwd_bwd  scores + indices -> loss (+ per-sequence counts [B, E]); backward: grad [T, E]
   z_loss_fwd_bwd        logits -> loss (+ lse [T]); backward: logits + lse -> grad [T, E]
   capacity_probs        weights + indices -> weights + indices (keep the C largest weights per expert)
@@ -151,7 +152,7 @@ def nbytes(op: str, c: Case) -> int:
     T, E, k = c.T, c.E, c.k
     B = T // c.seq_len
     return {
-        "aux_loss_fwd_bwd": T * E * 4 + E * 4 + 4 + T * E * 4,
+        "aux_loss_fwd_bwd": T * E * 4 + E * 4 + 4 + E * 4,
         "seq_aux_loss_fwd_bwd": T * E * 4 + T * k * 4 + 4 + B * E * 4 + T * E * 4,
         "z_loss_fwd_bwd": T * E * 4 + 4 + T * 4 + (T * E * 4 + T * 4 + T * E * 4),
         "capacity_probs": 4 * T * k * 4,

@@ -118,18 +118,18 @@ void register_balance(py::module_& m) {
   m.def(
       "balance_loss_fwd",
       [](uintptr_t scores, uintptr_t indices, uintptr_t counts, bool counts_int64, uintptr_t partial_sums,
-         uintptr_t partial_counts, uintptr_t seq_counts, uintptr_t loss, int64_t num_tokens, int32_t num_experts,
-         int32_t k, int64_t seq_len, float scale, int32_t dtype, int device, uintptr_t s) {
+         uintptr_t partial_counts, uintptr_t seq_counts, uintptr_t loss, uintptr_t counter, int64_t num_tokens,
+         int32_t num_experts, int32_t k, int64_t seq_len, float scale, int32_t dtype, int device, uintptr_t s) {
         DeviceGuard guard(device);
-        router::BalanceParams p{ptr<const void>(scores), ptr<const int32_t>(indices), ptr<const void>(counts),
-                                counts_int64,           ptr<float>(partial_sums),     ptr<int32_t>(partial_counts),
-                                ptr<int32_t>(seq_counts), ptr<float>(loss),           num_tokens,
-                                num_experts,            k,                            seq_len,
-                                scale,                  DType(dtype)};
+        router::BalanceParams p{ptr<const void>(scores),   ptr<const int32_t>(indices), ptr<const void>(counts),
+                                counts_int64,             ptr<float>(partial_sums),    ptr<int32_t>(partial_counts),
+                                ptr<int32_t>(seq_counts), ptr<float>(loss),            ptr<uint32_t>(counter),
+                                num_tokens,               num_experts,                 k,
+                                seq_len,                  scale,                       DType(dtype)};
         router::balance_loss_fwd(p, stream(s));
       },
       py::arg("scores"), py::arg("indices"), py::arg("counts"), py::arg("counts_int64"), py::arg("partial_sums"),
-      py::arg("partial_counts"), py::arg("seq_counts"), py::arg("loss"), py::arg("num_tokens"),
+      py::arg("partial_counts"), py::arg("seq_counts"), py::arg("loss"), py::arg("counter"), py::arg("num_tokens"),
       py::arg("num_experts"), py::arg("k"), py::arg("seq_len"), py::arg("scale"), py::arg("dtype"),
       py::arg("device"), py::arg("stream"));
   m.def(

@@ -269,6 +269,14 @@ MUTANTS = (
         "      rank += (r > key) | ((r == key) & (j > e));\n",
         ("tests/ops/test_grouped_mm_gpu.py", "-k", "test_visit_order and ties"),
     ),
+    Mutant(
+        "lane counted twice",
+        "balance_finish: the last block adds lane 0's chunk sums to themselves before the other lanes'",
+        "router/balance.cu",
+        "        for (int l = 1; l < J; ++l) {\n",
+        "        for (int l = 0; l < J; ++l) {\n",
+        ("tests/ops/test_router_losses_gpu.py", "-k", "test_aux_loss and 2048-64-4"),
+    ),
 )
 
 

@@ -1,9 +1,10 @@
 // Load-balancing losses (aux, sequence-wise aux, z) and the expert-bias update.
 //
-// Forward losses run two launches: a partial kernel reads the [T, E] input once (each block a fixed
-// chunk of rows: column sums for the aux losses, with the sequence's expert counts taken from the
-// indices in the same pass; log-sum-exp per row for z_loss) and one finalize block adds the partials
-// in a fixed order, in fp64. Results do not depend on scheduling: the same input gives the same bits.
+// The aux losses run one launch: each block reads a fixed chunk of rows of the [T, E] input once (column
+// sums, with the sequence's expert counts taken from the indices in the same pass) and the last block to
+// finish (an atomic ticket on a counter it leaves at zero) adds the chunks' partials in a fixed order. z_loss
+// runs a partial kernel (log-sum-exp per row) and one finalize block. Results do not depend on scheduling:
+// the same input gives the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -72,8 +73,9 @@ RowCols row_cols(int32_t E) {
 
 // Threads split into `cols` column lanes (a power of two, 32..256) x 256 / cols row lanes, so a
 // narrow E still keeps the block busy. Each thread sums its rows of one column in blocks of
-// kSumBlock rows (4 accumulators each), which bounds the fp32 error by the block length rather than
-// the chunk length; the row lanes are then added in a fixed order through shared memory.
+// kSumBlock rows (8 accumulators each: eight loads in flight a thread, where a 256-thread block of
+// 4-byte loads needs them to keep DRAM busy), which bounds the fp32 error by the block length rather
+// than the chunk length; the row lanes are then added in a fixed order through shared memory.
 constexpr int64_t kSumBlock = 64;
 
 template <typename T>
@@ -81,25 +83,140 @@ __device__ float column_sum(const T* __restrict__ scores, int64_t E, int64_t e, 
   float total = 0.f;
   for (int64_t b0 = r0; b0 < r1; b0 += kSumBlock * stride) {
     const int64_t b1 = b0 + kSumBlock * stride < r1 ? b0 + kSumBlock * stride : r1;
-    float a0 = 0.f, a1 = 0.f, a2 = 0.f, a3 = 0.f;
+    float a[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     int64_t r = b0;
-    for (; r + 3 * stride < b1; r += 4 * stride) {
-      a0 += to_float(scores[r * E + e]);
-      a1 += to_float(scores[(r + stride) * E + e]);
-      a2 += to_float(scores[(r + 2 * stride) * E + e]);
-      a3 += to_float(scores[(r + 3 * stride) * E + e]);
+    for (; r + 7 * stride < b1; r += 8 * stride) {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) a[u] += to_float(scores[(r + u * stride) * E + e]);
     }
-    for (; r < b1; r += stride) a0 += to_float(scores[r * E + e]);
-    total += (a0 + a1) + (a2 + a3);
+    for (; r < b1; r += stride) a[0] += to_float(scores[r * E + e]);
+    total += ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
   }
   return total;
 }
 
+// The last block's sums over the chunks: s_{b,e} = the sum of sequence b's chunks' partial sums (and, for
+// seq_aux_loss, c_{b,e} = the sum of their partial counts), then loss = scale * sum_{b,e} s_{b,e} c_{b,e} in
+// fp64. An item is VEC adjacent experts of one sequence (16-byte loads when E % 4 == 0); with fewer items
+// than threads, J = threads / items lanes take chunks j, j + J, ... with finish_acc<VEC> accumulators each
+// (64 bytes of partial sums in flight a thread, and as many counts) and are added in lane order. The order
+// depends on (T, E, seq_len) alone. (One thread adding every chunk of a column in turn waited on cps L2
+// round trips, with few loads in flight.)
+template <int VEC>
+constexpr int finish_acc() { return VEC == 4 ? 4 : 8; }
+
+template <int VEC>
+struct Vec {
+  float f[VEC];
+  int32_t n[VEC];
+};
+
+template <int VEC>
+__device__ __forceinline__ void load_vec(const float* s, const int32_t* c, float* f, int32_t* n) {
+  if constexpr (VEC == 4) {
+    const float4 a = __ldcg(reinterpret_cast<const float4*>(s));
+    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
+    if (c != nullptr) {
+      const int4 b = __ldcg(reinterpret_cast<const int4*>(c));
+      n[0] = b.x, n[1] = b.y, n[2] = b.z, n[3] = b.w;
+    }
+  } else {
+    f[0] = __ldcg(s);
+    if (c != nullptr) n[0] = __ldcg(c);
+  }
+}
+
+template <int VEC>
+__device__ void balance_finish(const BalanceParams& p, int64_t B, int64_t cps, Vec<VEC>* lanes, double* red) {
+  const int64_t E = p.num_experts, per_seq = E / VEC, items = B * per_seq;
+  const bool seq = p.indices != nullptr;
+  const int J = items >= kPartialThreads ? 1 : int(kPartialThreads / items);
+  const int64_t step = J == 1 ? kPartialThreads : items;
+  double acc = 0.0;
+  for (int64_t base = 0; base < items; base += step) {
+    const int64_t item = base + (J == 1 ? threadIdx.x : threadIdx.x % items);
+    const int j = J == 1 ? 0 : int(threadIdx.x / items);
+    const bool active = item < items && j < J;
+    const int64_t b = item / per_seq, e0 = (item % per_seq) * VEC;
+    Vec<VEC> v{};
+    if (active) {
+      const float* ps = p.partial_sums + b * cps * E + e0;
+      const int32_t* pc = seq ? p.partial_counts + b * cps * E + e0 : nullptr;
+      constexpr int kFinishAcc = finish_acc<VEC>();
+      float f[kFinishAcc][VEC] = {};
+      int32_t n[kFinishAcc][VEC] = {};
+      int64_t c = j;
+      for (; c + (kFinishAcc - 1) * J < cps; c += kFinishAcc * J) {
+        float lf[kFinishAcc][VEC];
+        int32_t ln[kFinishAcc][VEC] = {};
+#pragma unroll
+        for (int u = 0; u < kFinishAcc; ++u) {
+          const int64_t at = (c + u * J) * E;
+          load_vec<VEC>(ps + at, seq ? pc + at : nullptr, lf[u], ln[u]);
+        }
+#pragma unroll
+        for (int u = 0; u < kFinishAcc; ++u) {
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) f[u][q] += lf[u][q], n[u][q] += ln[u][q];
+        }
+      }
+      for (; c < cps; c += J) {
+        float lf[VEC];
+        int32_t ln[VEC] = {};
+        load_vec<VEC>(ps + c * E, seq ? pc + c * E : nullptr, lf, ln);
+#pragma unroll
+        for (int q = 0; q < VEC; ++q) f[0][q] += lf[q], n[0][q] += ln[q];
+      }
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        float t = 0.f;
+        int32_t m = 0;
+#pragma unroll
+        for (int u = 0; u < finish_acc<VEC>(); ++u) t += f[u][q], m += n[u][q];
+        v.f[q] = t, v.n[q] = m;
+      }
+    }
+    if (J > 1) {  // one pass: every thread stores its lane, then lane 0 adds the others in order
+      lanes[threadIdx.x] = v;
+      __syncthreads();
+      if (active && j == 0) {
+        for (int l = 1; l < J; ++l) {
+          const Vec<VEC>& o = lanes[l * items + item];
+#pragma unroll
+          for (int q = 0; q < VEC; ++q) v.f[q] += o.f[q], v.n[q] += o.n[q];
+        }
+      }
+    }
+    if (active && j == 0) {
+#pragma unroll
+      for (int q = 0; q < VEC; ++q) {
+        const int64_t e = e0 + q;
+        int64_t count;
+        if (seq) {
+          p.seq_counts[b * E + e] = v.n[q];
+          count = v.n[q];
+        } else {
+          count = load_count(p.counts, p.counts_int64, e);
+        }
+        acc += double(v.f[q]) * double(count);
+      }
+    }
+  }
+  const double total = block_sum<double, kPartialThreads>(acc, red);
+  if (threadIdx.x == 0) {
+    *p.loss = float(total * double(p.scale));
+    *p.counter = 0u;  // ready for the next launch on this stream
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kPartialThreads)
-    balance_partial_kernel(BalanceParams p, int64_t cps, int64_t rows_per_chunk, int cols) {
+    balance_fwd_kernel(BalanceParams p, int64_t B, int64_t cps, int64_t rows_per_chunk, int cols, bool vec4) {
   extern __shared__ int32_t hist[];  // [E] when counting
   __shared__ float lane_sums[kPartialThreads];
+  __shared__ __align__(16) unsigned char lane_buf[sizeof(Vec<4>) * kPartialThreads];
+  __shared__ double red[kPartialThreads];
+  __shared__ uint32_t is_last;
   const int64_t chunk = blockIdx.x;
   const int64_t b = chunk / cps, c = chunk % cps;
   const int64_t seq_end = (b + 1) * p.seq_len;
@@ -120,40 +237,30 @@ __global__ void __launch_bounds__(kPartialThreads)
     }
     __syncthreads();
   }
-  if (p.indices == nullptr) return;
-  for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) hist[e] = 0;
-  __syncthreads();
-  const int64_t end = r1 > r0 ? r1 * p.k : r0 * p.k;
-  for (int64_t i = r0 * p.k + threadIdx.x; i < end; i += kPartialThreads) {
-    const int32_t e = p.indices[i];
-    if (e >= 0 && e < E) atomicAdd(&hist[e], 1);
+  if (p.indices != nullptr) {
+    for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) hist[e] = 0;
+    __syncthreads();
+    const int64_t end = r1 > r0 ? r1 * p.k : r0 * p.k;
+    for (int64_t i = r0 * p.k + threadIdx.x; i < end; i += kPartialThreads) {
+      const int32_t e = p.indices[i];
+      if (e >= 0 && e < E) atomicAdd(&hist[e], 1);
+    }
+    __syncthreads();
+    for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) p.partial_counts[chunk * E + e] = hist[e];
   }
-  __syncthreads();
-  for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) p.partial_counts[chunk * E + e] = hist[e];
-}
 
-__global__ void __launch_bounds__(kFinalThreads) balance_finalize_kernel(BalanceParams p, int64_t B, int64_t cps) {
-  __shared__ double smem[kFinalThreads];
-  const int64_t E = p.num_experts;
-  double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < B * E; i += kFinalThreads) {
-    const int64_t b = i / E, e = i % E;
-    float sum = 0.f;
-    int64_t count = 0;
-    for (int64_t c = 0; c < cps; ++c) {
-      const int64_t at = (b * cps + c) * E + e;
-      sum += p.partial_sums[at];
-      if (p.indices != nullptr) count += p.partial_counts[at];
-    }
-    if (p.indices != nullptr) {
-      p.seq_counts[i] = int32_t(count);
-    } else {
-      count = load_count(p.counts, p.counts_int64, e);
-    }
-    acc += double(sum) * double(count);
+  // The last block to finish adds the partials of every chunk.
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  if (vec4) {
+    balance_finish<4>(p, B, cps, reinterpret_cast<Vec<4>*>(lane_buf), red);
+  } else {
+    balance_finish<1>(p, B, cps, reinterpret_cast<Vec<1>*>(lane_buf), red);
   }
-  const double total = block_sum<double, kFinalThreads>(acc, smem);
-  if (threadIdx.x == 0) *p.loss = float(total * double(p.scale));
 }
 
 template <typename T>
@@ -280,14 +387,17 @@ void balance_loss_fwd(const BalanceParams& p, cudaStream_t stream) {
   const int64_t cps = chunks_per_seq(p.num_tokens, p.seq_len);
   const int64_t rows_per_chunk = ceil_div(p.seq_len, cps);
   if (B * cps > INT32_MAX) throw std::invalid_argument(std::string(what) + ": too many sequences for one launch");
+  if (p.counter == nullptr) throw std::invalid_argument(std::string(what) + ": counter needed");
   const size_t smem = p.indices != nullptr ? sizeof(int32_t) * p.num_experts : 0;
   const int cols = row_cols(p.num_experts).cols;
+  // 16-byte loads of the partials where every row of E starts 16-byte aligned.
+  const bool vec4 = p.num_experts % 4 == 0 && reinterpret_cast<uintptr_t>(p.partial_sums) % 16 == 0 &&
+                    (p.indices == nullptr || reinterpret_cast<uintptr_t>(p.partial_counts) % 16 == 0);
   by_float_dtype(p.dtype, what, [&]<typename T>() {
-    balance_partial_kernel<T><<<unsigned(B * cps), kPartialThreads, smem, stream>>>(p, cps, rows_per_chunk, cols);
+    balance_fwd_kernel<T><<<unsigned(B * cps), kPartialThreads, smem, stream>>>(p, B, cps, rows_per_chunk, cols,
+                                                                                  vec4);
   });
-  check_launch("balance_partial_kernel");
-  balance_finalize_kernel<<<1, kFinalThreads, 0, stream>>>(p, B, cps);
-  check_launch("balance_finalize_kernel");
+  check_launch("balance_fwd_kernel");
 }
 
 void balance_loss_bwd(const BalanceBwdParams& p, cudaStream_t stream) {

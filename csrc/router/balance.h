@@ -1,7 +1,7 @@
 // Load-balancing losses, capacity and the expert-bias update. Semantics: specs/ops.md, "Router".
 //
 // Every reduction here is deterministic: partial results per fixed chunk of rows, then one block that
-// adds them in a fixed order. Scalars that come from autograd (the incoming gradient) are read on the
+// adds them in a fixed order (the aux losses: the launch's last block, picked by an atomic ticket). Scalars that come from autograd (the incoming gradient) are read on the
 // device, so nothing syncs with the host.
 #pragma once
 
@@ -36,6 +36,7 @@ struct BalanceParams {
   int32_t* partial_counts;   // workspace [balance_chunks(T, seq_len), E] (seq_aux_loss only)
   int32_t* seq_counts;       // [B, E] out (seq_aux_loss only): saved for the backward
   float* loss;               // [] out
+  uint32_t* counter;         // zero at launch; the last block's ticket, left at zero
   int64_t num_tokens;
   int32_t num_experts;
   int32_t k;

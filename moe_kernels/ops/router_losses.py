@@ -200,6 +200,8 @@ def _aux_loss_setup(ctx, inputs, output):
 def _balance_backward(grad, counts, T, S, scale, dtype):
     # With create_graph the composition keeps the (linear) dependence on `grad` differentiable.
     bwd = balance_loss_bwd_reference if torch.is_grad_enabled() else torch.ops.moe_kernels.balance_loss_bwd
+    if counts.shape[0] == 1:  # one sequence: every row's gradient is the same [E], returned broadcast
+        return bwd(grad, counts, 1, 1, scale, dtype).expand(T, counts.shape[1])
     return bwd(grad, counts, T, S, scale, dtype)
 
 
@@ -393,11 +395,13 @@ def _aux_loss_cuda(scores, tokens_per_expert, k, coeff):
     loss = torch.empty((), dtype=torch.float32, device=scores.device)
     chunks = C.balance_chunks(T, max(T, 1))
     partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=scores.device)
+    where = _ext.launch_args(scores)
     C.balance_loss_fwd(
         scores=_ext.ptr(scores), indices=0, counts=_ext.ptr(tokens_per_expert),
         counts_int64=tokens_per_expert.dtype == torch.int64, partial_sums=_ext.ptr(partial_sums), partial_counts=0,
-        seq_counts=0, loss=loss.data_ptr(), num_tokens=T, num_experts=E, k=k, seq_len=max(T, 1),
-        scale=_aux_scale(coeff, E, k, T), dtype=_ext.dtype_code(scores.dtype), **_ext.launch_args(scores),
+        seq_counts=0, loss=loss.data_ptr(), counter=_ext.counter(scores, where["device"], where["stream"]),
+        num_tokens=T, num_experts=E, k=k, seq_len=max(T, 1), scale=_aux_scale(coeff, E, k, T),
+        dtype=_ext.dtype_code(scores.dtype), **where,
     )
     return loss
 
@@ -418,12 +422,14 @@ def _seq_aux_loss_cuda(scores, indices, coeff, seq_len):
     chunks = C.balance_chunks(rows, seq_len)
     partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=scores.device)
     partial_counts = torch.empty((chunks, E), dtype=torch.int32, device=scores.device)
+    where = _ext.launch_args(scores)
     C.balance_loss_fwd(
         scores=_ext.ptr(scores), indices=_ext.ptr(idx), counts=0, counts_int64=False,
         partial_sums=_ext.ptr(partial_sums), partial_counts=_ext.ptr(partial_counts),
-        seq_counts=_ext.ptr(seq_counts), loss=loss.data_ptr(), num_tokens=rows, num_experts=E, k=k,
+        seq_counts=_ext.ptr(seq_counts), loss=loss.data_ptr(),
+        counter=_ext.counter(scores, where["device"], where["stream"]), num_tokens=rows, num_experts=E, k=k,
         seq_len=seq_len, scale=_aux_scale(coeff, E, k, seq_len) / max(B, 1),
-        dtype=_ext.dtype_code(scores.dtype), **_ext.launch_args(scores),
+        dtype=_ext.dtype_code(scores.dtype), **where,
     )
     return loss, seq_counts
 
@@ -577,17 +583,18 @@ class _BalanceEager(torch.autograd.Function):
         loss = torch.empty((), dtype=torch.float32, device=dev)
         chunks = _ext.size_of(L.C, "balance_chunks", T, S)
         partial_sums = torch.empty((chunks, E), dtype=torch.float32, device=dev)
+        counter = _ext.counter(scores, L.device, L.stream)
         if indices is None:  # aux_loss
             L.C.balance_loss_fwd(_ext.ptr(scores), 0, _ext.ptr(counts), counts.dtype == torch.int64,
-                                 _ext.ptr(partial_sums), 0, 0, loss.data_ptr(), T, E, k, S, scale, dt, L.device,
-                                 L.stream)
+                                 _ext.ptr(partial_sums), 0, 0, loss.data_ptr(), counter, T, E, k, S, scale, dt,
+                                 L.device, L.stream)
             saved = counts.view(1, -1)
         else:
             saved = torch.empty((T // S, E), dtype=torch.int32, device=dev)
             partial_counts = torch.empty((chunks, E), dtype=torch.int32, device=dev)
             L.C.balance_loss_fwd(_ext.ptr(scores), _ext.ptr(indices), 0, False, _ext.ptr(partial_sums),
-                                 _ext.ptr(partial_counts), _ext.ptr(saved), loss.data_ptr(), T, E, k, S, scale, dt,
-                                 L.device, L.stream)
+                                 _ext.ptr(partial_counts), _ext.ptr(saved), loss.data_ptr(), counter, T, E, k, S,
+                                 scale, dt, L.device, L.stream)
         ctx.save_for_backward(saved)
         ctx.T, ctx.S, ctx.scale, ctx.dtype, ctx.L = T, S, scale, scores.dtype, L
         return loss
@@ -599,10 +606,14 @@ class _BalanceEager(torch.autograd.Function):
             g = _balance_backward(grad, counts, ctx.T, ctx.S, ctx.scale, ctx.dtype)
         else:
             L = ctx.L
-            g = torch.empty((ctx.T, counts.shape[1]), dtype=ctx.dtype, device=grad.device)
+            one = counts.shape[0] == 1  # one sequence: one [E] row, returned broadcast over the T rows
+            T, S = (1, 1) if one else (ctx.T, ctx.S)
+            g = torch.empty((T, counts.shape[1]), dtype=ctx.dtype, device=grad.device)
             grad = grad.contiguous()
-            L.C.balance_loss_bwd(grad.data_ptr(), _ext.ptr(counts), counts.dtype == torch.int64, _ext.ptr(g), ctx.T,
-                                 counts.shape[1], ctx.S, ctx.scale, _EAGER_DTYPES[ctx.dtype], L.device, L.stream)
+            L.C.balance_loss_bwd(grad.data_ptr(), _ext.ptr(counts), counts.dtype == torch.int64, _ext.ptr(g), T,
+                                 counts.shape[1], S, ctx.scale, _EAGER_DTYPES[ctx.dtype], L.device, L.stream)
+            if one:
+                g = g.expand(ctx.T, counts.shape[1])
         return g, None, None, None, None, None, None
 
 

@@ -35,8 +35,11 @@ def _scores(T, E, dtype, seed):
 # aux_loss and seq_aux_loss
 
 
-@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (1, 8, 1), (7, 64, 4), (2048, 64, 4), (2048, 256, 8),
-                                   (16384, 256, 8), (4096, 1024, 32)])
+# The last block's sums: 16-byte loads (E % 4 == 0) or single floats (E = 7, 13), one item a thread or
+# several lanes an item (E 8: two items, 128 lanes), one pass (E 1024: 256 items) or several (E 2048).
+@pytest.mark.parametrize("T,E,k", [(0, 8, 2), (1, 8, 1), (7, 64, 4), (300, 7, 2), (2048, 13, 3), (2048, 64, 4),
+                                   (2048, 256, 8), (16384, 8, 2), (16384, 256, 8), (4096, 1024, 32),
+                                   (512, 2048, 8)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
 def test_aux_loss(cuda, T, E, k, dtype, count_dtype):
@@ -56,8 +59,32 @@ def test_aux_loss(cuda, T, E, k, dtype, count_dtype):
     assert_within_fp32_rounding(x.grad.float(), expected.float(), expected.float().abs(), "aux_loss grad")
 
 
-@pytest.mark.parametrize("B,S,E,k", [(1, 1, 8, 2), (3, 7, 8, 2), (4, 128, 64, 4), (4, 4096, 256, 8),
-                                     (64, 33, 128, 8), (2, 512, 1024, 32)])
+def test_aux_loss_ticket_and_broadcast_gradient(cuda):
+    # One launch: the last block's ticket counter is left at zero for the next launch on the stream, and a
+    # second call gives the same bits. The gradient is one [E] row broadcast over the T rows (as sum's
+    # backward): no [T, E] write; the leaf's .grad is a dense copy of it.
+    from moe_kernels import _ext
+
+    T, E, k = 4096, 64, 4
+    scores = _scores(T, E, torch.float32, seed=3).to(cuda)
+    counts = tokens_per_expert_reference(random_routing(T, E, k, seed=4), E).to(cuda)
+    x = scores.clone().requires_grad_()
+    first = mk.aux_loss(x, counts, k, 0.01)
+    assert all(int(c.sum()) == 0 for c in _ext._counters.values()), "ticket counter not left at zero"
+    again = mk.aux_loss(scores, counts, k, 0.01)
+    assert_exact(again, first.detach(), "aux_loss, called twice")
+    (g,) = torch.autograd.grad(first, x, torch.tensor(2.0, device=cuda))
+    assert g.shape == (T, E) and g.stride() == (0, 1)
+    want = (torch.tensor(2.0) * 0.01 * E / (k * T * T) * counts.cpu().float()).expand(T, E)
+    assert_within_fp32_rounding(g.cpu(), want, want.abs(), "broadcast aux_loss grad")
+    reg = torch.ops.moe_kernels.aux_loss(x, counts, k, 0.01)
+    (g2,) = torch.autograd.grad(reg, x, torch.tensor(2.0, device=cuda))
+    assert g2.stride() == (0, 1)
+    assert_exact(g2, g, "registered op's gradient")
+
+
+@pytest.mark.parametrize("B,S,E,k", [(1, 1, 8, 2), (3, 7, 8, 2), (5, 100, 6, 2), (4, 128, 64, 4), (1, 2048, 64, 4),
+                                     (4, 4096, 256, 8), (64, 33, 128, 8), (2, 512, 1024, 32), (9, 64, 125, 4)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_seq_aux_loss(cuda, B, S, E, k, dtype):
     T = B * S
