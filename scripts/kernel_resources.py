@@ -38,6 +38,10 @@ ACCEPTED_LOCAL: dict[str, str] = {
                             "registers at 64, about 420 B of spills once per call, not per tile",
     "permute::copy_kernel<1>": "the 1-byte-vector path, only for rows of an odd number of bytes (fp8/uint8 "
                                "payloads with odd H); 12 B of spills",
+    **{f"router::fused_fwd_kernel<{t}>": "the last block's finish only (after the ticket; the chunk loop keeps "
+                                          "everything in registers): __launch_bounds__(256, 4) holds the kernel at "
+                                          "64 registers, and the finish's loads in flight spill 64 B, once a launch"
+       for t in ("float", "__nv_bfloat16", "__half")},
     "dispatch::barrier_kernel": "printf's 16 B of arguments, on the path that reports a barrier timeout before "
                                 "trapping; the polling loop itself keeps everything in registers",
     # sm_100f (opt-in, not yet run on a Blackwell GPU): CUTLASS's 1-SM blockwise mainloop with a scale per row

@@ -271,11 +271,19 @@ MUTANTS = (
     ),
     Mutant(
         "lane counted twice",
-        "balance_finish: the last block adds lane 0's chunk sums to themselves before the other lanes'",
-        "router/balance.cu",
+        "chunk_column_sums: the last block adds lane 0's chunk sums to themselves before the other lanes'",
+        "common/chunk_sums.cuh",
         "        for (int l = 1; l < J; ++l) {\n",
         "        for (int l = 0; l < J; ++l) {\n",
         ("tests/ops/test_router_losses_gpu.py", "-k", "test_aux_loss and 2048-64-4"),
+    ),
+    Mutant(
+        "one sequence for all",
+        "fused_finish: the aux counts and sums over the sequences stop after the first sequence",
+        "router/router.cu",
+        "        for (int64_t b = 0; b < B; ++b) {\n          const int64_t at = b * L.chunks_per_seq * E + e;\n",
+        "        for (int64_t b = 0; b < 1; ++b) {\n          const int64_t at = b * L.chunks_per_seq * E + e;\n",
+        ("tests/ops/test_router_fused_gpu.py", "-k", "test_router_fused_matches_reference and sqrtsoftplus-all"),
     ),
 )
 

@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "common/check.h"
+#include "common/chunk_sums.cuh"
 #include "common/dispatch.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
@@ -95,113 +96,25 @@ __device__ float column_sum(const T* __restrict__ scores, int64_t E, int64_t e, 
   return total;
 }
 
-// The last block's sums over the chunks: s_{b,e} = the sum of sequence b's chunks' partial sums (and, for
-// seq_aux_loss, c_{b,e} = the sum of their partial counts), then loss = scale * sum_{b,e} s_{b,e} c_{b,e} in
-// fp64. An item is VEC adjacent experts of one sequence (16-byte loads when E % 4 == 0); with fewer items
-// than threads, J = threads / items lanes take chunks j, j + J, ... with finish_acc<VEC> accumulators each
-// (64 bytes of partial sums in flight a thread, and as many counts) and are added in lane order. The order
-// depends on (T, E, seq_len) alone. (One thread adding every chunk of a column in turn waited on cps L2
-// round trips, with few loads in flight.)
+// The last block: s_{b,e} = the sum of sequence b's chunks' partial sums (and, for seq_aux_loss, c_{b,e} = the
+// sum of their partial counts; common/chunk_sums.cuh: 16-byte loads when E % 4 == 0, the chunks split over
+// lanes, a fixed order), then loss = scale * sum_{b,e} s_{b,e} c_{b,e} in fp64.
 template <int VEC>
-constexpr int finish_acc() { return VEC == 4 ? 4 : 8; }
-
-template <int VEC>
-struct Vec {
-  float f[VEC];
-  int32_t n[VEC];
-};
-
-template <int VEC>
-__device__ __forceinline__ void load_vec(const float* s, const int32_t* c, float* f, int32_t* n) {
-  if constexpr (VEC == 4) {
-    const float4 a = __ldcg(reinterpret_cast<const float4*>(s));
-    f[0] = a.x, f[1] = a.y, f[2] = a.z, f[3] = a.w;
-    if (c != nullptr) {
-      const int4 b = __ldcg(reinterpret_cast<const int4*>(c));
-      n[0] = b.x, n[1] = b.y, n[2] = b.z, n[3] = b.w;
-    }
-  } else {
-    f[0] = __ldcg(s);
-    if (c != nullptr) n[0] = __ldcg(c);
-  }
-}
-
-template <int VEC>
-__device__ void balance_finish(const BalanceParams& p, int64_t B, int64_t cps, Vec<VEC>* lanes, double* red) {
-  const int64_t E = p.num_experts, per_seq = E / VEC, items = B * per_seq;
+__device__ void balance_finish(const BalanceParams& p, int64_t B, int64_t cps, ChunkLane<VEC>* lanes, double* red) {
   const bool seq = p.indices != nullptr;
-  const int J = items >= kPartialThreads ? 1 : int(kPartialThreads / items);
-  const int64_t step = J == 1 ? kPartialThreads : items;
+  const int64_t E = p.num_experts;
   double acc = 0.0;
-  for (int64_t base = 0; base < items; base += step) {
-    const int64_t item = base + (J == 1 ? threadIdx.x : threadIdx.x % items);
-    const int j = J == 1 ? 0 : int(threadIdx.x / items);
-    const bool active = item < items && j < J;
-    const int64_t b = item / per_seq, e0 = (item % per_seq) * VEC;
-    Vec<VEC> v{};
-    if (active) {
-      const float* ps = p.partial_sums + b * cps * E + e0;
-      const int32_t* pc = seq ? p.partial_counts + b * cps * E + e0 : nullptr;
-      constexpr int kFinishAcc = finish_acc<VEC>();
-      float f[kFinishAcc][VEC] = {};
-      int32_t n[kFinishAcc][VEC] = {};
-      int64_t c = j;
-      for (; c + (kFinishAcc - 1) * J < cps; c += kFinishAcc * J) {
-        float lf[kFinishAcc][VEC];
-        int32_t ln[kFinishAcc][VEC] = {};
-#pragma unroll
-        for (int u = 0; u < kFinishAcc; ++u) {
-          const int64_t at = (c + u * J) * E;
-          load_vec<VEC>(ps + at, seq ? pc + at : nullptr, lf[u], ln[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < kFinishAcc; ++u) {
-#pragma unroll
-          for (int q = 0; q < VEC; ++q) f[u][q] += lf[u][q], n[u][q] += ln[u][q];
-        }
-      }
-      for (; c < cps; c += J) {
-        float lf[VEC];
-        int32_t ln[VEC] = {};
-        load_vec<VEC>(ps + c * E, seq ? pc + c * E : nullptr, lf, ln);
-#pragma unroll
-        for (int q = 0; q < VEC; ++q) f[0][q] += lf[q], n[0][q] += ln[q];
-      }
-#pragma unroll
-      for (int q = 0; q < VEC; ++q) {
-        float t = 0.f;
-        int32_t m = 0;
-#pragma unroll
-        for (int u = 0; u < finish_acc<VEC>(); ++u) t += f[u][q], m += n[u][q];
-        v.f[q] = t, v.n[q] = m;
-      }
-    }
-    if (J > 1) {  // one pass: every thread stores its lane, then lane 0 adds the others in order
-      lanes[threadIdx.x] = v;
-      __syncthreads();
-      if (active && j == 0) {
-        for (int l = 1; l < J; ++l) {
-          const Vec<VEC>& o = lanes[l * items + item];
-#pragma unroll
-          for (int q = 0; q < VEC; ++q) v.f[q] += o.f[q], v.n[q] += o.n[q];
-        }
-      }
-    }
-    if (active && j == 0) {
-#pragma unroll
-      for (int q = 0; q < VEC; ++q) {
-        const int64_t e = e0 + q;
-        int64_t count;
-        if (seq) {
-          p.seq_counts[b * E + e] = v.n[q];
-          count = v.n[q];
-        } else {
-          count = load_count(p.counts, p.counts_int64, e);
-        }
-        acc += double(v.f[q]) * double(count);
-      }
-    }
-  }
+  chunk_column_sums<VEC, VEC == 4 ? 4 : 8>(p.partial_sums, seq ? p.partial_counts : nullptr, E, B, cps, lanes,
+                                          [&](int64_t b, int64_t e, float s, int32_t n) {
+                                            int64_t count;
+                                            if (seq) {
+                                              p.seq_counts[b * E + e] = n;
+                                              count = n;
+                                            } else {
+                                              count = load_count(p.counts, p.counts_int64, e);
+                                            }
+                                            acc += double(s) * double(count);
+                                          });
   const double total = block_sum<double, kPartialThreads>(acc, red);
   if (threadIdx.x == 0) {
     *p.loss = float(total * double(p.scale));
@@ -214,7 +127,7 @@ __global__ void __launch_bounds__(kPartialThreads)
     balance_fwd_kernel(BalanceParams p, int64_t B, int64_t cps, int64_t rows_per_chunk, int cols, bool vec4) {
   extern __shared__ int32_t hist[];  // [E] when counting
   __shared__ float lane_sums[kPartialThreads];
-  __shared__ __align__(16) unsigned char lane_buf[sizeof(Vec<4>) * kPartialThreads];
+  __shared__ __align__(16) unsigned char lane_buf[chunk_lanes_bytes<4>(kPartialThreads)];
   __shared__ double red[kPartialThreads];
   __shared__ uint32_t is_last;
   const int64_t chunk = blockIdx.x;
@@ -257,9 +170,9 @@ __global__ void __launch_bounds__(kPartialThreads)
   if (!is_last) return;
   __threadfence();
   if (vec4) {
-    balance_finish<4>(p, B, cps, reinterpret_cast<Vec<4>*>(lane_buf), red);
+    balance_finish<4>(p, B, cps, reinterpret_cast<ChunkLane<4>*>(lane_buf), red);
   } else {
-    balance_finish<1>(p, B, cps, reinterpret_cast<Vec<1>*>(lane_buf), red);
+    balance_finish<1>(p, B, cps, reinterpret_cast<ChunkLane<1>*>(lane_buf), red);
   }
 }
 

@@ -12,6 +12,7 @@
 #include <stdexcept>
 
 #include "common/check.h"
+#include "common/chunk_sums.cuh"
 #include "common/dispatch.cuh"
 #include "common/vec.cuh"
 #include "common/warp.cuh"
@@ -410,8 +411,74 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
   return total;
 }
 
+// The forward's last block: the counts over every chunk, the aux scores' sums and picks per sequence, and the
+// loss. `lanes` reuses the dynamic shared memory (fused_fwd sizes it for both uses); `red` holds one float a
+// warp. With several sequences, each sequence's sums go back into its first chunk's row of the workspace and
+// are added per expert in sequence order.
+template <int VEC>
+__device__ void fused_finish(const FusedParams& p, const FusedLayout& L, const FusedPartials& q, ChunkLane<VEC>* lanes,
+                             float* red) {
+  constexpr int kAcc = VEC == 4 ? 4 : 4;  // the kernel's registers stay those of its chunk loop
+  const int E = p.topk.num_experts;
+  if (p.counts != nullptr) {
+    chunk_column_sums<VEC, kAcc>(nullptr, q.picks, E, 1, L.chunks, lanes,
+                                 [&](int64_t, int64_t e, float, int32_t n) { p.counts[e] = n; });
+  }
+  float aux_part = 0.f, seq_part = 0.f, z = 0.f;
+  if (L.stats) {
+    const int64_t B = L.chunks / (L.chunks_per_seq > 0 ? L.chunks_per_seq : 1);
+    chunk_column_sums<VEC, kAcc>(q.sums, q.aux_picks, E, B, L.chunks_per_seq, lanes,
+                                 [&](int64_t b, int64_t e, float sb, int32_t nb) {
+                                   if (p.seq_scale != 0.f) {
+                                     p.seq_counts[b * E + e] = nb;
+                                     seq_part += sb * float(nb);
+                                   }
+                                   if (B == 1) {
+                                     if (p.aux_scale != 0.f) p.aux_counts[e] = nb, aux_part += sb * float(nb);
+                                   } else {
+                                     const int64_t at = b * L.chunks_per_seq * E + e;
+                                     q.sums[at] = sb;
+                                     q.aux_picks[at] = nb;
+                                   }
+                                 });
+    if (B != 1 && p.aux_scale != 0.f) {  // (no sequence: zero counts)
+      __syncthreads();  // the per-sequence sums above, written by other threads of this block
+      for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        float total = 0.f;
+        int32_t n_aux = 0;
+        for (int64_t b = 0; b < B; ++b) {
+          const int64_t at = b * L.chunks_per_seq * E + e;
+          total += __ldcg(&q.sums[at]);
+          n_aux += __ldcg(&q.aux_picks[at]);
+        }
+        p.aux_counts[e] = n_aux;
+        aux_part += total * float(n_aux);
+      }
+    }
+    aux_part = block_sum(aux_part, red);
+    seq_part = block_sum(seq_part, red);
+  }
+  if (L.z) {
+    __syncthreads();  // block_sum's last reads of `red`, which the lanes overlap
+    chunk_column_sums<1, 4>(q.lse2, nullptr, 1, 1, L.chunks, reinterpret_cast<ChunkLane<1>*>(lanes),
+                            [&](int64_t, int64_t, float s, int32_t) { z = s; });
+  }
+  if (threadIdx.x == 0) {  // the thread that took the z sum (item 0, lane 0)
+    bool any = false;
+    float loss = 0.f;
+    if (p.aux_scale != 0.f) loss = p.aux_scale * aux_part, any = true;
+    if (p.seq_scale != 0.f) loss = any ? loss + p.seq_scale * seq_part : p.seq_scale * seq_part, any = true;
+    if (L.z) {
+      const float zl = p.topk.num_tokens > 0 ? p.z_coeff * (z / float(p.topk.num_tokens)) : 0.f;
+      loss = any ? loss + zl : zl;
+    }
+    *p.loss = loss;
+    *p.counter = 0u;  // ready for the next launch on this stream
+  }
+}
+
 template <typename T>
-__global__ void fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) {
+__global__ void __launch_bounds__(256, 4) fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) {
   extern __shared__ float smem[];
   const TopkParams& tp = p.topk;
   const int E = tp.num_experts, k = tp.k;
@@ -485,7 +552,8 @@ __global__ void fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) 
     __syncthreads();
   }
 
-  // The last block to finish adds the partials of every chunk, in chunk order.
+  // The last block to finish adds the partials of every chunk (common/chunk_sums.cuh: the chunks split over
+  // lanes, 16-byte loads where E % 4 == 0, a fixed order).
   __shared__ uint32_t is_last;
   __threadfence();
   __syncthreads();
@@ -493,55 +561,10 @@ __global__ void fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) 
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  float aux_part = 0.f, seq_part = 0.f;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    if (p.counts != nullptr) {
-      int32_t n = 0;
-      for (int64_t c = 0; c < L.chunks; ++c) n += __ldcg(&q.picks[c * E + e]);
-      p.counts[e] = n;
-    }
-    if (!L.stats) continue;
-    const int64_t B = L.chunks / (L.chunks_per_seq > 0 ? L.chunks_per_seq : 1);
-    float total = 0.f, seq_total = 0.f;
-    int32_t n_aux = 0;
-    for (int64_t b = 0; b < B; ++b) {
-      float sb = 0.f;
-      int32_t nb = 0;
-      for (int64_t j = 0; j < L.chunks_per_seq; ++j) {
-        const int64_t c = b * L.chunks_per_seq + j;
-        sb += __ldcg(&q.sums[c * E + e]);
-        nb += __ldcg(&q.aux_picks[c * E + e]);
-      }
-      total += sb;
-      n_aux += nb;
-      if (p.seq_scale != 0.f) {
-        p.seq_counts[b * E + e] = nb;
-        seq_total += sb * float(nb);
-      }
-    }
-    if (p.aux_scale != 0.f) {
-      p.aux_counts[e] = n_aux;
-      aux_part += total * float(n_aux);
-    }
-    seq_part += seq_total;
-  }
-  if (L.stats) {
-    aux_part = block_sum(aux_part, red);
-    seq_part = block_sum(seq_part, red);
-  }
-  if (threadIdx.x == 0) {
-    bool any = false;
-    float loss = 0.f;
-    if (p.aux_scale != 0.f) loss = p.aux_scale * aux_part, any = true;
-    if (p.seq_scale != 0.f) loss = any ? loss + p.seq_scale * seq_part : p.seq_scale * seq_part, any = true;
-    if (L.z) {
-      float z = 0.f;
-      for (int64_t c = 0; c < L.chunks; ++c) z += __ldcg(&q.lse2[c]);
-      const float zl = tp.num_tokens > 0 ? p.z_coeff * (z / float(tp.num_tokens)) : 0.f;
-      loss = any ? loss + zl : zl;
-    }
-    *p.loss = loss;
-    *p.counter = 0u;  // ready for the next launch on this stream
+  if (E % 4 == 0) {
+    fused_finish<4>(p, L, q, reinterpret_cast<ChunkLane<4>*>(smem), red);
+  } else {
+    fused_finish<1>(p, L, q, reinterpret_cast<ChunkLane<1>*>(smem), red);
   }
 }
 
@@ -729,7 +752,10 @@ void fused_fwd(const FusedParams& p, cudaStream_t stream) {
   const int E = tp.num_experts, W = fused_warps(E);
   const int64_t want = L.chunks > 0 ? L.chunks : 1;  // one block at least: it writes the counts and the loss
   const unsigned blocks = unsigned(want < kMaxRouterBlocks ? want : kMaxRouterBlocks);
-  const size_t smem = size_t(W) * 12 * E + 8 * size_t(E) + 8 * size_t(W);
+  // The chunk loop's arrays, or the last block's lanes (common/chunk_sums.cuh) if they are larger (small E).
+  const size_t chunk_smem = size_t(W) * 12 * E + 8 * size_t(E) + 8 * size_t(W);
+  const size_t lanes_smem = chunk_lanes_bytes<4>(W * 32);
+  const size_t smem = chunk_smem > lanes_smem ? chunk_smem : lanes_smem;
   const FusedPartials q = fused_partials(p.workspace, L, E);
   by_float_dtype(tp.dtype, "router_fused", [&]<typename T>() {
     fused_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p, L, q);

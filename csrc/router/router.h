@@ -90,9 +90,10 @@ void aux_scores_bwd(const AuxScoresBwdParams& p, cudaStream_t stream);
 // router_fused_reference).
 //
 // Every float sum has a fixed order, whatever the GPU: rows are cut into chunks of kFusedChunkRows inside
-// each sequence; a chunk's sums are per warp in row order, then over the warps in order; the loss adds the
-// chunks in order. The forward's last block (an atomic ticket on `counter`, which it leaves at zero) adds
-// the chunks' partials and writes the counts and the loss, so the forward is one launch.
+// each sequence; a chunk's sums are per warp in row order, then over the warps in order; the chunks are
+// added in an order fixed by the shapes (common/chunk_sums.cuh). The forward's last block (an atomic ticket
+// on `counter`, which it leaves at zero) adds the chunks' partials and writes the counts and the loss, so
+// the forward is one launch.
 constexpr int kFusedMaxExperts = 1024;  // per-warp score sums and the chunk's counts live in shared memory
 constexpr int kFusedChunkRows = 64;
 
