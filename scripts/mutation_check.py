@@ -285,6 +285,14 @@ MUTANTS = (
         "        for (int64_t b = 0; b < 1; ++b) {\n          const int64_t at = b * L.chunks_per_seq * E + e;\n",
         ("tests/ops/test_router_fused_gpu.py", "-k", "test_router_fused_matches_reference and sqrtsoftplus-all"),
     ),
+    Mutant(
+        "few-expert ties to the higher index",
+        "small_best: the thread-per-token top-k keeps the last of equal keys, where the warp kernels keep the first",
+        "router/router.cu",
+        "    if (e >= lo && e < hi && key[e] > b.key) b = {key[e], e};\n",
+        "    if (e >= lo && e < hi && key[e] >= b.key) b = {key[e], e};\n",
+        ("tests/ops/test_router_gpu.py", "-k", "test_few_experts_match_the_warp_kernels"),
+    ),
 )
 
 

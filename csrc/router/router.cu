@@ -258,6 +258,212 @@ __global__ void topk_bwd_kernel(TopkBwdParams p) {
                         [&](int64_t t, int lane, float*, uint32_t*) { topk_bwd_token<T>(p, t, lane); });
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Few experts (E <= 16: Mixtral's and Grok's 8, DBRX's and Phi-3.5-MoE's 16) without a group limit: one
+// thread per token, the row in registers (N = 8 or 16 slots). A warp per token left 32 - E lanes idle and spent each of the k picks on
+// two warp reductions. The results are the warp kernels' bit for bit: every order-dependent sum is the
+// warp's xor butterfly, replayed on N slots (the lanes past them hold +0), and every pick takes the largest
+// key, the lower index on ties.
+
+constexpr int kSmallExperts = 16;
+constexpr int kSmallThreads = 256;
+
+// The sum warp_sum gives when lanes [0, n) hold v and the others +0 (n <= N <= 16): the offsets past N add
+// +0 (once is enough: x + 0 + 0 = x + 0), then the butterfly over the N slots.
+template <int N>
+__device__ __forceinline__ float butterfly_sum(const float (&v)[N], int n) {
+  float a[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) a[i] = (i < n ? v[i] : 0.f) + 0.f;
+#pragma unroll
+  for (int off = N / 2; off > 0; off /= 2) {
+#pragma unroll
+    for (int i = 0; i < off; ++i) a[i] = a[i] + a[i + off];
+  }
+  return a[0];
+}
+
+// Largest key among [lo, hi) (lower index on ties); {kTaken, -1} if every one is taken.
+template <int N>
+__device__ __forceinline__ Best small_best(const uint32_t (&key)[N], int lo, int hi) {
+  Best b{kTaken, -1};
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    if (e >= lo && e < hi && key[e] > b.key) b = {key[e], e};
+  }
+  return b;
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void topk_fwd_small_token(const TopkParams& p, int64_t t) {
+  const int E = p.num_experts, k = p.k;
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+  float x[N];
+  float m = -INFINITY;
+#pragma unroll
+  for (int e = 0; e < N; ++e) {
+    x[e] = e < E ? load(row, e) : 0.f;
+    if (e < E) m = fmaxf(m, x[e]);
+  }
+  float denom = 1.f;
+  if (p.pre_softmax) {
+    float s[N];
+#pragma unroll
+    for (int e = 0; e < N; ++e) s[e] = e < E ? expf(x[e] - m) : 0.f;
+    denom = butterfly_sum(s, E);
+  }
+  auto selection = [&](int e) {
+    if (p.score == Score::kSoftmax) return p.pre_softmax ? expf(x[e] - m) / denom : x[e];
+    const float s = activation(p.score, x[e]);
+    return p.bias != nullptr ? s + p.bias[e] : s;
+  };
+  uint32_t key[N];
+#pragma unroll
+  for (int e = 0; e < N; ++e) key[e] = e < E ? order_key(selection(e)) : kTaken;
+
+  float xc[N];  // the chosen logits, pick order
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    xc[r] = 0.f;
+    if (r < k) {
+      const Best b = small_best(key, 0, E);
+      p.indices[t * k + r] = b.e;
+#pragma unroll
+      for (int e = 0; e < N; ++e) {
+        if (e == b.e) key[e] = kTaken, xc[r] = x[e];
+      }
+    }
+  }
+  float w[N];
+  if (p.score == Score::kSoftmax && !p.pre_softmax) {
+    float mk = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < N; ++r) mk = r < k ? fmaxf(mk, xc[r]) : mk;
+    float ex[N];
+#pragma unroll
+    for (int r = 0; r < N; ++r) ex[r] = r < k ? expf(xc[r] - mk) : 0.f;
+    const float sum = butterfly_sum(ex, k);
+#pragma unroll
+    for (int r = 0; r < N; ++r) w[r] = ex[r] / sum;
+  } else if (p.score == Score::kSoftmax) {
+#pragma unroll
+    for (int r = 0; r < N; ++r) w[r] = expf(xc[r] - m) / denom;
+  } else {
+#pragma unroll
+    for (int r = 0; r < N; ++r) w[r] = activation(p.score, xc[r]);
+    if (p.normalize) {
+      const float total = butterfly_sum(w, k) + kNormEps;
+#pragma unroll
+      for (int r = 0; r < N; ++r) w[r] = w[r] / total;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    if (r < k) p.weights[t * k + r] = w[r] * p.scaling_factor;
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kSmallThreads) topk_fwd_small_kernel(TopkParams p) {
+  for (int64_t t = int64_t(blockIdx.x) * kSmallThreads + threadIdx.x; t < p.num_tokens;
+       t += int64_t(gridDim.x) * kSmallThreads) {
+    topk_fwd_small_token<T, N>(p, t);
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void topk_bwd_small_token(const TopkBwdParams& p, int64_t t) {
+  const int E = p.num_experts, k = p.k;
+  const T* row = static_cast<const T*>(p.logits) + t * E;
+  float* grad = p.grad_logits + t * E;
+  int32_t e_r[N];
+  float x[N], g[N];
+#pragma unroll
+  for (int r = 0; r < N; ++r) {
+    int32_t e = r < k ? p.indices[t * k + r] : -1;
+    if (e >= E) e = -1;  // never out of bounds, whatever the indices hold
+    e_r[r] = e;
+    x[r] = e >= 0 ? load(row, e) : 0.f;
+    g[r] = e >= 0 ? p.grad_weights[t * k + r] * p.scaling_factor : 0.f;
+  }
+  float out[N];
+  float dx[N];
+  if (p.score == Score::kSoftmax && p.pre_softmax) {  // as topk_bwd_token
+    float xs[N];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      xs[i] = i < E ? load(row, i) : 0.f;
+      if (i < E) m = fmaxf(m, xs[i]);
+    }
+    float s[N];
+#pragma unroll
+    for (int i = 0; i < N; ++i) s[i] = i < E ? expf(xs[i] - m) : 0.f;
+    const float denom = butterfly_sum(s, E);
+    float w[N], gw[N];
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      w[r] = e_r[r] >= 0 ? expf(x[r] - m) / denom : 0.f;
+      gw[r] = g[r] * w[r];
+    }
+    const float dot = butterfly_sum(gw, k);
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = -(expf(xs[i] - m) / denom) * dot;
+#pragma unroll
+    for (int r = 0; r < N; ++r) dx[r] = w[r] * (g[r] - dot);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = 0.f;
+    if (p.score == Score::kSoftmax) {  // as chosen_grad: softmax over the k chosen logits
+      float mk = -INFINITY;
+#pragma unroll
+      for (int r = 0; r < N; ++r) mk = e_r[r] >= 0 ? fmaxf(mk, x[r]) : mk;
+      float ex[N], w[N], gw[N];
+#pragma unroll
+      for (int r = 0; r < N; ++r) ex[r] = e_r[r] >= 0 ? expf(x[r] - mk) : 0.f;
+      const float sum = butterfly_sum(ex, k);
+#pragma unroll
+      for (int r = 0; r < N; ++r) w[r] = ex[r] / sum, gw[r] = g[r] * w[r];
+      const float dot = butterfly_sum(gw, k);
+#pragma unroll
+      for (int r = 0; r < N; ++r) dx[r] = w[r] * (g[r] - dot);
+    } else {
+      float s[N], ds[N];
+#pragma unroll
+      for (int r = 0; r < N; ++r) s[r] = e_r[r] >= 0 ? activation(p.score, x[r]) : 0.f, ds[r] = g[r];
+      if (p.normalize) {
+        const float denom = butterfly_sum(s, k) + kNormEps;
+        float gs[N];
+#pragma unroll
+        for (int r = 0; r < N; ++r) gs[r] = g[r] * (s[r] / denom);
+        const float dot = butterfly_sum(gs, k);
+#pragma unroll
+        for (int r = 0; r < N; ++r) ds[r] = (g[r] - dot) / denom;
+      }
+#pragma unroll
+      for (int r = 0; r < N; ++r) {
+        dx[r] = e_r[r] >= 0 ? ds[r] * activation_grad(p.score, x[r], s[r]) : 0.f;
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    if (i < E) grad[i] = out[i];
+  }
+#pragma unroll
+  for (int r = 0; r < N; ++r) {  // the chosen experts' entries, after the row's (the thread's own stores, in order)
+    if (e_r[r] >= 0) grad[e_r[r]] = dx[r];
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kSmallThreads) topk_bwd_small_kernel(TopkBwdParams p) {
+  for (int64_t t = int64_t(blockIdx.x) * kSmallThreads + threadIdx.x; t < p.num_tokens;
+       t += int64_t(gridDim.x) * kSmallThreads) {
+    topk_bwd_small_token<T, N>(p, t);
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ void aux_scores_fwd_token(const AuxScoresParams& p, int64_t t, float* xs, uint32_t* keys,
                                                      int lane) {
@@ -650,6 +856,12 @@ __global__ void fused_bwd_kernel(FusedBwdParams p) {
   });
 }
 
+// One thread per token, the grid capped as router_blocks caps it (the kernels stride past it).
+unsigned small_blocks(int64_t num_tokens) {
+  const int64_t want = num_tokens / kSmallThreads + (num_tokens % kSmallThreads != 0);
+  return unsigned(want < kMaxRouterBlocks ? want : kMaxRouterBlocks);
+}
+
 void check_sizes(int E, int k, const char* what) {
   if (E < 1 || E > kMaxExperts) throw std::invalid_argument(std::string(what) + ": num_experts out of range");
   if (k < 1 || k > kMaxK || k > E) throw std::invalid_argument(std::string(what) + ": k out of range");
@@ -677,6 +889,18 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
     throw std::invalid_argument("router_topk: invalid group configuration");
   }
   if (p.num_tokens == 0) return;
+  if (p.num_experts <= kSmallExperts && p.num_groups == 1) {
+    const unsigned blocks = small_blocks(p.num_tokens);
+    by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
+      if (p.num_experts <= 8) {
+        topk_fwd_small_kernel<T, 8><<<blocks, kSmallThreads, 0, stream>>>(p);
+      } else {
+        topk_fwd_small_kernel<T, 16><<<blocks, kSmallThreads, 0, stream>>>(p);
+      }
+    });
+    check_launch("router topk_fwd_small_kernel");
+    return;
+  }
   const int W = router_fwd_warps(p.num_experts);
   const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
   const size_t smem = size_t(W) * 8 * p.num_experts;
@@ -689,6 +913,18 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
 void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_topk backward");
   if (p.num_tokens == 0) return;
+  if (p.num_experts <= kSmallExperts) {
+    const unsigned blocks = small_blocks(p.num_tokens);
+    by_float_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
+      if (p.num_experts <= 8) {
+        topk_bwd_small_kernel<T, 8><<<blocks, kSmallThreads, 0, stream>>>(p);
+      } else {
+        topk_bwd_small_kernel<T, 16><<<blocks, kSmallThreads, 0, stream>>>(p);
+      }
+    });
+    check_launch("router topk_bwd_small_kernel");
+    return;
+  }
   const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterBwdWarps));
   by_float_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
     topk_bwd_kernel<T><<<blocks, kRouterBwdWarps * 32, 0, stream>>>(p);

@@ -31,8 +31,9 @@ CONFIGS = {
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the logits dtypes the kernels take
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-SHAPES = [(0, 8, 2), (1, 8, 1), (1, 1024, 8), (2048, 8, 8), (2048, 64, 4), (2048, 128, 8), (64, 1024, 32),
-          (2048, 1024, 32), (16384, 256, 8)]
+# E <= 16 without a group limit takes the thread-per-token kernels (8 slots up to E = 8, 16 past it).
+SHAPES = [(0, 8, 2), (1, 8, 1), (1, 1024, 8), (777, 5, 3), (2048, 8, 2), (2048, 8, 8), (999, 16, 4), (300, 11, 11),
+          (2048, 64, 4), (2048, 128, 8), (64, 1024, 32), (2048, 1024, 32), (16384, 256, 8)]
 
 
 def _cases():
@@ -227,6 +228,31 @@ def test_non_finite_logits(cuda, name, dtype):
     torch.testing.assert_close(w.cpu(), ref_w, rtol=1e-5, atol=1e-6, equal_nan=True,
                                msg=lambda m: f"weights {name} {dtype}: {m}")
     assert not torch.isfinite(ref_w).all(), f"{name}: the inputs should reach non-finite weights"
+
+
+@pytest.mark.parametrize("name", [n for n, c in CONFIGS.items() if "num_groups" not in c])
+@pytest.mark.parametrize("E,k", [(2, 1), (5, 3), (8, 2), (9, 9), (16, 4)])
+def test_few_experts_match_the_warp_kernels(cuda, name, E, k):
+    # router_topk's thread-per-token kernels (E <= 16) against router_fused's warp per token, which shares the
+    # warp kernels' code: the same picks, weights and logits gradient bit for bit (the thread replays the
+    # warp's butterfly sums), on ties and non-finite logits too.
+    cfg = CONFIGS[name]
+    T = 513
+    logits, bias = _inputs(T, E, torch.float32, cfg, seed=E * 31 + k)
+    logits[::7] = logits[::7].round()  # ties
+    logits[5, 0], logits[6, :] = float("nan"), float("-inf")
+    kw = _kwargs(cfg, None if bias is None else bias.to(cuda))
+    kw.setdefault("normalize", k > 1)  # router_topk's default; router_fused takes it resolved
+    g = torch.randn(T, k).to(cuda)
+    x = logits.to(cuda, copy=True).requires_grad_()
+    w, idx = mk.router_topk(x, k, **kw)
+    w.backward(g)
+    y = logits.to(cuda, copy=True).requires_grad_()
+    out = mk.router_fused(y, k, **kw)
+    out[0].backward(g)
+    assert_exact(idx, out[1], "indices")
+    assert_exact(w.detach(), out[0].detach(), "weights")
+    assert_exact(x.grad, y.grad, "logits gradient")
 
 
 def test_deterministic(cuda):
