@@ -186,7 +186,8 @@ def test_byte_and_flop_counts():
     assert br.nbytes("router_topk_fwd_bwd", c) == fwd + T * k * 4 + T * E * 4 + T * k * 4 + T * E * 4
     lc = bl.Case("qwen3-30b-a3b", 4096, *bl.MODELS["qwen3-30b-a3b"])
     assert bl.nbytes("tokens_per_expert", lc) == 4096 * 8 * 4 + 128 * 4
-    assert bl.nbytes("aux_loss_fwd_bwd", lc) == 2 * 4096 * 128 * 4 + 128 * 4 + 4
+    # scores read, counts read, the loss, and the gradient's one [E] row (broadcast over the T rows)
+    assert bl.nbytes("aux_loss_fwd_bwd", lc) == 4096 * 128 * 4 + 128 * 4 + 4 + 128 * 4
     # grouped_mm at qwen3-30b-a3b w13 with an empty expert: only the non-empty experts' weights are read
     gc = bg.Case("qwen3-30b-a3b", 8192, 2048, 768, 128, 8, 1, "uniform", "w13")
     sizes = (0,) + (512,) * 127
