@@ -37,6 +37,20 @@ __device__ __forceinline__ void load_cg(const T* p, T* out) {
   }
 }
 
+// True in every thread of the block that is the launch's last to get here, by an atomic ticket on `counter`
+// (zero at launch; that block leaves it at zero again, after its finish). Every block's global writes before
+// the call are visible to it. Every thread of each block calls it.
+__device__ inline bool is_last_block(uint32_t* counter) {
+  __shared__ uint32_t last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1 ? 1u : 0u;
+  __syncthreads();
+  const bool is_last = last != 0u;
+  if (is_last) __threadfence();
+  return is_last;
+}
+
 template <int VEC>
 struct ChunkLane {
   float f[VEC];

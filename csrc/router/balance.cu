@@ -129,7 +129,6 @@ __global__ void __launch_bounds__(kPartialThreads)
   __shared__ float lane_sums[kPartialThreads];
   __shared__ __align__(16) unsigned char lane_buf[chunk_lanes_bytes<4>(kPartialThreads)];
   __shared__ double red[kPartialThreads];
-  __shared__ uint32_t is_last;
   const int64_t chunk = blockIdx.x;
   const int64_t b = chunk / cps, c = chunk % cps;
   const int64_t seq_end = (b + 1) * p.seq_len;
@@ -162,13 +161,7 @@ __global__ void __launch_bounds__(kPartialThreads)
     for (int64_t e = threadIdx.x; e < E; e += kPartialThreads) p.partial_counts[chunk * E + e] = hist[e];
   }
 
-  // The last block to finish adds the partials of every chunk.
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1 ? 1u : 0u;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!is_last_block(p.counter)) return;  // the last block adds the partials of every chunk
   if (vec4) {
     balance_finish<4>(p, B, cps, reinterpret_cast<ChunkLane<4>*>(lane_buf), red);
   } else {

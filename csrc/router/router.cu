@@ -760,13 +760,7 @@ __global__ void __launch_bounds__(256, 4) fused_fwd_kernel(FusedParams p, FusedL
 
   // The last block to finish adds the partials of every chunk (common/chunk_sums.cuh: the chunks split over
   // lanes, 16-byte loads where E % 4 == 0, a fixed order).
-  __shared__ uint32_t is_last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(p.counter, 1u) == gridDim.x - 1 ? 1u : 0u;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence();
+  if (!is_last_block(p.counter)) return;
   if (E % 4 == 0) {
     fused_finish<4>(p, L, q, reinterpret_cast<ChunkLane<4>*>(smem), red);
   } else {
