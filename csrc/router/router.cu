@@ -260,10 +260,10 @@ __global__ void topk_bwd_kernel(TopkBwdParams p) {
 
 // ---------------------------------------------------------------------------------------------------
 // Few experts (E <= 16: Mixtral's and Grok's 8, DBRX's and Phi-3.5-MoE's 16) without a group limit: one
-// thread per token, the row in registers (N = 8 or 16 slots). A warp per token left 32 - E lanes idle and spent each of the k picks on
-// two warp reductions. The results are the warp kernels' bit for bit: every order-dependent sum is the
-// warp's xor butterfly, replayed on N slots (the lanes past them hold +0), and every pick takes the largest
-// key, the lower index on ties.
+// thread per token, the row in registers (N = 8 or 16 slots). A warp per token left 32 - E lanes idle and
+// spent each of the k picks on two warp reductions. The results are the warp kernels' bit for bit: every
+// order-dependent sum is the warp's xor butterfly, replayed on N slots (the lanes past them hold +0), and
+// every pick takes the largest key, the lower index on ties.
 
 constexpr int kSmallExperts = 16;
 constexpr int kSmallThreads = 256;
@@ -624,7 +624,7 @@ __device__ __forceinline__ float block_sum(float v, float* red) {
 template <int VEC>
 __device__ void fused_finish(const FusedParams& p, const FusedLayout& L, const FusedPartials& q, ChunkLane<VEC>* lanes,
                              float* red) {
-  constexpr int kAcc = VEC == 4 ? 4 : 4;  // the kernel's registers stay those of its chunk loop
+  constexpr int kAcc = 4;  // loads in flight a lane; the kernel's registers stay those of its chunk loop
   const int E = p.topk.num_experts;
   if (p.counts != nullptr) {
     chunk_column_sums<VEC, kAcc>(nullptr, q.picks, E, 1, L.chunks, lanes,
@@ -850,12 +850,6 @@ __global__ void fused_bwd_kernel(FusedBwdParams p) {
   });
 }
 
-// One thread per token, the grid capped as router_blocks caps it (the kernels stride past it).
-unsigned small_blocks(int64_t num_tokens) {
-  const int64_t want = num_tokens / kSmallThreads + (num_tokens % kSmallThreads != 0);
-  return unsigned(want < kMaxRouterBlocks ? want : kMaxRouterBlocks);
-}
-
 void check_sizes(int E, int k, const char* what) {
   if (E < 1 || E > kMaxExperts) throw std::invalid_argument(std::string(what) + ": num_experts out of range");
   if (k < 1 || k > kMaxK || k > E) throw std::invalid_argument(std::string(what) + ": k out of range");
@@ -884,7 +878,7 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
   }
   if (p.num_tokens == 0) return;
   if (p.num_experts <= kSmallExperts && p.num_groups == 1) {
-    const unsigned blocks = small_blocks(p.num_tokens);
+    const unsigned blocks = unsigned(router_blocks(p.num_tokens, kSmallThreads));  // a token a thread
     by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
       if (p.num_experts <= 8) {
         topk_fwd_small_kernel<T, 8><<<blocks, kSmallThreads, 0, stream>>>(p);
@@ -908,7 +902,7 @@ void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_topk backward");
   if (p.num_tokens == 0) return;
   if (p.num_experts <= kSmallExperts) {
-    const unsigned blocks = small_blocks(p.num_tokens);
+    const unsigned blocks = unsigned(router_blocks(p.num_tokens, kSmallThreads));  // a token a thread
     by_float_dtype(p.dtype, "router_topk backward", [&]<typename T>() {
       if (p.num_experts <= 8) {
         topk_bwd_small_kernel<T, 8><<<blocks, kSmallThreads, 0, stream>>>(p);

@@ -197,12 +197,16 @@ def _aux_loss_setup(ctx, inputs, output):
     ctx.scale = _aux_scale(coeff, scores.shape[1], k, scores.shape[0])
 
 
+def _grad_rows(counts, T, S):
+    """(rows, seq_len) the balance backward writes: one row for one sequence (every row's gradient is the same
+    [E], returned broadcast over the T rows, as sum's backward), else all T."""
+    return (1, 1) if counts.shape[0] == 1 else (T, S)
+
+
 def _balance_backward(grad, counts, T, S, scale, dtype):
     # With create_graph the composition keeps the (linear) dependence on `grad` differentiable.
     bwd = balance_loss_bwd_reference if torch.is_grad_enabled() else torch.ops.moe_kernels.balance_loss_bwd
-    if counts.shape[0] == 1:  # one sequence: every row's gradient is the same [E], returned broadcast
-        return bwd(grad, counts, 1, 1, scale, dtype).expand(T, counts.shape[1])
-    return bwd(grad, counts, T, S, scale, dtype)
+    return bwd(grad, counts, *_grad_rows(counts, T, S), scale, dtype).expand(T, counts.shape[1])
 
 
 def _aux_loss_backward(ctx, grad):
@@ -606,14 +610,12 @@ class _BalanceEager(torch.autograd.Function):
             g = _balance_backward(grad, counts, ctx.T, ctx.S, ctx.scale, ctx.dtype)
         else:
             L = ctx.L
-            one = counts.shape[0] == 1  # one sequence: one [E] row, returned broadcast over the T rows
-            T, S = (1, 1) if one else (ctx.T, ctx.S)
+            T, S = _grad_rows(counts, ctx.T, ctx.S)
             g = torch.empty((T, counts.shape[1]), dtype=ctx.dtype, device=grad.device)
             grad = grad.contiguous()
             L.C.balance_loss_bwd(grad.data_ptr(), _ext.ptr(counts), counts.dtype == torch.int64, _ext.ptr(g), T,
                                  counts.shape[1], S, ctx.scale, _EAGER_DTYPES[ctx.dtype], L.device, L.stream)
-            if one:
-                g = g.expand(ctx.T, counts.shape[1])
+            g = g.expand(ctx.T, counts.shape[1])
         return g, None, None, None, None, None, None
 
 
