@@ -16,6 +16,28 @@ if EMULATED:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = True
 _DRY_RUN_DEVICE = os.environ.get("MOE_KERNELS_TEST_DEVICE") or ("cpu" if EMULATED else None)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest -n N: N worker processes share the machine's cores, one intra-op thread each.
+    torch.set_num_threads(1)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """`pytest -n auto`: a worker a core, at most one per 3 GB of memory (a worker holds torch,
+    transformers and a test's models; the distributed tests fork 2-8 ranks of their own) and at most 8.
+    None with a CUDA device: the GPU tier's large cases expect the device to themselves. The emulated
+    kernels run one CUDA thread at a time, so their tiers gain the most. PYTEST_XDIST_AUTO_NUM_WORKERS
+    still decides where it is set."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    if torch.cuda.is_available():
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem_gb = 3.0 * cores
+    return max(1, min(cores, int(mem_gb // 3), 8))
 
 
 def pytest_collection_modifyitems(config, items):

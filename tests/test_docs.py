@@ -80,7 +80,7 @@ def test_relative_links_resolve():
 def test_readme_gives_the_commands_ci_runs():
     readme = (ROOT / "README.md").read_text()
     assert "\npip install -e . && moe-train\n" in readme
-    tests = 'pip install -e ".[test]" && python -m pytest -q'
+    tests = 'pip install -e ".[test]" && python -m pytest -q -n auto'
     assert f"\n{tests}\n" in readme and tests in (ROOT / ".ci" / "run").read_text()
     # A newcomer's page: the reference lives in docs/.
     assert len(readme.splitlines()) < 200

@@ -351,9 +351,10 @@ def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
 
 def _logits_in_fresh_process(tmp_path, load: str, ids, check: str) -> torch.Tensor:
     """Runs `load` (lines that define the model `m`) in a fresh interpreter, counts the experts' grouped_mm
-    calls in `calls` (for `check` to assert on) and returns m's logits on `ids`."""
+    calls in `calls` (for `check` to assert on) and returns m's logits on `ids`. The interpreter takes this
+    process's intra-op thread count: a CPU matmul's sums depend on it, and the callers compare bit for bit."""
     script = (
-        "import sys, torch\n" + load +
+        f"import sys, torch\ntorch.set_num_threads({torch.get_num_threads()})\n" + load +
         "from moe_kernels.integrations import hf\n"
         "calls = []\nreal = hf.grouped_mm\nhf.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
         f"ids = torch.tensor({ids.tolist()})\n"

@@ -76,7 +76,7 @@ def test_a_200mb_model_never_whole_on_a_rank(tmp_path):
     old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)  # read by each spawned rank's C library at start
     try:
-        run_world(_worker, 4, str(tmp_path))
+        run_world(_worker, 4, str(tmp_path), fresh=True)
     finally:
         if old is None:
             del os.environ["MALLOC_MMAP_THRESHOLD_"]
