@@ -93,6 +93,7 @@ void swiglu_bwd_fp8(const SwigluBwdFp8Params& p, cudaStream_t stream) {
   if (reinterpret_cast<uintptr_t>(p.h) % 16 || reinterpret_cast<uintptr_t>(p.dout) % 16) {
     throw std::invalid_argument("swiglu_bwd_quantize_fp8: dout and h must be 16-byte aligned");
   }
+  quant::check_code_alignment("swiglu_bwd_quantize_fp8", p.q, p.q_t);
   const int64_t col_tiles = p.ffn / kFp8Block;
   const int64_t tiles = (p.rows + kFp8Block - 1) / kFp8Block * col_tiles;
   if (tiles == 0) return;

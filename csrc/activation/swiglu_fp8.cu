@@ -68,6 +68,7 @@ void swiglu_fwd_fp8(const SwigluFp8Params& p, cudaStream_t stream) {
   if (p.rows < 0 || p.ffn < 0) throw std::invalid_argument("swiglu_quantize_fp8: negative size");
   if (p.ffn % kFp8Block) throw std::invalid_argument("swiglu_quantize_fp8: F must be a multiple of 128");
   if (reinterpret_cast<uintptr_t>(p.h) % 16) throw std::invalid_argument("swiglu_quantize_fp8: h must be 16-byte aligned");
+  quant::check_code_alignment("swiglu_quantize_fp8", p.q, p.q_t);
   const int64_t col_tiles = p.ffn / kFp8Block;
   const int64_t tiles = (p.rows + kFp8Block - 1) / kFp8Block * col_tiles;
   if (tiles == 0) return;

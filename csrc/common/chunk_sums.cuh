@@ -59,7 +59,7 @@ struct ChunkLane {
 
 // Shared memory the caller provides: one ChunkLane<VEC> per thread.
 template <int VEC>
-constexpr size_t chunk_lanes_bytes(int threads) {
+__host__ __device__ constexpr size_t chunk_lanes_bytes(int threads) {
   return sizeof(ChunkLane<VEC>) * size_t(threads);
 }
 

@@ -177,8 +177,8 @@ __global__ void __launch_bounds__(kThreads)
       if (in && fu.a_rows == nullptr) {
         v = to_float(A[(i0 + i) * sai + (r0 + r) * sar]);
       } else if (in) {  // the gathered dimension is the group's rows: i (fwd, dgrad) or r (wgrad)
-        v = sar == 1 ? gathered(A, fu.a_rows, fu.gather_rows, info.row_start, i0 + i, sai, r0 + r)
-                     : gathered(A, fu.a_rows, fu.gather_rows, info.row_start, r0 + r, sar, i0 + i);
+        v = op != GemmOp::kWgrad ? gathered(A, fu.a_rows, fu.gather_rows, info.row_start, i0 + i, sai, r0 + r)
+                                 : gathered(A, fu.a_rows, fu.gather_rows, info.row_start, r0 + r, sar, i0 + i);
       }
       As[r][i] = v;
     }
@@ -548,6 +548,9 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   const size_t need = grouped_workspace_bytes(p);
   if (p.workspace_bytes < need) throw std::invalid_argument("grouped_mm: workspace too small");
   if (p.M < 0 || p.N < 0 || p.K < 0) throw std::invalid_argument("grouped_mm: negative size");
+  if (p.group_sizes == nullptr && p.M > INT32_MAX) {  // one group of every row: its row count is an int32 (GroupInfo)
+    throw std::invalid_argument("grouped_mm: without group sizes, M must be below 2^31");
+  }
   const int64_t out_rows = p.op == GemmOp::kWgrad ? p.N : p.M;
   const int64_t out_cols = p.op == GemmOp::kFwd ? p.N : p.K;
   if (out_rows == 0 || out_cols == 0) return;  // empty output

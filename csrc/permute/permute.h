@@ -74,7 +74,7 @@ struct UnpermuteBwdParams {
   const float* weights;    // [T, k] or nullptr
   void* dy;                // [R, H]: every row written (unmapped rows get zeros); nullptr: dweights only
   float* dweights;         // [T, k] or nullptr
-  uint8_t* row_mask;       // [R] zero-filled scratch
+  uint8_t* row_mask;       // [R] zero-filled scratch; may be nullptr when dy is (no zero pass)
   int64_t num_tokens;
   int64_t k;
   int64_t hidden;

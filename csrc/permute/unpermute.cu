@@ -123,7 +123,9 @@ __global__ void __launch_bounds__(kBwdThreads, kBwdMinBlocks)
       const int64_t s = t * k + j0 + b;
       r[b] = live && j0 + b < k ? checked_row(row_map, s, num_rows) : -1;
       w[b] = r[b] >= 0 && weights != nullptr ? weights[s] : 1.f;
-      if (r[b] >= 0 && lane == 0) row_mask[r[b]] = 1;
+      if constexpr (DY) {  // the marks feed the zero pass over dy; without dy there is none (row_mask may be null)
+        if (r[b] >= 0 && lane == 0) row_mask[r[b]] = 1;
+      }
     }
     float dot[kBwdSlots];
 #pragma unroll

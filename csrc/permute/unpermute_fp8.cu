@@ -68,13 +68,14 @@ __global__ void __launch_bounds__(kThreads) unpermute_bwd_fp8_kernel(UnpermuteBw
 }  // namespace
 
 void unpermute_bwd_fp8(const UnpermuteBwdFp8Params& p, cudaStream_t stream) {
-  if (p.num_rows < 0 || p.hidden < 0 || p.num_tokens < 0 || p.k < 1) {
+  if (p.num_rows < 0 || p.hidden < 0 || p.num_tokens < 0 || p.k < 0) {  // k = 0: no slot, dy all zeros
     throw std::invalid_argument("unpermute_bwd_quantize_fp8: bad size");
   }
   if (p.hidden % kFp8Block) throw std::invalid_argument("unpermute_bwd_quantize_fp8: H must be a multiple of 128");
   if (reinterpret_cast<uintptr_t>(p.dout) % 16) {
     throw std::invalid_argument("unpermute_bwd_quantize_fp8: dout must be 16-byte aligned");
   }
+  quant::check_code_alignment("unpermute_bwd_quantize_fp8", p.q, p.q_t);
   const int64_t col_tiles = p.hidden / kFp8Block;
   const int64_t tiles = (p.num_rows + kFp8Block - 1) / kFp8Block * col_tiles;
   if (tiles == 0) return;

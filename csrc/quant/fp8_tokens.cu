@@ -20,7 +20,7 @@ constexpr int kItems = 8;  // elements per vector load
 // VEC: rows start 16-byte aligned (cols % 8 == 0, aligned x): each thread loads 8 elements at once.
 template <typename T, bool VEC>
 __global__ void __launch_bounds__(kThreads) tokens_quant_kernel(Fp8TokensQuantParams p, int64_t col_tiles, int64_t tiles) {
-  __shared__ __align__(16) T tile[kFp8Block * kCols];
+  __shared__ __align__(32) T tile[kFp8Block * kCols];  // 32: the alignment of an fp32 Pack<T, kItems>
   __shared__ float red[kThreads];
   const T* x = static_cast<const T*>(p.x);
   const int64_t padded = (p.rows + kFp8Block - 1) / kFp8Block * kFp8Block;
@@ -56,6 +56,7 @@ __global__ void __launch_bounds__(kThreads) tokens_quant_kernel(Fp8TokensQuantPa
 
 void fp8_quantize_tokens(const Fp8TokensQuantParams& p, cudaStream_t stream) {
   if (p.rows < 0 || p.cols < 0) throw std::invalid_argument("quantize_fp8_tokens: negative size");
+  check_code_alignment("quantize_fp8_tokens", nullptr, p.q);
   const int64_t col_tiles = (p.cols + kCols - 1) / kCols;
   const int64_t tiles = (p.rows + kFp8Block - 1) / kFp8Block * col_tiles;
   if (tiles == 0) return;

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include "common/vec.cuh"
 #include "quant/amax.cuh"
@@ -66,6 +68,14 @@ __device__ __forceinline__ void quantize_row_block(const Pack<T, kItems>& v, flo
 #pragma unroll
   for (int j = 0; j < kItems; ++j) out.v[j] = to_fp8(__fmul_rn(to_float(v.v[j]), s), false);
   *reinterpret_cast<Pack<uint8_t, kItems>*>(q) = out;
+}
+
+// Host check for the launchers of the dual-layout producers: their stores of 8 codes at once into the row-major
+// q and of 16 into the token-major q_t need those alignments (either may be null: not written).
+inline void check_code_alignment(const char* op, const uint8_t* q, const uint8_t* q_t) {
+  if (reinterpret_cast<uintptr_t>(q) % 8 || reinterpret_cast<uintptr_t>(q_t) % 16) {
+    throw std::invalid_argument(std::string(op) + ": codes must be 8-byte (row-major) and 16-byte (token-major) aligned");
+  }
 }
 
 }  // namespace moe::quant

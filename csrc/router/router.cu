@@ -973,6 +973,9 @@ void fused_fwd(const FusedParams& p, cudaStream_t stream) {
   if (p.workspace_bytes < fused_partials_bytes(L, tp.num_experts)) {
     throw std::invalid_argument("router_fused: workspace too small");
   }
+  if (reinterpret_cast<uintptr_t>(p.workspace) % 16) {  // the last block's 16-byte loads of the partials (E % 4 == 0)
+    throw std::invalid_argument("router_fused: workspace must be 16-byte aligned");
+  }
   const int E = tp.num_experts, W = fused_warps(E);
   const int64_t want = L.chunks > 0 ? L.chunks : 1;  // one block at least: it writes the counts and the loss
   const unsigned blocks = unsigned(want < kMaxRouterBlocks ? want : kMaxRouterBlocks);

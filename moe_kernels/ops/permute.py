@@ -43,7 +43,7 @@ def _check_permute(x: Tensor, indices: Tensor, num_experts: int, align: int) -> 
     op = "permute"
     check_tensor(op, "x", x, ndim=2)
     check_tensor(op, "indices", indices, ndim=2, dtypes=INDEX_DTYPES, device=x.device)
-    check_int(op, "num_experts", num_experts, minimum=1)
+    check_int(op, "num_experts", num_experts, minimum=1, maximum=_INT32_MAX)
     check_int(op, "align", align, minimum=1, maximum=MAX_ALIGN)
     if indices.shape[0] != x.shape[0]:
         raise ValueError(
@@ -237,7 +237,7 @@ def _unpermute_bwd(
 @torch.library.custom_op("moe_kernels::tokens_per_expert", mutates_args=())
 def _tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
     check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
-    check_int("tokens_per_expert", "num_experts", num_experts, minimum=1)
+    check_int("tokens_per_expert", "num_experts", num_experts, minimum=1, maximum=_INT32_MAX)
     _check_indices_values(indices, num_experts, "tokens_per_expert")
     return tokens_per_expert_reference(indices, num_experts)
 
@@ -352,7 +352,7 @@ def _unpermute_bwd_cuda(
 @_ext.cuda_impl(_tokens_per_expert)
 def _tokens_per_expert_cuda(indices: Tensor, num_experts: int) -> Tensor:
     check_tensor("tokens_per_expert", "indices", indices, ndim=2, dtypes=INDEX_DTYPES)
-    check_int("tokens_per_expert", "num_experts", num_experts, minimum=1)
+    check_int("tokens_per_expert", "num_experts", num_experts, minimum=1, maximum=_INT32_MAX)
     C = _ext.kernels("tokens_per_expert", indices)
     if C is None or _ext.checks_enabled():
         _check_indices_values(indices, num_experts, "tokens_per_expert")
@@ -613,9 +613,8 @@ def _unpermute_bwd_quantize_fp8_cuda(dout, row_map, weights, y, num_rows, pow2_s
                         num_tokens=T, k=k, hidden=H, num_rows=num_rows, pow2=pow2_scale,
                         dtype=_ext.dtype_code(dout.dtype), **launch)
     if y is not None:  # unpermute_bwd's own reduction (bit for bit the composition's), dy not written
-        row_mask = torch.zeros((num_rows,), dtype=torch.uint8, device=dout.device)
         C.unpermute_bwd(dout=_ext.ptr(dout_in), y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), dy=0,
-                        dweights=_ext.ptr(dweights), row_mask=_ext.ptr(row_mask), num_tokens=T, k=k, hidden=H,
+                        dweights=_ext.ptr(dweights), row_mask=0, num_tokens=T, k=k, hidden=H,
                         num_rows=num_rows, dtype=_ext.dtype_code(dout.dtype), **launch)
     return q, scale, q_t, scale_t, dweights
 

@@ -32,6 +32,8 @@ CASES = {
     # reach the weight gradients.
     "padding-rows-unweighted": dict(align=16, E=6, weighted=False),
     "wide": dict(T=70, H=136, F=72, E=3, k=2),
+    # H = 1: the w2 weight gradient is a wgrad with one output row (N = 1) over gathered dout rows.
+    "hidden-1": dict(T=40, H=1, F=3, E=3, k=2),
     # The sm_90a gather kernels' shapes (bf16, H and 2F multiples of 8, F a multiple of 64), several tiles a group.
     "tiles": dict(T=300, H=256, F=128, E=4, k=2),
     "tiles-padded-skewed": dict(T=260, H=136, F=192, E=5, k=3, align=16, kind="zipf", drop=0.1),

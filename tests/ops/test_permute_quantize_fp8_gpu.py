@@ -156,6 +156,18 @@ def test_unpermute_bwd_fp8_hot_empty_dropped_and_specials(cuda, pow2):
     _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, f"odd experts empty pow2={pow2}")
 
 
+@pytest.mark.parametrize("R", [0, 130])
+def test_unpermute_bwd_fp8_no_slots(cuda, R):
+    # k = 0: no slot maps to any row, so dy is all zeros (and dweights [T, 0]), as unpermute_bwd gives.
+    g = torch.Generator().manual_seed(9)
+    dout = torch.randn(6, 128, generator=g).to(torch.bfloat16).to(cuda)
+    row_map = torch.empty((6, 0), dtype=torch.int32, device=cuda)
+    weights = torch.empty((6, 0), device=cuda)
+    y = torch.randn(R, 128, generator=g).to(torch.bfloat16).to(cuda)
+    _check_unpermute_bwd(dout, row_map, weights, y, R, False, f"k=0 R={R}")
+    _check_unpermute_bwd(dout, row_map, None, None, R, False, f"k=0 R={R} no weights")
+
+
 def test_unpermute_bwd_fp8_misaligned_dout(cuda):
     dout, row_map, weights, y, R = _unpermute_problem(cuda, 50, 4, 2, 128, torch.bfloat16, seed=7)
     base = torch.empty(dout.numel() + 1, dtype=dout.dtype, device=cuda)
