@@ -90,9 +90,9 @@ def rows_to_tokens_reference(row_map: Tensor, num_rows: int) -> Tensor:
 
 
 def _gather_rows(t: Tensor, row_token: Tensor) -> Tensor:
-    """t's rows in permuted order, zeros for padding rows (what permute writes there)."""
-    rows = t[row_token.long().clamp(min=0)]
-    return torch.where((row_token >= 0)[:, None], rows, torch.zeros((), dtype=t.dtype, device=t.device))
+    """t's rows in permuted order, zeros for padding rows (what permute writes there): row -1 takes the zero row
+    appended to t (which also serves T = 0, where t has no row to clamp an index to)."""
+    return torch.cat([t, t.new_zeros((1, *t.shape[1:]))])[row_token.long()]
 
 
 def expert_mlp_reference(x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor,

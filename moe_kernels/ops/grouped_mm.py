@@ -416,7 +416,8 @@ def _cuda_common(op: str, t: Tensor, group_sizes: Tensor, M: int):
     if C is None or _ext.checks_enabled():
         _check_sizes_values(group_sizes, M, op)
     if C is not None and group_sizes.shape[0] > C.grouped_mm_max_groups:
-        raise ValueError(f"{op}: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+        raise ValueError(f"{op}: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups (`group_sizes`), "
+                         f"got {group_sizes.shape[0]}")
     return C
 
 
@@ -496,7 +497,10 @@ def grouped_mm(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
 
 def autocast_input(t: Tensor) -> Tensor:
     """Under torch.autocast, floating inputs take the autocast dtype, as nn.Linear's would (custom ops
-    are not autocast by torch itself). Gradients flow back to the original dtype."""
+    are not autocast by torch itself). Gradients flow back to the original dtype. Anything else passes through
+    (the op's own checks name it)."""
+    if not isinstance(t, Tensor):
+        return t
     device_type = t.device.type
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type) and t.is_floating_point():
         dtype = torch.get_autocast_dtype(device_type)

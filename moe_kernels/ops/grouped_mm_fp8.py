@@ -291,7 +291,7 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     if C is None:
         return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes).to(torch.bfloat16)
     if E > C.grouped_mm_max_groups:
-        raise ValueError(f"grouped_mm_fp8: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+        raise ValueError(f"grouped_mm_fp8: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups (`group_sizes`), got {E}")
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
     if M == 0 or N == 0 or E == 0:
         return out.zero_()
@@ -376,7 +376,7 @@ def _check_wgrad_sizes(group_sizes: Tensor, M: int) -> None:
     if bool(bad.any()):
         e = int(torch.nonzero(bad)[0])
         raise ValueError(
-            f"{op}: group {e} has {int(group_sizes[e])} rows; every group must be a multiple of {BLOCK} so that no "
+            f"{op}: `group_sizes`: group {e} has {int(group_sizes[e])} rows; every group must be a multiple of {BLOCK} so that no "
             f"scale block straddles two experts (permute(..., align=128))"
         )
 
@@ -403,7 +403,7 @@ _WGRAD_OUT = (torch.float32, torch.bfloat16)
 
 def _check_out_dtype(out_dtype: torch.dtype) -> None:
     if out_dtype not in _WGRAD_OUT:
-        raise ValueError(f"grouped_mm_fp8_wgrad: out_dtype must be torch.float32 or torch.bfloat16, got {out_dtype}")
+        raise ValueError(f"grouped_mm_fp8_wgrad: `out_dtype` must be torch.float32 or torch.bfloat16, got {out_dtype}")
 
 
 @torch.library.custom_op("moe_kernels::grouped_mm_fp8_wgrad", mutates_args=())
@@ -432,7 +432,8 @@ def _wgrad_kernels(a_q: Tensor, group_sizes: Tensor):
     if C is None or _ext.checks_enabled():
         _check_wgrad_sizes(group_sizes, a_q.shape[1])
     if C is not None and group_sizes.shape[0] > C.grouped_mm_max_groups:
-        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups")
+        raise ValueError(f"grouped_mm_fp8_wgrad: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups "
+                         f"(`group_sizes`), got {group_sizes.shape[0]}")
     return C
 
 

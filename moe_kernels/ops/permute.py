@@ -248,7 +248,7 @@ def _tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
 
 def _check_cuda_experts(op: str, num_experts: int, C) -> None:
     if num_experts > C.permute_max_experts:
-        raise ValueError(f"{op}: the CUDA kernel takes num_experts <= {C.permute_max_experts}, got {num_experts}")
+        raise ValueError(f"{op}: the CUDA kernel takes `num_experts` <= {C.permute_max_experts}, got {num_experts}")
 
 
 @_ext.cuda_impl(_permute)

@@ -349,7 +349,7 @@ def _cuda_prologue(op: str, logits: Tensor, k: int, num_groups: int = 1):
             raise ValueError(f"{op}: the CUDA kernel takes `num_groups` <= {C.router_max_groups}, got {num_groups}")
         E = logits.shape[1]
         if E > C.router_max_experts:
-            raise ValueError(f"{op}: the CUDA kernel takes at most {C.router_max_experts} experts, got {E}")
+            raise ValueError(f"{op}: the CUDA kernel takes at most {C.router_max_experts} experts (`logits` columns), got {E}")
         if k > C.router_max_k:
             raise ValueError(f"{op}: the CUDA kernel takes `k` <= {C.router_max_k}, got {k}")
     return C
@@ -517,6 +517,7 @@ def router_topk(
     The CUDA kernels implement the same rules; tests/ops/test_router_gpu.py compares them with the
     reference on these inputs (indices exactly, weights NaN-aware).
     """
+    check_tensor("router_topk", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, contiguous=False)  # before .shape
     G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize,
                                                   logits.shape[-1])
     if _onnx.exporting():

@@ -290,9 +290,9 @@ def _router_fused_cuda(logits, expert_bias, k, score, pre_softmax, num_groups, g
     check_cuda_dtype(OP, "logits", logits)
     C = _ext.kernels(OP, logits)
     if C is not None and not kernel_fits(C, logits.shape[1], k, num_groups):
-        raise ValueError(f"{OP}: the CUDA kernel takes at most {C.router_fused_max_experts} experts, k <= "
-                         f"{C.router_max_k} and num_groups <= {C.router_max_groups}; got {logits.shape[1]}, {k}, "
-                         f"{num_groups}")
+        raise ValueError(f"{OP}: the CUDA kernel takes at most {C.router_fused_max_experts} experts (`logits` "
+                         f"columns), `k` <= {C.router_max_k} and `num_groups` <= {C.router_max_groups}; got "
+                         f"{logits.shape[1]}, {k}, {num_groups}")
     if C is None:
         return router_fused_reference(logits, expert_bias, k, score, pre_softmax, num_groups, group_topk,
                                       group_score_topk, scaling_factor, normalize, aux_coeff, seq_coeff, seq_len,

@@ -44,7 +44,7 @@ def _check_aux(scores, tokens_per_expert, k) -> None:
     check_tensor(op, "scores", scores, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "tokens_per_expert", tokens_per_expert, ndim=1, dtypes=_COUNT_DTYPES, device=scores.device)
     check_shape(op, "tokens_per_expert", tokens_per_expert, (scores.shape[1],), "one count per expert")
-    check_int(op, "k", k, minimum=1)
+    check_int(op, "k", k, minimum=1, maximum=2**31 - 1)  # an int32 in the kernel
 
 
 def _check_seq(scores, indices, seq_len) -> None:
@@ -65,18 +65,20 @@ def _check_capacity(weights, indices, num_experts, capacity_factor, policy) -> N
     check_tensor(op, "weights", weights, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "indices", indices, ndim=2, dtypes=(torch.int32,), device=weights.device)
     check_shape(op, "indices", indices, weights.shape, "same as weights: [T, k]")
-    check_int(op, "num_experts", num_experts, minimum=1)
+    check_int(op, "num_experts", num_experts, minimum=1, maximum=2**31 - 1)  # int32 indices
     if not (capacity_factor > 0 and math.isfinite(capacity_factor)):
         raise ValueError(f"{op}: `capacity_factor` must be finite and > 0, got {capacity_factor}")
     if policy not in ("probs", "position"):
         raise ValueError(f"{op}: `policy` must be 'probs' or 'position', got {policy!r}")
 
 
-def _check_bias(bias, tokens_per_expert) -> None:
+def _check_bias(bias, tokens_per_expert, rate) -> None:
     op = "update_expert_bias"
     check_tensor(op, "bias", bias, ndim=1, dtypes=(torch.float32, torch.float64))
     check_tensor(op, "tokens_per_expert", tokens_per_expert, ndim=1, device=bias.device)
     check_shape(op, "tokens_per_expert", tokens_per_expert, bias.shape, "one count per expert")
+    if not math.isfinite(rate):  # a NaN or inf step would leave every bias non-finite for good
+        raise ValueError(f"{op}: `rate` must be finite, got {rate}")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -135,8 +137,10 @@ def z_loss_bwd_reference(grad: Tensor, logits: Tensor, lse: Tensor, coeff: float
 
 
 def capacity(num_tokens: int, k: int, num_experts: int, capacity_factor: float) -> int:
-    """C = ceil(T * k / E * capacity_factor)."""
-    return math.ceil(num_tokens * k / num_experts * capacity_factor)
+    """C = ceil(T * k / E * capacity_factor), at most T * k (no expert can receive more: a larger factor keeps
+    every pair, and a huge one does not overflow)."""
+    c = num_tokens * k / num_experts * capacity_factor
+    return num_tokens * k if c >= num_tokens * k else math.ceil(c)
 
 
 def apply_capacity_reference(
@@ -355,12 +359,13 @@ _apply_capacity.register_autograd(_cap_backward, setup_context=_cap_setup)
 
 @torch.library.custom_op("moe_kernels::update_expert_bias", mutates_args=("bias",))
 def _update_expert_bias(bias: Tensor, tokens_per_expert: Tensor, rate: float) -> None:
-    _check_bias(bias, tokens_per_expert)
+    _check_bias(bias, tokens_per_expert, rate)
     update_expert_bias_reference(bias, tokens_per_expert, rate)
 
 
 @_update_expert_bias.register_fake
 def _(bias, tokens_per_expert, rate):
+    _check_bias(bias, tokens_per_expert, rate)
     return None
 
 
@@ -518,7 +523,7 @@ def _apply_capacity_cuda(weights, indices, num_experts, capacity_factor, policy)
 
 @_ext.cuda_impl(_update_expert_bias)
 def _update_expert_bias_cuda(bias, tokens_per_expert, rate):
-    _check_bias(bias, tokens_per_expert)
+    _check_bias(bias, tokens_per_expert, rate)
     E = bias.shape[0]
     C = _kernels("update_expert_bias", bias, E) if tokens_per_expert.dtype in _COUNT_DTYPES else None
     if C is None or E == 0:
@@ -655,7 +660,7 @@ def apply_capacity(weights, indices, num_experts: int, capacity_factor: float, p
     """Keep at most C = ceil(T * k / E * capacity_factor) (token, slot) pairs per expert: the C largest
     weights ("probs", ties to the lower token) or the C lowest tokens ("position"). Dropped pairs get
     index -1 and weight 0; weights are not renormalised."""
-    if indices.dtype == torch.int64:
+    if isinstance(indices, Tensor) and indices.dtype == torch.int64:
         if _ext.runs_references(indices) or _ext.checks_enabled():
             _check_indices_values(indices, num_experts, "apply_capacity")
         indices = _as_int32_indices(indices, num_experts)

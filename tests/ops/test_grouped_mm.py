@@ -106,6 +106,9 @@ def test_bad_input():
         mk.grouped_mm(torch.randn(8, 6).t(), w, gs)
     with pytest.raises(ValueError, match="`w`"):
         mk.grouped_mm(x, torch.randn(4, 8), gs)
+    for bad in (None, "x", 3):  # not a tensor: named by the op, not an AttributeError from the autocast step
+        with pytest.raises((TypeError, RuntimeError), match="`x`|'x'"):
+            mk.grouped_mm(bad, w, gs)
 
 
 def test_autocast_casts_inputs_and_keeps_fp32_grads():

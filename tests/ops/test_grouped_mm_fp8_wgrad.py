@@ -97,7 +97,7 @@ def test_bad_input():
         mk.grouped_mm_fp8_wgrad(*a, *b, torch.tensor([128, 100], dtype=torch.int32))
     with pytest.raises(ValueError, match="negative"):
         mk.grouped_mm_fp8_wgrad(*a, *b, torch.tensor([-128, 128], dtype=torch.int32))
-    with pytest.raises(ValueError, match="out_dtype must be torch.float32 or torch.bfloat16"):
+    with pytest.raises(ValueError, match="`out_dtype` must be torch.float32 or torch.bfloat16"):
         mk.grouped_mm_fp8_wgrad(*a, *b, gs, out_dtype=torch.float16)
 
 

@@ -192,6 +192,8 @@ def test_compile_fullgraph():
         (lambda: (torch.randn(3, 4).t(), torch.zeros(4, 2, dtype=torch.int32), 4), ValueError, "contiguous"),
         (lambda: (torch.randn(4, 3), torch.zeros(2, 4, dtype=torch.int32).t(), 4), ValueError, "contiguous"),
         (lambda: (torch.randn(4, 3), torch.zeros(4, 2, dtype=torch.int32), 0), ValueError, "num_experts"),
+        # past int32: named as such (compared with int32 indices, 2^31 would wrap and blame `indices`)
+        (lambda: (torch.randn(4, 3), torch.zeros(4, 2, dtype=torch.int32), 2**31), ValueError, "`num_experts` must be in"),
         (lambda: (torch.randn(4, 3), torch.full((4, 2), 4, dtype=torch.int32), 4), ValueError, "outside"),
         (lambda: (torch.randn(4, 3), torch.full((4, 2), -2, dtype=torch.int32), 4), ValueError, "outside"),
     ],
@@ -200,6 +202,11 @@ def test_permute_bad_input(make, exc, match):
     x, idx, E = make()
     with pytest.raises(exc, match=match):
         mk.permute(x, idx, E)
+
+
+def test_tokens_per_expert_num_experts_past_int32():
+    with pytest.raises(ValueError, match="`num_experts` must be in"):
+        mk.tokens_per_expert(torch.zeros(0, 2, dtype=torch.int32), 2**31)  # named, before a 2^31-entry count
 
 
 def test_permute_bad_align():

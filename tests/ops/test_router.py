@@ -185,6 +185,14 @@ def test_update_expert_bias_sign_is_exact():
     assert bias.tolist() == [0.25, 0.0, -0.25]
 
 
+@pytest.mark.parametrize("rate", [float("nan"), float("inf"), -float("inf")])
+def test_update_expert_bias_refuses_a_non_finite_rate(rate):
+    bias = torch.zeros(4)
+    with pytest.raises(ValueError, match="`rate` must be finite"):
+        mk.update_expert_bias(bias, torch.tensor([10, 2, 4, 4]), rate)
+    assert bias.tolist() == [0.0] * 4  # untouched
+
+
 def test_losses_return_what_backward_needs():
     ops = torch.ops.moe_kernels
     logits = torch.randn(6, 5, dtype=torch.float64)
@@ -445,6 +453,11 @@ def test_k_past_the_kept_groups_fills_from_the_dropped_groups(score):
 def test_router_bad_tensors():
     with pytest.raises(TypeError, match="logits"):
         mk.router_topk(torch.randint(0, 3, (4, 8)), 2)
+    for bad in (None, 0, torch.randn(())):  # checked before its shape is read
+        with pytest.raises((TypeError, ValueError), match="`logits`"):
+            mk.router_topk(bad, 2)
+    with pytest.raises(ValueError, match="`k` must be in"):  # past int32, named before the kernel's argument
+        mk.aux_loss(torch.rand(4, 8), torch.zeros(8, dtype=torch.int32), 2**31, 0.1)
     with pytest.raises(ValueError, match="logits"):
         mk.router_topk(torch.randn(4, 8, 2), 2)
     with pytest.raises(ValueError, match="contiguous"):
