@@ -21,6 +21,7 @@ import torch
 import moe_kernels as mk
 from moe_kernels.ops import activation
 from moe_kernels.ops.expert_mlp import expert_mlp
+from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
 from moe_kernels.ops.permute import permute_reference, permuted_rows
 
 F32, BF16, F16, F64, I32, I64 = torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64
@@ -133,6 +134,10 @@ def _build(op: str, g: torch.Generator, r: random.Random, dev) -> tuple[Callable
         x = rn(r.choice([0, 1, 16, 33]), r.choice([16, 48, 64]), dtype=fdt)
         return (mk.quantize_nvfp4, [x],
                 dict(global_amax=r.choice([None, torch.tensor(4.0, device=dev)]), tile_2d=r.random() < 0.3))
+    if op == "grouped_mm_nvfp4":
+        Kn = r.choice([32, 64])
+        return (grouped_mm_nvfp4, [*mk.quantize_nvfp4(rn(M, Kn)), *quantize_nvfp4_experts(rn(E, 32, Kn)), sizes],
+                dict(out_dtype=r.choice([BF16, F32])))
     if op == "dequantize_nvfp4":
         return mk.dequantize_nvfp4, list(mk.quantize_nvfp4(rn(32, 64))), {}
     rw = torch.rand(M, generator=g).to(dev)
@@ -149,7 +154,7 @@ OPS = ("permute", "unpermute", "tokens_per_expert", "permute_quantize_fp8", "exp
        "router_fused", "router_aux_scores", "z_loss", "aux_loss", "seq_aux_loss", "apply_capacity",
        "update_expert_bias", "grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_wgrad", "quantize_fp8",
        "dequantize_fp8", "quantize_fp8_experts", "quantize_fp8_experts_dual", "quantize_fp8_tokens",
-       "quantize_nvfp4", "dequantize_nvfp4", "swiglu", "swiglu_quantize_fp8", "swiglu_bwd_quantize_fp8")
+       "quantize_nvfp4", "dequantize_nvfp4", "grouped_mm_nvfp4", "swiglu", "swiglu_quantize_fp8", "swiglu_bwd_quantize_fp8")
 
 
 def _like(t: torch.Tensor, shape, g) -> torch.Tensor:

@@ -147,7 +147,8 @@ def _check_fp8(h: Tensor, row_weights: Tensor | None) -> None:
     check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
     _check(h, row_weights, op)
     if (h.shape[1] // 2) % BLOCK:
-        raise ValueError(f"{op}: F = {h.shape[1] // 2} must be a multiple of {BLOCK} (one scale per 1x128 block)")
+        raise ValueError(f"{op}: `h` is [R, 2F] with F = {h.shape[1] // 2}, which must be a multiple of {BLOCK} (one scale "
+                         "per 1x128 block)")
 
 
 def swiglu_quantize_fp8_reference(
@@ -218,7 +219,8 @@ def _check_bwd_fp8(dout: Tensor, h: Tensor, row_weights: Tensor | None) -> None:
     check_tensor(op, "dout", dout, ndim=2, dtypes=(h.dtype,), device=h.device)
     check_shape(op, "dout", dout, (h.shape[0], h.shape[1] // 2), "[R, F] for h [R, 2F]")
     if (h.shape[1] // 2) % BLOCK:
-        raise ValueError(f"{op}: F = {h.shape[1] // 2} must be a multiple of {BLOCK} (one scale per 1x128 block)")
+        raise ValueError(f"{op}: `h` is [R, 2F] with F = {h.shape[1] // 2}, which must be a multiple of {BLOCK} (one scale "
+                         "per 1x128 block)")
 
 
 def swiglu_bwd_quantize_fp8_reference(

@@ -38,7 +38,7 @@ def quantize_nvfp4_experts(w: Tensor, *, tile_2d: bool = True, rng: Tensor | Non
     check_tensor("quantize_nvfp4_experts", "w", w, ndim=3)
     E, N, K = w.shape
     if tile_2d and N % NVFP4_BLOCK:
-        raise ValueError(f"quantize_nvfp4_experts: 16x16 tiles need N % 16 == 0, got N={N}")
+        raise ValueError(f"quantize_nvfp4_experts: 16x16 tiles need N % 16 == 0 (`w` is [E, N, K]), got N={N}")
     q, s, g = quantize_nvfp4(w.reshape(E * N, K), tile_2d=tile_2d, rng=rng)
     return q.view(E, N, K // 2), s.view(E, N, K // NVFP4_BLOCK), g
 
@@ -61,7 +61,7 @@ def grouped_mm_nvfp4(x_q: Tensor, x_scale: Tensor, x_global: Tensor, w_q: Tensor
     check_tensor(op, "x_scale", x_scale, ndim=2, dtypes=(_E4M3,), device=x_q.device)
     check_tensor(op, "w_scale", w_scale, ndim=3, dtypes=(_E4M3,), device=x_q.device)
     if tuple(x_scale.shape) != (M, 2 * K2 // NVFP4_BLOCK) or tuple(w_scale.shape) != (E, N, 2 * K2 // NVFP4_BLOCK):
-        raise ValueError(f"{op}: block scales must be [M, K/16] and [E, N, K/16], got {tuple(x_scale.shape)} and "
+        raise ValueError(f"{op}: block scales `x_scale` and `w_scale` must be [M, K/16] and [E, N, K/16], got {tuple(x_scale.shape)} and "
                          f"{tuple(w_scale.shape)}")
     for name, g in (("x_global", x_global), ("w_global", w_global)):
         check_tensor(op, name, g, dtypes=(torch.float32,), device=x_q.device)
