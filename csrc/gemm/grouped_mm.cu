@@ -176,9 +176,11 @@ __global__ void __launch_bounds__(kThreads)
       float v = 0.f;
       if (in && fu.a_rows == nullptr) {
         v = to_float(A[(i0 + i) * sai + (r0 + r) * sar]);
-      } else if (in) {  // the gathered dimension is the group's rows: i (fwd, dgrad) or r (wgrad)
-        v = op != GemmOp::kWgrad ? gathered(A, fu.a_rows, fu.gather_rows, info.row_start, i0 + i, sai, r0 + r)
-                                 : gathered(A, fu.a_rows, fu.gather_rows, info.row_start, r0 + r, sar, i0 + i);
+      } else if (in) {  // the gathered dimension is the group's rows: i (fwd, dgrad) or r (wgrad), by op (with
+                        // N = 1 wgrad's sar is 1 too); one call, so the kernel keeps its registers
+        const bool by_i = kDual || op != GemmOp::kWgrad;  // kDual: the forward
+        v = gathered(A, fu.a_rows, fu.gather_rows, info.row_start, by_i ? i0 + i : r0 + r, by_i ? sai : sar,
+                     by_i ? r0 + r : i0 + i);
       }
       As[r][i] = v;
     }
