@@ -103,3 +103,81 @@ def test_shared_memory_is_poisoned_and_barriers_order():
 def test_errors_name_kernel_block_warp_and_lane(name, message):
     with pytest.raises(RuntimeError, match=message):
         _run(name)
+
+
+@pytest.fixture
+def schedule():
+    """Sets the layer's schedule for one test and restores the previous one."""
+    saved = []
+
+    def set_(spec):
+        previous = emu.emu_schedule(spec=spec)
+        if not saved:
+            saved.append(previous)
+
+    yield set_
+    if saved:
+        emu.emu_schedule(spec=saved[0])
+
+
+@needs_emu
+def test_schedule_orders_threads(schedule):
+    # A read of the lower neighbour's write with no barrier: the forward order hides the race, the
+    # reverse order shows it (the poison), a random order shows it for some threads.
+    schedule("forward")
+    assert _run("race_lower", 64).tolist() == [0] + list(range(63))
+    schedule("reverse")
+    assert _run("race_lower", 64).tolist() == [0] + [-1] * 63
+    schedule("random:1")
+    got = _run("race_lower", 64).tolist()
+    assert set(got[1:]) - {-1} <= set(range(63)) and -1 in got and any(v != -1 for v in got[1:])
+    # With the barrier every order gives the same exchange.
+    for spec in ("forward", "reverse", "random:2", "serial", "serial-reverse", "serial-random:3"):
+        schedule(spec)
+        assert _run("barrier", 64).tolist() == list(range(63, -1, -1))
+
+
+@needs_emu
+def test_serial_schedules_run_a_warp_ahead(schedule):
+    # Two warps exchange through shared memory with only __syncwarp after the writes. Rounds advance every
+    # warp one synchronisation point at a time, so no round order sees the race; a serial schedule runs
+    # one warp to its end before the other writes.
+    right = [(t + 32) % 64 for t in range(64)]
+    for spec in ("forward", "reverse", "random:4"):
+        schedule(spec)
+        assert _run("race_across_warps", 64).tolist() == right
+    schedule("serial")
+    assert _run("race_across_warps", 64).tolist() == [-1] * 32 + right[32:]
+    schedule("serial-reverse")
+    assert _run("race_across_warps", 64).tolist() == right[:32] + [-1] * 32
+    schedule("serial-random:1")
+    got = _run("race_across_warps", 64).tolist()
+    assert all(v in (-1, r) for v, r in zip(got, right))
+
+
+@needs_emu
+def test_schedule_orders_blocks(schedule):
+    def tickets(spec):
+        schedule(spec)
+        out = torch.zeros(16, dtype=torch.int32)
+        emu.emu_selftest(name="block_order", out=out.data_ptr())
+        assert out[0] == 15
+        return out[1:].tolist()
+
+    assert tickets("forward") == list(range(15))
+    assert tickets("reverse") == list(range(14, -1, -1))
+    shuffled = [tickets(f"random:{seed}") for seed in range(4)]
+    assert all(sorted(t) == list(range(15)) for t in shuffled)  # every block ran once
+    assert any(t not in (list(range(15)), list(range(14, -1, -1))) for t in shuffled)
+    assert tickets("random:3") == shuffled[3]  # a seed replays its order
+    assert tickets("serial") == list(range(15)) and tickets("serial-reverse") == list(range(14, -1, -1))
+
+
+@needs_emu
+def test_schedule_names_itself_in_errors_and_rejects_bad_specs(schedule):
+    schedule("random:5")
+    with pytest.raises(RuntimeError, match=r"deadlocked:(.|\n)*schedule random:5\)"):
+        _run("deadlock")
+    for bad in ("backwards", "random:", "random:x", "random5", "serial-", "serial-backwards", "serialrandom"):
+        with pytest.raises(ValueError, match="schedule"):
+            schedule(bad)

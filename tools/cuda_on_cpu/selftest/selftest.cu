@@ -50,6 +50,30 @@ __global__ void barrier_kernel(int32_t* out) {
   out[threadIdx.x] = s[63 - threadIdx.x];
 }
 
+// A race: each thread reads its lower neighbour's shared word with no barrier after the write. In
+// thread order it reads the written value; in reverse order, the poison.
+__global__ void race_lower_kernel(int32_t* out) {
+  __shared__ int32_t s[64];
+  s[threadIdx.x] = int32_t(threadIdx.x);
+  out[threadIdx.x] = threadIdx.x ? s[threadIdx.x - 1] : 0;
+}
+
+// A race between warps: each reads the other warp's shared words with only warp-level synchronisation
+// after the writes. Rounds keep the warps in step (every order passes); a serial schedule runs one warp
+// to its end first, which reads the poison.
+__global__ void race_across_warps_kernel(int32_t* out) {
+  __shared__ int32_t s[64];
+  s[threadIdx.x] = int32_t(threadIdx.x);
+  __syncwarp();
+  __syncwarp();
+  out[threadIdx.x] = s[(threadIdx.x + 32) % 64];
+}
+
+// The block order: thread 0 of each block takes a ticket (out[0] counts from 0).
+__global__ void block_order_kernel(int32_t* out) {
+  if (threadIdx.x == 0) out[1 + blockIdx.x + gridDim.x * blockIdx.y] = atomicAdd(out, 1);
+}
+
 __global__ void exited_lane_kernel(float* out) {
   if (threadIdx.x >= 16) return;
   out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.f, 1);
@@ -85,6 +109,12 @@ void run(const std::string& name, uintptr_t out) {
     poison_kernel<<<2, 64>>>(reinterpret_cast<uint32_t*>(out));
   } else if (name == "barrier") {
     barrier_kernel<<<1, 64>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "race_lower") {
+    race_lower_kernel<<<1, 64>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "race_across_warps") {
+    race_across_warps_kernel<<<1, 64>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "block_order") {
+    block_order_kernel<<<dim3(5, 3), 64>>>(reinterpret_cast<int32_t*>(out));
   } else if (name == "exited_lane") {
     exited_lane_kernel<<<1, 32>>>(reinterpret_cast<float*>(out));
   } else if (name == "mixed_collectives") {
@@ -109,5 +139,8 @@ namespace emu {
 void register_selftest(pybind11::module_& m) {
   m.def("emu_selftest", &emu_selftest::run, pybind11::arg("name"), pybind11::arg("out"),
         "Runs one of the CPU execution layer's own test kernels on host memory at `out`");
+  m.def("emu_schedule", &emu::set_schedule, pybind11::arg("spec"),
+        "Sets the order of blocks and runnable threads (forward, reverse, random, random:SEED); returns the "
+        "previous one");
 }
 }  // namespace emu

@@ -8,10 +8,12 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -140,6 +142,8 @@ std::vector<char*> g_stacks;
 // has unwound every frame but its entry function's, which the next fiber lays out identically.
 std::vector<bool> g_stack_dirty;
 uint64_t g_block_epoch = 0;
+// Set when a barrier releases the block: a thread of another warp than the running one became runnable.
+bool g_released = false;
 
 size_t page_size() {
   static const size_t p = size_t(sysconf(_SC_PAGESIZE));
@@ -229,6 +233,7 @@ unsigned active_lanes() {
 namespace {
 
 void release_barrier(Block& b) {
+  g_released = true;
   int count = 0;
   for (auto& t : b.threads)
     if (t.run == Run::kBarrier) count += t.barrier_pred;
@@ -340,7 +345,73 @@ void resolve(Block& b, int warp, const PendingColl& g) {
 
 }  // namespace
 
+namespace {
+
+// Barrier sites, for scripts/barrier_check.py (test tooling only).
+// MOE_KERNELS_EMU_SKIP_SYNC=FILE:LINE: the __syncthreads or __syncwarp at that site (FILE a suffix of its
+// source path) does nothing, as if deleted. MOE_KERNELS_EMU_SYNC_LOG=FILE appends "FILE:LINE<TAB>TEST" the
+// first time each test (PYTEST_CURRENT_TEST at the launch) reaches each barrier site, skipped or not.
+struct SyncSites {
+  std::string skip_file;
+  int skip_line = -1;
+  const char* log = nullptr;
+  std::string test;
+  uint64_t test_version = 0;
+  std::map<std::pair<const char*, int>, uint64_t> logged;  // site -> the test version it was last logged for
+
+  SyncSites() {
+    if (const char* skip = std::getenv("MOE_KERNELS_EMU_SKIP_SYNC")) {
+      const std::string spec = skip;
+      const size_t colon = spec.rfind(':');
+      if (colon == std::string::npos || colon == 0 || colon + 1 == spec.size()) {
+        std::fprintf(stderr, "cuda_on_cpu: MOE_KERNELS_EMU_SKIP_SYNC='%s' is not FILE:LINE\n", skip);
+        std::abort();
+      }
+      skip_file = spec.substr(0, colon);
+      skip_line = std::atoi(spec.c_str() + colon + 1);
+    }
+    log = std::getenv("MOE_KERNELS_EMU_SYNC_LOG");
+    if (log != nullptr && *log == 0) log = nullptr;
+  }
+
+  // At each launch: the running test.
+  void launch() {
+    if (log == nullptr) return;
+    const char* cur = std::getenv("PYTEST_CURRENT_TEST");
+    std::string name = cur ? cur : "?";
+    const size_t phase = name.rfind(" (");
+    if (phase != std::string::npos) name.resize(phase);
+    if (name != test) {
+      test = name;
+      ++test_version;
+    }
+  }
+
+  // Whether the barrier at file:line is skipped; logs the site.
+  bool skipped(const char* file, int line) {
+    if (log != nullptr) {
+      uint64_t& v = logged[{file, line}];
+      if (v != test_version) {
+        v = test_version;
+        if (FILE* f = std::fopen(log, "a")) {
+          std::fprintf(f, "%s:%d\t%s\n", file ? file : "?", line, test.c_str());
+          std::fclose(f);
+        }
+      }
+    }
+    if (line != skip_line || file == nullptr) return false;
+    const size_t n = std::strlen(file);
+    return n >= skip_file.size() && std::strcmp(file + n - skip_file.size(), skip_file.c_str()) == 0 &&
+           (n == skip_file.size() || file[n - skip_file.size() - 1] == '/');
+  }
+};
+
+SyncSites g_sync_sites;
+
+}  // namespace
+
 void warp_collective(const CollArgs& a, void* out, int* pred) {
+  if (a.op == Coll::kSyncWarp && g_sync_sites.skipped(a.file, a.line)) return;
   Block& b = *t_block;
   Thread& t = *t_running;
   const int lane = t.st.lane;
@@ -386,6 +457,7 @@ void warp_collective(const CollArgs& a, void* out, int* pred) {
 }
 
 int block_barrier(int pred, const char* file, int line) {
+  if (g_sync_sites.skipped(file, line)) return pred;
   Block& b = *t_block;
   Thread& t = *t_running;
   t.run = Run::kBarrier;
@@ -489,6 +561,123 @@ bool config_ok(const LaunchConfig& c, std::string& why) {
 bool g_verbose_errors = std::getenv("MOE_KERNELS_EMU_ABORT") != nullptr;
 bool g_profile = std::getenv("MOE_KERNELS_EMU_PROFILE") != nullptr;
 
+// The order in which blocks run and, between two synchronisation points, the order in which the runnable
+// threads of a block run (MOE_KERNELS_EMU_SCHEDULE, or set_schedule). Every order is one a GPU may take: a
+// kernel whose results depend on it has a race (a thread reading another's write without a barrier or a
+// collective between them, a block reading another block's output). `forward` (the default) runs threads
+// in rounds, each runnable thread once a round in index order, so a read of a lower thread's
+// unsynchronised write goes unseen; `reverse` sees it; `random` shuffles the threads at every round and
+// the blocks of every launch. Rounds keep warps in step at every collective, which hides a missing
+// barrier between warps that also shuffle; the `serial-*` schedules run the first runnable thread (the
+// lowest, the highest, or the first from a random start) until it waits, so one warp runs ahead of the
+// others to the next barrier.
+enum class Order { kForward, kReverse, kRandom };
+Order g_order = Order::kForward;
+bool g_serial = false;  // serial-*: a thread runs on while it can, so a warp runs until it waits on others
+uint64_t g_seed = 0;
+uint64_t g_rng = 0;
+std::string g_schedule = "forward";
+std::string g_seeded_for;  // the test the generator last restarted for
+
+uint64_t next_random() {  // splitmix64
+  uint64_t z = (g_rng += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+void parse_schedule(const std::string& full) {
+  Order order;
+  uint64_t seed = 0;
+  const bool serial = full == "serial" || full.rfind("serial-", 0) == 0;
+  const std::string spec = full == "serial" ? "forward" : serial ? full.substr(7) : full;
+  if (serial && spec.empty()) {
+    throw std::invalid_argument("cuda_on_cpu: schedule '" + full + "' names no order after serial-");
+  } else if (spec.empty() || spec == "forward") {
+    order = Order::kForward;
+  } else if (spec == "reverse") {
+    order = Order::kReverse;
+  } else if (spec.rfind("random", 0) == 0 && (spec.size() == 6 || spec[6] == ':')) {
+    order = Order::kRandom;
+    if (spec.size() > 7) {
+      char* end = nullptr;
+      seed = std::strtoull(spec.c_str() + 7, &end, 10);
+      if (end == nullptr || *end != 0) throw std::invalid_argument("cuda_on_cpu: bad schedule seed in '" + full + "'");
+    } else if (spec.size() == 7) {
+      throw std::invalid_argument("cuda_on_cpu: bad schedule seed in '" + full + "'");
+    }
+  } else {
+    throw std::invalid_argument("cuda_on_cpu: schedule '" + full +
+                                "' is not one of forward, reverse, random, random:SEED, serial, serial-reverse, "
+                                "serial-random, serial-random:SEED");
+  }
+  g_order = order;
+  g_serial = serial;
+  g_seed = seed;
+  g_rng = seed;
+  g_seeded_for.clear();
+  g_schedule = full.empty() ? "forward" : full;
+}
+
+struct ScheduleFromEnv {
+  ScheduleFromEnv() {
+    const char* spec = std::getenv("MOE_KERNELS_EMU_SCHEDULE");
+    if (spec == nullptr) return;
+    try {
+      parse_schedule(spec);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "%s (MOE_KERNELS_EMU_SCHEDULE)\n", e.what());
+      std::abort();
+    }
+  }
+} g_schedule_from_env;
+
+// The random schedule restarts its generator from the seed and the running test's name whenever the
+// test changes, so a test's orders do not depend on the tests that ran before it in the process.
+void reseed_for_test() {
+  std::string& last = g_seeded_for;
+  const char* cur = std::getenv("PYTEST_CURRENT_TEST");
+  if (cur == nullptr) return;
+  std::string name = cur;
+  const size_t phase = name.rfind(" (");
+  if (phase != std::string::npos) name.resize(phase);
+  if (name == last) return;
+  last = name;
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
+  g_rng = g_seed ^ h;
+}
+
+uint64_t gcd(uint64_t a, uint64_t b) {
+  while (b) {
+    const uint64_t r = a % b;
+    a = b;
+    b = r;
+  }
+  return a;
+}
+
+// The blocks of a launch in schedule order: block `i` of the order is linear block (mul * i + add) % total,
+// a permutation when gcd(mul, total) == 1 (no table, for grids of up to 2^31 * 65535^2 blocks).
+struct BlockOrder {
+  uint64_t total, mul = 1, add = 0;
+  explicit BlockOrder(uint64_t n) : total(n) {
+    if (g_order == Order::kReverse) {
+      mul = n - 1;  // (n-1) * i + (n-1) == n-1-i (mod n)
+      add = n - 1;
+      if (n == 1) mul = 1;
+    } else if (g_order == Order::kRandom && n > 1) {
+      do {
+        mul = next_random() % n;
+      } while (mul == 0 || gcd(mul, n) != 1);
+      add = next_random() % n;
+    }
+  }
+  uint64_t operator[](uint64_t i) const {
+    return uint64_t((unsigned __int128)mul * i % total + add) % total;
+  }
+};
+
 // MOE_KERNELS_EMU_LAUNCH_LOG=FILE appends one line per distinct (kernel, block threads, dynamic shared
 // bytes): the launch geometry that scripts/kernel_resources.py turns into occupancy.
 void log_launch(const LaunchConfig& c) {
@@ -507,6 +696,13 @@ void log_launch(const LaunchConfig& c) {
 
 }  // namespace
 
+std::string set_schedule(const std::string& spec) {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  const std::string before = g_schedule;
+  parse_schedule(spec);
+  return before;
+}
+
 void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
   std::string why;
   if (!config_ok(cfg, why)) {
@@ -516,6 +712,7 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
   }
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   log_launch(cfg);
+  g_sync_sites.launch();
   const auto t0 = std::chrono::steady_clock::now();
   struct Report {
     const LaunchConfig& cfg;
@@ -552,79 +749,118 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
   Thread* saved_running = t_running;
   ThreadState* saved_thread = g_thread;
   t_block = &b;
-  for (unsigned bz = 0; bz < cfg.grid.z; ++bz) {
-    for (unsigned by = 0; by < cfg.grid.y; ++by) {
-      for (unsigned bx = 0; bx < cfg.grid.x; ++bx) {
-        ++g_block_epoch;
-        b.live = n;
-        b.at_barrier = 0;
-        for (auto& w : b.warps) {
-          w.pending.clear();
-          w.exited = 0;
-        }
-        if (n % kWarp) b.warps.back().exited = ~0u << (n % kWarp);  // lanes past the block do not exist
-        void* smem = nullptr;
-        if (posix_memalign(&smem, 128, cfg.smem ? cfg.smem : 1) != 0) throw std::bad_alloc();
-        std::memset(smem, 0xff, cfg.smem ? cfg.smem : 1);
-        b.smem = cfg.smem ? smem : nullptr;
-        for (int i = 0; i < n; ++i) {
-          Thread& t = b.threads[size_t(i)];
-          t.run = Run::kRunnable;
-          t.st.block_idx = uint3{bx, by, bz};
-          t.st.block_dim = cfg.block;
-          t.st.grid_dim = cfg.grid;
-          t.st.linear = i;
-          t.st.thread_idx = uint3{unsigned(i) % cfg.block.x, (unsigned(i) / cfg.block.x) % cfg.block.y,
-                                  unsigned(i) / (cfg.block.x * cfg.block.y)};
-          t.st.warp = i / kWarp;
-          t.st.lane = i % kWarp;
-          t.fiber.stack = stack_for(size_t(i));
+  if (g_order == Order::kRandom) reseed_for_test();
+  const uint64_t gx = cfg.grid.x, gy = cfg.grid.y;
+  const BlockOrder blocks(gx * gy * cfg.grid.z);
+  std::vector<int> order(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) order[size_t(i)] = g_order == Order::kReverse ? n - 1 - i : i;
+  for (uint64_t bi = 0; bi < blocks.total; ++bi) {
+    const uint64_t linear = blocks[bi];
+    const unsigned bx = unsigned(linear % gx), by = unsigned(linear / gx % gy), bz = unsigned(linear / (gx * gy));
+    ++g_block_epoch;
+    b.live = n;
+    b.at_barrier = 0;
+    for (auto& w : b.warps) {
+      w.pending.clear();
+      w.exited = 0;
+    }
+    if (n % kWarp) b.warps.back().exited = ~0u << (n % kWarp);  // lanes past the block do not exist
+    void* smem = nullptr;
+    if (posix_memalign(&smem, 128, cfg.smem ? cfg.smem : 1) != 0) throw std::bad_alloc();
+    std::memset(smem, 0xff, cfg.smem ? cfg.smem : 1);
+    b.smem = cfg.smem ? smem : nullptr;
+    for (int i = 0; i < n; ++i) {
+      Thread& t = b.threads[size_t(i)];
+      t.run = Run::kRunnable;
+      t.st.block_idx = uint3{bx, by, bz};
+      t.st.block_dim = cfg.block;
+      t.st.grid_dim = cfg.grid;
+      t.st.linear = i;
+      t.st.thread_idx = uint3{unsigned(i) % cfg.block.x, (unsigned(i) / cfg.block.x) % cfg.block.y,
+                              unsigned(i) / (cfg.block.x * cfg.block.y)};
+      t.st.warp = i / kWarp;
+      t.st.lane = i % kWarp;
+      t.fiber.stack = stack_for(size_t(i));
 #if EMU_ASAN
-          if (g_stack_dirty[size_t(i)]) {
-            __asan_unpoison_memory_region(t.fiber.stack, kStackBytes);
-          } else {  // the entry frame's redzones, where make_context writes the first frame
-            __asan_unpoison_memory_region(t.fiber.stack + kStackBytes - 4096, 4096);
-          }
-#endif
-          g_stack_dirty[size_t(i)] = false;
-          make_context(t.fiber.ctx, t.fiber.stack, kStackBytes, fiber_entry);
-        }
-        int done = 0;
-        while (done < n && b.error.empty()) {
-          bool progressed = false;
-          for (int i = 0; i < n && b.error.empty(); ++i) {
-            Thread& t = b.threads[size_t(i)];
-            if (t.run != Run::kRunnable) continue;
-            progressed = true;
-            t_running = &t;
-            g_thread = &t.st;
-#if EMU_ASAN
-            void* fake = nullptr;
-            __sanitizer_start_switch_fiber(&fake, t.fiber.stack, kStackBytes);
-#endif
-            switch_context(t_sched, t.fiber.ctx);
-#if EMU_ASAN
-            __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
-#endif
-            if (t.run == Run::kDone) {
-              ++done;
-              thread_exited(b, t);
-            }
-          }
-          if (!progressed && b.error.empty()) b.error = deadlock_report(b);
-        }
-        std::free(smem);
-        if (!b.error.empty()) {
-          for (int i = 0; i < n; ++i) g_stack_dirty[size_t(i)] = b.threads[size_t(i)].run != Run::kDone;
-          t_block = saved_block;
-          t_running = saved_running;
-          g_thread = saved_thread;
-          std::string msg = "cuda_on_cpu: " + b.error + "\n  (launched at " + where(cfg.file, cfg.line) + ")";
-          std::fprintf(stderr, "%s\n", msg.c_str());
-          if (g_verbose_errors) std::abort();
-          throw std::runtime_error(msg);
-        }
+      if (g_stack_dirty[size_t(i)]) {
+        __asan_unpoison_memory_region(t.fiber.stack, kStackBytes);
+      } else {  // the entry frame's redzones, where make_context writes the first frame
+        __asan_unpoison_memory_region(t.fiber.stack + kStackBytes - 4096, 4096);
       }
+#endif
+      g_stack_dirty[size_t(i)] = false;
+      make_context(t.fiber.ctx, t.fiber.stack, kStackBytes, fiber_entry);
+    }
+    int done = 0;
+    auto run_one = [&](Thread& t) {
+      t_running = &t;
+      g_thread = &t.st;
+#if EMU_ASAN
+      void* fake = nullptr;
+      __sanitizer_start_switch_fiber(&fake, t.fiber.stack, kStackBytes);
+#endif
+      switch_context(t_sched, t.fiber.ctx);
+#if EMU_ASAN
+      __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+      if (t.run == Run::kDone) {
+        ++done;
+        thread_exited(b, t);
+      }
+    };
+    if (!g_serial) {  // rounds: every runnable thread runs once, to its next synchronisation point
+      while (done < n && b.error.empty()) {
+        bool progressed = false;
+        if (g_order == Order::kRandom) {
+          for (int i = n - 1; i > 0; --i) std::swap(order[size_t(i)], order[size_t(next_random() % uint64_t(i + 1))]);
+        }
+        for (int oi = 0; oi < n && b.error.empty(); ++oi) {
+          Thread& t = b.threads[size_t(order[size_t(oi)])];
+          if (t.run != Run::kRunnable) continue;
+          progressed = true;
+          run_one(t);
+        }
+        if (!progressed && b.error.empty()) b.error = deadlock_report(b);
+      }
+    } else {  // serial: the first runnable thread from the order's start runs; a warp runs until it waits
+      // Only a barrier's release or a collective of the running thread's warp makes threads runnable, so
+      // (forward and reverse) the search restarts at the running warp unless a barrier released.
+      int last = -1;
+      while (done < n && b.error.empty()) {
+        int first = 0;
+        if (g_order == Order::kRandom) {
+          first = int(next_random() % uint64_t(n));
+        } else if (last >= 0 && !g_released) {
+          first = g_order == Order::kReverse ? n - 1 - std::min(n - 1, (last / kWarp + 1) * kWarp - 1) : last / kWarp * kWarp;
+        }
+        g_released = false;
+        int pick = -1;
+        for (int k = 0; k < n; ++k) {
+          const int i = g_order == Order::kReverse ? n - 1 - ((first + k) % n) : (first + k) % n;
+          if (b.threads[size_t(i)].run == Run::kRunnable) {
+            pick = i;
+            break;
+          }
+        }
+        last = pick;
+        if (pick < 0) {
+          b.error = deadlock_report(b);
+          break;
+        }
+        run_one(b.threads[size_t(pick)]);
+      }
+    }
+    std::free(smem);
+    if (!b.error.empty()) {
+      for (int i = 0; i < n; ++i) g_stack_dirty[size_t(i)] = b.threads[size_t(i)].run != Run::kDone;
+      t_block = saved_block;
+      t_running = saved_running;
+      g_thread = saved_thread;
+      std::string msg = "cuda_on_cpu: " + b.error + "\n  (launched at " + where(cfg.file, cfg.line) +
+                        (g_order == Order::kForward ? std::string(")") : "; schedule " + g_schedule + ")");
+      std::fprintf(stderr, "%s\n", msg.c_str());
+      if (g_verbose_errors) std::abort();
+      throw std::runtime_error(msg);
     }
   }
   t_block = saved_block;

@@ -93,6 +93,10 @@ struct LaunchConfig {
   cudaStream_t stream;
 };
 
+// The order of blocks and of runnable threads: "forward" (the default), "reverse", "random" or
+// "random:SEED" (MOE_KERNELS_EMU_SCHEDULE sets it at load). Returns the schedule it replaces.
+std::string set_schedule(const std::string& spec);
+
 // Runs `body` as every thread of every block (or records cudaErrorInvalidConfiguration).
 void run_grid(const LaunchConfig& cfg, const std::function<void()>& body);
 
