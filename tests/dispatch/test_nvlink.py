@@ -192,31 +192,42 @@ def _capacity_drops(idx_list, P, El, cap):
     return out, dropped, straddled
 
 
+def _check_capacity(P, E, k, H, Ts, cap, align, seed, device):
+    """Dispatch and combine past `cap`: the drops follow `_capacity_drops`, are counted once, and each rank's
+    rows and output equal a local dispatch of the tokens it kept. Returns the number of straddling drops."""
+    xs, ws, idx, _ = _inputs(P, Ts, H, k, E, "uniform", torch.float32, device, seed)
+    world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=max(Ts), capacity=cap, device=device)
+    ds = world.dispatch(xs, ws, idx, align=align)
+    outs = world.combine([d.x * 2 for d in ds], [d.handle for d in ds])
+    kept, n_dropped, n_straddled = _capacity_drops(idx, P, E // P, cap)
+    assert n_dropped > 0
+    counts = tokens_per_expert(torch.cat([i.reshape(-1, 1) for i in kept]), E).to(device)
+    El = E // P
+    for r in range(P):
+        assert int(ds[r].group_sizes.sum()) <= cap + El * (align - 1)
+        mine = counts[r * El : (r + 1) * El]
+        assert torch.equal(ds[r].group_sizes, ((mine + align - 1) // align * align).int()), f"cap {cap} rank {r}"
+        disp = LocalDispatcher(E)
+        d = disp.dispatch(xs[r], ws[r], kept[r].to(device), align=align)
+        assert torch.equal(outs[r], disp.combine(d.x * 2, d.handle)), f"cap {cap} rank {r}"
+    with pytest.warns(RuntimeWarning, match=f"{n_dropped} token copies went past capacity={cap}"):
+        assert world.dropped_tokens() == n_dropped
+    assert world.dropped_tokens() == 0  # counted once
+    return n_straddled
+
+
 def test_nvlink_capacity_drops_are_counted_never_written_out_of_bounds(device):
-    P, E, k, H = 4, 8, 3, 16
-    Ts = [6, 5, 0, 6]
     straddled = 0
     for cap, align, seed in ((7, 2, 11), (5, 1, 12), (6, 1, 13), (9, 1, 14), (8, 4, 15)):
-        xs, ws, idx, _ = _inputs(P, Ts, H, k, E, "uniform", torch.float32, device, seed)
-        world = VirtualNvlinkWorld(E, P, max_tokens_per_rank=6, capacity=cap, device=device)
-        ds = world.dispatch(xs, ws, idx, align=align)
-        outs = world.combine([d.x * 2 for d in ds], [d.handle for d in ds])
-        kept, n_dropped, n_straddled = _capacity_drops(idx, P, E // P, cap)
-        straddled += n_straddled
-        assert n_dropped > 0
-        counts = tokens_per_expert(torch.cat([i.reshape(-1, 1) for i in kept]), E).to(device)
-        El = E // P
-        for r in range(P):
-            assert int(ds[r].group_sizes.sum()) <= cap + El * (align - 1)
-            mine = counts[r * El : (r + 1) * El]
-            assert torch.equal(ds[r].group_sizes, ((mine + align - 1) // align * align).int()), f"cap {cap} rank {r}"
-            disp = LocalDispatcher(E)
-            d = disp.dispatch(xs[r], ws[r], kept[r].to(device), align=align)
-            assert torch.equal(outs[r], disp.combine(d.x * 2, d.handle)), f"cap {cap} rank {r}"
-        with pytest.warns(RuntimeWarning, match=f"{n_dropped} token copies went past capacity={cap}"):
-            assert world.dropped_tokens() == n_dropped
-        assert world.dropped_tokens() == 0  # counted once
+        straddled += _check_capacity(4, 8, 3, 16, [6, 5, 0, 6], cap, align, seed, device)
     assert straddled > 0  # the cases include tokens whose rows start inside the capacity and end past it
+
+
+def test_nvlink_capacity_reached_past_the_first_scan_pass(device):
+    # A rank with more tokens than the send kernel's block has threads (256): the scan of the rows each token
+    # sends runs in passes that reuse its shared storage, and the capacity is reached in the second pass.
+    for cap, align, seed in ((290, 1, 11), (270, 2, 12)):
+        _check_capacity(2, 4, 2, 8, [300, 40], cap, align, seed, device)
 
 
 def test_nvlink_bad_input(device):

@@ -340,27 +340,31 @@ def test_launch_grid_fits_any_token_count(cuda):
             assert C.router_blocks(T, W) == min(-(-T // W), C.router_max_blocks), f"T={T} W={W}"
 
 
-def test_tokens_past_the_grid(cuda):
-    # More tokens than one capped grid covers (E = 8: 8 warps per block): each warp routes several, in
-    # the forward and backward of router_topk and router_aux_scores. Expected: the references.
+@pytest.mark.parametrize("E,normalize", [(8, True), (32, False)])
+def test_tokens_past_the_grid(cuda, E, normalize):
+    # More tokens than one capped grid covers: each warp routes several, in the forward and backward of
+    # router_topk and router_aux_scores. E = 8 takes the few-expert kernel; E = 32 the warp-per-token one,
+    # whose next token overwrites the warp's shared row after the lanes read it (unnormalised sigmoid: no
+    # collective between, only the __syncwarp). Expected: the references.
     from moe_kernels import _ext
     from moe_kernels.ops.router import router_selection_reference
 
     C = _ext.kernels("router_topk", torch.empty(1, device=cuda))
     if C is None:
         pytest.skip("needs the kernels")
-    T, E, k = C.router_max_blocks * 8 + 37, 8, 2
+    k = 2
+    T = C.router_max_blocks * C.router_fwd_warps(E) + 37
     assert T > C.router_blocks(T, C.router_fwd_warps(E)) * C.router_fwd_warps(E)
     logits = torch.randn(T, E, generator=torch.Generator().manual_seed(4))
     x = logits.to(cuda, copy=True).requires_grad_()
-    w, idx = mk.router_topk(x, k, score="sigmoid")
+    w, idx = mk.router_topk(x, k, score="sigmoid", normalize=normalize)
     scores, aux_idx = mk.router_aux_scores(x, k, score="softmax")
     g, gs = torch.randn(T, k), torch.randn(T, E)
     torch.autograd.backward([w, scores], [g.to(cuda), gs.to(cuda)])
     sel = router_selection_scores(logits, "sigmoid", False, None)
     ref_idx = router_selection_reference(logits, k, "sigmoid", False, 1, 1, 1, None)
     assert_same_choice(idx.cpu(), ref_idx, sel, {}, "router_topk indices")
-    args = ("sigmoid", False, True, 1.0)
+    args = ("sigmoid", False, normalize, 1.0)
     assert_close_to_fp64(w.detach().cpu(), router_weights_reference(logits, idx.cpu(), *args),
                          router_weights_reference(logits.double(), idx.cpu(), *args), "weights")
     ref_scores, ref_idx = router_aux_scores_reference(logits, k, "softmax")
