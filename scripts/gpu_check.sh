@@ -2,7 +2,7 @@
 # GPU verification on a machine without network: build, GPU tests, compute-sanitizer, benchmarks.
 #
 #   scripts/gpu_check.sh OUTDIR [build] [perf | perf:PART,PART ...] [test | test:PATH ...] [sanitize]
-#                               [bench | bench:OP ...] [tune]
+#                               [racecheck] [bench | bench:OP ...] [tune]
 #   (default: build sanitize test bench, in order; a speed run is `build perf`, or `build perf:host,layer`)
 #
 # `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, layer, fp8, permute,
@@ -18,6 +18,9 @@
 # TEST_TIMEOUT seconds (default 300, with pytest-timeout), verbose, so a run cut short still lists what
 # passed; then the tests marked gpu_memory (tens of GB each) one at a time (gpu_tests_serial.log). On an H200 (2026-11-26): build 64 s with 16 jobs, sanitize 21 s, 854 GPU tests in 240 s on 8
 # workers (before the fp64 references moved to the device), the quick benches 10-90 s a family.
+#
+# `racecheck` runs compute-sanitizer's racecheck and synccheck over small cases of every kernel family with a
+# barrier (not in the default stages: it is for a run that has the minutes).
 #
 # `tune` sweeps the grouped GEMM instances (bench tune_grouped_mm), installs the table it writes and rebuilds
 # _C with it: `build tune perf:gemm` measures the tuned choice against torch._grouped_mm.
@@ -128,6 +131,29 @@ stage_sanitize() {
   echo $?
 }
 
+stage_racecheck() {
+  # Shared-memory hazards (racecheck) and barrier misuse (synccheck) on small cases of every kernel family with
+  # a barrier: the CPU-executed kernels show a missing barrier only where the order of threads changes a
+  # result, and never where a shuffle or match stands between the accesses (CUDA orders memory only at
+  # __syncwarp and __syncthreads; docs/testing.md, races). Includes the cases that reach each barrier's race.
+  local files=(tests/ops/test_permute_gpu.py tests/ops/test_router_gpu.py tests/ops/test_router_fused_gpu.py
+    tests/ops/test_router_losses_gpu.py tests/ops/test_quant_gpu.py tests/ops/test_quantize_tokens_gpu.py
+    tests/ops/test_swiglu_fp8_gpu.py tests/ops/test_permute_quantize_fp8_gpu.py tests/ops/test_activation_gpu.py
+    tests/ops/test_grouped_mm_gpu.py tests/dispatch/test_nvlink.py)
+  local k="(matches_reference and (7-8-2 or 0-1-1 or 130-16 or 4160 or fp32-softmax-999-16 or fp32-deepseek-999 \
+or fp32-sigmoid_unnormalized-999)) or tokens_past_the_grid or nvlink_capacity or (test_aux_loss and (7-64-4 or 512-2048)) \
+or (test_seq_aux_loss and 3-7-8-2) or (test_z_loss and 7-3) or (quantize_matches_reference and 7-300) \
+or (matches_composition and (dtype0-128-129 or dtype0-128-37-8-2)) or (test_matches_fp64 and True-dtype2-300-2048) or portable_path \
+or misaligned_rows or tiny_and_odd"
+  capped "$(left)" compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+    --target-processes all "$PY" -m pytest -q -p no:cacheprovider "${files[@]}" -k "$k" >"$OUT/racecheck.log" 2>&1
+  local rc=$?
+  capped "$(left)" compute-sanitizer --tool synccheck --error-exitcode 9 --target-processes all \
+    "$PY" -m pytest -q -p no:cacheprovider "${files[@]}" -k "$k" >"$OUT/synccheck.log" 2>&1
+  local rc2=$?
+  echo $(( rc != 0 ? rc : rc2 ))
+}
+
 stage_perf() {  # [part,part,...]
   local budget=${PERF_BUDGET:-360} cap
   cap=$(left)
@@ -189,6 +215,7 @@ for stage in $STAGES; do
     build) detail=$(grep -m1 -E "extension_archs" "$OUT/build.log" | tr -s ' ') ;;
     test) detail="$(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}").log"); serial: $(tail -n 1 "$OUT/gpu_tests$(test_tag "${arg#:}")_serial.log")" ;;
     sanitize) detail=$(grep -m1 -E "ERROR SUMMARY" "$OUT/sanitizer.log"; tail -n 1 "$OUT/sanitizer.log") ;;
+    racecheck) detail="racecheck: $(grep -m1 -E "ERROR SUMMARY|RACECHECK SUMMARY" "$OUT/racecheck.log"; tail -n 1 "$OUT/racecheck.log"); synccheck: $(grep -m1 -E "ERROR SUMMARY" "$OUT/synccheck.log"; tail -n 1 "$OUT/synccheck.log")" ;;
     bench) log="$OUT/bench${arg:+_${arg#:}}.log"; detail=$(grep -E "^HEADLINE" "$log" | tr '\n' ' ') ;;
     perf) detail=$(grep -E "^\[perf\]" "$OUT/perf.log" | tr '\n' ' ') ;;
     tune) detail=$(grep -E "^HEADLINE" "$OUT/tune.log" | tr '\n' ' ') ;;
