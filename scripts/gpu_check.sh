@@ -132,10 +132,10 @@ stage_sanitize() {
 }
 
 stage_racecheck() {
-  # Shared-memory hazards (racecheck) and barrier misuse (synccheck) on small cases of every kernel family with
-  # a barrier: the CPU-executed kernels show a missing barrier only where the order of threads changes a
-  # result, and never where a shuffle or match stands between the accesses (CUDA orders memory only at
-  # __syncwarp and __syncthreads; docs/testing.md, races). Includes the cases that reach each barrier's race.
+  # Shared-memory hazards (racecheck) and barrier misuse (synccheck) in the code as it is, on small cases of
+  # every kernel family with a barrier: the CPU-executed kernels show a missing barrier only where the order
+  # of threads changes a result, and never where a shuffle or match stands between the accesses (CUDA orders
+  # memory only at __syncwarp and __syncthreads; docs/testing.md, races).
   local files=(tests/ops/test_permute_gpu.py tests/ops/test_router_gpu.py tests/ops/test_router_fused_gpu.py
     tests/ops/test_router_losses_gpu.py tests/ops/test_quant_gpu.py tests/ops/test_quantize_tokens_gpu.py
     tests/ops/test_swiglu_fp8_gpu.py tests/ops/test_permute_quantize_fp8_gpu.py tests/ops/test_activation_gpu.py
