@@ -58,7 +58,7 @@ class Site:
 def find_sites(only: list[str]) -> list[Site]:
     sites = []
     for path in sorted(CSRC.rglob("*")):
-        if path.suffix not in (".cu", ".cuh"):
+        if path.suffix not in (".cu", ".cuh", ".h"):
             continue
         rel = path.relative_to(CSRC).as_posix()
         if rel.startswith(EXCLUDED):
@@ -104,7 +104,7 @@ def read_map(path: Path, sites: list[Site], max_tests: int) -> None:
         file = Path(file).as_posix()
         if "/csrc/" not in file:
             continue
-        rel = file.split("/csrc/", 1)[1]
+        rel = file.rsplit("/csrc/", 1)[1]
         reached.setdefault(f"{rel}:{line}", set()).add(test)
     for site in sites:
         tests = sorted(reached.get(site.key, ()))
@@ -117,24 +117,34 @@ def read_map(path: Path, sites: list[Site], max_tests: int) -> None:
 
 def try_site(site: Site, schedules: list[str], timeout: int, retry: bool) -> Site:
     t0 = time.time()
-    try_tests(site, schedules, timeout)
+    try_tests(site, site.tests, schedules, timeout)
     if not site.killed_by and not site.error and len(site.all_tests) > len(site.tests) and retry:
-        site.tests = site.all_tests  # a survivor of the sample gets every test that reaches it
-        try_tests(site, schedules, timeout)
+        rest = [t for t in site.all_tests if t not in set(site.tests)]  # a survivor of the sample: its other tests
+        site.tests = site.all_tests
+        try_tests(site, rest, schedules, timeout)
     site.seconds = time.time() - t0
     return site
 
 
-def try_tests(site: Site, schedules: list[str], timeout: int) -> None:
+def try_tests(site: Site, tests: list[str], schedules: list[str], timeout: int) -> None:
     for schedule in schedules:
-        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *site.tests]
-        env = emu_env(MOE_KERNELS_EMU_SCHEDULE=schedule, MOE_KERNELS_EMU_SKIP_SYNC=f"csrc/{site.key}")
-        try:
-            r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-            rc = r.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
+        cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:xdist", *tests]
+        with tempfile.NamedTemporaryFile(suffix=".log") as log:
+            env = emu_env(MOE_KERNELS_EMU_SCHEDULE=schedule, MOE_KERNELS_EMU_SKIP_SYNC=f"csrc/{site.key}",
+                          MOE_KERNELS_EMU_SYNC_LOG=log.name)
+            try:
+                r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+                rc = r.returncode
+            except subprocess.TimeoutExpired:
+                site.error = f"timeout after {timeout} s under {schedule}"  # slowness, not a verdict
+                break
+            # The runtime logs the sites it reaches, the skipped one too: a site never reached was not deleted
+            # (a stale build whose lines moved, or a test that no longer reaches it).
+            reached = any(row.split("\t", 1)[0].endswith(f"/csrc/{site.key}") for row in Path(log.name).read_text().splitlines())
         site.runs.append(f"{schedule}: {rc}")
+        if rc == 0 and not reached:
+            site.error = f"the tests passed under {schedule} without reaching the barrier (stale build?)"
+            break
         if rc == 0:
             continue
         if rc in (2, 3, 4, 5):  # interrupted, internal or usage error, nothing collected: not the kernel's doing
@@ -142,6 +152,15 @@ def try_tests(site: Site, schedules: list[str], timeout: int) -> None:
         else:  # 1: a test failed; negative: the process crashed
             site.killed_by = schedule if rc == 1 else f"{schedule} ({rc})"
         break
+
+
+def check_schedules(schedules: list[str]) -> None:
+    """Each schedule loads (a bad one aborts the runtime at load, which would read as a crash of every site)."""
+    for schedule in schedules:
+        r = subprocess.run([sys.executable, "-c", "import moe_kernels._C_emu"], cwd=ROOT, capture_output=True,
+                           text=True, env=emu_env(MOE_KERNELS_EMU_SCHEDULE=schedule))
+        if r.returncode != 0:
+            sys.exit(f"schedule {schedule!r} does not load: {(r.stdout + r.stderr).strip()[-500:]}")
 
 
 def report(sites: list[Site], schedules: list[str]) -> str:
@@ -154,13 +173,14 @@ def report(sites: list[Site], schedules: list[str]) -> str:
         f"{len(sites)} barrier sites: {len(killed)} fail a test when deleted "
         + ", ".join(f"{n} first under {sched}" for sched, n in by.items())
         + f"; {len(survived)} survive every schedule; {len(unreached)} reached by no GPU-tier test"
-        + (f"; {len(errors)} could not be tried (pytest error)." if errors else "."),
+        + (f"; {len(errors)} could not be tried (an error or a timeout)." if errors else "."),
         "",
         "| site | barrier | tests run | fails under |",
         "|---|---|---|---|",
     ]
     for s in sites:
-        verdict = s.killed_by or s.error or ("not reached" if not s.tests else "**survives**")
+        error = " ".join(s.error.split()).replace("|", "/") if s.error else None  # one table cell
+        verdict = s.killed_by or error or ("not reached" if not s.tests else "**survives**")
         lines.append(f"| `{s.key}` | `{s.code[:60]}` | {len(s.tests)} | {verdict} |")
     return "\n".join(lines) + "\n"
 
@@ -177,6 +197,9 @@ def main() -> int:
     ap.add_argument("--markdown", type=Path, help="also write the report here")
     args = ap.parse_args()
     schedules = [s for s in args.schedules.split(",") if s]
+    if args.max_tests < 1:
+        sys.exit("--max-tests must be at least 1")
+    check_schedules(schedules)
 
     sites = find_sites(args.only)
     if not sites:

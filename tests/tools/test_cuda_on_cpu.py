@@ -178,6 +178,7 @@ def test_schedule_names_itself_in_errors_and_rejects_bad_specs(schedule):
     schedule("random:5")
     with pytest.raises(RuntimeError, match=r"deadlocked:(.|\n)*schedule random:5\)"):
         _run("deadlock")
-    for bad in ("backwards", "random:", "random:x", "random5", "serial-", "serial-backwards", "serialrandom"):
+    for bad in ("backwards", "random:", "random:x", "random5", "random:-1", "random:+5", "random: 5",
+                "random:99999999999999999999999", "serial-", "serial-backwards", "serialrandom"):
         with pytest.raises(ValueError, match="schedule"):
             schedule(bad)

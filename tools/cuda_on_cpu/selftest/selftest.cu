@@ -140,7 +140,7 @@ void register_selftest(pybind11::module_& m) {
   m.def("emu_selftest", &emu_selftest::run, pybind11::arg("name"), pybind11::arg("out"),
         "Runs one of the CPU execution layer's own test kernels on host memory at `out`");
   m.def("emu_schedule", &emu::set_schedule, pybind11::arg("spec"),
-        "Sets the order of blocks and runnable threads (forward, reverse, random, random:SEED); returns the "
-        "previous one");
+        "Sets the order of blocks and runnable threads (forward, reverse, random, random:SEED, serial, "
+        "serial-reverse, serial-random, serial-random:SEED); returns the previous one");
 }
 }  // namespace emu

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -567,10 +568,10 @@ bool g_profile = std::getenv("MOE_KERNELS_EMU_PROFILE") != nullptr;
 // collective between them, a block reading another block's output). `forward` (the default) runs threads
 // in rounds, each runnable thread once a round in index order, so a read of a lower thread's
 // unsynchronised write goes unseen; `reverse` sees it; `random` shuffles the threads at every round and
-// the blocks of every launch. Rounds keep warps in step at every collective, which hides a missing
-// barrier between warps that also shuffle; the `serial-*` schedules run the first runnable thread (the
-// lowest, the highest, or the first from a random start) until it waits, so one warp runs ahead of the
-// others to the next barrier.
+// the blocks of every launch (an affine permutation: block (mul * i + add) mod n). Rounds keep warps in
+// step at every collective, which hides a missing barrier between warps that also shuffle; the `serial-*`
+// schedules run the first runnable thread (the lowest, the highest, or the first from a random start after
+// each barrier) until it waits, so one warp runs ahead of the others to the next barrier.
 enum class Order { kForward, kReverse, kRandom };
 Order g_order = Order::kForward;
 bool g_serial = false;  // serial-*: a thread runs on while it can, so a warp runs until it waits on others
@@ -600,9 +601,13 @@ void parse_schedule(const std::string& full) {
   } else if (spec.rfind("random", 0) == 0 && (spec.size() == 6 || spec[6] == ':')) {
     order = Order::kRandom;
     if (spec.size() > 7) {
+      const char* digits = spec.c_str() + 7;
       char* end = nullptr;
-      seed = std::strtoull(spec.c_str() + 7, &end, 10);
-      if (end == nullptr || *end != 0) throw std::invalid_argument("cuda_on_cpu: bad schedule seed in '" + full + "'");
+      errno = 0;
+      seed = std::strtoull(digits, &end, 10);
+      if (*digits < '0' || *digits > '9' || end == nullptr || *end != 0 || errno == ERANGE) {
+        throw std::invalid_argument("cuda_on_cpu: bad schedule seed in '" + full + "'");
+      }
     } else if (spec.size() == 7) {
       throw std::invalid_argument("cuda_on_cpu: bad schedule seed in '" + full + "'");
     }
@@ -824,12 +829,16 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
       }
     } else {  // serial: the first runnable thread from the order's start runs; a warp runs until it waits
       // Only a barrier's release or a collective of the running thread's warp makes threads runnable, so
-      // (forward and reverse) the search restarts at the running warp unless a barrier released.
+      // the search restarts at the running warp unless a barrier released (forward and reverse: then the
+      // found thread is still the lowest or highest runnable). serial-random starts from a random thread at
+      // the block's start and after each release, so a random warp runs ahead to the next barrier.
       int last = -1;
       while (done < n && b.error.empty()) {
         int first = 0;
-        if (g_order == Order::kRandom) {
+        if (g_order == Order::kRandom && (last < 0 || g_released)) {
           first = int(next_random() % uint64_t(n));
+        } else if (g_order == Order::kRandom) {
+          first = last / kWarp * kWarp;
         } else if (last >= 0 && !g_released) {
           first = g_order == Order::kReverse ? n - 1 - std::min(n - 1, (last / kWarp + 1) * kWarp - 1) : last / kWarp * kWarp;
         }

@@ -93,8 +93,10 @@ struct LaunchConfig {
   cudaStream_t stream;
 };
 
-// The order of blocks and of runnable threads: "forward" (the default), "reverse", "random" or
-// "random:SEED" (MOE_KERNELS_EMU_SCHEDULE sets it at load). Returns the schedule it replaces.
+// The order of blocks and of runnable threads: "forward" (the default), "reverse", "random", "random:SEED",
+// "serial", "serial-reverse", "serial-random" or "serial-random:SEED" (README, Schedules). Throws
+// std::invalid_argument on another spec; returns the schedule it replaces. MOE_KERNELS_EMU_SCHEDULE sets it
+// when the library loads, and a bad value there aborts the process with a message.
 std::string set_schedule(const std::string& spec);
 
 // Runs `body` as every thread of every block (or records cudaErrorInvalidConfiguration).
