@@ -348,6 +348,15 @@ void resolve(Block& b, int warp, const PendingColl& g) {
 
 namespace {
 
+// The running pytest test's name (PYTEST_CURRENT_TEST without its " (call)" phase); empty outside pytest.
+std::string running_test() {
+  const char* cur = std::getenv("PYTEST_CURRENT_TEST");
+  std::string name = cur ? cur : "";
+  const size_t phase = name.rfind(" (");
+  if (phase != std::string::npos) name.resize(phase);
+  return name;
+}
+
 // Barrier sites, for scripts/barrier_check.py (test tooling only).
 // MOE_KERNELS_EMU_SKIP_SYNC=FILE:LINE: the __syncthreads or __syncwarp at that site (FILE a suffix of its
 // source path) does nothing, as if deleted. MOE_KERNELS_EMU_SYNC_LOG=FILE appends "FILE:LINE<TAB>TEST" the
@@ -378,10 +387,8 @@ struct SyncSites {
   // At each launch: the running test.
   void launch() {
     if (log == nullptr) return;
-    const char* cur = std::getenv("PYTEST_CURRENT_TEST");
-    std::string name = cur ? cur : "?";
-    const size_t phase = name.rfind(" (");
-    if (phase != std::string::npos) name.resize(phase);
+    std::string name = running_test();
+    if (name.empty()) name = "?";
     if (name != test) {
       test = name;
       ++test_version;
@@ -641,12 +648,8 @@ struct ScheduleFromEnv {
 // test changes, so a test's orders do not depend on the tests that ran before it in the process.
 void reseed_for_test() {
   std::string& last = g_seeded_for;
-  const char* cur = std::getenv("PYTEST_CURRENT_TEST");
-  if (cur == nullptr) return;
-  std::string name = cur;
-  const size_t phase = name.rfind(" (");
-  if (phase != std::string::npos) name.resize(phase);
-  if (name == last) return;
+  const std::string name = running_test();
+  if (name.empty() || name == last) return;
   last = name;
   uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
   for (unsigned char c : name) h = (h ^ c) * 0x100000001b3ull;
