@@ -16,6 +16,13 @@ operands. Checked first: against the fp64 reference on the device, within fp32 r
 magnitude times moe_kernels.testing.FP8_MMA_MAGNITUDE (Hopper's FP8 accumulation keeps ~14 bits inside
 each 128-token block).
 
+Where the sm_90a instances run (an H100/H200 and a build with them), the forward and wgrad rows also time every
+instance of the tuning set that serves the product (csrc/gemm/sm90_kernels.cu: cooperative 128x128x128 with
+a 1x1 or 2x1 cluster, ping-pong 64x128x128), each forced by id on the same operands, as peers named
+`instance:<name>`: one of them is the default choice (a speedup of about 1), and a speedup below 1 is an
+instance faster than that choice. The table (`bench tune_grouped_mm`) is what changes the choice; these
+columns say, in every run of this family, whether a sweep would.
+
 A third op per case, fp8_recipe_fwd_bwd: Fp8BlockwiseRecipe().grouped_mm forward and backward (dx, dw)
 from bf16 x and w, all three products in FP8, quantization of x, w and dout included (each training step
 quantizes them anew), on the 128-padded groups, against bf16 grouped_mm forward and backward; FLOPs =
@@ -33,6 +40,8 @@ import moe_kernels
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, grouped_mm_fp8_wgrad_reference
 from moe_kernels.quant import Fp8BlockwiseRecipe
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_errors_within_fp64_rule, assert_within_fp32_rounding
+
+from moe_kernels import _ext
 
 from . import bench_grouped_mm as bg
 from . import bytes as byte_model
@@ -132,6 +141,43 @@ def _check_fwd(c: bg.Case, fp8: tuple) -> None:
     assert_errors_within_fp64_rule(mine, theirs, ref_max, f"{c.name} grouped_mm_fp8", floor=1e-3 * ref_max + 1e-6)
 
 
+def _instance_peers(ctx: h.Context, op: int, out_dtype: torch.dtype, sets: list[dict]) -> dict[str, h.Timing]:
+    """Each sm_90a instance serving FP8 `op` (0 forward, 2 wgrad) with `out_dtype`, forced by id and timed on
+    every input set; {} where the instances do not run (not an H100/H200, or a build without them)."""
+    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+
+    C = _ext._C
+    if (not ctx.is_cuda or C is None or not getattr(C, "grouped_mm_has_sm90", False)
+            or torch.cuda.get_device_capability(ctx.device) != (9, 0)):
+        return {}
+    launches = []
+    for s in sets:
+        if op == 0:
+            xq, xs, wq, ws, sizes = s["fp8"]
+            (M, K), N = xq.shape, wq.shape[1]
+            a, b, sfa, sfb = xq, wq, _inverse_scale(xs), _inverse_scale(ws)
+            out = torch.empty(M, N, device=ctx.device, dtype=torch.bfloat16)
+        else:
+            aq, as_, bq, bs, sizes = s["wgrad"]
+            (N, M), K = aq.shape, bq.shape[0]
+            a, b = aq, bq
+            sfa, sfb = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
+            out = torch.empty(sizes.shape[0], N, K, device=ctx.device, dtype=out_dtype)
+        launches.append((a, b, out, sfa, sfb, sizes, M, N, K))
+    code = _ext.dtype_code(out_dtype)
+    peers = {}
+    for i, spec in enumerate(C.grouped_mm_sm90_kernels()):
+        if (spec["dtype"], spec["op"], spec["out"]) != (_ext.dtype_code(torch.float8_e4m3fn), op, code):
+            continue
+
+        def launch(a, b, out, sfa, sfb, sizes, M, N, K, i=i):
+            if not _launch_fp8(C, op, a, b, out, sfa, sfb, sizes, M, N, K, kernel=i):
+                raise RuntimeError(f"instance {i} did not take the problem")
+
+        peers[f"instance:{spec['name']}"] = ctx.time(launch, launches)
+    return peers
+
+
 def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     sets = [_inputs(ctx, c, ctx.seed + i) for i in range(ctx.n_input_sets)]
     s0 = sets[0]
@@ -140,6 +186,7 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     ours = ctx.time(lambda *a: moe_kernels.grouped_mm_fp8(*a), [s["fp8"] for s in sets])
     peer = ctx.time(lambda x, w, sz: moe_kernels.grouped_mm(x, w, sz), [(s["x"], s["w"], s["sizes"]) for s in sets])
     peers, variants = {"moe_kernels_bf16": peer}, {"moe_kernels_bf16": "grouped_mm"}
+    peers.update(_instance_peers(ctx, 0, torch.bfloat16, sets))
     flops = 2 * c.M * c.N * c.K
     nbytes = c.M * c.K + c.E * c.N * c.K + 4 * (c.M * c.K // 128 + c.E * (-(-c.N // 128)) * (c.K // 128)) + 2 * c.M * c.N
     fwd = h.make_result(ctx, op="grouped_mm_fp8_fwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.float8_e4m3fn,
@@ -152,7 +199,8 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     wgrad_bytes = Mp * (c.N + c.K) + 4 * (c.N + c.K) * (Mp // 128) + 4 * c.E * c.N * c.K
     wgrad = h.make_result(ctx, op="grouped_mm_fp8_wgrad", case=c.name, shape=c.shape(ctx.seed),
                           dtype=torch.float8_e4m3fn, timing=ours_wgrad, nbytes=wgrad_bytes, flops=2 * Mp * c.N * c.K,
-                          peers={"moe_kernels_bf16": peer_wgrad}, peer_variant={"moe_kernels_bf16": "grouped_mm_wgrad"})
+                          peers={"moe_kernels_bf16": peer_wgrad, **_instance_peers(ctx, 2, torch.float32, sets)},
+                          peer_variant={"moe_kernels_bf16": "grouped_mm_wgrad"})
 
     _check_recipe(c, s0["train"])
     ours_train = ctx.time(_fwd_bwd(RECIPE.grouped_mm), [s["train"] for s in sets])

@@ -20,7 +20,9 @@ namespace moe::gemm::sm90 {
   X(dgrad_bf16_coop_256x128x64_c1x1) X(dgrad_bf16_coop_128x256x64_c2x1) X(dgrad_fp16_pingpong_128x128x64_c1x1) \
   X(dgrad_fp16_coop_256x128x64_c1x1) X(wgrad_bf16_coop_256x128x64_c1x1) X(wgrad_bf16_coop_128x256x64_c2x1)     \
   X(wgrad_fp16_coop_256x128x64_c1x1) X(fwd_fp8_blockwise_128x128x128_c1x1) X(fwd_fp8_blockwise_128x128x128_c2x1) \
-  X(wgrad_fp8_blockwise_128x128x128_c1x1) X(wgrad_fp8_blockwise_bf16_128x128x128_c1x1)
+  X(wgrad_fp8_blockwise_128x128x128_c1x1) X(wgrad_fp8_blockwise_bf16_128x128x128_c1x1)                     \
+  X(fwd_fp8_blockwise_pingpong_64x128x128_c1x1) X(wgrad_fp8_blockwise_pingpong_64x128x128_c1x1)           \
+  X(wgrad_fp8_blockwise_bf16_pingpong_64x128x128_c1x1)
 
 #define MOE_DECLARE(NAME)                                        \
   size_t NAME##_workspace(const GroupedParams& p, int sm_count); \

@@ -36,6 +36,9 @@ const KernelSpec kSm90Kernels[] = {
     {"fwd_fp8_blockwise_128x128x128_c2x1", kF, kE4M3, kBf16, false, 128, 128, 128, 2, 1},
     {"wgrad_fp8_blockwise_128x128x128_c1x1", kW, kE4M3, kFp32, false, 128, 128, 128, 1, 1},
     {"wgrad_fp8_blockwise_bf16_128x128x128_c1x1", kW, kE4M3, kBf16, false, 128, 128, 128, 1, 1},
+    {"fwd_fp8_blockwise_pingpong_64x128x128_c1x1", kF, kE4M3, kBf16, true, 64, 128, 128, 1, 1},
+    {"wgrad_fp8_blockwise_pingpong_64x128x128_c1x1", kW, kE4M3, kFp32, true, 64, 128, 128, 1, 1},
+    {"wgrad_fp8_blockwise_bf16_pingpong_64x128x128_c1x1", kW, kE4M3, kBf16, true, 64, 128, 128, 1, 1},
 };
 const int kNumSm90Kernels = int(sizeof(kSm90Kernels) / sizeof(kSm90Kernels[0]));
 

@@ -59,3 +59,50 @@ def test_a_wrong_wgrad_fails_the_case(monkeypatch):
     monkeypatch.setattr(b8.moe_kernels, "grouped_mm_fp8_wgrad", lambda *a: real(*a) * 1.01)
     with pytest.raises(AssertionError, match="grouped_mm_fp8_wgrad"):
         b8.run_case(ctx, b8.cases(ctx)[0])
+
+
+def test_instance_peers_launch_every_fp8_instance_of_the_product(monkeypatch):
+    """On an H100/H200 the forward and wgrad rows time every FP8 instance of their product, forced by id
+    (`instance:<name>` peers). Faked here: a Hopper capability, an extension whose kernel list is the real one,
+    and a launcher that records what each timed call would run."""
+    import importlib
+    from types import SimpleNamespace
+
+    from moe_kernels import _ext
+
+    g8 = importlib.import_module("moe_kernels.ops.grouped_mm_fp8")  # the module, not the op of that name
+
+    real = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    case = b8.cases(real)[0]
+    sets = [b8._inputs(real, case, seed) for seed in (0, 1)]
+    kernels = (_ext._C or _ext._EMU).grouped_mm_sm90_kernels()
+    launched = []
+
+    def launch(C, op, a, b, out, sfa, sfb, sizes, M, N, K, kernel=-1, raster=-1, accumulate=False, group_order=-1):
+        launched.append((op, kernel, tuple(out.shape), out.dtype, (M, N, K), a.data_ptr()))
+        return True
+
+    monkeypatch.setattr(_ext, "_C", SimpleNamespace(grouped_mm_has_sm90=True, grouped_mm_sm90_kernels=lambda: kernels))
+    monkeypatch.setattr(g8, "_launch_fp8", launch)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    ctx = SimpleNamespace(is_cuda=True, device=torch.device("cpu"),
+                          time=lambda fn, inputs: [fn(*args) for args in inputs] and "timing")
+    for op, out_dtype, out_code in ((0, torch.bfloat16, 2), (2, torch.float32, 0)):
+        launched.clear()
+        peers = b8._instance_peers(ctx, op, out_dtype, sets)
+        serving = [i for i, k in enumerate(kernels) if (k["dtype"], k["op"], k["out"]) == (3, op, out_code)]
+        assert set(peers) == {f"instance:{kernels[i]['name']}" for i in serving} and set(peers.values()) == {"timing"}
+        assert any("pingpong" in p for p in peers) and len(peers) >= 2, peers
+        assert [(k, o) for o, k, *_ in launched] == [(i, op) for i in serving for _ in sets]
+        for (_, _, shape, dtype, (M, N, K), a_ptr), s in zip(launched, sets * len(serving)):
+            if op == 0:
+                xq, _, wq, _, _ = s["fp8"]
+                assert (M, N, K) == (xq.shape[0], wq.shape[1], xq.shape[1]) and a_ptr == xq.data_ptr()
+                assert shape == (M, N) and dtype == torch.bfloat16
+            else:
+                aq, _, bq, _, sizes = s["wgrad"]
+                assert (M, N, K) == (aq.shape[1], aq.shape[0], bq.shape[0]) and a_ptr == aq.data_ptr()
+                assert shape == (sizes.shape[0], N, K) and dtype == torch.float32
+    # Off Hopper (or without the instances built) no instance is timed.
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert b8._instance_peers(ctx, 0, torch.bfloat16, sets) == {}

@@ -124,8 +124,9 @@ def test_permuted_padding_rows_give_zeros_and_finite_gradients(cuda):
 @pytest.mark.parametrize("raster", [0, 1], ids=["along_m", "along_n"])
 @pytest.mark.parametrize("kind", ["uniform", "zipf", "one_group"])
 def test_every_fp8_forward_instance_is_bitwise_the_default(cuda, kind, raster):
-    """The FP8 forward instances share the tile and the K-block order, so a cluster or raster order changes
-    how tiles are loaded and visited, not a bit of the result."""
+    """The FP8 forward instances share the K-block order, the MMA instruction (m64n128k32, one per warpgroup
+    and 64 rows) and the promotion per element, so a cluster, a raster order or ping-pong's 64-row tiles
+    change how tiles are loaded and visited, not a bit of the result."""
     from moe_kernels import _ext
     from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
 
@@ -136,10 +137,13 @@ def test_every_fp8_forward_instance_is_bitwise_the_default(cuda, kind, raster):
     xq, xs, wq, ws, gs = [t.to(cuda) for t in _case(M, N, K, E, kind, seed=11)]
     expected = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
     rows = int(gs.sum())
+    names = []
     for i, spec in enumerate(C.grouped_mm_sm90_kernels()):
         if spec["dtype"] != 3 or spec["op"] != 0:
             continue
+        names.append(spec["name"])
         out = torch.full((M, N), float("nan"), device=cuda, dtype=torch.bfloat16)
         assert _launch_fp8(C, 0, xq, wq, out, _inverse_scale(xs), _inverse_scale(ws), gs, M, N, K, kernel=i,
                            raster=raster)
         assert torch.equal(out[:rows], expected[:rows]), f"{spec['name']} raster={raster} {kind}"
+    assert any("pingpong" in n for n in names) and any("_c2x1" in n for n in names), names

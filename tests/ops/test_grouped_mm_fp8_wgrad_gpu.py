@@ -208,6 +208,49 @@ def test_raster_orders_are_bitwise_equal(cuda, kind, out_dtype):
     assert torch.equal(outs[0], mk.grouped_mm_fp8_wgrad(aq, as_, bq, bs, gs, out_dtype=out_dtype)), kind
 
 
+@pytest.mark.parametrize("N,K,E,blocks,kind", [(256, 384, 8, 9, "uniform"), (200, 200, 4, 6, "empty"),
+                                               (72, 104, 2, 3, "one_group"), (320, 128, 16, 5, "empty")])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_every_fp8_wgrad_instance_is_bitwise_the_default(cuda, N, K, E, blocks, kind, out_dtype):
+    """Every wgrad instance of the tuning set (cooperative 128x128 tiles, ping-pong 64x128), forced whatever
+    the table says, in both raster orders and group orders: the same k-blocks, MMA instruction (m64n128k32)
+    and promotion per element, so the same bits as the default choice, written afresh over NaN and, for fp32,
+    accumulated into a buffer (the epilogue's source read). N and K off the tiles make partial tiles in both
+    directions (K a multiple of 8: bf16 rows of 16-byte stores); the empty and one-group cases leave experts
+    with no tokens (zeros written, the buffer kept)."""
+    from moe_kernels import _ext
+    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+
+    if cuda.type != "cuda" or torch.cuda.get_device_capability(cuda) != (9, 0) or not _ext._C.grouped_mm_has_sm90:
+        pytest.skip("the sm_90a instances need an H100/H200 and a build with them")
+    C = _ext._C
+    _, _, a, b, gs = _case(64, N, K, E, blocks, kind, seed=N + K + blocks)
+    (aq, as_), (bq, bs), gs = [t.to(cuda) for t in a], [t.to(cuda) for t in b], gs.to(cuda)
+    M = aq.shape[1]
+    inv_a, inv_b = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
+    expected = mk.grouped_mm_fp8_wgrad(aq, as_, bq, bs, gs, out_dtype=out_dtype)
+    before = torch.randn(E, N, K, generator=torch.Generator().manual_seed(7)).to(cuda)
+    code = _ext.dtype_code(out_dtype)
+    names = []
+    for i, spec in enumerate(C.grouped_mm_sm90_kernels()):
+        if (spec["dtype"], spec["op"], spec["out"]) != (3, 2, code):
+            continue
+        names.append(spec["name"])
+        for raster, group_order in ((0, -1), (1, -1), (0, 0), (1, 1)):  # largest group first, then expert order
+            out = torch.full((E, N, K), float("nan"), device=cuda, dtype=out_dtype)
+            assert _launch_fp8(C, 2, aq, bq, out, inv_a, inv_b, gs, M, N, K, kernel=i, raster=raster,
+                               group_order=group_order)
+            assert torch.equal(out, expected), f"{spec['name']} raster={raster} group_order={group_order}"
+            if group_order != -1:
+                continue
+            if out_dtype == torch.float32:
+                acc = before.clone()
+                assert _launch_fp8(C, 2, aq, bq, acc, inv_a, inv_b, gs, M, N, K, kernel=i, raster=raster,
+                                   accumulate=True)
+                assert torch.equal(acc, before + expected), f"{spec['name']} raster={raster} accumulate"
+    assert any("pingpong" in n for n in names) and any("pingpong" not in n for n in names), names
+
+
 # Into an fp32 buffer (an fp32 main gradient), written afresh or accumulated (out=, accumulate=)
 
 @pytest.mark.parametrize("N,K,E,blocks,kind", [(256, 384, 8, 9, "empty"), (128, 128, 1, 1, "one_group"),

@@ -61,12 +61,20 @@ def test_every_instance_file_instantiates_its_listed_configuration(C):
             assert (int(tm), int(tn), int(tk)) == tuple(s["tile"]) and (int(cm), int(cn)) == tuple(s["cluster"]), name
             assert (pp == "true") == s["pingpong"], name
             continue
+        # FP8 blockwise: cooperative on 128x128x128 tiles with a cluster along M, or ping-pong on 64x128x128
+        # tiles (fp8_blockwise.cuh's two schedules).
         m = re.search(r"MOE_FP8_BLOCKWISE_INSTANCE\((\w+), GemmOp::(\w+), ([\w:]+), (\d+)\)", text)
-        assert m, f"{name}.cu instantiates neither macro"
-        n, op, out, cm = m.groups()
+        if m:
+            n, op, out, cm = m.groups()
+            config = ((128, 128, 128), (int(cm), 1), False)
+        else:
+            m = re.search(r"MOE_FP8_BLOCKWISE_PINGPONG_INSTANCE\((\w+), GemmOp::(\w+), ([\w:]+)\)", text)
+            assert m, f"{name}.cu instantiates none of the macros"
+            n, op, out = m.groups()
+            config = ((64, 128, 128), (1, 1), True)
         out_code = {"float": FP32, "cutlass::bfloat16_t": BF16}[out]
         assert (n, FP8, out_code, ops[op]) == (name, s["dtype"], s["out"], s["op"]), name
-        assert tuple(s["cluster"]) == (int(cm), 1) and tuple(s["tile"]) == (128, 128, 128) and not s["pingpong"], name
+        assert (tuple(s["tile"]), tuple(s["cluster"]), s["pingpong"]) == config, name
 
 
 def test_dispatch_list_is_the_kernel_list_in_order(C):

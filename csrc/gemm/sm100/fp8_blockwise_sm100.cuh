@@ -11,6 +11,7 @@ using namespace cute;
 
 struct Sm100Fp8Schedule {
   using Arch = cutlass::arch::Sm100;
+  using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<_1, _1, _1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedBlockwise1SmSm100;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecialized1Sm;

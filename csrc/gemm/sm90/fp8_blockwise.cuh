@@ -55,15 +55,33 @@ template <> struct Fp8Traits<GemmOp::kWgrad> {
 
 constexpr int kFp8Block = 128;
 
-// The architecture and schedules: sm_90a's cooperative FP8 blockwise kernel, kClusterM > 1 making the CTAs
-// of neighbouring row tiles share each weight tile (and its scales) by TMA multicast. (gemm/sm100 has
-// Blackwell's: the scale layouts are the same Sm1xx configuration.)
+// The architecture, tile and schedules: sm_90a's cooperative FP8 blockwise kernel on 128x128x128 tiles (the
+// two consumer warpgroups split a tile's rows), kClusterM > 1 making the CTAs of neighbouring row tiles share
+// each weight tile (and its scales) by TMA multicast. (gemm/sm100 has Blackwell's: the scale layouts are the
+// same Sm1xx configuration.)
 template <int kClusterM>
 struct Sm90Fp8Schedule {
   using Arch = cutlass::arch::Sm90;
+  using Tile = Shape<_128, _128, _128>;
   using Cluster = Shape<Int<kClusterM>, _1, _1>;
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+
+// Ping-pong: each consumer warpgroup owns a whole 64x128 tile and the two take turns, so one warpgroup's
+// epilogue (an fp32 wgrad tile is 32 KB written, and read too where it accumulates) runs while the other's
+// mainloop issues its MMAs. The cooperative kernel leaves the tensor cores idle during every epilogue, which
+// costs most where a tile's contraction is short: wgrad over the few hundred tokens an expert gets at 128
+// experts. A warpgroup holds its 64x128 fp32 accumulators twice (the running sum and the block being
+// promoted, 128 registers a thread), so a 128-row tile per warpgroup does not fit (256 > the 240 a
+// consumer gets). The tile's k-blocks, their MMA instructions (m64n128k32) and the promotion per element
+// are the cooperative kernel's: the same bits.
+struct Sm90Fp8PingpongSchedule {
+  using Arch = cutlass::arch::Sm90;
+  using Tile = Shape<_64, _128, _128>;
+  using Cluster = Shape<_1, _1, _1>;
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8Blockwise;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 
 // ElementOut: bf16 for the forward; fp32 or bf16 for wgrad.
@@ -83,7 +101,7 @@ struct Fp8BlockwiseGemm {
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 16;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
-  using Tile = Shape<_128, _128, _128>;
+  using Tile = typename Schedule::Tile;
   using Cluster = typename Schedule::Cluster;
   using ScaleConfig = typename Fp8Traits<kOp>::ScaleConfig;
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
@@ -249,5 +267,7 @@ void Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::run(const GroupedParams& p, in
   }
 #define MOE_FP8_BLOCKWISE_INSTANCE(NAME, OP, ELEMENT_OUT, CLUSTER_M) \
   MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, Sm90Fp8Schedule<CLUSTER_M>)
+#define MOE_FP8_BLOCKWISE_PINGPONG_INSTANCE(NAME, OP, ELEMENT_OUT) \
+  MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, Sm90Fp8PingpongSchedule)
 
 }  // namespace moe::gemm::sm90
