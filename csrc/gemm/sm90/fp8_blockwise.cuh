@@ -73,7 +73,7 @@ struct Sm90Fp8Schedule {
 // mainloop issues its MMAs. The cooperative kernel leaves the tensor cores idle during every epilogue, which
 // costs most where a tile's contraction is short: wgrad over the few hundred tokens an expert gets at 128
 // experts. A warpgroup holds its 64x128 fp32 accumulators twice (the running sum and the block being
-// promoted, 128 registers a thread), so a 128-row tile per warpgroup does not fit (256 > the 240 a
+// promoted, 128 registers a thread), so a 128-row tile per warpgroup does not fit (256 > the 232 a
 // consumer gets). The tile's k-blocks, their MMA instructions (m64n128k32) and the promotion per element
 // are the cooperative kernel's: the same bits.
 struct Sm90Fp8PingpongSchedule {
