@@ -37,11 +37,10 @@ from __future__ import annotations
 import torch
 
 import moe_kernels
+from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, grouped_mm_fp8_wgrad_reference
 from moe_kernels.quant import Fp8BlockwiseRecipe
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_errors_within_fp64_rule, assert_within_fp32_rounding
-
-from moe_kernels import _ext
 
 from . import bench_grouped_mm as bg
 from . import bytes as byte_model
@@ -164,10 +163,10 @@ def _instance_peers(ctx: h.Context, op: int, out_dtype: torch.dtype, sets: list[
             sfa, sfb = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
             out = torch.empty(sizes.shape[0], N, K, device=ctx.device, dtype=out_dtype)
         launches.append((a, b, out, sfa, sfb, sizes, M, N, K))
-    code = _ext.dtype_code(out_dtype)
+    product = (_ext.dtype_code(torch.float8_e4m3fn), op, _ext.dtype_code(out_dtype))
     peers = {}
     for i, spec in enumerate(C.grouped_mm_sm90_kernels()):
-        if (spec["dtype"], spec["op"], spec["out"]) != (_ext.dtype_code(torch.float8_e4m3fn), op, code):
+        if (spec["dtype"], spec["op"], spec["out"]) != product:
             continue
 
         def launch(a, b, out, sfa, sfb, sizes, M, N, K, i=i):
