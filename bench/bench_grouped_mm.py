@@ -28,6 +28,12 @@ Peers, timed in the same run on the same inputs:
                     dgrad dout[M, N] @ W[N, K], wgrad dout^T[N, M] @ x[M, K]): the ceiling at this
                     size; its "speedup" is the fraction of dense cuBLAS throughput we reach.
   reference         moe_kernels' per-expert reference loops called directly, on the CPU only.
+  portable_mma      (where ours runs its kernels) ours with the tensor-core portable kernel named (portable=1,
+                    csrc/gemm/portable_mma.cuh: mma.sync m16n8k16 and ldmatrix, 128x128x32 tiles): what an A100,
+                    L40 or RTX GPU runs with MOE_KERNELS_PORTABLE_MMA=1, timed on this GPU beside the kernel
+                    this GPU takes; checked against the baseline like ours before timing. On a Hopper GPU
+                    mma.sync runs below WGMMA's rate, so its speedup says how far it is from the sm_90a kernels,
+                    not how it does on an A100.
   expert_order      (wgrad, where ours runs its kernels) ours with the groups visited in expert order
                     (group_order=0) instead of the default, largest first: the same kernel and bits (checked
                     equal), timed to show what visiting the largest groups first gains under skewed routing
@@ -260,6 +266,21 @@ def wgrad_expert_order(c: Case, group_sizes: torch.Tensor) -> Callable:
     return fn
 
 
+def portable_mma(op: str, c: Case, group_sizes: torch.Tensor) -> Callable:
+    """fn(a, b): ours with the tensor-core portable kernel named (portable=1), into a fresh output as the op
+    allocates it: the kernel an A100, L40 or RTX GPU runs (with MOE_KERNELS_PORTABLE_MMA=1), timed on this GPU."""
+    from moe_kernels.ops.grouped_mm import _launch
+
+    shape = {"fwd": (c.M, c.N), "dgrad": (c.M, c.K), "wgrad": (c.E, c.N, c.K)}[op]
+
+    def fn(a, b):
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+        _launch(op, a, b, out, group_sizes, c.M, c.N, c.K, _ext.kernels(OP_NAMES[op], a), portable=1)
+        return out
+
+    return fn
+
+
 def dense_mm(op: str) -> tuple[Callable, Callable]:
     """(fn, operands from an input set): one dense matmul with the op's FLOPs and layout."""
     return {
@@ -454,6 +475,9 @@ def check_op(ctx: h.Context, c: Case, op: str, s: dict[str, torch.Tensor], sizes
     check_close(f"{what} vs {base_name}", _rows(op, ours, n), _rows(op, base, n))
     if op == "wgrad" and path != "reference":
         assert torch.equal(wgrad_expert_order(c, gs)(a, b), ours), f"{what}: expert order changed the bits"
+    if path != "reference":
+        check_close(f"{what} portable_mma vs {base_name}", _rows(op, portable_mma(op, c, gs)(a, b), n),
+                    _rows(op, base, n))
     if fp64:
         ref64 = REFERENCE[op](a.double(), b.double(), gs)
         check_fp64(f"{what} vs fp64 (baseline {base_name})", _rows(op, ours, n), _rows(op, base, n),
@@ -501,6 +525,9 @@ def run_case(ctx: h.Context, c: Case, torch_status: dict[str, str | None],
         if not ctx.is_cuda:
             peers["reference"] = ctx.time(lambda a, b, _f=REFERENCE[op]: _f(a, b, gs), inputs)
             variant["reference"] = REFERENCE[op].__name__
+        if path != "reference":
+            peers["portable_mma"] = ctx.time(portable_mma(op, c, gs), inputs)
+            variant["portable_mma"] = "ours, the tensor-core portable kernel named (portable=1)"
         if op == "wgrad" and path != "reference":
             peers["expert_order"] = ctx.time(wgrad_expert_order(c, gs), inputs)
             variant["expert_order"] = "ours, group_order=0 (the default visits the largest groups first)"

@@ -16,7 +16,7 @@ namespace {
 gemm::GroupedParams make(int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t E,
                          int64_t M, int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes,
                          int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel,
-                         int32_t raster, uintptr_t a_global = 0, uintptr_t b_global = 0) {
+                         int32_t raster, uintptr_t a_global = 0, uintptr_t b_global = 0, int32_t portable = -1) {
   auto p = gemm::GroupedParams{gemm::GemmOp(op),         ptr<const void>(a), ptr<const void>(b), ptr<void>(d),
                              ptr<const int32_t>(group_sizes), E,         M,                  N,
                              K,                        DType(dtype),       ptr<void>(workspace), workspace_bytes,
@@ -26,6 +26,7 @@ gemm::GroupedParams make(int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uint
   p.raster = raster;
   p.a_global = ptr<const float>(a_global);
   p.b_global = ptr<const float>(b_global);
+  p.portable = portable;
   return p;
 }
 
@@ -54,6 +55,10 @@ void register_gemm(py::module_& m) {
   m.def("grouped_mm_sm100_enabled", &gemm::sm100::enabled,
         "Whether a 10.0 / 10.3 GPU runs the sm_100f instances: built, and MOE_KERNELS_SM100_CUTLASS=1 when first "
         "asked (the choice the kernels' dispatch makes; read once per process)");
+  m.def("grouped_mm_portable_mma_enabled", &gemm::portable_mma_enabled,
+        "Whether the tensor-core portable kernel is the default where it fits (bf16, fp16, sm_80+, no CUTLASS kernel "
+        "for the problem): MOE_KERNELS_PORTABLE_MMA=1 when first asked (read once per process); else the CUDA-core "
+        "portable kernel");
   m.def("grouped_mm_gather_enabled", &gemm::sm90::gather_enabled,
         "Whether a 9.0 GPU runs the gathered products (expert_mlp) on the sm_90a gather kernels: built, and "
         "MOE_KERNELS_GATHER_CUTLASS=1 when first asked (read once per process); else the portable kernel");
@@ -61,41 +66,43 @@ void register_gemm(py::module_& m) {
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
          uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
-         uintptr_t a_global, uintptr_t b_global) {
+         uintptr_t a_global, uintptr_t b_global, int32_t portable) {
         DeviceGuard guard(device);
         return int(gemm::choose_path(make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb,
-                                          fp8_wgrad_out, kernel, raster, a_global, b_global)));
+                                          fp8_wgrad_out, kernel, raster, a_global, b_global, portable)));
       },
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
       "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1), 5 = sm_100f fp8 blockwise, 6 = sm_90a gather (expert_mlp's "
       "gathered products, opted in: MOE_KERNELS_GATHER_CUTLASS=1), 7 = sm_100f nvfp4 block-scaled (opted in: "
-      "MOE_KERNELS_SM100_CUTLASS=1)",
+      "MOE_KERNELS_SM100_CUTLASS=1), 8 = the portable kernel on tensor cores (bf16, fp16, sm_80+: portable=1, or "
+      "MOE_KERNELS_PORTABLE_MMA=1)",
       py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),
       py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0,
-      py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0);
+      py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0,
+      py::arg("portable") = -1);
   m.def(
       "grouped_mm_workspace_bytes",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
          uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
-         uintptr_t a_global, uintptr_t b_global) {
+         uintptr_t a_global, uintptr_t b_global, int32_t portable) {
         DeviceGuard guard(device);
         return gemm::grouped_workspace_bytes(make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb,
-                                                  fp8_wgrad_out, kernel, raster, a_global, b_global));
+                                                  fp8_wgrad_out, kernel, raster, a_global, b_global, portable));
       },
       py::arg("op"), py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"),
       py::arg("b"), py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0,
       py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("a_global") = 0,
-      py::arg("b_global") = 0);
+      py::arg("b_global") = 0, py::arg("portable") = -1);
   m.def(
       "grouped_mm",
       [](int32_t op, uintptr_t a, uintptr_t b, uintptr_t d, uintptr_t group_sizes, int32_t num_groups, int64_t M,
          int64_t N, int64_t K, int32_t dtype, uintptr_t workspace, size_t workspace_bytes, int device, uintptr_t s,
          uintptr_t sfa, uintptr_t sfb, int32_t group_align, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
-         bool accumulate, int32_t group_order, uintptr_t a_global, uintptr_t b_global) {
+         bool accumulate, int32_t group_order, uintptr_t a_global, uintptr_t b_global, int32_t portable) {
         DeviceGuard guard(device);
         auto p = make(op, a, b, d, group_sizes, num_groups, M, N, K, dtype, workspace, workspace_bytes, device, sfa, sfb,
-                      fp8_wgrad_out, kernel, raster, a_global, b_global);
+                      fp8_wgrad_out, kernel, raster, a_global, b_global, portable);
         p.group_align = group_align;
         p.accumulate = accumulate;
         p.group_order = group_order;
@@ -107,12 +114,13 @@ void register_gemm(py::module_& m) {
       "-1: the tuning table's choice. accumulate (wgrad with a float32 output): d += the product, empty groups "
       "keep d. group_order: the order the CUTLASS schedulers visit the groups, 1 largest first (sizes read on the "
       "device), 0 expert order, -1 the default (largest first for wgrad); the output is the same. a_global, "
-      "b_global (nvfp4, dtype 6): the operands' fp32 global scales on the device",
+      "b_global (nvfp4, dtype 6): the operands' fp32 global scales on the device. portable: 0 the CUDA-core portable "
+      "kernel, 1 the tensor-core one (bf16, fp16, sm_80+), -1 the default choice",
       py::arg("op"), py::arg("a"), py::arg("b"), py::arg("d"), py::arg("group_sizes"), py::arg("num_groups"),
       py::arg("M"), py::arg("N"), py::arg("K"), py::arg("dtype"), py::arg("workspace"), py::arg("workspace_bytes"),
       py::arg("device"), py::arg("stream"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("group_align") = 0,
       py::arg("fp8_wgrad_out") = 0, py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("accumulate") = false,
-      py::arg("group_order") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0);
+      py::arg("group_order") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0, py::arg("portable") = -1);
   m.def("grouped_mm_nvfp4_scale_atoms", &gemm::nvfp4_scale_atoms,
         "Atoms (512 bytes each) of NVFP4 scales in CUTLASS's blocked layout for atom_rows rows of 128 and K "
         "elements", py::arg("atom_rows"), py::arg("K"));

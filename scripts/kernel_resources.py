@@ -68,6 +68,10 @@ SASS_CHECKS = (
     (r"cutlass::device_kernel\[(?!\w*_fp8_)\w+_bf16_", r"HGMMA\.\w+\.F32\.BF16", "the bf16 CUTLASS GEMMs run on WGMMA"),
     (r"cutlass::device_kernel\[\w+_fp16_", r"HGMMA\.\w+\.F32 ", "the fp16 CUTLASS GEMMs run on WGMMA"),
     (r"cutlass::device_kernel\[\w+_fp8_", r"QGMMA\.\w+\.F32\.E4M3\.E4M3", "the FP8 CUTLASS GEMM runs on FP8 WGMMA"),
+    # The portable grouped GEMM on tensor cores (csrc/gemm/portable_mma.cuh): mma.sync fed by ldmatrix.
+    (r"gemm::mma::mma_kernel", r"HMMA\.16816\.F32", "the tensor-core portable GEMM runs mma.sync m16n8k16"),
+    (r"gemm::mma::mma_kernel", r"LDSM\.16\.MT?88\.4", "the tensor-core portable GEMM reads fragments by ldmatrix"),
+    (r"gemm::mma::mma_kernel", r"LDG\.E\.128", "the tensor-core portable GEMM loads 16-byte vectors"),
     # The gathered products (expert_mlp): cp.async of 16 bytes per row chunk into WGMMA's shared memory.
     (r"sm90::gather_gemm_kernel", r"HGMMA\.\w+\.F32\.BF16", "the gathered sm_90a GEMMs run on WGMMA"),
     (r"sm90::gather_gemm_kernel", r"LDGSTS\.E\.BYPASS\.128", "the gathered sm_90a GEMMs load 16-byte cp.async chunks"),

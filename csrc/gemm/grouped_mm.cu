@@ -12,6 +12,8 @@
 // K multiples of 8, 16-byte aligned pointers; else the portable kernel, which takes them everywhere.
 #include <cub/block/block_scan.cuh>
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -20,6 +22,7 @@
 #include "common/check.h"
 #include "common/vec.cuh"
 #include "gemm/grouped_mm.h"
+#include "gemm/portable_mma.cuh"
 #include "gemm/sm90_kernels.h"
 
 namespace moe::gemm {
@@ -307,9 +310,9 @@ void by_dtype(DType dtype, F&& f) {
   }
 }
 
-int64_t max_row_tiles(const GroupedParams& p) {
-  if (p.op == GemmOp::kWgrad) return int64_t(p.num_groups) * ((p.N + kBM - 1) / kBM);
-  return (p.M + kBM - 1) / kBM + p.num_groups;  // each group adds at most one partial tile
+int64_t max_row_tiles(const GroupedParams& p, int tile_rows = kBM) {
+  if (p.op == GemmOp::kWgrad) return int64_t(p.num_groups) * ((p.N + tile_rows - 1) / tile_rows);
+  return (p.M + tile_rows - 1) / tile_rows + p.num_groups;  // each group adds at most one partial tile
 }
 
 size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16 + size_t(E) * sizeof(int32_t); }
@@ -408,6 +411,27 @@ GroupedParams resolved(const GroupedParams& p) {
 
 static bool fused(const GroupedParams& p) { return p.a_rows != nullptr || p.b_rows != nullptr || p.act != nullptr; }
 
+bool portable_mma_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOE_KERNELS_PORTABLE_MMA");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+// The output's columns per product (the grid's y extent is their 128-column tiles).
+static int64_t output_cols(const GroupedParams& p) { return p.op == GemmOp::kFwd ? p.N : p.K; }
+
+// Why the tensor-core portable kernel cannot take p, or null when it can.
+static const char* portable_mma_refusal(const GroupedParams& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "it takes bf16 and fp16";
+  if (fused(p)) return "it takes no gathered rows or SwiGLU epilogue";
+  if (p.accumulate) return "it does not accumulate (a float32 output)";
+  if (device_info(p.device).major < 8) return "it needs compute capability 8.0 or later";
+  if ((output_cols(p) + mma::kBN - 1) / mma::kBN > 65535) return "the output is too wide";
+  return nullptr;
+}
+
 // Gathered rows or the SwiGLU epilogue: the sm_90a gather kernels where opted in and they fit (bf16, 16-byte rows
 // and pointers, the epilogue's tiles of 64 features whole), else the portable kernel.
 static Path gather_path(const GroupedParams& p) {
@@ -425,7 +449,28 @@ static Path gather_path(const GroupedParams& p) {
 }
 
 Path choose_path(const GroupedParams& p) {
+  if (p.portable < -1 || p.portable > 1) {
+    throw std::invalid_argument("grouped_mm: portable must be -1 (the default), 0 (CUDA cores) or 1 (tensor cores)");
+  }
+  if (p.portable >= 0 && p.kernel >= 0) {
+    throw std::invalid_argument("grouped_mm: a portable kernel and an sm_90a kernel were both requested");
+  }
+  if (p.portable == 1) {  // the tensor-core portable kernel, asked for by name
+    if (const char* why = portable_mma_refusal(p)) {
+      throw std::invalid_argument(std::string("grouped_mm: the tensor-core portable kernel was requested, but ") + why);
+    }
+    return Path::kPortableMma;
+  }
+  if (p.portable == 0) {
+    if (p.dtype == DType::kFloat8E4M3 || p.dtype == DType::kFloat4E2M1) {
+      throw std::invalid_argument("grouped_mm: the portable kernel takes bf16, fp16 and fp32");
+    }
+    return Path::kPortable;
+  }
   const Path path = fused(p) ? gather_path(p) : gate(p);
+  if (path == Path::kPortable && p.kernel < 0 && portable_mma_enabled() && portable_mma_refusal(p) == nullptr) {
+    return Path::kPortableMma;
+  }
   if (path == Path::kPortable || path == Path::kSm90Gather) {
     if (p.kernel >= 0) {
       throw std::invalid_argument("grouped_mm: kernel " + std::to_string(p.kernel) +
@@ -510,7 +555,7 @@ size_t grouped_workspace_bytes(const GroupedParams& p) {
   }
   const Path path = choose_path(p);
   const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;
-  if (path == Path::kPortable || path == Path::kSm90Gather) return base;
+  if (path == Path::kPortable || path == Path::kPortableMma || path == Path::kSm90Gather) return base;
   if (path == Path::kSm100Nvfp4) {
     const Nvfp4Scales sc = nvfp4_scales(p);
     return base + sc.a_bytes + sc.b_bytes + sm100::workspace_bytes(p, device_info(p.device).sms);
@@ -583,8 +628,11 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
         "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
-  const int tile_rows = path == Path::kSm90Gather ? sm90::kGatherTileRows : path == Path::kSm100Nvfp4 ? 128 : kBM;
-  const bool ordered = path != Path::kPortable && largest_first(p);
+  const int tile_rows = path == Path::kSm90Gather    ? sm90::kGatherTileRows
+                        : path == Path::kSm100Nvfp4  ? 128
+                        : path == Path::kPortableMma ? mma::kBM
+                                                     : kBM;
+  const bool ordered = path != Path::kPortable && path != Path::kPortableMma && largest_first(p);
   Prepared launch_prep = prep;
   if (!ordered) launch_prep.order = nullptr;
   prepare_kernel<<<1, kPrepThreads, 0, stream>>>(p.group_sizes, p.num_groups, p.M, p.N, p.op, tile_rows, ordered,
@@ -618,6 +666,39 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
     sm100::run(q, device_info(p.device).sms, prep.groups, stream);
+  } else if (path == Path::kPortableMma) {
+    const int64_t row_tiles = max_row_tiles(p, mma::kBM);
+    if (row_tiles > int64_t(0x7fffffff)) throw std::invalid_argument("grouped_mm: too many row tiles");
+    const dim3 grid{unsigned(row_tiles), unsigned((output_cols(p) + mma::kBN - 1) / mma::kBN)};
+    // 16-byte vectors where the base pointer and the leading dimension allow them (the kernel's Operand).
+    const int64_t lda = p.op == GemmOp::kFwd ? p.K : p.N;
+    const int64_t ldb = p.K;  // w [E, N, K] (fwd, dgrad), x [M, K] (wgrad)
+    const bool vec_a = aligned16(p.a) && lda % 8 == 0, vec_b = aligned16(p.b) && ldb % 8 == 0;
+    const bool vec_d = reinterpret_cast<uintptr_t>(p.d) % 4 == 0 && output_cols(p) % 2 == 0;
+    by_dtype(p.dtype, [&]<typename T>() {
+      if constexpr (std::is_same_v<T, float>) {
+        throw std::logic_error("grouped_mm: the tensor-core portable kernel takes bf16 and fp16");
+      } else {
+        const auto* a = static_cast<const T*>(p.a);
+        const auto* b = static_cast<const T*>(p.b);
+        auto* d = static_cast<T*>(p.d);
+        switch (p.op) {
+          case GemmOp::kFwd:
+            mma::mma_kernel<T, GemmOp::kFwd><<<grid, mma::kThreads, 0, stream>>>(
+                a, b, d, p.num_groups, p.N, p.K, prep.groups, prep.tiles, vec_a, vec_b, vec_d);
+            break;
+          case GemmOp::kDgrad:
+            mma::mma_kernel<T, GemmOp::kDgrad><<<grid, mma::kThreads, 0, stream>>>(
+                a, b, d, p.num_groups, p.N, p.K, prep.groups, prep.tiles, vec_a, vec_b, vec_d);
+            break;
+          default:
+            mma::mma_kernel<T, GemmOp::kWgrad><<<grid, mma::kThreads, 0, stream>>>(
+                a, b, d, p.num_groups, p.N, p.K, prep.groups, prep.tiles, vec_a, vec_b, vec_d);
+            break;
+        }
+      }
+    });
+    check_launch("grouped_mm mma_kernel");
   } else if (path != Path::kPortable) {
     GroupedParams q = resolved(v);
     const size_t base = (prepared_bytes(p.num_groups) + 255) / 256 * 256;

@@ -55,6 +55,11 @@ struct GroupedParams {
   // 1 along N) to run; -1 lets the tuning table choose. The tuning sweep sets them; the ops leave them.
   int32_t kernel = -1;
   int32_t raster = -1;
+  // Where no CUTLASS kernel takes the problem, the portable kernel: 0 the CUDA-core one, 1 the tensor-core one
+  // (gemm/portable_mma.cuh: bf16 and fp16 on sm_80 and later, not the gathered products or the SwiGLU
+  // epilogue), -1 the default (the tensor-core one where MOE_KERNELS_PORTABLE_MMA=1 and it fits, else the
+  // CUDA-core one). 0 and 1 also replace a CUTLASS kernel (tests and benches compare the paths on one GPU).
+  int32_t portable = -1;
   // The order in which the CUTLASS and gather kernels' schedulers visit the groups: 1 the largest groups first
   // (sizes read on the device by the prepare kernel; ties in expert order), 0 expert order, -1 the default:
   // largest first for wgrad, expert order for fwd and dgrad. A wgrad tile's cost grows with its group's rows,
@@ -109,7 +114,11 @@ enum class Path : int32_t {
   kSm100Fp8Blockwise = 5,  // E4M3 blockwise on a 10.x GPU, opted in
   kSm90Gather = 6,  // gathered rows / the SwiGLU epilogue on sm_90a (gemm/sm90/gather_sm90.cuh), opted in
   kSm100Nvfp4 = 7,  // NVFP4 block-scaled on a 10.x GPU, opted in (gemm/sm100/nvfp4_sm100.cuh)
+  kPortableMma = 8,  // the portable kernel on tensor cores (gemm/portable_mma.cuh), bf16 / fp16 on sm_80+
 };
+// Whether the tensor-core portable kernel is the default where it fits: MOE_KERNELS_PORTABLE_MMA=1 when first
+// asked (read once per process). Opt-in until its GPU tests have passed on a GPU.
+bool portable_mma_enabled();
 Path choose_path(const GroupedParams& p);
 
 size_t grouped_workspace_bytes(const GroupedParams& p);

@@ -8,6 +8,8 @@ the input dtype. Rows at or past sum(group_sizes) are unspecified in `out` and z
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 
@@ -187,6 +189,8 @@ _grouped_mm.register_autograd(_backward, setup_context=_setup)
 CUTLASS_SM90, TORCH_GROUPED_MM, PORTABLE, REFERENCE = "cutlass_sm90", "torch_grouped_mm", "portable", "reference"
 CUTLASS_SM100 = "cutlass_sm100"
 SM100_OPT_IN = "MOE_KERNELS_SM100_CUTLASS"  # =1: a 10.0 / 10.3 GPU runs our sm_100f kernels (read once, in C++)
+# =1: the portable kernel runs bf16 and fp16 on tensor cores (csrc/gemm/portable_mma.cuh, sm_80+; read once, in C++)
+PORTABLE_MMA_OPT_IN = "MOE_KERNELS_PORTABLE_MMA"
 _TORCH_MAX_GROUPS = 1023  # GroupMM.cu: TORCH_CHECK(group_count < 1024)
 _CUTLASS_DTYPES = (torch.bfloat16, torch.float16, torch.float8_e4m3fn)
 
@@ -282,6 +286,8 @@ def describe_backend(device: torch.device | str | int) -> str:
             line = f"torch._grouped_mm ({why})"
         elif backend == REFERENCE:
             line = "PyTorch reference"
+        elif dtype != torch.float32 and capability[0] >= 8 and os.environ.get(PORTABLE_MMA_OPT_IN) == "1":
+            line = f"portable kernel on tensor cores ({PORTABLE_MMA_OPT_IN}=1; not yet run on a GPU by this project)"
         else:
             line = "portable CUDA kernel"
             if capability[0] not in (9, 10):
@@ -352,25 +358,30 @@ def _takes_torch(op: str, t: Tensor, operands: tuple[Tensor, ...], group_sizes: 
 
 def _launch(op: str, a: Tensor, b: Tensor, out: Tensor, group_sizes: Tensor, M: int, N: int, K: int, C,
             group_align: int = 0, kernel: int = -1, raster: int = -1, accumulate: bool = False,
-            group_order: int = -1) -> None:
+            group_order: int = -1, portable: int = -1) -> None:
     """group_align (wgrad): groups whose rows do not start and end on multiples of it come out NaN.
     kernel, raster: an sm_90a instance (an index into C.grouped_mm_sm90_kernels()) and raster order to run
     instead of the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests).
     accumulate (wgrad, float32): out += the product; empty groups keep out. group_order: the order the
     CUTLASS scheduler visits the groups, 1 largest first, 0 expert order, -1 the default (largest first for
-    wgrad); the output is the same (bench grouped_mm's group-order cases)."""
+    wgrad); the output is the same (bench grouped_mm's group-order cases). portable: 1 runs the tensor-core
+    portable kernel (bf16, fp16, sm_80+), 0 the CUDA-core one, in place of whatever would run (tests and the
+    bench compare them); -1 the default choice."""
     E = group_sizes.shape[0]
     # One pointer rule (0 for an empty tensor) for sizing and launching: the path, and so the workspace it
     # needs, follows the pointers' alignment.
     ptrs = dict(a=_ext.ptr(a), b=_ext.ptr(b), d=_ext.ptr(out))
+    forced = {"portable": portable} if portable != -1 else {}
     nbytes = C.grouped_mm_workspace_bytes(op=_OPS[op], dtype=_ext.dtype_code(a.dtype), num_groups=E, M=M, N=N, K=K,
-                                          **ptrs, device=_ext.launch_args(a)["device"], kernel=kernel, raster=raster)
+                                          **ptrs, device=_ext.launch_args(a)["device"], kernel=kernel, raster=raster,
+                                          **forced)
     ws, ws_ptr = _ext.workspace(nbytes, a)
     C.grouped_mm(
         op=_OPS[op], **ptrs, group_sizes=_ext.ptr(group_sizes), num_groups=E,
         M=M, N=N, K=K, dtype=_ext.dtype_code(a.dtype), workspace=ws_ptr, workspace_bytes=nbytes,
         group_align=group_align, kernel=kernel, raster=raster, **_ext.launch_args(a),
         **({"accumulate": True} if accumulate else {}), **({"group_order": group_order} if group_order != -1 else {}),
+        **forced,
     )
 
 

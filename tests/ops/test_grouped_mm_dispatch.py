@@ -68,6 +68,23 @@ def test_choice_for_every_architecture(monkeypatch, capability, sm90, torch_arch
     assert ("CUTLASS sm_90a" in described) is (CUTLASS in got)
 
 
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (12, 0), (9, 0)])
+def test_tensor_core_portable_kernel_is_opt_in(monkeypatch, capability):
+    """MOE_KERNELS_PORTABLE_MMA=1: where the portable kernel runs bf16 or fp16 (sm_80 and later), `python -m
+    moe_kernels` says it runs on tensor cores; fp32 stays on CUDA cores, and the CUTLASS choices do not move."""
+    fake_gpu(monkeypatch, capability)
+    monkeypatch.delenv(gm.PORTABLE_MMA_OPT_IN, raising=False)
+    assert "tensor cores" not in gm.describe_backend(0)
+    monkeypatch.setenv(gm.PORTABLE_MMA_OPT_IN, "1")
+    fake_gpu(monkeypatch, capability)
+    described = gm.describe_backend(0)
+    if capability == (9, 0):  # bf16 and fp16 take the sm_90a kernels
+        assert "tensor cores" not in described and "bf16, fp16: CUTLASS sm_90a" in described
+    else:
+        assert described.startswith("bf16, fp16: portable kernel on tensor cores (MOE_KERNELS_PORTABLE_MMA=1")
+    assert "fp32: portable CUDA kernel" in described
+
+
 @pytest.mark.parametrize("capability", [(10, 0), (10, 3)])
 def test_blackwell_cutlass_kernels_are_opt_in(monkeypatch, capability):
     """A 10.x GPU takes torch._grouped_mm for bf16 unless MOE_KERNELS_SM100_CUTLASS=1 and the build holds the

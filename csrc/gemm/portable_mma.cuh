@@ -1,0 +1,319 @@
+// The portable grouped GEMM on tensor cores: warp-level mma.sync (m16n8k16, bf16 or fp16 in, fp32
+// accumulators) and ldmatrix, which every GPU from sm_80 on has (A100, L40, RTX 30/40/50, and H100/B200 where
+// their own kernels do not take the problem). Included by grouped_mm.cu, which prepares the groups and
+// chooses the path.
+//
+// One CTA computes a 128x128 tile of one group's output (the same group and tile lookup as the CUDA-core
+// portable kernel), 8 warps of 64x32 each, over 32-deep slices of the contraction. Each slice of each
+// operand is read from global memory in 16-byte vectors into registers while the tensor cores work on
+// the previous slice, then stored to shared memory as it lies in global memory: an operand whose
+// contraction is contiguous (fwd's x and w, dgrad's dout) as [rows][32], one whose rows are contiguous
+// (dgrad's w, wgrad's dout and x) as [32][rows], both padded so that 8 consecutive rows fall on distinct
+// banks. ldmatrix reads the fragments (.trans for the second layout), so no operand is ever transposed by
+// the threads. One barrier per slice (the buffers alternate).
+//
+// Every element outside the group, the operand or the contraction reads as 0; unaligned operands (a base
+// pointer off 16 bytes, or a leading dimension off 8 elements) are read element by element, so the kernel
+// takes any size and stride the portable kernel takes (fp32 excepted, which stays on the CUDA cores).
+//
+// On the CPU-executed build (CUDA_ON_CPU), mma.sync and ldmatrix are spelled with warp shuffles, the
+// instructions' exact data movement; the products are summed in fp32 along k, one rounding
+// each (the tensor cores' internal order and rounding differ within fp32's last bits).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/vec.cuh"
+#include "gemm/grouped_mm.h"
+
+namespace moe::gemm::mma {
+
+constexpr int kBM = 128, kBN = 128, kBK = 32, kThreads = 256;
+constexpr int kWarpM = 64, kWarpN = 32;                 // 2 x 4 warps
+constexpr int kLdK = kBK + 8;                           // [rows][32] slices: 80-byte rows
+constexpr int kLdR = kBM + 8;                           // [32][rows] slices: 272-byte rows
+constexpr int kSlice = kBM * kLdK > kBK * kLdR ? kBM * kLdK : kBK * kLdR;  // elements per operand slice
+static_assert(kBM == kBN, "one slice size serves both operands");
+
+// ---------------------------------------------------------------------------------------------------
+// The two instructions, and their shuffle twins.
+
+__device__ __forceinline__ float lo_float(uint32_t v, bool bf16) {
+  const uint16_t h = uint16_t(v & 0xffffu);
+  return bf16 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+}
+__device__ __forceinline__ float hi_float(uint32_t v, bool bf16) {
+  const uint16_t h = uint16_t(v >> 16);
+  return bf16 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+}
+
+// c += A (16x16, row-major fragment a) * B (16x8, column-major fragment b). Fragments, lane l = 4 g + t:
+// a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
+// b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1].
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+#if !defined(CUDA_ON_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBf16) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  } else {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // below sm_80: the path choice never launches this kernel
+#elif defined(CUDA_ON_CPU)
+  // Row g's 16 elements sit in the four lanes 4g..4g+3 (a[0], a[2] for row g; a[1], a[3] for row g+8);
+  // column n's in lanes 4n..4n+3 (b[0], b[1]).
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float arow[2][16], bcol[2][16];
+  for (int q = 0; q < 4; ++q) {
+    const uint4 av = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), 4 * g + q);
+    const uint32_t regs[4] = {av.x, av.y, av.z, av.w};
+    for (int half = 0; half < 2; ++half) {  // half 0: row g, 1: row g + 8
+      arow[half][2 * q] = lo_float(regs[half], kBf16);
+      arow[half][2 * q + 1] = hi_float(regs[half], kBf16);
+      arow[half][2 * q + 8] = lo_float(regs[half + 2], kBf16);
+      arow[half][2 * q + 9] = hi_float(regs[half + 2], kBf16);
+    }
+    for (int j = 0; j < 2; ++j) {  // column 2t + j
+      const uint2 bv = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), 4 * (2 * t + j) + q);
+      bcol[j][2 * q] = lo_float(bv.x, kBf16);
+      bcol[j][2 * q + 1] = hi_float(bv.x, kBf16);
+      bcol[j][2 * q + 8] = lo_float(bv.y, kBf16);
+      bcol[j][2 * q + 9] = hi_float(bv.y, kBf16);
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    float s = c[i];
+    for (int k = 0; k < 16; ++k) s = __fmaf_rn(arow[i / 2][k], bcol[i % 2][k], s);
+    c[i] = s;
+  }
+#endif
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lane 8 j + r gives the address of row r of
+// matrix j. Without .trans lane 4 g + t receives, in r[j], matrix j's row g, columns 2t and 2t+1; with it
+// (kTrans), matrix j's column g, rows 2t and 2t+1 (the transposed matrix's row g).
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+#if !defined(CUDA_ON_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t addr = uint32_t(__cvta_generic_to_shared(row));
+  if constexpr (kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+  }
+#elif defined(__CUDA_ARCH__)
+  __trap();
+#elif defined(CUDA_ON_CPU)
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const auto mine = reinterpret_cast<uintptr_t>(row);
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (kTrans) {
+      const auto* r0 = reinterpret_cast<const uint16_t*>(__shfl_sync(0xffffffffu, mine, 8 * j + 2 * t));
+      const auto* r1 = reinterpret_cast<const uint16_t*>(__shfl_sync(0xffffffffu, mine, 8 * j + 2 * t + 1));
+      r[j] = uint32_t(r0[g]) | (uint32_t(r1[g]) << 16);
+    } else {
+      const auto* rg = reinterpret_cast<const uint16_t*>(__shfl_sync(0xffffffffu, mine, 8 * j + g));
+      r[j] = uint32_t(rg[2 * t]) | (uint32_t(rg[2 * t + 1]) << 16);
+    }
+  }
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Operands: element (i, r) of a group's operand (i its output row or column, r the contraction) at
+// base[i * ld + r] (kContig: the contraction contiguous) or base[r * ld + i]; rows i < rows and r < depth.
+
+struct Operand {
+  const void* base;
+  int64_t ld, rows, depth;
+  bool vec;  // base 16-byte aligned and ld a multiple of 8: whole 16-byte vectors where they fit
+};
+
+// One slice's two 16-byte pieces per thread, global -> registers -> shared memory, in the layout the
+// operand has in global memory (see the top of the file).
+template <typename T, bool kContig>
+struct SliceLoader {
+  uint4 v[2];
+
+  __device__ __forceinline__ void load(const Operand& op, int64_t i0, int64_t r0) {
+    const T* base = static_cast<const T*>(op.base);
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int c = threadIdx.x + s * kThreads;
+      // kContig: row c / 4 of the tile, contraction 8 (c % 4) ..; else contraction row c / 16, rows 8 (c % 16) ..
+      const int64_t i = kContig ? i0 + c / 4 : i0 + (c % 16) * 8;
+      const int64_t r = kContig ? r0 + (c % 4) * 8 : r0 + c / 16;
+      const bool whole = kContig ? (i < op.rows && r + 8 <= op.depth) : (r < op.depth && i + 8 <= op.rows);
+      const T* at = kContig ? base + i * op.ld + r : base + r * op.ld + i;
+      if (op.vec && whole) {
+        v[s] = *reinterpret_cast<const uint4*>(at);
+      } else {  // the edges and the unaligned operands: the elements inside the operand one at a time, else 0
+        const int64_t inside = kContig ? (i < op.rows ? op.depth - r : 0) : (r < op.depth ? op.rows - i : 0);
+        Pack<T, 8> p;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) p.v[u] = u < inside ? at[u] : from_float<T>(0.f);
+        v[s] = *reinterpret_cast<const uint4*>(&p);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void store(T* slice) const {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int c = threadIdx.x + s * kThreads;
+      T* at = kContig ? slice + (c / 4) * kLdK + (c % 4) * 8 : slice + (c / 16) * kLdR + (c % 16) * 8;
+      *reinterpret_cast<uint4*>(at) = v[s];
+    }
+  }
+};
+
+// The address this lane gives ldmatrix for the 16x16 block of the slice at tile rows m.., contraction
+// k.. (k = 0 or 16): matrices (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15)
+// for A's fragment (kRowsFirst), or (rows 0-7, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 0-7),
+// (rows 8-15, k 8-15) for two of B's n8 fragments.
+template <bool kContig, bool kRowsFirst>
+__device__ __forceinline__ const void* fragment_row(const uint16_t* slice_as_b16, int m, int k) {
+  const int lane = threadIdx.x % 32, j = lane / 8, rr = lane % 8;
+  const int dm = kRowsFirst ? (j % 2) * 8 : (j / 2) * 8;
+  const int dk = kRowsFirst ? (j / 2) * 8 : (j % 2) * 8;
+  // [rows][k]: lane rr gives row m + dm + rr; [k][rows]: contraction row k + dk + rr (the .trans read).
+  return kContig ? slice_as_b16 + (m + dm + rr) * kLdK + k + dk : slice_as_b16 + (k + dk + rr) * kLdR + m + dm;
+}
+
+// The kernel. kOp picks the operands' layouts: fwd (x, w) both contiguous along the contraction; dgrad dout
+// contiguous, w along its rows; wgrad dout and x both along their rows.
+template <typename T, GemmOp kOp>
+__global__ void __launch_bounds__(kThreads, 2)
+    mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ d, int E, int64_t N, int64_t K,
+               const GroupInfo* __restrict__ groups, const int32_t* __restrict__ tiles, bool vec_a, bool vec_b,
+               bool vec_d) {
+  constexpr bool kContigA = kOp != GemmOp::kWgrad;
+  constexpr bool kContigB = kOp == GemmOp::kFwd;
+  __shared__ __align__(16) T smem[2][2][kSlice];  // [buffer][A, B]
+  const int tile = blockIdx.x;
+  if (tile >= *tiles) return;
+  int lo = 0, hi = E - 1;  // the last group whose first tile is at or before this one (empty groups own none)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (groups[mid].tile_start <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int g = lo;
+  const GroupInfo info = groups[g];
+  Operand A, B;
+  T* C;
+  int64_t Mg, Ng, ldc;
+  if constexpr (kOp == GemmOp::kFwd) {  // x[rows of g] [rows, K] @ w[g] [N, K]^T
+    A = {a + info.row_start * K, K, info.rows, K, vec_a};
+    B = {b + int64_t(g) * N * K, K, N, K, vec_b};
+    C = d + info.row_start * N; Mg = info.rows; Ng = N; ldc = N;
+  } else if constexpr (kOp == GemmOp::kDgrad) {  // dout[rows of g] [rows, N] @ w[g] [N, K]
+    A = {a + info.row_start * N, N, info.rows, N, vec_a};
+    B = {b + int64_t(g) * N * K, K, K, N, vec_b};
+    C = d + info.row_start * K; Mg = info.rows; Ng = K; ldc = K;
+  } else {  // dout[rows of g]^T [N, rows] @ x[rows of g] [rows, K]
+    A = {a + info.row_start * N, N, N, info.rows, vec_a};
+    B = {b + info.row_start * K, K, K, info.rows, vec_b};
+    C = d + int64_t(g) * N * K; Mg = N; Ng = K; ldc = K;
+  }
+  const int64_t i0 = int64_t(tile - info.tile_start) * kBM, j0 = int64_t(blockIdx.y) * kBN;
+  if (j0 >= Ng) return;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int wm = (warp % 2) * kWarpM, wn = (warp / 2) * kWarpN;
+
+  float acc[4][4][4];
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < 4; ++ni)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
+
+  SliceLoader<T, kContigA> la;
+  SliceLoader<T, kContigB> lb;
+  const int64_t depth = A.depth;
+  const int64_t slices = (depth + kBK - 1) / kBK;
+  if (slices > 0) {
+    la.load(A, i0, 0);
+    lb.load(B, j0, 0);
+    la.store(smem[0][0]);
+    lb.store(smem[0][1]);
+  }
+  __syncthreads();
+  for (int64_t s = 0; s < slices; ++s) {
+    const int buf = int(s % 2);
+    const bool next = s + 1 < slices;
+    if (next) {  // the next slice's loads in flight under this one's MMAs
+      la.load(A, i0, (s + 1) * kBK);
+      lb.load(B, j0, (s + 1) * kBK);
+    }
+    const auto* sa = reinterpret_cast<const uint16_t*>(smem[buf][0]);
+    const auto* sb = reinterpret_cast<const uint16_t*>(smem[buf][1]);
+#pragma unroll
+    for (int k = 0; k < kBK; k += 16) {
+      uint32_t af[4][4], bf[4][2];
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) ldmatrix_x4<!kContigA>(af[mi], fragment_row<kContigA, true>(sa, wm + 16 * mi, k));
+#pragma unroll
+      for (int nj = 0; nj < 2; ++nj) {  // n8 fragments 2 nj and 2 nj + 1
+        uint32_t r[4];
+        ldmatrix_x4<!kContigB>(r, fragment_row<kContigB, false>(sb, wn + 16 * nj, k));
+        bf[2 * nj][0] = r[0];
+        bf[2 * nj][1] = r[1];
+        bf[2 * nj + 1][0] = r[2];
+        bf[2 * nj + 1][1] = r[3];
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+        for (int ni = 0; ni < 4; ++ni) mma_16816<T>(acc[mi][ni], af[mi], bf[ni]);
+    }
+    if (next) {  // the other buffer: every warp finished reading it before the last barrier
+      la.store(smem[buf ^ 1][0]);
+      lb.store(smem[buf ^ 1][1]);
+    }
+    __syncthreads();
+  }
+
+  // Epilogue: c[0], c[1] at row g, columns 2t, 2t+1 of each m16n8 block; c[2], c[3] at row g + 8.
+  const int gr = lane / 4, tc = 2 * (lane % 4);
+#pragma unroll
+  for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t i = i0 + wm + 16 * mi + gr + 8 * half;
+      if (i >= Mg) continue;
+#pragma unroll
+      for (int ni = 0; ni < 4; ++ni) {
+        const int64_t j = j0 + wn + 8 * ni + tc;
+        const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
+        T* out = C + i * ldc + j;
+        if (vec_d && j + 1 < Ng) {  // ldc even, C 4-byte aligned, j even: one 4-byte store
+          Pack<T, 2> p;
+          p.v[0] = from_float<T>(v0);
+          p.v[1] = from_float<T>(v1);
+          *reinterpret_cast<Pack<T, 2>*>(out) = p;
+        } else {
+          if (j < Ng) out[0] = from_float<T>(v0);
+          if (j + 1 < Ng) out[1] = from_float<T>(v1);
+        }
+      }
+    }
+}
+
+}  // namespace moe::gemm::mma
