@@ -122,8 +122,8 @@ MUTANTS = (
         "missing __syncthreads",
         "portable grouped GEMM: the next K tile loaded while other threads still read the current one",
         "gemm/grouped_mm.cu",
-        "        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);\n    }\n    __syncthreads();\n",
-        "        for (int v = 0; v < 4; ++v) acc[u][v] = fmaf(av[u], bv[v], acc[u][v]);\n    }\n",
+        "acc[half][u][v] = fmaf(av[u], bv[v], acc[half][u][v]);\n      }\n    }\n    __syncthreads();\n",
+        "acc[half][u][v] = fmaf(av[u], bv[v], acc[half][u][v]);\n      }\n    }\n",
         ("tests/ops/test_grouped_mm_gpu.py", "-k", "test_portable_path"),
     ),
     Mutant(
@@ -155,8 +155,8 @@ MUTANTS = (
         "experts_quant_kernel: dgrad's scales written at the forward layout's index ([E, N/128, K/128], not "
         "[E, K/128, N/128])",
         "quant/fp8_experts.cu",
-        "      p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;\n",
-        "      p.scale_t[(e * row_tiles + rt) * col_tiles + ct] = s;\n",
+        "      if constexpr (DUAL) p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;\n",
+        "      if constexpr (DUAL) p.scale_t[(e * row_tiles + rt) * col_tiles + ct] = s;\n",
         ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_matches_reference and 256-384"),
     ),
     Mutant(
@@ -224,8 +224,8 @@ MUTANTS = (
         "portable_kernel (the FP8 wgrad's fallback into an fp32 main gradient): the accumulators overwrite the "
         "buffer instead of adding to it",
         "gemm/grouped_mm.cu",
-        "        out = from_float<T>(accumulate ? to_float(out) + acc[u][v] : acc[u][v]);\n",
-        "        out = from_float<T>(acc[u][v]);\n",
+        "          out = from_float<T>(accumulate ? to_float(out) + acc[0][u][v] : acc[0][u][v]);\n",
+        "          out = from_float<T>(acc[0][u][v]);\n",
         ("tests/ops/test_grouped_mm_fp8_wgrad_gpu.py", "-k", "test_accumulate_adds and 200-196"),
     ),
     Mutant(
@@ -292,6 +292,33 @@ MUTANTS = (
         "    if (e >= lo && e < hi && key[e] > b.key) b = {key[e], e};\n",
         "    if (e >= lo && e < hi && key[e] >= b.key) b = {key[e], e};\n",
         ("tests/ops/test_router_gpu.py", "-k", "test_few_experts_match_the_warp_kernels"),
+    ),
+    Mutant(
+        "B fragments crossed",
+        "mma_kernel (the tensor-core portable GEMM): the second k half of one n8 fragment of B taken from its "
+        "neighbour's ldmatrix matrix",
+        "gemm/portable_mma.cuh",
+        "        bf[2 * nj][1] = r[1];\n        bf[2 * nj + 1][0] = r[2];\n",
+        "        bf[2 * nj][1] = r[2];\n        bf[2 * nj + 1][0] = r[1];\n",
+        ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and uniform and bf16"),
+    ),
+    Mutant(
+        "missing barrier between slices",
+        "mma_kernel (the tensor-core portable GEMM): the next slice stored into the other buffer with no barrier "
+        "after the slice before it was read",
+        "gemm/portable_mma.cuh",
+        "      lb.store(smem[buf ^ 1][1]);\n    }\n    __syncthreads();\n",
+        "      lb.store(smem[buf ^ 1][1]);\n    }\n",
+        ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and uniform and bf16"),
+    ),
+    Mutant(
+        "contraction read past the group",
+        "mma_kernel (the tensor-core portable GEMM): wgrad's row-contiguous slices read whole where the group's "
+        "rows end inside them, so the next group's tokens enter the sum",
+        "gemm/portable_mma.cuh",
+        "(r < op.depth && i + 8 <= op.rows);\n",
+        "(i + 8 <= op.rows);\n",
+        ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and skewed and bf16"),
     ),
 )
 
