@@ -66,21 +66,27 @@ void register_gemm(py::module_& m) {
       "grouped_mm_path",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,
          uintptr_t d, int device, uintptr_t sfa, uintptr_t sfb, int32_t fp8_wgrad_out, int32_t kernel, int32_t raster,
-         uintptr_t a_global, uintptr_t b_global, int32_t portable) {
+         uintptr_t a_global, uintptr_t b_global, int32_t portable, uintptr_t a_rows, uintptr_t b_rows,
+         uintptr_t act) {
         DeviceGuard guard(device);
-        return int(gemm::choose_path(make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb,
-                                          fp8_wgrad_out, kernel, raster, a_global, b_global, portable)));
+        auto p = make(op, a, b, d, 0, num_groups, M, N, K, dtype, 0, 0, device, sfa, sfb, fp8_wgrad_out, kernel, raster,
+                      a_global, b_global, portable);
+        p.a_rows = ptr<const int32_t>(a_rows);
+        p.b_rows = ptr<const int32_t>(b_rows);
+        p.act = ptr<void>(act);
+        return int(gemm::choose_path(p));
       },
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
       "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1), 5 = sm_100f fp8 blockwise, 6 = sm_90a gather (expert_mlp's "
       "gathered products, opted in: MOE_KERNELS_GATHER_CUTLASS=1), 7 = sm_100f nvfp4 block-scaled (opted in: "
       "MOE_KERNELS_SM100_CUTLASS=1), 8 = the portable kernel on tensor cores (bf16, fp16, sm_80+: portable=1, or "
-      "MOE_KERNELS_PORTABLE_MMA=1)",
+      "MOE_KERNELS_PORTABLE_MMA=1). a_rows, b_rows, act: the addresses of a gathered product's row indices and the "
+      "SwiGLU epilogue's output (non-zero: that fusion)",
       py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),
       py::arg("d"), py::arg("device"), py::arg("sfa") = 0, py::arg("sfb") = 0, py::arg("fp8_wgrad_out") = 0,
       py::arg("kernel") = -1, py::arg("raster") = -1, py::arg("a_global") = 0, py::arg("b_global") = 0,
-      py::arg("portable") = -1);
+      py::arg("portable") = -1, py::arg("a_rows") = 0, py::arg("b_rows") = 0, py::arg("act") = 0);
   m.def(
       "grouped_mm_workspace_bytes",
       [](int32_t op, int32_t dtype, int32_t num_groups, int64_t M, int64_t N, int64_t K, uintptr_t a, uintptr_t b,

@@ -316,9 +316,27 @@ MUTANTS = (
         "mma_kernel (the tensor-core portable GEMM): wgrad's row-contiguous slices read whole where the group's "
         "rows end inside them, so the next group's tokens enter the sum",
         "gemm/portable_mma.cuh",
-        "(r < op.depth && i + 8 <= op.rows);\n",
-        "(i + 8 <= op.rows);\n",
+        "(r < op.depth ? op.rows - i : 0);\n",
+        "(op.rows - i);\n",
         ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and skewed and bf16"),
+    ),
+    Mutant(
+        "gate and up rows crossed",
+        "mma_kernel's SwiGLU forward: each warp's 16 gate columns read from w13's up rows and its up columns from "
+        "the gate rows",
+        "gemm/portable_mma.cuh",
+        "        up = (t / 16) % 2 != 0;\n",
+        "        up = (t / 16) % 2 == 0;\n",
+        ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_gathered_products_and_swiglu_epilogue"),
+    ),
+    Mutant(
+        "gathered rows from the first group",
+        "mma_kernel's gathered products: a group's row indices read from the start of a_rows, not from the group's "
+        "first row",
+        "gemm/portable_mma.cuh",
+        "fu.a_rows != nullptr ? fu.a_rows + info.row_start : nullptr;\n",
+        "fu.a_rows != nullptr ? fu.a_rows : nullptr;\n",
+        ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_gathered_products_and_swiglu_epilogue"),
     ),
 )
 

@@ -24,6 +24,7 @@
 #include "gemm/grouped_mm.h"
 #include "gemm/portable_mma.cuh"
 #include "gemm/sm90_kernels.h"
+#include "gemm/tile_groups.cuh"
 
 namespace moe::gemm {
 namespace {
@@ -105,15 +106,6 @@ __global__ void __launch_bounds__(kPrepThreads)
   }
 }
 
-// Gathered rows and the SwiGLU epilogue, as the portable kernel takes them (GroupedParams).
-struct Fusion {
-  const int32_t* a_rows;
-  const int32_t* b_rows;
-  int64_t gather_rows;
-  void* act;
-  const float* act_weights;
-};
-
 // The operand element at (row, col) of a gathered operand: row `pos` of the group (group-ordered) is the
 // source row rows[row_start + pos]; a source index outside [0, n) reads 0.
 template <typename T>
@@ -134,12 +126,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float Bs[kDual ? 2 : 1][kBK][kBN + 1];
   const int tile = blockIdx.x;
   if (tile >= *prep.tiles) return;
-  int lo = 0, hi = E - 1;  // last group whose tile_start <= tile (empty groups own no tiles)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (prep.groups[mid].tile_start <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int g = lo;
+  const int g = group_of_tile(prep.groups, E, tile);
   const GroupInfo info = prep.groups[g];
   int64_t Mg, Ng, Kg, sai, sar, sbj, sbr, ldc;
   const T *A, *B;
@@ -253,14 +240,10 @@ __global__ void __launch_bounds__(128)
   int64_t row_start, rows, first_tile;
   if (groups != nullptr) {
     if (t >= *tiles) return;
-    int lo = 0, hi = E - 1;  // the last group whose first tile is at or before t (empty groups own none)
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (groups[mid].tile_start <= t) lo = mid; else hi = mid - 1;
-    }
-    row_start = groups[lo].row_start;
-    rows = groups[lo].rows;
-    first_tile = groups[lo].tile_start;
+    const GroupInfo& info = groups[group_of_tile(groups, E, t)];
+    row_start = info.row_start;
+    rows = info.rows;
+    first_tile = info.tile_start;
   } else {  // E experts of N rows
     const int64_t per = (N + 127) / 128;
     row_start = t / per * N;
@@ -419,16 +402,22 @@ bool portable_mma_enabled() {
   return on;
 }
 
-// The output's columns per product (the grid's y extent is their 128-column tiles).
+// The output's columns per product.
 static int64_t output_cols(const GroupedParams& p) { return p.op == GemmOp::kFwd ? p.N : p.K; }
+
+// The tensor-core portable kernel's grid y extent: 128-column tiles of the output, or with the SwiGLU epilogue
+// tiles of 64 features (their gate and up columns).
+static int64_t mma_col_tiles(const GroupedParams& p) {
+  if (p.act != nullptr) return (p.N / 2 + mma::kBN / 2 - 1) / (mma::kBN / 2);
+  return (output_cols(p) + mma::kBN - 1) / mma::kBN;
+}
 
 // Why the tensor-core portable kernel cannot take p, or null when it can.
 static const char* portable_mma_refusal(const GroupedParams& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "it takes bf16 and fp16";
-  if (fused(p)) return "it takes no gathered rows or SwiGLU epilogue";
   if (p.accumulate) return "it does not accumulate (a float32 output)";
   if (device_info(p.device).major < 8) return "it needs compute capability 8.0 or later";
-  if ((output_cols(p) + mma::kBN - 1) / mma::kBN > 65535) return "the output is too wide";
+  if (mma_col_tiles(p) > 65535) return "the output is too wide";
   return nullptr;
 }
 
@@ -669,32 +658,36 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   } else if (path == Path::kPortableMma) {
     const int64_t row_tiles = max_row_tiles(p, mma::kBM);
     if (row_tiles > int64_t(0x7fffffff)) throw std::invalid_argument("grouped_mm: too many row tiles");
-    const dim3 grid{unsigned(row_tiles), unsigned((output_cols(p) + mma::kBN - 1) / mma::kBN)};
-    // 16-byte vectors where the base pointer and the leading dimension allow them (the kernel's Operand).
+    const dim3 grid{unsigned(row_tiles), unsigned(mma_col_tiles(p))};
+    // 16-byte vectors where the base pointer and the leading dimension allow them (the kernel's Operand); 4-byte
+    // pairs of outputs where every output row has an even length and a 4-byte aligned start.
     const int64_t lda = p.op == GemmOp::kFwd ? p.K : p.N;
     const int64_t ldb = p.K;  // w [E, N, K] (fwd, dgrad), x [M, K] (wgrad)
     const bool vec_a = aligned16(p.a) && lda % 8 == 0, vec_b = aligned16(p.b) && ldb % 8 == 0;
-    const bool vec_d = reinterpret_cast<uintptr_t>(p.d) % 4 == 0 && output_cols(p) % 2 == 0;
+    const auto aligned4 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; };
+    const bool vec_d = aligned4(p.d) && output_cols(p) % 2 == 0 &&
+                       (p.act == nullptr || (aligned4(p.act) && (p.N / 2) % 2 == 0));
+    const Fusion fu{p.a_rows, p.b_rows, p.gather_rows, p.act, p.act_weights};
     by_dtype(p.dtype, [&]<typename T>() {
       if constexpr (std::is_same_v<T, float>) {
         throw std::logic_error("grouped_mm: the tensor-core portable kernel takes bf16 and fp16");
       } else {
-        const auto* a = static_cast<const T*>(p.a);
-        const auto* b = static_cast<const T*>(p.b);
-        auto* d = static_cast<T*>(p.d);
-        switch (p.op) {
-          case GemmOp::kFwd:
-            mma::mma_kernel<T, GemmOp::kFwd><<<grid, mma::kThreads, 0, stream>>>(
-                a, b, d, p.num_groups, p.N, p.K, prep.groups, prep.tiles, vec_a, vec_b, vec_d);
-            break;
-          case GemmOp::kDgrad:
-            mma::mma_kernel<T, GemmOp::kDgrad><<<grid, mma::kThreads, 0, stream>>>(
-                a, b, d, p.num_groups, p.N, p.K, prep.groups, prep.tiles, vec_a, vec_b, vec_d);
-            break;
-          default:
-            mma::mma_kernel<T, GemmOp::kWgrad><<<grid, mma::kThreads, 0, stream>>>(
-                a, b, d, p.num_groups, p.N, p.K, prep.groups, prep.tiles, vec_a, vec_b, vec_d);
-            break;
+        const auto launch = [&]<GemmOp kOp, bool kFused>() {
+          mma::mma_kernel<T, kOp, kFused><<<grid, mma::kThreads, 0, stream>>>(
+              static_cast<const T*>(p.a), static_cast<const T*>(p.b), static_cast<T*>(p.d), p.num_groups, p.N, p.K,
+              prep.groups, prep.tiles, vec_a, vec_b, vec_d, fu);
+        };
+        const auto for_op = [&]<bool kFused>() {
+          switch (p.op) {
+            case GemmOp::kFwd: return launch.template operator()<GemmOp::kFwd, kFused>();
+            case GemmOp::kDgrad: return launch.template operator()<GemmOp::kDgrad, kFused>();
+            default: return launch.template operator()<GemmOp::kWgrad, kFused>();
+          }
+        };
+        if (fused(p)) {
+          for_op.template operator()<true>();
+        } else {
+          for_op.template operator()<false>();
         }
       }
     });

@@ -56,8 +56,8 @@ struct GroupedParams {
   int32_t kernel = -1;
   int32_t raster = -1;
   // Where no CUTLASS kernel takes the problem, the portable kernel: 0 the CUDA-core one, 1 the tensor-core one
-  // (gemm/portable_mma.cuh: bf16 and fp16 on sm_80 and later, not the gathered products or the SwiGLU
-  // epilogue), -1 the default (the tensor-core one where MOE_KERNELS_PORTABLE_MMA=1 and it fits, else the
+  // (gemm/portable_mma.cuh: bf16 and fp16 on sm_80 and later, the gathered products and the SwiGLU epilogue
+  // included), -1 the default (the tensor-core one where MOE_KERNELS_PORTABLE_MMA=1 and it fits, else the
   // CUDA-core one). 0 and 1 also replace a CUTLASS kernel (tests and benches compare the paths on one GPU).
   int32_t portable = -1;
   // The order in which the CUTLASS and gather kernels' schedulers visit the groups: 1 the largest groups first
@@ -99,6 +99,15 @@ struct GroupInfo {
   int32_t rows;        // rows of the group inside [0, M)
   int32_t tile_start;  // first row-tile of the group in the kernel's grid (tiles of kBM rows, of
                        // sm90::kGatherTileRows for the gather kernels, of 128 for the NVFP4 scales' atoms)
+};
+
+// Gathered rows and the SwiGLU epilogue, as the portable kernels take them (GroupedParams' fields of the names).
+struct Fusion {
+  const int32_t* a_rows;
+  const int32_t* b_rows;
+  int64_t gather_rows;
+  void* act;
+  const float* act_weights;
 };
 
 // Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent

@@ -14,7 +14,8 @@
 //
 // Every element outside the group, the operand or the contraction reads as 0; unaligned operands (a base
 // pointer off 16 bytes, or a leading dimension off 8 elements) are read element by element, so the kernel
-// takes any size and stride the portable kernel takes (fp32 excepted, which stays on the CUDA cores).
+// takes any size and stride the portable kernel takes (fp32 excepted, which stays on the CUDA cores), and the
+// same fusions: gathered operand rows and the forward's SwiGLU epilogue (the gather-fused expert MLP).
 //
 // On the CPU-executed build (CUDA_ON_CPU), mma.sync and ldmatrix are spelled with warp shuffles, the
 // instructions' exact data movement; the products are summed in fp32 along k, one rounding
@@ -25,10 +26,13 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
+#include "activation/swiglu_math.cuh"
 #include "common/vec.cuh"
 #include "gemm/grouped_mm.h"
+#include "gemm/tile_groups.cuh"
 
 namespace moe::gemm::mma {
 
@@ -42,23 +46,23 @@ static_assert(kBM == kBN, "one slice size serves both operands");
 // ---------------------------------------------------------------------------------------------------
 // The two instructions, and their shuffle twins.
 
-__device__ __forceinline__ float lo_float(uint32_t v, bool bf16) {
-  const uint16_t h = uint16_t(v & 0xffffu);
-  return bf16 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
+#if defined(CUDA_ON_CPU)
+// Element e (0: the low 16 bits) of a fragment register holding two T, as fp32.
+template <typename T>
+inline float element(uint32_t v, int e) {
+  Pack<T, 2> p;
+  std::memcpy(&p, &v, sizeof p);
+  return to_float(p.v[e]);
 }
-__device__ __forceinline__ float hi_float(uint32_t v, bool bf16) {
-  const uint16_t h = uint16_t(v >> 16);
-  return bf16 ? __uint_as_float(uint32_t(h) << 16) : __half2float(__ushort_as_half(h));
-}
+#endif
 
 // c += A (16x16, row-major fragment a) * B (16x8, column-major fragment b). Fragments, lane l = 4 g + t:
 // a[0] = A[g][2t, 2t+1], a[1] = A[g+8][2t, 2t+1], a[2] = A[g][2t+8, 2t+9], a[3] = A[g+8][2t+8, 2t+9];
 // b[0] = B[2t, 2t+1][g], b[1] = B[2t+8, 2t+9][g]; c = C[g][2t], C[g][2t+1], C[g+8][2t], C[g+8][2t+1].
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
 #if !defined(CUDA_ON_CPU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (kBf16) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -80,17 +84,17 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
     const uint4 av = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), 4 * g + q);
     const uint32_t regs[4] = {av.x, av.y, av.z, av.w};
     for (int half = 0; half < 2; ++half) {  // half 0: row g, 1: row g + 8
-      arow[half][2 * q] = lo_float(regs[half], kBf16);
-      arow[half][2 * q + 1] = hi_float(regs[half], kBf16);
-      arow[half][2 * q + 8] = lo_float(regs[half + 2], kBf16);
-      arow[half][2 * q + 9] = hi_float(regs[half + 2], kBf16);
+      for (int e = 0; e < 2; ++e) {
+        arow[half][2 * q + e] = element<T>(regs[half], e);
+        arow[half][2 * q + 8 + e] = element<T>(regs[half + 2], e);
+      }
     }
     for (int j = 0; j < 2; ++j) {  // column 2t + j
       const uint2 bv = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), 4 * (2 * t + j) + q);
-      bcol[j][2 * q] = lo_float(bv.x, kBf16);
-      bcol[j][2 * q + 1] = hi_float(bv.x, kBf16);
-      bcol[j][2 * q + 8] = lo_float(bv.y, kBf16);
-      bcol[j][2 * q + 9] = hi_float(bv.y, kBf16);
+      for (int e = 0; e < 2; ++e) {
+        bcol[j][2 * q + e] = element<T>(bv.x, e);
+        bcol[j][2 * q + 8 + e] = element<T>(bv.y, e);
+      }
     }
   }
   for (int i = 0; i < 4; ++i) {
@@ -138,16 +142,26 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 // ---------------------------------------------------------------------------------------------------
 // Operands: element (i, r) of a group's operand (i its output row or column, r the contraction) at
 // base[i * ld + r] (kContig: the contraction contiguous) or base[r * ld + i]; rows i < rows and r < depth.
+// The strided index (i where the contraction is contiguous, r where the rows are) names the operand's row in
+// memory; the fused kernels (kFused) may map it:
+// - gather (the gathered products): the group-ordered row s is row gather[s] of base, and a source row outside
+//   [0, sources) reads zeros (GroupedParams::a_rows, b_rows);
+// - dual (the SwiGLU forward's w13, N = 2 dual rows): tile row t holds feature 16 (t / 32) + t % 16 of the tile's
+//   64, from the gate rows (t % 32 < 16) or the up rows `dual` further, so each warp's 32 columns are 16 gate
+//   features and the same 16 up features.
 
 struct Operand {
   const void* base;
   int64_t ld, rows, depth;
   bool vec;  // base 16-byte aligned and ld a multiple of 8: whole 16-byte vectors where they fit
+  const int32_t* gather = nullptr;
+  int64_t sources = 0;
+  int64_t dual = 0;
 };
 
 // One slice's two 16-byte pieces per thread, global -> registers -> shared memory, in the layout the
 // operand has in global memory (see the top of the file).
-template <typename T, bool kContig>
+template <typename T, bool kContig, bool kFused>
 struct SliceLoader {
   uint4 v[2];
 
@@ -157,14 +171,32 @@ struct SliceLoader {
     for (int s = 0; s < 2; ++s) {
       const int c = threadIdx.x + s * kThreads;
       // kContig: row c / 4 of the tile, contraction 8 (c % 4) ..; else contraction row c / 16, rows 8 (c % 16) ..
-      const int64_t i = kContig ? i0 + c / 4 : i0 + (c % 16) * 8;
+      int t = c / 4;
+      bool up = false;
+      if (kFused && kContig && op.dual != 0) {
+        up = (t / 16) % 2 != 0;
+        t = (t / 32) * 16 + t % 16;
+      }
+      const int64_t i = kContig ? i0 + t : i0 + (c % 16) * 8;
       const int64_t r = kContig ? r0 + (c % 4) * 8 : r0 + c / 16;
-      const bool whole = kContig ? (i < op.rows && r + 8 <= op.depth) : (r < op.depth && i + 8 <= op.rows);
-      const T* at = kContig ? base + i * op.ld + r : base + r * op.ld + i;
-      if (op.vec && whole) {
+      // Of the piece's 8 elements along the contiguous index, those inside the operand (none: a row outside it).
+      const int64_t inside = kContig ? (i < op.rows ? op.depth - r : 0) : (r < op.depth ? op.rows - i : 0);
+      int64_t row = kContig ? i : r;
+      bool zero = inside <= 0;
+      if constexpr (kFused) {
+        if (!zero && op.gather != nullptr) {  // read only for rows inside the group
+          const int32_t src = op.gather[row];
+          zero = src < 0 || src >= op.sources;
+          row = src;
+        }
+        if (up) row += op.dual;
+      }
+      const T* at = base + row * op.ld + (kContig ? r : i);
+      if (zero) {
+        v[s] = make_uint4(0u, 0u, 0u, 0u);
+      } else if (op.vec && inside >= 8) {
         v[s] = *reinterpret_cast<const uint4*>(at);
       } else {  // the edges and the unaligned operands: the elements inside the operand one at a time, else 0
-        const int64_t inside = kContig ? (i < op.rows ? op.depth - r : 0) : (r < op.depth ? op.rows - i : 0);
         Pack<T, 8> p;
 #pragma unroll
         for (int u = 0; u < 8; ++u) p.v[u] = u < inside ? at[u] : from_float<T>(0.f);
@@ -196,42 +228,61 @@ __device__ __forceinline__ const void* fragment_row(const uint16_t* slice_as_b16
   return kContig ? slice_as_b16 + (m + dm + rr) * kLdK + k + dk : slice_as_b16 + (k + dk + rr) * kLdR + m + dm;
 }
 
+// Two neighbouring outputs (columns j, j + 1 of a row; `left` columns from j to the row's end): one 4-byte store
+// where `vec` says the row allows it (even row length, 4-byte aligned base, j even).
+template <typename T>
+__device__ __forceinline__ void store_pair(T* out, T v0, T v1, bool vec, int64_t left) {
+  if (vec && left >= 2) {
+    Pack<T, 2> p;
+    p.v[0] = v0;
+    p.v[1] = v1;
+    *reinterpret_cast<Pack<T, 2>*>(out) = p;
+  } else {
+    if (left >= 1) out[0] = v0;
+    if (left >= 2) out[1] = v1;
+  }
+}
+
 // The kernel. kOp picks the operands' layouts: fwd (x, w) both contiguous along the contraction; dgrad dout
-// contiguous, w along its rows; wgrad dout and x both along their rows.
-template <typename T, GemmOp kOp>
+// contiguous, w along its rows; wgrad dout and x both along their rows. kFused: the gathered products
+// (fu.a_rows: the A operand of every product; fu.b_rows: wgrad's x) and, in the forward, the SwiGLU epilogue
+// (fu.act non-null: a CTA's 128 columns are 64 features' gate and up columns, and it writes h = [gate | up] and
+// act = swiglu(gate, up) * act_weights[row], the CUDA-core kernel's epilogue, from the rounded h).
+template <typename T, GemmOp kOp, bool kFused>
 __global__ void __launch_bounds__(kThreads, 2)
     mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ d, int E, int64_t N, int64_t K,
                const GroupInfo* __restrict__ groups, const int32_t* __restrict__ tiles, bool vec_a, bool vec_b,
-               bool vec_d) {
+               bool vec_d, Fusion fu) {
   constexpr bool kContigA = kOp != GemmOp::kWgrad;
   constexpr bool kContigB = kOp == GemmOp::kFwd;
   __shared__ __align__(16) T smem[2][2][kSlice];  // [buffer][A, B]
   const int tile = blockIdx.x;
   if (tile >= *tiles) return;
-  int lo = 0, hi = E - 1;  // the last group whose first tile is at or before this one (empty groups own none)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (groups[mid].tile_start <= tile) lo = mid; else hi = mid - 1;
-  }
-  const int g = lo;
+  const int g = group_of_tile(groups, E, tile);
   const GroupInfo info = groups[g];
+  // Gathered operands keep their base at row 0 (the gather index adds the source row).
+  const int32_t* a_rows = kFused && fu.a_rows != nullptr ? fu.a_rows + info.row_start : nullptr;
+  const int32_t* b_rows = kFused && fu.b_rows != nullptr ? fu.b_rows + info.row_start : nullptr;
+  const int64_t a_row0 = a_rows != nullptr ? 0 : info.row_start, b_row0 = b_rows != nullptr ? 0 : info.row_start;
+  const bool dual = kFused && kOp == GemmOp::kFwd && fu.act != nullptr;
   Operand A, B;
   T* C;
   int64_t Mg, Ng, ldc;
   if constexpr (kOp == GemmOp::kFwd) {  // x[rows of g] [rows, K] @ w[g] [N, K]^T
-    A = {a + info.row_start * K, K, info.rows, K, vec_a};
-    B = {b + int64_t(g) * N * K, K, N, K, vec_b};
-    C = d + info.row_start * N; Mg = info.rows; Ng = N; ldc = N;
+    Ng = dual ? N / 2 : N;
+    A = {a + a_row0 * K, K, info.rows, K, vec_a, a_rows, fu.gather_rows};
+    B = {b + int64_t(g) * N * K, K, Ng, K, vec_b, nullptr, 0, dual ? Ng : 0};
+    C = d + info.row_start * N; Mg = info.rows; ldc = N;
   } else if constexpr (kOp == GemmOp::kDgrad) {  // dout[rows of g] [rows, N] @ w[g] [N, K]
-    A = {a + info.row_start * N, N, info.rows, N, vec_a};
+    A = {a + a_row0 * N, N, info.rows, N, vec_a, a_rows, fu.gather_rows};
     B = {b + int64_t(g) * N * K, K, K, N, vec_b};
     C = d + info.row_start * K; Mg = info.rows; Ng = K; ldc = K;
   } else {  // dout[rows of g]^T [N, rows] @ x[rows of g] [rows, K]
-    A = {a + info.row_start * N, N, N, info.rows, vec_a};
-    B = {b + info.row_start * K, K, K, info.rows, vec_b};
+    A = {a + a_row0 * N, N, N, info.rows, vec_a, a_rows, fu.gather_rows};
+    B = {b + b_row0 * K, K, K, info.rows, vec_b, b_rows, fu.gather_rows};
     C = d + int64_t(g) * N * K; Mg = N; Ng = K; ldc = K;
   }
-  const int64_t i0 = int64_t(tile - info.tile_start) * kBM, j0 = int64_t(blockIdx.y) * kBN;
+  const int64_t i0 = int64_t(tile - info.tile_start) * kBM, j0 = int64_t(blockIdx.y) * (dual ? kBN / 2 : kBN);
   if (j0 >= Ng) return;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int wm = (warp % 2) * kWarpM, wn = (warp / 2) * kWarpN;
@@ -244,8 +295,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
 
-  SliceLoader<T, kContigA> la;
-  SliceLoader<T, kContigB> lb;
+  SliceLoader<T, kContigA, kFused> la;
+  SliceLoader<T, kContigB, kFused> lb;
   const int64_t depth = A.depth;
   const int64_t slices = (depth + kBK - 1) / kBK;
   if (slices > 0) {
@@ -292,6 +343,33 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // Epilogue: c[0], c[1] at row g, columns 2t, 2t+1 of each m16n8 block; c[2], c[3] at row g + 8.
   const int gr = lane / 4, tc = 2 * (lane % 4);
+  if (dual) {  // fragments ni (gate) and ni + 2 (up) hold the same features: 16 (warp / 2) + 8 ni + tc ..
+    T* act = static_cast<T*>(fu.act);
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t i = i0 + wm + 16 * mi + gr + 8 * half;
+        if (i >= Mg) continue;
+        const int64_t row = info.row_start + i;
+        const float w = fu.act_weights != nullptr ? fu.act_weights[row] : 1.f;
+#pragma unroll
+        for (int ni = 0; ni < 2; ++ni) {
+          const int64_t j = j0 + (warp / 2) * 16 + 8 * ni + tc;
+          T gate[2], up[2], out[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            gate[e] = from_float<T>(acc[mi][ni][2 * half + e]);
+            up[e] = from_float<T>(acc[mi][ni + 2][2 * half + e]);
+            out[e] = from_float<T>(activation::swiglu_value(to_float(gate[e]), to_float(up[e]), w));
+          }
+          store_pair(C + i * ldc + j, gate[0], gate[1], vec_d, Ng - j);
+          store_pair(C + i * ldc + Ng + j, up[0], up[1], vec_d, Ng - j);
+          store_pair(act + row * Ng + j, out[0], out[1], vec_d, Ng - j);
+        }
+      }
+    return;
+  }
 #pragma unroll
   for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
@@ -301,17 +379,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int ni = 0; ni < 4; ++ni) {
         const int64_t j = j0 + wn + 8 * ni + tc;
-        const float v0 = acc[mi][ni][2 * half], v1 = acc[mi][ni][2 * half + 1];
-        T* out = C + i * ldc + j;
-        if (vec_d && j + 1 < Ng) {  // ldc even, C 4-byte aligned, j even: one 4-byte store
-          Pack<T, 2> p;
-          p.v[0] = from_float<T>(v0);
-          p.v[1] = from_float<T>(v1);
-          *reinterpret_cast<Pack<T, 2>*>(out) = p;
-        } else {
-          if (j < Ng) out[0] = from_float<T>(v0);
-          if (j + 1 < Ng) out[1] = from_float<T>(v1);
-        }
+        store_pair(C + i * ldc + j, from_float<T>(acc[mi][ni][2 * half]), from_float<T>(acc[mi][ni][2 * half + 1]),
+                   vec_d, Ng - j);
       }
     }
 }

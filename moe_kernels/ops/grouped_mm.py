@@ -8,8 +8,6 @@ the input dtype. Rows at or past sum(group_sizes) are unspecified in `out` and z
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import Tensor
 
@@ -209,6 +207,13 @@ def sm100_opted_in() -> bool:
     return bool(getattr(C, "grouped_mm_has_sm100", False)) and bool(C.grouped_mm_sm100_enabled())
 
 
+def portable_mma_opted_in() -> bool:
+    """Whether the portable kernel runs bf16 and fp16 on tensor cores: the C++ dispatch's own answer (it reads
+    MOE_KERNELS_PORTABLE_MMA once per process), so what is reported is what runs."""
+    enabled = getattr(_ext._C, "grouped_mm_portable_mma_enabled", None)
+    return enabled is not None and bool(enabled())
+
+
 def choose_backend(capability: tuple[int, int], dtype: torch.dtype, *, extension_runs: bool, cutlass_sm90: bool,
                    torch_archs, cutlass_sm100: bool = False, sm100_opt_in: bool = False) -> str:
     """The grouped GEMM implementation for a GPU of `capability` and inputs of `dtype` (see the table above).
@@ -269,6 +274,7 @@ def describe_backend(device: torch.device | str | int) -> str:
     index = device.index if device.index is not None else torch.cuda.current_device()
     capability, _, _, archs, sm100, _ = _facts(index)
     arch = f"sm_{capability[0]}{capability[1]}"
+    tensor_cores = capability[0] >= 8 and portable_mma_opted_in()
     lines: dict[str, list[str]] = {}
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float16, "fp16"), (torch.float32, "fp32")):
         backend = grouped_mm_backend(index, dtype)
@@ -286,7 +292,7 @@ def describe_backend(device: torch.device | str | int) -> str:
             line = f"torch._grouped_mm ({why})"
         elif backend == REFERENCE:
             line = "PyTorch reference"
-        elif dtype != torch.float32 and capability[0] >= 8 and os.environ.get(PORTABLE_MMA_OPT_IN) == "1":
+        elif dtype != torch.float32 and tensor_cores:
             line = f"portable kernel on tensor cores ({PORTABLE_MMA_OPT_IN}=1; not yet run on a GPU by this project)"
         else:
             line = "portable CUDA kernel"

@@ -43,6 +43,7 @@ def fake_gpu(monkeypatch, capability, *, sm90=True, archs=DEFAULT_BUILD, torch_a
     kernels), as far as the host-side choice can tell."""
     extension = types.SimpleNamespace(cuda_archs=archs, grouped_mm_has_sm90=sm90, grouped_mm_has_sm100=sm100,
                                       grouped_mm_sm100_enabled=lambda: sm100 and os.environ.get(gm.SM100_OPT_IN) == "1",
+                                      grouped_mm_portable_mma_enabled=lambda: os.environ.get(gm.PORTABLE_MMA_OPT_IN) == "1",
                                       grouped_mm_max_groups=1024)
     monkeypatch.setattr(_ext, "_C", extension)
     monkeypatch.setattr(_ext, "_driver", [None if driver_ok else "no driver"])

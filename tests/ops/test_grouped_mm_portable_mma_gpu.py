@@ -137,6 +137,9 @@ def test_path_choice_and_refusals(cuda):
     assert C.grouped_mm_path(dtype=bf16, **shape, portable=0) == CUDA_CORE_PATH
     if not C.grouped_mm_portable_mma_enabled() and not (cuda.type == "cuda" and C.grouped_mm_has_sm90):
         assert C.grouped_mm_path(dtype=bf16, **shape) == CUDA_CORE_PATH, "opt-in: the default stays on CUDA cores"
+    # The gather-fused expert MLP's products take it too: gathered rows (fwd, dgrad, wgrad) and the SwiGLU epilogue.
+    for op, fusion in ((0, dict(a_rows=256, act=256)), (1, dict(a_rows=256)), (2, dict(a_rows=256, b_rows=256))):
+        assert C.grouped_mm_path(dtype=bf16, **dict(shape, op=op), portable=1, **fusion) == MMA_PATH
     with pytest.raises(ValueError, match="tensor-core portable kernel was requested, but it takes bf16 and fp16"):
         C.grouped_mm_path(dtype=fp32, **shape, portable=1)
     with pytest.raises(ValueError, match="portable must be"):
@@ -173,6 +176,39 @@ print("ok")
     env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def test_gathered_products_and_swiglu_epilogue(cuda):
+    """The gather-fused expert MLP (gathered operand rows in every product, the SwiGLU epilogue in the forward) on
+    the tensor-core kernel: expert_mlp's own bf16 and fp16 tests (fresh random inputs, 0 tokens, empty experts, a
+    hot expert, dropped slots, padding rows, odd sizes, H = 1, several tiles a group) rerun in a process with
+    MOE_KERNELS_PORTABLE_MMA=1 (read once per process). The composition they compare with runs this kernel too
+    where no CUTLASS kernel takes it, so on the CPU-executed build the two agree bit for bit; on a GPU both are
+    held to the fp64 rule."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1")
+    check = f"""
+import torch
+from moe_kernels import _ext
+dev = torch.device({str(cuda)!r})
+C = _ext.kernels("grouped_mm", torch.empty(0, device=dev))
+d = _ext.launch_args(torch.empty(0, device=dev))["device"]
+bf16 = _ext.dtype_code(torch.bfloat16)
+shape = dict(dtype=bf16, num_groups=4, M=256, N=64, K=64, a=256, b=256, d=256, device=d)
+assert C.grouped_mm_path(op=0, **shape, a_rows=256, act=256) == {MMA_PATH}, "the SwiGLU forward"
+assert C.grouped_mm_path(op=1, **shape, a_rows=256) == {MMA_PATH}, "the gathered dgrad"
+assert C.grouped_mm_path(op=2, **shape, a_rows=256, b_rows=256) == {MMA_PATH}, "the gathered wgrad"
+print("ok")
+"""
+    res = subprocess.run([sys.executable, "-c", check], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    select = "test_matches_composition_and_fp64 and not float32"
+    if os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: bf16, the cases of one or two tiles
+        select += " and not float16 and not tiles"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                           "tests/ops/test_expert_mlp_gpu.py", "-k", select],
+                          env=env, cwd=root, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
 @pytest.mark.gpu_memory

@@ -34,6 +34,7 @@
 #include "activation/swiglu_math.cuh"
 #include "common/check.h"
 #include "gemm/grouped_mm.h"
+#include "gemm/tile_groups.cuh"
 
 namespace moe::gemm::sm90 {
 
@@ -185,11 +186,7 @@ __device__ __forceinline__ bool resolve_tile(const typename GatherGemm<Element, 
   } else {
     const int tile = blockIdx.x;
     if (tile >= *p.tiles) return false;
-    int lo = 0, hi = p.E - 1;  // the last group whose first tile is at or before this one
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (p.groups[mid].tile_start <= tile) lo = mid; else hi = mid - 1;
-    }
+    const int lo = group_of_tile(p.groups, p.E, tile);
     const GroupInfo info = p.groups[lo];
     const int64_t Ng = kOp == GemmOp::kFwd ? p.N : p.K;
     const int64_t Kg = kOp == GemmOp::kFwd ? p.K : p.N;
