@@ -204,7 +204,7 @@ print("ok")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
     select = "test_matches_composition_and_fp64 and not float32"
     if os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: bf16, the cases of one or two tiles
-        select += " and not float16 and not tiles"
+        select = "test_matches_composition_and_fp64 and bfloat16 and not tiles"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                            "tests/ops/test_expert_mlp_gpu.py", "-k", select],
                           env=env, cwd=root, capture_output=True, text=True, timeout=900)
