@@ -67,8 +67,12 @@ def collect() -> dict:
             enabled = getattr(C, "grouped_mm_gather_enabled", None)
             gather = ("on" if enabled() else f"off (opt-in: {GATHER_OPT_IN}=1)") \
                 if enabled is not None and getattr(C, "grouped_mm_has_sm90", False) else "not in this build"
+            from moe_kernels.ops.grouped_mm import PORTABLE_MMA_OPT_IN, portable_mma_opted_in
+
+            cores = "on" if portable_mma_opted_in() else f"off (opt-in: {PORTABLE_MMA_OPT_IN}=1)"
             info["expert_mlp"] = ("opt-in: MoEConfig(gather_experts=True); its gathered products on sm_90a's cp.async "
-                                  f"gather kernels {gather}, not yet run on a GPU; elsewhere the portable grouped GEMM")
+                                  f"gather kernels {gather}, not yet run on a GPU; elsewhere the portable grouped GEMM "
+                                  f"(bf16 and fp16 on tensor cores from sm_80 on: {cores}; not yet run on a GPU)")
     else:
         info["extension_error"] = _ext.import_error()
     gpus = []
