@@ -208,7 +208,9 @@ print("ok")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
                            "tests/ops/test_expert_mlp_gpu.py", "-k", select],
                           env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
+    first = next((line for line in proc.stdout.splitlines() if line.startswith("E ")), "")  # the first failure's
+    assert proc.returncode == 0 and " passed" in proc.stdout, (f"expert_mlp on the tensor-core kernel: {first}\n"
+                                                              + proc.stdout[-6000:] + proc.stderr[-3000:])
 
 
 @pytest.mark.gpu_memory
