@@ -191,10 +191,12 @@ struct SliceLoader {
         }
         if (up) row += op.dual;
       }
-      const T* at = base + row * op.ld + (kContig ? r : i);
       if (zero) {
         v[s] = make_uint4(0u, 0u, 0u, 0u);
-      } else if (op.vec && inside >= 8) {
+        continue;
+      }
+      const T* at = base + row * op.ld + (kContig ? r : i);  // formed only for a row inside the operand
+      if (op.vec && inside >= 8) {
         v[s] = *reinterpret_cast<const uint4*>(at);
       } else {  // the edges and the unaligned operands: the elements inside the operand one at a time, else 0
         Pack<T, 8> p;

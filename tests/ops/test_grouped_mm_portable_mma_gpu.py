@@ -186,7 +186,7 @@ def test_gathered_products_and_swiglu_epilogue(cuda):
     where no CUTLASS kernel takes it, so on the CPU-executed build the two agree bit for bit; on a GPU both are
     held to the fp64 rule."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1")
+    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1", MOE_KERNELS_GATHER_CUTLASS="0")  # not sm_90a's gather kernels
     check = f"""
 import torch
 from moe_kernels import _ext
@@ -205,7 +205,8 @@ print("ok")
     select = "test_matches_composition_and_fp64 and not float32"
     if os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: bf16, the cases of one or two tiles
         select = "test_matches_composition_and_fp64 and bfloat16 and not tiles"
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",  # -s: a
+                           # sanitizer's report, printed before it aborts the child, reaches this test's message
                            "tests/ops/test_expert_mlp_gpu.py", "-k", select],
                           env=env, cwd=root, capture_output=True, text=True, timeout=900)
     first = next((line for line in proc.stdout.splitlines() if line.startswith("E ")), "")  # the first failure's
