@@ -53,9 +53,20 @@ def _problem(device, dtype, T=33, H=48, F=40, E=8, k=2, align=1, kind="uniform",
                 dout=to(dout), idx=idx.to(device), E=E, align=align)
 
 
-def _run(p, fused: bool):
-    """(out, dx, dw13, dw2, dweights) of the fused op or of the composition."""
-    leaves = [p[n].detach().clone().requires_grad_() if p[n] is not None else None for n in ("x", "w13", "w2", "weights")]
+def _shifted(t, offset: int):
+    """A copy of t `offset` elements into a buffer (off 16-byte alignment for offset 1), as a tensor that
+    gradients can be taken for; offset 0: a plain leaf copy."""
+    if offset == 0:
+        return t.detach().clone().requires_grad_()
+    buf = torch.zeros(t.numel() + offset, dtype=t.dtype, device=t.device)
+    buf[offset:].copy_(t.detach().flatten())
+    return buf.requires_grad_()[offset:].view(t.shape)
+
+
+def _run(p, fused: bool, offset: int = 0):
+    """(out, dx, dw13, dw2, dweights) of the fused op or of the composition; offset > 0 puts x, w13, w2 and dout
+    that many elements off their buffers' (16-byte aligned) start."""
+    leaves = [_shifted(p[n], offset) if p[n] is not None else None for n in ("x", "w13", "w2", "weights")]
     x, w13, w2, weights = leaves
     E, align, idx = p["E"], p["align"], p["idx"]
     R = permuted_rows(x.shape[0], idx.shape[1], E, align)
@@ -68,7 +79,8 @@ def _run(p, fused: bool):
         rw = None if weights is None else permuted_row_values(weights, row_map, R)
         out = unpermute(grouped_mm(swiglu(grouped_mm(x_perm, w13, gs), rw), w2, gs), row_map, None)
     live = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad(out, live, p["dout"], allow_unused=True)
+    dout = p["dout"] if offset == 0 else _shifted(p["dout"], offset).detach()
+    grads = torch.autograd.grad(out, live, dout, allow_unused=True)
     grads = [torch.zeros_like(t) if gr is None else gr for t, gr in zip(live, grads)]
     return [out.detach(), *grads]
 
@@ -109,6 +121,15 @@ def test_matches_composition_and_fp64(cuda, case, dtype):
     floor = 1e-5 if dtype == torch.float32 else 2e-2
     for name, a, b, r in zip(NAMES, fused, composed, ref):
         assert_close_to_fp64(a.float(), b.float(), r, f"{case} {dtype}: {name}", floor=floor)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_unaligned_operands(cuda, dtype):
+    """x, w13, w2 and dout one element off 16-byte alignment (the kernels' element-wise loads in place of their
+    vector loads): the same bits as from aligned copies, whichever kernel runs."""
+    p = _problem(cuda, dtype, T=40, H=64, F=64, E=4, k=2, align=8)
+    for name, a, b in zip(NAMES, _run(p, fused=True), _run(p, fused=True, offset=1)):
+        assert_exact(b, a, f"unaligned {dtype}: {name}")
 
 
 def test_padding_rows_read_no_token(cuda):
