@@ -343,16 +343,17 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
   }
 
-  // Epilogue: c[0], c[1] at row g, columns 2t, 2t+1 of each m16n8 block; c[2], c[3] at row g + 8.
+  // Epilogue: c[0], c[1] at row g, columns 2t, 2t+1 of each m16n8 block; c[2], c[3] at row g + 8. With the
+  // SwiGLU epilogue, fragments ni (gate) and ni + 2 (up) hold the same features, 16 (warp / 2) + 8 ni + tc ..
   const int gr = lane / 4, tc = 2 * (lane % 4);
-  if (dual) {  // fragments ni (gate) and ni + 2 (up) hold the same features: 16 (warp / 2) + 8 ni + tc ..
-    T* act = static_cast<T*>(fu.act);
 #pragma unroll
-    for (int mi = 0; mi < 4; ++mi)
+  for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t i = i0 + wm + 16 * mi + gr + 8 * half;
-        if (i >= Mg) continue;
+    for (int half = 0; half < 2; ++half) {
+      const int64_t i = i0 + wm + 16 * mi + gr + 8 * half;
+      if (i >= Mg) continue;
+      if (dual) {
+        T* act = static_cast<T*>(fu.act);
         const int64_t row = info.row_start + i;
         const float w = fu.act_weights != nullptr ? fu.act_weights[row] : 1.f;
 #pragma unroll
@@ -369,20 +370,13 @@ __global__ void __launch_bounds__(kThreads, 2)
           store_pair(C + i * ldc + Ng + j, up[0], up[1], vec_d, Ng - j);
           store_pair(act + row * Ng + j, out[0], out[1], vec_d, Ng - j);
         }
-      }
-    return;
-  }
+      } else {
 #pragma unroll
-  for (int mi = 0; mi < 4; ++mi)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int64_t i = i0 + wm + 16 * mi + gr + 8 * half;
-      if (i >= Mg) continue;
-#pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int64_t j = j0 + wn + 8 * ni + tc;
-        store_pair(C + i * ldc + j, from_float<T>(acc[mi][ni][2 * half]), from_float<T>(acc[mi][ni][2 * half + 1]),
-                   vec_d, Ng - j);
+        for (int ni = 0; ni < 4; ++ni) {
+          const int64_t j = j0 + wn + 8 * ni + tc;
+          store_pair(C + i * ldc + j, from_float<T>(acc[mi][ni][2 * half]), from_float<T>(acc[mi][ni][2 * half + 1]),
+                     vec_d, Ng - j);
+        }
       }
     }
 }
