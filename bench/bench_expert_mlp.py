@@ -17,8 +17,9 @@ Reported per case:
              (extra.peak_mib, extra.peer_peak_mib); not measured on the CPU.
   time       fwd+bwd, harness.time_fn, ours against permuted in the same run.
 The gathered products run the sm_90a gather kernels where MOE_KERNELS_GATHER_CUTLASS=1 was set before the process
-first asked (the perf mode sets it), else the portable grouped GEMM; the result's peer_variant["ours"] and
-extra.gather_kernels say which.
+first asked (the perf mode sets it), else the portable grouped GEMM, on tensor cores where MOE_KERNELS_PORTABLE_MMA=1
+was set (bf16, fp16; sm_80 and later); the result's peer_variant["ours"], extra.gather_kernels and
+extra.tensor_cores say which.
 Checked first, on the first input set: both paths' outputs and x gradients, relative L2 error at most
 4 x 2^-8 apart on a GPU (bf16: each rounding 2^-9 relative, the two paths sum in other orders on sm_90a), and
 equal on the CPU (the same reference products).
@@ -28,6 +29,7 @@ once, out, dx and the weight gradients written once.
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -159,8 +161,12 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
                       peer_variant={"permuted": "permute + fused experts region + unpermute"})
     C = getattr(__import__("moe_kernels")._ext, "_C", None)
     gather = ctx.is_cuda and C is not None and getattr(C, "grouped_mm_gather_enabled", lambda: False)()
-    r.peer_variant["ours"] = "sm_90a gather kernels" if gather else "portable grouped GEMM (gathered rows)"
-    r.extra.update(gather_kernels=float(gather), kept_mib=kept / 2**20, peer_kept_mib=peer_kept / 2**20, saved_mib=(peer_kept - kept) / 2**20,
+    cores = (ctx.is_cuda and not gather and dtype != torch.float32 and torch.cuda.get_device_capability()[0] >= 8
+             and importlib.import_module("moe_kernels.ops.grouped_mm").portable_mma_opted_in())
+    r.peer_variant["ours"] = ("sm_90a gather kernels" if gather else
+                              "portable grouped GEMM on tensor cores (gathered rows)" if cores else
+                              "portable grouped GEMM (gathered rows)")
+    r.extra.update(gather_kernels=float(gather), tensor_cores=float(cores), kept_mib=kept / 2**20, peer_kept_mib=peer_kept / 2**20, saved_mib=(peer_kept - kept) / 2**20,
                    saved_mib_model=model / 2**20)
     if peak is not None:
         r.extra.update(peak_mib=peak, peer_peak_mib=peer_peak)
