@@ -29,13 +29,13 @@ once, out, dx and the weight gradients written once.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 import torch
 
 from moe_kernels.nn import MoELayer
 from moe_kernels.nn.moe import PRESETS
+from moe_kernels.ops.grouped_mm import portable_mma_opted_in
 from moe_kernels.ops.permute import permuted_rows
 
 from . import harness as h
@@ -162,7 +162,7 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     C = getattr(__import__("moe_kernels")._ext, "_C", None)
     gather = ctx.is_cuda and C is not None and getattr(C, "grouped_mm_gather_enabled", lambda: False)()
     cores = (ctx.is_cuda and not gather and dtype != torch.float32 and torch.cuda.get_device_capability()[0] >= 8
-             and importlib.import_module("moe_kernels.ops.grouped_mm").portable_mma_opted_in())
+             and portable_mma_opted_in())
     r.peer_variant["ours"] = ("sm_90a gather kernels" if gather else
                               "portable grouped GEMM on tensor cores (gathered rows)" if cores else
                               "portable grouped GEMM (gathered rows)")

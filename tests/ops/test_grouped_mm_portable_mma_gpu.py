@@ -182,9 +182,9 @@ def test_gathered_products_and_swiglu_epilogue(cuda):
     """The gather-fused expert MLP (gathered operand rows in every product, the SwiGLU epilogue in the forward) on
     the tensor-core kernel: expert_mlp's own bf16 and fp16 tests (fresh random inputs, 0 tokens, empty experts, a
     hot expert, dropped slots, padding rows, odd sizes, H = 1, several tiles a group, operands off 16-byte
-    alignment) rerun in a process with MOE_KERNELS_PORTABLE_MMA=1 (read once per process). The composition they compare with runs this kernel too
-    where no CUTLASS kernel takes it, so on the CPU-executed build the two agree bit for bit; on a GPU both are
-    held to the fp64 rule."""
+    alignment) rerun in a process with MOE_KERNELS_PORTABLE_MMA=1 (read once per process). The composition they
+    compare with runs this kernel too where no CUTLASS kernel takes it, so on the CPU-executed build the two agree
+    bit for bit; on a GPU both are held to the fp64 rule."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1", MOE_KERNELS_GATHER_CUTLASS="0")  # not sm_90a's gather kernels
     check = f"""
