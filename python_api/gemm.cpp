@@ -56,9 +56,9 @@ void register_gemm(py::module_& m) {
         "Whether a 10.0 / 10.3 GPU runs the sm_100f instances: built, and MOE_KERNELS_SM100_CUTLASS=1 when first "
         "asked (the choice the kernels' dispatch makes; read once per process)");
   m.def("grouped_mm_portable_mma_enabled", &gemm::portable_mma_enabled,
-        "Whether the tensor-core portable kernel is the default where it fits (bf16, fp16, sm_80+, no CUTLASS kernel "
-        "for the problem): MOE_KERNELS_PORTABLE_MMA=1 when first asked (read once per process); else the CUDA-core "
-        "portable kernel");
+        "Whether the tensor-core portable kernels are the default where they fit (bf16, fp16 on sm_80+; E4M3 "
+        "blockwise fwd and wgrad on 8.9+; no CUTLASS kernel for the problem): MOE_KERNELS_PORTABLE_MMA=1 when first "
+        "asked (read once per process); else the CUDA-core portable kernel (FP8: the Python layer dequantizes)");
   m.def("grouped_mm_gather_enabled", &gemm::sm90::gather_enabled,
         "Whether a 9.0 GPU runs the gathered products (expert_mlp) on the sm_90a gather kernels: built, and "
         "MOE_KERNELS_GATHER_CUTLASS=1 when first asked (read once per process); else the portable kernel");
@@ -79,8 +79,8 @@ void register_gemm(py::module_& m) {
       "0 = portable kernel, 1 = sm_90a ping-pong, 2 = sm_90a cooperative, 3 = sm_90a fp8 blockwise, 4 = sm_100f "
       "(bf16, opted in: MOE_KERNELS_SM100_CUTLASS=1), 5 = sm_100f fp8 blockwise, 6 = sm_90a gather (expert_mlp's "
       "gathered products, opted in: MOE_KERNELS_GATHER_CUTLASS=1), 7 = sm_100f nvfp4 block-scaled (opted in: "
-      "MOE_KERNELS_SM100_CUTLASS=1), 8 = the portable kernel on tensor cores (bf16, fp16, sm_80+: portable=1, or "
-      "MOE_KERNELS_PORTABLE_MMA=1). a_rows, b_rows, act: the addresses of a gathered product's row indices and the "
+      "MOE_KERNELS_SM100_CUTLASS=1), 8 = the portable kernel on tensor cores (bf16, fp16 on sm_80+; E4M3 "
+      "blockwise fwd and wgrad on 8.9+: portable=1, or MOE_KERNELS_PORTABLE_MMA=1). a_rows, b_rows, act: the addresses of a gathered product's row indices and the "
       "SwiGLU epilogue's output (non-zero: that fusion)",
       py::arg("op"),
       py::arg("dtype"), py::arg("num_groups"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("a"), py::arg("b"),

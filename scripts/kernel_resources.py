@@ -44,6 +44,13 @@ ACCEPTED_LOCAL: dict[str, str] = {
        for t in ("float", "__nv_bfloat16", "__half")},
     "dispatch::barrier_kernel": "printf's 16 B of arguments, on the path that reports a barrier timeout before "
                                 "trapping; the polling loop itself keeps everything in registers",
+    # The FP8 tensor-core portable GEMM (csrc/gemm/portable_mma_fp8.cuh) in this report's sm_90a code: there ptxas
+    # lowers E4M3 mma.sync to f16 conversions and the f16 instruction, whose extra registers beside the two
+    # accumulator sets spill a little; 8.9 and 12.x run the native instruction without spills (FP8_NATIVE_CHECKS).
+    **{f"gemm::mma::mma_fp8_kernel<(gemm::GemmOp){op}, {t}>":
+           "sm_90a only (8.9 and 12.x: none, checked below): E4M3 mma.sync lowered to f16 conversions + HMMA, 24-48 B "
+           "of spills per thread; on 9.0 the kernel runs only what the CUTLASS FP8 kernels do not take (opt-in)"
+       for op, t in ((0, "__nv_bfloat16"), (2, "__nv_bfloat16"), (2, "float"))},
     # sm_100f (opt-in, not yet run on a Blackwell GPU): CUTLASS's 1-SM blockwise mainloop with a scale per row
     # and per column (the tokens' 1x128 blocks on both operands) spills in ptxas; the forward (a scale per
     # 128x128 weight tile) does not. To be measured before these are turned on by default.
@@ -72,6 +79,10 @@ SASS_CHECKS = (
     (r"gemm::mma::mma_kernel", r"HMMA\.16816\.F32", "the tensor-core portable GEMM runs mma.sync m16n8k16"),
     (r"gemm::mma::mma_kernel", r"LDSM\.16\.MT?88\.4", "the tensor-core portable GEMM reads fragments by ldmatrix"),
     (r"gemm::mma::mma_kernel", r"LDG\.E\.128", "the tensor-core portable GEMM loads 16-byte vectors"),
+    (r"gemm::mma::mma_fp8_kernel", r"F2FP\.F16\.E4M3\.UNPACK_B", "the FP8 portable GEMM's E4M3 mma.sync, on 9.0 via f16"),
+    (r"gemm::mma::mma_fp8_kernel", r"HMMA\.16816\.F32", "the FP8 portable GEMM runs on tensor cores (9.0: f16 HMMA)"),
+    (r"gemm::mma::mma_fp8_kernel", r"LDSM\.16\.M88\.4", "the FP8 portable GEMM reads fragments by ldmatrix"),
+    (r"gemm::mma::mma_fp8_kernel", r"LDG\.E\.128", "the FP8 portable GEMM loads 16-byte vectors"),
     # The gathered products (expert_mlp): cp.async of 16 bytes per row chunk into WGMMA's shared memory.
     (r"sm90::gather_gemm_kernel", r"HGMMA\.\w+\.F32\.BF16", "the gathered sm_90a GEMMs run on WGMMA"),
     (r"sm90::gather_gemm_kernel", r"LDGSTS\.E\.BYPASS\.128", "the gathered sm_90a GEMMs load 16-byte cp.async chunks"),
@@ -264,6 +275,42 @@ def blackwell_checks(cuobjdump: str, so: Path, env: dict) -> tuple[list[str], li
     return rows, problems
 
 
+# The FP8 tensor-core portable GEMM where E4M3 mma.sync is native (8.9: L4, L40S, RTX 40; 12.x: RTX 50): the
+# instruction itself, and no local memory. The default build adds sm_89 code for its translation unit.
+FP8_NATIVE_CHECKS = (
+    (r"gemm::mma::mma_fp8_kernel", r"QMMA\.16832\.F32\.E4M3\.E4M3", "the FP8 portable GEMM runs E4M3 mma.sync"),
+)
+
+
+def native_fp8_checks(cuobjdump: str, so: Path, env: dict) -> tuple[list[str], list[str]]:
+    """Report rows and problems for the FP8 tensor-core portable GEMM's sm_89 and sm_120 code, where built."""
+    def fp8_kernels(arch: str) -> list[Kernel]:
+        r = subprocess.run([cuobjdump, "-arch", arch, "--dump-resource-usage", str(so)], capture_output=True, text=True)
+        return [k for k in (parse_resources(r.stdout) if r.returncode == 0 else []) if "mma_fp8_kernel" in k.mangled]
+
+    rows, problems = [], []
+    for arch in ("sm_89", "sm_120"):
+        kernels = fp8_kernels(arch)
+        if not kernels:
+            rows += ["", f"FP8 tensor-core portable GEMM ({arch}): not in this build"]
+            if arch == "sm_89" and fp8_kernels("sm_80"):  # CMakeLists.txt adds sm_89 wherever it builds sm_80
+                problems.append("the FP8 tensor-core portable GEMM has sm_80 code but no sm_89 code (an 8.9 GPU "
+                                "would load the sm_80 cubin, where the kernel is a trap)")
+            continue
+        names = demangle([k.mangled for k in kernels])
+        for k in kernels:
+            k.name = short_name(names[k.mangled], k.source)
+            if k.local + k.stack:
+                problems.append(f"{k.name} ({arch}): {k.local + k.stack} bytes of local memory (register spills)")
+        sass = parse_sass(_run([cuobjdump, "-arch", arch, "-sass", str(so)], env=env))
+        regs = ", ".join(f"{k.regs}" for k in sorted(kernels, key=lambda k: k.name))
+        rows += ["", f"FP8 tensor-core portable GEMM ({arch}): {len(kernels)} kernels, registers {regs}, local memory "
+                     f"{sum(k.local + k.stack for k in kernels)} B",
+                 "", f"| SASS check ({arch}) | kernels | result |", "|---|---|---|"]
+        rows += sass_checks(FP8_NATIVE_CHECKS, kernels, sass, problems)
+    return rows, problems
+
+
 def sass_checks(checks, kernels, sass: dict[str, str], problems: list[str]) -> list[str]:
     """One table row per (kernel pattern, instruction pattern, why): every matching kernel's SASS must hold the
     instruction, and some kernel must match; failures appended to `problems`."""
@@ -321,8 +368,9 @@ def main(argv: list[str] | None = None) -> int:
     checks = ["", "| SASS check | kernels | result |", "|---|---|---|",
               *sass_checks(SASS_CHECKS, kernels, sass, problems)]
     blackwell, blackwell_problems = blackwell_checks(cuobjdump, so, env)
-    problems += blackwell_problems
-    report = "\n".join([f"# Kernel resources: {so.name}", "", *rows, *checks, *blackwell, ""])
+    native_fp8, native_fp8_problems = native_fp8_checks(cuobjdump, so, env)
+    problems += blackwell_problems + native_fp8_problems
+    report = "\n".join([f"# Kernel resources: {so.name}", "", *rows, *checks, *blackwell, *native_fp8, ""])
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
         print("kernel_resources: FAILED\n  " + "\n  ".join(problems), file=sys.stderr)
         return 1
     print(f"kernel_resources: {len(kernels)} kernels, no local memory outside the accepted list, "
-          f"{len(SASS_CHECKS)} SASS checks passed", file=sys.stderr)
+          f"{len(SASS_CHECKS)} SASS checks passed (+ the sm_100f and FP8 native ones)", file=sys.stderr)
     return 0
 
 

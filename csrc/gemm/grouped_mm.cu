@@ -6,10 +6,12 @@
 // else (fp32, other GPUs, misaligned shapes) runs the portable tiled kernel: 64x64 tiles, fp32
 // accumulation in a fixed order, any strides. FP8 (E4M3 with blockwise scales) runs only the sm_90a
 // blockwise kernels: forward when K % 128 == 0 and N % 8 == 0 (bf16 output rows 16-byte aligned), wgrad
-// when M % 16 == 0 (TMA's 16-byte row stride over the tokens) and K % 4 == 0 (fp32 output rows); the
-// Python layer falls back to dequantize + fp32 elsewhere. Gathered rows and the SwiGLU epilogue (expert_mlp) run
-// the sm_90a gather kernels (gemm/sm90/gather_sm90.cuh) where opted in (MOE_KERNELS_GATHER_CUTLASS=1), bf16, N and
-// K multiples of 8, 16-byte aligned pointers; else the portable kernel, which takes them everywhere.
+// when M % 16 == 0 (TMA's 16-byte row stride over the tokens) and K % 4 == 0 (fp32 output rows); on 8.9 and later
+// without them, the tensor-core portable FP8 kernel (gemm/portable_mma_fp8.cuh) where opted in
+// (MOE_KERNELS_PORTABLE_MMA=1); the Python layer falls back to dequantize + fp32 elsewhere. Gathered rows and the
+// SwiGLU epilogue (expert_mlp) run the sm_90a gather kernels (gemm/sm90/gather_sm90.cuh) where opted in
+// (MOE_KERNELS_GATHER_CUTLASS=1), bf16, N and K multiples of 8, 16-byte aligned pointers; else the portable kernel,
+// which takes them everywhere.
 #include <cub/block/block_scan.cuh>
 
 #include <cstdlib>
@@ -23,6 +25,7 @@
 #include "common/vec.cuh"
 #include "gemm/grouped_mm.h"
 #include "gemm/portable_mma.cuh"
+#include "gemm/portable_mma_fp8.cuh"
 #include "gemm/sm90_kernels.h"
 #include "gemm/tile_groups.cuh"
 
@@ -412,9 +415,43 @@ static int64_t mma_col_tiles(const GroupedParams& p) {
   return (output_cols(p) + mma::kBN - 1) / mma::kBN;
 }
 
+// Whether the FP8 tensor-core kernel's machine code on `device` is for 8.9 or later: a GPU of 8.9 loads an sm_80
+// cubin where the build has no sm_89 one (CMakeLists.txt adds it with an 8.0 target), and there the kernel is a trap.
+static bool mma_fp8_code_runs(int device) {
+  static std::mutex mu;
+  static int8_t cache[64] = {};  // 0 not asked yet, 1 runs, -1 does not
+  std::lock_guard<std::mutex> lock(mu);
+  int8_t& known = cache[device & 63];
+  if (known == 0) {
+    int current = 0;
+    check_cuda(cudaGetDevice(&current), "grouped_mm");
+    if (current != device) check_cuda(cudaSetDevice(device), "grouped_mm");
+    cudaFuncAttributes attr{};
+    const auto kernel = &mma::mma_fp8_kernel<GemmOp::kFwd, __nv_bfloat16>;
+    const cudaError_t err = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel));
+    if (current != device) check_cuda(cudaSetDevice(current), "grouped_mm");
+    if (err != cudaSuccess) (void)cudaGetLastError();  // no code for this GPU at all: the kernel does not run
+    known = err == cudaSuccess && attr.binaryVersion >= 89 ? 1 : -1;
+  }
+  return known > 0;
+}
+
 // Why the tensor-core portable kernel cannot take p, or null when it can.
 static const char* portable_mma_refusal(const GroupedParams& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "it takes bf16 and fp16";
+  if (p.dtype == DType::kFloat8E4M3) {  // gemm/portable_mma_fp8.cuh: the forward and wgrad, blockwise scales
+    const DeviceInfo d = device_info(p.device);
+    if (d.major * 10 + d.minor < 89) return "FP8 needs compute capability 8.9 or later (E4M3 tensor cores)";
+    if (!mma_fp8_code_runs(p.device)) {
+      return "the extension holds no FP8 tensor-core code for this GPU (build for sm_89 or later: "
+             "MOE_KERNELS_CUDA_ARCHS)";
+    }
+    if (p.op == GemmOp::kDgrad) return "FP8 has a forward and a wgrad (dgrad is the forward on transposed tiles)";
+    if (p.sfa == nullptr || p.sfb == nullptr) return "FP8 needs both scale tensors";
+    if (p.op == GemmOp::kFwd && p.K % 128) return "the FP8 forward needs K a multiple of 128 (one scale per 128)";
+    if (mma_col_tiles(p) > 65535) return "the output is too wide";
+    return nullptr;
+  }
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16) return "it takes bf16, fp16 and E4M3";
   if (p.accumulate) return "it does not accumulate (a float32 output)";
   if (device_info(p.device).major < 8) return "it needs compute capability 8.0 or later";
   if (mma_col_tiles(p) > 65535) return "the output is too wide";
@@ -580,6 +617,32 @@ void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
   });
 }
 
+// The FP8 tensor-core portable kernel (gemm/portable_mma_fp8.cuh) for p, its groups prepared in tiles of mma::kBM.
+static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, cudaStream_t stream) {
+  const int64_t row_tiles = max_row_tiles(p, mma::kBM);
+  if (row_tiles > int64_t(0x7fffffff)) throw std::invalid_argument("grouped_mm: too many row tiles");
+  const dim3 grid{unsigned(row_tiles), unsigned(mma_col_tiles(p))};
+  const bool wgrad = p.op == GemmOp::kWgrad;
+  const DType out = wgrad ? p.fp8_wgrad_out : DType::kBFloat16;
+  const int64_t ld = wgrad ? p.M : p.K;  // both operands' rows: the tokens (wgrad) or K
+  const int64_t out_bytes = out == DType::kFloat32 ? 4 : 2;
+  const auto aligned = [](const void* ptr, int64_t n) { return reinterpret_cast<uintptr_t>(ptr) % n == 0; };
+  const mma::Fp8Args args{static_cast<const uint8_t*>(p.a), static_cast<const uint8_t*>(p.b), p.d, p.sfa, p.sfb,
+                          aligned16(p.a) && ld % 16 == 0, aligned16(p.b) && ld % 16 == 0,
+                          aligned(p.d, 2 * out_bytes) && output_cols(p) % 2 == 0, p.accumulate};
+  if (!wgrad) {
+    mma::mma_fp8_kernel<GemmOp::kFwd, __nv_bfloat16><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K,
+                                                                      prep.groups, prep.tiles);
+  } else if (out == DType::kFloat32) {
+    mma::mma_fp8_kernel<GemmOp::kWgrad, float><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K,
+                                                                      prep.groups, prep.tiles);
+  } else {
+    mma::mma_fp8_kernel<GemmOp::kWgrad, __nv_bfloat16><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K,
+                                                                      prep.groups, prep.tiles);
+  }
+  check_launch("grouped_mm mma_fp8_kernel");
+}
+
 void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
   const size_t need = grouped_workspace_bytes(p);
   if (p.workspace_bytes < need) throw std::invalid_argument("grouped_mm: workspace too small");
@@ -610,11 +673,14 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
                                 "instances opted in (MOE_KERNELS_SM100_CUTLASS=1), the forward, both scale tensors and "
                                 "global scales, K % 32 == 0, N % 8 == 0 and 16-byte aligned operands");
   }
-  if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise && path != Path::kSm100Fp8Blockwise) {
+  if (p.dtype == DType::kFloat8E4M3 && path != Path::kSm90Fp8Blockwise && path != Path::kSm100Fp8Blockwise &&
+      path != Path::kPortableMma) {
     throw std::invalid_argument(
         "grouped_mm fp8: the blockwise kernels need sm_90a (or sm_100f, opted in), 16-byte aligned operands, both "
         "scale tensors, and "
-        "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4");
+        "for the forward K a multiple of 128 and N a multiple of 8, for wgrad M a multiple of 16 and K of 4; the "
+        "tensor-core portable kernel 8.9 or later (MOE_KERNELS_PORTABLE_MMA=1), both scale tensors, and for the "
+        "forward K a multiple of 128");
   }
   const Prepared prep = carve(p.workspace, p.num_groups);
   const int tile_rows = path == Path::kSm90Gather    ? sm90::kGatherTileRows
@@ -655,6 +721,9 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     q.workspace = static_cast<char*>(p.workspace) + base;
     q.workspace_bytes = p.workspace_bytes - base;
     sm100::run(q, device_info(p.device).sms, prep.groups, stream);
+  } else if (path == Path::kPortableMma && p.dtype == DType::kFloat8E4M3) {
+    launch_mma_fp8(p, prep, stream);
+    if (p.op == GemmOp::kFwd) return;  // rows past the groups are unspecified, as on the CUTLASS kernels
   } else if (path == Path::kPortableMma) {
     const int64_t row_tiles = max_row_tiles(p, mma::kBM);
     if (row_tiles > int64_t(0x7fffffff)) throw std::invalid_argument("grouped_mm: too many row tiles");

@@ -5,7 +5,8 @@
 //   dgrad: d[M, K]    = a[M, N] (dout) @ b[e]    with b = w [E, N, K]; rows past the groups are zeroed
 //   wgrad: d[E, N, K] = a_e^T (dout)   @ b_e     with b = x [M, K]; empty groups get zeros
 //          (accumulate, fp32 output: d[E, N, K] += the product; empty groups keep d)
-// FP8 (dtype float8_e4m3, sm_90a only), E4M3 operands with fp32 blockwise dequantization scales:
+// FP8 (dtype float8_e4m3: the sm_90a kernels, the sm_100f ones where opted in, and the tensor-core portable kernel on
+// 8.9 and later where opted in), E4M3 operands with fp32 blockwise dequantization scales:
 //   fwd:   a = x [M, K], sfa [M, K / 128]; b = w [E, N, K], sfb [E, ceil(N / 128), K / 128]; d bf16 [M, N]
 //   wgrad: a = dout^T [N, M], sfa [ceil(M / 128), N]; b = x^T [K, M], sfb [ceil(M / 128), K] (both
 //          quantized along the tokens in 1x128 blocks, scales token-block-major); d fp32 [E, N, K].
@@ -57,7 +58,7 @@ struct GroupedParams {
   int32_t raster = -1;
   // Where no CUTLASS kernel takes the problem, the portable kernel: 0 the CUDA-core one, 1 the tensor-core one
   // (gemm/portable_mma.cuh: bf16 and fp16 on sm_80 and later, the gathered products and the SwiGLU epilogue
-  // included), -1 the default (the tensor-core one where MOE_KERNELS_PORTABLE_MMA=1 and it fits, else the
+  // included; gemm/portable_mma_fp8.cuh: E4M3 blockwise fwd and wgrad on 8.9 and later), -1 the default (the tensor-core one where MOE_KERNELS_PORTABLE_MMA=1 and it fits, else the
   // CUDA-core one). 0 and 1 also replace a CUTLASS kernel (tests and benches compare the paths on one GPU).
   int32_t portable = -1;
   // The order in which the CUTLASS and gather kernels' schedulers visit the groups: 1 the largest groups first
@@ -112,8 +113,8 @@ struct Fusion {
 
 // Which kernel runs: the portable tiled kernel, or a CUTLASS sm_90a warp-specialised persistent
 // kernel, ping-pong or cooperative, its instance chosen per shape (sm90_kernels.h). See grouped_mm.cu.
-// FP8 runs only on its sm_90a blockwise kernel; where that cannot run, the Python layer falls back to
-// dequantize + the bf16/fp32 paths before calling here.
+// FP8 runs on the blockwise kernels (sm_90a; sm_100f and the tensor-core portable one where opted in); where none
+// can run, the Python layer falls back to dequantize + the fp32 path before calling here.
 enum class Path : int32_t {
   kPortable = 0,
   kSm90Pingpong = 1,
@@ -123,7 +124,8 @@ enum class Path : int32_t {
   kSm100Fp8Blockwise = 5,  // E4M3 blockwise on a 10.x GPU, opted in
   kSm90Gather = 6,  // gathered rows / the SwiGLU epilogue on sm_90a (gemm/sm90/gather_sm90.cuh), opted in
   kSm100Nvfp4 = 7,  // NVFP4 block-scaled on a 10.x GPU, opted in (gemm/sm100/nvfp4_sm100.cuh)
-  kPortableMma = 8,  // the portable kernel on tensor cores (gemm/portable_mma.cuh), bf16 / fp16 on sm_80+
+  kPortableMma = 8,  // the portable kernel on tensor cores: bf16 / fp16 on sm_80+ (gemm/portable_mma.cuh), E4M3
+                     // blockwise (fwd, wgrad) on 8.9+ (gemm/portable_mma_fp8.cuh)
 };
 // Whether the tensor-core portable kernel is the default where it fits: MOE_KERNELS_PORTABLE_MMA=1 when first
 // asked (read once per process). Opt-in until its GPU tests have passed on a GPU.

@@ -34,6 +34,7 @@ from moe_kernels.ops.grouped_mm import (
     CUTLASS_SM90,
     CUTLASS_SM100,
     PORTABLE,
+    PORTABLE_MMA_OPT_IN,
     REFERENCE,
     _check_sizes_values,
     _launch,
@@ -45,7 +46,9 @@ from moe_kernels.ops.grouped_mm import (
 from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8, quantize_fp8_reference
 
 _E4M3 = torch.float8_e4m3fn
-_FWD, _FP8_PATH, _SM100_FP8_PATH = 0, 3, 5  # grouped_mm_path: sm_90a, sm_100f (opted in) FP8 blockwise
+# grouped_mm_path: sm_90a, sm_100f (opted in) FP8 blockwise; the tensor-core portable kernel (8.9+, opted in)
+_FWD, _FP8_PATH, _SM100_FP8_PATH, _MMA_PATH = 0, 3, 5, 8
+_FP8_PATHS = (_FP8_PATH, _SM100_FP8_PATH, _MMA_PATH)
 
 
 def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
@@ -243,9 +246,34 @@ def _warn_without_fp8_kernel(t: Tensor) -> None:
     if _warned_no_fp8_kernel or t.device.type != "cuda" or grouped_mm_backend(t.device, _E4M3) != PORTABLE:
         return
     _warned_no_fp8_kernel = True
-    why = _why_no_fp8_kernel(tuple(torch.cuda.get_device_capability(t.device)))
+    capability = tuple(torch.cuda.get_device_capability(t.device))
+    why = _why_no_fp8_kernel(capability)
+    hint = (f"; {PORTABLE_MMA_OPT_IN}=1 runs them on this GPU's FP8 tensor cores (the portable kernel, not yet run "
+            "on a GPU by this project)" if capability >= (8, 9) and not _tensor_cores_opted_in() else "")
     warnings.warn(f"{why}: grouped_mm_fp8 and grouped_mm_fp8_wgrad dequantize to fp32 and run the portable grouped "
-                  "GEMM (correct, slower than bf16, fp32 copies of both operands)", RuntimeWarning, stacklevel=4)
+                  f"GEMM (correct, slower than bf16, fp32 copies of both operands){hint}", RuntimeWarning, stacklevel=4)
+
+
+def tensor_core_refusal(index: int) -> str | None:
+    """Why the tensor-core portable FP8 kernel (E4M3 mma.sync, 8.9 and later) cannot run on GPU `index`, or None
+    when it can: below 8.9 a host-side fact, else the C++ dispatch's own answer for a small forward (it also knows
+    whether the build holds code for this GPU), so what `python -m moe_kernels` reports is what runs."""
+    if tuple(torch.cuda.get_device_capability(index)) < (8, 9):
+        return "FP8 needs compute capability 8.9 or later (E4M3 tensor cores)"
+    path = getattr(_ext._C, "grouped_mm_path", None)
+    if path is None:
+        return "the extension has no grouped GEMM"
+    try:
+        path(op=_FWD, dtype=_ext.dtype_code(_E4M3), num_groups=1, M=128, N=128, K=128, a=256, b=256, d=256,
+             device=index, sfa=256, sfb=256, portable=1)
+    except ValueError as e:
+        return str(e).split(", but ", 1)[-1]
+    return None
+
+
+def _tensor_cores_opted_in() -> bool:
+    enabled = getattr(_ext._C, "grouped_mm_portable_mma_enabled", None)
+    return enabled is not None and bool(enabled())
 
 
 def describe_backend(device: torch.device | int) -> str:
@@ -258,8 +286,16 @@ def describe_backend(device: torch.device | int) -> str:
     if backend == REFERENCE:
         return "PyTorch reference"
     index = device if isinstance(device, int) else torch.device(device).index or 0
-    return ("dequantized to fp32, portable CUDA kernel ("
-            f"{_why_no_fp8_kernel(tuple(torch.cuda.get_device_capability(index)))})")
+    capability = tuple(torch.cuda.get_device_capability(index))
+    why = _why_no_fp8_kernel(capability)
+    if capability >= (8, 9):
+        why_not = tensor_core_refusal(index)
+        if why_not is None and _tensor_cores_opted_in():
+            return (f"portable FP8 kernel on tensor cores (E4M3 mma.sync, {PORTABLE_MMA_OPT_IN}=1; not yet run on a "
+                    "GPU by this project)")
+        status = f"is opt-in: {PORTABLE_MMA_OPT_IN}=1" if why_not is None else f"cannot run: {why_not}"
+        why += f"; its portable tensor-core kernel {status}"
+    return f"dequantized to fp32, portable CUDA kernel ({why})"
 
 
 def _inverse_scale(scale: Tensor) -> Tensor:
@@ -307,21 +343,26 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
                 M: int, N: int, K: int, kernel: int = -1, raster: int = -1, accumulate: bool = False,
-                group_order: int = -1) -> bool:
-    """Runs the sm_90a FP8 blockwise kernel for `op` when it takes this problem (False: it does not, nothing
-    ran). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the op. wgrad writes `out`'s
-    dtype (fp32 or bf16). kernel, raster: an sm_90a instance and raster order instead of the tuning table's
-    choice (bench tune_grouped_mm and the per-instance GPU tests). group_order: the order the scheduler visits
-    the groups (1 largest first, 0 expert order, -1 the default: largest first for wgrad)."""
+                group_order: int = -1, portable: int = -1) -> bool:
+    """Runs an FP8 blockwise kernel for `op` when one takes this problem (False: none does, nothing ran): the
+    sm_90a one, the sm_100f one where opted in, else the tensor-core portable one (8.9 and later, opted in with
+    MOE_KERNELS_PORTABLE_MMA=1). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the
+    op. wgrad writes `out`'s dtype (fp32 or bf16). kernel, raster: an sm_90a instance and raster order instead of
+    the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests). group_order: the order the
+    scheduler visits the groups (1 largest first, 0 expert order, -1 the default: largest first for wgrad).
+    portable=1: the tensor-core portable kernel by name, on any GPU of 8.9 or later (its tests; ValueError
+    where it cannot take the problem)."""
     E = group_sizes.shape[0]
     code = _ext.dtype_code(_E4M3)
     shape = dict(op=op, dtype=code, num_groups=E, M=M, N=N, K=K, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
                  device=_ext.launch_args(a)["device"], sfa=sfa.data_ptr(), sfb=sfb.data_ptr())
     if kernel >= 0 or raster >= 0:
         shape.update(kernel=kernel, raster=raster)
+    if portable != -1:
+        shape["portable"] = portable
     if op == _WGRAD and out.dtype != torch.float32:
         shape["fp8_wgrad_out"] = _ext.dtype_code(out.dtype)
-    if C.grouped_mm_path(**shape) not in (_FP8_PATH, _SM100_FP8_PATH):
+    if C.grouped_mm_path(**shape) not in _FP8_PATHS:
         return False
     nbytes = C.grouped_mm_workspace_bytes(**shape)
     ws, ws_ptr = _ext.workspace(nbytes, a)

@@ -37,6 +37,13 @@ TABLE = [
 ]
 
 
+def fp8_mma_path(**problem) -> int:
+    """The fake extension's grouped_mm_path, for the FP8 tensor-core probe (asked only on 8.9 and later): the
+    tensor-core portable kernel takes it."""
+    assert problem.get("portable") == 1 and problem["dtype"] == _ext.dtype_code(E4M3)
+    return 8
+
+
 def fake_gpu(monkeypatch, capability, *, sm90=True, archs=DEFAULT_BUILD, torch_archs=TORCH_ARCHS, driver_ok=True,
              sm100=True):
     """A GPU of `capability` and an extension built for `archs` (with or without its sm_90a and sm_100f CUTLASS
@@ -44,7 +51,7 @@ def fake_gpu(monkeypatch, capability, *, sm90=True, archs=DEFAULT_BUILD, torch_a
     extension = types.SimpleNamespace(cuda_archs=archs, grouped_mm_has_sm90=sm90, grouped_mm_has_sm100=sm100,
                                       grouped_mm_sm100_enabled=lambda: sm100 and os.environ.get(gm.SM100_OPT_IN) == "1",
                                       grouped_mm_portable_mma_enabled=lambda: os.environ.get(gm.PORTABLE_MMA_OPT_IN) == "1",
-                                      grouped_mm_max_groups=1024)
+                                      grouped_mm_max_groups=1024, grouped_mm_path=fp8_mma_path)
     monkeypatch.setattr(_ext, "_C", extension)
     monkeypatch.setattr(_ext, "_driver", [None if driver_ok else "no driver"])
     monkeypatch.setattr(_ext, "_device_ok", {})
@@ -312,6 +319,45 @@ def test_fp8_without_the_sm90_kernel_warns_once(monkeypatch, capability, says):
     message = str(caught[0].message)
     assert says in message and "dequantize to fp32" in message and "portable" in message
     assert says in fp8.describe_backend(0)
+
+
+@pytest.mark.parametrize("capability", [(8, 9), (10, 0), (12, 0), (12, 1)])
+def test_fp8_tensor_core_kernel_is_opt_in(monkeypatch, capability):
+    """On 8.9 and later without a CUTLASS FP8 kernel, the FP8 ops dequantize unless MOE_KERNELS_PORTABLE_MMA=1,
+    which runs the tensor-core portable kernel: `python -m moe_kernels` and the one warning say which, and why
+    not where the extension refuses it."""
+    monkeypatch.delenv(gm.PORTABLE_MMA_OPT_IN, raising=False)
+    monkeypatch.delenv(gm.SM100_OPT_IN, raising=False)
+    fake_gpu(monkeypatch, capability)
+    t = types.SimpleNamespace(device=torch.device("cuda", 0))
+    described = fp8.describe_backend(0)
+    assert described.startswith("dequantized to fp32")
+    assert "tensor-core kernel is opt-in: MOE_KERNELS_PORTABLE_MMA=1" in described
+    monkeypatch.setattr(fp8, "_warned_no_fp8_kernel", False)
+    with pytest.warns(RuntimeWarning, match="MOE_KERNELS_PORTABLE_MMA=1 runs them on this GPU's FP8 tensor cores"):
+        fp8._warn_without_fp8_kernel(t)
+    monkeypatch.setenv(gm.PORTABLE_MMA_OPT_IN, "1")
+    fake_gpu(monkeypatch, capability)
+    assert fp8.describe_backend(0).startswith("portable FP8 kernel on tensor cores (E4M3 mma.sync")
+
+    def refused(**problem):
+        raise ValueError("grouped_mm: the tensor-core portable kernel was requested, but the extension holds no FP8 "
+                         "tensor-core code for this GPU (build for sm_89 or later: MOE_KERNELS_CUDA_ARCHS)")
+
+    monkeypatch.setattr(_ext._C, "grouped_mm_path", refused)
+    described = fp8.describe_backend(0)
+    assert described.startswith("dequantized to fp32")
+    assert "tensor-core kernel cannot run: the extension holds no FP8 tensor-core code for this GPU" in described
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6)])
+def test_fp8_below_8_9_has_no_tensor_core_kernel(monkeypatch, capability):
+    monkeypatch.setenv(gm.PORTABLE_MMA_OPT_IN, "1")
+    fake_gpu(monkeypatch, capability)
+    assert fp8.tensor_core_refusal(0) == "FP8 needs compute capability 8.9 or later (E4M3 tensor cores)"
+    described = fp8.describe_backend(0)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    assert described == f"dequantized to fp32, portable CUDA kernel (this GPU ({arch}) has no FP8 tensor cores)"
 
 
 def test_fp8_on_hopper_with_the_kernel_does_not_warn(monkeypatch):

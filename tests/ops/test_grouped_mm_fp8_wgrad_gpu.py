@@ -10,6 +10,7 @@ from moe_kernels._ext import reference_ops
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_wgrad_reference
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_within_fp32_rounding, quantized_sqnr_floor_db, sqnr_db
 from tests.emulation import skip_if_too_large
+from tests.ops.test_grouped_mm_fp8_gpu import fallback_path
 
 pytestmark = pytest.mark.gpu
 EMULATION_BUDGET = 2.5e8  # GEMM FLOP per case (the portable fp32 wgrad)
@@ -115,9 +116,9 @@ def test_takes_the_blockwise_kernel_on_hopper(cuda):
     _, _, a, b, gs = _case(0, 256, 256, 2, 2, "uniform", seed=1)
     a, b = [t.to(cuda) for t in a], [t.to(cuda) for t in b]
     out = torch.empty(2, 256, 256, device=cuda)
-    path = C.grouped_mm_path(op=2, dtype=3, num_groups=2, M=256, N=256, K=256, a=a[0].data_ptr(), b=b[0].data_ptr(),
-                             d=out.data_ptr(), device=cuda.index or 0, sfa=a[1].data_ptr(), sfb=b[1].data_ptr())
-    assert path == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
+    shape = dict(op=2, dtype=3, num_groups=2, M=256, N=256, K=256, a=a[0].data_ptr(), b=b[0].data_ptr(),
+                 d=out.data_ptr(), device=cuda.index or 0, sfa=a[1].data_ptr(), sfb=b[1].data_ptr())
+    assert C.grouped_mm_path(**shape) == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else fallback_path(C, shape))
 
 
 @pytest.mark.cuda_device
@@ -178,8 +179,9 @@ def test_bf16_output_takes_its_own_blockwise_kernel_on_hopper(cuda):
     out = torch.empty(2, 256, 256, device=cuda, dtype=torch.bfloat16)
     shape = dict(op=2, dtype=3, num_groups=2, M=256, N=256, K=256, a=a[0].data_ptr(), b=b[0].data_ptr(),
                  d=out.data_ptr(), device=cuda.index or 0, sfa=a[1].data_ptr(), sfb=b[1].data_ptr(), fp8_wgrad_out=2)
-    assert C.grouped_mm_path(**shape) == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else 0)
-    assert C.grouped_mm_path(**dict(shape, K=252)) == 0  # bf16 rows of 252 elements: not 16-byte stores
+    assert C.grouped_mm_path(**shape) == (3 if cc == (9, 0) and C.grouped_mm_has_sm90 else fallback_path(C, shape))
+    narrow = dict(shape, K=252)  # bf16 rows of 252 elements: not 16-byte stores, no CUTLASS kernel
+    assert C.grouped_mm_path(**narrow) == fallback_path(C, narrow)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])

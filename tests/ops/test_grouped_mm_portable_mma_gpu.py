@@ -140,7 +140,7 @@ def test_path_choice_and_refusals(cuda):
     # The gather-fused expert MLP's products take it too: gathered rows (fwd, dgrad, wgrad) and the SwiGLU epilogue.
     for op, fusion in ((0, dict(a_rows=256, act=256)), (1, dict(a_rows=256)), (2, dict(a_rows=256, b_rows=256))):
         assert C.grouped_mm_path(dtype=bf16, **dict(shape, op=op), portable=1, **fusion) == MMA_PATH
-    with pytest.raises(ValueError, match="tensor-core portable kernel was requested, but it takes bf16 and fp16"):
+    with pytest.raises(ValueError, match="tensor-core portable kernel was requested, but it takes bf16, fp16 and E4M3"):
         C.grouped_mm_path(dtype=fp32, **shape, portable=1)
     with pytest.raises(ValueError, match="portable must be"):
         C.grouped_mm_path(dtype=bf16, **shape, portable=2)
@@ -148,7 +148,7 @@ def test_path_choice_and_refusals(cuda):
         C.grouped_mm_path(dtype=bf16, **shape, portable=1, kernel=0)
     x = torch.randn(8, 16, device=cuda, dtype=torch.float32)
     w = torch.randn(2, 4, 16, device=cuda, dtype=torch.float32)
-    with pytest.raises(ValueError, match="takes bf16 and fp16"):
+    with pytest.raises(ValueError, match="takes bf16, fp16 and E4M3"):
         _run("fwd", x, w, torch.tensor([4, 4], dtype=torch.int32, device=cuda), 8, 4, 16, 1)
 
 

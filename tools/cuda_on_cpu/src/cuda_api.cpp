@@ -1,9 +1,13 @@
 // Stand-ins for the CUDA runtime calls our launchers and bindings make. One emulated device (0),
-// compute capability 8.0: not Hopper, so the launchers take their portable paths. Memory is the
+// compute capability 8.0: not Hopper, so the launchers take their portable paths. MOE_KERNELS_EMU_CAPABILITY
+// ("8.9", "12.0", ...; read once) reports another one, for the paths a capability gates (FP8 tensor cores
+// from 8.9). Memory is the
 // host's: "device" pointers are CPU tensors' data, copies and fills are memcpy and memset, and work is
 // finished when the call returns (streams are ordered by construction).
 #include <cuda_runtime.h>
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -15,7 +19,25 @@ cudaError_t peek_last_error();
 
 namespace {
 constexpr int kSMs = 132;
+
+// The reported compute capability: MOE_KERNELS_EMU_CAPABILITY as major.minor, else 8.0.
+struct Capability {
+  int major = 8, minor = 0;
+};
+const Capability& capability() {
+  static const Capability cc = [] {
+    Capability c;
+    const char* v = std::getenv("MOE_KERNELS_EMU_CAPABILITY");
+    int major = 0, minor = 0;
+    if (v != nullptr && std::sscanf(v, "%d.%d", &major, &minor) == 2 && major > 0 && minor >= 0 && minor < 10) {
+      c.major = major;
+      c.minor = minor;
+    }
+    return c;
+  }();
+  return cc;
 }
+}  // namespace
 
 extern "C" {
 
@@ -59,8 +81,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
   if (device != 0) return cudaErrorInvalidDevice;
   switch (attr) {
     case cudaDevAttrMultiProcessorCount: *value = kSMs; return cudaSuccess;
-    case cudaDevAttrComputeCapabilityMajor: *value = 8; return cudaSuccess;
-    case cudaDevAttrComputeCapabilityMinor: *value = 0; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMajor: *value = capability().major; return cudaSuccess;
+    case cudaDevAttrComputeCapabilityMinor: *value = capability().minor; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = 48 * 1024; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; return cudaSuccess;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
@@ -92,6 +114,16 @@ cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 
 cudaError_t cudaFuncSetAttribute(const void*, enum cudaFuncAttribute, int) { return cudaSuccess; }
+
+// Every kernel is host code here, "built" for the emulated device: its binary and PTX versions are the
+// reported capability (major * 10 + minor), the other fields 0.
+cudaError_t cudaFuncGetAttributes(struct cudaFuncAttributes* attr, const void* func) {
+  if (attr == nullptr || func == nullptr) return cudaErrorInvalidValue;
+  *attr = cudaFuncAttributes{};
+  attr->binaryVersion = attr->ptxVersion = capability().major * 10 + capability().minor;
+  attr->maxThreadsPerBlock = 1024;
+  return cudaSuccess;
+}
 
 cudaError_t cudaRuntimeGetVersion(int* v) {
   *v = CUDART_VERSION;
