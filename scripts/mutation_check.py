@@ -338,6 +338,32 @@ MUTANTS = (
         "fu.a_rows != nullptr ? fu.a_rows : nullptr;\n",
         ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_gathered_products_and_swiglu_epilogue"),
     ),
+    # The FP8 tensor-core portable GEMM: its tests run in a child process that reports an 8.9 GPU.
+    Mutant(
+        "FP8 B fragments crossed",
+        "mma_fp8_kernel: the second k half of one n8 fragment of B taken from its neighbour's ldmatrix matrix",
+        "gemm/portable_mma_fp8.cuh",
+        "        bf[2 * nj][1] = r[1];\n        bf[2 * nj + 1][0] = r[2];\n",
+        "        bf[2 * nj][1] = r[2];\n        bf[2 * nj + 1][0] = r[1];\n",
+        ("tests/ops/test_grouped_mm_fp8_mma_gpu.py", "-k", "test_on_a_gpu_of_8_9"),
+    ),
+    Mutant(
+        "FP8 promotion off the scale blocks",
+        "mma_fp8_kernel: the partial sums promoted after every even slice, so a promotion spans two 128-wide scale "
+        "blocks and takes one block's scales for both",
+        "gemm/portable_mma_fp8.cuh",
+        "if (s % 2 == 1 || !next) {",
+        "if (s % 2 == 0 || !next) {",
+        ("tests/ops/test_grouped_mm_fp8_mma_gpu.py", "-k", "test_on_a_gpu_of_8_9"),
+    ),
+    Mutant(
+        "FP8 wgrad scales from the first tokens",
+        "mma_fp8_kernel's wgrad: every group reads the scales of the first 128-token blocks, not its own",
+        "gemm/portable_mma_fp8.cuh",
+        "    block0 = info.row_start / kFp8Block;\n",
+        "    block0 = 0;\n",
+        ("tests/ops/test_grouped_mm_fp8_mma_gpu.py", "-k", "test_on_a_gpu_of_8_9"),
+    ),
 )
 
 
