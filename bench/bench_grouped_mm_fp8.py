@@ -23,6 +23,12 @@ a 1x1 or 2x1 cluster, ping-pong 64x128x128), each forced by id on the same opera
 instance faster than that choice. The table (`bench tune_grouped_mm`) is what changes the choice; these
 columns say, in every run of this family, whether a sweep would.
 
+Where the FP8 tensor-core portable kernel runs (csrc/gemm/portable_mma_fp8.cuh: E4M3 mma.sync, any GPU of 8.9
+and later whose build holds its code), the forward and wgrad rows also time it by name (portable=1, the op's
+own steps otherwise: the inverse scales, the output) as the peer `portable_mma`: on an L40S or RTX GPU what the
+ops run with MOE_KERNELS_PORTABLE_MMA=1; on an H100/H200 how far it is from the CUTLASS kernels (there the
+instruction is lowered to f16 conversions and the f16 one). Its output is checked as the op's first.
+
 A third op per case, fp8_recipe_fwd_bwd: Fp8BlockwiseRecipe().grouped_mm forward and backward (dx, dw)
 from bf16 x and w, all three products in FP8, quantization of x, w and dout included (each training step
 quantizes them anew), on the 128-padded groups, against bf16 grouped_mm forward and backward; FLOPs =
@@ -120,11 +126,12 @@ def _offsets(sizes: list[int]) -> list[tuple[int, int]]:
     return out
 
 
-def _check_fwd(c: bg.Case, fp8: tuple) -> None:
-    """assert_close_to_fp64 of the forward, its references built one expert at a time: the fp64 reference
-    dequantizes its operands in fp64, which for all of deepseek-v3's local experts at once is tens of GB."""
+def _check_fwd(c: bg.Case, fp8: tuple, run=None, what: str = "grouped_mm_fp8") -> None:
+    """assert_close_to_fp64 of the forward (`run`, default the op), its references built one expert at a time:
+    the fp64 reference dequantizes its operands in fp64, which for all of deepseek-v3's local experts at once is
+    tens of GB."""
     xq, xs, wq, ws, sizes = fp8
-    ours = moe_kernels.grouped_mm_fp8(*fp8)
+    ours = (run or moe_kernels.grouped_mm_fp8)(*fp8)
     mine = theirs = ref_max = torch.zeros((), dtype=torch.float64, device=ours.device)  # maxima; NaN stays NaN
     for e, (r0, n) in enumerate(_offsets(sizes.tolist())):
         if n == 0:
@@ -137,7 +144,39 @@ def _check_fwd(c: bg.Case, fp8: tuple) -> None:
         ref_max = torch.maximum(ref_max, ref64.abs().max())
         del ref64, base
     mine, theirs, ref_max = float(mine), float(theirs), float(ref_max)
-    assert_errors_within_fp64_rule(mine, theirs, ref_max, f"{c.name} grouped_mm_fp8", floor=1e-3 * ref_max + 1e-6)
+    assert_errors_within_fp64_rule(mine, theirs, ref_max, f"{c.name} {what}", floor=1e-3 * ref_max + 1e-6)
+
+
+def _tensor_core_kernel_runs(ctx: h.Context) -> bool:
+    """Whether the FP8 tensor-core portable kernel runs on the bench's device: a GPU of 8.9 and later whose build
+    holds its code, or the CPU-executed kernels of an emulated 8.9 GPU (MOE_KERNELS_EMU_CAPABILITY)."""
+    from moe_kernels.ops.grouped_mm_fp8 import tensor_core_refusal
+
+    return tensor_core_refusal(ctx.device) is None
+
+
+def _tensor_core_fwd(xq, xs, wq, ws, sizes):
+    """grouped_mm_fp8's steps with the FP8 tensor-core portable kernel named (portable=1)."""
+    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+
+    (M, K), N = xq.shape, wq.shape[1]
+    out = torch.empty((M, N), dtype=torch.bfloat16, device=xq.device)
+    sfa, sfb = _inverse_scale(xs), _inverse_scale(ws)
+    if not _launch_fp8(_ext.kernels("grouped_mm_fp8", xq), 0, xq, wq, out, sfa, sfb, sizes, M, N, K, portable=1):
+        raise RuntimeError("the FP8 tensor-core portable kernel did not take the forward")
+    return out
+
+
+def _tensor_core_wgrad(aq, as_, bq, bs, sizes):
+    """grouped_mm_fp8_wgrad's steps (fp32 out) with the FP8 tensor-core portable kernel named (portable=1)."""
+    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+
+    (N, M), K = aq.shape, bq.shape[0]
+    out = torch.empty((sizes.shape[0], N, K), dtype=torch.float32, device=aq.device)
+    inv_a, inv_b = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
+    if not _launch_fp8(_ext.kernels("grouped_mm_fp8", aq), 2, aq, bq, out, inv_a, inv_b, sizes, M, N, K, portable=1):
+        raise RuntimeError("the FP8 tensor-core portable kernel did not take the wgrad")
+    return out
 
 
 def _instance_peers(ctx: h.Context, op: int, out_dtype: torch.dtype, sets: list[dict]) -> dict[str, h.Timing]:
@@ -186,6 +225,11 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     peer = ctx.time(lambda x, w, sz: moe_kernels.grouped_mm(x, w, sz), [(s["x"], s["w"], s["sizes"]) for s in sets])
     peers, variants = {"moe_kernels_bf16": peer}, {"moe_kernels_bf16": "grouped_mm"}
     peers.update(_instance_peers(ctx, 0, torch.bfloat16, sets))
+    tensor_cores = _tensor_core_kernel_runs(ctx)
+    if tensor_cores:
+        _check_fwd(c, s0["fp8"], _tensor_core_fwd, "FP8 tensor-core portable kernel")
+        peers["portable_mma"] = ctx.time(_tensor_core_fwd, [s["fp8"] for s in sets])
+        variants["portable_mma"] = "ours, the FP8 tensor-core portable kernel named (portable=1)"
     flops = 2 * c.M * c.N * c.K
     nbytes = c.M * c.K + c.E * c.N * c.K + 4 * (c.M * c.K // 128 + c.E * (-(-c.N // 128)) * (c.K // 128)) + 2 * c.M * c.N
     fwd = h.make_result(ctx, op="grouped_mm_fp8_fwd", case=c.name, shape=c.shape(ctx.seed), dtype=torch.float8_e4m3fn,
@@ -196,10 +240,15 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     ours_wgrad = ctx.time(lambda *a: moe_kernels.grouped_mm_fp8_wgrad(*a), [s["wgrad"] for s in sets])
     peer_wgrad = ctx.time(lambda *a: torch.ops.moe_kernels.grouped_mm_wgrad(*a), [s["wgrad_bf16"] for s in sets])
     wgrad_bytes = Mp * (c.N + c.K) + 4 * (c.N + c.K) * (Mp // 128) + 4 * c.E * c.N * c.K
+    wgrad_peers = {"moe_kernels_bf16": peer_wgrad, **_instance_peers(ctx, 2, torch.float32, sets)}
+    wgrad_variants = {"moe_kernels_bf16": "grouped_mm_wgrad"}
+    if tensor_cores:
+        _check_wgrad(c, s0["wgrad"], _tensor_core_wgrad, "FP8 tensor-core portable kernel")
+        wgrad_peers["portable_mma"] = ctx.time(_tensor_core_wgrad, [s["wgrad"] for s in sets])
+        wgrad_variants["portable_mma"] = "ours, the FP8 tensor-core portable kernel named (portable=1)"
     wgrad = h.make_result(ctx, op="grouped_mm_fp8_wgrad", case=c.name, shape=c.shape(ctx.seed),
                           dtype=torch.float8_e4m3fn, timing=ours_wgrad, nbytes=wgrad_bytes, flops=2 * Mp * c.N * c.K,
-                          peers={"moe_kernels_bf16": peer_wgrad, **_instance_peers(ctx, 2, torch.float32, sets)},
-                          peer_variant={"moe_kernels_bf16": "grouped_mm_wgrad"})
+                          peers=wgrad_peers, peer_variant=wgrad_variants)
 
     _check_recipe(c, s0["train"])
     ours_train = ctx.time(_fwd_bwd(RECIPE.grouped_mm), [s["train"] for s in sets])
@@ -223,11 +272,11 @@ def run_case(ctx: h.Context, c: bg.Case) -> list[h.Result]:
     return [fwd, wgrad, train]
 
 
-def _check_wgrad(c: bg.Case, args: tuple) -> None:
-    """Within fp32 rounding x FP8_MMA_MAGNITUDE of the fp64 reference, one expert at a time: the fp64
-    reference and its magnitude of all the local experts at once (2 x E*N*K fp64) do not fit an 80 GB GPU
-    beside the bench's buffers. Each group holds a whole number of 128-token scale blocks."""
-    ours = moe_kernels.grouped_mm_fp8_wgrad(*args)
+def _check_wgrad(c: bg.Case, args: tuple, run=None, what: str = "grouped_mm_fp8_wgrad") -> None:
+    """Within fp32 rounding x FP8_MMA_MAGNITUDE of the fp64 reference (`run`, default the op), one expert at a
+    time: the fp64 reference and its magnitude of all the local experts at once (2 x E*N*K fp64) do not fit an
+    80 GB GPU beside the bench's buffers. Each group holds a whole number of 128-token scale blocks."""
+    ours = (run or moe_kernels.grouped_mm_fp8_wgrad)(*args)
     a_q, a_s, b_q, b_s, sizes = args
     absq = lambda q: q.float().abs().to(torch.float8_e4m3fn)  # noqa: E731
     for e, (r0, n) in enumerate(_offsets(sizes.tolist())):
@@ -237,7 +286,7 @@ def _check_wgrad(c: bg.Case, args: tuple) -> None:
         magnitude = grouped_mm_fp8_wgrad_reference(absq(part[0]), part[1], absq(part[2]), part[3], part[4],
                                                    acc=torch.float64)
         assert_within_fp32_rounding(ours[e : e + 1], ref64, FP8_MMA_MAGNITUDE * magnitude,
-                                    f"{c.name} grouped_mm_fp8_wgrad expert {e}")
+                                    f"{c.name} {what} expert {e}")
         del ref64, magnitude
 
 

@@ -254,15 +254,22 @@ def _warn_without_fp8_kernel(t: Tensor) -> None:
                   f"GEMM (correct, slower than bf16, fp32 copies of both operands){hint}", RuntimeWarning, stacklevel=4)
 
 
-def tensor_core_refusal(index: int) -> str | None:
-    """Why the tensor-core portable FP8 kernel (E4M3 mma.sync, 8.9 and later) cannot run on GPU `index`, or None
-    when it can: below 8.9 a host-side fact, else the C++ dispatch's own answer for a small forward (it also knows
-    whether the build holds code for this GPU), so what `python -m moe_kernels` reports is what runs."""
-    if tuple(torch.cuda.get_device_capability(index)) < (8, 9):
-        return "FP8 needs compute capability 8.9 or later (E4M3 tensor cores)"
-    path = getattr(_ext._C, "grouped_mm_path", None)
+def tensor_core_refusal(device: torch.device | int) -> str | None:
+    """Why the tensor-core portable FP8 kernel (E4M3 mma.sync, 8.9 and later) cannot run on `device`, or None when
+    it can: below 8.9 a host-side fact, else the C++ dispatch's own answer for a small forward (it also knows
+    whether the build holds code for this GPU), so what `python -m moe_kernels` reports is what runs. A CPU
+    device asks the CPU-executed kernels (the emulated GPU's capability)."""
+    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if tuple(torch.cuda.get_device_capability(index)) < (8, 9):
+            return "FP8 needs compute capability 8.9 or later (E4M3 tensor cores)"
+        C = _ext._C
+    else:
+        index, C = 0, (_ext.kernels("grouped_mm_fp8", torch.empty(0)) if _ext.emulation() else None)
+    path = getattr(C, "grouped_mm_path", None)
     if path is None:
-        return "the extension has no grouped GEMM"
+        return "no grouped GEMM kernels for this device"
     try:
         path(op=_FWD, dtype=_ext.dtype_code(_E4M3), num_groups=1, M=128, N=128, K=128, a=256, b=256, d=256,
              device=index, sfa=256, sfb=256, portable=1)

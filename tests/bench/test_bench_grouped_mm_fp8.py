@@ -35,6 +35,35 @@ def test_cpu_run_writes_results(tmp_path):
         assert any(line.startswith(f"HEADLINE {op}") for line in proc.stdout.splitlines())
 
 
+def test_tensor_core_peer_on_an_emulated_8_9_gpu(tmp_path):
+    """Where the FP8 tensor-core portable kernel runs (here: the CPU-executed kernels of an emulated 8.9 GPU),
+    the forward and wgrad rows time it by name as the `portable_mma` peer, after checking its output."""
+    import os
+
+    env = dict(os.environ, MOE_KERNELS_EMULATE="1", MOE_KERNELS_EMU_CAPABILITY="8.9")
+    cmd = [sys.executable, "-m", "bench", "grouped_mm_fp8", "--quick", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_grouped_mm_fp8.json").read_text())
+    assert data["failures"] == []
+    for r in data["results"]:
+        expected = {"moe_kernels_bf16", "portable_mma"} if r["op"] != "fp8_recipe_fwd_bwd" else {"moe_kernels_bf16"}
+        assert set(r["speedup"]) == expected, (r["op"], r["speedup"])
+
+
+@pytest.mark.parametrize("op", ["fwd", "wgrad"])
+def test_a_wrong_tensor_core_product_fails_the_case(monkeypatch, op):
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    monkeypatch.setattr(b8, "_tensor_core_kernel_runs", lambda ctx: True)
+    if op == "fwd":
+        monkeypatch.setattr(b8, "_tensor_core_fwd", lambda *a: b8.moe_kernels.grouped_mm_fp8(*a) * 1.05)
+    else:
+        monkeypatch.setattr(b8, "_tensor_core_fwd", lambda *a: b8.moe_kernels.grouped_mm_fp8(*a))
+        monkeypatch.setattr(b8, "_tensor_core_wgrad", lambda *a: b8.moe_kernels.grouped_mm_fp8_wgrad(*a) * 1.01)
+    with pytest.raises(AssertionError, match="FP8 tensor-core portable kernel"):
+        b8.run_case(ctx, b8.cases(ctx)[0])
+
+
 def test_a_wrong_product_fails_the_case(monkeypatch):
     ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
     real = b8.moe_kernels.grouped_mm_fp8
