@@ -157,24 +157,20 @@ def _tensor_core_kernel_runs(ctx: h.Context) -> bool:
 
 def _tensor_core_fwd(xq, xs, wq, ws, sizes):
     """grouped_mm_fp8's steps with the FP8 tensor-core portable kernel named (portable=1)."""
-    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+    from moe_kernels.ops.grouped_mm_fp8 import _run_forward
 
-    (M, K), N = xq.shape, wq.shape[1]
-    out = torch.empty((M, N), dtype=torch.bfloat16, device=xq.device)
-    sfa, sfb = _inverse_scale(xs), _inverse_scale(ws)
-    if not _launch_fp8(_ext.kernels("grouped_mm_fp8", xq), 0, xq, wq, out, sfa, sfb, sizes, M, N, K, portable=1):
+    out = _run_forward(_ext.kernels("grouped_mm_fp8", xq), xq, xs, wq, ws, sizes, portable=1)
+    if out is None:
         raise RuntimeError("the FP8 tensor-core portable kernel did not take the forward")
     return out
 
 
 def _tensor_core_wgrad(aq, as_, bq, bs, sizes):
     """grouped_mm_fp8_wgrad's steps (fp32 out) with the FP8 tensor-core portable kernel named (portable=1)."""
-    from moe_kernels.ops.grouped_mm_fp8 import _inverse_scale, _launch_fp8
+    from moe_kernels.ops.grouped_mm_fp8 import _run_wgrad
 
-    (N, M), K = aq.shape, bq.shape[0]
-    out = torch.empty((sizes.shape[0], N, K), dtype=torch.float32, device=aq.device)
-    inv_a, inv_b = _inverse_scale(as_).t().contiguous(), _inverse_scale(bs).t().contiguous()
-    if not _launch_fp8(_ext.kernels("grouped_mm_fp8", aq), 2, aq, bq, out, inv_a, inv_b, sizes, M, N, K, portable=1):
+    out = torch.empty((sizes.shape[0], aq.shape[0], bq.shape[0]), dtype=torch.float32, device=aq.device)
+    if not _run_wgrad(_ext.kernels("grouped_mm_fp8", aq), aq, as_, bq, bs, sizes, out, portable=1):
         raise RuntimeError("the FP8 tensor-core portable kernel did not take the wgrad")
     return out
 

@@ -295,17 +295,17 @@ MUTANTS = (
     ),
     Mutant(
         "B fragments crossed",
-        "mma_kernel (the tensor-core portable GEMM): the second k half of one n8 fragment of B taken from its "
-        "neighbour's ldmatrix matrix",
+        "b_fragments (the tensor-core portable GEMMs' B fragments): the second k half of one n8 fragment of B taken "
+        "from its neighbour's ldmatrix matrix",
         "gemm/portable_mma.cuh",
-        "        bf[2 * nj][1] = r[1];\n        bf[2 * nj + 1][0] = r[2];\n",
-        "        bf[2 * nj][1] = r[2];\n        bf[2 * nj + 1][0] = r[1];\n",
+        "    bf[2 * nj][1] = r[1];\n    bf[2 * nj + 1][0] = r[2];\n",
+        "    bf[2 * nj][1] = r[2];\n    bf[2 * nj + 1][0] = r[1];\n",
         ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and uniform and bf16"),
     ),
     Mutant(
         "missing barrier between slices",
-        "mma_kernel (the tensor-core portable GEMM): the next slice stored into the other buffer with no barrier "
-        "after the slice before it was read",
+        "slice_pipeline (the tensor-core portable GEMMs' double buffer): the next slice stored into the other buffer "
+        "with no barrier after the slice before it was read",
         "gemm/portable_mma.cuh",
         "      lb.store(smem[buf ^ 1][1]);\n    }\n    __syncthreads();\n",
         "      lb.store(smem[buf ^ 1][1]);\n    }\n",
@@ -340,11 +340,11 @@ MUTANTS = (
     ),
     # The FP8 tensor-core portable GEMM: its tests run in a child process that reports an 8.9 GPU.
     Mutant(
-        "FP8 B fragments crossed",
-        "mma_fp8_kernel: the second k half of one n8 fragment of B taken from its neighbour's ldmatrix matrix",
+        "FP8 A fragment of the first step",
+        "mma_fp8_kernel: both 32-deep steps of a slice multiply the first step's A fragment",
         "gemm/portable_mma_fp8.cuh",
-        "        bf[2 * nj][1] = r[1];\n        bf[2 * nj + 1][0] = r[2];\n",
-        "        bf[2 * nj][1] = r[2];\n        bf[2 * nj + 1][0] = r[1];\n",
+        "fragment_row<true, true>(sa, wm + 16 * mi, k));",
+        "fragment_row<true, true>(sa, wm + 16 * mi, 0));",
         ("tests/ops/test_grouped_mm_fp8_mma_gpu.py", "-k", "test_on_a_gpu_of_8_9"),
     ),
     Mutant(

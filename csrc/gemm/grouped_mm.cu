@@ -415,8 +415,10 @@ static int64_t mma_col_tiles(const GroupedParams& p) {
   return (output_cols(p) + mma::kBN - 1) / mma::kBN;
 }
 
-// Whether the FP8 tensor-core kernel's machine code on `device` is for 8.9 or later: a GPU of 8.9 loads an sm_80
-// cubin where the build has no sm_89 one (CMakeLists.txt adds it with an 8.0 target), and there the kernel is a trap.
+// Whether the FP8 tensor-core kernel's code on `device` was compiled for 8.9 or later: a GPU of 8.9 loads an sm_80
+// cubin where the build has no sm_89 one (CMakeLists.txt adds it with an 8.x target), and a GPU the build has no
+// cubin for runs the driver's compilation of older PTX; in both the kernel is a trap. The PTX version is the
+// architecture the code was compiled for (the binary version is the GPU's own when the driver compiled it).
 static bool mma_fp8_code_runs(int device) {
   static std::mutex mu;
   static int8_t cache[64] = {};  // 0 not asked yet, 1 runs, -1 does not
@@ -430,8 +432,13 @@ static bool mma_fp8_code_runs(int device) {
     const auto kernel = &mma::mma_fp8_kernel<GemmOp::kFwd, __nv_bfloat16>;
     const cudaError_t err = cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel));
     if (current != device) check_cuda(cudaSetDevice(current), "grouped_mm");
-    if (err != cudaSuccess) (void)cudaGetLastError();  // no code for this GPU at all: the kernel does not run
-    known = err == cudaSuccess && attr.binaryVersion >= 89 ? 1 : -1;
+    if (err == cudaErrorNoKernelImageForDevice || err == cudaErrorInvalidDeviceFunction) {
+      (void)cudaGetLastError();  // no code for this GPU at all: the kernel does not run (the error is ours to clear)
+      known = -1;
+    } else {
+      check_cuda(err, "grouped_mm: cudaFuncGetAttributes");
+      known = attr.ptxVersion >= 89 && attr.binaryVersion >= 89 ? 1 : -1;
+    }
   }
   return known > 0;
 }
@@ -447,6 +454,10 @@ static const char* portable_mma_refusal(const GroupedParams& p) {
     }
     if (p.op == GemmOp::kDgrad) return "FP8 has a forward and a wgrad (dgrad is the forward on transposed tiles)";
     if (p.sfa == nullptr || p.sfb == nullptr) return "FP8 needs both scale tensors";
+    if (fused(p)) return "FP8 takes no gathered rows or SwiGLU epilogue";
+    if (p.accumulate && (p.op != GemmOp::kWgrad || p.fp8_wgrad_out != DType::kFloat32)) {
+      return "FP8 accumulates only the wgrad's float32 output";
+    }
     if (p.op == GemmOp::kFwd && p.K % 128) return "the FP8 forward needs K a multiple of 128 (one scale per 128)";
     if (mma_col_tiles(p) > 65535) return "the output is too wide";
     return nullptr;

@@ -54,6 +54,41 @@ inline float element(uint32_t v, int e) {
   std::memcpy(&p, &v, sizeof p);
   return to_float(p.v[e]);
 }
+
+// The shuffle twin of mma.sync m16n8k(8 kPer), row.col, fp32 accumulators, kPer elements a 32-bit fragment register
+// (2: bf16 or fp16; 4: E4M3), decode(register, e) giving element e as fp32: the instruction's exact data movement,
+// the products summed in fp32 along k, one rounding each (the tensor cores' internal order and rounding differ
+// within fp32's last bits). Row g's elements sit in lanes 4g..4g+3 (a[0] and a[2] for row g, a[1] and a[3] for
+// row g + 8: the first and the second half of k), column n's in lanes 4n..4n+3 (b[0], b[1]).
+template <int kPer, typename Decode>
+__device__ __forceinline__ void emulated_mma(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                             Decode decode) {
+  constexpr int kK = 8 * kPer;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  float arow[2][kK], bcol[2][kK];
+  for (int q = 0; q < 4; ++q) {
+    const uint4 av = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), 4 * g + q);
+    const uint32_t regs[4] = {av.x, av.y, av.z, av.w};
+    for (int half = 0; half < 2; ++half) {  // half 0: row g, 1: row g + 8
+      for (int e = 0; e < kPer; ++e) {
+        arow[half][kPer * q + e] = decode(regs[half], e);
+        arow[half][kK / 2 + kPer * q + e] = decode(regs[half + 2], e);
+      }
+    }
+    for (int j = 0; j < 2; ++j) {  // column 2t + j
+      const uint2 bv = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), 4 * (2 * t + j) + q);
+      for (int e = 0; e < kPer; ++e) {
+        bcol[j][kPer * q + e] = decode(bv.x, e);
+        bcol[j][kK / 2 + kPer * q + e] = decode(bv.y, e);
+      }
+    }
+  }
+  for (int i = 0; i < 4; ++i) {
+    float s = c[i];
+    for (int k = 0; k < kK; ++k) s = __fmaf_rn(arow[i / 2][k], bcol[i % 2][k], s);
+    c[i] = s;
+  }
+}
 #endif
 
 // c += A (16x16, row-major fragment a) * B (16x8, column-major fragment b). Fragments, lane l = 4 g + t:
@@ -76,32 +111,7 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
 #elif defined(__CUDA_ARCH__)
   __trap();  // below sm_80: the path choice never launches this kernel
 #elif defined(CUDA_ON_CPU)
-  // Row g's 16 elements sit in the four lanes 4g..4g+3 (a[0], a[2] for row g; a[1], a[3] for row g+8);
-  // column n's in lanes 4n..4n+3 (b[0], b[1]).
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float arow[2][16], bcol[2][16];
-  for (int q = 0; q < 4; ++q) {
-    const uint4 av = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), 4 * g + q);
-    const uint32_t regs[4] = {av.x, av.y, av.z, av.w};
-    for (int half = 0; half < 2; ++half) {  // half 0: row g, 1: row g + 8
-      for (int e = 0; e < 2; ++e) {
-        arow[half][2 * q + e] = element<T>(regs[half], e);
-        arow[half][2 * q + 8 + e] = element<T>(regs[half + 2], e);
-      }
-    }
-    for (int j = 0; j < 2; ++j) {  // column 2t + j
-      const uint2 bv = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), 4 * (2 * t + j) + q);
-      for (int e = 0; e < 2; ++e) {
-        bcol[j][2 * q + e] = element<T>(bv.x, e);
-        bcol[j][2 * q + 8 + e] = element<T>(bv.y, e);
-      }
-    }
-  }
-  for (int i = 0; i < 4; ++i) {
-    float s = c[i];
-    for (int k = 0; k < 16; ++k) s = __fmaf_rn(arow[i / 2][k], bcol[i % 2][k], s);
-    c[i] = s;
-  }
+  emulated_mma<2>(c, a, b, [](uint32_t v, int e) { return element<T>(v, e); });
 #endif
 }
 
@@ -230,6 +240,52 @@ __device__ __forceinline__ const void* fragment_row(const uint16_t* slice_as_b16
   return kContig ? slice_as_b16 + (m + dm + rr) * kLdK + k + dk : slice_as_b16 + (k + dk + rr) * kLdR + m + dm;
 }
 
+// The four n8 fragments of B for one step of the contraction (k in 16-bit units: 16 bf16 or 32 E4M3 values) of
+// the warp's 32 columns from n0: fragments 2 nj and 2 nj + 1 from one ldmatrix each.
+template <bool kContig>
+__device__ __forceinline__ void b_fragments(uint32_t (&bf)[4][2], const uint16_t* slice, int n0, int k) {
+#pragma unroll
+  for (int nj = 0; nj < 2; ++nj) {
+    uint32_t r[4];
+    ldmatrix_x4<!kContig>(r, fragment_row<kContig, false>(slice, n0 + 16 * nj, k));
+    bf[2 * nj][0] = r[0];
+    bf[2 * nj][1] = r[1];
+    bf[2 * nj + 1][0] = r[2];
+    bf[2 * nj + 1][1] = r[3];
+  }
+}
+
+// The contraction slice by slice, double-buffered in `smem` ([buffer][A, B][elements]): slice s + 1's loads are in
+// flight (in registers) while compute(s, next, a_slice, b_slice) runs on slice s, then stored to the other buffer;
+// one barrier a slice. `width`: the contraction's elements a slice; `next`: whether slice s + 1 exists.
+template <typename LoaderA, typename LoaderB, typename OperandA, typename OperandB, typename E, typename Compute>
+__device__ __forceinline__ void slice_pipeline(LoaderA& la, LoaderB& lb, const OperandA& A, const OperandB& B,
+                                               int64_t i0, int64_t j0, int64_t depth, int width,
+                                               E (&smem)[2][2][kSlice], Compute&& compute) {
+  const int64_t slices = (depth + width - 1) / width;
+  if (slices > 0) {
+    la.load(A, i0, 0);
+    lb.load(B, j0, 0);
+    la.store(smem[0][0]);
+    lb.store(smem[0][1]);
+  }
+  __syncthreads();
+  for (int64_t s = 0; s < slices; ++s) {
+    const int buf = int(s % 2);
+    const bool next = s + 1 < slices;
+    if (next) {  // the next slice's loads in flight under this one's MMAs
+      la.load(A, i0, (s + 1) * width);
+      lb.load(B, j0, (s + 1) * width);
+    }
+    compute(s, next, reinterpret_cast<const uint16_t*>(smem[buf][0]), reinterpret_cast<const uint16_t*>(smem[buf][1]));
+    if (next) {  // the other buffer: every warp finished reading it before the last barrier
+      la.store(smem[buf ^ 1][0]);
+      lb.store(smem[buf ^ 1][1]);
+    }
+    __syncthreads();
+  }
+}
+
 // Two neighbouring outputs (columns j, j + 1 of a row; `left` columns from j to the row's end): one 4-byte store
 // where `vec` says the row allows it (even row length, 4-byte aligned base, j even).
 template <typename T>
@@ -299,49 +355,19 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   SliceLoader<T, kContigA, kFused> la;
   SliceLoader<T, kContigB, kFused> lb;
-  const int64_t depth = A.depth;
-  const int64_t slices = (depth + kBK - 1) / kBK;
-  if (slices > 0) {
-    la.load(A, i0, 0);
-    lb.load(B, j0, 0);
-    la.store(smem[0][0]);
-    lb.store(smem[0][1]);
-  }
-  __syncthreads();
-  for (int64_t s = 0; s < slices; ++s) {
-    const int buf = int(s % 2);
-    const bool next = s + 1 < slices;
-    if (next) {  // the next slice's loads in flight under this one's MMAs
-      la.load(A, i0, (s + 1) * kBK);
-      lb.load(B, j0, (s + 1) * kBK);
-    }
-    const auto* sa = reinterpret_cast<const uint16_t*>(smem[buf][0]);
-    const auto* sb = reinterpret_cast<const uint16_t*>(smem[buf][1]);
+  slice_pipeline(la, lb, A, B, i0, j0, A.depth, kBK, smem, [&](int64_t, bool, const uint16_t* sa, const uint16_t* sb) {
 #pragma unroll
     for (int k = 0; k < kBK; k += 16) {
       uint32_t af[4][4], bf[4][2];
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) ldmatrix_x4<!kContigA>(af[mi], fragment_row<kContigA, true>(sa, wm + 16 * mi, k));
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {  // n8 fragments 2 nj and 2 nj + 1
-        uint32_t r[4];
-        ldmatrix_x4<!kContigB>(r, fragment_row<kContigB, false>(sb, wn + 16 * nj, k));
-        bf[2 * nj][0] = r[0];
-        bf[2 * nj][1] = r[1];
-        bf[2 * nj + 1][0] = r[2];
-        bf[2 * nj + 1][1] = r[3];
-      }
+      b_fragments<kContigB>(bf, sb, wn, k);
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi)
 #pragma unroll
         for (int ni = 0; ni < 4; ++ni) mma_16816<T>(acc[mi][ni], af[mi], bf[ni]);
     }
-    if (next) {  // the other buffer: every warp finished reading it before the last barrier
-      la.store(smem[buf ^ 1][0]);
-      lb.store(smem[buf ^ 1][1]);
-    }
-    __syncthreads();
-  }
+  });
 
   // Epilogue: c[0], c[1] at row g, columns 2t, 2t+1 of each m16n8 block; c[2], c[3] at row g + 8. With the
   // SwiGLU epilogue, fragments ni (gate) and ni + 2 (up) hold the same features, 16 (warp / 2) + 8 ni + tc ..

@@ -31,6 +31,7 @@ namespace moe::gemm::mma {
 constexpr int kBK8 = 2 * kBK;   // E4M3 values per slice row: the bf16 slice's 64 bytes
 constexpr int kFp8Block = 128;  // scale block along the contraction: two slices
 static_assert(kFp8Block == 2 * kBK8, "the promotion follows every second slice");
+static_assert(kBN == kFp8Block, "the forward's CTA columns share one weight tile scale per block");
 
 #if defined(CUDA_ON_CPU)
 inline float e4m3_value(uint32_t v, int e) {
@@ -51,30 +52,7 @@ __device__ __forceinline__ void mma_16832_e4m3(float (&c)[4], const uint32_t (&a
 #elif defined(__CUDA_ARCH__)
   __trap();  // below 8.9: the path choice never launches this kernel
 #elif defined(CUDA_ON_CPU)
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  float arow[2][32], bcol[2][32];
-  for (int q = 0; q < 4; ++q) {
-    const uint4 av = __shfl_sync(0xffffffffu, make_uint4(a[0], a[1], a[2], a[3]), 4 * g + q);
-    const uint32_t regs[4] = {av.x, av.y, av.z, av.w};
-    for (int half = 0; half < 2; ++half) {  // half 0: row g, 1: row g + 8
-      for (int e = 0; e < 4; ++e) {
-        arow[half][4 * q + e] = e4m3_value(regs[half], e);
-        arow[half][4 * q + 16 + e] = e4m3_value(regs[half + 2], e);
-      }
-    }
-    for (int j = 0; j < 2; ++j) {  // column 2t + j
-      const uint2 bv = __shfl_sync(0xffffffffu, make_uint2(b[0], b[1]), 4 * (2 * t + j) + q);
-      for (int e = 0; e < 4; ++e) {
-        bcol[j][4 * q + e] = e4m3_value(bv.x, e);
-        bcol[j][4 * q + 16 + e] = e4m3_value(bv.y, e);
-      }
-    }
-  }
-  for (int i = 0; i < 4; ++i) {
-    float s = c[i];
-    for (int k = 0; k < 32; ++k) s = __fmaf_rn(arow[i / 2][k], bcol[i % 2][k], s);
-    c[i] = s;
-  }
+  emulated_mma<4>(c, a, b, e4m3_value);
 #endif
 }
 
@@ -190,38 +168,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int q = 0; q < 4; ++q) acc[mi][ni][q] = part[mi][ni][q] = 0.f;
 
   Fp8SliceLoader la, lb;
-  const int64_t depth = A.depth;
-  const int64_t slices = (depth + kBK8 - 1) / kBK8;
-  if (slices > 0) {
-    la.load(A, i0, 0);
-    lb.load(B, j0, 0);
-    la.store(smem[0][0]);
-    lb.store(smem[0][1]);
-  }
-  __syncthreads();
-  for (int64_t s = 0; s < slices; ++s) {
-    const int buf = int(s % 2);
-    const bool next = s + 1 < slices;
-    if (next) {
-      la.load(A, i0, (s + 1) * kBK8);
-      lb.load(B, j0, (s + 1) * kBK8);
-    }
-    const uint16_t* sa = smem[buf][0];
-    const uint16_t* sb = smem[buf][1];
+  slice_pipeline(la, lb, A, B, i0, j0, A.depth, kBK8, smem, [&](int64_t s, bool next, const uint16_t* sa,
+                                                                const uint16_t* sb) {
 #pragma unroll
     for (int k = 0; k < kBK; k += 16) {  // in pairs of values: 32 E4M3 per step
       // B's fragments for the step, then A's one row block at a time: the fewest fragment registers live beside
       // the two accumulator sets (on 9.0 and 10.x the instruction unpacks to f16, doubling them).
       uint32_t bf[4][2];
-#pragma unroll
-      for (int nj = 0; nj < 2; ++nj) {
-        uint32_t r[4];
-        ldmatrix_x4<false>(r, fragment_row<true, false>(sb, wn + 16 * nj, k));
-        bf[2 * nj][0] = r[0];
-        bf[2 * nj][1] = r[1];
-        bf[2 * nj + 1][0] = r[2];
-        bf[2 * nj + 1][1] = r[3];
-      }
+      b_fragments<true>(bf, sb, wn, k);
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
         uint32_t af[4];
@@ -266,12 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
         }
     }
-    if (next) {
-      la.store(smem[buf ^ 1][0]);
-      lb.store(smem[buf ^ 1][1]);
-    }
-    __syncthreads();
-  }
+  });
 
   // Epilogue: fwd rows of the group (bf16), wgrad rows of expert g's [N, K] (TOut).
   TOut* C = kOp == GemmOp::kFwd ? static_cast<TOut*>(args.d) + info.row_start * N

@@ -9,12 +9,15 @@ quantize_fp8's multipliers); a block whose scale is 0 is a block of zeros (permu
 rows of codes and scales give zeros, not 0 * inf = NaN). On sm_90a with K % 128 == 0 and N % 8 == 0 this
 runs CUTLASS's FP8 blockwise ptr-array kernel: E4M3 WGMMA, fp32 accumulators promoted and scaled by the
 two block scales every 128 of K, bf16 output, shapes and scale layouts per group written on the device
-(no host sync). Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast, and
-it holds fp32 copies of both operands.
+(no host sync). On a GPU of 8.9 or later without them (an L4, L40S, RTX 40 or 50, a B200/B300 without its
+sm_100f instances opted in, or a shape they do not take) it runs the tensor-core portable kernel where
+MOE_KERNELS_PORTABLE_MMA=1 (E4M3 mma.sync, the same per-128 promotion; opt-in until it has run on a GPU).
+Elsewhere it dequantizes to fp32 and runs the fp32 grouped GEMM: correct, not fast, and it holds fp32 copies of
+both operands.
 
-On a GPU without the sm_90a kernels (an A100 or A10, which have no FP8 tensor cores; an L4, B200, B300 or
-RTX 50, or an extension built without them) both FP8 ops take that dequantize path, after one
-RuntimeWarning that says so. torch offers no replacement: torch._scaled_grouped_mm (and its v2,
+On an A100 or A10 (no FP8 tensor cores), or on a GPU of 8.9 and later without the switch, both FP8 ops take that
+dequantize path, after one RuntimeWarning that says so (and how to take the tensor-core one where it runs).
+torch offers no replacement: torch._scaled_grouped_mm (and its v2,
 torch.nn.functional.scaled_grouped_mm) takes row-wise fp32 scales or MXFP8 / MXFP4 / NVFP4 block scales,
 not 1x128 / 128x128 blockwise ones (GroupedBlas.cpp's `scale_grouped_kernel_dispatch` lists rowwise_rowwise,
 mxfp8, mxfp4 and nvfp4 only), and runs only on 9.x and 10.x. Rows past the groups are unspecified, as in grouped_mm. Forward
@@ -248,8 +251,14 @@ def _warn_without_fp8_kernel(t: Tensor) -> None:
     _warned_no_fp8_kernel = True
     capability = tuple(torch.cuda.get_device_capability(t.device))
     why = _why_no_fp8_kernel(capability)
-    hint = (f"; {PORTABLE_MMA_OPT_IN}=1 runs them on this GPU's FP8 tensor cores (the portable kernel, not yet run "
-            "on a GPU by this project)" if capability >= (8, 9) and not _tensor_cores_opted_in() else "")
+    hint = ""
+    if capability >= (8, 9):
+        why_not = tensor_core_refusal(t.device)
+        if why_not is not None:
+            hint = f"; the tensor-core portable kernel cannot run: {why_not}"
+        elif not _tensor_cores_opted_in():
+            hint = (f"; {PORTABLE_MMA_OPT_IN}=1 runs them on this GPU's FP8 tensor cores (the portable kernel, not yet "
+                    "run on a GPU by this project)")
     warnings.warn(f"{why}: grouped_mm_fp8 and grouped_mm_fp8_wgrad dequantize to fp32 and run the portable grouped "
                   f"GEMM (correct, slower than bf16, fp32 copies of both operands){hint}", RuntimeWarning, stacklevel=4)
 
@@ -338,11 +347,10 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
     if M == 0 or N == 0 or E == 0:
         return out.zero_()
-    # The kernel multiplies accumulators by dequantization scales: the reciprocals of quantize_fp8's, 0 for a
-    # zero scale (permute's padding: zero codes times 0, where 1 / 0 = inf would give 0 * inf = NaN).
-    if _launch_fp8(C, _FWD, x_q, w_q, out, _inverse_scale(x_scale), _inverse_scale(w_scale), group_sizes, M, N, K):
+    if _run_forward(C, x_q, x_scale, w_q, w_scale, group_sizes, out) is not None:
         return out
-    # Not sm_90a, or N % 8: the fp32 path (memory: fp32 copies).
+    # No FP8 kernel takes it (no sm_90a kernel or N % 8, and no tensor-core portable one): the fp32 path (memory:
+    # fp32 copies).
     _warn_without_fp8_kernel(x_q)
     x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
     return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
@@ -379,6 +387,35 @@ def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb:
                  **_ext.launch_args(a), **({"accumulate": True} if accumulate else {}),
                  **({"group_order": group_order} if group_order != -1 else {}))
     return True
+
+
+def _run_forward(C, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor,
+                 out: Tensor | None = None, *, portable: int = -1) -> Tensor | None:
+    """The forward on an FP8 blockwise kernel (the op's choice, or with portable=1 the tensor-core portable one by
+    name): bf16 `out` ([M, N], allocated when None), or None where no kernel takes the problem (nothing ran). The
+    kernels multiply accumulators by dequantization scales: the reciprocals of quantize_fp8's, 0 for a zero scale
+    (permute's padding: zero codes times 0, where 1 / 0 = inf would give 0 * inf = NaN)."""
+    M, K = x_q.shape
+    N = w_q.shape[1]
+    if out is None:
+        out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
+    ran = _launch_fp8(C, _FWD, x_q, w_q, out, _inverse_scale(x_scale), _inverse_scale(w_scale), group_sizes, M, N, K,
+                      portable=portable)
+    return out if ran else None
+
+
+def _run_wgrad(C, a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor, out: Tensor, *,
+               accumulate: bool = False, portable: int = -1) -> bool:
+    """The weight gradient into `out` ([E, N, K], fp32 or bf16) on an FP8 blockwise kernel (the op's choice, or with
+    portable=1 the tensor-core portable one by name); False where no kernel takes the problem (nothing ran). The
+    dequantization scales (reciprocals, 0 for a zero scale) go token-block-major, [ceil(M / 128), N] and
+    [ceil(M / 128), K]: a group's blocks are one contiguous slice."""
+    N, M = a_q.shape
+    K = b_q.shape[0]
+    inv_a = _inverse_scale(a_scale).t().contiguous()
+    inv_b = _inverse_scale(b_scale).t().contiguous()
+    return _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K, accumulate=accumulate,
+                       portable=portable)
 
 
 def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
@@ -498,14 +535,10 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtyp
     if M == 0 or E == 0 or N == 0 or K == 0:
         return torch.zeros((E, N, K), dtype=out_dtype, device=a_q.device)
     out = torch.empty((E, N, K), dtype=out_dtype, device=a_q.device)
-    # Dequantization scales (reciprocals, 0 for a zero scale), token-block-major: a group's blocks are one
-    # contiguous slice.
-    inv_a = _inverse_scale(a_scale).t().contiguous()  # [ceil(M / 128), N]
-    inv_b = _inverse_scale(b_scale).t().contiguous()  # [ceil(M / 128), K]
-    if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K):
+    if _run_wgrad(C, a_q, a_scale, b_q, b_scale, group_sizes, out):
         return out
-    # Not sm_90a, or M % 16, K % 4 (K % 8 for bf16 out): the portable fp32 wgrad (memory: fp32 copies),
-    # misaligned groups NaN as on the kernel.
+    # No FP8 kernel takes it (no sm_90a kernel or M % 16, K % 4 (K % 8 for bf16 out), and no tensor-core portable
+    # one): the portable fp32 wgrad (memory: fp32 copies), misaligned groups NaN as on the kernels.
     _warn_without_fp8_kernel(a_q)
     a = dequantize_fp8(a_q, a_scale, "block", dtype=torch.float32).t().contiguous()
     b = dequantize_fp8(b_q, b_scale, "block", dtype=torch.float32).t().contiguous()
@@ -554,9 +587,7 @@ def _grouped_mm_fp8_wgrad_into_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out
         if not accumulate:
             out.zero_()
         return
-    inv_a = _inverse_scale(a_scale).t().contiguous()
-    inv_b = _inverse_scale(b_scale).t().contiguous()
-    if _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K, accumulate=accumulate):
+    if _run_wgrad(C, a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate=accumulate):
         return
     # The portable fp32 wgrad, accumulating in its stores as the kernel does in its epilogue.
     _warn_without_fp8_kernel(a_q)
@@ -583,7 +614,8 @@ def grouped_mm_fp8_wgrad(
     (never a silently wrong value). Empty experts give zeros. On sm_90a with M % 16 == 0 and K % 4 == 0
     (K % 8 for bfloat16) this runs CUTLASS's FP8 blockwise ptr-array kernel with the groups splitting K
     (per-group problem shapes, pointers and scale slices written on the device, no host sync), fp32
-    accumulators promoted every 128 tokens; elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
+    accumulators promoted every 128 tokens; on 8.9 and later without it, the tensor-core portable kernel where
+    MOE_KERNELS_PORTABLE_MMA=1 (any M and K); elsewhere it dequantizes to fp32 and runs grouped_mm_wgrad.
 
     out: a contiguous float32 [E, N, K] tensor to write instead (an fp32 main gradient), returned; with
     `accumulate` the product is added into it (out += dW, one fp32 addition per element: bit for bit

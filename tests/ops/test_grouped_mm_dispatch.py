@@ -348,6 +348,9 @@ def test_fp8_tensor_core_kernel_is_opt_in(monkeypatch, capability):
     described = fp8.describe_backend(0)
     assert described.startswith("dequantized to fp32")
     assert "tensor-core kernel cannot run: the extension holds no FP8 tensor-core code for this GPU" in described
+    monkeypatch.setattr(fp8, "_warned_no_fp8_kernel", False)
+    with pytest.warns(RuntimeWarning, match="the tensor-core portable kernel cannot run: the extension holds no FP8"):
+        fp8._warn_without_fp8_kernel(t)
 
 
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6)])

@@ -23,21 +23,23 @@ import torch
 
 import moe_kernels as mk
 from moe_kernels import _ext
-from moe_kernels._ext import reference_ops
 from moe_kernels.ops.grouped_mm_fp8 import (
-    _inverse_scale,
-    _launch_fp8,
+    _run_forward,
+    _run_wgrad,
     grouped_mm_fp8_reference,
     grouped_mm_fp8_wgrad_reference,
 )
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_within_fp32_rounding, assert_within_rounding_to
 from tests.emulation import EMULATED, skip_if_emulated, skip_if_too_large
+from tests.ops.test_grouped_mm_fp8_gpu import _case
+from tests.ops.test_grouped_mm_fp8_wgrad_gpu import _case as _wgrad_suite_case
 
 pytestmark = pytest.mark.gpu
 MMA_PATH = 8  # grouped_mm_path's code for the tensor-core portable kernel
 FWD, WGRAD = 0, 2
 E4M3 = torch.float8_e4m3fn
 EMULATION_BUDGET = 2.5e8  # GEMM FLOP per case
+CHILD = "MOE_KERNELS_FP8_MMA_RERUN"  # set in the process test_on_a_gpu_of_8_9 starts: it never starts another
 
 
 def _kernels(cuda):
@@ -68,38 +70,13 @@ def _on_dev(t: torch.Tensor, dev, offset: int = 0) -> torch.Tensor:
     return view
 
 
-def _sizes(M: int, E: int, kind: str, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if kind == "one_group":
-        s = torch.zeros(E, dtype=torch.int32)
-        s[E // 2] = M
-        return s
-    if kind == "empty":  # half the experts get nothing
-        live = torch.randperm(E, generator=g)[: max(1, E // 2)]
-        pick = live[torch.randint(0, len(live), (M,), generator=g)]
-        return torch.bincount(pick, minlength=E).to(torch.int32)
-    return torch.bincount(torch.randint(0, E, (M,), generator=g), minlength=E).to(torch.int32)
-
-
-def _fwd_case(M, N, K, E, kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(M, K, generator=g) * torch.logspace(-1, 1, K)
-    w = torch.randn(E, N, K, generator=g) * 0.05
-    with reference_ops():
-        xq, xs = mk.quantize_fp8(x, "block")
-        wq, ws = mk.quantize_fp8_experts(w)
-    return xq, xs, wq, ws, _sizes(M, E, kind, seed)
-
-
 def _run_fwd(xq, xs, wq, ws, gs, *, offset: int = 0):
-    """The forward on the tensor-core kernel, by name; the output starts as NaN (an unwritten element shows)."""
-    dev = xq.device
-    M, K = xq.shape
-    N = wq.shape[1]
-    buf = torch.full((M * N + offset,), float("nan"), dtype=torch.bfloat16, device=dev)
-    out = buf[offset:].view(M, N)
-    assert _launch_fp8(_kernels(dev), FWD, xq, wq, out, _inverse_scale(xs), _inverse_scale(ws), gs, M, N, K,
-                       portable=1), "the kernel named must run"
+    """The forward on the tensor-core kernel, by name; the output starts as NaN (an unwritten element shows) and lies
+    `offset` elements into its buffer."""
+    M, N = xq.shape[0], wq.shape[1]
+    buf = torch.full((M * N + offset,), float("nan"), dtype=torch.bfloat16, device=xq.device)
+    out = _run_forward(_kernels(xq.device), xq, xs, wq, ws, gs, buf[offset:].view(M, N), portable=1)
+    assert out is not None, "the kernel named must run"
     return out
 
 
@@ -120,7 +97,7 @@ def test_forward_matches_fp64(cuda, M, N, K, E, kind):
     # Rows and N past a tile and not multiples of it (N % 8 != 0 included), several K blocks, empty experts.
     _require_kernel(cuda)
     skip_if_too_large(2 * M * N * K, EMULATION_BUDGET, "GEMM FLOP")
-    xq, xs, wq, ws, gs = (t.to(cuda) for t in _fwd_case(M, N, K, E, kind, seed=M + N + K))
+    xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(M, N, K, E, kind, seed=M + N + K))
     out = _run_fwd(xq, xs, wq, ws, gs)
     _check_fwd(out.cpu(), *(t.cpu() for t in (xq, xs, wq, ws, gs)), f"fwd {M}x{N}x{K} E={E} {kind}")
 
@@ -129,7 +106,7 @@ def test_forward_matches_fp64(cuda, M, N, K, E, kind):
 def test_forward_unaligned_operands(cuda, offset):
     # Codes off 16-byte alignment (byte-wise loads) and an output off 4 bytes (element-wise stores).
     _require_kernel(cuda)
-    xq, xs, wq, ws, gs = _fwd_case(200, 136, 256, 3, "uniform", seed=offset)
+    xq, xs, wq, ws, gs = _case(200, 136, 256, 3, "uniform", seed=offset)
     dev = [_on_dev(t, cuda, offset if t.dtype == E4M3 else 0) for t in (xq, xs, wq, ws)]
     out = _run_fwd(*dev, gs.to(cuda), offset=1)
     _check_fwd(out.cpu(), xq, xs, wq, ws, gs, f"fwd, operands {offset} bytes off")
@@ -138,7 +115,7 @@ def test_forward_unaligned_operands(cuda, offset):
 def test_forward_rows_past_the_groups_and_zero_scales(cuda):
     # Groups summing past M are clamped; a block with a zero scale (permute's padding: codes 0) gives zeros.
     _require_kernel(cuda)
-    xq, xs, wq, ws, _ = _fwd_case(260, 128, 256, 2, "uniform", seed=3)
+    xq, xs, wq, ws, _ = _case(260, 128, 256, 2, "uniform", seed=3)
     xq[10:20] = 0
     xs[10:20] = 0
     gs = torch.tensor([200, 100], dtype=torch.int32)
@@ -148,36 +125,19 @@ def test_forward_rows_past_the_groups_and_zero_scales(cuda):
 
 
 def _wgrad_case(M_extra, N, K, E, blocks, kind, seed):
-    g = torch.Generator().manual_seed(seed)
-    if kind == "one_group":
-        s = torch.zeros(E, dtype=torch.int64)
-        s[E // 2] = blocks
-    elif kind == "empty":
-        s = torch.zeros(E, dtype=torch.int64)
-        s[torch.randperm(E, generator=g)[0]] = blocks
-    else:
-        s = torch.bincount(torch.randint(0, E, (blocks,), generator=g), minlength=E)
-    gs = (s * 128).to(torch.int32)
-    M = int(gs.sum()) + M_extra
-    dout = torch.randn(M, N, generator=g) * torch.logspace(-1, 1, N)
-    x = torch.randn(M, K, generator=g)
-    with reference_ops():
-        a, b = mk.quantize_fp8_tokens(dout), mk.quantize_fp8_tokens(x)
-    # Tokens past the padded operands' width stay inside them: quantize_fp8_tokens pads M up to 128.
+    """Operands quantized along the tokens (the FP8 wgrad suite's cases): (dout_t codes, scales), (x_t ...), sizes."""
+    _, _, a, b, gs = _wgrad_suite_case(M_extra, N, K, E, blocks, kind, seed)
     return a, b, gs
 
 
-def _run_wgrad(a, b, gs, out_dtype=torch.float32, *, out=None, accumulate=False):
+def _run_wgrad_named(a, b, gs, out_dtype=torch.float32, *, out=None, accumulate=False):
+    """The wgrad on the tensor-core kernel, by name, into `out` (default: NaN, so an unwritten element shows). The
+    launcher's own pass after the kernel zeroes empty experts (unless accumulating) and NaNs misaligned ones."""
     (a_q, a_s), (b_q, b_s) = a, b
-    N, M = a_q.shape
-    K = b_q.shape[0]
     if out is None:
-        out = torch.full((gs.shape[0], N, K), float("nan"), dtype=out_dtype, device=a_q.device)
-    inv_a = _inverse_scale(a_s).t().contiguous()
-    inv_b = _inverse_scale(b_s).t().contiguous()
-    # The launcher's own pass after the kernel zeroes empty experts (unless accumulating) and NaNs misaligned ones.
-    assert _launch_fp8(_kernels(a_q.device), WGRAD, a_q, b_q, out, inv_a, inv_b, gs, M, N, K, accumulate=accumulate,
-                       portable=1), "the kernel named must run"
+        out = torch.full((gs.shape[0], a_q.shape[0], b_q.shape[0]), float("nan"), dtype=out_dtype, device=a_q.device)
+    assert _run_wgrad(_kernels(a_q.device), a_q, a_s, b_q, b_s, gs, out, accumulate=accumulate, portable=1), \
+        "the kernel named must run"
     return out
 
 
@@ -193,39 +153,63 @@ def _check_wgrad(out, a, b, gs, what):
 @pytest.mark.parametrize("kind", ["uniform", "empty", "one_group"])
 def test_wgrad_matches_fp64(cuda, N, K, E, blocks, M_extra, kind):
     # fp32 against the fp64 reference; bf16 is that fp32 result rounded once (same accumulators, bit for bit).
-    # M_extra: tokens past the groups (and past 16-byte rows: byte-wise loads); K odd: element-wise stores.
+    # M_extra: tokens past the groups (quantize_fp8_tokens pads them to 128); K odd: element-wise stores.
     _require_kernel(cuda)
     skip_if_too_large(2 * blocks * 128 * N * K, EMULATION_BUDGET, "GEMM FLOP")
     a, b, gs = _wgrad_case(M_extra, N, K, E, blocks, kind, seed=N + K + blocks)
     dev_a, dev_b, dev_gs = tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), gs.to(cuda)
-    dw = _run_wgrad(dev_a, dev_b, dev_gs)
+    dw = _run_wgrad_named(dev_a, dev_b, dev_gs)
     for e in (gs == 0).nonzero().flatten().tolist():
         assert bool((dw[e] == 0).all()), f"empty expert {e} must be zeros"
     _check_wgrad(dw.cpu(), a, b, gs, f"wgrad {N}x{K} E={E} {kind}")
-    dw16 = _run_wgrad(dev_a, dev_b, dev_gs, torch.bfloat16)
+    dw16 = _run_wgrad_named(dev_a, dev_b, dev_gs, torch.bfloat16)
     live = gs > 0
     assert torch.equal(dw16[live.to(cuda)].cpu(), dw[live.to(cuda)].to(torch.bfloat16).cpu()), \
         "bf16 wgrad = the fp32 accumulators rounded once"
+    assert bool((dw16[~live.to(cuda)] == 0).all()), "bf16 wgrad: empty experts are zeros"
 
 
 def test_wgrad_accumulate_adds_once_and_keeps_empty_experts(cuda):
     _require_kernel(cuda)
     a, b, gs = _wgrad_case(0, 200, 136, 4, 5, "empty", seed=9)
     dev_a, dev_b, dev_gs = tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), gs.to(cuda)
-    dw = _run_wgrad(dev_a, dev_b, dev_gs)
+    dw = _run_wgrad_named(dev_a, dev_b, dev_gs)
     base = torch.randn(dw.shape, generator=torch.Generator().manual_seed(1)).to(cuda)
-    acc = _run_wgrad(dev_a, dev_b, dev_gs, out=base.clone(), accumulate=True)
+    acc = _run_wgrad_named(dev_a, dev_b, dev_gs, out=base.clone(), accumulate=True)
     live = (gs > 0).to(cuda)
     assert torch.equal(acc[live], base[live] + dw[live]), "one fp32 addition per element"
     assert torch.equal(acc[~live], base[~live]), "empty experts keep their values, bit for bit"
 
 
+def _widened(q: torch.Tensor, s: torch.Tensor, extra: int, offset: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [rows, M] widened by `extra` zero tokens (rows of M + extra bytes: not whole 16-byte vectors) with
+    scales to match, on the device `offset` bytes into a buffer (off 16-byte alignment)."""
+    wide = torch.cat([q.view(torch.uint8), torch.zeros(q.shape[0], extra, dtype=torch.uint8)], 1).view(E4M3)
+    blocks = -(-wide.shape[1] // 128)
+    scales = torch.cat([s, torch.ones(s.shape[0], blocks - s.shape[1])], 1)
+    buf = torch.empty(wide.numel() + offset, dtype=torch.uint8, device=dev)
+    codes = buf[offset:].view(wide.shape)
+    codes.copy_(wide.view(torch.uint8))
+    return codes.view(E4M3), scales.to(dev)
+
+
+@pytest.mark.parametrize("extra,offset", [(5, 0), (0, 3), (13, 8)])
+def test_wgrad_unaligned_operands(cuda, extra, offset):
+    # Token rows that are not whole 16-byte vectors (M % 16 != 0) and codes off 16-byte alignment: byte-wise loads.
+    _require_kernel(cuda)
+    a, b, gs = _wgrad_case(0, 136, 72, 3, 4, "uniform", seed=extra + offset)
+    dev_a, dev_b = _widened(*a, extra, offset, cuda), _widened(*b, extra, offset, cuda)
+    dw = _run_wgrad_named(dev_a, dev_b, gs.to(cuda))
+    _check_wgrad(dw.cpu(), a, b, gs, f"wgrad, tokens {extra} past 16-byte rows, codes {offset} bytes off")
+
+
 def test_wgrad_misaligned_groups_give_nan(cuda):
     _require_kernel(cuda)
-    a, b, _ = _wgrad_case(0, 128, 128, 2, 3, "uniform", seed=4)
-    gs = torch.tensor([100, 284], dtype=torch.int32)  # 384 tokens; neither group on whole 128-token blocks
-    dw = _run_wgrad(tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), gs.to(cuda)).cpu()
-    assert bool(torch.isnan(dw).all()), "a group whose scale blocks straddle two experts is NaN, never stale"
+    a, b, _ = _wgrad_case(0, 128, 128, 3, 3, "uniform", seed=4)
+    gs = torch.tensor([128, 100, 156], dtype=torch.int32)  # 384 tokens: group 0 whole 128-token blocks, 1 and 2 not
+    dw = _run_wgrad_named(tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), gs.to(cuda)).cpu()
+    assert bool(torch.isnan(dw[1:]).all()), "a group whose scale blocks straddle two experts is NaN, never stale"
+    _check_wgrad(dw[:1], a, b, gs[:1], "wgrad, the aligned group beside misaligned ones")
 
 
 def _capability(cuda) -> tuple[int, int]:
@@ -251,6 +235,8 @@ def test_path_choice_and_refusals(cuda):
         _probe(cuda, K=200, portable=1)
     with pytest.raises(ValueError, match="both scale tensors"):
         _probe(cuda, sfb=0, portable=1)
+    with pytest.raises(ValueError, match="FP8 takes no gathered rows or SwiGLU epilogue"):
+        _probe(cuda, portable=1, a_rows=256)
     with pytest.raises(ValueError, match="takes bf16, fp16 and fp32"):
         _probe(cuda, portable=0)
     C = _kernels(cuda)
@@ -261,10 +247,11 @@ def test_path_choice_and_refusals(cuda):
 
 @pytest.mark.gpu_memory
 def test_past_2_31_elements(cuda):
-    # x_q holds 2^31 + 2^17 codes: 64-bit offsets in the loads, the row scales and the epilogue.
+    # x_q holds 2^31 + 2^17 codes and the output 2^31 + 2^17 elements: 64-bit offsets in the loads and the epilogue
+    # (the row scales stay far below 2^31).
     skip_if_emulated("2.1 GB operands")
     _require_kernel(cuda)
-    M, N, K = 2**21 + 128, 16, 1024
+    M, N, K = 2**21 + 128, 1024, 1024
     gen = torch.Generator(cuda).manual_seed(7)
     x = torch.randn(M, K, device=cuda, generator=gen)
     xq, xs = mk.quantize_fp8(x, "block")
@@ -278,22 +265,24 @@ def test_past_2_31_elements(cuda):
 
 
 def test_on_a_gpu_of_8_9(cuda):
-    """Emulated (8.0), or on a GPU without the sm_90a FP8 kernels: this file, the FP8 ops' suites and the FP8
-    recipe's rerun with MOE_KERNELS_PORTABLE_MMA=1 (read once per process), so the ops take this kernel by
-    default; emulated, the child reports 8.9 (MOE_KERNELS_EMU_CAPABILITY)."""
-    if not EMULATED:
+    """Emulated, or on a GPU without the sm_90a FP8 kernels: the FP8 ops' suites and the FP8 recipe's rerun with
+    MOE_KERNELS_PORTABLE_MMA=1 (read once per process), so the ops take this kernel by default. Emulated, the rerun
+    reports an 8.9 GPU (MOE_KERNELS_EMU_CAPABILITY) and runs this file's tests too (under ASan, only those)."""
+    if os.environ.get(CHILD):
+        pytest.skip("this is the rerun")
+    files = ["tests/ops/test_grouped_mm_fp8_gpu.py", "tests/ops/test_grouped_mm_fp8_wgrad_gpu.py",
+             "tests/quant/test_recipe_gpu.py"]
+    if not EMULATED:  # this file's tests ran the kernel by name above
         C = _kernels(cuda)
         if torch.cuda.get_device_capability(cuda)[0] == 9 and C.grouped_mm_has_sm90:
             pytest.skip("the FP8 ops take the sm_90a kernels here; the tests above ran this kernel by name")
         _require_kernel(cuda)
-    elif os.environ.get("MOE_KERNELS_EMU_CAPABILITY"):
-        pytest.skip("already the child")
+    elif os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: this file's cases
+        files = ["tests/ops/test_grouped_mm_fp8_mma_gpu.py"]
+    else:  # the emulated GPU is 8.0: this file's tests run in the rerun too
+        files.insert(0, "tests/ops/test_grouped_mm_fp8_mma_gpu.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1", MOE_KERNELS_EMU_CAPABILITY="8.9")
-    files = ["tests/ops/test_grouped_mm_fp8_mma_gpu.py", "tests/ops/test_grouped_mm_fp8_gpu.py",
-             "tests/ops/test_grouped_mm_fp8_wgrad_gpu.py", "tests/quant/test_recipe_gpu.py"]
-    if os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: this file's cases
-        files = files[:1]
+    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1", MOE_KERNELS_EMU_CAPABILITY="8.9", **{CHILD: "1"})
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x", "-m", "gpu",
                            *files], env=env, cwd=root, capture_output=True, text=True, timeout=1800)
     first = next((line for line in proc.stdout.splitlines() if line.startswith("E ")), "")
