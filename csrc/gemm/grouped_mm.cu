@@ -628,28 +628,35 @@ void zero_uncovered(const GroupedParams& p, cudaStream_t stream) {
   });
 }
 
-// The FP8 tensor-core portable kernel (gemm/portable_mma_fp8.cuh) for p, its groups prepared in tiles of mma::kBM.
-static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, cudaStream_t stream) {
+// The tensor-core portable kernels' grid: row tiles of mma::kBM (as prepared) by mma_col_tiles.
+static dim3 mma_grid(const GroupedParams& p) {
   const int64_t row_tiles = max_row_tiles(p, mma::kBM);
   if (row_tiles > int64_t(0x7fffffff)) throw std::invalid_argument("grouped_mm: too many row tiles");
-  const dim3 grid{unsigned(row_tiles), unsigned(mma_col_tiles(p))};
+  return dim3{unsigned(row_tiles), unsigned(mma_col_tiles(p))};
+}
+
+static bool aligned_to(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+// The FP8 tensor-core portable kernel (gemm/portable_mma_fp8.cuh) for p, its groups prepared in tiles of mma::kBM.
+static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, cudaStream_t stream) {
+  const dim3 grid = mma_grid(p);
   const bool wgrad = p.op == GemmOp::kWgrad;
   const DType out = wgrad ? p.fp8_wgrad_out : DType::kBFloat16;
   const int64_t ld = wgrad ? p.M : p.K;  // both operands' rows: the tokens (wgrad) or K
   const int64_t out_bytes = out == DType::kFloat32 ? 4 : 2;
-  const auto aligned = [](const void* ptr, int64_t n) { return reinterpret_cast<uintptr_t>(ptr) % n == 0; };
   const mma::Fp8Args args{static_cast<const uint8_t*>(p.a), static_cast<const uint8_t*>(p.b), p.d, p.sfa, p.sfb,
                           aligned16(p.a) && ld % 16 == 0, aligned16(p.b) && ld % 16 == 0,
-                          aligned(p.d, 2 * out_bytes) && output_cols(p) % 2 == 0, p.accumulate};
+                          aligned_to(p.d, 2 * out_bytes) && output_cols(p) % 2 == 0, p.accumulate};
+  const auto launch = [&]<GemmOp kOp, typename TOut>() {
+    mma::mma_fp8_kernel<kOp, TOut><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K, prep.groups,
+                                                                       prep.tiles);
+  };
   if (!wgrad) {
-    mma::mma_fp8_kernel<GemmOp::kFwd, __nv_bfloat16><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K,
-                                                                      prep.groups, prep.tiles);
+    launch.template operator()<GemmOp::kFwd, __nv_bfloat16>();
   } else if (out == DType::kFloat32) {
-    mma::mma_fp8_kernel<GemmOp::kWgrad, float><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K,
-                                                                      prep.groups, prep.tiles);
+    launch.template operator()<GemmOp::kWgrad, float>();
   } else {
-    mma::mma_fp8_kernel<GemmOp::kWgrad, __nv_bfloat16><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K,
-                                                                      prep.groups, prep.tiles);
+    launch.template operator()<GemmOp::kWgrad, __nv_bfloat16>();
   }
   check_launch("grouped_mm mma_fp8_kernel");
 }
@@ -734,19 +741,15 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     sm100::run(q, device_info(p.device).sms, prep.groups, stream);
   } else if (path == Path::kPortableMma && p.dtype == DType::kFloat8E4M3) {
     launch_mma_fp8(p, prep, stream);
-    if (p.op == GemmOp::kFwd) return;  // rows past the groups are unspecified, as on the CUTLASS kernels
   } else if (path == Path::kPortableMma) {
-    const int64_t row_tiles = max_row_tiles(p, mma::kBM);
-    if (row_tiles > int64_t(0x7fffffff)) throw std::invalid_argument("grouped_mm: too many row tiles");
-    const dim3 grid{unsigned(row_tiles), unsigned(mma_col_tiles(p))};
+    const dim3 grid = mma_grid(p);
     // 16-byte vectors where the base pointer and the leading dimension allow them (the kernel's Operand); 4-byte
     // pairs of outputs where every output row has an even length and a 4-byte aligned start.
     const int64_t lda = p.op == GemmOp::kFwd ? p.K : p.N;
     const int64_t ldb = p.K;  // w [E, N, K] (fwd, dgrad), x [M, K] (wgrad)
     const bool vec_a = aligned16(p.a) && lda % 8 == 0, vec_b = aligned16(p.b) && ldb % 8 == 0;
-    const auto aligned4 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 4 == 0; };
-    const bool vec_d = aligned4(p.d) && output_cols(p) % 2 == 0 &&
-                       (p.act == nullptr || (aligned4(p.act) && (p.N / 2) % 2 == 0));
+    const bool vec_d = aligned_to(p.d, 4) && output_cols(p) % 2 == 0 &&
+                       (p.act == nullptr || (aligned_to(p.act, 4) && (p.N / 2) % 2 == 0));
     const Fusion fu{p.a_rows, p.b_rows, p.gather_rows, p.act, p.act_weights};
     by_dtype(p.dtype, [&]<typename T>() {
       if constexpr (std::is_same_v<T, float>) {

@@ -43,6 +43,7 @@ from moe_kernels.ops.grouped_mm import (
     _launch,
     grouped_mm,
     grouped_mm_backend,
+    portable_mma_opted_in,
     grouped_mm_reference,
     grouped_mm_wgrad_reference,
 )
@@ -256,7 +257,7 @@ def _warn_without_fp8_kernel(t: Tensor) -> None:
         why_not = tensor_core_refusal(t.device)
         if why_not is not None:
             hint = f"; the tensor-core portable kernel cannot run: {why_not}"
-        elif not _tensor_cores_opted_in():
+        elif not portable_mma_opted_in():
             hint = (f"; {PORTABLE_MMA_OPT_IN}=1 runs them on this GPU's FP8 tensor cores (the portable kernel, not yet "
                     "run on a GPU by this project)")
     warnings.warn(f"{why}: grouped_mm_fp8 and grouped_mm_fp8_wgrad dequantize to fp32 and run the portable grouped "
@@ -287,11 +288,6 @@ def tensor_core_refusal(device: torch.device | int) -> str | None:
     return None
 
 
-def _tensor_cores_opted_in() -> bool:
-    enabled = getattr(_ext._C, "grouped_mm_portable_mma_enabled", None)
-    return enabled is not None and bool(enabled())
-
-
 def describe_backend(device: torch.device | int) -> str:
     """What the FP8 grouped GEMMs run on a GPU, for `python -m moe_kernels`."""
     backend = grouped_mm_backend(device, _E4M3)
@@ -306,7 +302,7 @@ def describe_backend(device: torch.device | int) -> str:
     why = _why_no_fp8_kernel(capability)
     if capability >= (8, 9):
         why_not = tensor_core_refusal(index)
-        if why_not is None and _tensor_cores_opted_in():
+        if why_not is None and portable_mma_opted_in():
             return (f"portable FP8 kernel on tensor cores (E4M3 mma.sync, {PORTABLE_MMA_OPT_IN}=1; not yet run on a "
                     "GPU by this project)")
         status = f"is opt-in: {PORTABLE_MMA_OPT_IN}=1" if why_not is None else f"cannot run: {why_not}"
