@@ -48,8 +48,9 @@ ACCEPTED_LOCAL: dict[str, str] = {
     # lowers E4M3 mma.sync to f16 conversions and the f16 instruction, whose extra registers beside the two
     # accumulator sets spill a little; 8.9 and 12.x run the native instruction without spills (FP8_NATIVE_CHECKS).
     **{f"gemm::mma::mma_fp8_kernel<(gemm::GemmOp){op}, {t}>":
-           "sm_90a only (8.9 and 12.x: none, checked below): E4M3 mma.sync lowered to f16 conversions + HMMA, 24-48 B "
-           "of spills per thread; on 9.0 the kernel runs only what the CUTLASS FP8 kernels do not take (opt-in)"
+           "sm_90a only (8.9 and 12.x: none, checked below): E4M3 mma.sync lowered to f16 conversions + HMMA, 24-160 B "
+           "of spill stores and 100-160 B of loads per thread (sm_100: 32-96 B); on 9.0 the kernel runs only what the "
+           "CUTLASS FP8 kernels do not take (opt-in)"
        for op, t in ((0, "__nv_bfloat16"), (2, "__nv_bfloat16"), (2, "float"))},
     # sm_100f (opt-in, not yet run on a Blackwell GPU): CUTLASS's 1-SM blockwise mainloop with a scale per row
     # and per column (the tokens' 1x128 blocks on both operands) spills in ptxas; the forward (a scale per
@@ -78,7 +79,8 @@ SASS_CHECKS = (
     # The portable grouped GEMM on tensor cores (csrc/gemm/portable_mma.cuh): mma.sync fed by ldmatrix.
     (r"gemm::mma::mma_kernel", r"HMMA\.16816\.F32", "the tensor-core portable GEMM runs mma.sync m16n8k16"),
     (r"gemm::mma::mma_kernel", r"LDSM\.16\.MT?88\.4", "the tensor-core portable GEMM reads fragments by ldmatrix"),
-    (r"gemm::mma::mma_kernel", r"LDG\.E\.128", "the tensor-core portable GEMM loads 16-byte vectors"),
+    (r"gemm::mma::mma_kernel", r"LDGSTS\.E\.BYPASS\.128", "the tensor-core portable GEMM copies 16-byte vectors to "
+     "shared memory with cp.async"),
     # The gathered products (expert_mlp): cp.async of 16 bytes per row chunk into WGMMA's shared memory.
     (r"sm90::gather_gemm_kernel", r"HGMMA\.\w+\.F32\.BF16", "the gathered sm_90a GEMMs run on WGMMA"),
     (r"sm90::gather_gemm_kernel", r"LDGSTS\.E\.BYPASS\.128", "the gathered sm_90a GEMMs load 16-byte cp.async chunks"),
@@ -278,7 +280,8 @@ FP8_LOWERED_CHECKS = (
     (r"gemm::mma::mma_fp8_kernel", r"F2FP\.F16\.E4M3\.UNPACK_B", "the FP8 portable GEMM's E4M3 mma.sync, via f16"),
     (r"gemm::mma::mma_fp8_kernel", r"HMMA\.16816\.F32", "the FP8 portable GEMM runs on tensor cores (f16 HMMA)"),
     (r"gemm::mma::mma_fp8_kernel", r"LDSM\.16\.M88\.4", "the FP8 portable GEMM reads fragments by ldmatrix"),
-    (r"gemm::mma::mma_fp8_kernel", r"LDG\.E\.128", "the FP8 portable GEMM loads 16-byte vectors"),
+    (r"gemm::mma::mma_fp8_kernel", r"LDGSTS\.E\.BYPASS\.128", "the FP8 portable GEMM copies 16-byte vectors to shared "
+     "memory with cp.async"),
 )
 
 # The FP8 tensor-core portable GEMM where E4M3 mma.sync is native (8.9: L4, L40S, RTX 40; 12.x: RTX 50): the

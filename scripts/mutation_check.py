@@ -304,11 +304,20 @@ MUTANTS = (
     ),
     Mutant(
         "missing barrier between slices",
-        "slice_pipeline (the tensor-core portable GEMMs' double buffer): the next slice stored into the other buffer "
-        "with no barrier after the slice before it was read",
+        "slice_pipeline (the tensor-core portable GEMMs' shared-memory stages): the next slice's copies issued into "
+        "the stage of the slice before, with no barrier after every warp read it",
         "gemm/portable_mma.cuh",
-        "      lb.store(smem[buf ^ 1][1]);\n    }\n    __syncthreads();\n",
-        "      lb.store(smem[buf ^ 1][1]);\n    }\n",
+        "    __syncthreads();\n    issue(s + stages - 1);\n",
+        "    issue(s + stages - 1);\n",
+        ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and uniform and bf16"),
+    ),
+    Mutant(
+        "cp.async wait one slice short",
+        "slice_pipeline: each thread waits for all but the newest stages - 1 groups of copies, so slice s is read "
+        "before its own copies have landed",
+        "gemm/portable_mma.cuh",
+        "    cp_async_wait(stages - 2);",
+        "    cp_async_wait(stages - 1);",
         ("tests/ops/test_grouped_mm_portable_mma_gpu.py", "-k", "test_matches_fp64 and uniform and bf16"),
     ),
     Mutant(

@@ -14,8 +14,10 @@
 // which takes them everywhere.
 #include <cub/block/block_scan.cuh>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -305,6 +307,7 @@ size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16 + size_
 
 struct DeviceInfo {
   int major = 0, minor = 0, sms = 0;
+  int smem_per_sm = 0, smem_optin = 0;  // bytes: an SM's shared memory, and the most one block may opt in to
 };
 
 DeviceInfo device_info(int device) {
@@ -315,6 +318,10 @@ DeviceInfo device_info(int device) {
   if (info.sms == 0) {
     check_cuda(cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, device), "grouped_mm");
     check_cuda(cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, device), "grouped_mm");
+    check_cuda(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+               "grouped_mm");
+    check_cuda(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "grouped_mm");
     check_cuda(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device), "grouped_mm");
   }
   return info;
@@ -637,8 +644,48 @@ static dim3 mma_grid(const GroupedParams& p) {
 
 static bool aligned_to(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
+// The shared-memory stages of a tensor-core portable kernel (mma::slice_pipeline) on p's GPU: as many as fit, 2 to
+// mma::kMaxStages, while `ctas` CTAs share an SM (1 KB of each CTA's shared memory is the system's), or
+// MOE_KERNELS_MMA_STAGES (2 to 4) where one CTA may have that many.
+static int mma_stages(const GroupedParams& p, int ctas) {
+  const DeviceInfo d = device_info(p.device);
+  int stages = (d.smem_per_sm / ctas - 1024) / mma::kStageBytes;
+  if (const char* v = std::getenv("MOE_KERNELS_MMA_STAGES"); v != nullptr && *v != '\0') {
+    if (std::strlen(v) != 1 || v[0] < '2' || v[0] > '0' + mma::kMaxStages) {
+      throw std::invalid_argument("MOE_KERNELS_MMA_STAGES must be 2, 3 or 4, not '" + std::string(v) + "'");
+    }
+    stages = v[0] - '0';
+  }
+  stages = std::clamp(stages, 2, mma::kMaxStages);
+  while (stages > 2 && stages * mma::kStageBytes > d.smem_optin) --stages;
+  return stages;
+}
+
+// Lets kernel have `bytes` of dynamic shared memory on the current device where that is past the 48 KB every kernel
+// may have (cudaFuncSetAttribute once per kernel, device and size).
+static void allow_dynamic_smem(const void* kernel, int device, int bytes) {
+  if (bytes <= 48 * 1024) return;
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> granted;
+  std::lock_guard<std::mutex> lock(mu);
+  int& have = granted[{kernel, device}];
+  if (have < bytes) {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+               "grouped_mm: the tensor-core portable kernel's shared memory");
+    have = bytes;
+  }
+}
+
+// Launches kernel, a tensor-core portable kernel (mma::kThreads threads), with `stages` shared-memory stages.
+template <typename Kernel, typename... Args>
+static void launch_staged(Kernel kernel, int device, dim3 grid, int stages, cudaStream_t stream, Args... args) {
+  const int bytes = stages * mma::kStageBytes;
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, bytes);
+  kernel<<<grid, mma::kThreads, size_t(bytes), stream>>>(args..., stages);
+}
+
 // The FP8 tensor-core portable kernel (gemm/portable_mma_fp8.cuh) for p, its groups prepared in tiles of mma::kBM.
-static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, cudaStream_t stream) {
+static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, int stages, cudaStream_t stream) {
   const dim3 grid = mma_grid(p);
   const bool wgrad = p.op == GemmOp::kWgrad;
   const DType out = wgrad ? p.fp8_wgrad_out : DType::kBFloat16;
@@ -648,8 +695,8 @@ static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, cudaStr
                           aligned16(p.a) && ld % 16 == 0, aligned16(p.b) && ld % 16 == 0,
                           aligned_to(p.d, 2 * out_bytes) && output_cols(p) % 2 == 0, p.accumulate};
   const auto launch = [&]<GemmOp kOp, typename TOut>() {
-    mma::mma_fp8_kernel<kOp, TOut><<<grid, mma::kThreads, 0, stream>>>(args, p.num_groups, p.M, p.N, p.K, prep.groups,
-                                                                       prep.tiles);
+    launch_staged(&mma::mma_fp8_kernel<kOp, TOut>, p.device, grid, stages, stream, args, p.num_groups, p.M, p.N, p.K,
+                  prep.groups, prep.tiles);
   };
   if (!wgrad) {
     launch.template operator()<GemmOp::kFwd, __nv_bfloat16>();
@@ -700,6 +747,9 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
         "tensor-core portable kernel 8.9 or later (MOE_KERNELS_PORTABLE_MMA=1), both scale tensors, and for the "
         "forward K a multiple of 128");
   }
+  // The tensor-core portable kernels' shared-memory stages: the FP8 kernel's registers hold one CTA an SM, the bf16
+  // kernel's two (__launch_bounds__).
+  const int stages = path != Path::kPortableMma ? 0 : mma_stages(p, p.dtype == DType::kFloat8E4M3 ? 1 : 2);
   const Prepared prep = carve(p.workspace, p.num_groups);
   const int tile_rows = path == Path::kSm90Gather    ? sm90::kGatherTileRows
                         : path == Path::kSm100Nvfp4  ? 128
@@ -740,7 +790,7 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
     q.workspace_bytes = p.workspace_bytes - base;
     sm100::run(q, device_info(p.device).sms, prep.groups, stream);
   } else if (path == Path::kPortableMma && p.dtype == DType::kFloat8E4M3) {
-    launch_mma_fp8(p, prep, stream);
+    launch_mma_fp8(p, prep, stages, stream);
   } else if (path == Path::kPortableMma) {
     const dim3 grid = mma_grid(p);
     // 16-byte vectors where the base pointer and the leading dimension allow them (the kernel's Operand); 4-byte
@@ -756,9 +806,9 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
         throw std::logic_error("grouped_mm: the tensor-core portable kernel takes bf16 and fp16");
       } else {
         const auto launch = [&]<GemmOp kOp, bool kFused>() {
-          mma::mma_kernel<T, kOp, kFused><<<grid, mma::kThreads, 0, stream>>>(
-              static_cast<const T*>(p.a), static_cast<const T*>(p.b), static_cast<T*>(p.d), p.num_groups, p.N, p.K,
-              prep.groups, prep.tiles, vec_a, vec_b, vec_d, fu);
+          launch_staged(&mma::mma_kernel<T, kOp, kFused>, p.device, grid, stages, stream, static_cast<const T*>(p.a),
+                        static_cast<const T*>(p.b), static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep.groups,
+                        prep.tiles, vec_a, vec_b, vec_d, fu);
         };
         const auto for_op = [&]<bool kFused>() {
           switch (p.op) {

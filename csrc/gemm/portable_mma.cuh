@@ -5,12 +5,13 @@
 //
 // One CTA computes a 128x128 tile of one group's output (the same group and tile lookup as the CUDA-core
 // portable kernel), 8 warps of 64x32 each, over 32-deep slices of the contraction. Each slice of each
-// operand is read from global memory in 16-byte vectors into registers while the tensor cores work on
-// the previous slice, then stored to shared memory as it lies in global memory: an operand whose
-// contraction is contiguous (fwd's x and w, dgrad's dout) as [rows][32], one whose rows are contiguous
+// operand is copied from global to shared memory with cp.async, 16 bytes a copy, 2 to 4 stages deep (the launcher
+// fits as many as the SM's shared memory holds for the CTAs it should run), so the next slices are in flight
+// while the tensor cores work on this one. A slice lies in shared memory as it lies in global memory: an operand
+// whose contraction is contiguous (fwd's x and w, dgrad's dout) as [rows][32], one whose rows are contiguous
 // (dgrad's w, wgrad's dout and x) as [32][rows], both padded so that 8 consecutive rows fall on distinct
 // banks. ldmatrix reads the fragments (.trans for the second layout), so no operand is ever transposed by
-// the threads. One barrier per slice (the buffers alternate).
+// the threads. One barrier per slice.
 //
 // Every element outside the group, the operand or the contraction reads as 0; unaligned operands (a base
 // pointer off 16 bytes, or a leading dimension off 8 elements) are read element by element, so the kernel
@@ -30,6 +31,7 @@
 #include <type_traits>
 
 #include "activation/swiglu_math.cuh"
+#include "common/cp_async.cuh"
 #include "common/vec.cuh"
 #include "gemm/grouped_mm.h"
 #include "gemm/tile_groups.cuh"
@@ -169,18 +171,31 @@ struct Operand {
   int64_t dual = 0;
 };
 
-// One slice's two 16-byte pieces per thread, global -> registers -> shared memory, in the layout the
-// operand has in global memory (see the top of the file).
+// The zero of an operand's element type (bf16, fp16, or uint8_t: E4M3 codes).
+template <typename T>
+__device__ __forceinline__ T zero_element() {
+  if constexpr (std::is_integral_v<T>) {
+    return T(0);
+  } else {
+    return from_float<T>(0.f);
+  }
+}
+
+// One slice of an operand into shared memory, in the layout the operand has in global memory (see the top of the
+// file): each thread's two 16-byte pieces. A piece that is whole inside the operand, of an operand whose 16-byte
+// vectors are aligned (`vec`), is copied with cp.async; zeros and the edges (elements one at a time, 0 outside the
+// operand) are stored directly. T: bf16 or fp16, or uint8_t (E4M3 codes, 64 a slice row: the same 64 bytes).
 template <typename T, bool kContig, bool kFused>
 struct SliceLoader {
-  uint4 v[2];
+  static constexpr int kPer = 16 / int(sizeof(T));  // elements a piece
+  static_assert(kContig || sizeof(T) == 2, "1-byte operands have the contraction contiguous");
 
-  __device__ __forceinline__ void load(const Operand& op, int64_t i0, int64_t r0) {
+  __device__ __forceinline__ void issue(const Operand& op, int64_t i0, int64_t r0, uint16_t* slice) const {
     const T* base = static_cast<const T*>(op.base);
 #pragma unroll
     for (int s = 0; s < 2; ++s) {
       const int c = threadIdx.x + s * kThreads;
-      // kContig: row c / 4 of the tile, contraction 8 (c % 4) ..; else contraction row c / 16, rows 8 (c % 16) ..
+      // kContig: row c / 4 of the tile, contraction kPer (c % 4) ..; else contraction row c / 16, rows 8 (c % 16) ..
       int t = c / 4;
       bool up = false;
       if (kFused && kContig && op.dual != 0) {
@@ -188,8 +203,8 @@ struct SliceLoader {
         t = (t / 32) * 16 + t % 16;
       }
       const int64_t i = kContig ? i0 + t : i0 + (c % 16) * 8;
-      const int64_t r = kContig ? r0 + (c % 4) * 8 : r0 + c / 16;
-      // Of the piece's 8 elements along the contiguous index, those inside the operand (none: a row outside it).
+      const int64_t r = kContig ? r0 + (c % 4) * kPer : r0 + c / 16;
+      // Of the piece's kPer elements along the contiguous index, those inside the operand (none: a row outside it).
       const int64_t inside = kContig ? (i < op.rows ? op.depth - r : 0) : (r < op.depth ? op.rows - i : 0);
       int64_t row = kContig ? i : r;
       bool zero = inside <= 0;
@@ -201,28 +216,20 @@ struct SliceLoader {
         }
         if (up) row += op.dual;
       }
+      uint16_t* dst = kContig ? slice + (c / 4) * kLdK + (c % 4) * 8 : slice + (c / 16) * kLdR + (c % 16) * 8;
       if (zero) {
-        v[s] = make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
         continue;
       }
       const T* at = base + row * op.ld + (kContig ? r : i);  // formed only for a row inside the operand
-      if (op.vec && inside >= 8) {
-        v[s] = *reinterpret_cast<const uint4*>(at);
+      if (op.vec && inside >= kPer) {
+        cp_async_16(dst, at);
       } else {  // the edges and the unaligned operands: the elements inside the operand one at a time, else 0
-        Pack<T, 8> p;
+        Pack<T, kPer> p;
 #pragma unroll
-        for (int u = 0; u < 8; ++u) p.v[u] = u < inside ? at[u] : from_float<T>(0.f);
-        v[s] = *reinterpret_cast<const uint4*>(&p);
+        for (int u = 0; u < kPer; ++u) p.v[u] = u < inside ? at[u] : zero_element<T>();
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&p);
       }
-    }
-  }
-
-  __device__ __forceinline__ void store(T* slice) const {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int c = threadIdx.x + s * kThreads;
-      T* at = kContig ? slice + (c / 4) * kLdK + (c % 4) * 8 : slice + (c / 16) * kLdR + (c % 16) * 8;
-      *reinterpret_cast<uint4*>(at) = v[s];
     }
   }
 };
@@ -255,34 +262,39 @@ __device__ __forceinline__ void b_fragments(uint32_t (&bf)[4][2], const uint16_t
   }
 }
 
-// The contraction slice by slice, double-buffered in `smem` ([buffer][A, B][elements]): slice s + 1's loads are in
-// flight (in registers) while compute(s, next, a_slice, b_slice) runs on slice s, then stored to the other buffer;
-// one barrier a slice. `width`: the contraction's elements a slice; `next`: whether slice s + 1 exists.
-template <typename LoaderA, typename LoaderB, typename OperandA, typename OperandB, typename E, typename Compute>
-__device__ __forceinline__ void slice_pipeline(LoaderA& la, LoaderB& lb, const OperandA& A, const OperandB& B,
-                                               int64_t i0, int64_t j0, int64_t depth, int width,
-                                               E (&smem)[2][2][kSlice], Compute&& compute) {
+// The shared-memory stages: each holds one slice of A, then one of B (kSlice 16-bit elements each).
+constexpr int kStageElems = 2 * kSlice;
+constexpr int kStageBytes = kStageElems * 2;
+constexpr int kMaxStages = 4;
+
+// The contraction slice by slice through `stages` (2 to kMaxStages) shared-memory stages: the next stages - 1
+// slices' copies are in flight (one cp.async commit group a slice) while compute(s, next, a_slice, b_slice) runs on
+// slice s. One barrier a slice: after it every thread's copies of slice s have landed (each thread waited for its
+// own), and every warp has finished slice s - 1, whose stage the copies issued next (slice s + stages - 1) overwrite.
+// `width`: the contraction's elements a slice; `next`: whether slice s + 1 exists.
+template <typename LoaderA, typename LoaderB, typename Compute>
+__device__ __forceinline__ void slice_pipeline(const LoaderA& la, const LoaderB& lb, const Operand& A,
+                                               const Operand& B, int64_t i0, int64_t j0, int64_t depth, int width,
+                                               uint16_t* smem, int stages, Compute&& compute) {
   const int64_t slices = (depth + width - 1) / width;
-  if (slices > 0) {
-    la.load(A, i0, 0);
-    lb.load(B, j0, 0);
-    la.store(smem[0][0]);
-    lb.store(smem[0][1]);
-  }
-  __syncthreads();
+  int write = 0, read = 0;  // the stages the next copies fill and the next compute reads
+  const auto issue = [&](int64_t s) {
+    if (s < slices) {
+      uint16_t* stage = smem + write * kStageElems;
+      la.issue(A, i0, s * width, stage);
+      lb.issue(B, j0, s * width, stage + kSlice);
+    }
+    cp_async_commit();  // a group for every slice number, empty past the last, so the wait below counts slices
+    write = write + 1 == stages ? 0 : write + 1;
+  };
+  for (int s = 0; s < stages - 1; ++s) issue(s);
   for (int64_t s = 0; s < slices; ++s) {
-    const int buf = int(s % 2);
-    const bool next = s + 1 < slices;
-    if (next) {  // the next slice's loads in flight under this one's MMAs
-      la.load(A, i0, (s + 1) * width);
-      lb.load(B, j0, (s + 1) * width);
-    }
-    compute(s, next, reinterpret_cast<const uint16_t*>(smem[buf][0]), reinterpret_cast<const uint16_t*>(smem[buf][1]));
-    if (next) {  // the other buffer: every warp finished reading it before the last barrier
-      la.store(smem[buf ^ 1][0]);
-      lb.store(smem[buf ^ 1][1]);
-    }
+    cp_async_wait(stages - 2);  // this thread's copies of slice s have landed
     __syncthreads();
+    issue(s + stages - 1);
+    const uint16_t* stage = smem + read * kStageElems;
+    read = read + 1 == stages ? 0 : read + 1;
+    compute(s, s + 1 < slices, stage, stage + kSlice);
   }
 }
 
@@ -310,10 +322,10 @@ template <typename T, GemmOp kOp, bool kFused>
 __global__ void __launch_bounds__(kThreads, 2)
     mma_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ d, int E, int64_t N, int64_t K,
                const GroupInfo* __restrict__ groups, const int32_t* __restrict__ tiles, bool vec_a, bool vec_b,
-               bool vec_d, Fusion fu) {
+               bool vec_d, Fusion fu, int stages) {
   constexpr bool kContigA = kOp != GemmOp::kWgrad;
   constexpr bool kContigB = kOp == GemmOp::kFwd;
-  __shared__ __align__(16) T smem[2][2][kSlice];  // [buffer][A, B]
+  extern __shared__ __align__(16) uint16_t mma_smem[];  // [stage][A, B][kSlice]: stages * kStageBytes
   const int tile = blockIdx.x;
   if (tile >= *tiles) return;
   const int g = group_of_tile(groups, E, tile);
@@ -353,9 +365,10 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mi][ni][q] = 0.f;
 
-  SliceLoader<T, kContigA, kFused> la;
-  SliceLoader<T, kContigB, kFused> lb;
-  slice_pipeline(la, lb, A, B, i0, j0, A.depth, kBK, smem, [&](int64_t, bool, const uint16_t* sa, const uint16_t* sb) {
+  const SliceLoader<T, kContigA, kFused> la;
+  const SliceLoader<T, kContigB, kFused> lb;
+  slice_pipeline(la, lb, A, B, i0, j0, A.depth, kBK, mma_smem, stages, [&](int64_t, bool, const uint16_t* sa,
+                                                                          const uint16_t* sb) {
 #pragma unroll
     for (int k = 0; k < kBK; k += 16) {
       uint32_t af[4][4], bf[4][2];

@@ -56,49 +56,6 @@ __device__ __forceinline__ void mma_16832_e4m3(float (&c)[4], const uint32_t (&a
 #endif
 }
 
-// An E4M3 operand with its contraction contiguous: value (i, r) at base[i * ld + r], i < rows, r < depth.
-struct Fp8Operand {
-  const uint8_t* base;
-  int64_t ld, rows, depth;
-  bool vec;  // base 16-byte aligned and ld a multiple of 16
-};
-
-// One slice's two 16-byte pieces per thread (tile row c / 4, contraction 16 (c % 4) ..), global -> registers ->
-// shared memory as [rows][kLdK * 2 bytes]. Values outside the operand read as 0.
-struct Fp8SliceLoader {
-  uint4 v[2];
-
-  __device__ __forceinline__ void load(const Fp8Operand& op, int64_t i0, int64_t r0) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int c = threadIdx.x + s * kThreads;
-      const int64_t i = i0 + c / 4, r = r0 + (c % 4) * 16;
-      const int64_t inside = i < op.rows ? op.depth - r : 0;
-      if (inside <= 0) {
-        v[s] = make_uint4(0u, 0u, 0u, 0u);
-        continue;
-      }
-      const uint8_t* at = op.base + i * op.ld + r;  // formed only for a row inside the operand
-      if (op.vec && inside >= 16) {
-        v[s] = *reinterpret_cast<const uint4*>(at);
-      } else {  // the edges and the unaligned operands: byte by byte, 0 past the operand
-        Pack<uint8_t, 16> p;
-#pragma unroll
-        for (int u = 0; u < 16; ++u) p.v[u] = u < inside ? at[u] : uint8_t(0);
-        v[s] = *reinterpret_cast<const uint4*>(&p);
-      }
-    }
-  }
-
-  __device__ __forceinline__ void store(uint16_t* slice) const {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const int c = threadIdx.x + s * kThreads;
-      *reinterpret_cast<uint4*>(slice + (c / 4) * kLdK + (c % 4) * 8) = v[s];
-    }
-  }
-};
-
 // The FP8 products' scales and output (grouped_mm.h): sfa, sfb dequantization scales; d bf16 (fwd) or TOut
 // (wgrad); accumulate: wgrad's d += the product (fp32).
 struct Fp8Args {
@@ -128,14 +85,14 @@ __device__ __forceinline__ void store_out_pair(TOut* out, float v0, float v1, bo
 template <GemmOp kOp, typename TOut>
 __global__ void __launch_bounds__(kThreads, 1)
     mma_fp8_kernel(Fp8Args args, int E, int64_t M, int64_t N, int64_t K, const GroupInfo* __restrict__ groups,
-                   const int32_t* __restrict__ tiles) {
+                   const int32_t* __restrict__ tiles, int stages) {
   static_assert(kOp == GemmOp::kFwd || kOp == GemmOp::kWgrad, "FP8 has a forward and a wgrad");
-  __shared__ __align__(16) uint16_t smem[2][2][kSlice];  // [buffer][A, B], 80-byte rows of 64 values
+  extern __shared__ __align__(16) uint16_t mma_smem[];  // [stage][A, B][kSlice]: 80-byte rows of 64 values
   const int tile = blockIdx.x;
   if (tile >= *tiles) return;
   const int g = group_of_tile(groups, E, tile);
   const GroupInfo info = groups[g];
-  Fp8Operand A, B;
+  Operand A, B;  // E4M3 codes, the contraction contiguous
   int64_t Mg, Ng, block0;  // the output tile's extent in the group; the contraction's first scale block
   if constexpr (kOp == GemmOp::kFwd) {  // x[rows of g] [rows, K] @ w[g] [N, K]^T
     A = {args.a + info.row_start * K, K, info.rows, K, args.vec_a};
@@ -167,9 +124,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int q = 0; q < 4; ++q) acc[mi][ni][q] = part[mi][ni][q] = 0.f;
 
-  Fp8SliceLoader la, lb;
-  slice_pipeline(la, lb, A, B, i0, j0, A.depth, kBK8, smem, [&](int64_t s, bool next, const uint16_t* sa,
-                                                                const uint16_t* sb) {
+  const SliceLoader<uint8_t, true, false> la, lb;
+  slice_pipeline(la, lb, A, B, i0, j0, A.depth, kBK8, mma_smem, stages, [&](int64_t s, bool next,
+                                                                            const uint16_t* sa, const uint16_t* sb) {
 #pragma unroll
     for (int k = 0; k < kBK; k += 16) {  // in pairs of values: 32 E4M3 per step
       // B's fragments for the step, then A's one row block at a time: the fewest fragment registers live beside

@@ -124,6 +124,23 @@ def test_forward_rows_past_the_groups_and_zero_scales(cuda):
     _check_fwd(out, xq, xs, wq, ws, gs, "fwd, sizes past M")
 
 
+@pytest.mark.parametrize("stages", ["2", "3"])
+def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
+    # The default is as many shared-memory stages as fit one CTA (4 on every GPU of 8.9 or later);
+    # MOE_KERNELS_MMA_STAGES asks for fewer. Stages change when a slice arrives, never what is summed in which order.
+    # K = 384: 6 slices of 64 (3 scale blocks); the wgrad's 640 tokens: 10.
+    _require_kernel(cuda)
+    xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(300, 256, 384, 8, "uniform", seed=11))
+    a, b, wgs = _wgrad_case(0, 200, 196, 4, 5, "uniform", seed=12)
+    dev_a, dev_b, dev_gs = tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), wgs.to(cuda)
+    monkeypatch.delenv("MOE_KERNELS_MMA_STAGES", raising=False)
+    fwd, dw = _run_fwd(xq, xs, wq, ws, gs), _run_wgrad_named(dev_a, dev_b, dev_gs)
+    monkeypatch.setenv("MOE_KERNELS_MMA_STAGES", stages)
+    rows = int(gs.sum())
+    assert torch.equal(_run_fwd(xq, xs, wq, ws, gs)[:rows], fwd[:rows]), f"fwd: {stages} stages vs the default"
+    assert torch.equal(_run_wgrad_named(dev_a, dev_b, dev_gs), dw), f"wgrad: {stages} stages vs the default"
+
+
 def _wgrad_case(M_extra, N, K, E, blocks, kind, seed):
     """Operands quantized along the tokens (the FP8 wgrad suite's cases): (dout_t codes, scales), (x_t ...), sizes."""
     _, _, a, b, gs = _wgrad_suite_case(M_extra, N, K, E, blocks, kind, seed)

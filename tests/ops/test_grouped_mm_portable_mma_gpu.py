@@ -128,6 +128,40 @@ def test_zero_length_contraction(cuda):
     assert bool((dx == 0).all()), "N = 0: dgrad is zeros"
 
 
+@pytest.mark.parametrize("stages", ["2", "3", "4"])
+def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
+    # The launcher fits as many shared-memory stages as the SM holds for two CTAs (4 on an A100 or H100, 2 on
+    # 8.6, 8.9 and 12.x GPUs); MOE_KERNELS_MMA_STAGES asks for another count. Stages change when a slice arrives,
+    # never what a thread sums in which order, so every count gives the default's bits. K = 200 is 7 slices of 32;
+    # K = 40 is 2, fewer than the stages in flight; an unaligned K takes the element-wise loads at the last slice.
+    E, M, N = 6, 300, 136
+    gs = splits("skewed", M - 3, E, seed=7)
+    n = M - 3
+    for K in (200, 40, 37):
+        gen = torch.Generator().manual_seed(K)
+        x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(cuda)
+        w = (torch.randn(E, N, K, generator=gen) / K**0.5).to(torch.bfloat16).to(cuda)
+        g = torch.randn(M, N, generator=gen).to(torch.bfloat16).to(cuda)
+        problems = (("fwd", x, w), ("dgrad", g, w), ("wgrad", g, x))
+        monkeypatch.delenv("MOE_KERNELS_MMA_STAGES", raising=False)
+        default = {op: _run(op, a, b, gs.to(cuda), M, N, K, 1) for op, a, b in problems}
+        monkeypatch.setenv("MOE_KERNELS_MMA_STAGES", stages)
+        for op, a, b in problems:
+            out = _run(op, a, b, gs.to(cuda), M, N, K, 1)
+            rows = slice(0, n) if op == "fwd" else slice(None)  # fwd rows past the groups are unspecified
+            assert_exact(out[rows], default[op][rows], f"{op} K={K}: {stages} stages vs the default")
+
+
+@pytest.mark.parametrize("value", ["5", "1", "two"])
+def test_stage_count_override_is_checked(cuda, value, monkeypatch):
+    gs = torch.tensor([2, 2], dtype=torch.int32, device=cuda)
+    x = torch.randn(4, 32, device=cuda).to(torch.bfloat16)
+    w = torch.randn(2, 16, 32, device=cuda).to(torch.bfloat16)
+    monkeypatch.setenv("MOE_KERNELS_MMA_STAGES", value)
+    with pytest.raises(ValueError, match=f"MOE_KERNELS_MMA_STAGES must be 2, 3 or 4, not '{value}'"):
+        _run("fwd", x, w, gs, 4, 16, 32, 1)
+
+
 def test_path_choice_and_refusals(cuda):
     C = _ext.kernels("grouped_mm", torch.empty(0, device=cuda))
     dev = _ext.launch_args(torch.empty(0, device=cuda))["device"]

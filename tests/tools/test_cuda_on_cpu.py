@@ -32,9 +32,11 @@ def test_rewrite_launches_keep_lines_and_names():
     assert out.startswith('#line 1 "/x/f.cu"\n')
     body = out.split("\n", 1)[1]
     assert body.count("\n") == src.count("\n")
-    assert '::emu::launch("k<T, 4>", __FILE__, __LINE__, dim3(g, 2), 128,\n           smem, s)' in body
+    assert ('::emu::launch("k<T, 4>", __FILE__, __LINE__, ::emu::kernel_address(k<T, 4>), dim3(g, 2), 128,\n'
+            '           smem, s)') in body
     assert "[&](auto... emu_a) { k<T, 4>(emu_a...); }, a, b);" in body
-    assert '::emu::launch("ns::plain", __FILE__, __LINE__, 1, 32)([&](auto... emu_a) { ns::plain(emu_a...); });' in body
+    assert ('::emu::launch("ns::plain", __FILE__, __LINE__, ::emu::kernel_address(ns::plain), 1, 32)'
+            '([&](auto... emu_a) { ns::plain(emu_a...); });') in body
     assert "// <<< in a comment stays" in body
 
 
@@ -88,6 +90,21 @@ def test_shared_memory_is_poisoned_and_barriers_order():
 
 
 @needs_emu
+@pytest.mark.parametrize("wait,first,second", [("wait0", True, True), ("wait1", True, False),
+                                               ("nowait", False, False)])
+def test_cp_async_lands_at_its_wait(wait, first, second):
+    # A copy's destination holds the poison until the thread waits for its commit group; a barrier alone does not
+    # wait. wait1 leaves the newest group in flight.
+    buf = torch.zeros(640, dtype=torch.int32)
+    buf[:512] = torch.arange(512, dtype=torch.int32)
+    emu.emu_selftest(name=f"cp_async_{wait}", out=buf.data_ptr())
+    mirror = torch.arange(63, -1, -1, dtype=torch.int32) * 4
+    poison = torch.full((64,), -1, dtype=torch.int32)
+    assert torch.equal(buf[512:576], mirror if first else poison)
+    assert torch.equal(buf[576:640], mirror + 256 if second else poison)
+
+
+@needs_emu
 @pytest.mark.parametrize(
     "name,message",
     [
@@ -98,6 +115,7 @@ def test_shared_memory_is_poisoned_and_barriers_order():
         ("deadlock", r"deadlock_kernel, block \(0,0,0\) deadlocked:\n  warp 0, lane 0 waits in __syncthreads"),
         ("bad_block", r"cudaErrorInvalidConfiguration"),
         ("big_smem", r"cudaErrorInvalidConfiguration"),
+        ("big_smem_opted_in", r"^big_smem_opted_in: cudaErrorInvalidConfiguration"),  # 64 KB ran, 96 KB not
     ],
 )
 def test_errors_name_kernel_block_warp_and_lane(name, message):

@@ -1,7 +1,8 @@
 """Copy CUDA sources for the host compiler, rewriting the three constructs it cannot read.
 
     kernel<T><<<grid, block, smem, stream>>>(args)
-        -> ::emu::launch("kernel<T>", __FILE__, __LINE__, grid, block, smem, stream)(
+        -> ::emu::launch("kernel<T>", __FILE__, __LINE__, ::emu::kernel_address(kernel<T>), grid, block, smem,
+                         stream)(
                [&](auto... emu_a) { kernel<T>(emu_a...); }, args)
     extern __shared__ __align__(16) float smem[];
         -> float* const smem = reinterpret_cast<float*>(::emu::dynamic_shared());
@@ -112,7 +113,8 @@ def _rewrite_launches(src: str, masked: str) -> tuple[str, str]:
         close = _matching_close(masked, j, "(", ")")
         empty = masked[j + 1 : close].strip() == ""
         lam = f"[&](auto... emu_a) {{ {kernel}(emu_a...); }}"
-        head = f'::emu::launch("{kernel}", __FILE__, __LINE__, {cfg})({lam}' + ("" if empty else ", ")
+        head = f'::emu::launch("{kernel}", __FILE__, __LINE__, ::emu::kernel_address({kernel}), {cfg})({lam}'
+        head += "" if empty else ", "
         # Keep the line breaks of the replaced span (between the kernel name and the "(" of the arguments).
         head += "\n" * (src[k0 : j + 1].count("\n") - cfg.count("\n"))
         pieces += [src[pos:k0], head]

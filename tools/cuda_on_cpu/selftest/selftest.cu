@@ -7,6 +7,7 @@
 #include <string>
 
 #include "common/check.h"
+#include "common/cp_async.cuh"
 
 namespace emu_selftest {
 
@@ -101,6 +102,24 @@ __global__ void deadlock_kernel(int32_t* out) {
 }
 
 __global__ void empty_kernel(int32_t*) {}
+__global__ void opted_in_kernel(int32_t*) {}
+
+// cp.async through the layer: each of 64 threads copies 16 bytes of out[0, 512) into dynamic shared memory in two
+// commit groups, waits until `pending` groups are left in flight (-1: no wait), then after a barrier writes what
+// the copies of thread 63 - t left: out[512 + t] from the first group, out[576 + t] from the second.
+__global__ void cp_async_kernel(int32_t* out, int pending) {
+  extern __shared__ __align__(16) int32_t staged[];  // [2][64][4]
+  const int t = int(threadIdx.x), o = 63 - t;
+  moe::cp_async_16(staged + 4 * t, out + 4 * t);
+  moe::cp_async_commit();
+  moe::cp_async_16(staged + 256 + 4 * t, out + 256 + 4 * t);
+  moe::cp_async_commit();
+  if (pending >= 0) moe::cp_async_wait(pending);
+  __syncthreads();
+  out[512 + t] = staged[4 * o];
+  out[576 + t] = staged[256 + 4 * o];
+  __syncthreads();  // a thread's copies complete when it exits: none exits before every thread has read
+}
 
 void run(const std::string& name, uintptr_t out) {
   if (name == "collectives") {
@@ -127,6 +146,16 @@ void run(const std::string& name, uintptr_t out) {
     empty_kernel<<<1, 2048>>>(reinterpret_cast<int32_t*>(out));
   } else if (name == "big_smem") {
     empty_kernel<<<1, 32, 64 * 1024>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name == "big_smem_opted_in") {  // 64 KB allowed; 96 KB still past what was allowed
+    moe::check_cuda(cudaFuncSetAttribute(reinterpret_cast<const void*>(&opted_in_kernel),
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024),
+                    "big_smem_opted_in");
+    opted_in_kernel<<<1, 32, 64 * 1024>>>(reinterpret_cast<int32_t*>(out));
+    moe::check_launch("64 KB after the opt-in");
+    opted_in_kernel<<<1, 32, 96 * 1024>>>(reinterpret_cast<int32_t*>(out));
+  } else if (name.rfind("cp_async_", 0) == 0) {  // cp_async_wait0, cp_async_wait1, cp_async_nowait
+    const int pending = name == "cp_async_wait0" ? 0 : name == "cp_async_wait1" ? 1 : -1;
+    cp_async_kernel<<<1, 64, 2048>>>(reinterpret_cast<int32_t*>(out), pending);
   } else {
     throw std::invalid_argument("emu_selftest: unknown case " + name);
   }

@@ -15,6 +15,7 @@
 namespace emu {
 cudaError_t last_error_and_clear();
 cudaError_t peek_last_error();
+void set_max_dynamic_smem(const void* func, int bytes);
 }  // namespace emu
 
 namespace {
@@ -37,6 +38,15 @@ const Capability& capability() {
   }();
   return cc;
 }
+
+// Shared memory of an SM, and the most one block may opt in to, in KB, as the capability's GPUs have them.
+int smem_per_sm_kb() {
+  const Capability& c = capability();
+  if (c.major == 8) return c.minor == 0 || c.minor == 7 ? 164 : 100;
+  if (c.major == 9 || c.major == 10) return 228;
+  return 100;
+}
+int smem_optin_kb() { return smem_per_sm_kb() - 1; }
 }  // namespace
 
 extern "C" {
@@ -84,7 +94,8 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
     case cudaDevAttrComputeCapabilityMajor: *value = capability().major; return cudaSuccess;
     case cudaDevAttrComputeCapabilityMinor: *value = capability().minor; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = 48 * 1024; return cudaSuccess;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = smem_optin_kb() * 1024; return cudaSuccess;
+    case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = smem_per_sm_kb() * 1024; return cudaSuccess;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
     case cudaDevAttrWarpSize: *value = 32; return cudaSuccess;
     case cudaDevAttrMaxGridDimX: *value = 0x7fffffff; return cudaSuccess;
@@ -113,7 +124,13 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpy
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 
-cudaError_t cudaFuncSetAttribute(const void*, enum cudaFuncAttribute, int) { return cudaSuccess; }
+cudaError_t cudaFuncSetAttribute(const void* func, enum cudaFuncAttribute attr, int value) {
+  if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize) {
+    if (value < 0 || value > smem_optin_kb() * 1024) return cudaErrorInvalidValue;
+    emu::set_max_dynamic_smem(func, value);
+  }
+  return cudaSuccess;
+}
 
 // Every kernel is host code here, "built" for the emulated device: its binary and PTX versions are the
 // reported capability (major * 10 + minor), the other fields 0.

@@ -41,7 +41,6 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
 constexpr size_t kDefaultSmem = 48 * 1024;  // without cudaFuncSetAttribute opt-in
-constexpr size_t kMaxSmemOptin = 227 * 1024;  // sm_90
 #if EMU_ASAN
 constexpr size_t kStackBytes = 1024 * 1024;
 #else
@@ -85,10 +84,21 @@ struct Fiber {
   char* stack = nullptr;  // usable stack above one PROT_NONE guard page
 };
 
+// A cp.async in flight: its source bytes, read at the issue, and the commit group it belongs to (the number of
+// the thread's commits before it).
+struct AsyncCopy {
+  unsigned char* dst;
+  unsigned char data[16];
+  int bytes;
+  int64_t group;
+};
+
 struct Thread {
   ThreadState st;
   Run run = Run::kRunnable;
   Fiber fiber;
+  std::vector<AsyncCopy> copies;  // cp.async in flight, oldest first
+  int64_t commits = 0;
   // Where the thread waits (barrier or collective), for messages.
   const char* file = nullptr;
   int line = 0;
@@ -218,6 +228,52 @@ void fiber_entry() {
 }
 
 void* dynamic_shared() { return t_block->smem; }
+
+void cp_async(void* dst, const void* src, int bytes, const char* file, int line) {
+  if (t_running == nullptr) throw std::runtime_error("cuda_on_cpu: cp.async outside a kernel");
+  if (bytes != 4 && bytes != 8 && bytes != 16) fail("cp.async of " + std::to_string(bytes) + " bytes", file, line);
+  if (reinterpret_cast<uintptr_t>(dst) % unsigned(bytes) || reinterpret_cast<uintptr_t>(src) % unsigned(bytes)) {
+    fail("cp.async of " + std::to_string(bytes) + " bytes from or to an address off " + std::to_string(bytes) +
+             " bytes",
+         file, line);
+  }
+  AsyncCopy c{static_cast<unsigned char*>(dst), {}, bytes, t_running->commits};
+  std::memcpy(c.data, src, size_t(bytes));
+  std::memset(dst, 0xff, size_t(bytes));  // undefined until the copy completes
+  t_running->copies.push_back(c);
+}
+
+void cp_async_commit() {
+  if (t_running == nullptr) throw std::runtime_error("cuda_on_cpu: cp.async.commit_group outside a kernel");
+  ++t_running->commits;
+}
+
+namespace {
+// Completes the running thread's copies of the groups before `group` (all of them: INT64_MAX).
+void complete_copies(Thread& t, int64_t group) {
+  size_t done = 0;
+  while (done < t.copies.size() && t.copies[done].group < group) {
+    const AsyncCopy& c = t.copies[done++];
+    std::memcpy(c.dst, c.data, size_t(c.bytes));
+  }
+  t.copies.erase(t.copies.begin(), t.copies.begin() + std::ptrdiff_t(done));
+}
+}  // namespace
+
+void cp_async_wait(int pending) {
+  if (t_running == nullptr) throw std::runtime_error("cuda_on_cpu: cp.async.wait_group outside a kernel");
+  complete_copies(*t_running, t_running->commits - pending);
+}
+
+namespace {
+std::mutex g_attr_mutex;
+std::map<const void*, int> g_max_dynamic_smem;
+}  // namespace
+
+void set_max_dynamic_smem(const void* func, int bytes) {
+  std::lock_guard<std::mutex> lock(g_attr_mutex);
+  g_max_dynamic_smem[func] = bytes;
+}
 
 void shared_declared(void* p, size_t bytes, uint64_t* epoch) {
   if (*epoch != g_block_epoch) {
@@ -484,6 +540,7 @@ int block_barrier(int pred, const char* file, int line) {
 namespace {
 
 void thread_exited(Block& b, Thread& t) {
+  complete_copies(t, INT64_MAX);  // a thread's copies complete even if it never waits for them
   --b.live;
   Warp& w = b.warps[size_t(t.st.warp)];
   w.exited |= 1u << t.st.lane;
@@ -560,8 +617,13 @@ bool config_ok(const LaunchConfig& c, std::string& why) {
     return false;
   }
   if (c.smem > kDefaultSmem) {
-    why = std::to_string(c.smem) + " bytes of dynamic shared memory (more than 48 KB needs cudaFuncSetAttribute)";
-    return false;
+    std::lock_guard<std::mutex> lock(g_attr_mutex);
+    const auto set = g_max_dynamic_smem.find(c.func);
+    if (set == g_max_dynamic_smem.end() || size_t(set->second) < c.smem) {
+      why = std::to_string(c.smem) + " bytes of dynamic shared memory (more than 48 KB needs cudaFuncSetAttribute "
+            "with at least that much)";
+      return false;
+    }
   }
   return true;
 }
@@ -780,6 +842,8 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
     for (int i = 0; i < n; ++i) {
       Thread& t = b.threads[size_t(i)];
       t.run = Run::kRunnable;
+      t.copies.clear();
+      t.commits = 0;
       t.st.block_idx = uint3{bx, by, bz};
       t.st.block_dim = cfg.block;
       t.st.grid_dim = cfg.grid;

@@ -79,6 +79,25 @@ unsigned active_lanes();
 // The launch's dynamic shared memory (exactly its size, 0xff before each block).
 void* dynamic_shared();
 
+// cp.async: `bytes` (4, 8 or 16) from global `src` to shared `dst`. The source is read now; `dst` holds 0xff
+// until the copy completes, at the cp.async.wait_group that covers its commit group (or when the thread exits),
+// so a read before that wait, or a copy into a buffer other threads still read, sees the poison.
+void cp_async(void* dst, const void* src, int bytes, const char* file, int line);
+// cp.async.commit_group: the thread's copies since the last commit form one group.
+void cp_async_commit();
+// cp.async.wait_group: completes the thread's committed groups but the newest `pending`.
+void cp_async_wait(int pending);
+
+// cudaFuncSetAttribute(func, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes): a launch of `func` may then
+// have up to `bytes` of dynamic shared memory (48 KB without it).
+void set_max_dynamic_smem(const void* func, int bytes);
+
+// The address that names a kernel (a function or a pointer to one) in cudaFuncSetAttribute.
+template <typename F>
+const void* kernel_address(F* f) {
+  return reinterpret_cast<const void*>(f);
+}
+
 // Static __shared__ variables: the first thread of each block to pass the declaration fills the
 // variable with 0xff (`epoch` remembers the block that last did).
 void shared_declared(void* p, size_t bytes, uint64_t* epoch);
@@ -87,6 +106,7 @@ struct LaunchConfig {
   const char* kernel;
   const char* file;
   int line;
+  const void* func;  // the kernel's address (kernel_address)
   dim3 grid;
   dim3 block;
   size_t smem;
@@ -103,7 +123,8 @@ std::string set_schedule(const std::string& spec);
 void run_grid(const LaunchConfig& cfg, const std::function<void()>& body);
 
 // `kernel<<<grid, block, smem, stream>>>(args...)` is rewritten to
-// `::emu::launch("kernel", __FILE__, __LINE__, grid, block, smem, stream)([&](auto... a) { kernel(a...); }, args...)`.
+// `::emu::launch("kernel", __FILE__, __LINE__, ::emu::kernel_address(kernel), grid, block, smem, stream)(
+//     [&](auto... a) { kernel(a...); }, args...)`.
 struct Launcher {
   LaunchConfig cfg;
   template <typename F, typename... Args>
@@ -114,9 +135,9 @@ struct Launcher {
   }
 };
 
-inline Launcher launch(const char* kernel, const char* file, int line, dim3 grid, dim3 block, size_t smem = 0,
-                       cudaStream_t stream = nullptr) {
-  return Launcher{LaunchConfig{kernel, file, line, grid, block, smem, stream}};
+inline Launcher launch(const char* kernel, const char* file, int line, const void* func, dim3 grid, dim3 block,
+                       size_t smem = 0, cudaStream_t stream = nullptr) {
+  return Launcher{LaunchConfig{kernel, file, line, func, grid, block, smem, stream}};
 }
 
 }  // namespace emu
