@@ -307,7 +307,8 @@ size_t prepared_bytes(int E) { return size_t(E) * sizeof(GroupInfo) + 16 + size_
 
 struct DeviceInfo {
   int major = 0, minor = 0, sms = 0;
-  int smem_per_sm = 0, smem_optin = 0;  // bytes: an SM's shared memory, and the most one block may opt in to
+  // Bytes of shared memory: an SM's, the most one block may opt in to, and what the system reserves of each block's.
+  int smem_per_sm = 0, smem_optin = 0, smem_reserved = 0;
 };
 
 DeviceInfo device_info(int device) {
@@ -321,6 +322,8 @@ DeviceInfo device_info(int device) {
     check_cuda(cudaDeviceGetAttribute(&info.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
                "grouped_mm");
     check_cuda(cudaDeviceGetAttribute(&info.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+               "grouped_mm");
+    check_cuda(cudaDeviceGetAttribute(&info.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, device),
                "grouped_mm");
     check_cuda(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device), "grouped_mm");
   }
@@ -645,11 +648,11 @@ static dim3 mma_grid(const GroupedParams& p) {
 static bool aligned_to(const void* ptr, int64_t bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // The shared-memory stages of a tensor-core portable kernel (mma::slice_pipeline) on p's GPU: as many as fit, 2 to
-// mma::kMaxStages, while `ctas` CTAs share an SM (1 KB of each CTA's shared memory is the system's), or
-// MOE_KERNELS_MMA_STAGES (2 to 4) where one CTA may have that many.
+// mma::kMaxStages, while `ctas` CTAs share an SM (beside what the system reserves of each), or
+// MOE_KERNELS_MMA_STAGES (2 to 4; read at every call, for tuning and tests) where one CTA may have that many.
 static int mma_stages(const GroupedParams& p, int ctas) {
   const DeviceInfo d = device_info(p.device);
-  int stages = (d.smem_per_sm / ctas - 1024) / mma::kStageBytes;
+  int stages = (d.smem_per_sm / ctas - d.smem_reserved) / mma::kStageBytes;
   if (const char* v = std::getenv("MOE_KERNELS_MMA_STAGES"); v != nullptr && *v != '\0') {
     if (std::strlen(v) != 1 || v[0] < '2' || v[0] > '0' + mma::kMaxStages) {
       throw std::invalid_argument("MOE_KERNELS_MMA_STAGES must be 2, 3 or 4, not '" + std::string(v) + "'");
@@ -661,10 +664,13 @@ static int mma_stages(const GroupedParams& p, int ctas) {
   return stages;
 }
 
-// Lets kernel have `bytes` of dynamic shared memory on the current device where that is past the 48 KB every kernel
-// may have (cudaFuncSetAttribute once per kernel, device and size).
-static void allow_dynamic_smem(const void* kernel, int device, int bytes) {
+// Lets kernel have `bytes` of dynamic shared memory on the current device (the launch's: the callers hold its
+// DeviceGuard) where that is past the 48 KB every kernel may have (cudaFuncSetAttribute once per kernel, device and
+// size).
+static void allow_dynamic_smem(const void* kernel, int bytes) {
   if (bytes <= 48 * 1024) return;
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "grouped_mm");
   static std::mutex mu;
   static std::map<std::pair<const void*, int>, int> granted;
   std::lock_guard<std::mutex> lock(mu);
@@ -678,9 +684,9 @@ static void allow_dynamic_smem(const void* kernel, int device, int bytes) {
 
 // Launches kernel, a tensor-core portable kernel (mma::kThreads threads), with `stages` shared-memory stages.
 template <typename Kernel, typename... Args>
-static void launch_staged(Kernel kernel, int device, dim3 grid, int stages, cudaStream_t stream, Args... args) {
+static void launch_staged(Kernel kernel, dim3 grid, int stages, cudaStream_t stream, Args... args) {
   const int bytes = stages * mma::kStageBytes;
-  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), device, bytes);
+  allow_dynamic_smem(reinterpret_cast<const void*>(kernel), bytes);
   kernel<<<grid, mma::kThreads, size_t(bytes), stream>>>(args..., stages);
 }
 
@@ -695,7 +701,7 @@ static void launch_mma_fp8(const GroupedParams& p, const Prepared& prep, int sta
                           aligned16(p.a) && ld % 16 == 0, aligned16(p.b) && ld % 16 == 0,
                           aligned_to(p.d, 2 * out_bytes) && output_cols(p) % 2 == 0, p.accumulate};
   const auto launch = [&]<GemmOp kOp, typename TOut>() {
-    launch_staged(&mma::mma_fp8_kernel<kOp, TOut>, p.device, grid, stages, stream, args, p.num_groups, p.M, p.N, p.K,
+    launch_staged(&mma::mma_fp8_kernel<kOp, TOut>, grid, stages, stream, args, p.num_groups, p.M, p.N, p.K,
                   prep.groups, prep.tiles);
   };
   if (!wgrad) {
@@ -806,7 +812,7 @@ void grouped_mm(const GroupedParams& p, cudaStream_t stream) {
         throw std::logic_error("grouped_mm: the tensor-core portable kernel takes bf16 and fp16");
       } else {
         const auto launch = [&]<GemmOp kOp, bool kFused>() {
-          launch_staged(&mma::mma_kernel<T, kOp, kFused>, p.device, grid, stages, stream, static_cast<const T*>(p.a),
+          launch_staged(&mma::mma_kernel<T, kOp, kFused>, grid, stages, stream, static_cast<const T*>(p.a),
                         static_cast<const T*>(p.b), static_cast<T*>(p.d), p.num_groups, p.N, p.K, prep.groups,
                         prep.tiles, vec_a, vec_b, vec_d, fu);
         };

@@ -165,7 +165,7 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
 struct Operand {
   const void* base;
   int64_t ld, rows, depth;
-  bool vec;  // base 16-byte aligned and ld a multiple of 8: whole 16-byte vectors where they fit
+  bool vec;  // base 16-byte aligned and ld a whole number of 16-byte vectors (8 bf16, 16 E4M3): cp.async where they fit
   const int32_t* gather = nullptr;
   int64_t sources = 0;
   int64_t dual = 0;
@@ -184,7 +184,8 @@ __device__ __forceinline__ T zero_element() {
 // One slice of an operand into shared memory, in the layout the operand has in global memory (see the top of the
 // file): each thread's two 16-byte pieces. A piece that is whole inside the operand, of an operand whose 16-byte
 // vectors are aligned (`vec`), is copied with cp.async; zeros and the edges (elements one at a time, 0 outside the
-// operand) are stored directly. T: bf16 or fp16, or uint8_t (E4M3 codes, 64 a slice row: the same 64 bytes).
+// operand) are stored directly. Those loads wait for global memory before the slice's compute; an operand whose
+// base and leading dimension are whole vectors has edges only where a size is not a multiple of 8 (16 for E4M3). T: bf16 or fp16, or uint8_t (E4M3 codes, 64 a slice row: the same 64 bytes).
 template <typename T, bool kContig, bool kFused>
 struct SliceLoader {
   static constexpr int kPer = 16 / int(sizeof(T));  // elements a piece

@@ -128,17 +128,23 @@ def test_forward_rows_past_the_groups_and_zero_scales(cuda):
 def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
     # The default is as many shared-memory stages as fit one CTA (4 on every GPU of 8.9 or later);
     # MOE_KERNELS_MMA_STAGES asks for fewer. Stages change when a slice arrives, never what is summed in which order.
-    # K = 384: 6 slices of 64 (3 scale blocks); the wgrad's 640 tokens: 10.
+    # K = 384: 6 slices of 64 (3 scale blocks); the wgrad's 640 tokens: 10, with 5 more past the groups, so the
+    # token rows are not whole 16-byte vectors and every slice takes the byte-wise loads.
     _require_kernel(cuda)
     xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(300, 256, 384, 8, "uniform", seed=11))
-    a, b, wgs = _wgrad_case(0, 200, 196, 4, 5, "uniform", seed=12)
+    a, b, wgs = _wgrad_case(5, 200, 196, 4, 5, "uniform", seed=12)
     dev_a, dev_b, dev_gs = tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), wgs.to(cuda)
     monkeypatch.delenv("MOE_KERNELS_MMA_STAGES", raising=False)
     fwd, dw = _run_fwd(xq, xs, wq, ws, gs), _run_wgrad_named(dev_a, dev_b, dev_gs)
     monkeypatch.setenv("MOE_KERNELS_MMA_STAGES", stages)
     rows = int(gs.sum())
+    assert not bool(fwd[:rows].isnan().any()) and not bool(dw.isnan().any()), "the default run has NaN"
     assert torch.equal(_run_fwd(xq, xs, wq, ws, gs)[:rows], fwd[:rows]), f"fwd: {stages} stages vs the default"
     assert torch.equal(_run_wgrad_named(dev_a, dev_b, dev_gs), dw), f"wgrad: {stages} stages vs the default"
+    # An aligned wgrad (token rows whole vectors: the cp.async copies) at this count, within the fp64 rule.
+    a2, b2, gs2 = _wgrad_case(0, 200, 196, 4, 5, "uniform", seed=13)
+    dw2 = _run_wgrad_named(tuple(t.to(cuda) for t in a2), tuple(t.to(cuda) for t in b2), gs2.to(cuda))
+    _check_wgrad(dw2.cpu(), a2, b2, gs2, f"wgrad, {stages} stages")
 
 
 def _wgrad_case(M_extra, N, K, E, blocks, kind, seed):

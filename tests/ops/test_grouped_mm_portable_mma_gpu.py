@@ -132,16 +132,18 @@ def test_zero_length_contraction(cuda):
 def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
     # The launcher fits as many shared-memory stages as the SM holds for two CTAs (4 on an A100 or H100, 2 on
     # 8.6, 8.9 and 12.x GPUs); MOE_KERNELS_MMA_STAGES asks for another count. Stages change when a slice arrives,
-    # never what a thread sums in which order, so every count gives the default's bits. K = 200 is 7 slices of 32;
-    # K = 40 is 2, fewer than the stages in flight; an unaligned K takes the element-wise loads at the last slice.
+    # never what a thread sums in which order, so every count gives the default's bits (the fused products run at 3
+    # stages in test_gathered_products_and_swiglu_epilogue). K = 200 is 7 slices of 32 (bf16 and fp16); K = 40 is 2,
+    # fewer than the stages in flight; K = 37 puts the leading dimensions off 8 elements, so the operands strided
+    # by K take the element-wise loads in every slice.
     E, M, N = 6, 300, 136
     gs = splits("skewed", M - 3, E, seed=7)
     n = M - 3
-    for K in (200, 40, 37):
+    for K, dtype in ((200, torch.bfloat16), (200, torch.float16), (40, torch.bfloat16), (37, torch.bfloat16)):
         gen = torch.Generator().manual_seed(K)
-        x = torch.randn(M, K, generator=gen).to(torch.bfloat16).to(cuda)
-        w = (torch.randn(E, N, K, generator=gen) / K**0.5).to(torch.bfloat16).to(cuda)
-        g = torch.randn(M, N, generator=gen).to(torch.bfloat16).to(cuda)
+        x = torch.randn(M, K, generator=gen).to(dtype).to(cuda)
+        w = (torch.randn(E, N, K, generator=gen) / K**0.5).to(dtype).to(cuda)
+        g = torch.randn(M, N, generator=gen).to(dtype).to(cuda)
         problems = (("fwd", x, w), ("dgrad", g, w), ("wgrad", g, x))
         monkeypatch.delenv("MOE_KERNELS_MMA_STAGES", raising=False)
         default = {op: _run(op, a, b, gs.to(cuda), M, N, K, 1) for op, a, b in problems}
@@ -149,7 +151,8 @@ def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
         for op, a, b in problems:
             out = _run(op, a, b, gs.to(cuda), M, N, K, 1)
             rows = slice(0, n) if op == "fwd" else slice(None)  # fwd rows past the groups are unspecified
-            assert_exact(out[rows], default[op][rows], f"{op} K={K}: {stages} stages vs the default")
+            assert_exact(out[rows], default[op][rows], f"{op} K={K} {dtype}: {stages} stages vs the default")
+            assert not bool(out[rows].isnan().any()), f"{op} K={K} {dtype}: NaN (NaN equals NaN in assert_exact)"
 
 
 @pytest.mark.parametrize("value", ["5", "1", "two"])
@@ -216,11 +219,13 @@ def test_gathered_products_and_swiglu_epilogue(cuda):
     """The gather-fused expert MLP (gathered operand rows in every product, the SwiGLU epilogue in the forward) on
     the tensor-core kernel: expert_mlp's own bf16 and fp16 tests (fresh random inputs, 0 tokens, empty experts, a
     hot expert, dropped slots, padding rows, odd sizes, H = 1, several tiles a group, operands off 16-byte
-    alignment) rerun in a process with MOE_KERNELS_PORTABLE_MMA=1 (read once per process). The composition they
-    compare with runs this kernel too where no CUTLASS kernel takes it, so on the CPU-executed build the two agree
-    bit for bit; on a GPU both are held to the fp64 rule."""
+    alignment) rerun in a process with MOE_KERNELS_PORTABLE_MMA=1 (read once per process), at 3 shared-memory
+    stages (the default is 4 or 2: the plain products' tests cover those). The composition they compare with runs
+    this kernel too where no CUTLASS kernel takes it, so on the CPU-executed build the two agree bit for bit; on a
+    GPU both are held to the fp64 rule."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1", MOE_KERNELS_GATHER_CUTLASS="0")  # not sm_90a's gather kernels
+    env = dict(os.environ, MOE_KERNELS_PORTABLE_MMA="1", MOE_KERNELS_GATHER_CUTLASS="0",  # not sm_90a's gather kernels
+               MOE_KERNELS_MMA_STAGES="3")
     check = f"""
 import torch
 from moe_kernels import _ext

@@ -105,11 +105,13 @@ __global__ void empty_kernel(int32_t*) {}
 __global__ void opted_in_kernel(int32_t*) {}
 
 // cp.async through the layer: each of 64 threads copies 16 bytes of out[0, 512) into dynamic shared memory in two
-// commit groups, waits until `pending` groups are left in flight (-1: no wait), then after a barrier writes what
-// the copies of thread 63 - t left: out[512 + t] from the first group, out[576 + t] from the second.
+// commit groups (over 7s it wrote first), waits until `pending` groups are left in flight (-1: no wait), then after a
+// barrier writes what the copies of thread 63 - t left: out[512 + t] from the first group, out[576 + t] from the
+// second.
 __global__ void cp_async_kernel(int32_t* out, int pending) {
   extern __shared__ __align__(16) int32_t staged[];  // [2][64][4]
   const int t = int(threadIdx.x), o = 63 - t;
+  for (int i = 0; i < 4; ++i) staged[4 * t + i] = staged[256 + 4 * t + i] = 7;  // overwritten by the issue's poison
   moe::cp_async_16(staged + 4 * t, out + 4 * t);
   moe::cp_async_commit();
   moe::cp_async_16(staged + 256 + 4 * t, out + 256 + 4 * t);
@@ -118,7 +120,6 @@ __global__ void cp_async_kernel(int32_t* out, int pending) {
   __syncthreads();
   out[512 + t] = staged[4 * o];
   out[576 + t] = staged[256 + 4 * o];
-  __syncthreads();  // a thread's copies complete when it exits: none exits before every thread has read
 }
 
 void run(const std::string& name, uintptr_t out) {

@@ -96,6 +96,7 @@ cudaError_t cudaDeviceGetAttribute(int* value, enum cudaDeviceAttr attr, int dev
     case cudaDevAttrMaxSharedMemoryPerBlock: *value = 48 * 1024; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = smem_optin_kb() * 1024; return cudaSuccess;
     case cudaDevAttrMaxSharedMemoryPerMultiprocessor: *value = smem_per_sm_kb() * 1024; return cudaSuccess;
+    case cudaDevAttrReservedSharedMemoryPerBlock: *value = 1024; return cudaSuccess;
     case cudaDevAttrMaxThreadsPerBlock: *value = 1024; return cudaSuccess;
     case cudaDevAttrWarpSize: *value = 32; return cudaSuccess;
     case cudaDevAttrMaxGridDimX: *value = 0x7fffffff; return cudaSuccess;

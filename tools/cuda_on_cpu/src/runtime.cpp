@@ -249,7 +249,7 @@ void cp_async_commit() {
 }
 
 namespace {
-// Completes the running thread's copies of the groups before `group` (all of them: INT64_MAX).
+// Completes the thread's copies of the groups before `group`.
 void complete_copies(Thread& t, int64_t group) {
   size_t done = 0;
   while (done < t.copies.size() && t.copies[done].group < group) {
@@ -540,7 +540,6 @@ int block_barrier(int pred, const char* file, int line) {
 namespace {
 
 void thread_exited(Block& b, Thread& t) {
-  complete_copies(t, INT64_MAX);  // a thread's copies complete even if it never waits for them
   --b.live;
   Warp& w = b.warps[size_t(t.st.warp)];
   w.exited |= 1u << t.st.lane;

@@ -80,8 +80,9 @@ unsigned active_lanes();
 void* dynamic_shared();
 
 // cp.async: `bytes` (4, 8 or 16) from global `src` to shared `dst`. The source is read now; `dst` holds 0xff
-// until the copy completes, at the cp.async.wait_group that covers its commit group (or when the thread exits),
-// so a read before that wait, or a copy into a buffer other threads still read, sees the poison.
+// until the copy completes, at the cp.async.wait_group that covers its commit group (never, when the thread exits
+// without that wait: a GPU may complete it as late as the block's end), so a read before that wait, or a copy into
+// a buffer other threads still read, sees the poison.
 void cp_async(void* dst, const void* src, int bytes, const char* file, int line);
 // cp.async.commit_group: the thread's copies since the last commit form one group.
 void cp_async_commit();
