@@ -34,6 +34,9 @@ Peers, timed in the same run on the same inputs:
                     this GPU takes; checked against the baseline like ours before timing. On a Hopper GPU
                     mma.sync runs below WGMMA's rate, so its speedup says how far it is from the sm_90a kernels,
                     not how it does on an A100.
+  portable_mma_2_stages  (where portable_mma runs) the same kernel with 2 shared-memory stages
+                    (MOE_KERNELS_MMA_STAGES=2) instead of as many as fit (4 on an A100, H100 or B200): what the
+                    deeper cp.async pipeline gains; checked bit for bit against portable_mma before timing.
   expert_order      (wgrad, where ours runs its kernels) ours with the groups visited in expert order
                     (group_order=0) instead of the default, largest first: the same kernel and bits (checked
                     equal), timed to show what visiting the largest groups first gains under skewed routing
@@ -58,8 +61,10 @@ the extension's grouped_mm_path, then the sm_90a instance and raster order the t
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import os
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable
@@ -281,6 +286,20 @@ def portable_mma(op: str, c: Case, group_sizes: torch.Tensor) -> Callable:
     return fn
 
 
+@contextlib.contextmanager
+def mma_stages(count: str):
+    """MOE_KERNELS_MMA_STAGES (read by the launcher at every call) set to `count` inside the block."""
+    saved = os.environ.get("MOE_KERNELS_MMA_STAGES")
+    os.environ["MOE_KERNELS_MMA_STAGES"] = count
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["MOE_KERNELS_MMA_STAGES"]
+        else:
+            os.environ["MOE_KERNELS_MMA_STAGES"] = saved
+
+
 def dense_mm(op: str) -> tuple[Callable, Callable]:
     """(fn, operands from an input set): one dense matmul with the op's FLOPs and layout."""
     return {
@@ -476,8 +495,11 @@ def check_op(ctx: h.Context, c: Case, op: str, s: dict[str, torch.Tensor], sizes
     if op == "wgrad" and path != "reference":
         assert torch.equal(wgrad_expert_order(c, gs)(a, b), ours), f"{what}: expert order changed the bits"
     if path != "reference":
-        check_close(f"{what} portable_mma vs {base_name}", _rows(op, portable_mma(op, c, gs)(a, b), n),
-                    _rows(op, base, n))
+        mma = portable_mma(op, c, gs)(a, b)
+        check_close(f"{what} portable_mma vs {base_name}", _rows(op, mma, n), _rows(op, base, n))
+        with mma_stages("2"):
+            assert torch.equal(_rows(op, portable_mma(op, c, gs)(a, b), n), _rows(op, mma, n)), \
+                f"{what}: the portable kernel's bits changed with 2 shared-memory stages"
     if fp64:
         ref64 = REFERENCE[op](a.double(), b.double(), gs)
         check_fp64(f"{what} vs fp64 (baseline {base_name})", _rows(op, ours, n), _rows(op, base, n),
@@ -528,6 +550,9 @@ def run_case(ctx: h.Context, c: Case, torch_status: dict[str, str | None],
         if path != "reference":
             peers["portable_mma"] = ctx.time(portable_mma(op, c, gs), inputs)
             variant["portable_mma"] = "ours, the tensor-core portable kernel named (portable=1)"
+            with mma_stages("2"):
+                peers["portable_mma_2_stages"] = ctx.time(portable_mma(op, c, gs), inputs)
+            variant["portable_mma_2_stages"] = "ours, the tensor-core portable kernel, MOE_KERNELS_MMA_STAGES=2"
         if op == "wgrad" and path != "reference":
             peers["expert_order"] = ctx.time(wgrad_expert_order(c, gs), inputs)
             variant["expert_order"] = "ours, group_order=0 (the default visits the largest groups first)"

@@ -242,5 +242,7 @@ def test_grouped_mm_expert_order_peer_and_headline(cuda, monkeypatch, tmp_path):
     wgrad = [r for r in rep.results if r.op == "grouped_mm_wgrad"]
     assert wgrad and all("expert_order" in r.speedup and r.speedup["expert_order"] > 0 for r in wgrad)
     assert not any("expert_order" in r.speedup for r in rep.results if r.op != "grouped_mm_wgrad")
+    assert all(r.speedup.get("portable_mma", 0) > 0 and r.speedup.get("portable_mma_2_stages", 0) > 0
+               for r in rep.results), "the tensor-core portable kernel at its default and at 2 stages"
     lines = [line for line in rep.headline if "largest first vs expert order" in line]
     assert len(lines) == len(bg.ROUTINGS) and all("geomean over" in line for line in lines)
