@@ -49,6 +49,13 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
   e_score_correction_bias, n_group/topk_group group limit where a group's score is the sum of its top 2
   selection scores (group_score_topk=2), weights normalised (+1e-20) only with norm_topk_prob, times
   routed_scaling_factor.
+- Qwen3-VL-MoE (and Qwen3.5-MoE, Qwen3-Omni's text model by their code): Qwen's routing, always renormalised.
+- MiniMax-M2: sigmoid, selection by sigmoid + the block's e_score_correction_bias (the block passes it to the
+  router), no group limit, weights renormalised over the k, fp32.
+- Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
+  source text and the same objects behind its global names, in the installed transformers) routes as that
+  family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
+  MiniMax (Mixtral's), Qwen3.5-MoE (Qwen3-VL-MoE's), ...; `matched_routers()` lists them.
 
 Not supported (left alone, listed in one warning): GPT-OSS (`GptOssMLP`): its experts add a bias to both
 projections and use a clamped SwiGLU variant, (clamp(up) + 1) * g * sigmoid(alpha * g) with g = clamp(gate),
@@ -68,13 +75,16 @@ transformers is imported lazily: importing moe_kernels never imports it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
+import inspect
 import re
 import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -197,6 +207,27 @@ def _deepseek_v3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple
     return router_logits, weights, indices.long()  # int64, as transformers' routers return (eager experts need it)
 
 
+def _qwen_normalized_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Qwen3-VL-MoE, Qwen3.5-MoE and Qwen3-Omni's text routers: Qwen's routing, always renormalised."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def _minimax_m2_router_forward(
+    self: nn.Module, hidden_states: Tensor, e_score_correction_bias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """MiniMax-M2: sigmoid, selection by sigmoid + the block's e_score_correction_bias (passed in by the block),
+    no group limit, weights normalised over the k (transformers divides by their sum; router_topk adds 1e-20 to
+    it, which changes nothing unless all k sigmoids are below 1e-13) and fp32."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid",
+                                   expert_bias=e_score_correction_bias.float(), normalize=True)
+    return router_logits, weights, indices.long()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Supported families
 
@@ -210,6 +241,8 @@ class _Family:
     experts: str
     router_forward: Callable
     deepseek: bool = False  # router carries e_score_correction_bias and group settings
+    block_bias: bool = False  # the block holds e_score_correction_bias and passes it to the router (MiniMax-M2)
+    reference: bool = True  # its router's code is a routing reference other families are matched against
 
 
 _TM = "transformers.models."
@@ -219,11 +252,15 @@ FAMILIES = (
     _Family("Qwen2-MoE", _TM + "qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter",
             "Qwen2MoeExperts", _qwen_router_forward),
     _Family("Qwen3-MoE", _TM + "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter",
-            "Qwen3MoeExperts", _qwen_router_forward),
+            "Qwen3MoeExperts", _qwen_router_forward, reference=False),
     _Family("OLMoE", _TM + "olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
-            _qwen_router_forward),
+            _qwen_router_forward, reference=False),
     _Family("DeepSeek-V3", _TM + "deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
             "DeepseekV3Experts", _deepseek_v3_router_forward, deepseek=True),
+    _Family("Qwen3-VL-MoE", _TM + "qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
+            "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextExperts", _qwen_normalized_router_forward),
+    _Family("MiniMax-M2", _TM + "minimax_m2.modeling_minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter",
+            "MiniMaxM2Experts", _minimax_m2_router_forward, block_bias=True),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
@@ -247,6 +284,106 @@ def _family_classes(fam: _Family):
         return None
     classes = tuple(getattr(mod, name, None) for name in (fam.block, fam.gate, fam.experts))
     return None if any(c is None for c in classes) else classes
+
+
+# Families matched by their router's code. transformers generates most MoE models from a few (its modular
+# files), so many routers are a reference family's router under another name (GLM-4.5's, Dots1's, Kimi-Linear's
+# are DeepSeek-V3's; Qwen3-Next's and FlexOlmo's are Qwen2-MoE's; MiniMax's is Mixtral's). A router class routes
+# exactly as a reference family does when its `forward` has the reference's source text, character for
+# character, and every global name that source reads (F, torch, nn, helpers) is the same object in both modules:
+# then the same code runs on the same attributes. Checked in the installed transformers, class by class, so a
+# router that transformers changes stops matching (and is left alone, named in the warning) instead of being
+# routed by code that no longer agrees with it.
+_MATCHED: dict[type, _Family | None] = {}
+
+
+def _forward_of(cls: type):
+    fn = getattr(cls, "forward", None)
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+def _same_code(fn, ref) -> bool:
+    try:
+        if inspect.getsource(fn) != inspect.getsource(ref):
+            return False
+    except (OSError, TypeError):
+        return False
+    missing = object()
+    return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n, missing) for n in fn.__code__.co_names
+               if n in fn.__globals__ or n in ref.__globals__)
+
+
+def _matched_family(cls: type) -> _Family | None:
+    """The family a transformers router class routes as, by its code (above), or None. Cached per class."""
+    if cls in _MATCHED:
+        return _MATCHED[cls]
+    found = None
+    fn = _forward_of(cls)
+    if fn is not None and cls.__module__.startswith(_TM):
+        for ref in FAMILIES:
+            if not ref.reference:
+                continue
+            try:
+                ref_cls = getattr(importlib.import_module(ref.module), ref.gate)
+            except (ImportError, AttributeError):
+                continue
+            ref_fn = _forward_of(ref_cls)
+            if ref_fn is not None and _same_code(fn, ref_fn):
+                short = cls.__module__[len(_TM):].split(".")[0]
+                found = _Family(f"{short} ({ref.name} routing)", cls.__module__, None, cls.__name__, None,
+                                ref.router_forward, deepseek=ref.deepseek, block_bias=ref.block_bias, reference=False)
+                break
+    _MATCHED[cls] = found
+    return found
+
+
+def matched_routers() -> dict[str, str]:
+    """{router class (module.Class): the family whose routing it runs} for every router class of the installed
+    transformers that patch_hf runs: the named families' and those matched by their code. Imports every
+    transformers model module (seconds); for documentation and tests."""
+    import transformers.models
+
+    out = {}
+    for fam in FAMILIES:
+        try:
+            if isinstance(getattr(importlib.import_module(fam.module), fam.gate, None), type):
+                out[f"{fam.module}.{fam.gate}"] = fam.name
+        except ImportError:  # a transformers without that model
+            continue
+    root = Path(transformers.models.__file__).parent
+    for path in sorted(root.glob("*/modeling_*.py")):
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if "def forward" not in text or ("Router" not in text and "Gate" not in text):
+            continue
+        name = f"{_TM}{path.parent.name}.{path.stem}"
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # a model whose optional dependencies are missing
+            continue
+        for attr, cls in vars(mod).items():
+            if isinstance(cls, type) and cls.__module__ == name and issubclass(cls, nn.Module):
+                key = f"{name}.{attr}"
+                if key not in out and (fam := _matched_family(cls)) is not None:
+                    out[key] = fam.name
+    return out
+
+
+def _transformers_class(name: str) -> type | None:
+    """A class of transformers' model modules by name: loaded modules first, then the source files (one read
+    each) to find the module to import. For unpickling in a fresh process."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith(_TM) and isinstance(cls := getattr(mod, name, None), type) and cls.__name__ == name:
+            return cls
+    try:
+        import transformers.models
+    except ImportError:
+        return None
+    for path in sorted(Path(transformers.models.__file__).parent.glob("*/modeling_*.py")):
+        if f"class {name}(" in path.read_text(encoding="utf-8", errors="replace"):
+            cls = getattr(importlib.import_module(f"{_TM}{path.parent.name}.{path.stem}"), name, None)
+            if isinstance(cls, type):
+                return cls
+    return None
 
 
 _SHARDED = (
@@ -318,6 +455,10 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
             return "its router has no [E] e_score_correction_bias"
         if gate.num_group > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
             return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
+    if fam.block_bias:
+        bias = getattr(block, "e_score_correction_bias", None)
+        if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+            return "the block has no [E] e_score_correction_bias"
     return None
 
 
@@ -332,7 +473,8 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
     from moe_kernels.nn.moe import MoELayer  # already ours
 
     families = [(fam, classes) for fam in FAMILIES if (classes := _family_classes(fam)) is not None]
-    generic = f"not a supported family (supported with transformers 5.x: {', '.join(SUPPORTED)})"
+    generic = (f"not a supported family (supported with transformers 5.x: {', '.join(SUPPORTED)}, and the families "
+               "whose router is the same code as one of theirs)")
     version = getattr(sys.modules.get("transformers"), "__version__", "5")
     if not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 5:
         generic += f"; this is transformers {version}, whose MoE blocks have another layout"
@@ -343,6 +485,12 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
         for fam, (block_cls, gate_cls, experts_cls) in families:
             if isinstance(module, block_cls):
                 yield path, module, fam, _structure_problem(fam, module, gate_cls, experts_cls)
+                return
+        gate, experts = module._modules.get("gate"), _experts_of(module)
+        if isinstance(gate, nn.Module) and isinstance(experts, nn.Module):
+            fam = _matched_family(_base_class(gate))  # a router with a named family's code
+            if fam is not None:
+                yield path, module, fam, _structure_problem(fam, module, _base_class(gate), type(experts))
                 return
         if _looks_like_moe(module):
             name = type(module).__name__
@@ -383,11 +531,14 @@ def _patched_router_class(cls: type, router_forward: Callable) -> type:
 
 def __getattr__(name: str):
     """Unpickling a patched model in a fresh process: define the router subclass it names."""
-    for fam in FAMILIES:
-        if name == f"MoeKernels{fam.gate}":
-            import importlib
-
-            return _patched_router_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
+    if name.startswith("MoeKernels"):
+        gate = name[len("MoeKernels"):]
+        for fam in FAMILIES:
+            if gate == fam.gate:
+                return _patched_router_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
+        cls = _transformers_class(gate)
+        if cls is not None and (fam := _matched_family(cls)) is not None:
+            return _patched_router_class(cls, fam.router_forward)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -451,7 +602,9 @@ def is_patched(module: nn.Module) -> bool:
 def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
-    Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3. Each block keeps its
+    Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2, and
+    every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
+    Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change
     (see the module docstring). Other MoE-like blocks are left alone and listed in one warning. Patching a
     patched model changes nothing but the recipe; `unpatch_hf` undoes it.

@@ -4,8 +4,11 @@ within moe_kernels.testing's tolerance policy (gpu tier)."""
 
 import contextlib
 import copy
+import inspect
 import subprocess
 import sys
+import textwrap
+import types
 import warnings
 
 import pytest
@@ -47,12 +50,44 @@ def _config(family: str, layers: int = 2, **overrides):
     if family == "gpt_oss":
         return T.GptOssConfig(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
                               num_hidden_layers=layers, **COMMON, **overrides)
+    if family in MATCHED:
+        return _matched_config(family, layers, overrides)
     raise ValueError(family)
+
+
+# Families patched by their router's code (hf._matched_family) or named for a routing of their own, built from
+# the sizes below, each taken where the family's config has that argument.
+MATCHED = {  # family -> (config class, model class, the routing patch_hf must report)
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4_moe (DeepSeek-V3 routing)"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", "dots1 (DeepSeek-V3 routing)"),
+    "exaone_moe": ("ExaoneMoeConfig", "ExaoneMoeForCausalLM", "exaone_moe (DeepSeek-V3 routing)"),
+    "solar_open": ("SolarOpenConfig", "SolarOpenForCausalLM", "solar_open (DeepSeek-V3 routing)"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", "qwen3_next (Qwen2-MoE routing)"),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM", "flex_olmo (Qwen2-MoE routing)"),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", "minimax (Mixtral routing)"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "qwen3_5_moe (Qwen3-VL-MoE routing)"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "MiniMax-M2"),
+}
+_SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
+              num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+              n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.5, max_position_embeddings=64,
+              linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+              pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _matched_config(family: str, layers: int, overrides: dict):
+    cls = getattr(transformers, MATCHED[family][0])
+    accepted = inspect.signature(cls.__init__).parameters
+    kw = {key: v for key, v in _SIZES.items() if key in accepted}
+    if "layer_types" in accepted:  # hybrid families (linear attention): full attention keeps the test small
+        kw["layer_types"] = ["full_attention"] * layers
+    return cls(num_hidden_layers=layers, **{**kw, **overrides})
 
 
 _CLASSES = {
     "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM", "gpt_oss": "GptOssForCausalLM",
+    **{family: model for family, (_, model, _) in MATCHED.items()},
 }
 
 # (family, config overrides): every routing variant the patch distinguishes.
@@ -67,6 +102,17 @@ CASES = [
     ("deepseek_v3", {"norm_topk_prob": True}),
     ("deepseek_v3", {"norm_topk_prob": False}),
     ("deepseek_v3", {"n_group": 1, "topk_group": 1}),
+    ("glm4_moe", {"norm_topk_prob": True}),
+    ("glm4_moe", {"norm_topk_prob": False}),
+    ("dots1", {}),
+    ("exaone_moe", {}),
+    ("solar_open", {}),
+    ("qwen3_next", {"norm_topk_prob": True}),
+    ("qwen3_next", {"norm_topk_prob": False}),
+    ("flex_olmo", {}),
+    ("minimax", {}),
+    ("qwen3_5_moe", {}),
+    ("minimax_m2", {}),
 ]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]
 
@@ -80,7 +126,7 @@ def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.3)
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            elif name.endswith((".gate.weight", "mlp.router.weight")):
                 p.normal_(0.0, 1.0)
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
@@ -136,11 +182,13 @@ def moe_blocks(model):
 @pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
 def test_router_matches_transformers(family, overrides):
     model = build(family, **overrides)
-    gate = moe_blocks(model)[0].gate
+    block = moe_blocks(model)[0]
+    gate = block.gate
     x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
-    ref_logits, ref_w, ref_idx = gate(x)
+    args = (block.e_score_correction_bias,) if family == "minimax_m2" else ()  # the block passes its bias in
+    ref_logits, ref_w, ref_idx = gate(x, *args)
     mk.patch_hf(model)
-    logits, w, idx = gate(x)
+    logits, w, idx = gate(x, *args)
     assert "forward" not in gate.__dict__ and type(gate).__name__.startswith("MoeKernels")  # nothing bound
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
     assert w.dtype == ref_w.dtype and idx.dtype == ref_idx.dtype == torch.int64
@@ -332,8 +380,9 @@ def test_deepseek_v3_with_k_past_the_kept_groups():
         assert_same_outputs(run(model, ids), run(ref, ids))
 
 
-def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
-    model = patched_copy(build("deepseek_v3", norm_topk_prob=True).eval())
+@pytest.mark.parametrize("family", ["deepseek_v3", "glm4_moe"])
+def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch, family):
+    model = patched_copy(build(family, norm_topk_prob=True).eval())
     ids = inputs()
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
@@ -342,8 +391,12 @@ def test_pickled_patched_model_stays_patched(tmp_path, monkeypatch):
     with torch.no_grad():
         assert_same_outputs(run(loaded, ids), run(model, ids), rtol=0, atol=0)
     assert calls
-    # In a fresh process, which has run neither patch_hf nor the registration.
-    load = f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n"
+    # In a fresh process, which has run neither patch_hf nor the registration. It also defines the patched class
+    # of a router whose transformers module it has not imported (found by its source file).
+    load = ("from moe_kernels.integrations import hf as h\n"
+            "assert 'transformers.models.dots1.modeling_dots1' not in sys.modules\n"
+            "assert h.MoeKernelsDots1TopkRouter.__mro__[1].__module__ == 'transformers.models.dots1.modeling_dots1'\n"
+            f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n")
     out = _logits_in_fresh_process(tmp_path, load, ids, "assert calls and hf.is_patched(m), 'runs our ops'\n")
     with torch.no_grad():
         torch.testing.assert_close(out, run(model, ids).logits, rtol=0, atol=0)
@@ -491,6 +544,69 @@ def test_gpt_oss_is_unsupported():
     ids = inputs()
     with torch.no_grad():
         assert_same_outputs(run(model, ids), run(ref_model, ids), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Families matched by their router's code
+
+
+@pytest.mark.parametrize("family", list(MATCHED))
+def test_each_family_reports_its_routing(family):
+    block = moe_blocks(build(family))[0]
+    found = [fam.name for path, b, fam, problem in hf._scan(block) if fam is not None and problem is None]
+    assert found == [MATCHED[family][2]]
+
+
+def _router_like(forward, module="transformers.models.fake_moe.modeling_fake_moe"):
+    return type("FakeMoeTopkRouter", (nn.Module,), {"forward": forward, "__module__": module})
+
+
+def test_router_code_must_match_in_text_and_globals():
+    ref = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter.forward
+    assert hf._matched_family(_router_like(ref)).name == "fake_moe (DeepSeek-V3 routing)"
+    # The same code object reading another `F` (a module that shadows torch.nn.functional): not the same routing.
+    shadowed = dict(ref.__globals__, F=types.SimpleNamespace(linear=F.linear))
+    assert hf._matched_family(_router_like(types.FunctionType(ref.__code__, shadowed))) is None
+
+    def forward(self, hidden_states):  # other source text
+        return ref(self, hidden_states)
+
+    assert hf._matched_family(_router_like(forward)) is None
+    assert hf._matched_family(_router_like(ref, module="my_models.router")) is None  # outside transformers
+    assert hf._matched_family(_router_like(None)) is None
+
+
+def test_router_with_changed_code_is_left_alone():
+    # A router whose code differs from every reference (here: one line of GLM-4.5's edited) is not patched and
+    # is named in the warning, with the block left on transformers' code.
+    model = build("glm4_moe").eval()
+    block = moe_blocks(model)[1]
+    ns = {}
+    src = inspect.getsource(type(block.gate).forward).replace("+ 1e-20", "+ 1e-6")
+    exec(compile(textwrap.dedent(src), "<edited>", "exec"), type(block.gate).forward.__globals__, ns)
+    edited = type("Glm4MoeTopkRouter", (type(block.gate),), {"forward": ns["forward"],
+                                                             "__module__": type(block.gate).__module__})
+    block.gate.__class__ = edited
+    with pytest.warns(UserWarning, match=r"Glm4MoeMoE at model\.layers\.1\.mlp: not a supported family"):
+        mk.patch_hf(model)
+    assert hf.is_patched(model.model.layers[0]) and not hf.is_patched(model.model.layers[1])
+
+
+def test_documented_families_are_matched():
+    # docs/transformers.md lists the transformers modules patch_hf runs by their router's code; each one's
+    # router classes must match in the installed transformers (a family it lacks is skipped).
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "transformers.md").read_text()
+    listed = re.search(r"<!-- matched-families:start -->(.*?)<!-- matched-families:end -->", doc, re.S).group(1)
+    modules = re.findall(r"`([a-z0-9_]+)`", listed)
+    assert len(modules) >= 10
+    matched = {key.split(".")[2] for key, name in hf.matched_routers().items() if "routing" in name}
+    import importlib.util
+
+    present = [m for m in modules if importlib.util.find_spec(f"transformers.models.{m}") is not None]
+    assert set(present) <= matched, set(present) - matched
 
 
 def test_supported_class_with_other_structure_is_unsupported():
