@@ -52,6 +52,9 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - Qwen3-VL-MoE (and Qwen3.5-MoE, Qwen3-Omni's text model by their code): Qwen's routing, always renormalised.
 - MiniMax-M2: sigmoid, selection by sigmoid + the block's e_score_correction_bias (the block passes it to the
   router), no group limit, weights renormalised over the k, fp32.
+- DeepSeek-V2: fp32 logits, softmax over all E, top-k ("greedy") or top-k within the topk_group groups of largest
+  maximum score ("group_limited_greedy" == group_score_topk=1), not renormalised, times routed_scaling_factor.
+  Refused where top_k exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
   source text and the same objects behind its global names, in the installed transformers) routes as that
   family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
@@ -228,6 +231,60 @@ def _minimax_m2_router_forward(
     return router_logits, weights, indices.long()
 
 
+def _deepseek_v2_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek-V2: fp32 logits, softmax over all E, top-k ("greedy") or top-k within the topk_group groups of
+    largest maximum score ("group_limited_greedy": group_score_topk=1), never renormalised, times
+    routed_scaling_factor."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    grouped = self.topk_method == "group_limited_greedy" and self.num_group > 1
+    weights, indices = router_topk(
+        router_logits,
+        self.top_k,
+        score="softmax",
+        pre_softmax=True,
+        num_groups=self.num_group if grouped else None,
+        group_topk=self.topk_group if grouped else None,
+        group_score_topk=1 if grouped else None,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, indices.long()
+
+
+# Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
+
+
+def _deepseek_v3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return "its router has no [E] e_score_correction_bias"
+    if gate.num_group > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
+        return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
+    return None
+
+
+def _minimax_m2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    bias = getattr(block, "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return "the block has no [E] e_score_correction_bias"
+    return None
+
+
+def _deepseek_v2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    method = getattr(gate, "topk_method", None)
+    if method not in ("greedy", "group_limited_greedy"):
+        return f"its router's topk_method={method!r} (router_topk runs 'greedy' and 'group_limited_greedy')"
+    G, g = gate.num_group, gate.topk_group
+    if method == "group_limited_greedy" and G > 1:
+        if E % G or not 1 <= g <= G:
+            return f"n_group={G}, topk_group={g} do not fit {E} experts"
+        if gate.top_k > g * (E // G):
+            # transformers then also picks experts of dropped groups, at score 0 (a zeroed mask); router_topk
+            # would give them their softmax scores
+            return f"top_k={gate.top_k} exceeds the {g * (E // G)} experts of the topk_group={g} kept groups"
+    return None
+
+
 # ---------------------------------------------------------------------------------------------------
 # Supported families
 
@@ -240,8 +297,7 @@ class _Family:
     gate: str
     experts: str
     router_forward: Callable
-    deepseek: bool = False  # router carries e_score_correction_bias and group settings
-    block_bias: bool = False  # the block holds e_score_correction_bias and passes it to the router (MiniMax-M2)
+    problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
     reference: bool = True  # its router's code is a routing reference other families are matched against
 
 
@@ -256,11 +312,13 @@ FAMILIES = (
     _Family("OLMoE", _TM + "olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
             _qwen_router_forward, reference=False),
     _Family("DeepSeek-V3", _TM + "deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
-            "DeepseekV3Experts", _deepseek_v3_router_forward, deepseek=True),
+            "DeepseekV3Experts", _deepseek_v3_router_forward, _deepseek_v3_problem),
     _Family("Qwen3-VL-MoE", _TM + "qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
             "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextExperts", _qwen_normalized_router_forward),
     _Family("MiniMax-M2", _TM + "minimax_m2.modeling_minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter",
-            "MiniMaxM2Experts", _minimax_m2_router_forward, block_bias=True),
+            "MiniMaxM2Experts", _minimax_m2_router_forward, _minimax_m2_problem),
+    _Family("DeepSeek-V2", _TM + "deepseek_v2.modeling_deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
+            "DeepseekV2Experts", _deepseek_v2_router_forward, _deepseek_v2_problem),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
@@ -331,7 +389,7 @@ def _matched_family(cls: type) -> _Family | None:
             if ref_fn is not None and _same_code(fn, ref_fn):
                 short = cls.__module__[len(_TM):].split(".")[0]
                 found = _Family(f"{short} ({ref.name} routing)", cls.__module__, None, cls.__name__, None,
-                                ref.router_forward, deepseek=ref.deepseek, block_bias=ref.block_bias, reference=False)
+                                ref.router_forward, ref.problem, reference=False)
                 break
     _MATCHED[cls] = found
     return found
@@ -449,17 +507,7 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
                 f"router {tuple(wg.shape)} for {E} experts")
     if not 1 <= getattr(gate, "top_k", 0) <= E:
         return "its router has no valid top_k"
-    if fam.deepseek:
-        bias = getattr(gate, "e_score_correction_bias", None)
-        if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
-            return "its router has no [E] e_score_correction_bias"
-        if gate.num_group > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
-            return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
-    if fam.block_bias:
-        bias = getattr(block, "e_score_correction_bias", None)
-        if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
-            return "the block has no [E] e_score_correction_bias"
-    return None
+    return fam.problem(gate, block, E) if fam.problem is not None else None
 
 
 def _looks_like_moe(module: nn.Module) -> bool:
@@ -602,7 +650,8 @@ def is_patched(module: nn.Module) -> bool:
 def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
-    Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2, and
+    Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
+    DeepSeek-V2, and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change

@@ -67,18 +67,23 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM", "minimax (Mixtral routing)"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "qwen3_5_moe (Qwen3-VL-MoE routing)"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "MiniMax-M2"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepSeek-V2"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
               n_shared_experts=1, first_k_dense_replace=0, routed_scaling_factor=2.5, max_position_embeddings=64,
+              q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
               linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+_EXTRA = {"deepseek_v2": {"num_key_value_heads": 4}}  # its latent attention has as many KV heads as heads
 
 
 def _matched_config(family: str, layers: int, overrides: dict):
     cls = getattr(transformers, MATCHED[family][0])
     accepted = inspect.signature(cls.__init__).parameters
-    kw = {key: v for key, v in _SIZES.items() if key in accepted}
+    kw = {key: v for key, v in {**_SIZES, **_EXTRA.get(family, {})}.items() if key in accepted}
     if "layer_types" in accepted:  # hybrid families (linear attention): full attention keeps the test small
         kw["layer_types"] = ["full_attention"] * layers
     return cls(num_hidden_layers=layers, **{**kw, **overrides})
@@ -113,6 +118,8 @@ CASES = [
     ("minimax", {}),
     ("qwen3_5_moe", {}),
     ("minimax_m2", {}),
+    ("deepseek_v2", {"topk_method": "greedy"}),
+    ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
 ]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]
 
@@ -574,6 +581,18 @@ def test_router_code_must_match_in_text_and_globals():
     assert hf._matched_family(_router_like(forward)) is None
     assert hf._matched_family(_router_like(ref, module="my_models.router")) is None  # outside transformers
     assert hf._matched_family(_router_like(None)) is None
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ({"topk_method": "noaux_tc"}, "topk_method='noaux_tc'"),
+    ({"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 1, "num_experts_per_tok": 3},
+     "top_k=3 exceeds the 2 experts"),
+])
+def test_deepseek_v2_routing_router_topk_cannot_run_is_left_alone(overrides, why):
+    model = build("deepseek_v2", **overrides)
+    with pytest.warns(UserWarning, match=rf"DeepseekV2Moe at model\.layers\.0\.mlp.*{why}"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
 
 
 def test_router_with_changed_code_is_left_alone():
