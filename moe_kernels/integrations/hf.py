@@ -27,8 +27,9 @@ as accelerate's offloading hooks; transformers' classes themselves are never mod
   model's own aux loss are unchanged;
 - the experts': the block's config selects the "moe_kernels" experts implementation in transformers' own
   experts interface (the previous choice is remembered for `unpatch_hf`), which runs `permute` ->
-  `grouped_mm(gate_up_proj)` -> the module's own gate activation -> `grouped_mm(down_proj)` -> `unpermute`
-  (routing weights applied there, the Hugging Face order). `model.set_experts_implementation("eager")` (or
+  `grouped_mm(gate_up_proj)` -> the gate activation (our fused `swiglu` where the experts compute
+  transformers' default SiLU gate, else the module's own) -> `grouped_mm(down_proj)` -> `unpermute` (routing
+  weights applied there, the Hugging Face order). `model.set_experts_implementation("eager")` (or
   any other) after `patch_hf` therefore switches the experts away from our ops, as it would without it.
 
 `unpatch_hf` restores the router classes and the experts implementation; a forward captured while patched
@@ -94,6 +95,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
+from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.router import router_topk
@@ -155,7 +157,7 @@ def moe_kernels_experts_forward(
                                       "(the adapters hold every expert, the weights this rank's)")
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
-        act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)
+        act = _gated(self, h)
         y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
@@ -163,15 +165,33 @@ def moe_kernels_experts_forward(
     else:
         x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
         h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
-    act = self._apply_gate(h) if hasattr(self, "_apply_gate") else _swiglu(self, h)  # act_fn(gate) * up
+    act = _gated(self, h)  # act_fn(gate) * up
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
 
 
-def _swiglu(experts: nn.Module, h: Tensor) -> Tensor:
+def _gated(experts: nn.Module, h: Tensor) -> Tensor:
+    """act_fn(gate) * up on [R, 2F] rows. Where the experts compute transformers' default gate with a SiLU
+    activation, our `swiglu` op: one pass each way in fp32, rounded once (transformers rounds silu(gate) to the
+    model's dtype before the product, so in bf16 the two differ by at most one rounding). Otherwise the experts'
+    own `_apply_gate` (or act_fn(gate) * up where they have none)."""
+    if _is_default_silu_gate(experts):
+        return swiglu(h)
+    if hasattr(experts, "_apply_gate"):
+        return experts._apply_gate(h)
     gate, up = h.chunk(2, dim=-1)
     return experts.act_fn(gate) * up
+
+
+def _is_default_silu_gate(experts: nn.Module) -> bool:
+    moe = sys.modules.get("transformers.integrations.moe")
+    default = getattr(moe, "_default_apply_gate", None)
+    if default is None or getattr(type(experts), "_apply_gate", None) is not default:
+        return False  # a gate of the family's own (GPT-OSS's clamped one, ...)
+    act = getattr(experts, "act_fn", None)
+    silu = getattr(sys.modules.get("transformers.activations"), "SiLUActivation", None)
+    return type(act) is nn.SiLU or (silu is not None and type(act) is silu)
 
 
 def _mixtral_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:

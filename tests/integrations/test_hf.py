@@ -553,6 +553,26 @@ def test_gpt_oss_is_unsupported():
         assert_same_outputs(run(model, ids), run(ref_model, ids), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize(("act", "fused"), [("silu", True), ("swish", True), ("gelu", False)])
+def test_default_silu_gate_runs_the_fused_swiglu(act, fused, monkeypatch):
+    # transformers' default gate with a SiLU activation runs our swiglu op (fwd and bwd); any other activation
+    # runs the experts' own gate. Both equal transformers' forward and gradients.
+    calls = []
+    real = hf.swiglu
+    monkeypatch.setattr(hf, "swiglu", lambda h: (calls.append(h.shape), real(h))[1])
+    ref_model = build("qwen3_moe", hidden_act=act).train()
+    model = patched_copy(ref_model).train()
+    ids = inputs()
+    outs = [run(m, ids, labels=ids) for m in (ref_model, model)]
+    for out in outs:
+        out.loss.backward()
+    assert_same_outputs(outs[1], outs[0])
+    assert (len(calls) == 2) == fused and (len(calls) == 0) == (not fused)  # one per MoE layer
+    params = dict(model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Families matched by their router's code
 
