@@ -94,6 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels.nn import fused
 from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
@@ -160,6 +161,13 @@ def moe_kernels_experts_forward(
         act = _gated(self, h)
         y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
+    if recipe is None and not lora13 and not lora2 and _is_default_silu_gate(self):
+        launch = fused.launch_for(x)
+        if launch is not None and _moe_region_fits(launch, x, w13, w2, E):
+            # The whole routed-experts computation as MoELayer's fused region: one extension call each way
+            # (permute, grouped_mm, swiglu, grouped_mm, unpermute with the routing weights, the Hugging Face order).
+            out = fused.run("moe", launch, x, idx.contiguous(), top_k_weights.float().contiguous(), w13, w2, E, 1)
+            return out.to(hidden_states.dtype)
     if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
         h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
     else:
@@ -169,6 +177,17 @@ def moe_kernels_experts_forward(
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
+
+
+def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
+    """MoELayer's fused "moe" region takes these experts: plain contiguous tensors of one dtype it runs, no
+    autocast (the registered ops apply it), the expert count within the kernels' limits, and our grouped GEMM
+    for this GPU and dtype (moe_kernels.nn.fused.experts_fit)."""
+    plain = (Tensor, nn.Parameter)
+    return (x.dtype in (torch.float32, torch.float16, torch.bfloat16) and w13.dtype == x.dtype == w2.dtype
+            and type(w13) in plain and type(w2) in plain and w13.is_contiguous() and w2.is_contiguous()
+            and not torch.is_autocast_enabled(x.device.type)
+            and E <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups) and fused.experts_fit(x))
 
 
 def _gated(experts: nn.Module, h: Tensor) -> Tensor:

@@ -858,6 +858,35 @@ def _decisive_ids(model, ref64, k, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, monkeypatch):
+    # The patched experts take MoELayer's "moe" region (one extension call each way) on a GPU, and it gives the
+    # registered ops' outputs and gradients bit for bit; a LoRA or a recipe keeps the per-op path.
+    from moe_kernels.nn import fused
+
+    taken = []
+    real = fused.run
+    monkeypatch.setattr(fused, "run", lambda name, *a: (taken.append(name), real(name, *a))[1])
+    base = build("qwen3_moe", layers=1).to(device=cuda, dtype=dtype).train()
+    model = patched_copy(base)
+    ids = inputs(device=cuda)
+    results = []
+    for fits in (True, False):
+        if not fits:
+            monkeypatch.setattr(hf, "_moe_region_fits", lambda *a: False)
+        model.zero_grad(set_to_none=True)
+        taken.clear()
+        out = run(model, ids, labels=ids)
+        out.loss.backward()
+        assert ("moe" in taken) == (fits and fused.experts_fit(out.logits))  # not where torch._grouped_mm runs
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b)
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
 def test_gpu_bf16_matches_transformers(cuda, family, overrides):
     """The patched bf16 model and transformers' own bf16 model (eager attention and experts) against the
