@@ -38,10 +38,15 @@ ACCEPTED_LOCAL: dict[str, str] = {
                             "registers at 64, about 420 B of spills once per call, not per tile",
     "permute::copy_kernel<1>": "the 1-byte-vector path, only for rows of an odd number of bytes (fp8/uint8 "
                                "payloads with odd H); 12 B of spills",
-    **{f"router::fused_fwd_kernel<{t}>": "the last block's finish only (after the ticket; the chunk loop keeps "
-                                          "everything in registers): __launch_bounds__(256, 4) holds the kernel at "
-                                          "64 registers, and the finish's loads in flight spill 64 B, once a launch"
+    **{f"router::fused_fwd_kernel<{t}, 0>": "shared-memory rows (more than 256 experts): the last block's finish "
+                                             "only (after the ticket; the chunk loop keeps everything in registers): "
+                                             "__launch_bounds__(256, 4) holds the kernel at 64 registers, and the "
+                                             "finish's loads in flight spill 20 B, once a launch"
        for t in ("float", "__nv_bfloat16", "__half")},
+    **{f"router::fused_fwd_kernel<{t}, {n}>": "register rows (up to 256 experts): __launch_bounds__(256, 3) gives 80 "
+                                               "registers; 4 B of spill stores and 16 B of loads, in the last block's "
+                                               "finish"
+       for t in ("float", "__nv_bfloat16", "__half") for n in (1, 2, 4, 8)},
     "dispatch::barrier_kernel": "printf's 16 B of arguments, on the path that reports a barrier timeout before "
                                 "trapping; the polling loop itself keeps everything in registers",
     # The FP8 tensor-core portable GEMM (csrc/gemm/portable_mma_fp8.cuh) in this report's sm_90a code: there ptxas

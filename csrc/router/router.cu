@@ -4,8 +4,11 @@
 // with NaN mapped to -inf and -0 to +0 (they compare equal in the reference). Key 0 lies below every
 // real key and marks an expert already taken. A warp-wide argmax is two redux.sync max reductions:
 // the largest key, then the largest ~index among lanes holding it (ties go to the lower index).
-// Each lane owns experts e = lane + 32 i, keeps its own best candidate, and rescans only when its
-// candidate was taken, so a top-k costs k rounds of two reductions plus one lane's rescan.
+// Each lane owns experts e = lane + 32 i, keeps its own best candidate, and rescans when its candidate
+// was taken, so a top-k costs k rounds of two reductions plus a rescan. Up to 256 experts the forward keeps
+// a token's logits and keys in registers (RegRow: 1 to 8 a lane, no shared memory, no warp barriers, the
+// group limit of 32-expert groups without rescans); past it in shared memory (SmemRow). One code serves
+// both, so their results are the same bits.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -24,6 +27,7 @@ namespace {
 constexpr uint32_t kTaken = 0u;
 constexpr float kNormEps = 1e-20f;
 constexpr int kSmemBytes = 48 * 1024;
+constexpr int kRouterRegWarps = 8;  // warps per block of the register-row forward kernels
 constexpr float kSqrtSoftplusTail = -40.f;  // below it e^x < 5e-18: sqrt(softplus(x)) = sqrt(e^x) to rounding
 
 __device__ __forceinline__ uint32_t order_key(float f) {
@@ -48,16 +52,6 @@ __device__ __forceinline__ Best warp_best(Best b) {
   return {top, int32_t(~pick)};
 }
 
-// Best of the lane's experts in [lo, hi), visiting lo + lane, lo + lane + 32, ... (lower index on ties).
-__device__ __forceinline__ Best lane_best(const uint32_t* keys, int lo, int hi, int lane) {
-  Best b{kTaken, -1};
-  for (int e = lo + lane; e < hi; e += 32) {
-    const uint32_t k = keys[e];
-    if (k > b.key) b = {k, e};
-  }
-  return b;
-}
-
 __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
 
 // s = sigmoid(x) or sqrt(softplus(x)), softplus(x) = x above 20 as in torch.
@@ -79,102 +73,222 @@ __device__ __forceinline__ float load(const T* row, int e) {
   return to_float(row[e]);
 }
 
-// Top-k over keys[0, E) into lane r's `chosen` for r < k; consumes the keys (marks them taken).
-__device__ __forceinline__ int32_t select_topk(uint32_t* keys, int E, int k, int lane) {
-  Best mine = lane_best(keys, 0, E, lane);
+// A token's row as its warp holds it: lane `lane` owns experts e = lane + 32 i, i < slots(). One top-k code
+// (topk_fwd_row, the aux scores and the fused forward) runs on two layouts:
+// - RegRow<N>: the logits and keys in registers, E <= 32 N (every loop over the slots unrolled, so the arrays
+//   stay in registers; a rescan is N compares on every lane, no branch);
+// - SmemRow: the warp's slice of shared memory, any E up to kMaxExperts (only the owner of a taken expert
+//   rescans its slots).
+// A lane reads and writes only its own slots, so no warp barrier is needed between steps, except before
+// SmemRow::value reads another lane's logit (sync()).
+template <int N>
+struct RegRow {
+  static constexpr bool kRegs = true;
+  float x[N];
+  uint32_t key[N];
+  int E, lane;
+  __device__ __forceinline__ RegRow(int E_, int lane_) : E(E_), lane(lane_) {}
+  __device__ __forceinline__ constexpr int slots() const { return N; }
+  __device__ __forceinline__ bool has(int i) const { return lane + 32 * i < E; }
+  __device__ __forceinline__ float& xs(int i) { return x[i]; }
+  __device__ __forceinline__ uint32_t& keys(int i) { return key[i]; }
+  // The logit of expert e, the same e on every lane (a warp collective).
+  __device__ __forceinline__ float value(int e) const {
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (lane + 32 * i == e) v = x[i];
+    }
+    return __shfl_sync(0xffffffffu, v, e & 31);
+  }
+  __device__ __forceinline__ void take(int e) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      if (lane + 32 * i == e) key[i] = kTaken;
+    }
+  }
+  __device__ __forceinline__ void sync() const {}
+};
+
+struct SmemRow {
+  static constexpr bool kRegs = false;
+  float* x;       // [E] logits
+  uint32_t* key;  // [E] keys
+  int E, lane;
+  __device__ __forceinline__ SmemRow(float* x_, uint32_t* key_, int E_, int lane_)
+      : x(x_), key(key_), E(E_), lane(lane_) {}
+  __device__ __forceinline__ int slots() const { return lane < E ? (E - lane + 31) / 32 : 0; }
+  __device__ __forceinline__ bool has(int) const { return true; }
+  __device__ __forceinline__ float& xs(int i) { return x[lane + 32 * i]; }
+  __device__ __forceinline__ uint32_t& keys(int i) { return key[lane + 32 * i]; }
+  __device__ __forceinline__ float value(int e) const { return x[e]; }  // after sync()
+  __device__ __forceinline__ void take(int e) {
+    if (e >= 0 && (e & 31) == lane) key[e] = kTaken;
+  }
+  __device__ __forceinline__ void sync() const { __syncwarp(); }
+};
+
+// Best of the lane's own experts in [lo, hi) (the lower index on ties): visited in ascending e.
+template <class Row>
+__device__ __forceinline__ Best row_best(Row& row, int lo, int hi) {
+  Best b{kTaken, -1};
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    const int e = row.lane + 32 * i;
+    if (row.has(i) && e >= lo && e < hi) {
+      const uint32_t k = row.keys(i);
+      if (k > b.key) b = {k, e};
+    }
+  }
+  return b;
+}
+
+// Top-k of the row's keys into lane r's `chosen` for r < k (and, with kValue, its logit in *chosen_x); consumes
+// the keys (marks them taken). The warp's picks are the same whatever lane examined which expert: the largest
+// key, the lower index on ties.
+template <bool kValue, class Row>
+__device__ __forceinline__ int32_t row_select_topk(Row& row, int k, float* chosen_x) {
+  const int lane = row.lane;
+  Best mine = row_best(row, 0, row.E);
   int32_t chosen = -1;
+  float cx = 0.f;
   for (int r = 0; r < k; ++r) {
     const Best b = warp_best(mine);
     if (lane == r) chosen = b.e;
-    if (b.e >= 0 && (b.e & 31) == lane) {  // only the owner touches its experts: no warp barrier needed
-      keys[b.e] = kTaken;
-      mine = lane_best(keys, 0, E, lane);
+    if (b.e < 0) continue;  // (uniform) every expert taken
+    if constexpr (kValue) {
+      const float v = row.value(b.e);
+      if (lane == r) cx = v;
     }
+    row.take(b.e);
+    if (Row::kRegs || (b.e & 31) == lane) mine = row_best(row, 0, row.E);
   }
+  if constexpr (kValue) *chosen_x = cx;
   return chosen;
 }
 
-// Calls token(t, lane, xs, keys) for each token this warp owns (a grid stride past the capped grid). `xs`
-// and `keys` are the warp's slice of dynamic shared memory, 2 * E words (null when `kShared` is false); the
-// next token reuses them, hence the __syncwarp after each.
-template <bool kShared, typename F>
-__device__ __forceinline__ void for_each_token(int64_t num_tokens, int E, F&& token) {
-  extern __shared__ float smem[];
+// Calls token(t, lane) for each token this warp owns (a grid stride past the capped grid); `sync` after each
+// (a shared-memory row is reused by the next token).
+template <bool kSync, typename F>
+__device__ __forceinline__ void for_each_token(int64_t num_tokens, F&& token) {
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* xs = kShared ? smem + size_t(warp) * 2 * E : nullptr;
-  uint32_t* keys = kShared ? reinterpret_cast<uint32_t*>(xs + E) : nullptr;
   for (int64_t t = int64_t(blockIdx.x) * warps + warp; t < num_tokens; t += int64_t(gridDim.x) * warps) {
-    token(t, lane, xs, keys);
-    if (kShared) __syncwarp();
+    token(t, lane);
+    if (kSync) __syncwarp();
   }
+}
+
+// The warp's row in dynamic shared memory: 2 * E words a warp (logits, then keys).
+__device__ __forceinline__ SmemRow smem_row(int E, int lane) {
+  extern __shared__ float smem[];
+  float* xs = smem + size_t(threadIdx.x / 32) * 2 * E;
+  return SmemRow(xs, reinterpret_cast<uint32_t*>(xs + E), E, lane);
 }
 
 // Each kernel strides over the tokens, one warp per token (router_blocks caps the grid, so any T fits
 // gridDim.x); whole warps only, so no block-wide barriers.
-// Returns the expert lane r < k chose (-1 on the other lanes); xs keeps the row's logits.
-template <typename T>
-__device__ __forceinline__ int32_t topk_fwd_token(const TopkParams& p, int64_t t, float* xs, uint32_t* keys, int lane) {
-  const int E = p.num_experts, k = p.k;
-  const T* row = static_cast<const T*>(p.logits) + t * E;
-
+// Loads token t's logits into `row` and returns their maximum (every lane).
+template <typename T, class Row>
+__device__ __forceinline__ float load_row(const void* logits, int64_t t, Row& row) {
+  const T* src = static_cast<const T*>(logits) + t * row.E;
   float m = -INFINITY;
-  for (int e = lane; e < E; e += 32) {
-    const float x = load(row, e);
-    xs[e] = x;
-    m = fmaxf(m, x);
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    if (row.has(i)) {
+      const float x = load(src, row.lane + 32 * i);
+      row.xs(i) = x;
+      m = fmaxf(m, x);
+    }
   }
-  m = warp_max(m);
+  return warp_max(m);
+}
+
+// The group limit: a group's score is the sum of its group_score_topk best selection keys' values (largest
+// first); experts outside the group_topk best groups get the key of -inf (still above taken). `selection(x, e)`
+// rebuilds a key consumed while scoring.
+template <class Row, typename Sel>
+__device__ __forceinline__ void limit_groups(const TopkParams& p, Row& row, Sel&& selection) {
+  const int E = row.E, G = p.num_groups, lane = row.lane;
+  const int gsize = E / G;
+  uint32_t group_key = kTaken;  // lane gi holds group gi's key
+  bool by_slot = false;
+  if constexpr (Row::kRegs) {
+    by_slot = gsize == 32 && G == row.slots();
+    if (by_slot) {  // group i is slot i (DeepSeek-V3: 256 experts in 8 groups): no rescans, no restores
+#pragma unroll
+      for (int i = 0; i < row.slots(); ++i) {
+        uint32_t mine = row.keys(i);
+        float group_score = 0.f;
+        for (int r = 0; r < p.group_score_topk; ++r) {
+          const Best b = warp_best({mine, lane + 32 * i});
+          const float v = key_value(b.key);
+          group_score = r == 0 ? v : group_score + v;
+          if (b.e == lane + 32 * i) mine = kTaken;
+        }
+        if (lane == i) group_key = order_key(group_score);
+      }
+    }
+  }
+  for (int gi = 0; !by_slot && gi < G; ++gi) {
+    const int lo = gi * gsize, hi = lo + gsize;
+    float group_score = 0.f;
+    for (int r = 0; r < p.group_score_topk; ++r) {  // sum of the group's best scores, largest first
+      const Best b = warp_best(row_best(row, lo, hi));
+      const float v = key_value(b.key);
+      group_score = r == 0 ? v : group_score + v;
+      row.take(b.e);
+    }
+#pragma unroll
+    for (int i = 0; i < row.slots(); ++i) {  // the taken keys back
+      const int e = lane + 32 * i;
+      if (row.has(i) && e >= lo && e < hi && row.keys(i) == kTaken) row.keys(i) = order_key(selection(row.xs(i), e));
+    }
+    if (lane == gi) group_key = order_key(group_score);
+  }
+  uint32_t kept = 0u;
+  for (int r = 0; r < p.group_topk; ++r) {
+    const Best b = warp_best({group_key, lane < G ? lane : -1});
+    kept |= 1u << b.e;
+    if (lane == b.e) group_key = kTaken;
+  }
+  const uint32_t masked = order_key(-INFINITY);
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    const int e = lane + 32 * i;
+    if (row.has(i) && !((kept >> (e / gsize)) & 1u)) row.keys(i) = masked;
+  }
+}
+
+// Returns the expert lane r < k chose (-1 on the other lanes); the row keeps the token's logits.
+template <typename T, class Row>
+__device__ __forceinline__ int32_t topk_fwd_row(const TopkParams& p, int64_t t, Row& row) {
+  const int k = p.k, lane = row.lane;
+  const float m = load_row<T>(p.logits, t, row);
   float denom = 1.f;
   if (p.pre_softmax) {
     float s = 0.f;
-    for (int e = lane; e < E; e += 32) s += expf(xs[e] - m);
+#pragma unroll
+    for (int i = 0; i < row.slots(); ++i) {
+      if (row.has(i)) s += expf(row.xs(i) - m);
+    }
     denom = warp_sum(s);
   }
-  auto selection = [&](int e) {
-    const float x = xs[e];
+  auto selection = [&](float x, int e) {
     if (p.score == Score::kSoftmax) return p.pre_softmax ? expf(x - m) / denom : x;
     const float s = activation(p.score, x);
     return p.bias != nullptr ? s + p.bias[e] : s;
   };
-  for (int e = lane; e < E; e += 32) keys[e] = order_key(selection(e));
-  __syncwarp();
-
-  if (p.num_groups > 1) {
-    const int gsize = E / p.num_groups;
-    uint32_t group_key = kTaken;  // lane gi holds group gi's key
-    for (int gi = 0; gi < p.num_groups; ++gi) {
-      const int lo = gi * gsize, hi = lo + gsize;
-      float group_score = 0.f;
-      for (int r = 0; r < p.group_score_topk; ++r) {  // sum of the group's best scores, largest first
-        const Best b = warp_best(lane_best(keys, lo, hi, lane));
-        const float v = key_value(b.key);
-        group_score = r == 0 ? v : group_score + v;
-        __syncwarp();
-        if (lane == 0) keys[b.e] = kTaken;
-        __syncwarp();
-      }
-      for (int e = lo + lane; e < hi; e += 32) {
-        if (keys[e] == kTaken) keys[e] = order_key(selection(e));
-      }
-      __syncwarp();
-      if (lane == gi) group_key = order_key(group_score);
-    }
-    uint32_t kept = 0u;
-    for (int r = 0; r < p.group_topk; ++r) {
-      const Best b = warp_best({group_key, lane < p.num_groups ? lane : -1});
-      kept |= 1u << b.e;
-      if (lane == b.e) group_key = kTaken;
-    }
-    const uint32_t masked = order_key(-INFINITY);
-    for (int e = lane; e < E; e += 32) {
-      if (!((kept >> (e / gsize)) & 1u)) keys[e] = masked;
-    }
-    __syncwarp();
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    row.keys(i) = row.has(i) ? order_key(selection(row.xs(i), lane + 32 * i)) : kTaken;
   }
+  if (p.num_groups > 1) limit_groups(p, row, selection);
+  row.sync();  // SmemRow::value reads other lanes' logits
 
-  const int32_t chosen = select_topk(keys, E, k, lane);
+  float x;
+  const int32_t chosen = row_select_topk<true>(row, k, &x);
   const bool live = lane < k;
-  const float x = live ? xs[chosen] : 0.f;
+  if (!live) x = 0.f;
   float w;
   if (p.score == Score::kSoftmax && !p.pre_softmax) {
     const float mk = warp_max(live ? x : -INFINITY);
@@ -193,10 +307,22 @@ __device__ __forceinline__ int32_t topk_fwd_token(const TopkParams& p, int64_t t
   return live ? chosen : -1;
 }
 
+// Register rows up to kRegExperts experts (N = 1, 2, 4 or 8 slots), shared-memory rows past it.
+constexpr int kRegExperts = 256;
+
 template <typename T>
 __global__ void topk_fwd_kernel(TopkParams p) {
-  for_each_token<true>(p.num_tokens, p.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
-    topk_fwd_token<T>(p, t, xs, keys, lane);
+  for_each_token<true>(p.num_tokens, [&](int64_t t, int lane) {
+    SmemRow row = smem_row(p.num_experts, lane);
+    topk_fwd_row<T>(p, t, row);
+  });
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kRouterRegWarps * 32) topk_fwd_regs_kernel(TopkParams p) {
+  for_each_token<false>(p.num_tokens, [&](int64_t t, int lane) {
+    RegRow<N> row(p.num_experts, lane);
+    topk_fwd_row<T>(p, t, row);
   });
 }
 
@@ -254,8 +380,7 @@ __device__ __forceinline__ void topk_bwd_token(const TopkBwdParams& p, int64_t t
 
 template <typename T>
 __global__ void topk_bwd_kernel(TopkBwdParams p) {
-  for_each_token<false>(p.num_tokens, p.num_experts,
-                        [&](int64_t t, int lane, float*, uint32_t*) { topk_bwd_token<T>(p, t, lane); });
+  for_each_token<false>(p.num_tokens, [&](int64_t t, int lane) { topk_bwd_token<T>(p, t, lane); });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -464,43 +589,60 @@ __global__ void __launch_bounds__(kSmallThreads) topk_bwd_small_kernel(TopkBwdPa
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void aux_scores_fwd_token(const AuxScoresParams& p, int64_t t, float* xs, uint32_t* keys,
-                                                     int lane) {
-  const int E = p.num_experts;
-  const T* row = static_cast<const T*>(p.logits) + t * E;
+template <typename T, class Row>
+__device__ __forceinline__ void aux_scores_fwd_row(const AuxScoresParams& p, int64_t t, Row& row) {
+  const int E = p.num_experts, lane = row.lane;
+  const T* src = static_cast<const T*>(p.logits) + t * E;
   float* scores = p.scores + t * E;
 
   float m = -INFINITY, total = 0.f;
-  for (int e = lane; e < E; e += 32) {
-    const float x = load(row, e);
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    if (!row.has(i)) continue;
+    const float x = load(src, lane + 32 * i);
     if (p.score == Score::kSoftmax) {
-      xs[e] = x;
+      row.xs(i) = x;
       m = fmaxf(m, x);
     } else {
-      xs[e] = activation(p.score, x);
-      total += xs[e];
+      row.xs(i) = activation(p.score, x);
+      total += row.xs(i);
     }
   }
   if (p.score == Score::kSoftmax) {
     m = warp_max(m);
-    for (int e = lane; e < E; e += 32) total += expf(xs[e] - m);
+#pragma unroll
+    for (int i = 0; i < row.slots(); ++i) {
+      if (row.has(i)) total += expf(row.xs(i) - m);
+    }
   }
   const float denom = p.score == Score::kSoftmax ? warp_sum(total) : warp_sum(total) + kNormEps;
-  for (int e = lane; e < E; e += 32) {
-    const float s = (p.score == Score::kSoftmax ? expf(xs[e] - m) : xs[e]) / denom;
-    scores[e] = s;
-    keys[e] = order_key(s);
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    if (!row.has(i)) {
+      row.keys(i) = kTaken;
+      continue;
+    }
+    const float s = (p.score == Score::kSoftmax ? expf(row.xs(i) - m) : row.xs(i)) / denom;
+    scores[lane + 32 * i] = s;
+    row.keys(i) = order_key(s);
   }
-  __syncwarp();
-  const int32_t chosen = select_topk(keys, E, p.k, lane);
+  const int32_t chosen = row_select_topk<false>(row, p.k, nullptr);
   if (lane < p.k) p.indices[t * p.k + lane] = chosen;
 }
 
 template <typename T>
 __global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
-  for_each_token<true>(p.num_tokens, p.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
-    aux_scores_fwd_token<T>(p, t, xs, keys, lane);
+  for_each_token<true>(p.num_tokens, [&](int64_t t, int lane) {
+    SmemRow row = smem_row(p.num_experts, lane);
+    aux_scores_fwd_row<T>(p, t, row);
+  });
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kRouterRegWarps * 32) aux_scores_fwd_regs_kernel(AuxScoresParams p) {
+  for_each_token<false>(p.num_tokens, [&](int64_t t, int lane) {
+    RegRow<N> row(p.num_experts, lane);
+    aux_scores_fwd_row<T>(p, t, row);
   });
 }
 
@@ -541,8 +683,7 @@ __device__ __forceinline__ void aux_scores_bwd_token(const AuxScoresBwdParams& p
 
 template <typename T>
 __global__ void aux_scores_bwd_kernel(AuxScoresBwdParams p) {
-  for_each_token<false>(p.num_tokens, p.num_experts,
-                        [&](int64_t t, int lane, float*, uint32_t*) { aux_scores_bwd_token<T>(p, t, lane); });
+  for_each_token<false>(p.num_tokens, [&](int64_t t, int lane) { aux_scores_bwd_token<T>(p, t, lane); });
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -683,15 +824,67 @@ __device__ void fused_finish(const FusedParams& p, const FusedLayout& L, const F
   }
 }
 
-template <typename T>
-__global__ void __launch_bounds__(256, 4) fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) {
+// One token of the fused forward: its top-k (counted in `picks`), then, with a loss on, the statistics: the
+// aux scores summed per expert into `my_acc` and their top-k counted in `aux_picks` (stats), lse^2 (z).
+template <typename T, class Row>
+__device__ __forceinline__ void fused_fwd_row(const FusedParams& p, const FusedLayout& L, int64_t t, Row& row,
+                                              float* my_acc, int32_t* picks, int32_t* aux_picks, float* lse2) {
+  const TopkParams& tp = p.topk;
+  const int k = tp.k, lane = row.lane;
+  const int32_t chosen = topk_fwd_row<T>(tp, t, row);
+  if (chosen >= 0) atomicAdd(&picks[chosen], 1);  // integer counts: exact in any order
+  row.sync();
+  if (!L.stats && !L.z) return;
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    if (row.has(i)) m = fmaxf(m, row.xs(i));
+  }
+  m = warp_max(m);
+  float se = 0.f;
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    if (row.has(i)) se += expf(row.xs(i) - m);
+  }
+  se = warp_sum(se);  // sum of exp(x - m): softmax's denominator, and lse = m + log(se)
+  if (L.z && lane == 0) {
+    const float lse = m + logf(se);
+    lse2[threadIdx.x / 32] += lse * lse;
+  }
+  if (!L.stats) return;
+  float denom = se;
+  if (tp.score != Score::kSoftmax) {
+    float total = 0.f;
+#pragma unroll
+    for (int i = 0; i < row.slots(); ++i) {
+      if (row.has(i)) total += activation(tp.score, row.xs(i));
+    }
+    denom = warp_sum(total) + kNormEps;
+  }
+#pragma unroll
+  for (int i = 0; i < row.slots(); ++i) {
+    if (!row.has(i)) {
+      row.keys(i) = kTaken;
+      continue;
+    }
+    const float x = row.xs(i);
+    const float s = (tp.score == Score::kSoftmax ? expf(x - m) : activation(tp.score, x)) / denom;
+    my_acc[lane + 32 * i] += s;
+    row.keys(i) = order_key(s);
+  }
+  const int32_t aux = row_select_topk<false>(row, k, nullptr);
+  if (lane < k && aux >= 0) atomicAdd(&aux_picks[aux], 1);
+}
+
+// N > 0: register rows (E <= 32 N); N = 0: shared-memory rows (the first 8 E bytes a warp of the dynamic shared
+// memory).
+template <typename T, int N>
+__global__ void __launch_bounds__(256, N > 0 ? 3 : 4) fused_fwd_kernel(FusedParams p, FusedLayout L, FusedPartials q) {
   extern __shared__ float smem[];
   const TopkParams& tp = p.topk;
-  const int E = tp.num_experts, k = tp.k;
+  const int E = tp.num_experts;
   const int W = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* xs = smem + size_t(warp) * 2 * E;
-  uint32_t* keys = reinterpret_cast<uint32_t*>(xs + E);
-  float* acc = smem + size_t(W) * 2 * E;  // [W, E] this chunk's aux scores summed per warp
+  float* acc = smem + (N > 0 ? 0 : size_t(W) * 2 * E);  // [W, E] this chunk's aux scores summed per warp
   float* my_acc = acc + size_t(warp) * E;
   int32_t* picks = reinterpret_cast<int32_t*>(acc + size_t(W) * E);  // [E]
   int32_t* aux_picks = picks + E;                                     // [E]
@@ -707,36 +900,12 @@ __global__ void __launch_bounds__(256, 4) fused_fwd_kernel(FusedParams p, FusedL
     const int64_t r0 = b * L.seq + j * kFusedChunkRows;
     const int64_t r1 = r0 + kFusedChunkRows < (b + 1) * L.seq ? r0 + kFusedChunkRows : (b + 1) * L.seq;
     for (int64_t t = r0 + warp; t < r1; t += W) {
-      const int32_t chosen = topk_fwd_token<T>(tp, t, xs, keys, lane);
-      if (chosen >= 0) atomicAdd(&picks[chosen], 1);  // integer counts: exact in any order
-      __syncwarp();
-      if (L.stats || L.z) {
-        float m = -INFINITY;
-        for (int e = lane; e < E; e += 32) m = fmaxf(m, xs[e]);
-        m = warp_max(m);
-        float se = 0.f;
-        for (int e = lane; e < E; e += 32) se += expf(xs[e] - m);
-        se = warp_sum(se);  // sum of exp(x - m): softmax's denominator, and lse = m + log(se)
-        if (L.z && lane == 0) {
-          const float lse = m + logf(se);
-          lse2[warp] += lse * lse;
-        }
-        if (L.stats) {
-          float denom = se;
-          if (tp.score != Score::kSoftmax) {
-            float total = 0.f;
-            for (int e = lane; e < E; e += 32) total += activation(tp.score, xs[e]);
-            denom = warp_sum(total) + kNormEps;
-          }
-          for (int e = lane; e < E; e += 32) {
-            const float s = (tp.score == Score::kSoftmax ? expf(xs[e] - m) : activation(tp.score, xs[e])) / denom;
-            my_acc[e] += s;
-            keys[e] = order_key(s);
-          }
-          __syncwarp();
-          const int32_t aux = select_topk(keys, E, k, lane);
-          if (lane < k && aux >= 0) atomicAdd(&aux_picks[aux], 1);
-        }
+      if constexpr (N > 0) {
+        RegRow<N> row(E, lane);
+        fused_fwd_row<T>(p, L, t, row, my_acc, picks, aux_picks, lse2);
+      } else {
+        SmemRow row = smem_row(E, lane);
+        fused_fwd_row<T>(p, L, t, row, my_acc, picks, aux_picks, lse2);
       }
       __syncwarp();
     }
@@ -845,8 +1014,9 @@ __device__ __forceinline__ void fused_bwd_token(const FusedBwdParams& p, int64_t
 
 template <typename T>
 __global__ void fused_bwd_kernel(FusedBwdParams p) {
-  for_each_token<true>(p.topk.num_tokens, p.topk.num_experts, [&](int64_t t, int lane, float* xs, uint32_t* keys) {
-    fused_bwd_token<T>(p, t, xs, reinterpret_cast<float*>(keys), lane);
+  for_each_token<true>(p.topk.num_tokens, [&](int64_t t, int lane) {
+    SmemRow row = smem_row(p.topk.num_experts, lane);
+    fused_bwd_token<T>(p, t, row.x, reinterpret_cast<float*>(row.key), lane);
   });
 }
 
@@ -861,6 +1031,21 @@ int router_fwd_warps(int num_experts) {
   if (num_experts < 1) throw std::invalid_argument("router_fwd_warps: num_experts must be positive");
   const int w = kSmemBytes / (8 * num_experts);
   return w < 1 ? 1 : (w > 8 ? 8 : w);
+}
+
+// Register-row slots a lane for E experts (1, 2, 4 or 8), 0 past kRegExperts (shared-memory rows).
+int reg_slots(int E) { return E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : E <= kRegExperts ? 8 : 0; }
+
+// f.template operator()<N>() for N = reg_slots(E) > 0.
+template <typename F>
+void with_reg_slots(int E, F&& f) {
+  switch (reg_slots(E)) {
+    case 1: f.template operator()<1>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 4: f.template operator()<4>(); break;
+    case 8: f.template operator()<8>(); break;
+    default: throw std::logic_error("router: no register rows for this many experts");
+  }
 }
 
 int64_t router_blocks(int64_t num_tokens, int warps_per_block) {
@@ -887,6 +1072,16 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
       }
     });
     check_launch("router topk_fwd_small_kernel");
+    return;
+  }
+  if (reg_slots(p.num_experts) > 0) {
+    const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterRegWarps));
+    by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
+      with_reg_slots(p.num_experts, [&]<int N>() {
+        topk_fwd_regs_kernel<T, N><<<blocks, kRouterRegWarps * 32, 0, stream>>>(p);
+      });
+    });
+    check_launch("router topk_fwd_regs_kernel");
     return;
   }
   const int W = router_fwd_warps(p.num_experts);
@@ -923,6 +1118,16 @@ void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
 void aux_scores_fwd(const AuxScoresParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_aux_scores");
   if (p.num_tokens == 0) return;
+  if (reg_slots(p.num_experts) > 0) {
+    const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterRegWarps));
+    by_float_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
+      with_reg_slots(p.num_experts, [&]<int N>() {
+        aux_scores_fwd_regs_kernel<T, N><<<blocks, kRouterRegWarps * 32, 0, stream>>>(p);
+      });
+    });
+    check_launch("router aux_scores_fwd_regs_kernel");
+    return;
+  }
   const int W = router_fwd_warps(p.num_experts);
   const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
   const size_t smem = size_t(W) * 8 * p.num_experts;
@@ -979,13 +1184,19 @@ void fused_fwd(const FusedParams& p, cudaStream_t stream) {
   const int E = tp.num_experts, W = fused_warps(E);
   const int64_t want = L.chunks > 0 ? L.chunks : 1;  // one block at least: it writes the counts and the loss
   const unsigned blocks = unsigned(want < kMaxRouterBlocks ? want : kMaxRouterBlocks);
-  // The chunk loop's arrays, or the last block's lanes (common/chunk_sums.cuh) if they are larger (small E).
-  const size_t chunk_smem = size_t(W) * 12 * E + 8 * size_t(E) + 8 * size_t(W);
+  // The chunk loop's arrays (the warps' shared-memory rows where E takes them, the score sums, the counts), or the
+  // last block's lanes (common/chunk_sums.cuh) if they are larger (small E).
+  const bool regs = reg_slots(E) > 0;
+  const size_t chunk_smem = size_t(W) * (regs ? 4 : 12) * E + 8 * size_t(E) + 8 * size_t(W);
   const size_t lanes_smem = chunk_lanes_bytes<4>(W * 32);
   const size_t smem = chunk_smem > lanes_smem ? chunk_smem : lanes_smem;
   const FusedPartials q = fused_partials(p.workspace, L, E);
   by_float_dtype(tp.dtype, "router_fused", [&]<typename T>() {
-    fused_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p, L, q);
+    if (regs) {
+      with_reg_slots(E, [&]<int N>() { fused_fwd_kernel<T, N><<<blocks, W * 32, smem, stream>>>(p, L, q); });
+    } else {
+      fused_fwd_kernel<T, 0><<<blocks, W * 32, smem, stream>>>(p, L, q);
+    }
   });
   check_launch("router fused_fwd_kernel");
 }
