@@ -57,10 +57,26 @@ MUTANTS = (
         "per-lane early return before a shuffle",
         "topk_fwd_token: lanes without an expert return before the warp reductions",
         "router/router.cu",
-        "  const T* row = static_cast<const T*>(p.logits) + t * E;\n\n  float m = -INFINITY;\n",
-        "  const T* row = static_cast<const T*>(p.logits) + t * E;\n  if (lane >= E) return;\n\n"
-        "  float m = -INFINITY;\n",
+        "  const int k = p.k, lane = row.lane;\n  const float m = load_row<T>(p.logits, t, row);\n",
+        "  const int k = p.k, lane = row.lane;\n  if (lane >= p.num_experts) return -1;\n"
+        "  const float m = load_row<T>(p.logits, t, row);\n",
         ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference"),
+    ),
+    Mutant(
+        "register row not rescanned",
+        "row_select_topk: a register row keeps its lane's candidate after it was taken (only shared-memory rows rescan)",
+        "router/router.cu",
+        "    if (Row::kRegs || (b.e & 31) == lane) mine = row_best(row, 0, row.E);\n",
+        "    if (!Row::kRegs && (b.e & 31) == lane) mine = row_best(row, 0, row.E);\n",
+        ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference and softmax-2048-128-8"),
+    ),
+    Mutant(
+        "group pick counted twice",
+        "limit_groups: a 32-expert group scored from registers keeps its best key after picking it",
+        "router/router.cu",
+        "          if (b.e == lane + 32 * i) mine = kTaken;\n",
+        "",
+        ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference and deepseek-300-256-8"),
     ),
     Mutant(
         "wrong stride",

@@ -31,9 +31,11 @@ CONFIGS = {
 }
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]  # the logits dtypes the kernels take
 DTYPE_IDS = ["fp32", "bf16", "fp16"]
-# E <= 16 without a group limit takes the thread-per-token kernels (8 slots up to E = 8, 16 past it).
+# E <= 16 without a group limit takes the thread-per-token kernels (8 slots up to E = 8, 16 past it); up to E = 256
+# the forward holds a row in registers (E = 256 with 8 groups: a group per register, scored without rescans), past
+# it in shared memory.
 SHAPES = [(0, 8, 2), (1, 8, 1), (1, 1024, 8), (777, 5, 3), (2048, 8, 2), (2048, 8, 8), (999, 16, 4), (300, 11, 11),
-          (2048, 64, 4), (2048, 128, 8), (64, 1024, 32), (2048, 1024, 32), (16384, 256, 8)]
+          (2048, 64, 4), (2048, 128, 8), (300, 256, 8), (64, 1024, 32), (2048, 1024, 32), (16384, 256, 8)]
 
 
 def _cases():
