@@ -406,8 +406,17 @@ def _same_code(fn, ref) -> bool:
     except (OSError, TypeError):
         return False
     missing = object()
-    return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n, missing) for n in fn.__code__.co_names
+    return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n, missing) for n in _names(fn.__code__)
                if n in fn.__globals__ or n in ref.__globals__)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a code object and the functions nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
 
 
 def _matched_family(cls: type) -> _Family | None:
