@@ -61,12 +61,18 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
   family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
   MiniMax (Mixtral's), Qwen3.5-MoE (Qwen3-VL-MoE's), ...; `matched_routers()` lists them.
 
-Not supported (left alone, listed in one warning): GPT-OSS (`GptOssMLP`): its experts add a bias to both
-projections and use a clamped SwiGLU variant, (clamp(up) + 1) * g * sigmoid(alpha * g) with g = clamp(gate),
-on interleaved gate/up columns, stored transposed ([E, H, 2F], [E, F, H]); grouped_mm has no bias and takes
-[E, N, K]. Also any other block that looks like an MoE block (a child named `experts`, or a class name ending
-in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs from the above (biases,
-transposed or quantised expert weights, a replaced router, transformers 4.x per-expert ModuleLists).
+- GPT-OSS (`GptOssMLP`, its router is `router`): biased logits, top-k by logit, softmax over the k, cast to the
+  logits' dtype. Its experts add a bias to both projections and use a clamped SwiGLU variant on interleaved
+  gate/up columns, stored transposed ([E, H, 2F], [E, F, H]): they run permute -> the biased [E, K, N] grouped
+  GEMM (`_BiasedGroupedMmKN`: grouped_mm's dgrad product forward, its forward and wgrad products backward, so no
+  transposed copy of the weights; the bias gradient a wgrad product with a column of ones, deterministic) ->
+  the experts' own `_apply_gate` -> the same for down_proj -> unpermute. No precision recipe (refused at patch
+  time); with peft adapters, or while torch.onnx exports, the experts run transformers' forward.
+
+Not supported (left alone, listed in one warning): any other block that looks like an MoE block (a child named
+`experts`, or a class name ending in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs
+from the above (biases, transposed or quantised expert weights outside GPT-OSS's layout, a replaced router,
+transformers 4.x per-expert ModuleLists).
 
 The experts implementation alone (transformers' own router): `model.set_experts_implementation("moe_kernels")`,
 or `from_pretrained(..., experts_implementation="moe_kernels")`: "moe_kernels" is registered in
@@ -94,10 +100,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels import onnx as _onnx
 from moe_kernels.nn import fused
 from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
 from moe_kernels.ops.activation import swiglu
-from moe_kernels.ops.grouped_mm import grouped_mm
+from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.router import router_topk
 
@@ -127,6 +134,8 @@ def moe_kernels_experts_forward(
     hidden_states [T, H]; top_k_index [T, k] (int32 from our router, int64 from transformers' own);
     top_k_weights [T, k]. Returns [T, H] in hidden_states' dtype.
     """
+    if _is_biased_layout(self):
+        return _biased_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if (
         getattr(self, "has_bias", False)
         or getattr(self, "is_transposed", False)
@@ -136,7 +145,8 @@ def moe_kernels_experts_forward(
     ):
         raise NotImplementedError(
             f"moe_kernels experts: {type(self).__name__} has biases, transposed/interleaved weights, no gate "
-            "or a post-expert norm; only bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here"
+            "or a post-expert norm; bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here, and "
+            "GPT-OSS's layout (biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights, all three)"
         )
     if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
         raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
@@ -177,6 +187,70 @@ def moe_kernels_experts_forward(
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
+
+
+def _is_biased_layout(experts: nn.Module) -> bool:
+    """GPT-OSS's experts layout: biases, weights stored [E, K, N], gate/up interleaved, gated, no post norm."""
+    return (getattr(experts, "has_bias", False) and getattr(experts, "is_transposed", False)
+            and not getattr(experts, "is_concatenated", True) and getattr(experts, "has_gate", True)
+            and not getattr(experts, "has_post_expert_norm", False))
+
+
+class _BiasedGroupedMmKN(torch.autograd.Function):
+    """out[rows of e] = x[rows of e] @ w[e] + bias[e] with the weights stored [E, K, N] (GPT-OSS's layout), from
+    the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is its dgrad
+    product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the weight gradient its
+    wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad product with a
+    column of ones (each group's rows summed in a fixed order, deterministic). Rows past the groups get bias[E-1]
+    (nothing reads them)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, group_sizes):
+        ops = torch.ops.moe_kernels
+        E, R = w.shape[0], x.shape[0]
+        ends = torch.cumsum(group_sizes, 0)
+        rows = torch.searchsorted(ends, torch.arange(R, device=x.device, dtype=ends.dtype), right=True)
+        out = ops.grouped_mm_dgrad(x, w, group_sizes)
+        out.add_(bias.index_select(0, rows.clamp_(max=E - 1)))
+        ctx.save_for_backward(x, w, group_sizes)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, group_sizes = ctx.saved_tensors
+        ops = torch.ops.moe_kernels
+        g = g.contiguous()
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        dx = ops.grouped_mm(g, w, group_sizes) if need_x else None
+        dw = ops.grouped_mm_wgrad(x, g, group_sizes) if need_w else None
+        db = ops.grouped_mm_wgrad(g.new_ones((g.shape[0], 1)), g, group_sizes)[:, 0] if need_b else None
+        return dx, dw, db, None
+
+
+def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                            top_k_weights: Tensor) -> Tensor:
+    """GPT-OSS's experts on our ops: permute, the biased [E, K, N] grouped GEMMs around the experts' own gate
+    (clamped, interleaved), unpermute with the routing weights. Adapters or a precision recipe: transformers'
+    own forward."""
+    lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
+    if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    if self.__dict__.get(DISPATCHER_ATTR) is not None:
+        raise NotImplementedError("moe_kernels experts: expert parallelism does not run GPT-OSS's biased experts")
+    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
+        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
+    E = self.num_experts
+    w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
+    b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
+    x = hidden_states.to(w13.dtype).contiguous()
+    idx = top_k_index.to(torch.int32)
+    if getattr(self, "_is_expert_parallel", False):
+        idx = torch.where(idx < E, idx, -1)
+    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
+    h = _BiasedGroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
+    act = self._apply_gate(h)  # the family's own gate: GPT-OSS's clamped one on interleaved columns
+    y = _BiasedGroupedMmKN.apply(act.contiguous(), w2.contiguous(), b2, group_sizes)  # [R, H]
+    return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
@@ -290,6 +364,14 @@ def _deepseek_v2_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple
     return router_logits, weights, indices.long()
 
 
+def _gpt_oss_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """GPT-OSS: biased logits, top-k by logit, softmax over the k (transformers takes it in the logits' dtype,
+    router_topk in fp32 rounded to it: in bf16 the two differ by at most one rounding)."""
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
 
 
@@ -338,6 +420,7 @@ class _Family:
     router_forward: Callable
     problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
     reference: bool = True  # its router's code is a routing reference other families are matched against
+    biased_experts: bool = False  # GPT-OSS's experts: biases, transposed weights, interleaved gate/up
 
 
 _TM = "transformers.models."
@@ -358,17 +441,14 @@ FAMILIES = (
             "MiniMaxM2Experts", _minimax_m2_router_forward, _minimax_m2_problem),
     _Family("DeepSeek-V2", _TM + "deepseek_v2.modeling_deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
             "DeepseekV2Experts", _deepseek_v2_router_forward, _deepseek_v2_problem),
+    _Family("GPT-OSS", _TM + "gpt_oss.modeling_gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
+            _gpt_oss_router_forward, biased_experts=True),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
 
 # Known MoE blocks we leave alone on purpose, with the reason shown in the warning.
-_KNOWN_UNSUPPORTED = {
-    "GptOssMLP": (
-        "GPT-OSS experts add biases to both projections and use a clamped SwiGLU variant on interleaved, "
-        "transposed gate/up weights; grouped_mm has no bias and takes [E, N, K] weights"
-    ),
-}
+_KNOWN_UNSUPPORTED: dict[str, str] = {}  # class name -> why, shown in the warning
 
 _MOE_NAME = re.compile(r"(MoE|Moe|MoeBlock|MoEBlock|MoeLayer|MoELayer)$")
 
@@ -437,7 +517,8 @@ def _matched_family(cls: type) -> _Family | None:
             if ref_fn is not None and _same_code(fn, ref_fn):
                 short = cls.__module__[len(_TM):].split(".")[0]
                 found = _Family(f"{short} ({ref.name} routing)", cls.__module__, None, cls.__name__, None,
-                                ref.router_forward, ref.problem, reference=False)
+                                ref.router_forward, ref.problem, reference=False,
+                                biased_experts=ref.biased_experts)
                 break
     _MATCHED[cls] = found
     return found
@@ -507,9 +588,15 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+def _router_of(block: nn.Module):
+    """The block's router module: `gate` in most families, `router` in GPT-OSS."""
+    gate = block._modules.get("gate")
+    return gate if isinstance(gate, nn.Module) else block._modules.get("router")
+
+
 def _parallel_problem(block: nn.Module) -> str | None:
     """Why a block of a supported class was parallelised in a way patch_hf cannot run, or None."""
-    gate, experts = getattr(block, "gate", None), _experts_of(block)
+    gate, experts = _router_of(block), _experts_of(block)
     if any(_is_dtensor(p) for m in (gate, experts) if isinstance(m, nn.Module) for p in m.parameters()):
         return _SHARDED
     if getattr(experts, "_is_expert_parallel", False):
@@ -528,14 +615,15 @@ def _experts_of(block: nn.Module):
 
 def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
     """Why this block of a supported class cannot run on our ops, or None."""
-    gate, experts = getattr(block, "gate", None), _experts_of(block)
+    gate, experts = _router_of(block), _experts_of(block)
     if _base_class(gate) is not gate_cls:
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
     if not isinstance(experts, experts_cls):
         return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
     if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
         return "its experts do not dispatch through transformers' experts interface"
-    for flag, expected in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+    biased = fam.biased_experts  # GPT-OSS: biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights
+    for flag, expected in (("has_bias", biased), ("is_transposed", biased), ("is_concatenated", not biased),
                            ("has_gate", True), ("has_post_expert_norm", False)):
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
@@ -547,7 +635,13 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
     E = getattr(experts, "num_experts", None)
     if w13.dim() != 3 or w2.dim() != 3 or wg.dim() != 2:
-        return "its weights are not [E, 2F, H] / [E, H, F] / [E, H]"
+        return "its weights are not [E, 2F, H] / [E, H, F] / [E, H] (or transposed, with biases)"
+    if biased:  # stored [E, K, N]
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+        if not (isinstance(b13, Tensor) and isinstance(b2, Tensor) and tuple(b13.shape) == tuple(w13.shape[:2])
+                and tuple(b2.shape) == tuple(w2.shape[:2]) and b13.dtype == b2.dtype == w13.dtype):
+            return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
     H, F2 = w13.shape[2], w13.shape[1]
     if (w13.shape[0], w2.shape[0], wg.shape[0]) != (E, E, E) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) \
             or wg.shape[1] != H:
@@ -582,7 +676,7 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
             if isinstance(module, block_cls):
                 yield path, module, fam, _structure_problem(fam, module, gate_cls, experts_cls)
                 return
-        gate, experts = module._modules.get("gate"), _experts_of(module)
+        gate, experts = _router_of(module), _experts_of(module)
         if isinstance(gate, nn.Module) and isinstance(experts, nn.Module):
             fam = _matched_family(_base_class(gate))  # a router with a named family's code
             if fam is not None:
@@ -643,7 +737,7 @@ def _base_class(module: nn.Module) -> type:
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
-    gate, experts = block.gate, _experts_of(block)
+    gate, experts = _router_of(block), _experts_of(block)
     if _PATCH_ATTR not in gate.__dict__:
         sub = _patched_router_class(type(gate), fam.router_forward)
         saved = None
@@ -699,7 +793,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
-    DeepSeek-V2, and
+    DeepSeek-V2, GPT-OSS, and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change
@@ -727,8 +821,10 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
         for path, block, fam, problem in found:
             if fam is not None and problem is None:
                 experts = _experts_of(block)
-                F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
+                if fam.biased_experts:
+                    raise ValueError(f"{where}: {fam.name}'s biased experts run at the model's precision only")
+                F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
                 try:
                     recipe.check_shapes(H, F_)
                 except ValueError as exc:

@@ -118,6 +118,7 @@ CASES = [
     ("minimax", {}),
     ("qwen3_5_moe", {}),
     ("minimax_m2", {}),
+    ("gpt_oss", {}),
     ("deepseek_v2", {"topk_method": "greedy"}),
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
 ]
@@ -179,7 +180,7 @@ def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):
 
 
 def moe_blocks(model):
-    return [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    return [m for m in model.modules() if hasattr(m, "experts") and hf._router_of(m) is not None]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,7 +191,7 @@ def moe_blocks(model):
 def test_router_matches_transformers(family, overrides):
     model = build(family, **overrides)
     block = moe_blocks(model)[0]
-    gate = block.gate
+    gate = hf._router_of(block)
     x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
     args = (block.e_score_correction_bias,) if family == "minimax_m2" else ()  # the block passes its bias in
     ref_logits, ref_w, ref_idx = gate(x, *args)
@@ -236,7 +237,7 @@ def test_sgd_step_matches(family, overrides):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
     # gradients reached the MoE parameters of the patched model (router and both expert weights)
     for block in moe_blocks(model):
-        for p in (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj):
+        for p in (hf._router_of(block).weight, block.experts.gate_up_proj, block.experts.down_proj):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
@@ -542,15 +543,51 @@ def test_unsupported_blocks_are_left_alone_and_listed_in_one_warning():
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_oss_is_unsupported():
+def test_gpt_oss_recipe_and_adapters():
+    # GPT-OSS's biased experts take no precision recipe (refused at patch time, before anything changes); with
+    # peft adapters on them the experts run transformers' own forward, the router ours.
+    model = build("gpt_oss")
+    with pytest.raises(ValueError, match="GPT-OSS's biased experts run at the model's precision only"):
+        mk.patch_hf(model, recipe=mk.quant.Fp8BlockwiseRecipe())
+    assert not hf.is_patched(model)
     ref_model = build("gpt_oss").eval()
-    model = copy.deepcopy(ref_model)
-    with pytest.warns(UserWarning, match="GptOssMLP.*biases") as record:
-        mk.patch_hf(model)
-    assert len(record) == 1 and not hf.is_patched(model)
-    ids = inputs()
-    with torch.no_grad():
-        assert_same_outputs(run(model, ids), run(ref_model, ids), rtol=0, atol=0)
+    model = patched_copy(ref_model)
+    calls = []
+    experts = moe_blocks(model)[0].experts
+    real = type(experts).forward.__wrapped__
+    hf_lora = hf.lora_terms
+    try:
+        hf.lora_terms = lambda module, name: ["adapter"] if module is experts else hf_lora(module, name)
+        type(experts).forward.__wrapped__ = lambda *a: (calls.append(1), real(*a))[1]
+        ids = inputs()
+        with torch.no_grad():
+            assert_same_outputs(run(model, ids), run(ref_model, ids))
+    finally:
+        hf.lora_terms = hf_lora
+        type(experts).forward.__wrapped__ = real
+    assert calls == [1]
+
+
+def test_biased_grouped_gemm_matches_per_expert_products():
+    # GPT-OSS's [E, K, N] products with their biases (rows past the groups aside), fwd and bwd, in fp64.
+    E, K, N = 5, 12, 10
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([3, 0, 7, 1, 4], dtype=torch.int32)
+    R = int(sizes.sum()) + 2
+    x = torch.randn(R, K, generator=gen, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(E, K, N, generator=gen, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(E, N, generator=gen, dtype=torch.float64, requires_grad=True)
+    out = hf._BiasedGroupedMmKN.apply(x, w, b, sizes)
+    ends = torch.cumsum(sizes, 0).tolist()
+    ref = torch.cat([x[s:e] @ w[i] + b[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
+    used = ends[-1]
+    torch.testing.assert_close(out[:used], ref, rtol=1e-12, atol=1e-12)
+    g = torch.randn(R, N, generator=gen, dtype=torch.float64)
+    g[used:] = 0  # nothing reads the rows past the groups
+    grads = torch.autograd.grad(out, (x, w, b), g)
+    ref_grads = torch.autograd.grad(ref, (x, w, b), g[:used], allow_unused=True)
+    for a, r in zip(grads, ref_grads):  # x's rows past the groups: zero
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize(("act", "fused"), [("silu", True), ("swish", True), ("gelu", False)])
@@ -831,7 +868,7 @@ def _recorded_routing(model):
         picks.append(out[2].long().sort(-1).values)
         logits.append(out[0])
 
-    hooks = [block.gate.register_forward_hook(record) for block in moe_blocks(model)]
+    hooks = [hf._router_of(block).register_forward_hook(record) for block in moe_blocks(model)]
     try:
         yield picks, logits
     finally:
@@ -903,7 +940,7 @@ def test_gpu_bf16_matches_transformers(cuda, family, overrides):
     base = base.to(device=cuda, dtype=torch.bfloat16).train()
     ref64 = copy.deepcopy(base).to(torch.float64)  # bf16 -> fp64 is exact: the same weights
     model = patched_copy(base)
-    k = moe_blocks(model)[0].gate.top_k
+    k = hf._router_of(moe_blocks(model)[0]).top_k
     ids = _decisive_ids(base, ref64, k, cuda)
     outs, routing = [], []
     for m in (ref64, base, model):
