@@ -310,20 +310,24 @@ __device__ __forceinline__ int32_t topk_fwd_row(const TopkParams& p, int64_t t, 
 // Register rows up to kRegExperts experts (N = 1, 2, 4 or 8 slots), shared-memory rows past it.
 constexpr int kRegExperts = 256;
 
-template <typename T>
-__global__ void topk_fwd_kernel(TopkParams p) {
-  for_each_token<true>(p.num_tokens, [&](int64_t t, int lane) {
-    SmemRow row = smem_row(p.num_experts, lane);
-    topk_fwd_row<T>(p, t, row);
+// Calls f(t, row) for each token this warp owns, its row a RegRow<N> (N > 0) or the warp's SmemRow (N = 0).
+template <int N, typename F>
+__device__ __forceinline__ void for_each_row(int64_t num_tokens, int E, F&& f) {
+  for_each_token<N == 0>(num_tokens, [&](int64_t t, int lane) {
+    if constexpr (N > 0) {
+      RegRow<N> row(E, lane);
+      f(t, row);
+    } else {
+      SmemRow row = smem_row(E, lane);
+      f(t, row);
+    }
   });
 }
 
+// N > 0: register rows (kRouterRegWarps warps a block); N = 0: shared-memory rows (router_fwd_warps(E) warps).
 template <typename T, int N>
-__global__ void __launch_bounds__(kRouterRegWarps * 32) topk_fwd_regs_kernel(TopkParams p) {
-  for_each_token<false>(p.num_tokens, [&](int64_t t, int lane) {
-    RegRow<N> row(p.num_experts, lane);
-    topk_fwd_row<T>(p, t, row);
-  });
+__global__ void __launch_bounds__(kRouterRegWarps * 32) topk_fwd_kernel(TopkParams p) {
+  for_each_row<N>(p.num_tokens, p.num_experts, [&](int64_t t, auto& row) { topk_fwd_row<T>(p, t, row); });
 }
 
 // d loss / d x of lane's chosen expert (x its logit, g = d loss / d weight * scaling) when the weights come
@@ -630,20 +634,9 @@ __device__ __forceinline__ void aux_scores_fwd_row(const AuxScoresParams& p, int
   if (lane < p.k) p.indices[t * p.k + lane] = chosen;
 }
 
-template <typename T>
-__global__ void aux_scores_fwd_kernel(AuxScoresParams p) {
-  for_each_token<true>(p.num_tokens, [&](int64_t t, int lane) {
-    SmemRow row = smem_row(p.num_experts, lane);
-    aux_scores_fwd_row<T>(p, t, row);
-  });
-}
-
 template <typename T, int N>
-__global__ void __launch_bounds__(kRouterRegWarps * 32) aux_scores_fwd_regs_kernel(AuxScoresParams p) {
-  for_each_token<false>(p.num_tokens, [&](int64_t t, int lane) {
-    RegRow<N> row(p.num_experts, lane);
-    aux_scores_fwd_row<T>(p, t, row);
-  });
+__global__ void __launch_bounds__(kRouterRegWarps * 32) aux_scores_fwd_kernel(AuxScoresParams p) {
+  for_each_row<N>(p.num_tokens, p.num_experts, [&](int64_t t, auto& row) { aux_scores_fwd_row<T>(p, t, row); });
 }
 
 template <typename T>
@@ -1036,7 +1029,7 @@ int router_fwd_warps(int num_experts) {
 // Register-row slots a lane for E experts (1, 2, 4 or 8), 0 past kRegExperts (shared-memory rows).
 int reg_slots(int E) { return E <= 32 ? 1 : E <= 64 ? 2 : E <= 128 ? 4 : E <= kRegExperts ? 8 : 0; }
 
-// f.template operator()<N>() for N = reg_slots(E) > 0.
+// f.template operator()<N>() for N = reg_slots(E) (0: shared-memory rows).
 template <typename F>
 void with_reg_slots(int E, F&& f) {
   switch (reg_slots(E)) {
@@ -1044,7 +1037,7 @@ void with_reg_slots(int E, F&& f) {
     case 2: f.template operator()<2>(); break;
     case 4: f.template operator()<4>(); break;
     case 8: f.template operator()<8>(); break;
-    default: throw std::logic_error("router: no register rows for this many experts");
+    default: f.template operator()<0>(); break;
   }
 }
 
@@ -1074,21 +1067,12 @@ void topk_fwd(const TopkParams& p, cudaStream_t stream) {
     check_launch("router topk_fwd_small_kernel");
     return;
   }
-  if (reg_slots(p.num_experts) > 0) {
-    const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterRegWarps));
-    by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
-      with_reg_slots(p.num_experts, [&]<int N>() {
-        topk_fwd_regs_kernel<T, N><<<blocks, kRouterRegWarps * 32, 0, stream>>>(p);
-      });
-    });
-    check_launch("router topk_fwd_regs_kernel");
-    return;
-  }
-  const int W = router_fwd_warps(p.num_experts);
+  const bool regs = reg_slots(p.num_experts) > 0;
+  const int W = regs ? kRouterRegWarps : router_fwd_warps(p.num_experts);
   const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
-  const size_t smem = size_t(W) * 8 * p.num_experts;
+  const size_t smem = regs ? 0 : size_t(W) * 8 * p.num_experts;
   by_float_dtype(p.dtype, "router_topk", [&]<typename T>() {
-    topk_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
+    with_reg_slots(p.num_experts, [&]<int N>() { topk_fwd_kernel<T, N><<<blocks, W * 32, smem, stream>>>(p); });
   });
   check_launch("router topk_fwd_kernel");
 }
@@ -1118,21 +1102,12 @@ void topk_bwd(const TopkBwdParams& p, cudaStream_t stream) {
 void aux_scores_fwd(const AuxScoresParams& p, cudaStream_t stream) {
   check_sizes(p.num_experts, p.k, "router_aux_scores");
   if (p.num_tokens == 0) return;
-  if (reg_slots(p.num_experts) > 0) {
-    const unsigned blocks = unsigned(router_blocks(p.num_tokens, kRouterRegWarps));
-    by_float_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
-      with_reg_slots(p.num_experts, [&]<int N>() {
-        aux_scores_fwd_regs_kernel<T, N><<<blocks, kRouterRegWarps * 32, 0, stream>>>(p);
-      });
-    });
-    check_launch("router aux_scores_fwd_regs_kernel");
-    return;
-  }
-  const int W = router_fwd_warps(p.num_experts);
+  const bool regs = reg_slots(p.num_experts) > 0;
+  const int W = regs ? kRouterRegWarps : router_fwd_warps(p.num_experts);
   const unsigned blocks = unsigned(router_blocks(p.num_tokens, W));
-  const size_t smem = size_t(W) * 8 * p.num_experts;
+  const size_t smem = regs ? 0 : size_t(W) * 8 * p.num_experts;
   by_float_dtype(p.dtype, "router_aux_scores", [&]<typename T>() {
-    aux_scores_fwd_kernel<T><<<blocks, W * 32, smem, stream>>>(p);
+    with_reg_slots(p.num_experts, [&]<int N>() { aux_scores_fwd_kernel<T, N><<<blocks, W * 32, smem, stream>>>(p); });
   });
   check_launch("router aux_scores_fwd_kernel");
 }
@@ -1192,11 +1167,7 @@ void fused_fwd(const FusedParams& p, cudaStream_t stream) {
   const size_t smem = chunk_smem > lanes_smem ? chunk_smem : lanes_smem;
   const FusedPartials q = fused_partials(p.workspace, L, E);
   by_float_dtype(tp.dtype, "router_fused", [&]<typename T>() {
-    if (regs) {
-      with_reg_slots(E, [&]<int N>() { fused_fwd_kernel<T, N><<<blocks, W * 32, smem, stream>>>(p, L, q); });
-    } else {
-      fused_fwd_kernel<T, 0><<<blocks, W * 32, smem, stream>>>(p, L, q);
-    }
+    with_reg_slots(E, [&]<int N>() { fused_fwd_kernel<T, N><<<blocks, W * 32, smem, stream>>>(p, L, q); });
   });
   check_launch("router fused_fwd_kernel");
 }
