@@ -112,6 +112,9 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
+    if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
+        raise ValueError(f"apply_expert_parallel: {type(experts).__name__}'s biased or transposed experts (GPT-OSS's "
+                         "layout) run on one rank only")
     E = experts.num_experts
     if experts.gate_up_proj.shape[0] != E or experts.down_proj.shape[0] != E:
         raise ValueError("apply_expert_parallel: the layer's experts are not the full set")

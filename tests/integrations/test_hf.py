@@ -568,6 +568,17 @@ def test_gpt_oss_recipe_and_adapters():
     assert calls == [1]
 
 
+def test_gpt_oss_expert_parallelism_is_refused_before_sharding():
+    from moe_kernels.parallel.expert_parallel import _shard_hf_experts
+
+    model = patched_copy(build("gpt_oss"))
+    experts = moe_blocks(model)[0].experts
+    shape = tuple(experts.gate_up_proj.shape)
+    with pytest.raises(ValueError, match="GptOssExperts's biased or transposed experts"):
+        _shard_hf_experts(experts, "all_to_all", None, {})
+    assert tuple(experts.gate_up_proj.shape) == shape and hf.DISPATCHER_ATTR not in experts.__dict__
+
+
 def test_biased_grouped_gemm_matches_per_expert_products():
     # GPT-OSS's [E, K, N] products with their biases (rows past the groups aside), fwd and bwd, in fp64.
     E, K, N = 5, 12, 10
