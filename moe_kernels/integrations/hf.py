@@ -134,6 +134,8 @@ def moe_kernels_experts_forward(
     hidden_states [T, H]; top_k_index [T, k] (int32 from our router, int64 from transformers' own);
     top_k_weights [T, k]. Returns [T, H] in hidden_states' dtype.
     """
+    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
+        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     if _is_biased_layout(self):
         return _biased_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if (
@@ -148,8 +150,6 @@ def moe_kernels_experts_forward(
             "or a post-expert norm; bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here, and "
             "GPT-OSS's layout (biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights, all three)"
         )
-    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
-        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     E = self.num_experts
     w13 = _grouped_weight(self.gate_up_proj)  # [E, 2F, H]: N = 2F, K = H
     w2 = _grouped_weight(self.down_proj)  # [E, H, F]: N = H, K = F
@@ -235,10 +235,8 @@ def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
     if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
-    if self.__dict__.get(DISPATCHER_ATTR) is not None:
+    if self.__dict__.get(DISPATCHER_ATTR) is not None:  # (apply_expert_parallel refuses these experts)
         raise NotImplementedError("moe_kernels experts: expert parallelism does not run GPT-OSS's biased experts")
-    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
-        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     E = self.num_experts
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
     b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
@@ -447,9 +445,6 @@ FAMILIES = (
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
 
-# Known MoE blocks we leave alone on purpose, with the reason shown in the warning.
-_KNOWN_UNSUPPORTED: dict[str, str] = {}  # class name -> why, shown in the warning
-
 _MOE_NAME = re.compile(r"(MoE|Moe|MoeBlock|MoEBlock|MoeLayer|MoELayer)$")
 
 
@@ -528,8 +523,6 @@ def matched_routers() -> dict[str, str]:
     """{router class (module.Class): the family whose routing it runs} for every router class of the installed
     transformers that patch_hf runs: the named families' and those matched by their code. Imports every
     transformers model module (seconds); for documentation and tests."""
-    import transformers.models
-
     out = {}
     for fam in FAMILIES:
         try:
@@ -537,12 +530,9 @@ def matched_routers() -> dict[str, str]:
                 out[f"{fam.module}.{fam.gate}"] = fam.name
         except ImportError:  # a transformers without that model
             continue
-    root = Path(transformers.models.__file__).parent
-    for path in sorted(root.glob("*/modeling_*.py")):
-        text = path.read_text(encoding="utf-8", errors="replace")
+    for name, text in _modeling_files():
         if "def forward" not in text or ("Router" not in text and "Gate" not in text):
             continue
-        name = f"{_TM}{path.parent.name}.{path.stem}"
         try:
             mod = importlib.import_module(name)
         except Exception:  # a model whose optional dependencies are missing
@@ -561,16 +551,23 @@ def _transformers_class(name: str) -> type | None:
     for mod_name, mod in list(sys.modules.items()):
         if mod_name.startswith(_TM) and isinstance(cls := getattr(mod, name, None), type) and cls.__name__ == name:
             return cls
-    try:
-        import transformers.models
-    except ImportError:
-        return None
-    for path in sorted(Path(transformers.models.__file__).parent.glob("*/modeling_*.py")):
-        if f"class {name}(" in path.read_text(encoding="utf-8", errors="replace"):
-            cls = getattr(importlib.import_module(f"{_TM}{path.parent.name}.{path.stem}"), name, None)
+    for mod_name, text in _modeling_files():
+        if f"class {name}(" in text:
+            cls = getattr(importlib.import_module(mod_name), name, None)
             if isinstance(cls, type):
                 return cls
     return None
+
+
+def _modeling_files() -> Iterator[tuple[str, str]]:
+    """(module name, source text) of every transformers model module, by its file (nothing imported but
+    transformers.models itself); none without transformers."""
+    try:
+        import transformers.models
+    except ImportError:
+        return
+    for path in sorted(Path(transformers.models.__file__).parent.glob("*/modeling_*.py")):
+        yield f"{_TM}{path.parent.name}.{path.stem}", path.read_text(encoding="utf-8", errors="replace")
 
 
 _SHARDED = (
@@ -683,8 +680,7 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
                 yield path, module, fam, _structure_problem(fam, module, _base_class(gate), type(experts))
                 return
         if _looks_like_moe(module):
-            name = type(module).__name__
-            yield path, module, None, _KNOWN_UNSUPPORTED.get(name, generic)
+            yield path, module, None, generic
             return
         for name, child in module.named_children():
             yield from visit(child, f"{path}.{name}" if path else name)
