@@ -53,7 +53,7 @@ class Routing:
     group_topk: int = 1
     group_score_topk: int = 1
     scaling_factor: float = 1.0
-    normalize: bool = True  # sigmoid / sqrtsoftplus only
+    normalize: bool = True  # sigmoid / sqrtsoftplus (softmax: no effect without pre_softmax)
     bias: bool = False  # an fp32 expert_bias [E] (selection only)
 
 

@@ -178,6 +178,15 @@ def _weight_cache_on():
         weight_cache.enable(was)
 
 
+def _made_once(dtypes) -> None:
+    """What the FP8 recipe makes once per process (the placeholders' 0-d zeros), made before counting: whether the
+    counted step makes them would depend on what ran earlier in the process."""
+    from moe_kernels.quant.recipe import _zero_scalar
+
+    for dt in {*dtypes, torch.bfloat16, torch.float16, torch.float32}:
+        _zero_scalar(dt, torch.device("meta"))
+
+
 def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = torch.bfloat16,
           master_weights: bool = False) -> Count:
     """MoELayer(config) fwd+bwd on [1, tokens, H] `dtype` (router fp32, as in training), `micro_batches`
@@ -203,6 +212,7 @@ def layer(config, tokens: int, *, micro_batches: int = 1, dtype: torch.dtype = t
         weights = {name: master.copies[next(i for i, p in enumerate(master.params) if p is w)]
                    for name, w in weights.items()}
     counter = ByteCounter(weights)
+    _made_once([dtype])
     cache = _weight_cache_on() if config.recipe is not None else contextlib.nullcontext()
     with cache:
         if master is not None and config.recipe is not None:
@@ -253,6 +263,7 @@ def expert_gemm(num_experts: int, n: int, k: int, rows: int, *, recipe=None, mic
         sizes = torch.empty(num_experts, dtype=torch.int32)
         dout = torch.empty(rows, n, dtype=dtype)
     counter = ByteCounter({"w": w})
+    _made_once([dtype])
     mm = recipe.grouped_mm if recipe is not None else grouped_mm
     with _weight_cache_on() if recipe is not None else contextlib.nullcontext():
         for mb in range(micro_batches):

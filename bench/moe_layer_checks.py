@@ -70,7 +70,8 @@ def routing_weights(logits: Tensor, indices: Tensor, cfg) -> Tensor:
     """The routing weights [T, k] of the given selection, in the logits' precision (torch_native.route's
     formulas, the selection given rather than made)."""
     if cfg.score == "softmax":
-        w = logits.softmax(-1).gather(1, indices) if cfg.pre_softmax else logits.gather(1, indices).softmax(-1)
+        over_all = cfg.pre_softmax and not cfg.normalize
+        w = logits.softmax(-1).gather(1, indices) if over_all else logits.gather(1, indices).softmax(-1)
     else:
         s = logits.sigmoid() if cfg.score == "sigmoid" else F.softplus(logits).sqrt()
         w = s.gather(1, indices)

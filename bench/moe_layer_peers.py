@@ -169,7 +169,7 @@ def hf_semantics(cfg: MoEConfig, family: str) -> dict:
         if not plain_softmax:
             raise ValueError("Qwen3-MoE routes by plain softmax top-k, without shared experts")
         return dict(kw, num_experts=r.num_experts, moe_intermediate_size=cfg.ffn_size,
-                    norm_topk_prob=not r.pre_softmax)
+                    norm_topk_prob=not r.pre_softmax or bool(r.normalize))
     if family == "mixtral":
         if not plain_softmax or r.pre_softmax:
             raise ValueError("Mixtral renormalises the softmax over the top-k, without shared experts")

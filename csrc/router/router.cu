@@ -60,6 +60,15 @@ __device__ __forceinline__ float activation(Score score, float x) {
   return sqrtf(x > 20.f ? x : log1pf(expf(x)));
 }
 
+// Softmax weights: over the k chosen logits (selection by logit, or by probability with `normalize`: the chosen
+// probabilities over their sum, which is the softmax over the chosen logits), or the probabilities over all E.
+__device__ __forceinline__ bool chosen_softmax(Score score, bool pre_softmax, bool normalize) {
+  return score == Score::kSoftmax && (!pre_softmax || normalize);
+}
+__device__ __forceinline__ bool softmax_over_all(Score score, bool pre_softmax, bool normalize) {
+  return score == Score::kSoftmax && pre_softmax && !normalize;
+}
+
 // ds/dx given s = activation(x). sqrt-softplus: sigmoid(x) / (2 s), and sqrt(e^x) / 2 below -40 (the same
 // to fp64 rounding there), as the quotient is 0 / 0 where softplus underflows (about -104, or -inf).
 __device__ __forceinline__ float activation_grad(Score score, float x, float s) {
@@ -274,8 +283,8 @@ __device__ __forceinline__ int32_t topk_fwd_row(const TopkParams& p, int64_t t, 
     denom = warp_sum(s);
   }
   auto selection = [&](float x, int e) {
-    if (p.score == Score::kSoftmax) return p.pre_softmax ? expf(x - m) / denom : x;
-    const float s = activation(p.score, x);
+    if (p.score == Score::kSoftmax && !p.pre_softmax) return x;
+    const float s = p.score == Score::kSoftmax ? expf(x - m) / denom : activation(p.score, x);
     return p.bias != nullptr ? s + p.bias[e] : s;
   };
 #pragma unroll
@@ -290,7 +299,7 @@ __device__ __forceinline__ int32_t topk_fwd_row(const TopkParams& p, int64_t t, 
   const bool live = lane < k;
   if (!live) x = 0.f;
   float w;
-  if (p.score == Score::kSoftmax && !p.pre_softmax) {
+  if (chosen_softmax(p.score, p.pre_softmax, p.normalize)) {
     const float mk = warp_max(live ? x : -INFINITY);
     const float ex = live ? expf(x - mk) : 0.f;
     w = ex / warp_sum(ex);
@@ -361,7 +370,7 @@ __device__ __forceinline__ void topk_bwd_token(const TopkBwdParams& p, int64_t t
   const float x = live ? load(row, e) : 0.f;
   const float g = live ? p.grad_weights[t * k + lane] * p.scaling_factor : 0.f;
 
-  if (p.score == Score::kSoftmax && p.pre_softmax) {
+  if (softmax_over_all(p.score, p.pre_softmax, p.normalize)) {
     // w = softmax(x)[chosen]: every logit gets s_e * (G_e - sum_r g_r w_r).
     float m = -INFINITY;
     for (int i = lane; i < E; i += 32) m = fmaxf(m, load(row, i));
@@ -442,8 +451,8 @@ __device__ __forceinline__ void topk_fwd_small_token(const TopkParams& p, int64_
     denom = butterfly_sum(s, E);
   }
   auto selection = [&](int e) {
-    if (p.score == Score::kSoftmax) return p.pre_softmax ? expf(x[e] - m) / denom : x[e];
-    const float s = activation(p.score, x[e]);
+    if (p.score == Score::kSoftmax && !p.pre_softmax) return x[e];
+    const float s = p.score == Score::kSoftmax ? expf(x[e] - m) / denom : activation(p.score, x[e]);
     return p.bias != nullptr ? s + p.bias[e] : s;
   };
   uint32_t key[N];
@@ -464,7 +473,7 @@ __device__ __forceinline__ void topk_fwd_small_token(const TopkParams& p, int64_
     }
   }
   float w[N];
-  if (p.score == Score::kSoftmax && !p.pre_softmax) {
+  if (chosen_softmax(p.score, p.pre_softmax, p.normalize)) {
     float mk = -INFINITY;
 #pragma unroll
     for (int r = 0; r < N; ++r) mk = r < k ? fmaxf(mk, xc[r]) : mk;
@@ -517,7 +526,7 @@ __device__ __forceinline__ void topk_bwd_small_token(const TopkBwdParams& p, int
   }
   float out[N];
   float dx[N];
-  if (p.score == Score::kSoftmax && p.pre_softmax) {  // as topk_bwd_token
+  if (softmax_over_all(p.score, p.pre_softmax, p.normalize)) {  // as topk_bwd_token
     float xs[N];
     float m = -INFINITY;
 #pragma unroll
@@ -991,7 +1000,7 @@ __device__ __forceinline__ void fused_bwd_token(const FusedBwdParams& p, int64_t
   const bool live = e >= 0;
   const float x = live ? xs[e] : 0.f;
   const float g = live ? tp.grad_weights[t * k + lane] * tp.scaling_factor : 0.f;
-  if (tp.score == Score::kSoftmax && tp.pre_softmax) {
+  if (softmax_over_all(tp.score, tp.pre_softmax, tp.normalize)) {
     const float w = live ? expf(x - m) / se : 0.f;
     const float dot = warp_sum(g * w);
     for (int i = lane; i < E; i += 32) grad[i] = -(expf(xs[i] - m) / se) * dot + gb[i];

@@ -56,10 +56,14 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - DeepSeek-V2: fp32 logits, softmax over all E, top-k ("greedy") or top-k within the topk_group groups of largest
   maximum score ("group_limited_greedy" == group_score_topk=1), not renormalised, times routed_scaling_factor.
   Refused where top_k exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
+- ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
+  over all E + moe_statics' e_score_correction_bias == score="softmax", pre_softmax=True, expert_bias; the chosen
+  probabilities over their sum == normalize=True (the softmax over the k chosen logits); cast to the input dtype.
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
   source text and the same objects behind its global names, in the installed transformers) routes as that
   family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
-  MiniMax (Mixtral's), Qwen3.5-MoE (Qwen3-VL-MoE's), ...; `matched_routers()` lists them.
+  MiniMax (Mixtral's), Qwen3.5-MoE (Qwen3-VL-MoE's), ERNIE-4.5-VL (ERNIE-4.5's), ...; `matched_routers()` lists
+  them.
 
 - GPT-OSS (`GptOssMLP`, its router is `router`): biased logits, top-k by logit, softmax over the k, cast to the
   logits' dtype. Its experts add a bias to both projections and use a clamped SwiGLU variant on interleaved
@@ -85,6 +89,7 @@ transformers is imported lazily: importing moe_kernels never imports it.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.abc
 import inspect
@@ -370,6 +375,21 @@ def _gpt_oss_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Ten
     return router_logits, weights.to(router_logits.dtype), indices.long()
 
 
+def _ernie_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """ERNIE-4.5: fp32 logits (autocast off), selection by the softmax over all E plus moe_statics'
+    e_score_correction_bias, weights the chosen probabilities over their sum (router_topk takes the softmax over the
+    k chosen logits, the same quotient; transformers clamps the sum at norm_min, 1e-12, which only differs where the
+    k chosen probabilities sum below it), in the input's dtype."""
+    device_type = hidden_states.device.type
+    off = contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
+    with off:
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+    bias = self.moe_statics.e_score_correction_bias.reshape(-1).float()  # [1, E] in transformers
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True, expert_bias=bias,
+                                   normalize=True)
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
 
 
@@ -386,6 +406,13 @@ def _minimax_m2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None
     bias = getattr(block, "e_score_correction_bias", None)
     if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
         return "the block has no [E] e_score_correction_bias"
+    return None
+
+
+def _ernie_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    bias = getattr(getattr(gate, "moe_statics", None), "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or bias.numel() != E or bias.dim() > 2 or bias.shape[-1] != E:
+        return "its router's moe_statics has no [1, E] e_score_correction_bias (one group of experts)"
     return None
 
 
@@ -441,6 +468,8 @@ FAMILIES = (
             "DeepseekV2Experts", _deepseek_v2_router_forward, _deepseek_v2_problem),
     _Family("GPT-OSS", _TM + "gpt_oss.modeling_gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
             _gpt_oss_router_forward, biased_experts=True),
+    _Family("ERNIE-4.5", _TM + "ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+            "Ernie4_5_MoeTopKRouter", "Ernie4_5_MoeExperts", _ernie_router_forward, _ernie_problem),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)

@@ -217,7 +217,7 @@ def config_to_hf(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
                   router_aux_loss_coef=r.aux_loss_coeff, sliding_window=None)
     elif cfg.family == "qwen3_moe":
         hf.update(num_experts=r.num_experts, moe_intermediate_size=cfg.moe.ffn_size,
-                  norm_topk_prob=not r.pre_softmax, router_aux_loss_coef=r.aux_loss_coeff, decoder_sparse_step=1,
+                  norm_topk_prob=not r.pre_softmax or bool(r.normalize), router_aux_loss_coef=r.aux_loss_coeff, decoder_sparse_step=1,
                   mlp_only_layers=list(range(cfg.first_k_dense)), use_sliding_window=False,
                   intermediate_size=cfg.dense_ffn_size or cfg.moe.ffn_size)
     else:

@@ -458,7 +458,7 @@ _SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2}
 
 def router_spec(cfg) -> RouterSpec:
     G, g, gst, scale, norm = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
-                                                  cfg.scaling_factor, cfg.normalize, cfg.num_experts)
+                                                  cfg.scaling_factor, cfg.normalize, cfg.num_experts, score=cfg.score)
     return RouterSpec(cfg.num_experts, cfg.k, _SCORE_CODES[cfg.score], cfg.pre_softmax, G, g, gst, scale, norm,
                       cfg.capacity_factor, cfg.capacity_policy == "probs", float(cfg.aux_loss_coeff),
                       float(cfg.seq_aux_loss_coeff), float(cfg.z_loss_coeff))

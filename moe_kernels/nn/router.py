@@ -67,8 +67,9 @@ class RouterConfig:
             raise ValueError(f"RouterConfig: k must be in [1, num_experts={self.num_experts}], got {self.k}")
         if self.score not in SCORES:
             raise ValueError(f"RouterConfig: score must be one of {SCORES}, got {self.score!r}")
-        if self.expert_bias and self.score == "softmax":
-            raise ValueError("RouterConfig: expert_bias needs score='sigmoid' or 'sqrtsoftplus'")
+        if self.expert_bias and self.score == "softmax" and not self.pre_softmax:
+            raise ValueError("RouterConfig: expert_bias with score='softmax' needs pre_softmax=True (the bias is added "
+                             "to the probabilities)")
         if (self.num_groups is None) != (self.group_topk is None):
             raise ValueError("RouterConfig: num_groups and group_topk go together")
         if self.num_groups is not None and self.num_experts % self.num_groups:
@@ -222,7 +223,8 @@ class Router(nn.Module):
     def _route_reference(self, logits: Tensor, seq_len: int | None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         cfg = self.config
         G, g, gst, scale, norm = resolve_topk_options(cfg.k, cfg.num_groups, cfg.group_topk, cfg.group_score_topk,
-                                                      cfg.scaling_factor, cfg.normalize, cfg.num_experts)
+                                                      cfg.scaling_factor, cfg.normalize, cfg.num_experts,
+                                                      score=cfg.score)
         weights, indices = router_topk_reference(logits, cfg.k, cfg.score, cfg.pre_softmax, G, g, gst, scale,
                                                  self.expert_bias, norm)
         if cfg.capacity_factor is not None:

@@ -21,25 +21,24 @@ def route(logits: Tensor, cfg: RouterConfig, expert_bias: Tensor | None) -> tupl
     """weights [T, k] fp32 and indices [T, k] int64, same semantics as router_topk."""
     T, E = logits.shape
     k = cfg.k
-    if cfg.score == "softmax":
-        if cfg.pre_softmax:
-            probs = logits.softmax(-1)
-            weights, indices = probs.topk(k, dim=-1)
-        else:
-            top, indices = logits.topk(k, dim=-1)
-            weights = top.softmax(-1)
+    softmax = cfg.score == "softmax"
+    if softmax:
+        scores = logits.softmax(-1) if cfg.pre_softmax else logits
     else:
         scores = logits.sigmoid() if cfg.score == "sigmoid" else F.softplus(logits).sqrt()
-        sel = scores + expert_bias if expert_bias is not None else scores
-        if cfg.num_groups is not None and cfg.num_groups > 1:
-            G, g = cfg.num_groups, cfg.group_topk
-            gst = cfg.group_score_topk or max(1, k // g)
-            group_scores = sel.view(T, G, E // G).topk(gst, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(g, dim=-1).indices, True)
-            sel = sel.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
-        indices = sel.topk(k, dim=-1).indices
+    sel = scores + expert_bias if expert_bias is not None else scores
+    if cfg.num_groups is not None and cfg.num_groups > 1:
+        G, g = cfg.num_groups, cfg.group_topk
+        gst = cfg.group_score_topk or max(1, k // g)
+        group_scores = sel.view(T, G, E // G).topk(gst, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_scores.topk(g, dim=-1).indices, True)
+        sel = sel.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+    indices = sel.topk(k, dim=-1).indices
+    normalize = cfg.normalize if cfg.normalize is not None else (k > 1 and not softmax)
+    if softmax and (normalize or not cfg.pre_softmax):
+        weights = logits.gather(1, indices).softmax(-1)  # the chosen probabilities over their sum
+    else:
         weights = scores.gather(1, indices)
-        normalize = cfg.normalize if cfg.normalize is not None else k > 1
         if normalize:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     if cfg.scaling_factor is not None:

@@ -42,8 +42,9 @@ def _check_topk(logits, k, score, pre_softmax, num_groups, group_topk, group_sco
     check_int(op, "group_topk", group_topk, minimum=1, maximum=num_groups)
     check_int(op, "group_score_topk", group_score_topk, minimum=1, maximum=E // num_groups)
     if expert_bias is not None:
-        if score == "softmax":
-            raise ValueError(f"{op}: `expert_bias` is for score='sigmoid' or 'sqrtsoftplus', not 'softmax'")
+        if score == "softmax" and not pre_softmax:
+            raise ValueError(f"{op}: `expert_bias` with score='softmax' needs `pre_softmax=True` (the bias is added to "
+                             "the probabilities; selection by raw logits takes no bias)")
         check_tensor(op, "expert_bias", expert_bias, ndim=1, dtypes=(torch.float32, torch.float64), device=logits.device)
         check_shape(op, "expert_bias", expert_bias, (E,), "one per expert")
 
@@ -119,9 +120,9 @@ def _activation(logits: Tensor, score: str) -> Tensor:
 def router_selection_scores(logits: Tensor, score: str, pre_softmax: bool, expert_bias: Tensor | None) -> Tensor:
     """[T, E] scores that top-k ranks (before any group limit)."""
     x = _acc(logits)
-    if score == "softmax":
-        return torch.softmax(x, dim=-1) if pre_softmax else x
-    sel = _activation(x, score)
+    if score == "softmax" and not pre_softmax:
+        return x
+    sel = torch.softmax(x, dim=-1) if score == "softmax" else _activation(x, score)
     return sel + expert_bias.to(sel.dtype) if expert_bias is not None else sel
 
 
@@ -156,7 +157,10 @@ def router_weights_reference(
     x = _acc(logits)
     idx = indices.long()
     if score == "softmax":
-        w = torch.softmax(x, dim=-1).gather(1, idx) if pre_softmax else torch.softmax(x.gather(1, idx), dim=-1)
+        # with pre_softmax and normalize: the chosen probabilities over their sum, i.e. the softmax over the chosen
+        # logits (computed so: no underflowing quotient)
+        over_all = pre_softmax and not normalize
+        w = torch.softmax(x, dim=-1).gather(1, idx) if over_all else torch.softmax(x.gather(1, idx), dim=-1)
     else:
         w = _activation(x, score).gather(1, idx)
         if normalize:
@@ -189,7 +193,7 @@ def router_topk_bwd_reference(grad_weights, logits, indices, score, pre_softmax,
     x = _acc(logits)
     idx = indices.long()
     g = grad_weights.to(x.dtype) * scaling_factor  # [T, k]
-    if score == "softmax" and pre_softmax:
+    if score == "softmax" and pre_softmax and not normalize:
         p = torch.softmax(x, dim=-1)  # every logit feeds the softmax over E
         dot = (g * p.gather(1, idx)).sum(-1, keepdim=True)
         return p * (torch.zeros_like(x).scatter(1, idx, g) - dot)
@@ -456,10 +460,11 @@ def router_topk(
     Args:
         logits: [T, E] router logits (fp32, bf16, fp16; fp64 on the CPU).
         k: experts per token.
-        score: "softmax" (selection by raw logits, weights = softmax over the k chosen, or with
-            `pre_softmax` selection and weights from the softmax over all E), "sigmoid" or
-            "sqrtsoftplus" (s = activation(logits); selection by s + expert_bias; weights s, divided by
-            their sum + 1e-20 when `normalize`).
+        score: "softmax" (selection by raw logits, weights = softmax over the k chosen; or with
+            `pre_softmax` selection by p + expert_bias, p the softmax over all E, and weights p, or with
+            `normalize` p over the sum of the k chosen p, computed as the softmax over the k chosen logits:
+            ERNIE-4.5's routing), "sigmoid" or "sqrtsoftplus" (s = activation(logits); selection by
+            s + expert_bias; weights s, divided by their sum + 1e-20 when `normalize`).
         num_groups, group_topk: group-limited routing (DeepSeek-V3): only experts in the `group_topk`
             best of `num_groups` contiguous groups are eligible; a group's score is the sum of its
             `group_score_topk` (default max(1, k // group_topk), at most the group's size) best selection
@@ -468,8 +473,10 @@ def router_topk(
             lowest index first (they rank as -inf, the tie rule below), each weighted by its own score;
             with k = E every expert is chosen, as in transformers' DeepSeek-V3 router.
         scaling_factor: multiplies the weights last.
-        expert_bias: [E] fp32, selection only (aux-loss-free balancing); no gradient.
-        normalize: default True when k > 1 (sigmoid and sqrtsoftplus only).
+        expert_bias: [E] fp32, selection only (aux-loss-free balancing); no gradient. With softmax it needs
+            `pre_softmax` (it is added to the probabilities).
+        normalize: default True when k > 1 for sigmoid and sqrtsoftplus, False for softmax (where it applies
+            with `pre_softmax` only: the weights over the k chosen logits already sum to 1).
 
     Returns:
         weights [T, k] fp32 and indices [T, k] int32, ordered by selection score descending, ties to
@@ -487,8 +494,9 @@ def router_topk(
       k NaN weights); otherwise a chosen -inf gets weight exactly 0.
     - softmax with `pre_softmax`: a NaN or +inf logit anywhere in the row, or a row of only -inf, makes
       the softmax over E NaN everywhere: every expert ranks -inf, the indices are 0, 1, ..., k-1 and all
-      k weights are NaN. Otherwise a -inf logit has score and weight exactly 0, tied with any
-      probability that underflows to 0.
+      k weights are NaN. Otherwise a -inf logit has probability and weight exactly 0, tied with any
+      probability that underflows to 0 (with `expert_bias`: selection score 0 + expert_bias[e]). With
+      `normalize` the weights are the softmax over the k chosen logits, with the first bullet's rules.
     - sigmoid: s(NaN) = NaN, s(+inf) = 1, s(-inf) = 0. A -inf logit is not masked: it competes with
       selection score 0 + expert_bias[e] (like a finite logit whose fp32 sigmoid underflows to 0), with
       s = 0. A +inf logit competes with 1 + expert_bias[e] (like a logit above about 17), with s = 1.
@@ -519,7 +527,7 @@ def router_topk(
     """
     check_tensor("router_topk", "logits", logits, ndim=2, dtypes=FLOAT_DTYPES, contiguous=False)  # before .shape
     G, g, gst, scale, norm = resolve_topk_options(k, num_groups, group_topk, group_score_topk, scaling_factor, normalize,
-                                                  logits.shape[-1])
+                                                  logits.shape[-1], score=score)
     if _onnx.exporting():
         return _onnx.router_topk_traceable(logits, k, score, pre_softmax, G, g, gst, scale, expert_bias, norm)
     L = _ext.eager(logits)
@@ -581,11 +589,12 @@ def _positive_int(v: object) -> bool:
 
 def resolve_topk_options(
     k: int, num_groups: int | None, group_topk: int | None, group_score_topk: int | None,
-    scaling_factor: float | None, normalize: bool | None, num_experts: int | None = None,
+    scaling_factor: float | None, normalize: bool | None, num_experts: int | None = None, *, score: str,
 ) -> tuple[int, int, int, float, bool]:
     """The public keyword defaults as the op's explicit arguments: (G, g, group_score_topk, scale, normalize).
     The default group_score_topk, max(1, k // group_topk), is capped at the group's size when `num_experts`
-    is given (k past the kept groups' experts)."""
+    is given (k past the kept groups' experts); `normalize` defaults to k > 1 for sigmoid and sqrtsoftplus,
+    False for softmax."""
     if (num_groups is None) != (group_topk is None):
         raise ValueError("router_topk: `num_groups` and `group_topk` go together")
     if num_groups is not None:  # group_score_topk only counts with groups
@@ -602,7 +611,7 @@ def resolve_topk_options(
     if scaling_factor is not None and (isinstance(scaling_factor, bool) or not isinstance(scaling_factor, numbers.Real)
                                        or not math.isfinite(scaling_factor)):
         raise ValueError(f"router_topk: `scaling_factor` must be a finite number, got {scaling_factor!r}")
-    norm = (k > 1) if normalize is None else normalize
+    norm = (k > 1 and score != "softmax") if normalize is None else normalize
     scale = 1.0 if scaling_factor is None else float(scaling_factor)
     return G, g, gst, scale, norm
 

@@ -329,11 +329,14 @@ def _router_fused_bwd_cuda(grad_weights, grad_loss, logits, indices, aux_counts,
 def router_fused(
     logits: Tensor, k: int, *, score: str = "softmax", pre_softmax: bool = False, num_groups: int = 1,
     group_topk: int = 1, group_score_topk: int = 1, scaling_factor: float = 1.0, expert_bias: Tensor | None = None,
-    normalize: bool = True, aux_coeff: float = 0.0, seq_coeff: float = 0.0, seq_len: int = 1, z_coeff: float = 0.0,
+    normalize: bool | None = None, aux_coeff: float = 0.0, seq_coeff: float = 0.0, seq_len: int = 1,
+    z_coeff: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(weights [T, k] fp32, indices [T, k] int32, counts [E] int32, aux_counts, seq_counts, loss []): the
     module docstring's composition in one kernel each way. Options as router_topk's, resolved (num_groups 1 =
-    no group limit); gradients flow from weights and loss to logits."""
+    no group limit; `normalize` None: router_topk's default); gradients flow from weights and loss to logits."""
+    if normalize is None:
+        normalize = k > 1 and score != "softmax"
     return torch.ops.moe_kernels.router_fused(logits, expert_bias, k, score, pre_softmax, num_groups, group_topk,
                                               group_score_topk, float(scaling_factor), bool(normalize),
                                               float(aux_coeff), float(seq_coeff), int(seq_len), float(z_coeff))

@@ -68,6 +68,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", "qwen3_5_moe (Qwen3-VL-MoE routing)"),
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "MiniMax-M2"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepSeek-V2"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -77,7 +78,10 @@ _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_exp
               pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
-_EXTRA = {"deepseek_v2": {"num_key_value_heads": 4}}  # its latent attention has as many KV heads as heads
+_EXTRA = {
+    "deepseek_v2": {"num_key_value_heads": 4},  # its latent attention has as many KV heads as heads
+    "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0},
+}
 
 
 def _matched_config(family: str, layers: int, overrides: dict):
@@ -121,6 +125,8 @@ CASES = [
     ("gpt_oss", {}),
     ("deepseek_v2", {"topk_method": "greedy"}),
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
+    ("ernie4_5_moe", {}),
+    ("ernie4_5_moe", {"moe_k": 3}),
 ]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]
 

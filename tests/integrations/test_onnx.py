@@ -104,7 +104,9 @@ ROUTERS = {  # the router_topk options the patched families use, as the op's exp
     "softmax": dict(k=2, score="softmax", pre_softmax=False, num_groups=1, group_topk=1, group_score_topk=1,
                     scaling_factor=1.0, normalize=True),
     "pre_softmax": dict(k=2, score="softmax", pre_softmax=True, num_groups=1, group_topk=1, group_score_topk=1,
-                        scaling_factor=1.0, normalize=True),
+                        scaling_factor=1.0, normalize=False),
+    "biased_softmax": dict(k=2, score="softmax", pre_softmax=True, num_groups=1, group_topk=1, group_score_topk=1,
+                           scaling_factor=1.0, normalize=True),
     "grouped_sigmoid": dict(k=3, score="sigmoid", pre_softmax=False, num_groups=4, group_topk=2, group_score_topk=2,
                             scaling_factor=2.5, normalize=True),
     "sqrtsoftplus": dict(k=3, score="sqrtsoftplus", pre_softmax=False, num_groups=1, group_topk=1,
@@ -115,7 +117,11 @@ ROUTERS = {  # the router_topk options the patched families use, as the op's exp
 def _router_args(name: str, bias: torch.Tensor):
     o = ROUTERS[name]
     return (o["k"], o["score"], o["pre_softmax"], o["num_groups"], o["group_topk"], o["group_score_topk"],
-            o["scaling_factor"], None if o["score"] == "softmax" else bias, o["normalize"])
+            o["scaling_factor"], bias if _biased(o) else None, o["normalize"])
+
+
+def _biased(o: dict) -> bool:
+    return o["score"] != "softmax" or o["pre_softmax"] and o["normalize"]  # and ERNIE-4.5's softmax
 
 
 @pytest.mark.parametrize("name", ROUTERS)
@@ -145,7 +151,7 @@ class _Ops(nn.Module):
         routed = []
         for o in ROUTERS.values():
             kw = {key: v for key, v in o.items() if key != "k"}
-            routed += mk.router_topk(logits, o["k"], expert_bias=None if o["score"] == "softmax" else bias, **kw)
+            routed += mk.router_topk(logits, o["k"], expert_bias=bias if _biased(o) else None, **kw)
         E = self.w13.shape[0]
         x_perm, row_map, sizes = mk.permute(x, indices, E, align=self.align)
         h = mk.grouped_mm(x_perm, self.w13, sizes)

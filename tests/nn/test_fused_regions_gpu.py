@@ -21,6 +21,7 @@ CASES = {
     "sigmoid-losses": dict(score="sigmoid", expert_bias=True, aux_loss_coeff=1e-2, seq_aux_loss_coeff=1e-3,
                            z_loss_coeff=1e-3),
     "pre-softmax-z": dict(pre_softmax=True, aux_loss_coeff=0.0, z_loss_coeff=1e-2),
+    "softmax-bias": dict(pre_softmax=True, normalize=True, expert_bias=True, aux_loss_coeff=1e-2),
     "capacity-probs": dict(capacity_factor=0.75),
     "capacity-position": dict(capacity_factor=1.0, capacity_policy="position", z_loss_coeff=1e-3),
     "weights-in-activation": dict(weights_in_activation=True),

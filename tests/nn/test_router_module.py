@@ -75,9 +75,32 @@ def test_expert_bias_update_hook_balances():
     assert router(x).tokens_per_expert.max() < first.max()
 
 
+def test_softmax_expert_bias_balances():
+    # aux-loss-free balancing on a softmax router (ERNIE-4.5's routing): the bias is added to the probabilities
+    torch.manual_seed(3)
+    router = Router(RouterConfig(hidden_size=32, num_experts=8, k=2, pre_softmax=True, normalize=True,
+                                 expert_bias=True, bias_update_rate=0.02))
+    with torch.no_grad():
+        router.weight[0] += 0.5  # expert 0 chosen by every positive input
+    opt = torch.optim.SGD(router.parameters(), lr=0.0)
+    router.register_bias_update_hook(opt)
+    x = torch.randn(256, 32).abs()
+    first = router(x)
+    torch.testing.assert_close(first.weights.sum(-1), torch.ones(256))  # renormalised over the k
+    assert int(first.tokens_per_expert[0]) == 256
+    opt.step()
+    assert router.expert_bias[0] < 0 and bool((router.expert_bias[first.tokens_per_expert < 64] > 0).all())
+    peak = []
+    for _ in range(60):
+        peak.append(int(router(x).tokens_per_expert.max()))
+        opt.step()
+    # the bias moves tokens off the hot expert (sign steps of a fixed size then oscillate around the balance)
+    assert peak[0] == 256 and min(peak) < 200
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="expert_bias"):
-        RouterConfig(hidden_size=8, num_experts=8, k=2, expert_bias=True)
+        RouterConfig(hidden_size=8, num_experts=8, k=2, expert_bias=True)  # softmax by logits: no bias
     with pytest.raises(ValueError, match="k must"):
         RouterConfig(hidden_size=8, num_experts=8, k=9)
     with pytest.raises(ValueError, match="go together"):

@@ -122,7 +122,8 @@ def test_router_topk_matches_reference(cuda, case, dtype):
         logits[:, int(torch.randint(0, E, (1,), generator=gen))] += 8.0
     logits = logits.to(dtype)
     bias = torch.randn(E, generator=gen) * 0.05 if case["bias"] else None
-    G, g, gst, scale, norm = resolve_topk_options(k, case["num_groups"], case["group_topk"], None, None, None, E)
+    G, g, gst, scale, norm = resolve_topk_options(k, case["num_groups"], case["group_topk"], None, None, None, E,
+                                                  score=case["score"])
     _, ref_idx = router_topk_reference(logits, k, case["score"], case["pre_softmax"], G, g, gst, scale, bias, norm)
     w, idx = mk.router_topk(logits.to(cuda), k, score=case["score"], pre_softmax=case["pre_softmax"],
                             num_groups=case["num_groups"], group_topk=case["group_topk"],

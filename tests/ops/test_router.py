@@ -106,15 +106,15 @@ def test_group_score_topk_default_is_at_least_one_and_documented():
     # score, as the docstring says.
     from moe_kernels.ops.router import resolve_topk_options
 
-    assert resolve_topk_options(1, 4, 2, None, None, None)[2] == 1
-    assert resolve_topk_options(8, 4, 2, None, None, None)[2] == 4
+    assert resolve_topk_options(1, 4, 2, None, None, None, score="sigmoid")[2] == 1
+    assert resolve_topk_options(8, 4, 2, None, None, None, score="sigmoid")[2] == 4
     logits = torch.randn(16, 16, generator=torch.Generator().manual_seed(2))
     a = mk.router_topk(logits, 1, score="sigmoid", num_groups=4, group_topk=2)
     b = mk.router_topk(logits, 1, score="sigmoid", num_groups=4, group_topk=2, group_score_topk=1)
     assert torch.equal(a[1], b[1])
     assert "`group_score_topk` (default max(1, k // group_topk), at most the group's size)" in " ".join(
         mk.router_topk.__doc__.split())
-    assert resolve_topk_options(8, 4, 1, None, None, None, 16)[2] == 4  # capped at the group's 4 experts
+    assert resolve_topk_options(8, 4, 1, None, None, None, 16, score="sigmoid")[2] == 4  # capped at the group's 4 experts
 
 
 def test_aux_scores():
@@ -411,6 +411,7 @@ def test_compile_router_and_losses():
         (dict(num_groups=4.0, group_topk=2), ValueError, "`num_groups` must be a positive int, got 4.0"),
         (dict(expert_bias=torch.zeros(16)), ValueError, "expert_bias"),
         (dict(score="sigmoid", expert_bias=torch.zeros(15)), ValueError, "expert_bias"),
+        (dict(pre_softmax=True, expert_bias=torch.zeros(15)), ValueError, "expert_bias"),
         (dict(score="relu"), ValueError, "score"),
         (dict(score="sigmoid", pre_softmax=True), ValueError, "pre_softmax"),
         (dict(score="sigmoid", normalize="yes"), ValueError, "`normalize` must be True, False or None"),
@@ -424,6 +425,39 @@ def test_router_bad_input(kw, exc, match):
     k = kw.pop("k", 4)
     with pytest.raises(exc, match=match):
         mk.router_topk(torch.randn(4, 16), k, **kw)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_softmax_with_expert_bias_selects_by_probability_plus_bias(normalize):
+    # ERNIE-4.5's routing (normalize=True): p = softmax over all E, selection by p + bias, weights p over the sum of
+    # the chosen p; without normalize the weights are p itself. In fp64, against the formula written out.
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 16, generator=g, dtype=torch.float64)
+    bias = torch.randn(16, generator=g, dtype=torch.float64) * 0.1  # large enough to reorder the picks
+    w, idx = mk.router_topk(logits, 4, pre_softmax=True, expert_bias=bias, normalize=normalize, scaling_factor=2.0)
+    p = logits.softmax(-1)
+    ref_idx = torch.sort(p + bias, dim=-1, descending=True, stable=True).indices[:, :4]
+    assert torch.equal(idx.long(), ref_idx)
+    assert not torch.equal(ref_idx, p.topk(4, dim=-1).indices)  # the bias changed some picks
+    chosen = p.gather(1, ref_idx)
+    ref_w = (chosen / chosen.sum(-1, keepdim=True) if normalize else chosen) * 2.0
+    torch.testing.assert_close(w, ref_w, rtol=1e-12, atol=0)
+    # the gradient too: d(w . g)/d logits against autograd through the formula
+    x = logits.clone().requires_grad_()
+    w, _ = mk.router_topk(x, 4, pre_softmax=True, expert_bias=bias, normalize=normalize, scaling_factor=2.0)
+    gw = torch.randn(64, 4, generator=g, dtype=torch.float64)
+    (w * gw).sum().backward()
+    y = logits.clone().requires_grad_()
+    c = y.softmax(-1).gather(1, ref_idx)
+    (((c / c.sum(-1, keepdim=True) if normalize else c) * 2.0) * gw).sum().backward()
+    torch.testing.assert_close(x.grad, y.grad, rtol=1e-10, atol=1e-14)
+
+
+def test_softmax_normalize_default_is_off():
+    # normalize defaults to k > 1 for sigmoid only: a softmax over all E is not renormalised unless asked
+    logits = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    w, idx = mk.router_topk(logits, 4, pre_softmax=True)
+    torch.testing.assert_close(w, logits.softmax(-1).gather(1, idx.long()))
 
 
 @pytest.mark.parametrize("score", ["sigmoid", "softmax"])

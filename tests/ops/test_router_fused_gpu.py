@@ -25,6 +25,7 @@ CONFIGS = {
                      bias=True, seq_coeff=1e-4),
     "sqrtsoftplus-all": dict(score="sqrtsoftplus", bias=True, aux_coeff=1e-2, seq_coeff=1e-3, z_coeff=1e-3),
     "no-losses": dict(score="sigmoid", normalize=False),
+    "softmax-bias-aux": dict(score="softmax", pre_softmax=True, normalize=True, bias=True, aux_coeff=1e-2),
 }
 # (T, E, k, seq_len): no tokens, one token, rows not a multiple of the 64-row chunk, several chunks per
 # sequence, E not a multiple of 32 (nor of 4: the last block's single-float sums), the largest E, a deepseek-v3

@@ -154,7 +154,8 @@ def loop_router_non_finite(logits, k, score, pre_softmax, G, g, gst, bias, norma
             if pre_softmax:
                 m = max(row, key=key)
                 ex = [math.exp(x - m) for x in row]
-                sel = probs = [v / sum(ex) for v in ex]
+                probs = [v / sum(ex) for v in ex]
+                sel = [v + b for v, b in zip(probs, bias)] if bias is not None else probs
             else:
                 sel = list(row)
         else:
@@ -172,7 +173,7 @@ def loop_router_non_finite(logits, k, score, pre_softmax, G, g, gst, bias, norma
             kept = sorted(range(G), key=lambda i: (-gscores[i], i))[:g]
             sel = [v if e // size in kept else -math.inf for e, v in enumerate(sel)]
         chosen = sorted(range(E), key=lambda e: (-key(sel[e]), e))[:k]
-        if score == "softmax" and pre_softmax:
+        if score == "softmax" and pre_softmax and not normalize:
             ws = [probs[e] for e in chosen]
         elif score == "softmax":
             xs = [row[e] for e in chosen]
@@ -202,6 +203,8 @@ def loop_router_non_finite(logits, k, score, pre_softmax, G, g, gst, bias, norma
         dict(score="sqrtsoftplus", num_groups=4, group_topk=2, group_score_topk=3, with_bias=True),
         dict(score="softmax", num_groups=4, group_topk=2),
         dict(score="softmax", pre_softmax=True, num_groups=4, group_topk=1),
+        dict(score="softmax", pre_softmax=True, normalize=True, with_bias=True),
+        dict(score="softmax", pre_softmax=True, num_groups=4, group_topk=2, with_bias=True),
     ],
 )
 def test_non_finite_logits_match_loop(kw):
@@ -219,7 +222,7 @@ def test_non_finite_logits_match_loop(kw):
     w, idx = mk.router_topk(logits, k, expert_bias=bias, **kw)
     G, g, gst, scale, norm = resolve_topk_options(k, kw.get("num_groups"), kw.get("group_topk"),
                                                    kw.get("group_score_topk"), kw.get("scaling_factor"),
-                                                   kw.get("normalize"))
+                                                   kw.get("normalize"), score=kw["score"])
     expected = loop_router_non_finite(logits, k, kw["score"], kw.get("pre_softmax", False), G, g, gst,
                                       None if bias is None else bias.tolist(), norm, scale)
     assert idx.tolist() == [chosen for chosen, _ in expected]
