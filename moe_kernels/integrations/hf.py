@@ -68,10 +68,16 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - GPT-OSS (`GptOssMLP`, its router is `router`): biased logits, top-k by logit, softmax over the k, cast to the
   logits' dtype. Its experts add a bias to both projections and use a clamped SwiGLU variant on interleaved
   gate/up columns, stored transposed ([E, H, 2F], [E, F, H]): they run permute -> the biased [E, K, N] grouped
-  GEMM (`_BiasedGroupedMmKN`: grouped_mm's dgrad product forward, its forward and wgrad products backward, so no
+  GEMM (`_GroupedMmKN`: grouped_mm's dgrad product forward, its forward and wgrad products backward, so no
   transposed copy of the weights; the bias gradient a wgrad product with a column of ones, deterministic) ->
   the experts' own `_apply_gate` -> the same for down_proj -> unpermute. No precision recipe (refused at patch
   time); with peft adapters, or while torch.onnx exports, the experts run transformers' forward.
+- Llama 4 (`Llama4TextMoe`): transformers runs every expert on every token (the inputs of the experts not chosen
+  zeroed by their score, sigmoid(-inf) = 0), E / k times the routed experts' FLOPs (16x for Scout, 128x for
+  Maverick). Its block forward is replaced (`_llama4_block_forward`): transformers' router as it is, each token's
+  copy scaled by its score before the experts, permute, the [E, K, N] grouped GEMMs around SiLU gate * up,
+  unpermute, the block's own shared expert. No precision recipe (refused at patch time); with peft adapters, or
+  while torch.onnx exports, transformers' block forward.
 
 Not supported (left alone, listed in one warning): any other block that looks like an MoE block (a child named
 `experts`, or a class name ending in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs
@@ -201,22 +207,23 @@ def _is_biased_layout(experts: nn.Module) -> bool:
             and not getattr(experts, "has_post_expert_norm", False))
 
 
-class _BiasedGroupedMmKN(torch.autograd.Function):
-    """out[rows of e] = x[rows of e] @ w[e] + bias[e] with the weights stored [E, K, N] (GPT-OSS's layout), from
-    the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is its dgrad
-    product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the weight gradient its
-    wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad product with a
-    column of ones (each group's rows summed in a fixed order, deterministic). Rows past the groups get bias[E-1]
-    (nothing reads them)."""
+class _GroupedMmKN(torch.autograd.Function):
+    """out[rows of e] = x[rows of e] @ w[e] (+ bias[e]) with the weights stored [E, K, N] (GPT-OSS's and Llama 4's
+    layout), from the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is
+    its dgrad product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the weight
+    gradient its wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad
+    product with a column of ones (each group's rows summed in a fixed order, deterministic). Rows past the groups
+    get bias[E-1] (nothing reads them)."""
 
     @staticmethod
     def forward(ctx, x, w, bias, group_sizes):
         ops = torch.ops.moe_kernels
         E, R = w.shape[0], x.shape[0]
-        ends = torch.cumsum(group_sizes, 0)
-        rows = torch.searchsorted(ends, torch.arange(R, device=x.device, dtype=ends.dtype), right=True)
         out = ops.grouped_mm_dgrad(x, w, group_sizes)
-        out.add_(bias.index_select(0, rows.clamp_(max=E - 1)))
+        if bias is not None:
+            ends = torch.cumsum(group_sizes, 0)
+            rows = torch.searchsorted(ends, torch.arange(R, device=x.device, dtype=ends.dtype), right=True)
+            out.add_(bias.index_select(0, rows.clamp_(max=E - 1)))
         ctx.save_for_backward(x, w, group_sizes)
         return out
 
@@ -250,10 +257,43 @@ def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     if getattr(self, "_is_expert_parallel", False):
         idx = torch.where(idx < E, idx, -1)
     x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
-    h = _BiasedGroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
+    h = _GroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
     act = self._apply_gate(h)  # the family's own gate: GPT-OSS's clamped one on interleaved columns
-    y = _BiasedGroupedMmKN.apply(act.contiguous(), w2.contiguous(), b2, group_sizes)  # [R, H]
+    y = _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), b2, group_sizes)  # [R, H]
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
+
+
+def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """Llama 4's MoE block (Llama4TextMoe) on the chosen experts only. transformers runs every expert on every
+    token, the experts not chosen on inputs zeroed by their score (sigmoid(-inf) = 0): E / k times the routed
+    experts' FLOPs. Here transformers' router runs as it is (its scores and recorded logits), the same top-k picks
+    its experts (the same call on the same logits), each token's copy is scaled by its score before the experts
+    as transformers scales it, then permute, the [E, K, N] grouped GEMMs around SiLU gate * up (our fused swiglu
+    where the experts use SiLU), and unpermute sums each token's copies; the shared expert is the block's own.
+    Adapters on the experts (peft wraps them) or an ONNX export: transformers' forward."""
+    experts = _experts_of(self)
+    if self.experts is not experts or _onnx.exporting():
+        return _base_class(self).forward(self, hidden_states)
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
+    T, E, k = hidden_states.shape[0], self.num_experts, self.router.top_k
+    idx = torch.topk(router_logits, k, dim=1).indices  # the router's own picks
+    scores = router_scores.gather(1, idx)  # [T, k], the router's dtype, as transformers multiplies
+    x = (hidden_states[:, None, :] * scores[:, :, None]).reshape(T * k, self.hidden_dim)  # copy j of token t: t k + j
+    w13, w2 = autocast_input(experts.gate_up_proj), autocast_input(experts.down_proj)  # [E, H, 2F], [E, F, H]
+    x_perm, row_map, group_sizes = permute(x.to(w13.dtype).contiguous(), idx.reshape(-1, 1).to(torch.int32), E,
+                                           align=1)
+    h = _GroupedMmKN.apply(x_perm, w13.contiguous(), None, group_sizes)  # [R, 2F]: gate columns, then up
+    if isinstance(experts.act_fn, nn.SiLU):
+        act = swiglu(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)
+        act = up * experts.act_fn(gate)
+    y = _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), None, group_sizes)  # [R, H]
+    routed = unpermute(y, row_map.view(T, k))  # each token's k copies summed (fp32, rounded once)
+    out = self.shared_expert(hidden_states)
+    out.add_(routed.to(out.dtype))
+    return out, router_logits
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
@@ -416,6 +456,24 @@ def _ernie_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     return None
 
 
+def _llama4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    """Llama4TextMoe: a bias-free nn.Linear router, experts [E, H, 2F] (gate then up columns) and [E, F, H]."""
+    experts = _experts_of(block)
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(w13, Tensor) and isinstance(w2, Tensor) and w13.dim() == 3 and w2.dim() == 3):
+        return "its experts lack [E, H, 2F] gate_up_proj / [E, F, H] down_proj tensors"
+    if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
+        return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
+    H, F2 = w13.shape[1], w13.shape[2]
+    if gate.bias is not None or tuple(gate.weight.shape) != (E, H) or w13.shape[0] != E or F2 % 2 \
+            or tuple(w2.shape) != (E, F2 // 2, H) or getattr(block, "hidden_dim", None) != H:
+        return (f"unexpected shapes: router {tuple(gate.weight.shape)} (bias {gate.bias is not None}), gate_up_proj "
+                f"{tuple(w13.shape)}, down_proj {tuple(w2.shape)} for {E} experts")
+    if not isinstance(getattr(block, "shared_expert", None), nn.Module):
+        return "it has no shared_expert"
+    return None
+
+
 def _deepseek_v2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     method = getattr(gate, "topk_method", None)
     if method not in ("greedy", "group_limited_greedy"):
@@ -446,6 +504,7 @@ class _Family:
     problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
     reference: bool = True  # its router's code is a routing reference other families are matched against
     biased_experts: bool = False  # GPT-OSS's experts: biases, transposed weights, interleaved gate/up
+    block_forward: Callable | None = None  # the block's forward replaced (router and experts stay transformers')
 
 
 _TM = "transformers.models."
@@ -470,6 +529,8 @@ FAMILIES = (
             _gpt_oss_router_forward, biased_experts=True),
     _Family("ERNIE-4.5", _TM + "ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
             "Ernie4_5_MoeTopKRouter", "Ernie4_5_MoeExperts", _ernie_router_forward, _ernie_problem),
+    _Family("Llama 4", _TM + "llama4.modeling_llama4", "Llama4TextMoe", "Llama4Router", "Llama4TextExperts", None,
+            _llama4_problem, reference=False, block_forward=_llama4_block_forward),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
@@ -615,7 +676,7 @@ def _is_dtensor(t) -> bool:
 
 
 def _router_of(block: nn.Module):
-    """The block's router module: `gate` in most families, `router` in GPT-OSS."""
+    """The block's router module: `gate` in most families, `router` in GPT-OSS and Llama 4."""
     gate = block._modules.get("gate")
     return gate if isinstance(gate, nn.Module) else block._modules.get("router")
 
@@ -646,6 +707,13 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
     if not isinstance(experts, experts_cls):
         return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
+    if fam.block_forward is not None:  # the family checks its block whole
+        E = getattr(experts, "num_experts", None)
+        if not isinstance(E, int) or E < 1 or getattr(block, "num_experts", E) != E:
+            return "its experts module has no valid num_experts"
+        if not 1 <= getattr(gate, "top_k", 0) <= E:
+            return "its router has no valid top_k"
+        return fam.problem(gate, block, E)
     if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
         return "its experts do not dispatch through transformers' experts interface"
     biased = fam.biased_experts  # GPT-OSS: biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights
@@ -721,39 +789,41 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
 # Installing and removing forwards
 
 
-_PATCHED_ROUTERS: dict[type, type] = {}  # transformers' router class -> our subclass
+_PATCHED_CLASSES: dict[type, type] = {}  # transformers' router (or block) class -> our subclass
 
 
-def _patched_router_class(cls: type, router_forward: Callable) -> type:
-    """`MoeKernels<cls>`: transformers' router class with `router_forward` as its forward, defined in this
-    module (pickle finds it by name; `__getattr__` below defines it in a fresh process). An instance whose
-    class was restored by `unpatch_hf` but that is called through a forward captured while patched (a later
-    wrapper) runs transformers' forward."""
-    sub = _PATCHED_ROUTERS.get(cls)
+def _patched_class(cls: type, new_forward: Callable) -> type:
+    """`MoeKernels<cls>`: transformers' router (or, for Llama 4, block) class with `new_forward` as its forward,
+    defined in this module (pickle finds it by name; `__getattr__` below defines it in a fresh process). An
+    instance whose class was restored by `unpatch_hf` but that is called through a forward captured while
+    patched (a later wrapper) runs transformers' forward."""
+    sub = _PATCHED_CLASSES.get(cls)
     if sub is None:
 
         def forward(self, *args, **kwargs):
             if type(self) is not sub:
                 return cls.forward(self, *args, **kwargs)
-            return router_forward(self, *args, **kwargs)
+            return new_forward(self, *args, **kwargs)
 
         name = f"MoeKernels{cls.__name__}"
         sub = type(name, (cls,), {"forward": forward, "__module__": __name__, "__qualname__": name,
                                   "_moe_kernels_base": cls})
-        _PATCHED_ROUTERS[cls] = globals()[name] = sub
+        _PATCHED_CLASSES[cls] = globals()[name] = sub
     return sub
 
 
 def __getattr__(name: str):
-    """Unpickling a patched model in a fresh process: define the router subclass it names."""
+    """Unpickling a patched model in a fresh process: define the router (or block) subclass it names."""
     if name.startswith("MoeKernels"):
-        gate = name[len("MoeKernels"):]
+        base = name[len("MoeKernels"):]
         for fam in FAMILIES:
-            if gate == fam.gate:
-                return _patched_router_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
-        cls = _transformers_class(gate)
+            if fam.block_forward is None and base == fam.gate:
+                return _patched_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
+            if fam.block_forward is not None and base == fam.block:
+                return _patched_class(getattr(importlib.import_module(fam.module), fam.block), fam.block_forward)
+        cls = _transformers_class(base)
         if cls is not None and (fam := _matched_family(cls)) is not None:
-            return _patched_router_class(cls, fam.router_forward)
+            return _patched_class(cls, fam.router_forward)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -761,18 +831,27 @@ def _base_class(module: nn.Module) -> type:
     return getattr(type(module), "_moe_kernels_base", type(module))
 
 
+def _swap_class(module: nn.Module, new_forward: Callable) -> None:
+    """module's class becomes its patched subclass (once)."""
+    if _PATCH_ATTR in module.__dict__:
+        return
+    sub = _patched_class(type(module), new_forward)
+    saved = None
+    # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls
+    # `_old_forward`, bound when the hook was added: point it at our forward, keep the hook.
+    if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:
+        saved = module.__dict__["_old_forward"]
+        module._old_forward = types.MethodType(sub.forward, module)
+    module.__dict__[_PATCH_ATTR] = saved
+    module.__class__ = sub
+
+
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
+    if fam.block_forward is not None:  # the block's forward: its router and experts modules stay as they are
+        _swap_class(block, fam.block_forward)
+        return
     gate, experts = _router_of(block), _experts_of(block)
-    if _PATCH_ATTR not in gate.__dict__:
-        sub = _patched_router_class(type(gate), fam.router_forward)
-        saved = None
-        # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls
-        # `_old_forward`, bound when the hook was added: point it at our forward, keep the hook.
-        if hasattr(gate, "_hf_hook") and "_old_forward" in gate.__dict__:
-            saved = gate.__dict__["_old_forward"]
-            gate._old_forward = types.MethodType(sub.forward, gate)
-        gate.__dict__[_PATCH_ATTR] = saved
-        gate.__class__ = sub
+    _swap_class(gate, fam.router_forward)
     if _PATCH_ATTR not in experts.__dict__:
         experts.__dict__[_PATCH_ATTR] = experts.config._experts_implementation
         experts.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION  # this config only
@@ -787,7 +866,7 @@ def _uninstall(module: nn.Module) -> bool:
     if _PATCH_ATTR not in module.__dict__:
         return False
     saved = module.__dict__.pop(_PATCH_ATTR)
-    if type(module) in _PATCHED_ROUTERS.values():  # a router
+    if type(module) in _PATCHED_CLASSES.values():  # a router (or a block)
         module.__class__ = _base_class(module)
         if saved is not None:
             module._old_forward = saved
@@ -807,9 +886,16 @@ def register_experts_implementation() -> bool:
     return True
 
 
+def _patched_blocks(model: nn.Module) -> list[str]:
+    """Paths of the blocks whose own forward patch_hf replaced (Llama 4's)."""
+    blocks = {sub for cls, sub in _PATCHED_CLASSES.items() if any(f.block_forward and f.block == cls.__name__
+                                                                  for f in FAMILIES)}
+    return [name or "<root>" for name, m in model.named_modules() if type(m) in blocks]
+
+
 def is_patched(module: nn.Module) -> bool:
     """Whether any submodule of `module` runs a moe_kernels forward installed by `patch_hf`."""
-    return any(type(m) in _PATCHED_ROUTERS.values() or (
+    return any(type(m) in _PATCHED_CLASSES.values() or (
         _PATCH_ATTR in m.__dict__ and m.config._experts_implementation == EXPERTS_IMPLEMENTATION)
         for m in module.modules())
 
@@ -818,7 +904,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
-    DeepSeek-V2, GPT-OSS, and
+    DeepSeek-V2, GPT-OSS, ERNIE-4.5, Llama 4 (its block's forward: see the module docstring), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change
@@ -847,8 +933,9 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
             if fam is not None and problem is None:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
-                if fam.biased_experts:
-                    raise ValueError(f"{where}: {fam.name}'s biased experts run at the model's precision only")
+                if fam.biased_experts or fam.block_forward is not None:
+                    raise ValueError(f"{where}: {fam.name}'s experts (stored [E, K, N]) run at the model's precision "
+                                     "only")
                 F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
                 try:
                     recipe.check_shapes(H, F_)

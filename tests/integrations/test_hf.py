@@ -69,6 +69,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", "MiniMax-M2"),
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepSeek-V2"),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5"),
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", "Llama 4"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -81,6 +82,7 @@ _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_exp
 _EXTRA = {
     "deepseek_v2": {"num_key_value_heads": 4},  # its latent attention has as many KV heads as heads
     "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0},
+    "llama4": {"intermediate_size": 16, "intermediate_size_mlp": 48, "attention_chunk_size": 64},
 }
 
 
@@ -127,7 +129,12 @@ CASES = [
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
     ("ernie4_5_moe", {}),
     ("ernie4_5_moe", {"moe_k": 3}),
+    ("llama4", {"num_experts_per_tok": 1}),  # Llama 4 Scout's and Maverick's k
+    ("llama4", {}),
 ]
+# Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare)
+ROUTER_CASES = [(f, o) for f, o in CASES if f != "llama4"]
+ROUTER_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in ROUTER_CASES]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]
 
 
@@ -140,7 +147,7 @@ def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.3)
-            elif name.endswith((".gate.weight", "mlp.router.weight")):
+            elif name.endswith((".gate.weight", ".router.weight")):
                 p.normal_(0.0, 1.0)
         for module in model.modules():
             if hasattr(module, "e_score_correction_bias"):
@@ -193,7 +200,7 @@ def moe_blocks(model):
 # Routing: each family's transformers router == our router_topk call
 
 
-@pytest.mark.parametrize(("family", "overrides"), CASES, ids=IDS)
+@pytest.mark.parametrize(("family", "overrides"), ROUTER_CASES, ids=ROUTER_IDS)
 def test_router_matches_transformers(family, overrides):
     model = build(family, **overrides)
     block = moe_blocks(model)[0]
@@ -553,7 +560,7 @@ def test_gpt_oss_recipe_and_adapters():
     # GPT-OSS's biased experts take no precision recipe (refused at patch time, before anything changes); with
     # peft adapters on them the experts run transformers' own forward, the router ours.
     model = build("gpt_oss")
-    with pytest.raises(ValueError, match="GPT-OSS's biased experts run at the model's precision only"):
+    with pytest.raises(ValueError, match=r"GPT-OSS's experts \(stored \[E, K, N\]\) run at the model's precision"):
         mk.patch_hf(model, recipe=mk.quant.Fp8BlockwiseRecipe())
     assert not hf.is_patched(model)
     ref_model = build("gpt_oss").eval()
@@ -572,6 +579,76 @@ def test_gpt_oss_recipe_and_adapters():
         hf.lora_terms = hf_lora
         type(experts).forward.__wrapped__ = real
     assert calls == [1]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Llama 4: the block's forward is ours (transformers runs every expert on every token)
+
+
+def _count_kn_rows(monkeypatch) -> list[int]:
+    rows = []
+    real = hf._GroupedMmKN.apply
+    monkeypatch.setattr(hf._GroupedMmKN, "apply", lambda x, *a: (rows.append(x.shape[0]), real(x, *a))[1])
+    return rows
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_llama4_experts_run_the_chosen_tokens_only(monkeypatch, k):
+    # transformers' Llama4TextExperts multiplies all E experts by every token (T E rows); patched, each of the two
+    # MoE layers' two GEMMs takes the T k rows routed to their experts, with the same logits and router logits
+    ref_model = build("llama4", num_experts_per_tok=k).eval()
+    model = patched_copy(ref_model)
+    ids = inputs()
+    rows = _count_kn_rows(monkeypatch)
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref_model, ids))
+    assert rows == [ids.numel() * k] * 4
+
+
+def test_llama4_pickle_unpatch_recipe_and_parallelism(tmp_path, monkeypatch):
+    from moe_kernels.parallel.expert_parallel import apply_expert_parallel
+
+    model = patched_copy(build("llama4").eval())
+    with pytest.raises(NotImplementedError, match=r"Llama 4 blocks \(model\.layers\.0\.feed_forward, \.\.\.\) run"):
+        apply_expert_parallel(model)
+    ids = inputs()
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert hf.is_patched(loaded) and type(moe_blocks(loaded)[0]).__name__ == "MoeKernelsLlama4TextMoe"
+    rows = _count_kn_rows(monkeypatch)
+    with torch.no_grad():
+        assert_same_outputs(run(loaded, ids), run(model, ids), rtol=0, atol=0)
+    assert rows
+    out = _logits_in_fresh_process(tmp_path, f"m = torch.load({str(tmp_path / 'model.pt')!r}, weights_only=False)\n",
+                                   ids, "assert hf.is_patched(m), 'the block class is ours'\n")
+    with torch.no_grad():
+        torch.testing.assert_close(out, run(model, ids).logits, rtol=0, atol=0)
+    mk.unpatch_hf(loaded)
+    llama4 = transformers.models.llama4.modeling_llama4
+    assert not hf.is_patched(loaded) and type(moe_blocks(loaded)[0]) is llama4.Llama4TextMoe
+    rows.clear()
+    with torch.no_grad():
+        run(loaded, ids)
+    assert rows == []
+    # no precision recipe for experts stored [E, K, N] (refused before anything changes)
+    fresh = build("llama4")
+    with pytest.raises(ValueError, match=r"Llama 4's experts \(stored \[E, K, N\]\) run at the model's precision"):
+        mk.patch_hf(fresh, recipe=mk.quant.Fp8BlockwiseRecipe())
+    assert not hf.is_patched(fresh)
+
+
+def test_llama4_with_peft_adapters_runs_transformers_forward(monkeypatch):
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, init_lora_weights=False,
+                          target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
+    ref_model = peft.get_peft_model(build("llama4"), cfg).eval()
+    model = copy.deepcopy(ref_model)
+    mk.patch_hf(model)
+    rows = _count_kn_rows(monkeypatch)
+    ids = inputs()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, ref_model(ids).logits, rtol=0, atol=0)
+    assert rows == []  # the adapters' experts (peft wraps them): transformers' block forward
 
 
 def test_gpt_oss_expert_parallelism_is_refused_before_sharding():
@@ -594,7 +671,7 @@ def test_biased_grouped_gemm_matches_per_expert_products():
     x = torch.randn(R, K, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(E, K, N, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(E, N, generator=gen, dtype=torch.float64, requires_grad=True)
-    out = hf._BiasedGroupedMmKN.apply(x, w, b, sizes)
+    out = hf._GroupedMmKN.apply(x, w, b, sizes)
     ends = torch.cumsum(sizes, 0).tolist()
     ref = torch.cat([x[s:e] @ w[i] + b[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
     used = ends[-1]
@@ -881,7 +958,11 @@ def _recorded_routing(model):
     whose DeepSeek-V3 returns them; 5.17's does not)."""
     picks, logits = [], []
 
-    def record(_m, _args, out):
+    def record(m, _args, out):
+        if len(out) == 2:  # Llama 4's router: (scores, logits), the top-k by logit
+            picks.append(torch.topk(out[1], m.top_k, dim=1).indices.sort(-1).values)
+            logits.append(out[1])
+            return
         picks.append(out[2].long().sort(-1).values)
         logits.append(out[0])
 
