@@ -17,4 +17,5 @@ BENCHES = {
     "moe_layer_fp8": "bench.bench_moe_layer_fp8",
     "tune_grouped_mm": "bench.bench_tune_grouped_mm",
     "expert_mlp": "bench.bench_expert_mlp",
+    "hf_blocks": "bench.bench_hf_blocks",
 }

@@ -1,6 +1,6 @@
 """The GPU perf mode: one short run that measures every open speed question, part by part.
 
-    python -m bench.perf OUT [--parts env,host,gemm,layer,fp8,permute,dispatch,step] [--budget 360] [--dry-run]
+    python -m bench.perf OUT [--parts env,host,gemm,layer,fp8,permute,dispatch,step,hf] [--budget 360] [--dry-run]
 
 Parts, in priority order (`--parts` picks and orders them; scripts/gpu_check.sh `perf:host,layer` passes
 them through):
@@ -29,6 +29,8 @@ them through):
   step      the training step at 1, 4 and 16 micro-batches of 4k tokens (4k, 16k, 64k tokens a step), fwd+bwd
             and optimizer time apart, peak memory, and one profiled step's key_averages table
             (profile_train_step_*.txt)
+  hf        transformers' MoE blocks (Qwen3-MoE, GPT-OSS, ERNIE-4.5, Llama 4 Scout shapes, 4096 tokens) as
+            from_pretrained runs them and after patch_hf, fwd+bwd (bench_hf_blocks)
 Each part runs its families through the bench harness (same timing method, ceilings at the start,
 middle and end, provenance in every JSON) and writes perf_<part>_<family>.json and its log line as soon
 as the family ends (bench_perf_<part>_<family>[_T<tokens>].json), so a run cut short keeps what it
@@ -147,6 +149,9 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
     Part("dispatch", (Run("dispatch", models=("deepseek-v3",)),), min_s=30),
     Part("step", (Run("train", tokens=(4096, 16384, 65536), profile=True),), min_s=90),
+    # transformers' blocks as loaded and patched (patch_hf) at four models' shapes, 4096 tokens: Llama 4 Scout's
+    # dense experts dominate (~0.1 s a fwd+bwd on an H100, ~10 s timed); ~30 s in all.
+    Part("hf", (Run("hf_blocks", tokens=(4096,)),), min_s=40),
 )}
 
 app = typer.Typer(add_completion=False)

@@ -6,7 +6,7 @@
 #   (default: build sanitize test bench, in order; a speed run is `build perf`, or `build perf:host,layer`)
 #
 # `perf` runs `python -m bench.perf` (bench/perf.py): the parts env, host, gemm, layer, fp8, permute,
-# dispatch and step in priority order within PERF_BUDGET seconds (default 360, about 6 minutes after the
+# dispatch, step and hf in priority order within PERF_BUDGET seconds (default 360, about 6 minutes after the
 # build), each family's JSON written to OUTDIR as it ends, so a run cut short keeps what it measured;
 # `perf:host,layer` picks parts. The build targets MOE_KERNELS_CUDA_ARCHS (default here: 90a, the GPU
 # runs' H100/H200). PERF_DRY_RUN=1 runs the same parts on the CPU with tiny shapes (CI does, with

@@ -19,7 +19,7 @@ def run_perf(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_parts_name_real_families_in_priority_order():
-    assert list(perf.PARTS) == ["env", "host", "gemm", "layer", "fp8", "permute", "dispatch", "step"]
+    assert list(perf.PARTS) == ["env", "host", "gemm", "layer", "fp8", "permute", "dispatch", "step", "hf"]
     for part in perf.PARTS.values():
         assert part.min_s > 0
         for run in part.runs:

@@ -1,0 +1,185 @@
+"""transformers' MoE blocks, as loaded and after `moe_kernels.patch_hf`: the drop-in's speed on real model
+shapes.
+
+Case: one sparse MoE block of a transformers 5.x family at a published model's shapes, built from its config
+(weights random, std 0.02; the router's std 1 so routing is decided), bf16 on a GPU (fp32 on the CPU, tiny
+shapes); input [1, T, H]. One op, hf_block_fwd_bwd: the block's forward and backward (loss = mean of the
+squared output), every parameter's gradient.
+  ours          the same block after patch_hf (router_topk where the router is patched, permute, our grouped
+                GEMMs, swiglu, unpermute; Llama 4's block forward over the routed rows only)
+  transformers  the block as from_pretrained runs it by default: experts_implementation="grouped_mm" on a GPU
+                (eager, a loop over the experts, on the CPU; named in the peer variant), or Llama 4's dense
+                experts (every expert on every token: E / k times the routed FLOPs)
+Models (GPU):
+  qwen3-30b-a3b   Qwen3MoeSparseMoeBlock, H 2048, F 768, E 128, k 8, norm_topk_prob
+  gpt-oss-120b    GptOssMLP, H 2880, F 2880, E 128, k 4 (biased experts, clamped SwiGLU)
+  ernie-4.5-21b   Ernie4_5_MoeSparseMoeBlock, H 2560, F 1536, E 64, k 6, two shared experts
+  llama4-scout    Llama4TextMoe, H 5120, F 8192, E 16, k 1, a shared expert of F 8192
+FLOPs: the routed experts' forward and backward, 3 x 2 T k 3 H F, plus the shared experts' 3 x 2 T 3 H Fs (the
+work of the patched block; transformers' Llama 4 does E / k times the routed part). Bytes: the expert weights
+read and their gradients written (bf16), x read and the output written.
+Checked first, on the first input set: the outputs of both, relative L2 error at most 4 x 2^-8 on the GPU (two
+bf16 computations of one function that may round the activation differently: each rounding 2^-9 relative) and
+1e-5 on the CPU (fp32); and the router weight's gradient within the same bound.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import moe_kernels
+
+from . import harness as h
+
+# name: (config class, module, block class, config kwargs, routed (H, F, E, k), shared F)
+_TM = "transformers.models."
+MODELS = {
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", _TM + "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock",
+                      dict(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                           norm_topk_prob=True)),
+    "gpt-oss-120b": ("GptOssConfig", _TM + "gpt_oss.modeling_gpt_oss", "GptOssMLP",
+                     dict(hidden_size=2880, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4)),
+    "ernie-4.5-21b": ("Ernie4_5_MoeConfig", _TM + "ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+                      dict(hidden_size=2560, moe_intermediate_size=1536, moe_num_experts=64, moe_k=6,
+                           moe_num_shared_experts=2)),
+    "llama4-scout": ("Llama4TextConfig", _TM + "llama4.modeling_llama4", "Llama4TextMoe",
+                     dict(hidden_size=5120, intermediate_size=8192, num_local_experts=16, num_experts_per_tok=1)),
+}
+TINY = {  # the CPU's shapes: the same families, every code path
+    "qwen3-30b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                          norm_topk_prob=True),
+    "gpt-oss-120b": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "ernie-4.5-21b": dict(hidden_size=64, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
+                          moe_num_shared_experts=1),
+    "llama4-scout": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=1),
+}
+TOKENS = (4096, 8192)
+CPU_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    T: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/T{self.T}"
+
+
+def cases(ctx: h.Context) -> list[Case]:
+    if not ctx.is_cuda:
+        return [Case(m, CPU_TOKENS) for m in TINY]
+    models, tokens = ctx.pick(MODELS, (4096,) if ctx.quick else TOKENS)
+    return [Case(m, T) for m in models for T in tokens]
+
+
+def _block(ctx: h.Context, c: Case, dtype: torch.dtype) -> nn.Module:
+    import transformers
+
+    config_cls, module, block_cls, kw = MODELS[c.model]
+    kw = kw if ctx.is_cuda else TINY[c.model]
+    # from_pretrained's default experts implementation: "grouped_mm" where torch dispatches it (a GPU)
+    impl = {"experts_implementation": "grouped_mm"} if ctx.is_cuda else {}
+    config = getattr(transformers, config_cls)(**kw, **impl)
+    with torch.device("meta"):
+        block = getattr(importlib.import_module(module), block_cls)(config).to(dtype)
+        if c.model == "ernie-4.5-21b":
+            block.gate.float()  # ERNIE keeps its router in fp32 (_keep_in_fp32_modules_strict)
+    block = block.to_empty(device=ctx.device)
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            if name.endswith("e_score_correction_bias") or name.endswith("_bias"):
+                p.zero_()
+            else:
+                std = 1.0 if name in ("gate.weight", "router.weight") else 0.02
+                p.copy_(torch.randn(p.shape, generator=g, device=ctx.device, dtype=torch.float32) * std)
+        for name, b in block.named_buffers():
+            b.zero_()
+    return block.train()
+
+
+def _peer_variant(block: nn.Module) -> str:
+    experts = getattr(block, "experts", None)
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
+    import transformers
+
+    if experts is not None and not hasattr(type(experts).forward, "__wrapped__"):
+        how = "dense experts (every expert on every token)"
+    else:
+        how = f'experts_implementation="{impl or "eager"}"'
+
+    return f"transformers {transformers.__version__} {type(block).__name__}, {how}"
+
+
+def _step(block: nn.Module):
+    def run(x):
+        out = block(x)
+        out = out[0] if isinstance(out, tuple) else out
+        out.float().square().mean().backward()
+        return out
+    return run
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30))
+
+
+def _router_weight(block: nn.Module) -> torch.Tensor:
+    router = getattr(block, "gate", None) or block.router
+    return router.weight
+
+
+def _check(ctx: h.Context, c: Case, ours: nn.Module, theirs: nn.Module, x: torch.Tensor) -> None:
+    bound = 4 * 2.0**-8 if ctx.is_cuda else 1e-5
+    outs = []
+    for block in (ours, theirs):
+        block.zero_grad(set_to_none=True)
+        out = _step(block)(x)
+        outs.append((out.detach(), _router_weight(block).grad.clone()))
+    for what, a, b in (("output", outs[0][0], outs[1][0]), ("router weight gradient", outs[0][1], outs[1][1])):
+        err = _rel(a, b)
+        if not err <= bound:
+            raise AssertionError(f"{c.name} hf block: {what} relative L2 error {err:.3g} > {bound:.3g} against "
+                                 "transformers")
+
+
+def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
+    dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
+    theirs = _block(ctx, c, dtype)
+    ours = moe_kernels.patch_hf(copy.deepcopy(theirs))
+    if not moe_kernels.integrations.hf.is_patched(ours):
+        raise AssertionError(f"{c.name}: patch_hf left the block on transformers' code")
+    kw = MODELS[c.model][3] if ctx.is_cuda else TINY[c.model]
+    H = kw["hidden_size"]
+    F = kw.get("moe_intermediate_size", kw.get("intermediate_size"))
+    E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts")))
+    k = kw.get("num_experts_per_tok", kw.get("moe_k"))
+    Fs = F * kw.get("moe_num_shared_experts", 0) + (F if c.model == "llama4-scout" else 0)
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+    sets = [(torch.randn(1, c.T, H, generator=g, device=ctx.device, dtype=dtype),)
+            for _ in range(ctx.n_input_sets)]
+    _check(ctx, c, ours, theirs, sets[0][0])
+    t_ours, t_theirs = ctx.time_ab(_step(ours), sets, _step(theirs), sets)
+    es = torch.finfo(dtype).bits // 8
+    flops = 3 * 2 * c.T * 3 * H * (k * F + Fs)
+    nbytes = es * (2 * 3 * H * (E * F + Fs) + 2 * c.T * H)
+    return [h.make_result(ctx, op="hf_block_fwd_bwd", case=c.name, shape=dict(T=c.T, H=H, F=F, E=E, k=k, Fs=Fs),
+                          dtype=dtype, timing=t_ours, nbytes=nbytes, flops=flops, peers={"transformers": t_theirs},
+                          peer_variant={"transformers": _peer_variant(theirs)})]
+
+
+def headline(results: list[h.Result]) -> list[str]:
+    return [f"hf_block_fwd_bwd {r.case}: {r.speedup['transformers']:.2f}x transformers "
+            f"({r.peer_variant['transformers']})" for r in results]
+
+
+def run(ctx: h.Context) -> h.Report:
+    results, failures, skipped = h.run_cases(ctx, "hf_blocks", cases(ctx), run_case)
+    return h.Report(results, headline(results) if results else [], failures, skipped)

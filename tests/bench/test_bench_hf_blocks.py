@@ -1,0 +1,45 @@
+"""bench_hf_blocks: the CPU run works end to end over the four families, and a patched block that computes
+something else is reported instead of timed."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from bench import bench_hf_blocks as bh  # noqa: E402
+from bench import harness  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_run_writes_results(tmp_path):
+    cmd = [sys.executable, "-m", "bench", "hf_blocks", "--quick", "--device", "cpu", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bench_hf_blocks.json").read_text())
+    assert data["failures"] == []
+    assert [r["case"] for r in data["results"]] == [f"{m}/T{bh.CPU_TOKENS}" for m in bh.TINY]
+    for r in data["results"]:
+        assert r["op"] == "hf_block_fwd_bwd" and set(r["speedup"]) == {"transformers"}
+    variants = {r["case"].split("/")[0]: r["peer_variant"]["transformers"] for r in data["results"]}
+    assert "Llama4TextMoe, dense experts" in variants["llama4-scout"]
+    assert 'Qwen3MoeSparseMoeBlock, experts_implementation="eager"' in variants["qwen3-30b-a3b"]  # the CPU's
+    llama = next(r for r in data["results"] if r["case"].startswith("llama4"))
+    s = llama["shape"]  # the routed work and the shared expert's, fwd + bwd
+    assert llama["flops"] == 3 * 2 * s["T"] * 3 * s["H"] * (s["k"] * s["F"] + s["Fs"]) and s["Fs"] == s["F"]
+
+
+@pytest.mark.parametrize("model", ["llama4-scout", "qwen3-30b-a3b"])
+def test_a_wrong_patched_block_fails_the_case(monkeypatch, model):
+    from moe_kernels.integrations import hf
+
+    ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
+    real = hf.unpermute
+    monkeypatch.setattr(hf, "unpermute", lambda y, row_map, *a: real(1.01 * y, row_map, *a))
+    with pytest.raises(AssertionError, match="hf block: output"):
+        bh.run_case(ctx, bh.Case(model, bh.CPU_TOKENS))
