@@ -56,6 +56,11 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - DeepSeek-V2: fp32 logits, softmax over all E, top-k ("greedy") or top-k within the topk_group groups of largest
   maximum score ("group_limited_greedy" == group_score_topk=1), not renormalised, times routed_scaling_factor.
   Refused where top_k exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
+- DeepSeek-V4: logits in the model's dtype, sqrt-softplus (or sigmoid) scores, selection by score +
+  e_score_correction_bias, weights over their sum + 1e-20, times routed_scaling_factor, in the logits' dtype
+  (router_topk's scores in fp32: in bf16 near-ties may be picked the other way). Its hash-routed layers
+  (`DeepseekV4HashRouter`: experts by token id) keep transformers' router; their experts run ours. The experts'
+  clamped SwiGLU is their own `_apply_gate`.
 - ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
   over all E + moe_statics' e_score_correction_bias == score="softmax", pre_softmax=True, expert_bias; the chosen
   probabilities over their sum == normalize=True (the softmax over the k chosen logits); cast to the input dtype.
@@ -430,7 +435,41 @@ def _ernie_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     return router_logits, weights.to(hidden_states.dtype), indices.long()
 
 
+def _deepseek_v4_score(gate: nn.Module) -> str | None:
+    """router_topk's name for the router's scoring function (transformers' ACT2FN instance), or None."""
+    acts = sys.modules.get("transformers.activations")
+    sqrt_softplus = getattr(acts, "SqrtSoftplusActivation", None)
+    if sqrt_softplus is not None and type(gate.score_fn) is sqrt_softplus:
+        return "sqrtsoftplus"
+    return "sigmoid" if type(gate.score_fn) is nn.Sigmoid else None
+
+
+def _deepseek_v4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek-V4's learned router: logits in the model's dtype, s = sqrt(softplus) (or sigmoid), selection by
+    s + e_score_correction_bias, weights s over their sum + 1e-20, times routed_scaling_factor, in the logits'
+    dtype. transformers takes s in the logits' dtype, router_topk in fp32 from the same logits: in bf16 the
+    weights differ by a rounding, and two experts whose bf16 scores tie (or swap) may be picked the other way.
+    (Its hash-routed layers keep transformers' router: `experts_only_routers`.)"""
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(flat, self.weight)
+    weights, indices = router_topk(logits, self.top_k, score=_deepseek_v4_score(self),
+                                   expert_bias=self.e_score_correction_bias.float(), normalize=True,
+                                   scaling_factor=float(self.routed_scaling_factor))
+    return logits, weights.to(logits.dtype), indices.long()
+
+
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
+
+
+def _deepseek_v4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    if _deepseek_v4_score(gate) is None:
+        return f"its router scores with {type(gate.score_fn).__name__} (router_topk runs sqrt-softplus and sigmoid)"
+    if type(gate).__name__ in ("DeepseekV4HashRouter",):  # transformers' router stays (hash routing)
+        return None
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return "its router has no [E] e_score_correction_bias"
+    return None
 
 
 def _deepseek_v3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
@@ -505,6 +544,7 @@ class _Family:
     reference: bool = True  # its router's code is a routing reference other families are matched against
     biased_experts: bool = False  # GPT-OSS's experts: biases, transposed weights, interleaved gate/up
     block_forward: Callable | None = None  # the block's forward replaced (router and experts stay transformers')
+    experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
 
 
 _TM = "transformers.models."
@@ -529,6 +569,9 @@ FAMILIES = (
             _gpt_oss_router_forward, biased_experts=True),
     _Family("ERNIE-4.5", _TM + "ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
             "Ernie4_5_MoeTopKRouter", "Ernie4_5_MoeExperts", _ernie_router_forward, _ernie_problem),
+    _Family("DeepSeek-V4", _TM + "deepseek_v4.modeling_deepseek_v4", "DeepseekV4SparseMoeBlock",
+            "DeepseekV4TopKRouter", "DeepseekV4Experts", _deepseek_v4_router_forward, _deepseek_v4_problem,
+            experts_only_routers=("DeepseekV4HashRouter",)),
     _Family("Llama 4", _TM + "llama4.modeling_llama4", "Llama4TextMoe", "Llama4Router", "Llama4TextExperts", None,
             _llama4_problem, reference=False, block_forward=_llama4_block_forward),
 )
@@ -700,10 +743,16 @@ def _experts_of(block: nn.Module):
     return experts
 
 
+def _experts_only(fam: _Family, gate: nn.Module) -> bool:
+    """The block's router is one the family leaves on transformers' code (its experts still run ours)."""
+    cls = type(gate)
+    return cls.__name__ in fam.experts_only_routers and cls.__module__ == fam.module
+
+
 def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
     """Why this block of a supported class cannot run on our ops, or None."""
     gate, experts = _router_of(block), _experts_of(block)
-    if _base_class(gate) is not gate_cls:
+    if _base_class(gate) is not gate_cls and not _experts_only(fam, gate):
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
     if not isinstance(experts, experts_cls):
         return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
@@ -851,7 +900,8 @@ def _install(block: nn.Module, fam: _Family, recipe) -> None:
         _swap_class(block, fam.block_forward)
         return
     gate, experts = _router_of(block), _experts_of(block)
-    _swap_class(gate, fam.router_forward)
+    if not _experts_only(fam, gate):
+        _swap_class(gate, fam.router_forward)
     if _PATCH_ATTR not in experts.__dict__:
         experts.__dict__[_PATCH_ATTR] = experts.config._experts_implementation
         experts.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION  # this config only
@@ -904,7 +954,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
-    DeepSeek-V2, GPT-OSS, ERNIE-4.5, Llama 4 (its block's forward: see the module docstring), and
+    DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Llama 4 (its block's forward: see the module docstring), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change

@@ -70,6 +70,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", "DeepSeek-V2"),
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", "Llama 4"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", "DeepSeek-V4"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -83,7 +84,10 @@ _EXTRA = {
     "deepseek_v2": {"num_key_value_heads": 4},  # its latent attention has as many KV heads as heads
     "ernie4_5_moe": {"moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1, "moe_layer_start_index": 0},
     "llama4": {"intermediate_size": 16, "intermediate_size_mlp": 48, "attention_chunk_size": 64},
+    # a learned router in layer 0, a hash-routed layer 1 (transformers' router, our experts)
+    "deepseek_v4": {"intermediate_size": 16, "mlp_layer_types": ["moe", "hash_moe"]},
 }
+_LAYER_TYPE = {"deepseek_v4": "sliding_attention"}  # the attention of the hybrid families' layers
 
 
 def _matched_config(family: str, layers: int, overrides: dict):
@@ -91,7 +95,7 @@ def _matched_config(family: str, layers: int, overrides: dict):
     accepted = inspect.signature(cls.__init__).parameters
     kw = {key: v for key, v in {**_SIZES, **_EXTRA.get(family, {})}.items() if key in accepted}
     if "layer_types" in accepted:  # hybrid families (linear attention): full attention keeps the test small
-        kw["layer_types"] = ["full_attention"] * layers
+        kw["layer_types"] = [_LAYER_TYPE.get(family, "full_attention")] * layers
     return cls(num_hidden_layers=layers, **{**kw, **overrides})
 
 
@@ -129,6 +133,8 @@ CASES = [
     ("deepseek_v2", {"topk_method": "group_limited_greedy", "n_group": 4, "topk_group": 2}),
     ("ernie4_5_moe", {}),
     ("ernie4_5_moe", {"moe_k": 3}),
+    ("deepseek_v4", {}),  # sqrt-softplus
+    ("deepseek_v4", {"scoring_func": "sigmoid"}),
     ("llama4", {"num_experts_per_tok": 1}),  # Llama 4 Scout's and Maverick's k
     ("llama4", {}),
 ]
@@ -579,6 +585,27 @@ def test_gpt_oss_recipe_and_adapters():
         hf.lora_terms = hf_lora
         type(experts).forward.__wrapped__ = real
     assert calls == [1]
+
+
+def test_deepseek_v4_hash_layers_keep_transformers_router_and_run_our_experts(monkeypatch):
+    # DeepSeek-V4's hash-routed layers pick experts by token id (tid2eid[input_ids]): transformers' router stays,
+    # its experts run ours (the clamped SwiGLU is the experts' own _apply_gate); learned layers run router_topk.
+    ref_model = build("deepseek_v4").eval()
+    with torch.no_grad():
+        for b in moe_blocks(ref_model):
+            if hasattr(b.gate, "tid2eid"):  # a fixed table of distinct experts per token id
+                b.gate.tid2eid.copy_(torch.stack([torch.randperm(8)[:2] for _ in range(V)]))
+    model = patched_copy(ref_model)
+    learned, hashed = moe_blocks(model)
+    assert type(learned.gate).__name__ == "MoeKernelsDeepseekV4TopKRouter"
+    assert type(hashed.gate).__name__ == "DeepseekV4HashRouter" and hf.is_patched(hashed)
+    calls = _count_grouped_mm(monkeypatch)
+    ids = inputs()
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref_model, ids))
+    assert len(calls) == 4  # two GEMMs in each of the two layers
+    mk.unpatch_hf(model)
+    assert not hf.is_patched(model) and type(learned.gate).__name__ == "DeepseekV4TopKRouter"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1065,11 +1092,22 @@ def test_gpu_bf16_matches_transformers(cuda, family, overrides):
     models = (ref64, base, model)
     named = [dict(m.named_parameters()) for m in models]
     assert named[0].keys() == named[1].keys() == named[2].keys()
+    unresolved = []
     for name, p64 in named[0].items():
         p_theirs, p_ours = named[1][name], named[2][name]
         assert (p64.grad is None) == (p_theirs.grad is None) == (p_ours.grad is None), name
-        if p64.grad is not None:
-            _assert_bf16_close_to_fp64(p_ours.grad, p_theirs.grad, p64.grad, f"grad {name}")
+        if p64.grad is None:
+            continue
+        # A gradient bf16 does not resolve (transformers' own bf16 error at least half its largest magnitude:
+        # terms that cancel, as DeepSeek-V4's hyper-connection head in this tiny model, 50% to 360%) has no
+        # significant bit to compare.
+        ref = p64.grad.detach().cpu()
+        if (p_theirs.grad.detach().cpu().double() - ref).abs().max() >= 0.5 * ref.abs().max():
+            assert bool(p_ours.grad.isfinite().all()), name
+            unresolved.append(name)
+            continue
+        _assert_bf16_close_to_fp64(p_ours.grad, p_theirs.grad, p64.grad, f"grad {name}")
+    assert len(unresolved) <= 3 and not any(".mlp." in n or "feed_forward" in n for n in unresolved), unresolved
     for m in models:
         torch.optim.SGD(m.parameters(), lr=0.1).step()
     for name, p64 in named[0].items():
