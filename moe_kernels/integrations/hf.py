@@ -61,6 +61,11 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
   (router_topk's scores in fp32: in bf16 near-ties may be picked the other way). Its hash-routed layers
   (`DeepseekV4HashRouter`: experts by token id) keep transformers' router; their experts run ours. The experts'
   clamped SwiGLU is their own `_apply_gate`.
+- Mistral 4: softmax over all E in the model's dtype, the topk_group groups of largest top-2 sum kept, top-k by
+  probability, weights over their sum (+1e-20) with norm_topk_prob, times routed_scaling_factor == softmax,
+  pre_softmax, group_score_topk=2, normalize (router_topk's probabilities in fp32: in bf16 near-ties may be
+  picked the other way). Mistral Large 4: the same on fp32 logits, always renormalised. Refused where top_k
+  exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
 - ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
   over all E + moe_statics' e_score_correction_bias == score="softmax", pre_softmax=True, expert_bias; the chosen
   probabilities over their sum == normalize=True (the softmax over the k chosen logits); cast to the input dtype.
@@ -458,7 +463,49 @@ def _deepseek_v4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple
     return logits, weights.to(logits.dtype), indices.long()
 
 
+def _mistral4_groups(gate: nn.Module) -> dict:
+    """router_topk's group options for Mistral 4's routers: a group scored by its top-2 probabilities."""
+    if gate.num_group <= 1:
+        return {}
+    return dict(num_groups=gate.num_group, group_topk=gate.topk_group, group_score_topk=2)
+
+
+def _mistral4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mistral 4: logits in the model's dtype, softmax over all E, the topk_group groups of largest top-2 sum
+    kept, top-k by probability, weights the probabilities (over their sum + 1e-20 with norm_topk_prob: router_topk
+    takes the softmax over the k chosen logits, the same quotient) times routed_scaling_factor, in the logits'
+    dtype. transformers takes the softmax in the logits' dtype, router_topk in fp32 from the same logits: in bf16
+    two experts whose bf16 probabilities tie or swap may be picked the other way."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True,
+                                   **_mistral4_groups(self), scaling_factor=float(self.routed_scaling_factor),
+                                   normalize=bool(self.norm_topk_prob))
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def _mistral_large4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mistral Large 4: Mistral 4's routing on fp32 logits, always renormalised; fp32 weights."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True,
+                                   **_mistral4_groups(self), scaling_factor=float(self.routed_scaling_factor),
+                                   normalize=True)
+    return router_logits, weights, indices.long()
+
+
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
+
+
+def _mistral4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    G, g = gate.num_group, gate.topk_group
+    if G > 1:
+        if E % G or not 1 <= g <= G or E // G < 2:
+            return f"n_group={G}, topk_group={g} do not fit {E} experts (groups of at least 2)"
+        if gate.top_k > g * (E // G):
+            # transformers then also picks experts of dropped groups, at score 0; router_topk ranks them -inf
+            return f"top_k={gate.top_k} exceeds the {g * (E // G)} experts of the topk_group={g} kept groups"
+    return None
 
 
 def _deepseek_v4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
@@ -572,6 +619,11 @@ FAMILIES = (
     _Family("DeepSeek-V4", _TM + "deepseek_v4.modeling_deepseek_v4", "DeepseekV4SparseMoeBlock",
             "DeepseekV4TopKRouter", "DeepseekV4Experts", _deepseek_v4_router_forward, _deepseek_v4_problem,
             experts_only_routers=("DeepseekV4HashRouter",)),
+    _Family("Mistral 4", _TM + "mistral4.modeling_mistral4", "Mistral4MoE", "Mistral4TopkRouter", "Mistral4Experts",
+            _mistral4_router_forward, _mistral4_problem),
+    _Family("Mistral Large 4", _TM + "mistral_large4.modeling_mistral_large4", "MistralLarge4TextMoE",
+            "MistralLarge4TextTopkRouter", "MistralLarge4TextExperts", _mistral_large4_router_forward,
+            _mistral4_problem),
     _Family("Llama 4", _TM + "llama4.modeling_llama4", "Llama4TextMoe", "Llama4Router", "Llama4TextExperts", None,
             _llama4_problem, reference=False, block_forward=_llama4_block_forward),
 )
@@ -954,7 +1006,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
-    DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Llama 4 (its block's forward: see the module docstring), and
+    DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Llama 4 (its block's forward: see
+    the module docstring), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change

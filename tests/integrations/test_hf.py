@@ -71,6 +71,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", "ERNIE-4.5"),
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM", "Llama 4"),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", "DeepSeek-V4"),
+    "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", "Mistral 4"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -86,6 +87,7 @@ _EXTRA = {
     "llama4": {"intermediate_size": 16, "intermediate_size_mlp": 48, "attention_chunk_size": 64},
     # a learned router in layer 0, a hash-routed layer 1 (transformers' router, our experts)
     "deepseek_v4": {"intermediate_size": 16, "mlp_layer_types": ["moe", "hash_moe"]},
+    "mistral4": {"num_key_value_heads": 4},  # latent attention: as many KV heads as heads
 }
 _LAYER_TYPE = {"deepseek_v4": "sliding_attention"}  # the attention of the hybrid families' layers
 
@@ -135,6 +137,8 @@ CASES = [
     ("ernie4_5_moe", {"moe_k": 3}),
     ("deepseek_v4", {}),  # sqrt-softplus
     ("deepseek_v4", {"scoring_func": "sigmoid"}),
+    ("mistral4", {}),  # 2 groups, the best kept, renormalised
+    ("mistral4", {"n_group": 1, "topk_group": 1, "norm_topk_prob": False}),
     ("llama4", {"num_experts_per_tok": 1}),  # Llama 4 Scout's and Maverick's k
     ("llama4", {}),
 ]
@@ -606,6 +610,33 @@ def test_deepseek_v4_hash_layers_keep_transformers_router_and_run_our_experts(mo
     assert len(calls) == 4  # two GEMMs in each of the two layers
     mk.unpatch_hf(model)
     assert not hf.is_patched(model) and type(learned.gate).__name__ == "DeepseekV4TopKRouter"
+
+
+@pytest.mark.parametrize("groups", [(4, 2), (1, 1)])
+def test_mistral_large4_block_matches_transformers(groups):
+    # Mistral Large 4's text MoE block (its model is multimodal: the block alone here), fp32 routing always
+    # renormalised: patched against transformers' own on the same weights, output and every gradient.
+    ml = pytest.importorskip("transformers.models.mistral_large4.modeling_mistral_large4")
+    cfg = transformers.MistralLarge4TextConfig(hidden_size=H, moe_intermediate_size=16, n_routed_experts=8,
+                                               num_experts_per_tok=2, n_group=groups[0], topk_group=groups[1],
+                                               n_shared_experts=1, routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    ref = ml.MistralLarge4TextMoE(cfg)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.normal_(0.0, 1.0 if name == "gate.weight" else 0.3)
+    block = patched_copy(ref)
+    assert type(block.gate).__name__ == "MoeKernelsMistralLarge4TextTopkRouter" and hf.is_patched(block)
+    x = torch.randn(2, 12, H, generator=torch.Generator().manual_seed(1))
+    with _recorded_routing(ref) as (ref_picks, _), _recorded_routing(block) as (picks, _):
+        outs = [m(x) for m in (ref, block)]
+    assert torch.equal(picks[0], ref_picks[0])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for m, out in zip((ref, block), outs):
+        out.square().mean().backward()
+    grads = dict(block.named_parameters())
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(grads[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------
