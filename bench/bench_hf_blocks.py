@@ -2,8 +2,9 @@
 shapes.
 
 Case: one sparse MoE block of a transformers 5.x family at a published model's shapes, built from its config
-(weights random, std 0.02; the router's std 1 so routing is decided), bf16 on a GPU (fp32 on the CPU, tiny
-shapes); input [1, T, H]. One op, hf_block_fwd_bwd: the block's forward and backward (loss = mean of the
+(weights random, std 0.02; the router's 2 / sqrt(H), logits of std 2 on the unit-variance input: routing decided
+but not saturated; ERNIE's selection bias std 0.01, of the order of its probabilities), bf16 on a GPU (fp32 on
+the CPU, tiny shapes); input [1, T, H]. One op, hf_block_fwd_bwd: the block's forward and backward (loss = mean of the
 squared output), every parameter's gradient.
   ours          the same block after patch_hf (router_topk where the router is patched, permute, our grouped
                 GEMMs, swiglu, unpermute; Llama 4's block forward over the routed rows only)
@@ -93,13 +94,16 @@ def _block(ctx: h.Context, c: Case, dtype: torch.dtype) -> nn.Module:
             block.gate.float()  # ERNIE keeps its router in fp32 (_keep_in_fp32_modules_strict)
     block = block.to_empty(device=ctx.device)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
+    H = config.hidden_size
     with torch.no_grad():
         for name, p in block.named_parameters():
-            if name.endswith("e_score_correction_bias") or name.endswith("_bias"):
-                p.zero_()
-            else:
-                std = 1.0 if name in ("gate.weight", "router.weight") else 0.02
-                p.copy_(torch.randn(p.shape, generator=g, device=ctx.device, dtype=torch.float32) * std)
+            if name.endswith("e_score_correction_bias"):  # selection bias: reorders some picks
+                std = 0.01
+            elif name.endswith("_bias"):
+                std = 0.0
+            else:  # router logits of std 2 on unit inputs: decided, not saturated
+                std = 2 / H**0.5 if name in ("gate.weight", "router.weight") else 0.02
+            p.copy_(torch.randn(p.shape, generator=g, device=ctx.device, dtype=torch.float32) * std)
         for name, b in block.named_buffers():
             b.zero_()
     return block.train()

@@ -138,7 +138,7 @@ def eager_router_topk(logits, expert_bias, k: int, r: Routing):
     T, E = x.shape
     if r.score == "softmax":
         s = x.softmax(-1) if r.pre_softmax else x
-        sel = s
+        sel = s if expert_bias is None else s + expert_bias  # (pre_softmax only: router_topk refuses it otherwise)
     else:
         s = x.sigmoid() if r.score == "sigmoid" else F.softplus(x).sqrt()
         sel = s if expert_bias is None else s + expert_bias
@@ -152,6 +152,9 @@ def eager_router_topk(logits, expert_bias, k: int, r: Routing):
     if r.score == "softmax" and not r.pre_softmax:
         vals, idx = sel.topk(k, dim=-1)
         w = vals.softmax(-1)
+    elif r.score == "softmax" and r.normalize:  # the chosen probabilities over their sum
+        idx = sel.topk(k, dim=-1).indices
+        w = x.gather(1, idx).softmax(-1)
     else:
         idx = sel.topk(k, dim=-1).indices
         w = s.gather(1, idx)

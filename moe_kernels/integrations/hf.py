@@ -66,6 +66,9 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
   pre_softmax, group_score_topk=2, normalize (router_topk's probabilities in fp32: in bf16 near-ties may be
   picked the other way). Mistral Large 4: the same on fp32 logits, always renormalised. Refused where top_k
   exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
+- Gemma 4 (`Gemma4TextDecoderLayer` is the block, its `router` and `experts` children): the router's own norm,
+  scales and projection, the fp32 softmax over all E it returns, top-k by probability renormalised over the k
+  (router_topk's softmax over the k chosen logits), times each chosen expert's learned per_expert_scale.
 - ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
   over all E + moe_statics' e_score_correction_bias == score="softmax", pre_softmax=True, expert_bias; the chosen
   probabilities over their sum == normalize=True (the softmax over the k chosen logits); cast to the input dtype.
@@ -278,11 +281,11 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     token, the experts not chosen on inputs zeroed by their score (sigmoid(-inf) = 0): E / k times the routed
     experts' FLOPs. Here transformers' router runs as it is (its scores and recorded logits), the same top-k picks
     its experts (the same call on the same logits), each token's copy is scaled by its score before the experts
-    as transformers scales it, then permute, the [E, K, N] grouped GEMMs around SiLU gate * up (our fused swiglu
-    where the experts use SiLU), and unpermute sums each token's copies; the shared expert is the block's own.
-    Adapters on the experts (peft wraps them) or an ONNX export: transformers' forward."""
-    experts = _experts_of(self)
-    if self.experts is not experts or _onnx.exporting():
+    as transformers scales it, then permute, the experts module called on the routed rows (its hooks run:
+    accelerate's offloading, FSDP2's unsharding; `_llama4_experts_forward`), and unpermute sums each token's
+    copies; the shared expert is the block's own. Adapters on the experts (peft wraps them) or an ONNX export:
+    transformers' forward."""
+    if self.experts is not _experts_of(self) or _onnx.exporting():
         return _base_class(self).forward(self, hidden_states)
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
@@ -290,20 +293,28 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     idx = torch.topk(router_logits, k, dim=1).indices  # the router's own picks
     scores = router_scores.gather(1, idx)  # [T, k], the router's dtype, as transformers multiplies
     x = (hidden_states[:, None, :] * scores[:, :, None]).reshape(T * k, self.hidden_dim)  # copy j of token t: t k + j
-    w13, w2 = autocast_input(experts.gate_up_proj), autocast_input(experts.down_proj)  # [E, H, 2F], [E, F, H]
-    x_perm, row_map, group_sizes = permute(x.to(w13.dtype).contiguous(), idx.reshape(-1, 1).to(torch.int32), E,
-                                           align=1)
-    h = _GroupedMmKN.apply(x_perm, w13.contiguous(), None, group_sizes)  # [R, 2F]: gate columns, then up
-    if isinstance(experts.act_fn, nn.SiLU):
-        act = swiglu(h)
-    else:
-        gate, up = h.chunk(2, dim=-1)
-        act = up * experts.act_fn(gate)
-    y = _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), None, group_sizes)  # [R, H]
+    x_perm, row_map, group_sizes = permute(x.contiguous(), idx.reshape(-1, 1).to(torch.int32), E, align=1)
+    y = self.experts(x_perm, group_sizes)  # [R, H]
     routed = unpermute(y, row_map.view(T, k))  # each token's k copies summed (fp32, rounded once)
     out = self.shared_expert(hidden_states)
     out.add_(routed.to(out.dtype))
     return out, router_logits
+
+
+def _llama4_experts_forward(self: nn.Module, hidden_states: Tensor, group_sizes: Tensor | None = None) -> Tensor:
+    """Llama4TextExperts given the routed rows [R, H] grouped by expert and the group sizes (the patched block's
+    call): the [E, K, N] grouped GEMMs on the weights as stored around gate * up (our fused swiglu for SiLU).
+    Called as transformers calls it, without group sizes: transformers' dense forward."""
+    if group_sizes is None:
+        return _base_class(self).forward(self, hidden_states)
+    w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
+    h = _GroupedMmKN.apply(hidden_states.to(w13.dtype).contiguous(), w13.contiguous(), None, group_sizes)
+    if _is_silu(self.act_fn):
+        act = swiglu(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)  # gate columns, then up
+        act = up * self.act_fn(gate)
+    return _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), None, group_sizes)
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
@@ -335,7 +346,11 @@ def _is_default_silu_gate(experts: nn.Module) -> bool:
     default = getattr(moe, "_default_apply_gate", None)
     if default is None or getattr(type(experts), "_apply_gate", None) is not default:
         return False  # a gate of the family's own (GPT-OSS's clamped one, ...)
-    act = getattr(experts, "act_fn", None)
+    return _is_silu(getattr(experts, "act_fn", None))
+
+
+def _is_silu(act) -> bool:
+    """torch's SiLU or transformers' (ACT2FN["silu"])."""
     silu = getattr(sys.modules.get("transformers.activations"), "SiLUActivation", None)
     return type(act) is nn.SiLU or (silu is not None and type(act) is silu)
 
@@ -428,13 +443,14 @@ def _gpt_oss_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Ten
 def _ernie_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """ERNIE-4.5: fp32 logits (autocast off), selection by the softmax over all E plus moe_statics'
     e_score_correction_bias, weights the chosen probabilities over their sum (router_topk takes the softmax over the
-    k chosen logits, the same quotient; transformers clamps the sum at norm_min, 1e-12, which only differs where the
-    k chosen probabilities sum below it), in the input's dtype."""
+    k chosen logits, the same quotient; transformers clamps the sum at moe_norm_min, 1e-12 by default, which only
+    differs where the k chosen probabilities sum below it), in the input's dtype."""
     device_type = hidden_states.device.type
     off = contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
     with off:
         router_logits = F.linear(hidden_states.float(), self.weight.float())
-    bias = self.moe_statics.e_score_correction_bias.reshape(-1).float()  # [1, E] in transformers
+    # moe_statics called as transformers calls it (its hooks run: offloading, sharding): zeros + its [1, E] bias
+    bias = self.moe_statics(router_logits.new_zeros(router_logits.shape[-1])).float()
     weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True, expert_bias=bias,
                                    normalize=True)
     return router_logits, weights.to(hidden_states.dtype), indices.long()
@@ -492,6 +508,20 @@ def _mistral_large4_router_forward(self: nn.Module, hidden_states: Tensor) -> tu
                                    **_mistral4_groups(self), scaling_factor=float(self.routed_scaling_factor),
                                    normalize=True)
     return router_logits, weights, indices.long()
+
+
+def _gemma4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gemma 4: the router's own norm, scales and projection (transformers' code), the fp32 softmax over all E
+    that it returns (recorded as the router logits), top-k by probability, weights the chosen probabilities over
+    their sum == router_topk's softmax over the k chosen logits (selection by logit == by probability), times
+    the learned per_expert_scale of each chosen expert (fp32)."""
+    hidden_states = self.norm(hidden_states)
+    hidden_states = hidden_states * self.scale * self.scalar_root_size
+    expert_scores = self.proj(hidden_states)  # [T, E], the model's dtype
+    router_probabilities = F.softmax(expert_scores, dim=-1, dtype=torch.float32)
+    weights, indices = router_topk(expert_scores, self.config.top_k_experts, score="softmax")
+    indices = indices.long()
+    return router_probabilities, weights * self.per_expert_scale[indices], indices
 
 
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
@@ -590,7 +620,8 @@ class _Family:
     problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
     reference: bool = True  # its router's code is a routing reference other families are matched against
     biased_experts: bool = False  # GPT-OSS's experts: biases, transposed weights, interleaved gate/up
-    block_forward: Callable | None = None  # the block's forward replaced (router and experts stay transformers')
+    block_forward: Callable | None = None  # the block's forward replaced (its router stays transformers')
+    experts_forward: Callable | None = None  # with block_forward: the experts' forward the block calls
     experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
 
 
@@ -624,8 +655,11 @@ FAMILIES = (
     _Family("Mistral Large 4", _TM + "mistral_large4.modeling_mistral_large4", "MistralLarge4TextMoE",
             "MistralLarge4TextTopkRouter", "MistralLarge4TextExperts", _mistral_large4_router_forward,
             _mistral4_problem),
+    _Family("Gemma 4", _TM + "gemma4.modeling_gemma4", "Gemma4TextDecoderLayer", "Gemma4TextRouter",
+            "Gemma4TextExperts", _gemma4_router_forward, reference=False),
     _Family("Llama 4", _TM + "llama4.modeling_llama4", "Llama4TextMoe", "Llama4Router", "Llama4TextExperts", None,
-            _llama4_problem, reference=False, block_forward=_llama4_block_forward),
+            _llama4_problem, reference=False, block_forward=_llama4_block_forward,
+            experts_forward=_llama4_experts_forward),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
@@ -795,6 +829,18 @@ def _experts_of(block: nn.Module):
     return experts
 
 
+def _gate_weight(gate: nn.Module):
+    """The router's [E, H] weight: its own, or its `proj` Linear's (Gemma 4)."""
+    w = getattr(gate, "weight", None)
+    return w if isinstance(w, Tensor) else getattr(getattr(gate, "proj", None), "weight", None)
+
+
+def _gate_top_k(gate: nn.Module) -> int:
+    """The router's k: `top_k`, or its config's `top_k_experts` (Gemma 4)."""
+    k = getattr(gate, "top_k", None)
+    return k if isinstance(k, int) else getattr(getattr(gate, "config", None), "top_k_experts", 0)
+
+
 def _experts_only(fam: _Family, gate: nn.Module) -> bool:
     """The block's router is one the family leaves on transformers' code (its experts still run ours)."""
     cls = type(gate)
@@ -823,7 +869,7 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
     w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    wg = getattr(gate, "weight", None)
+    wg = _gate_weight(gate)
     if not all(isinstance(t, Tensor) for t in (w13, w2, wg)):
         return "it lacks gate_up_proj/down_proj/router weight tensors (transformers 4.x layout?)"
     if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
@@ -842,7 +888,7 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
             or wg.shape[1] != H:
         return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
                 f"router {tuple(wg.shape)} for {E} experts")
-    if not 1 <= getattr(gate, "top_k", 0) <= E:
+    if not 1 <= _gate_top_k(gate) <= E:
         return "its router has no valid top_k"
     return fam.problem(gate, block, E) if fam.problem is not None else None
 
@@ -868,7 +914,7 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
         if isinstance(module, MoELayer):
             return
         for fam, (block_cls, gate_cls, experts_cls) in families:
-            if isinstance(module, block_cls):
+            if isinstance(module, block_cls) and _router_of(module) is not None:
                 yield path, module, fam, _structure_problem(fam, module, gate_cls, experts_cls)
                 return
         gate, experts = _router_of(module), _experts_of(module)
@@ -878,6 +924,13 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
                 yield path, module, fam, _structure_problem(fam, module, _base_class(gate), type(experts))
                 return
         if _looks_like_moe(module):
+            if "experts" not in module._modules:  # named like an MoE block, without experts of its own: what it
+                # holds may be (ERNIE-4.5-VL's Ernie4_5_VLMoeMoeBlock: a text and a vision MoE block)
+                inner = [item for name, child in module.named_children()
+                         for item in visit(child, f"{path}.{name}" if path else name)]
+                if any(fam is not None for _, _, fam, _ in inner):
+                    yield from inner
+                    return
             yield path, module, None, generic
             return
         for name, child in module.named_children():
@@ -902,7 +955,7 @@ def _patched_class(cls: type, new_forward: Callable) -> type:
     if sub is None:
 
         def forward(self, *args, **kwargs):
-            if type(self) is not sub:
+            if not isinstance(self, sub):  # restored by unpatch_hf (a subclass made later, FSDP's, stays ours)
                 return cls.forward(self, *args, **kwargs)
             return new_forward(self, *args, **kwargs)
 
@@ -920,8 +973,9 @@ def __getattr__(name: str):
         for fam in FAMILIES:
             if fam.block_forward is None and base == fam.gate:
                 return _patched_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
-            if fam.block_forward is not None and base == fam.block:
-                return _patched_class(getattr(importlib.import_module(fam.module), fam.block), fam.block_forward)
+            if fam.block_forward is not None and base in (fam.block, fam.experts):
+                forward = fam.block_forward if base == fam.block else fam.experts_forward
+                return _patched_class(getattr(importlib.import_module(fam.module), base), forward)
         cls = _transformers_class(base)
         if cls is not None and (fam := _matched_family(cls)) is not None:
             return _patched_class(cls, fam.router_forward)
@@ -948,8 +1002,9 @@ def _swap_class(module: nn.Module, new_forward: Callable) -> None:
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
-    if fam.block_forward is not None:  # the block's forward: its router and experts modules stay as they are
+    if fam.block_forward is not None:  # the block's forward and its experts' (the router stays transformers')
         _swap_class(block, fam.block_forward)
+        _swap_class(_experts_of(block), fam.experts_forward)
         return
     gate, experts = _router_of(block), _experts_of(block)
     if not _experts_only(fam, gate):
@@ -990,9 +1045,10 @@ def register_experts_implementation() -> bool:
 
 def _patched_blocks(model: nn.Module) -> list[str]:
     """Paths of the blocks whose own forward patch_hf replaced (Llama 4's)."""
-    blocks = {sub for cls, sub in _PATCHED_CLASSES.items() if any(f.block_forward and f.block == cls.__name__
-                                                                  for f in FAMILIES)}
-    return [name or "<root>" for name, m in model.named_modules() if type(m) in blocks]
+    subs = tuple(_PATCHED_CLASSES.values())
+    blocks = tuple(classes[0] for f in FAMILIES if f.block_forward is not None and (classes := _family_classes(f)))
+    return [name or "<root>" for name, m in model.named_modules()
+            if blocks and isinstance(m, blocks) and isinstance(m, subs)]
 
 
 def is_patched(module: nn.Module) -> bool:
@@ -1006,8 +1062,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
 
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
-    DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Llama 4 (its block's forward: see
-    the module docstring), and
+    DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
+    forward: see the module docstring), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
     parameters, its router module and its own forward; only the router's and the experts' forwards change
