@@ -528,6 +528,41 @@ def test_accelerate_offloading_hooks_survive_patch_and_unpatch(monkeypatch, fami
         assert not calls
 
 
+def _fsdp2_worker(rank: int, world_size: int, family: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    ref = build(family).train()  # the same seed on every rank: the same model
+    model = patched_copy(ref).train()
+    for block in moe_blocks(model):  # the modules whose parameters the patched code reads, sharded apart
+        fully_shard(block.experts)
+        if family == "ernie4_5_moe":
+            fully_shard(block.gate.moe_statics)
+    fully_shard(model)
+    ids = inputs(seed=1 + rank)
+    outs = [m(ids, labels=ids) for m in (ref, model)]
+    for out in outs:
+        out.loss.backward()
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-5)
+    grads = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            assert grads[name].grad is None, name
+            continue
+        expected = grads[name].grad.clone()
+        torch.distributed.all_reduce(expected)  # FSDP2 reduce-scatters the ranks' gradients, averaged
+        torch.testing.assert_close(p.grad.full_tensor(), expected / world_size, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama4", "ernie4_5_moe"])
+def test_fsdp2_sharded_submodules(family):
+    # FSDP2 on the experts (and ERNIE's moe_statics): their parameters are gathered by the module's own call,
+    # which the patched code makes, so the sharded patched model computes the unsharded transformers model's
+    # logits and (rank-averaged) gradients.
+    from tests.distributed import run_world
+
+    run_world(_fsdp2_worker, 2, family)
+
+
 def test_data_parallel_replicas_use_their_own_weights():
     # nn.DataParallel copies each module with _replicate_for_data_parallel (a new instance sharing __dict__'s
     # entries): a replica's router and experts must read the replica's parameters, not the original's.
