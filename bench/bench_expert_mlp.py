@@ -29,7 +29,6 @@ once, out, dx and the weight gradients written once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
@@ -48,14 +47,7 @@ CPU_TOKENS = 64
 CHECK_REL = 4 * 2.0**-8
 
 
-@dataclass(frozen=True)
-class Case:
-    model: str
-    T: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.model}/T{self.T}"
+Case = h.ModelCase
 
 
 def cases(ctx: h.Context) -> list[Case]:

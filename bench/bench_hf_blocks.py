@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -63,14 +62,7 @@ TOKENS = (4096, 8192)
 CPU_TOKENS = 64
 
 
-@dataclass(frozen=True)
-class Case:
-    model: str
-    T: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.model}/T{self.T}"
+Case = h.ModelCase
 
 
 def cases(ctx: h.Context) -> list[Case]:

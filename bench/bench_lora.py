@@ -20,7 +20,6 @@ error at most 4 x 2^-8 apart on the GPU (two bf16 computations of one function: 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 import torch
 
@@ -36,14 +35,7 @@ MODELS = {"qwen3-30b-a3b": "qwen3-30b-a3b", "mixtral-8x7b": "mixtral-8x7b", "dee
 CPU_OVERRIDES = dict(hidden_size=64, ffn_size=32, num_experts=8, k=2)
 
 
-@dataclass(frozen=True)
-class Case:
-    model: str
-    T: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.model}/T{self.T}"
+Case = h.ModelCase
 
 
 def cases(ctx: h.Context) -> list[Case]:

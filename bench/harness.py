@@ -55,6 +55,18 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
+class ModelCase:
+    """One model's shapes at T tokens: the case of the families that need nothing more."""
+
+    model: str
+    T: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/T{self.T}"
+
+
+@dataclass(frozen=True)
 class Timing:
     us: float  # median
     p20_us: float

@@ -71,6 +71,24 @@ MUTANTS = (
         ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference and softmax-2048-128-8"),
     ),
     Mutant(
+        "softmax bias dropped",
+        "topk_fwd_row: the expert bias added to sigmoid and sqrt-softplus scores only, not to softmax probabilities",
+        "router/router.cu",
+        "    const float s = p.score == Score::kSoftmax ? expf(x - m) / denom : activation(p.score, x);\n"
+        "    return p.bias != nullptr ? s + p.bias[e] : s;\n",
+        "    const float s = p.score == Score::kSoftmax ? expf(x - m) / denom : activation(p.score, x);\n"
+        "    return p.bias != nullptr && p.score != Score::kSoftmax ? s + p.bias[e] : s;\n",
+        ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference and softmax_pre_bias-2048-128-8"),
+    ),
+    Mutant(
+        "softmax renormalisation ignored",
+        "chosen_softmax: softmax weights over the k chosen only without pre_softmax, whatever `normalize` asks",
+        "router/router.cu",
+        "  return score == Score::kSoftmax && (!pre_softmax || normalize);\n",
+        "  return score == Score::kSoftmax && !pre_softmax;\n",
+        ("tests/ops/test_router_gpu.py", "-k", "test_router_topk_matches_reference and softmax_pre_bias-300-256-8"),
+    ),
+    Mutant(
         "group pick counted twice",
         "limit_groups: a 32-expert group scored from registers keeps its best key after picking it",
         "router/router.cu",

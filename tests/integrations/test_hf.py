@@ -680,8 +680,8 @@ def test_ernie_vl_text_and_vision_blocks_are_patched():
     x = torch.randn(2, 12, H, generator=torch.Generator().manual_seed(1))
     image = torch.zeros(2, 12, dtype=torch.long)
     image[:, 6:] = 1
-    for types in (None, image):
-        torch.testing.assert_close(block(x, types)[0], ref(x, types)[0], rtol=1e-5, atol=1e-5)
+    for token_types in (None, image):
+        torch.testing.assert_close(block(x, token_types)[0], ref(x, token_types)[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("groups", [(4, 2), (1, 1)])
