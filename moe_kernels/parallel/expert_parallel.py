@@ -153,7 +153,7 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         max_tokens_per_rank *= etp  # the ep dispatch carries the etp group's gathered tokens
     options = {"max_tokens_per_rank": max_tokens_per_rank, "capacity": capacity, "num_sms": num_sms}
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    from moe_kernels.integrations.hf import _patched_blocks
+    from moe_kernels.integrations.hf.patching import _patched_blocks
 
     if blocks := _patched_blocks(model):
         raise NotImplementedError(f"apply_expert_parallel: the patched Llama 4 blocks ({blocks[0]}, ...) run their "

@@ -39,7 +39,7 @@ def test_a_wrong_patched_block_fails_the_case(monkeypatch, model):
     from moe_kernels.integrations import hf
 
     ctx = harness.Context(torch.device("cpu"), quick=True, out_dir=Path("."))
-    real = hf.unpermute
-    monkeypatch.setattr(hf, "unpermute", lambda y, row_map, *a: real(1.01 * y, row_map, *a))
+    real = hf.experts.unpermute
+    monkeypatch.setattr(hf.experts, "unpermute", lambda y, row_map, *a: real(1.01 * y, row_map, *a))
     with pytest.raises(AssertionError, match="hf block: output"):
         bh.run_case(ctx, bh.Case(model, bh.CPU_TOKENS))

@@ -55,7 +55,7 @@ def _config(family: str, layers: int = 2, **overrides):
     raise ValueError(family)
 
 
-# Families patched by their router's code (hf._matched_family) or named for a routing of their own, built from
+# Families patched by their router's code (hf.families._matched_family) or named for a routing of their own, built from
 # the sizes below, each taken where the family's config has that argument.
 MATCHED = {  # family -> (config class, model class, the routing patch_hf must report)
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM", "glm4_moe (DeepSeek-V3 routing)"),
@@ -206,7 +206,7 @@ def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):
 
 
 def moe_blocks(model):
-    return [m for m in model.modules() if hasattr(m, "experts") and hf._router_of(m) is not None]
+    return [m for m in model.modules() if hasattr(m, "experts") and hf.common._router_of(m) is not None]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def moe_blocks(model):
 def test_router_matches_transformers(family, overrides):
     model = build(family, **overrides)
     block = moe_blocks(model)[0]
-    gate = hf._router_of(block)
+    gate = hf.common._router_of(block)
     x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
     args = (block.e_score_correction_bias,) if family == "minimax_m2" else ()  # the block passes its bias in
     ref_logits, ref_w, ref_idx = gate(x, *args)
@@ -270,7 +270,7 @@ def test_sgd_step_matches(family, overrides):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
     # gradients reached the MoE parameters of the patched model (router and both expert weights)
     for block in moe_blocks(model):
-        for p in (hf._gate_weight(hf._router_of(block)), block.experts.gate_up_proj, block.experts.down_proj):
+        for p in (hf.common._gate_weight(hf.common._router_of(block)), block.experts.gate_up_proj, block.experts.down_proj):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
@@ -380,8 +380,8 @@ def test_experts_interface_registration():
 
 def _count_grouped_mm(monkeypatch) -> list:
     """Calls of moe_kernels' grouped_mm from the patched experts."""
-    calls, real = [], hf.grouped_mm
-    monkeypatch.setattr(hf, "grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    calls, real = [], hf.experts.grouped_mm
+    monkeypatch.setattr(hf.experts, "grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     return calls
 
 
@@ -450,7 +450,7 @@ def _logits_in_fresh_process(tmp_path, load: str, ids, check: str) -> torch.Tens
     script = (
         f"import sys, torch\ntorch.set_num_threads({torch.get_num_threads()})\n" + load +
         "from moe_kernels.integrations import hf\n"
-        "calls = []\nreal = hf.grouped_mm\nhf.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
+        "calls = []\nreal = hf.experts.grouped_mm\nhf.experts.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
         f"ids = torch.tensor({ids.tolist()})\n"
         "with torch.no_grad():\n    out = m(ids).logits\n" + check +
         f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
@@ -628,15 +628,15 @@ def test_gpt_oss_recipe_and_adapters():
     calls = []
     experts = moe_blocks(model)[0].experts
     real = type(experts).forward.__wrapped__
-    hf_lora = hf.lora_terms
+    hf_lora = hf.experts.lora_terms
     try:
-        hf.lora_terms = lambda module, name: ["adapter"] if module is experts else hf_lora(module, name)
+        hf.experts.lora_terms = lambda module, name: ["adapter"] if module is experts else hf_lora(module, name)
         type(experts).forward.__wrapped__ = lambda *a: (calls.append(1), real(*a))[1]
         ids = inputs()
         with torch.no_grad():
             assert_same_outputs(run(model, ids), run(ref_model, ids))
     finally:
-        hf.lora_terms = hf_lora
+        hf.experts.lora_terms = hf_lora
         type(experts).forward.__wrapped__ = real
     assert calls == [1]
 
@@ -718,8 +718,8 @@ def test_mistral_large4_block_matches_transformers(groups):
 
 def _count_kn_rows(monkeypatch) -> list[int]:
     rows = []
-    real = hf._GroupedMmKN.apply
-    monkeypatch.setattr(hf._GroupedMmKN, "apply", lambda x, *a: (rows.append(x.shape[0]), real(x, *a))[1])
+    real = hf.experts._GroupedMmKN.apply
+    monkeypatch.setattr(hf.experts._GroupedMmKN, "apply", lambda x, *a: (rows.append(x.shape[0]), real(x, *a))[1])
     return rows
 
 
@@ -732,8 +732,8 @@ def test_llama4_experts_run_the_chosen_tokens_only(monkeypatch, k):
     ids = inputs()
     rows = _count_kn_rows(monkeypatch)
     fused = []
-    real = hf.swiglu
-    monkeypatch.setattr(hf, "swiglu", lambda h: (fused.append(h.shape[0]), real(h))[1])
+    real = hf.experts.swiglu
+    monkeypatch.setattr(hf.experts, "swiglu", lambda h: (fused.append(h.shape[0]), real(h))[1])
     with torch.no_grad():
         assert_same_outputs(run(model, ids), run(ref_model, ids))
     assert rows == [ids.numel() * k] * 4 and fused == [ids.numel() * k] * 2  # SiLU experts: our fused swiglu
@@ -805,7 +805,7 @@ def test_biased_grouped_gemm_matches_per_expert_products():
     x = torch.randn(R, K, generator=gen, dtype=torch.float64, requires_grad=True)
     w = torch.randn(E, K, N, generator=gen, dtype=torch.float64, requires_grad=True)
     b = torch.randn(E, N, generator=gen, dtype=torch.float64, requires_grad=True)
-    out = hf._GroupedMmKN.apply(x, w, b, sizes)
+    out = hf.experts._GroupedMmKN.apply(x, w, b, sizes)
     ends = torch.cumsum(sizes, 0).tolist()
     ref = torch.cat([x[s:e] @ w[i] + b[i] for i, (s, e) in enumerate(zip([0] + ends[:-1], ends))])
     used = ends[-1]
@@ -823,8 +823,8 @@ def test_default_silu_gate_runs_the_fused_swiglu(act, fused, monkeypatch):
     # transformers' default gate with a SiLU activation runs our swiglu op (fwd and bwd); any other activation
     # runs the experts' own gate. Both equal transformers' forward and gradients.
     calls = []
-    real = hf.swiglu
-    monkeypatch.setattr(hf, "swiglu", lambda h: (calls.append(h.shape), real(h))[1])
+    real = hf.experts.swiglu
+    monkeypatch.setattr(hf.experts, "swiglu", lambda h: (calls.append(h.shape), real(h))[1])
     ref_model = build("qwen3_moe", hidden_act=act).train()
     model = patched_copy(ref_model).train()
     ids = inputs()
@@ -845,7 +845,7 @@ def test_default_silu_gate_runs_the_fused_swiglu(act, fused, monkeypatch):
 @pytest.mark.parametrize("family", list(MATCHED))
 def test_each_family_reports_its_routing(family):
     block = moe_blocks(build(family))[0]
-    found = [fam.name for path, b, fam, problem in hf._scan(block) if fam is not None and problem is None]
+    found = [fam.name for path, b, fam, problem in hf.patching._scan(block) if fam is not None and problem is None]
     assert found == [MATCHED[family][2]]
 
 
@@ -855,17 +855,17 @@ def _router_like(forward, module="transformers.models.fake_moe.modeling_fake_moe
 
 def test_router_code_must_match_in_text_and_globals():
     ref = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter.forward
-    assert hf._matched_family(_router_like(ref)).name == "fake_moe (DeepSeek-V3 routing)"
+    assert hf.families._matched_family(_router_like(ref)).name == "fake_moe (DeepSeek-V3 routing)"
     # The same code object reading another `F` (a module that shadows torch.nn.functional): not the same routing.
     shadowed = dict(ref.__globals__, F=types.SimpleNamespace(linear=F.linear))
-    assert hf._matched_family(_router_like(types.FunctionType(ref.__code__, shadowed))) is None
+    assert hf.families._matched_family(_router_like(types.FunctionType(ref.__code__, shadowed))) is None
 
     def forward(self, hidden_states):  # other source text
         return ref(self, hidden_states)
 
-    assert hf._matched_family(_router_like(forward)) is None
-    assert hf._matched_family(_router_like(ref, module="my_models.router")) is None  # outside transformers
-    assert hf._matched_family(_router_like(None)) is None
+    assert hf.families._matched_family(_router_like(forward)) is None
+    assert hf.families._matched_family(_router_like(ref, module="my_models.router")) is None  # outside transformers
+    assert hf.families._matched_family(_router_like(None)) is None
 
 
 @pytest.mark.parametrize(("overrides", "why"), [
@@ -969,7 +969,7 @@ def test_precision_recipe(family, monkeypatch):
     experts = moe_blocks(model)[0].experts
     assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
     mk.unpatch_hf(model)
-    assert not any(hf._RECIPE_ATTR in m.__dict__ for m in model.modules())
+    assert not any(hf.common._RECIPE_ATTR in m.__dict__ for m in model.modules())
     with torch.no_grad():
         torch.testing.assert_close(run(model, ids).logits, ref, rtol=0, atol=0)
     with pytest.raises(ValueError, match="does not fit the recipe.*multiples of 128"):
@@ -984,7 +984,7 @@ def test_precision_recipe(family, monkeypatch):
     twin = copy.deepcopy(model)
     with torch.no_grad():
         torch.testing.assert_close(run(twin, ids).logits, run(model, ids).logits, rtol=0, atol=0)
-    assert moe_blocks(twin)[0].experts.__dict__[hf._RECIPE_ATTR] == Nvfp4Recipe()
+    assert moe_blocks(twin)[0].experts.__dict__[hf.common._RECIPE_ATTR] == Nvfp4Recipe()
 
 
 def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
@@ -1100,7 +1100,7 @@ def _recorded_routing(model):
         picks.append(out[2].long().sort(-1).values)
         logits.append(out[0])
 
-    hooks = [hf._router_of(block).register_forward_hook(record) for block in moe_blocks(model)]
+    hooks = [hf.common._router_of(block).register_forward_hook(record) for block in moe_blocks(model)]
     try:
         yield picks, logits
     finally:
@@ -1142,7 +1142,7 @@ def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, monkeypatch):
     results = []
     for fits in (True, False):
         if not fits:
-            monkeypatch.setattr(hf, "_moe_region_fits", lambda *a: False)
+            monkeypatch.setattr(hf.experts, "_moe_region_fits", lambda *a: False)
         model.zero_grad(set_to_none=True)
         taken.clear()
         out = run(model, ids, labels=ids)
@@ -1178,14 +1178,14 @@ def test_gpu_bf16_matches_transformers(cuda, family, overrides, monkeypatch):
         # (scores scale the experts' input: its terms cancel) swings with that alone, 0.3x to 5x transformers' own
         # bf16 error over seeds; here the activation rounds as transformers' does (the fused op's own tests, and
         # test_llama4_experts_run_the_chosen_tokens_only, cover it).
-        monkeypatch.setattr(hf, "_is_silu", lambda act: False)
+        monkeypatch.setattr(hf.experts, "_is_silu", lambda act: False)
     base = build(family, layers=1, **overrides)
     base.set_attn_implementation("eager")
     base.set_experts_implementation("eager")
     base = base.to(device=cuda, dtype=torch.bfloat16).train()
     ref64 = copy.deepcopy(base).to(torch.float64)  # bf16 -> fp64 is exact: the same weights
     model = patched_copy(base)
-    k = hf._gate_top_k(hf._router_of(moe_blocks(model)[0]))
+    k = hf.common._gate_top_k(hf.common._router_of(moe_blocks(model)[0]))
     ids = _decisive_ids(base, ref64, k, cuda)
     outs, routing = [], []
     for m in (ref64, base, model):

@@ -1,0 +1,61 @@
+"""Names and small helpers shared by the transformers drop-in's modules."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
+_PATCH_ATTR = "_moe_kernels_patch"  # router: its previous `_old_forward` (accelerate); experts: previous implementation
+_RECIPE_ATTR = "_moe_kernels_recipe"  # on patched experts modules given a precision recipe
+DISPATCHER_ATTR = "_moe_kernels_dispatcher"  # on experts sharded by moe_kernels.parallel.apply_expert_parallel
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_TM = "transformers.models."
+
+_SHARDED = (
+    "holds sharded (DTensor) weights: transformers' tensor or expert parallelism was applied "
+    "(from_pretrained(..., tp_plan= or distributed_config=)). moe_kernels' ops take whole local tensors and do "
+    "not run transformers' sharded experts; load the model without transformers' parallelism to patch it"
+)
+
+
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def _router_of(block: nn.Module):
+    """The block's router module: `gate` in most families, `router` in GPT-OSS and Llama 4."""
+    gate = block._modules.get("gate")
+    return gate if isinstance(gate, nn.Module) else block._modules.get("router")
+
+
+
+def _experts_of(block: nn.Module):
+    """The block's experts module, inside any adapter wrappers (peft's ParamWrapper keeps it as base_layer)."""
+    experts = getattr(block, "experts", None)
+    while isinstance(getattr(experts, "base_layer", None), nn.Module):
+        experts = experts.base_layer
+    return experts
+
+
+def _gate_weight(gate: nn.Module):
+    """The router's [E, H] weight: its own, or its `proj` Linear's (Gemma 4)."""
+    w = getattr(gate, "weight", None)
+    return w if isinstance(w, Tensor) else getattr(getattr(gate, "proj", None), "weight", None)
+
+
+def _gate_top_k(gate: nn.Module) -> int:
+    """The router's k: `top_k`, or its config's `top_k_experts` (Gemma 4)."""
+    k = getattr(gate, "top_k", None)
+    return k if isinstance(k, int) else getattr(getattr(gate, "config", None), "top_k_experts", 0)
+
+
+
+
+def _base_class(module: nn.Module) -> type:
+    return getattr(type(module), "_moe_kernels_base", type(module))
+

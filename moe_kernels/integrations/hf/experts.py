@@ -1,0 +1,254 @@
+"""The experts' forwards on moe_kernels' ops: transformers' experts interface (`moe_kernels_experts_forward`), GPT-OSS's
+biased [E, K, N] experts and Llama 4's block.
+
+- GPT-OSS (`GptOssMLP`, its router is `router`): biased logits, top-k by logit, softmax over the k, cast to the
+  logits' dtype. Its experts add a bias to both projections and use a clamped SwiGLU variant on interleaved
+  gate/up columns, stored transposed ([E, H, 2F], [E, F, H]): they run permute -> the biased [E, K, N] grouped
+  GEMM (`_GroupedMmKN`: grouped_mm's dgrad product forward, its forward and wgrad products backward, so no
+  transposed copy of the weights; the bias gradient a wgrad product with a column of ones, deterministic) ->
+  the experts' own `_apply_gate` -> the same for down_proj -> unpermute. No precision recipe (refused at patch
+  time); with peft adapters, or while torch.onnx exports, the experts run transformers' forward.
+- Llama 4 (`Llama4TextMoe`): transformers runs every expert on every token (the inputs of the experts not chosen
+  zeroed by their score, sigmoid(-inf) = 0), E / k times the routed experts' FLOPs (16x for Scout, 128x for
+  Maverick). Its block forward is replaced (`_llama4_block_forward`): transformers' router as it is, each token's
+  copy scaled by its score before the experts, permute, the [E, K, N] grouped GEMMs around SiLU gate * up,
+  unpermute, the block's own shared expert. No precision recipe (refused at patch time); with peft adapters, or
+  while torch.onnx exports, transformers' block forward.
+
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor, nn
+
+from moe_kernels import onnx as _onnx
+from moe_kernels.nn import fused
+from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
+from moe_kernels.ops.activation import swiglu
+from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm
+from moe_kernels.ops.permute import permute, unpermute
+
+from .common import (
+    _RECIPE_ATTR,
+    _SHARDED,
+    DISPATCHER_ATTR,
+    _base_class,
+    _experts_of,
+    _is_dtensor,
+)
+
+
+def _grouped_weight(w: Tensor) -> Tensor:
+    """grouped_mm needs contiguous [E, N, K]. transformers' parameters are contiguous, so this returns them as
+    they are. A non-contiguous one (a strided view from some conversion or sharding) costs one copy of the
+    whole expert weight per call (autograd routes its gradient back to the original); never kept."""
+    return w if w.is_contiguous() else w.contiguous()
+
+
+def moe_kernels_experts_forward(
+    self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor
+) -> Tensor:
+    """transformers experts-interface forward on moe_kernels ops.
+
+    hidden_states [T, H]; top_k_index [T, k] (int32 from our router, int64 from transformers' own);
+    top_k_weights [T, k]. Returns [T, H] in hidden_states' dtype.
+    """
+    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
+        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
+    if _is_biased_layout(self):
+        return _biased_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    if (
+        getattr(self, "has_bias", False)
+        or getattr(self, "is_transposed", False)
+        or not getattr(self, "is_concatenated", True)
+        or not getattr(self, "has_gate", True)
+        or getattr(self, "has_post_expert_norm", False)
+    ):
+        raise NotImplementedError(
+            f"moe_kernels experts: {type(self).__name__} has biases, transposed/interleaved weights, no gate "
+            "or a post-expert norm; bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here, and "
+            "GPT-OSS's layout (biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights, all three)"
+        )
+    E = self.num_experts
+    w13 = _grouped_weight(self.gate_up_proj)  # [E, 2F, H]: N = 2F, K = H
+    w2 = _grouped_weight(self.down_proj)  # [E, H, F]: N = H, K = F
+    x = hidden_states.to(w13.dtype).contiguous()  # a no-op unless autocast handed us another dtype
+    idx = top_k_index.to(torch.int32)
+    if getattr(self, "_is_expert_parallel", False):
+        idx = torch.where(idx < E, idx, -1)  # EP sentinels (>= E, weight 0) become dropped slots
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
+    mm = grouped_mm if recipe is None else recipe.grouped_mm
+    lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")  # peft adapters, fused
+    align = 1 if recipe is None else recipe.align
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
+    if dispatcher is not None:  # moe_kernels.parallel.apply_expert_parallel: this rank holds E / P experts
+        if lora13 or lora2:
+            raise NotImplementedError("moe_kernels experts: LoRA adapters on expert-parallel experts are not supported "
+                                      "(the adapters hold every expert, the weights this rank's)")
+        d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
+        h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
+        act = _gated(self, h)
+        y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
+        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
+    if recipe is None and not lora13 and not lora2 and _is_default_silu_gate(self):
+        launch = fused.launch_for(x)
+        if launch is not None and _moe_region_fits(launch, x, w13, w2, E):
+            # The whole routed-experts computation as MoELayer's fused region: one extension call each way
+            # (permute, grouped_mm, swiglu, grouped_mm, unpermute with the routing weights, the Hugging Face order).
+            out = fused.run("moe", launch, x, idx.contiguous(), top_k_weights.float().contiguous(), w13, w2, E, 1)
+            return out.to(hidden_states.dtype)
+    if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
+        h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
+    else:
+        x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
+        h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
+    act = _gated(self, h)  # act_fn(gate) * up
+    y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
+    out = unpermute(y, row_map, top_k_weights.float().contiguous())
+    return out.to(hidden_states.dtype)
+
+
+def _is_biased_layout(experts: nn.Module) -> bool:
+    """GPT-OSS's experts layout: biases, weights stored [E, K, N], gate/up interleaved, gated, no post norm."""
+    return (getattr(experts, "has_bias", False) and getattr(experts, "is_transposed", False)
+            and not getattr(experts, "is_concatenated", True) and getattr(experts, "has_gate", True)
+            and not getattr(experts, "has_post_expert_norm", False))
+
+
+class _GroupedMmKN(torch.autograd.Function):
+    """out[rows of e] = x[rows of e] @ w[e] (+ bias[e]) with the weights stored [E, K, N] (GPT-OSS's and Llama 4's
+    layout), from the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is
+    its dgrad product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the weight
+    gradient its wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad
+    product with a column of ones (each group's rows summed in a fixed order, deterministic). Rows past the groups
+    get bias[E-1] (nothing reads them)."""
+
+    @staticmethod
+    def forward(ctx, x, w, bias, group_sizes):
+        ops = torch.ops.moe_kernels
+        E, R = w.shape[0], x.shape[0]
+        out = ops.grouped_mm_dgrad(x, w, group_sizes)
+        if bias is not None:
+            ends = torch.cumsum(group_sizes, 0)
+            rows = torch.searchsorted(ends, torch.arange(R, device=x.device, dtype=ends.dtype), right=True)
+            out.add_(bias.index_select(0, rows.clamp_(max=E - 1)))
+        ctx.save_for_backward(x, w, group_sizes)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w, group_sizes = ctx.saved_tensors
+        ops = torch.ops.moe_kernels
+        g = g.contiguous()
+        need_x, need_w, need_b, _ = ctx.needs_input_grad
+        dx = ops.grouped_mm(g, w, group_sizes) if need_x else None
+        dw = ops.grouped_mm_wgrad(x, g, group_sizes) if need_w else None
+        db = ops.grouped_mm_wgrad(g.new_ones((g.shape[0], 1)), g, group_sizes)[:, 0] if need_b else None
+        return dx, dw, db, None
+
+
+def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                            top_k_weights: Tensor) -> Tensor:
+    """GPT-OSS's experts on our ops: permute, the biased [E, K, N] grouped GEMMs around the experts' own gate
+    (clamped, interleaved), unpermute with the routing weights. Adapters or a precision recipe: transformers'
+    own forward."""
+    lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
+    if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
+        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    if self.__dict__.get(DISPATCHER_ATTR) is not None:  # (apply_expert_parallel refuses these experts)
+        raise NotImplementedError("moe_kernels experts: expert parallelism does not run GPT-OSS's biased experts")
+    E = self.num_experts
+    w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
+    b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
+    x = hidden_states.to(w13.dtype).contiguous()
+    idx = top_k_index.to(torch.int32)
+    if getattr(self, "_is_expert_parallel", False):
+        idx = torch.where(idx < E, idx, -1)
+    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
+    h = _GroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
+    act = self._apply_gate(h)  # the family's own gate: GPT-OSS's clamped one on interleaved columns
+    y = _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), b2, group_sizes)  # [R, H]
+    return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
+
+
+def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor]:
+    """Llama 4's MoE block (Llama4TextMoe) on the chosen experts only. transformers runs every expert on every
+    token, the experts not chosen on inputs zeroed by their score (sigmoid(-inf) = 0): E / k times the routed
+    experts' FLOPs. Here transformers' router runs as it is (its scores and recorded logits), the same top-k picks
+    its experts (the same call on the same logits), each token's copy is scaled by its score before the experts
+    as transformers scales it, then permute, the experts module called on the routed rows (its hooks run:
+    accelerate's offloading, FSDP2's unsharding; `_llama4_experts_forward`), and unpermute sums each token's
+    copies; the shared expert is the block's own. Adapters on the experts (peft wraps them) or an ONNX export:
+    transformers' forward."""
+    if self.experts is not _experts_of(self) or _onnx.exporting():
+        return _base_class(self).forward(self, hidden_states)
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
+    T, E, k = hidden_states.shape[0], self.num_experts, self.router.top_k
+    idx = torch.topk(router_logits, k, dim=1).indices  # the router's own picks
+    scores = router_scores.gather(1, idx)  # [T, k], the router's dtype, as transformers multiplies
+    x = (hidden_states[:, None, :] * scores[:, :, None]).reshape(T * k, self.hidden_dim)  # copy j of token t: t k + j
+    x_perm, row_map, group_sizes = permute(x.contiguous(), idx.reshape(-1, 1).to(torch.int32), E, align=1)
+    y = self.experts(x_perm, group_sizes)  # [R, H]
+    routed = unpermute(y, row_map.view(T, k))  # each token's k copies summed (fp32, rounded once)
+    out = self.shared_expert(hidden_states)
+    out.add_(routed.to(out.dtype))
+    return out, router_logits
+
+
+def _llama4_experts_forward(self: nn.Module, hidden_states: Tensor, group_sizes: Tensor | None = None) -> Tensor:
+    """Llama4TextExperts given the routed rows [R, H] grouped by expert and the group sizes (the patched block's
+    call): the [E, K, N] grouped GEMMs on the weights as stored around gate * up (our fused swiglu for SiLU).
+    Called as transformers calls it, without group sizes: transformers' dense forward."""
+    if group_sizes is None:
+        return _base_class(self).forward(self, hidden_states)
+    w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
+    h = _GroupedMmKN.apply(hidden_states.to(w13.dtype).contiguous(), w13.contiguous(), None, group_sizes)
+    if _is_silu(self.act_fn):
+        act = swiglu(h)
+    else:
+        gate, up = h.chunk(2, dim=-1)  # gate columns, then up
+        act = up * self.act_fn(gate)
+    return _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), None, group_sizes)
+
+
+def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
+    """MoELayer's fused "moe" region takes these experts: plain contiguous tensors of one dtype it runs, no
+    autocast (the registered ops apply it), the expert count within the kernels' limits, and our grouped GEMM
+    for this GPU and dtype (moe_kernels.nn.fused.experts_fit)."""
+    plain = (Tensor, nn.Parameter)
+    return (x.dtype in (torch.float32, torch.float16, torch.bfloat16) and w13.dtype == x.dtype == w2.dtype
+            and type(w13) in plain and type(w2) in plain and w13.is_contiguous() and w2.is_contiguous()
+            and not torch.is_autocast_enabled(x.device.type)
+            and E <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups) and fused.experts_fit(x))
+
+
+def _gated(experts: nn.Module, h: Tensor) -> Tensor:
+    """act_fn(gate) * up on [R, 2F] rows. Where the experts compute transformers' default gate with a SiLU
+    activation, our `swiglu` op: one pass each way in fp32, rounded once (transformers rounds silu(gate) to the
+    model's dtype before the product, so in bf16 the two differ by at most one rounding). Otherwise the experts'
+    own `_apply_gate` (or act_fn(gate) * up where they have none)."""
+    if _is_default_silu_gate(experts):
+        return swiglu(h)
+    if hasattr(experts, "_apply_gate"):
+        return experts._apply_gate(h)
+    gate, up = h.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def _is_default_silu_gate(experts: nn.Module) -> bool:
+    moe = sys.modules.get("transformers.integrations.moe")
+    default = getattr(moe, "_default_apply_gate", None)
+    if default is None or getattr(type(experts), "_apply_gate", None) is not default:
+        return False  # a gate of the family's own (GPT-OSS's clamped one, ...)
+    return _is_silu(getattr(experts, "act_fn", None))
+
+
+def _is_silu(act) -> bool:
+    """torch's SiLU or transformers' (ACT2FN["silu"])."""
+    silu = getattr(sys.modules.get("transformers.activations"), "SiLUActivation", None)
+    return type(act) is nn.SiLU or (silu is not None and type(act) is silu)
+

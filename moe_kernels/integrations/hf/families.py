@@ -1,0 +1,216 @@
+"""The supported families (router, block and experts classes per transformers module) and the families matched by
+their router's code."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from .common import _TM
+from .experts import _llama4_block_forward, _llama4_experts_forward
+from .routings import (
+    deepseek_v2_problem,
+    deepseek_v2_router_forward,
+    deepseek_v3_problem,
+    deepseek_v3_router_forward,
+    deepseek_v4_problem,
+    deepseek_v4_router_forward,
+    ernie_problem,
+    ernie_router_forward,
+    gemma4_router_forward,
+    gpt_oss_router_forward,
+    llama4_problem,
+    minimax_m2_problem,
+    minimax_m2_router_forward,
+    mistral4_problem,
+    mistral4_router_forward,
+    mistral_large4_router_forward,
+    mixtral_router_forward,
+    qwen_normalized_router_forward,
+    qwen_router_forward,
+)
+
+
+@dataclass(frozen=True)
+class _Family:
+    name: str
+    module: str  # transformers module defining the classes
+    block: str
+    gate: str
+    experts: str
+    router_forward: Callable
+    problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
+    reference: bool = True  # its router's code is a routing reference other families are matched against
+    biased_experts: bool = False  # GPT-OSS's experts: biases, transposed weights, interleaved gate/up
+    block_forward: Callable | None = None  # the block's forward replaced (its router stays transformers')
+    experts_forward: Callable | None = None  # with block_forward: the experts' forward the block calls
+    experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
+
+
+FAMILIES = (
+    _Family("Mixtral", _TM + "mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "MixtralTopKRouter",
+            "MixtralExperts", mixtral_router_forward),
+    _Family("Qwen2-MoE", _TM + "qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", "Qwen2MoeTopKRouter",
+            "Qwen2MoeExperts", qwen_router_forward),
+    _Family("Qwen3-MoE", _TM + "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "Qwen3MoeTopKRouter",
+            "Qwen3MoeExperts", qwen_router_forward, reference=False),
+    _Family("OLMoE", _TM + "olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", "OlmoeTopKRouter", "OlmoeExperts",
+            qwen_router_forward, reference=False),
+    _Family("DeepSeek-V3", _TM + "deepseek_v3.modeling_deepseek_v3", "DeepseekV3MoE", "DeepseekV3TopkRouter",
+            "DeepseekV3Experts", deepseek_v3_router_forward, deepseek_v3_problem),
+    _Family("Qwen3-VL-MoE", _TM + "qwen3_vl_moe.modeling_qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock",
+            "Qwen3VLMoeTextTopKRouter", "Qwen3VLMoeTextExperts", qwen_normalized_router_forward),
+    _Family("MiniMax-M2", _TM + "minimax_m2.modeling_minimax_m2", "MiniMaxM2SparseMoeBlock", "MiniMaxM2TopKRouter",
+            "MiniMaxM2Experts", minimax_m2_router_forward, minimax_m2_problem),
+    _Family("DeepSeek-V2", _TM + "deepseek_v2.modeling_deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
+            "DeepseekV2Experts", deepseek_v2_router_forward, deepseek_v2_problem),
+    _Family("GPT-OSS", _TM + "gpt_oss.modeling_gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
+            gpt_oss_router_forward, biased_experts=True),
+    _Family("ERNIE-4.5", _TM + "ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
+            "Ernie4_5_MoeTopKRouter", "Ernie4_5_MoeExperts", ernie_router_forward, ernie_problem),
+    _Family("DeepSeek-V4", _TM + "deepseek_v4.modeling_deepseek_v4", "DeepseekV4SparseMoeBlock",
+            "DeepseekV4TopKRouter", "DeepseekV4Experts", deepseek_v4_router_forward, deepseek_v4_problem,
+            experts_only_routers=("DeepseekV4HashRouter",)),
+    _Family("Mistral 4", _TM + "mistral4.modeling_mistral4", "Mistral4MoE", "Mistral4TopkRouter", "Mistral4Experts",
+            mistral4_router_forward, mistral4_problem),
+    _Family("Mistral Large 4", _TM + "mistral_large4.modeling_mistral_large4", "MistralLarge4TextMoE",
+            "MistralLarge4TextTopkRouter", "MistralLarge4TextExperts", mistral_large4_router_forward,
+            mistral4_problem),
+    _Family("Gemma 4", _TM + "gemma4.modeling_gemma4", "Gemma4TextDecoderLayer", "Gemma4TextRouter",
+            "Gemma4TextExperts", gemma4_router_forward, reference=False),
+    _Family("Llama 4", _TM + "llama4.modeling_llama4", "Llama4TextMoe", "Llama4Router", "Llama4TextExperts", None,
+            llama4_problem, reference=False, block_forward=_llama4_block_forward,
+            experts_forward=_llama4_experts_forward),
+)
+
+SUPPORTED = tuple(f.name for f in FAMILIES)
+
+
+def _family_classes(fam: _Family):
+    """(block, gate, experts) classes, or None when transformers has not loaded that family's module (then
+    no model in this process can hold one of its blocks)."""
+    mod = sys.modules.get(fam.module)
+    if mod is None:
+        return None
+    classes = tuple(getattr(mod, name, None) for name in (fam.block, fam.gate, fam.experts))
+    return None if any(c is None for c in classes) else classes
+
+
+# Families matched by their router's code. transformers generates most MoE models from a few (its modular
+# files), so many routers are a reference family's router under another name (GLM-4.5's, Dots1's, Kimi-Linear's
+# are DeepSeek-V3's; Qwen3-Next's and FlexOlmo's are Qwen2-MoE's; MiniMax's is Mixtral's). A router class routes
+# exactly as a reference family does when its `forward` has the reference's source text, character for
+# character, and every global name that source reads (F, torch, nn, helpers) is the same object in both modules:
+# then the same code runs on the same attributes. Checked in the installed transformers, class by class, so a
+# router that transformers changes stops matching (and is left alone, named in the warning) instead of being
+# routed by code that no longer agrees with it.
+_MATCHED: dict[type, _Family | None] = {}
+
+
+def _forward_of(cls: type):
+    fn = getattr(cls, "forward", None)
+    return fn if isinstance(fn, types.FunctionType) else None
+
+
+def _same_code(fn, ref) -> bool:
+    try:
+        if inspect.getsource(fn) != inspect.getsource(ref):
+            return False
+    except (OSError, TypeError):
+        return False
+    missing = object()
+    return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n, missing) for n in _names(fn.__code__)
+               if n in fn.__globals__ or n in ref.__globals__)
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The global and attribute names a code object and the functions nested in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _matched_family(cls: type) -> _Family | None:
+    """The family a transformers router class routes as, by its code (above), or None. Cached per class."""
+    if cls in _MATCHED:
+        return _MATCHED[cls]
+    found = None
+    fn = _forward_of(cls)
+    if fn is not None and cls.__module__.startswith(_TM):
+        for ref in FAMILIES:
+            if not ref.reference:
+                continue
+            try:
+                ref_cls = getattr(importlib.import_module(ref.module), ref.gate)
+            except (ImportError, AttributeError):
+                continue
+            ref_fn = _forward_of(ref_cls)
+            if ref_fn is not None and _same_code(fn, ref_fn):
+                short = cls.__module__[len(_TM):].split(".")[0]
+                found = _Family(f"{short} ({ref.name} routing)", cls.__module__, None, cls.__name__, None,
+                                ref.router_forward, ref.problem, reference=False,
+                                biased_experts=ref.biased_experts)
+                break
+    _MATCHED[cls] = found
+    return found
+
+
+def matched_routers() -> dict[str, str]:
+    """{router class (module.Class): the family whose routing it runs} for every router class of the installed
+    transformers that patch_hf runs: the named families' and those matched by their code. Imports every
+    transformers model module (seconds); for documentation and tests."""
+    out = {}
+    for fam in FAMILIES:
+        try:
+            if isinstance(getattr(importlib.import_module(fam.module), fam.gate, None), type):
+                out[f"{fam.module}.{fam.gate}"] = fam.name
+        except ImportError:  # a transformers without that model
+            continue
+    for name, text in _modeling_files():
+        if "def forward" not in text or ("Router" not in text and "Gate" not in text):
+            continue
+        try:
+            mod = importlib.import_module(name)
+        except Exception:  # a model whose optional dependencies are missing
+            continue
+        for attr, cls in vars(mod).items():
+            if isinstance(cls, type) and cls.__module__ == name and issubclass(cls, nn.Module):
+                key = f"{name}.{attr}"
+                if key not in out and (fam := _matched_family(cls)) is not None:
+                    out[key] = fam.name
+    return out
+
+
+def _transformers_class(name: str) -> type | None:
+    """A class of transformers' model modules by name: loaded modules first, then the source files (one read
+    each) to find the module to import. For unpickling in a fresh process."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith(_TM) and isinstance(cls := getattr(mod, name, None), type) and cls.__name__ == name:
+            return cls
+    for mod_name, text in _modeling_files():
+        if f"class {name}(" in text:
+            cls = getattr(importlib.import_module(mod_name), name, None)
+            if isinstance(cls, type):
+                return cls
+    return None
+
+
+def _modeling_files() -> Iterator[tuple[str, str]]:
+    """(module name, source text) of every transformers model module, by its file (nothing imported but
+    transformers.models itself); none without transformers."""
+    try:
+        import transformers.models
+    except ImportError:
+        return
+    for path in sorted(Path(transformers.models.__file__).parent.glob("*/modeling_*.py")):
+        yield f"{_TM}{path.parent.name}.{path.stem}", path.read_text(encoding="utf-8", errors="replace")
+

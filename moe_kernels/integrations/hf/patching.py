@@ -1,0 +1,353 @@
+"""patch_hf / unpatch_hf: finding the MoE blocks of a model, checking their structure, and installing our forwards."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+import types
+import warnings
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+from .common import (
+    _PATCH_ATTR,
+    _RECIPE_ATTR,
+    _SHARDED,
+    _WEIGHT_DTYPES,
+    DISPATCHER_ATTR,
+    EXPERTS_IMPLEMENTATION,
+    _base_class,
+    _experts_of,
+    _gate_top_k,
+    _gate_weight,
+    _is_dtensor,
+    _router_of,
+)
+from .experts import moe_kernels_experts_forward
+from .families import (
+    FAMILIES,
+    SUPPORTED,
+    _Family,
+    _family_classes,
+    _matched_family,
+    _transformers_class,
+)
+
+_MOE_NAME = re.compile(r"(MoE|Moe|MoeBlock|MoEBlock|MoeLayer|MoELayer)$")
+
+
+def _parallel_problem(block: nn.Module) -> str | None:
+    """Why a block of a supported class was parallelised in a way patch_hf cannot run, or None."""
+    gate, experts = _router_of(block), _experts_of(block)
+    if any(_is_dtensor(p) for m in (gate, experts) if isinstance(m, nn.Module) for p in m.parameters()):
+        return _SHARDED
+    if getattr(experts, "_is_expert_parallel", False):
+        return ("holds one rank's experts (transformers' expert parallelism was applied); patch_hf runs whole "
+                "models: load the model without transformers' parallelism to patch it")
+    return None
+
+
+
+def _experts_only(fam: _Family, gate: nn.Module) -> bool:
+    """The block's router is one the family leaves on transformers' code (its experts still run ours)."""
+    cls = type(gate)
+    return cls.__name__ in fam.experts_only_routers and cls.__module__ == fam.module
+
+
+def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_cls: type) -> str | None:
+    """Why this block of a supported class cannot run on our ops, or None."""
+    gate, experts = _router_of(block), _experts_of(block)
+    if _base_class(gate) is not gate_cls and not _experts_only(fam, gate):
+        return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
+    if not isinstance(experts, experts_cls):
+        return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
+    if fam.block_forward is not None:  # the family checks its block whole
+        E = getattr(experts, "num_experts", None)
+        if not isinstance(E, int) or E < 1 or getattr(block, "num_experts", E) != E:
+            return "its experts module has no valid num_experts"
+        if not 1 <= getattr(gate, "top_k", 0) <= E:
+            return "its router has no valid top_k"
+        return fam.problem(gate, block, E)
+    if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
+        return "its experts do not dispatch through transformers' experts interface"
+    biased = fam.biased_experts  # GPT-OSS: biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights
+    for flag, expected in (("has_bias", biased), ("is_transposed", biased), ("is_concatenated", not biased),
+                           ("has_gate", True), ("has_post_expert_norm", False)):
+        if getattr(experts, flag, expected) != expected:
+            return f"its experts have {flag}={not expected}"
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    wg = _gate_weight(gate)
+    if not all(isinstance(t, Tensor) for t in (w13, w2, wg)):
+        return "it lacks gate_up_proj/down_proj/router weight tensors (transformers 4.x layout?)"
+    if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
+        return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
+    E = getattr(experts, "num_experts", None)
+    if w13.dim() != 3 or w2.dim() != 3 or wg.dim() != 2:
+        return "its weights are not [E, 2F, H] / [E, H, F] / [E, H] (or transposed, with biases)"
+    if biased:  # stored [E, K, N]
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+        if not (isinstance(b13, Tensor) and isinstance(b2, Tensor) and tuple(b13.shape) == tuple(w13.shape[:2])
+                and tuple(b2.shape) == tuple(w2.shape[:2]) and b13.dtype == b2.dtype == w13.dtype):
+            return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
+    H, F2 = w13.shape[2], w13.shape[1]
+    if (w13.shape[0], w2.shape[0], wg.shape[0]) != (E, E, E) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) \
+            or wg.shape[1] != H:
+        return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
+                f"router {tuple(wg.shape)} for {E} experts")
+    if not 1 <= _gate_top_k(gate) <= E:
+        return "its router has no valid top_k"
+    return fam.problem(gate, block, E) if fam.problem is not None else None
+
+
+def _looks_like_moe(module: nn.Module) -> bool:
+    experts = getattr(module, "_modules", {}).get("experts")
+    return experts is not None or bool(_MOE_NAME.search(type(module).__name__))
+
+
+def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, str | None]]:
+    """(path, block, family or None, problem or None) for every MoE-like block, outermost first; a block's
+    own submodules are not visited."""
+    from moe_kernels.nn.moe import MoELayer  # already ours
+
+    families = [(fam, classes) for fam in FAMILIES if (classes := _family_classes(fam)) is not None]
+    generic = (f"not a supported family (supported with transformers 5.x: {', '.join(SUPPORTED)}, and the families "
+               "whose router is the same code as one of theirs)")
+    version = getattr(sys.modules.get("transformers"), "__version__", "5")
+    if not version.split(".")[0].isdigit() or int(version.split(".")[0]) < 5:
+        generic += f"; this is transformers {version}, whose MoE blocks have another layout"
+
+    def visit(module: nn.Module, path: str):
+        if isinstance(module, MoELayer):
+            return
+        for fam, (block_cls, gate_cls, experts_cls) in families:
+            if isinstance(module, block_cls) and _router_of(module) is not None:
+                yield path, module, fam, _structure_problem(fam, module, gate_cls, experts_cls)
+                return
+        gate, experts = _router_of(module), _experts_of(module)
+        if isinstance(gate, nn.Module) and isinstance(experts, nn.Module):
+            fam = _matched_family(_base_class(gate))  # a router with a named family's code
+            if fam is not None:
+                yield path, module, fam, _structure_problem(fam, module, _base_class(gate), type(experts))
+                return
+        if _looks_like_moe(module):
+            if "experts" not in module._modules:  # named like an MoE block, without experts of its own: what it
+                # holds may be (ERNIE-4.5-VL's Ernie4_5_VLMoeMoeBlock: a text and a vision MoE block)
+                inner = [item for name, child in module.named_children()
+                         for item in visit(child, f"{path}.{name}" if path else name)]
+                if any(fam is not None for _, _, fam, _ in inner):
+                    yield from inner
+                    return
+            yield path, module, None, generic
+            return
+        for name, child in module.named_children():
+            yield from visit(child, f"{path}.{name}" if path else name)
+
+    yield from visit(model, "")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Installing and removing forwards
+
+
+_PATCHED_CLASSES: dict[type, type] = {}  # transformers' router (or block) class -> our subclass
+
+
+def _patched_class(cls: type, new_forward: Callable) -> type:
+    """`MoeKernels<cls>`: transformers' router (or, for Llama 4, block) class with `new_forward` as its forward,
+    defined in moe_kernels.integrations.hf (pickle finds it there by name; in a fresh process the package's
+    `__getattr__` defines it through `_unpickled_class`). An
+    instance whose class was restored by `unpatch_hf` but that is called through a forward captured while
+    patched (a later wrapper) runs transformers' forward."""
+    sub = _PATCHED_CLASSES.get(cls)
+    if sub is None:
+
+        def forward(self, *args, **kwargs):
+            if not isinstance(self, sub):  # restored by unpatch_hf (a subclass made later, FSDP's, stays ours)
+                return cls.forward(self, *args, **kwargs)
+            return new_forward(self, *args, **kwargs)
+
+        name = f"MoeKernels{cls.__name__}"
+        package = sys.modules[__package__]  # moe_kernels.integrations.hf: where pickle looks the class up
+        sub = type(name, (cls,), {"forward": forward, "__module__": package.__name__, "__qualname__": name,
+                                  "_moe_kernels_base": cls})
+        _PATCHED_CLASSES[cls] = sub
+        setattr(package, name, sub)
+    return sub
+
+
+
+def _unpickled_class(name: str) -> type | None:
+    """Unpickling a patched model in a fresh process: the router (or block) subclass `name` names, defined now, or
+    None."""
+    if name.startswith("MoeKernels"):
+        base = name[len("MoeKernels"):]
+        for fam in FAMILIES:
+            if fam.block_forward is None and base == fam.gate:
+                return _patched_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
+            if fam.block_forward is not None and base in (fam.block, fam.experts):
+                forward = fam.block_forward if base == fam.block else fam.experts_forward
+                return _patched_class(getattr(importlib.import_module(fam.module), base), forward)
+        cls = _transformers_class(base)
+        if cls is not None and (fam := _matched_family(cls)) is not None:
+            return _patched_class(cls, fam.router_forward)
+    return None
+
+
+
+def _swap_class(module: nn.Module, new_forward: Callable) -> None:
+    """module's class becomes its patched subclass (once)."""
+    if _PATCH_ATTR in module.__dict__:
+        return
+    sub = _patched_class(type(module), new_forward)
+    saved = None
+    # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls
+    # `_old_forward`, bound when the hook was added: point it at our forward, keep the hook.
+    if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__:
+        saved = module.__dict__["_old_forward"]
+        module._old_forward = types.MethodType(sub.forward, module)
+    module.__dict__[_PATCH_ATTR] = saved
+    module.__class__ = sub
+
+
+def _install(block: nn.Module, fam: _Family, recipe) -> None:
+    if fam.block_forward is not None:  # the block's forward and its experts' (the router stays transformers')
+        _swap_class(block, fam.block_forward)
+        _swap_class(_experts_of(block), fam.experts_forward)
+        return
+    gate, experts = _router_of(block), _experts_of(block)
+    if not _experts_only(fam, gate):
+        _swap_class(gate, fam.router_forward)
+    if _PATCH_ATTR not in experts.__dict__:
+        experts.__dict__[_PATCH_ATTR] = experts.config._experts_implementation
+        experts.config._experts_implementation_internal = EXPERTS_IMPLEMENTATION  # this config only
+    experts.__dict__[_RECIPE_ATTR] = recipe
+
+
+def _uninstall(module: nn.Module) -> bool:
+    if DISPATCHER_ATTR in module.__dict__:
+        raise ValueError("unpatch_hf: the experts are expert-parallel (each rank holds E / P of them); only "
+                         "moe_kernels' experts forward runs them")
+    module.__dict__.pop(_RECIPE_ATTR, None)
+    if _PATCH_ATTR not in module.__dict__:
+        return False
+    saved = module.__dict__.pop(_PATCH_ATTR)
+    if type(module) in _PATCHED_CLASSES.values():  # a router (or a block)
+        module.__class__ = _base_class(module)
+        if saved is not None:
+            module._old_forward = saved
+    elif module.config._experts_implementation == EXPERTS_IMPLEMENTATION:  # experts: unless changed since
+        module.config._experts_implementation_internal = saved
+    return True
+
+
+def register_experts_implementation() -> bool:
+    """Register `moe_kernels_experts_forward` as "moe_kernels" in transformers' ExpertsInterface (the experts
+    only; transformers' router stays). Returns False when this transformers has no experts interface."""
+    try:
+        from transformers.integrations.moe import ExpertsInterface
+    except ImportError:
+        return False
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, moe_kernels_experts_forward)
+    return True
+
+
+def _patched_blocks(model: nn.Module) -> list[str]:
+    """Paths of the blocks whose own forward patch_hf replaced (Llama 4's)."""
+    subs = tuple(_PATCHED_CLASSES.values())
+    blocks = tuple(classes[0] for f in FAMILIES if f.block_forward is not None and (classes := _family_classes(f)))
+    return [name or "<root>" for name, m in model.named_modules()
+            if blocks and isinstance(m, blocks) and isinstance(m, subs)]
+
+
+def is_patched(module: nn.Module) -> bool:
+    """Whether any submodule of `module` runs a moe_kernels forward installed by `patch_hf`."""
+    return any(type(m) in _PATCHED_CLASSES.values() or (
+        _PATCH_ATTR in m.__dict__ and m.config._experts_implementation == EXPERTS_IMPLEMENTATION)
+        for m in module.modules())
+
+
+def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
+    """Run every supported MoE block of a transformers model on moe_kernels' ops, in place; returns `model`.
+
+    Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
+    DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
+    forward: see the module docstring), and
+    every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
+    Qwen3.5-MoE, Kimi-Linear, ...; `matched_routers()` lists them). Each block keeps its
+    parameters, its router module and its own forward; only the router's and the experts' forwards change
+    (see the module docstring). Other MoE-like blocks are left alone and listed in one warning. Patching a
+    patched model changes nothing but the recipe; `unpatch_hf` undoes it.
+
+    recipe: a moe_kernels.quant recipe (Fp8BlockwiseRecipe(), Nvfp4Recipe()) for the routed experts' GEMMs
+    (their weights stay as they are; quantization happens in each GEMM), or None for the model's precision.
+    Only patch_hf applies a recipe: the experts implementation registered as "moe_kernels" (for
+    `experts_implementation=`) runs at the model's precision.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"patch_hf: expected a torch.nn.Module, got {type(model).__name__}")
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+
+    if recipe is not None and not isinstance(recipe, (Fp8BlockwiseRecipe, Nvfp4Recipe)):
+        raise TypeError(f"patch_hf: `recipe` must be an Fp8BlockwiseRecipe() or Nvfp4Recipe() instance or None, got "
+                        f"{recipe!r}")
+    register_experts_implementation()
+    found = list(_scan(model))
+    for path, block, fam, _ in found:  # refused before anything is patched: such a model would fail later
+        if fam is not None and (problem := _parallel_problem(block)) is not None:
+            raise ValueError(f"patch_hf: the MoE block at {path or '<root>'} {problem}")
+    if recipe is not None:  # every block must fit the recipe before any is patched
+        for path, block, fam, problem in found:
+            if fam is not None and problem is None:
+                experts = _experts_of(block)
+                where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
+                if fam.biased_experts or fam.block_forward is not None:
+                    raise ValueError(f"{where}: {fam.name}'s experts (stored [E, K, N]) run at the model's precision "
+                                     "only")
+                F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
+                try:
+                    recipe.check_shapes(H, F_)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+                if experts.gate_up_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"{where}: its expert weights are {experts.gate_up_proj.dtype}; the recipes "
+                                     "quantize fp32, bf16 or fp16")
+    patched, skipped = 0, {}
+    for path, block, fam, problem in found:
+        if fam is not None and problem is None:
+            _install(block, fam, recipe)
+            patched += 1
+        else:
+            skipped.setdefault((type(block).__name__, problem), []).append(path or "<root>")
+    if skipped:
+        lines = []
+        for (cls, problem), paths in skipped.items():
+            shown = ", ".join(paths[:4]) + (f", ... ({len(paths)} in all)" if len(paths) > 4 else "")
+            lines.append(f"  {cls} at {shown}: {problem}")
+        warnings.warn(
+            f"moe_kernels.patch_hf: left {sum(map(len, skipped.values()))} MoE block(s) on transformers' code "
+            f"(unsupported):\n" + "\n".join(lines),
+            UserWarning,
+            stacklevel=2,
+        )
+    elif not patched:
+        warnings.warn(f"moe_kernels.patch_hf: found no MoE blocks in {type(model).__name__}", UserWarning, stacklevel=2)
+    from moe_kernels.integrations.peft import fuse_lora
+
+    fuse_lora(model)  # peft LoRA on the patched experts: grouped low-rank GEMMs instead of W + BA
+    return model
+
+
+def unpatch_hf(model: nn.Module) -> nn.Module:
+    """Undo `patch_hf`: every patched router and experts module runs transformers' forward again. Returns `model`."""
+    for module in model.modules():
+        _uninstall(module)
+    return model
+
+
+# "moe_kernels" is a valid experts implementation as soon as both moe_kernels and transformers' experts
+# interface are imported, in either order (from_pretrained(..., experts_implementation="moe_kernels") and
+# models unpickled in a fresh process name it). Importing transformers here would add seconds to every

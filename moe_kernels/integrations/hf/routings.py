@@ -1,0 +1,306 @@
+"""The routers' forwards on `router_topk`, one per routing, and each family's check of its router's settings.
+
+Routing per family (transformers 5.x code -> router_topk; verified in tests/integrations/test_hf.py):
+
+- Mixtral: softmax over all E, top-k, renormalise == score="softmax", pre_softmax=False (softmax over the k
+  selected logits; selection by logits == selection by probabilities). Weights stay fp32.
+- Qwen2-MoE, Qwen3-MoE, OLMoE: softmax over all E (fp32), top-k, renormalised only with `norm_topk_prob`:
+  norm_topk_prob=False == pre_softmax=True; True == pre_softmax=False. transformers then casts the weights to
+  the logits' dtype; so do we (a [T, k] cast) so bf16 models round the same way.
+- DeepSeek-V3: fp32 logits (the router upcasts input and weight), sigmoid, selection by sigmoid +
+  e_score_correction_bias, n_group/topk_group group limit where a group's score is the sum of its top 2
+  selection scores (group_score_topk=2), weights normalised (+1e-20) only with norm_topk_prob, times
+  routed_scaling_factor.
+- Qwen3-VL-MoE (and Qwen3.5-MoE, Qwen3-Omni's text model by their code): Qwen's routing, always renormalised.
+- MiniMax-M2: sigmoid, selection by sigmoid + the block's e_score_correction_bias (the block passes it to the
+  router), no group limit, weights renormalised over the k, fp32.
+- DeepSeek-V2: fp32 logits, softmax over all E, top-k ("greedy") or top-k within the topk_group groups of largest
+  maximum score ("group_limited_greedy" == group_score_topk=1), not renormalised, times routed_scaling_factor.
+  Refused where top_k exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
+- DeepSeek-V4: logits in the model's dtype, sqrt-softplus (or sigmoid) scores, selection by score +
+  e_score_correction_bias, weights over their sum + 1e-20, times routed_scaling_factor, in the logits' dtype
+  (router_topk's scores in fp32: in bf16 near-ties may be picked the other way). Its hash-routed layers
+  (`DeepseekV4HashRouter`: experts by token id) keep transformers' router; their experts run ours. The experts'
+  clamped SwiGLU is their own `_apply_gate`.
+- Mistral 4: softmax over all E in the model's dtype, the topk_group groups of largest top-2 sum kept, top-k by
+  probability, weights over their sum (+1e-20) with norm_topk_prob, times routed_scaling_factor == softmax,
+  pre_softmax, group_score_topk=2, normalize (router_topk's probabilities in fp32: in bf16 near-ties may be
+  picked the other way). Mistral Large 4: the same on fp32 logits, always renormalised. Refused where top_k
+  exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
+- Gemma 4 (`Gemma4TextDecoderLayer` is the block, its `router` and `experts` children): the router's own norm,
+  scales and projection, the fp32 softmax over all E it returns, top-k by probability renormalised over the k
+  (router_topk's softmax over the k chosen logits), times each chosen expert's learned per_expert_scale.
+- ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
+  over all E + moe_statics' e_score_correction_bias == score="softmax", pre_softmax=True, expert_bias; the chosen
+  probabilities over their sum == normalize=True (the softmax over the k chosen logits); cast to the input dtype.
+- Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
+  source text and the same objects behind its global names, in the installed transformers) routes as that
+  family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
+  MiniMax (Mixtral's), Qwen3.5-MoE (Qwen3-VL-MoE's), ERNIE-4.5-VL (ERNIE-4.5's), ...; `matched_routers()` lists
+  them.
+
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_kernels.ops.router import router_topk
+
+from .common import _WEIGHT_DTYPES, _experts_of
+
+
+def mixtral_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)  # [T, E], as transformers computes (and records) them
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights, indices.long()  # int64, as transformers' routers return (eager experts need it)
+
+
+def qwen_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Qwen2-MoE, Qwen3-MoE and OLMoE routers (the same transformers code)."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=not self.norm_topk_prob)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def deepseek_v3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    # transformers routes in fp32: it upcasts the input and the weight (a transient copy of the [E, H] weight for
+    # a bf16 model, as in its own forward).
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    grouped = self.num_group > 1
+    weights, indices = router_topk(
+        router_logits,
+        self.top_k,
+        score="sigmoid",
+        num_groups=self.num_group if grouped else None,
+        group_topk=self.topk_group if grouped else None,
+        # transformers: group score = sum of the group's top-2 (bias-corrected) scores, whatever k and topk_group
+        group_score_topk=min(2, self.num_experts // self.num_group) if grouped else None,
+        scaling_factor=float(self.routed_scaling_factor),
+        expert_bias=self.e_score_correction_bias.float(),  # a buffer, fp32 in transformers; selection only
+        normalize=bool(self.norm_topk_prob),
+    )
+    return router_logits, weights, indices.long()  # int64, as transformers' routers return (eager experts need it)
+
+
+def qwen_normalized_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Qwen3-VL-MoE, Qwen3.5-MoE and Qwen3-Omni's text routers: Qwen's routing, always renormalised."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def minimax_m2_router_forward(
+    self: nn.Module, hidden_states: Tensor, e_score_correction_bias: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """MiniMax-M2: sigmoid, selection by sigmoid + the block's e_score_correction_bias (passed in by the block),
+    no group limit, weights normalised over the k (transformers divides by their sum; router_topk adds 1e-20 to
+    it, which changes nothing unless all k sigmoids are below 1e-13) and fp32."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid",
+                                   expert_bias=e_score_correction_bias.float(), normalize=True)
+    return router_logits, weights, indices.long()
+
+
+def deepseek_v2_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek-V2: fp32 logits, softmax over all E, top-k ("greedy") or top-k within the topk_group groups of
+    largest maximum score ("group_limited_greedy": group_score_topk=1), never renormalised, times
+    routed_scaling_factor."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.type(torch.float32), self.weight.type(torch.float32))
+    grouped = self.topk_method == "group_limited_greedy" and self.num_group > 1
+    weights, indices = router_topk(
+        router_logits,
+        self.top_k,
+        score="softmax",
+        pre_softmax=True,
+        num_groups=self.num_group if grouped else None,
+        group_topk=self.topk_group if grouped else None,
+        group_score_topk=1 if grouped else None,
+        scaling_factor=float(self.routed_scaling_factor),
+    )
+    return router_logits, weights, indices.long()
+
+
+def gpt_oss_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """GPT-OSS: biased logits, top-k by logit, softmax over the k (transformers takes it in the logits' dtype,
+    router_topk in fp32 rounded to it: in bf16 the two differ by at most one rounding)."""
+    router_logits = F.linear(hidden_states, self.weight, self.bias)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def ernie_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """ERNIE-4.5: fp32 logits (autocast off), selection by the softmax over all E plus moe_statics'
+    e_score_correction_bias, weights the chosen probabilities over their sum (router_topk takes the softmax over the
+    k chosen logits, the same quotient; transformers clamps the sum at moe_norm_min, 1e-12 by default, which only
+    differs where the k chosen probabilities sum below it), in the input's dtype."""
+    device_type = hidden_states.device.type
+    off = contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
+    with off:
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+    # moe_statics called as transformers calls it (its hooks run: offloading, sharding): zeros + its [1, E] bias
+    bias = self.moe_statics(router_logits.new_zeros(router_logits.shape[-1])).float()
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True, expert_bias=bias,
+                                   normalize=True)
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
+def _deepseek_v4_score(gate: nn.Module) -> str | None:
+    """router_topk's name for the router's scoring function (transformers' ACT2FN instance), or None."""
+    acts = sys.modules.get("transformers.activations")
+    sqrt_softplus = getattr(acts, "SqrtSoftplusActivation", None)
+    if sqrt_softplus is not None and type(gate.score_fn) is sqrt_softplus:
+        return "sqrtsoftplus"
+    return "sigmoid" if type(gate.score_fn) is nn.Sigmoid else None
+
+
+def deepseek_v4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """DeepSeek-V4's learned router: logits in the model's dtype, s = sqrt(softplus) (or sigmoid), selection by
+    s + e_score_correction_bias, weights s over their sum + 1e-20, times routed_scaling_factor, in the logits'
+    dtype. transformers takes s in the logits' dtype, router_topk in fp32 from the same logits: in bf16 the
+    weights differ by a rounding, and two experts whose bf16 scores tie (or swap) may be picked the other way.
+    (Its hash-routed layers keep transformers' router: `experts_only_routers`.)"""
+    flat = hidden_states.reshape(-1, self.hidden_dim)
+    logits = F.linear(flat, self.weight)
+    weights, indices = router_topk(logits, self.top_k, score=_deepseek_v4_score(self),
+                                   expert_bias=self.e_score_correction_bias.float(), normalize=True,
+                                   scaling_factor=float(self.routed_scaling_factor))
+    return logits, weights.to(logits.dtype), indices.long()
+
+
+def _mistral4_groups(gate: nn.Module) -> dict:
+    """router_topk's group options for Mistral 4's routers: a group scored by its top-2 probabilities."""
+    if gate.num_group <= 1:
+        return {}
+    return dict(num_groups=gate.num_group, group_topk=gate.topk_group, group_score_topk=2)
+
+
+def mistral4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mistral 4: logits in the model's dtype, softmax over all E, the topk_group groups of largest top-2 sum
+    kept, top-k by probability, weights the probabilities (over their sum + 1e-20 with norm_topk_prob: router_topk
+    takes the softmax over the k chosen logits, the same quotient) times routed_scaling_factor, in the logits'
+    dtype. transformers takes the softmax in the logits' dtype, router_topk in fp32 from the same logits: in bf16
+    two experts whose bf16 probabilities tie or swap may be picked the other way."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True,
+                                   **_mistral4_groups(self), scaling_factor=float(self.routed_scaling_factor),
+                                   normalize=bool(self.norm_topk_prob))
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def mistral_large4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mistral Large 4: Mistral 4's routing on fp32 logits, always renormalised; fp32 weights."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True,
+                                   **_mistral4_groups(self), scaling_factor=float(self.routed_scaling_factor),
+                                   normalize=True)
+    return router_logits, weights, indices.long()
+
+
+def gemma4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Gemma 4: the router's own norm, scales and projection (transformers' code), the fp32 softmax over all E
+    that it returns (recorded as the router logits), top-k by probability, weights the chosen probabilities over
+    their sum == router_topk's softmax over the k chosen logits (selection by logit == by probability), times
+    the learned per_expert_scale of each chosen expert (fp32)."""
+    hidden_states = self.norm(hidden_states)
+    hidden_states = hidden_states * self.scale * self.scalar_root_size
+    expert_scores = self.proj(hidden_states)  # [T, E], the model's dtype
+    router_probabilities = F.softmax(expert_scores, dim=-1, dtype=torch.float32)
+    weights, indices = router_topk(expert_scores, self.config.top_k_experts, score="softmax")
+    indices = indices.long()
+    return router_probabilities, weights * self.per_expert_scale[indices], indices
+
+
+# Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
+
+
+def mistral4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    G, g = gate.num_group, gate.topk_group
+    if G > 1:
+        if E % G or not 1 <= g <= G or E // G < 2:
+            return f"n_group={G}, topk_group={g} do not fit {E} experts (groups of at least 2)"
+        if gate.top_k > g * (E // G):
+            # transformers then also picks experts of dropped groups, at score 0; router_topk ranks them -inf
+            return f"top_k={gate.top_k} exceeds the {g * (E // G)} experts of the topk_group={g} kept groups"
+    return None
+
+
+def deepseek_v4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    if _deepseek_v4_score(gate) is None:
+        return f"its router scores with {type(gate.score_fn).__name__} (router_topk runs sqrt-softplus and sigmoid)"
+    if type(gate).__name__ in ("DeepseekV4HashRouter",):  # transformers' router stays (hash routing)
+        return None
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return "its router has no [E] e_score_correction_bias"
+    return None
+
+
+def deepseek_v3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    bias = getattr(gate, "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return "its router has no [E] e_score_correction_bias"
+    if gate.num_group > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
+        return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
+    return None
+
+
+def minimax_m2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    bias = getattr(block, "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return "the block has no [E] e_score_correction_bias"
+    return None
+
+
+def ernie_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    bias = getattr(getattr(gate, "moe_statics", None), "e_score_correction_bias", None)
+    if not isinstance(bias, Tensor) or bias.numel() != E or bias.dim() > 2 or bias.shape[-1] != E:
+        return "its router's moe_statics has no [1, E] e_score_correction_bias (one group of experts)"
+    return None
+
+
+def llama4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    """Llama4TextMoe: a bias-free nn.Linear router, experts [E, H, 2F] (gate then up columns) and [E, F, H]."""
+    experts = _experts_of(block)
+    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(w13, Tensor) and isinstance(w2, Tensor) and w13.dim() == 3 and w2.dim() == 3):
+        return "its experts lack [E, H, 2F] gate_up_proj / [E, F, H] down_proj tensors"
+    if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
+        return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
+    H, F2 = w13.shape[1], w13.shape[2]
+    if gate.bias is not None or tuple(gate.weight.shape) != (E, H) or w13.shape[0] != E or F2 % 2 \
+            or tuple(w2.shape) != (E, F2 // 2, H) or getattr(block, "hidden_dim", None) != H:
+        return (f"unexpected shapes: router {tuple(gate.weight.shape)} (bias {gate.bias is not None}), gate_up_proj "
+                f"{tuple(w13.shape)}, down_proj {tuple(w2.shape)} for {E} experts")
+    if not isinstance(getattr(block, "shared_expert", None), nn.Module):
+        return "it has no shared_expert"
+    return None
+
+
+def deepseek_v2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    method = getattr(gate, "topk_method", None)
+    if method not in ("greedy", "group_limited_greedy"):
+        return f"its router's topk_method={method!r} (router_topk runs 'greedy' and 'group_limited_greedy')"
+    G, g = gate.num_group, gate.topk_group
+    if method == "group_limited_greedy" and G > 1:
+        if E % G or not 1 <= g <= G:
+            return f"n_group={G}, topk_group={g} do not fit {E} experts"
+        if gate.top_k > g * (E // G):
+            # transformers then also picks experts of dropped groups, at score 0 (a zeroed mask); router_topk
+            # would give them their softmax scores
+            return f"top_k={gate.top_k} exceeds the {g * (E // G)} experts of the topk_group={g} kept groups"
+    return None
+
