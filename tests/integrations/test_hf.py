@@ -73,6 +73,19 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", "DeepSeek-V4"),
     "mistral4": ("Mistral4Config", "Mistral4ForCausalLM", "Mistral 4"),
     "gemma4": ("Gemma4TextConfig", "Gemma4ForCausalLM", "Gemma 4"),
+    "granitemoe": ("GraniteMoeConfig", "GraniteMoeForCausalLM", "Granite-MoE"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM",
+                         "granitemoehybrid (Granite-MoE routing)"),
+    "granitemoeshared": ("GraniteMoeSharedConfig", "GraniteMoeSharedForCausalLM",
+                         "granitemoeshared (Granite-MoE routing)"),
+    "jamba": ("JambaConfig", "JambaForCausalLM", "Jamba"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", "HunYuan-MoE-V1"),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", "LFM2-MoE"),
+    "afmoe": ("AfmoeConfig", "AfmoeForCausalLM", "AFMoE"),
+    "cohere2_moe": ("Cohere2MoeConfig", "Cohere2MoeForCausalLM", "Cohere2-MoE"),
+    "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "HY-V3"),
+    "laguna": ("LagunaConfig", "LagunaForCausalLM", "Laguna"),
+    "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", "MiniCPM5-MoE"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -90,8 +103,19 @@ _EXTRA = {
     "deepseek_v4": {"intermediate_size": 16, "mlp_layer_types": ["moe", "hash_moe"]},
     "mistral4": {"num_key_value_heads": 4},  # latent attention: as many KV heads as heads
     "gemma4": {"enable_moe_block": True, "top_k_experts": 2},  # the decoder layer is the MoE block (GELU experts)
+    "granitemoeshared": {"shared_intermediate_size": 24},
+    "granitemoehybrid": {"mamba_n_heads": 4, "mamba_d_head": 16},  # (layers all attention: the Mamba sizes unused)
+    # every layer attention and MoE (no Mamba layers: the test stays small)
+    "jamba": {"expert_layer_period": 1, "expert_layer_offset": 0, "attn_layer_period": 1, "attn_layer_offset": 0,
+              "use_mamba_kernels": False},
+    "hunyuan_v1_moe": {"moe_topk": 2},
+    "lfm2_moe": {"num_dense_layers": 0},
+    "afmoe": {"num_dense_layers": 0, "num_shared_experts": 1, "route_scale": 2.5},
+    "hy_v3": {"num_shared_experts": 1, "router_scaling_factor": 2.5},
+    "laguna": {"moe_routed_scaling_factor": 2.5},
 }
-_LAYER_TYPE = {"deepseek_v4": "sliding_attention"}  # the attention of the hybrid families' layers
+_LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention"}  # the hybrid families' attention
+_SPARSE_MLP = ("cohere2_moe", "hy_v3", "laguna", "minicpm5_moe")  # mlp_layer_types: every layer an MoE
 
 
 def _matched_config(family: str, layers: int, overrides: dict):
@@ -100,6 +124,8 @@ def _matched_config(family: str, layers: int, overrides: dict):
     kw = {key: v for key, v in {**_SIZES, **_EXTRA.get(family, {})}.items() if key in accepted}
     if "layer_types" in accepted:  # hybrid families (linear attention): full attention keeps the test small
         kw["layer_types"] = [_LAYER_TYPE.get(family, "full_attention")] * layers
+    if family in _SPARSE_MLP:
+        kw["mlp_layer_types"] = ["sparse"] * layers
     return cls(num_hidden_layers=layers, **{**kw, **overrides})
 
 
@@ -144,6 +170,21 @@ CASES = [
     ("gemma4", {}),
     ("llama4", {"num_experts_per_tok": 1}),  # Llama 4 Scout's and Maverick's k
     ("llama4", {}),
+    ("granitemoe", {}),
+    ("granitemoehybrid", {}),
+    ("granitemoeshared", {}),
+    ("jamba", {}),
+    ("hunyuan_v1_moe", {}),
+    ("lfm2_moe", {}),  # expert bias, renormalised (+1e-6)
+    ("lfm2_moe", {"use_expert_bias": False, "norm_topk_prob": False}),
+    ("afmoe", {}),
+    ("cohere2_moe", {"expert_selection_fn": "softmax"}),
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": True}),
+    ("cohere2_moe", {"expert_selection_fn": "sigmoid", "norm_topk_prob": False}),
+    ("hy_v3", {}),
+    ("laguna", {}),
+    ("laguna", {"moe_router_logit_softcapping": 1.5}),
+    ("minicpm5_moe", {}),  # 2 groups, the best kept
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare)
 ROUTER_CASES = [(f, o) for f, o in CASES if f != "llama4"]
@@ -160,11 +201,12 @@ def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.3)
-            elif name.endswith((".gate.weight", ".router.weight", ".router.proj.weight")):
+            elif name.endswith((".gate.weight", ".router.weight", ".router.proj.weight", ".gate.wg.weight")):
                 p.normal_(0.0, 1.0)
         for module in model.modules():
-            if hasattr(module, "e_score_correction_bias"):
-                module.e_score_correction_bias.normal_(0.0, 0.1)
+            for bias in ("e_score_correction_bias", "expert_bias"):  # selection biases (buffers)
+                if isinstance(getattr(module, bias, None), torch.Tensor):
+                    getattr(module, bias).normal_(0.0, 0.1)
     return model
 
 
@@ -213,13 +255,23 @@ def moe_blocks(model):
 # Routing: each family's transformers router == our router_topk call
 
 
+_ROUTER_ARGS = {
+    "minimax_m2": lambda block: (block.e_score_correction_bias,),
+    "hy_v3": lambda block: (block.e_score_correction_bias,),
+    "lfm2_moe": lambda block: (block.expert_bias if block.use_expert_bias else None,),
+    "afmoe": lambda block: (block.expert_bias,),
+}
+
+
 @pytest.mark.parametrize(("family", "overrides"), ROUTER_CASES, ids=ROUTER_IDS)
 def test_router_matches_transformers(family, overrides):
     model = build(family, **overrides)
     block = moe_blocks(model)[0]
     gate = hf.common._router_of(block)
     x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
-    args = (block.e_score_correction_bias,) if family == "minimax_m2" else ()  # the block passes its bias in
+    args = _ROUTER_ARGS.get(family, lambda block: ())(block)  # what the block passes its router besides x
+    if family == "afmoe":
+        x = x[None]  # its router takes the block's [B, S, H] input
     ref_logits, ref_w, ref_idx = gate(x, *args)
     mk.patch_hf(model)
     logits, w, idx = gate(x, *args)
@@ -230,6 +282,26 @@ def test_router_matches_transformers(family, overrides):
     order, ref_order = idx.long().sort(-1), ref_idx.sort(-1)
     assert torch.equal(order.values, ref_order.values)
     torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-6, atol=1e-6)
+
+
+def test_lfm2_renormalisation_keeps_its_epsilon():
+    """LFM2-MoE divides the chosen sigmoids by their sum + 1e-6 (router_topk's own normalisation adds 1e-20): on
+    logits near -14 the k sigmoids sum to about 1e-6, where the two differ by half."""
+    model = build("lfm2_moe")
+    block = moe_blocks(model)[0]
+    with torch.no_grad():
+        noise = torch.randn(block.gate.weight.shape, generator=torch.Generator().manual_seed(5))
+        block.gate.weight.copy_(-0.5 + 0.01 * noise)
+    x = torch.full((16, H), 0.9)
+    x[:, 0] += torch.linspace(-0.5, 0.5, 16)
+    ref_logits, ref_w, ref_idx = block.gate(x, block.expert_bias)
+    # the epsilon decides the weights: they sum to well below routed_scaling_factor
+    assert ref_logits.max() < -12 and ref_w.sum(-1).max() < 0.7 * block.gate.routed_scaling_factor
+    mk.patch_hf(model)
+    _, w, idx = block.gate(x, block.expert_bias)
+    order, ref_order = idx.sort(-1), ref_idx.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-5, atol=0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -270,7 +342,8 @@ def test_sgd_step_matches(family, overrides):
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
     # gradients reached the MoE parameters of the patched model (router and both expert weights)
     for block in moe_blocks(model):
-        for p in (hf.common._gate_weight(hf.common._router_of(block)), block.experts.gate_up_proj, block.experts.down_proj):
+        gate_weight = hf.common._gate_weight(hf.common._router_of(block))
+        for p in (gate_weight, block.experts.gate_up_proj, block.experts.down_proj):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
@@ -450,7 +523,8 @@ def _logits_in_fresh_process(tmp_path, load: str, ids, check: str) -> torch.Tens
     script = (
         f"import sys, torch\ntorch.set_num_threads({torch.get_num_threads()})\n" + load +
         "from moe_kernels.integrations import hf\n"
-        "calls = []\nreal = hf.experts.grouped_mm\nhf.experts.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
+        "calls = []\nreal = hf.experts.grouped_mm\n"
+        "hf.experts.grouped_mm = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
         f"ids = torch.tensor({ids.tolist()})\n"
         "with torch.no_grad():\n    out = m(ids).logits\n" + check +
         f"torch.save(out, {str(tmp_path / 'out.pt')!r})\n"
@@ -818,14 +892,17 @@ def test_biased_grouped_gemm_matches_per_expert_products():
         torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize(("act", "fused"), [("silu", True), ("swish", True), ("gelu", False)])
-def test_default_silu_gate_runs_the_fused_swiglu(act, fused, monkeypatch):
+@pytest.mark.parametrize(("family", "act", "fused"), [
+    ("qwen3_moe", "silu", True), ("qwen3_moe", "swish", True), ("qwen3_moe", "gelu", False),
+    ("lfm2_moe", None, True),  # its experts' act_fn is the function F.silu
+])
+def test_default_silu_gate_runs_the_fused_swiglu(family, act, fused, monkeypatch):
     # transformers' default gate with a SiLU activation runs our swiglu op (fwd and bwd); any other activation
     # runs the experts' own gate. Both equal transformers' forward and gradients.
     calls = []
     real = hf.experts.swiglu
     monkeypatch.setattr(hf.experts, "swiglu", lambda h: (calls.append(h.shape), real(h))[1])
-    ref_model = build("qwen3_moe", hidden_act=act).train()
+    ref_model = build(family, **({} if act is None else {"hidden_act": act})).train()
     model = patched_copy(ref_model).train()
     ids = inputs()
     outs = [run(m, ids, labels=ids) for m in (ref_model, model)]

@@ -42,10 +42,19 @@ def _experts_of(block: nn.Module):
     return experts
 
 
+_ROUTER_LINEARS = ("proj", "wg", "gate")  # Gemma 4's, HunYuan-MoE-V1's and AFMoE's router projections
+
+
 def _gate_weight(gate: nn.Module):
-    """The router's [E, H] weight: its own, or its `proj` Linear's (Gemma 4)."""
+    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg` or `gate`)."""
     w = getattr(gate, "weight", None)
-    return w if isinstance(w, Tensor) else getattr(getattr(gate, "proj", None), "weight", None)
+    if isinstance(w, Tensor):
+        return w
+    for name in _ROUTER_LINEARS:
+        linear = gate._modules.get(name)
+        if isinstance(linear, nn.Linear):
+            return linear.weight
+    return None
 
 
 def _gate_top_k(gate: nn.Module) -> int:

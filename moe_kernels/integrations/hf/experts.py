@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_kernels import onnx as _onnx
@@ -248,7 +249,7 @@ def _is_default_silu_gate(experts: nn.Module) -> bool:
 
 
 def _is_silu(act) -> bool:
-    """torch's SiLU or transformers' (ACT2FN["silu"])."""
+    """torch's SiLU, transformers' (ACT2FN["silu"]) or the function F.silu (LFM2-MoE's experts)."""
     silu = getattr(sys.modules.get("transformers.activations"), "SiLUActivation", None)
-    return type(act) is nn.SiLU or (silu is not None and type(act) is silu)
+    return type(act) is nn.SiLU or (silu is not None and type(act) is silu) or act is F.silu
 

@@ -33,6 +33,19 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
   over all E + moe_statics' e_score_correction_bias == score="softmax", pre_softmax=True, expert_bias; the chosen
   probabilities over their sum == normalize=True (the softmax over the k chosen logits); cast to the input dtype.
+- Granite-MoE (and Granite 4.0's hybrid, shared-expert and sliding-window models by their code), Cohere2-MoE with
+  expert_selection_fn "softmax": top-k by logit, softmax over the k (Mixtral's routing; Granite's on fp32 logits),
+  cast to the input's dtype. Cohere2-MoE with "sigmoid": top-k by logit, their sigmoids, over their sum with
+  norm_topk_prob.
+- Jamba: softmax over all E, top-k, never renormalised. HunYuan-MoE-V1: its `wg` Linear (fp32 input where `wg` is
+  fp32), softmax over all E, top-k, renormalised.
+- LFM2-MoE: sigmoid, selection by score + the block's expert_bias (use_expert_bias), weights over their sum + 1e-6
+  (norm_topk_prob; taken outside router_topk, whose own normalisation adds 1e-20), times routed_scaling_factor.
+- AFMoE, HY-V3: fp32 logits, sigmoid, selection by score + the block's bias (AFMoE's expert_bias, HY-V3's
+  e_score_correction_bias), weights over their sum + 1e-20, times route_scale / router_scaling_factor.
+- Laguna: fp32 logits soft-capped (tanh(l / c) c, moe_router_logit_softcapping > 0), sigmoid, selection by score
+  + e_score_correction_bias, renormalised; the block scales the experts' output.
+- MiniCPM5-MoE: DeepSeek-V3's routing, autocast off.
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
   source text and the same objects behind its global names, in the installed transformers) routes as that
   family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
@@ -140,14 +153,18 @@ def gpt_oss_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tens
     return router_logits, weights.to(router_logits.dtype), indices.long()
 
 
+def _autocast_off(t: Tensor):
+    """Autocast disabled on t's device (nothing to disable on meta)."""
+    device_type = t.device.type
+    return contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
+
+
 def ernie_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """ERNIE-4.5: fp32 logits (autocast off), selection by the softmax over all E plus moe_statics'
     e_score_correction_bias, weights the chosen probabilities over their sum (router_topk takes the softmax over the
     k chosen logits, the same quotient; transformers clamps the sum at moe_norm_min, 1e-12 by default, which only
     differs where the k chosen probabilities sum below it), in the input's dtype."""
-    device_type = hidden_states.device.type
-    off = contextlib.nullcontext() if device_type == "meta" else torch.autocast(device_type, enabled=False)
-    with off:
+    with _autocast_off(hidden_states):
         router_logits = F.linear(hidden_states.float(), self.weight.float())
     # moe_statics called as transformers calls it (its hooks run: offloading, sharding): zeros + its [1, E] bias
     bias = self.moe_statics(router_logits.new_zeros(router_logits.shape[-1])).float()
@@ -222,6 +239,102 @@ def gemma4_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     weights, indices = router_topk(expert_scores, self.config.top_k_experts, score="softmax")
     indices = indices.long()
     return router_probabilities, weights * self.per_expert_scale[indices], indices
+
+
+def granite_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Granite-MoE (and Granite 4.0's hybrid, shared and sliding-window models, by their code): logits in the
+    model's dtype, then fp32; top-k by logit, softmax over the k (== Mixtral's routing), cast to the input's dtype."""
+    router_logits = F.linear(hidden_states, self.weight).float()
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
+def jamba_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Jamba: softmax over all E (fp32), top-k, never renormalised (== Qwen's routing without norm_topk_prob), cast
+    to the input's dtype."""
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True)
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
+def hunyuan_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """HunYuan-MoE-V1 (Hunyuan-A13B): its `wg` Linear (fp32 in the checkpoints: the input is upcast for it), softmax
+    over all E, top-k, renormalised == the softmax over the k chosen logits; cast to the logits' dtype."""
+    hidden_states = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if self.wg.weight.dtype == torch.float32:
+        hidden_states = hidden_states.float()
+    router_logits = self.wg(hidden_states)  # the module called, as transformers calls it (its hooks run)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def lfm2_router_forward(self: nn.Module, hidden_states: Tensor, expert_bias: Tensor | None = None
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """LFM2-MoE: sigmoid scores, selection by score + the block's expert_bias (passed in by the block) where
+    use_expert_bias, weights the chosen scores over their sum + 1e-6 with norm_topk_prob (the quotient taken here:
+    router_topk's own adds 1e-20), times routed_scaling_factor, in the logits' dtype."""
+    router_logits = F.linear(hidden_states, self.weight)
+    bias = expert_bias.float() if self.use_expert_bias else None
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid", expert_bias=bias, normalize=False)
+    if self.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-6)
+    weights = weights * self.routed_scaling_factor
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
+
+def afmoe_router_forward(self: nn.Module, hidden_states: Tensor, expert_bias: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """AFMoE (Arcee): its `gate` Linear, fp32 logits, sigmoid scores, selection by score + the block's expert_bias
+    (passed in by the block), weights over their sum + 1e-20, times route_scale, fp32."""
+    hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
+    router_logits = self.gate(hidden_states).to(torch.float32)  # the module called (its hooks run)
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid", expert_bias=expert_bias.float(),
+                                   normalize=True, scaling_factor=float(self.route_scale))
+    return router_logits, weights, indices.long()
+
+
+def cohere2_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Cohere2-MoE: top-k by logit, then the softmax over the k (expert_selection_fn "softmax", == Mixtral's routing)
+    or their sigmoids ("sigmoid"), over their sum with norm_topk_prob (router_topk adds 1e-20 to the sum); cast to
+    the input's dtype."""
+    router_logits = F.linear(hidden_states, self.weight)
+    if self.expert_selection_fn == "softmax":
+        weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    else:
+        weights, indices = router_topk(router_logits, self.top_k, score="sigmoid", normalize=bool(self.norm_topk_prob))
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
+def hy_v3_router_forward(self: nn.Module, hidden_states: Tensor, e_score_correction_bias: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """HY-V3: fp32 logits, sigmoid scores, selection by score + the block's e_score_correction_bias (passed in by
+    the block), weights over their sum + 1e-20, times router_scaling_factor, fp32."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid",
+                                   expert_bias=e_score_correction_bias.float(), normalize=True,
+                                   scaling_factor=float(self.router_scaling_factor))
+    return router_logits, weights, indices.long()
+
+
+def laguna_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Laguna: logits in the model's dtype, then fp32, soft-capped (tanh(l / c) c) where
+    moe_router_logit_softcapping > 0; sigmoid scores, selection by score + e_score_correction_bias, weights over
+    their sum (router_topk adds 1e-20 to it), cast to the input's dtype. The block scales the experts' output."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states, self.weight).float()
+    cap = self.router_logit_softcapping
+    if cap > 0.0:
+        router_logits = torch.tanh(router_logits / cap) * cap
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid",
+                                   expert_bias=self.e_score_correction_bias.float(), normalize=True)
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
+def minicpm5_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """MiniCPM5-MoE: DeepSeek-V3's routing with autocast off around the fp32 logits."""
+    with _autocast_off(hidden_states):
+        return deepseek_v3_router_forward(self, hidden_states)
 
 
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
@@ -304,3 +417,33 @@ def deepseek_v2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None
             return f"top_k={gate.top_k} exceeds the {g * (E // G)} experts of the topk_group={g} kept groups"
     return None
 
+
+def _bias_problem(bias, E: int, where: str) -> str | None:
+    if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
+        return f"{where} has no [{E}] expert bias"
+    return None
+
+
+def lfm2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    if not gate.use_expert_bias:
+        return None
+    return _bias_problem(getattr(block, "expert_bias", None), E, "the block")
+
+
+def afmoe_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    return _bias_problem(getattr(block, "expert_bias", None), E, "the block")
+
+
+def hy_v3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    return _bias_problem(getattr(block, "e_score_correction_bias", None), E, "the block")
+
+
+def laguna_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    return _bias_problem(getattr(gate, "e_score_correction_bias", None), E, "its router")
+
+
+def cohere2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    fn = getattr(gate, "expert_selection_fn", None)
+    if fn not in ("softmax", "sigmoid"):
+        return f"its router's expert_selection_fn={fn!r} (transformers runs 'softmax' and 'sigmoid')"
+    return None
