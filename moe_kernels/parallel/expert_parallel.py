@@ -98,13 +98,25 @@ class ExpertTensorParallelDispatcher(Dispatcher):
 
 
 def _hf_experts(model: nn.Module) -> list[nn.Module]:
-    """transformers experts modules running moe_kernels' experts implementation."""
+    """transformers experts modules running moe_kernels' experts implementation, and the experts of the blocks
+    whose forward patch_hf replaced (Llama 4's)."""
     from moe_kernels.integrations.hf import EXPERTS_IMPLEMENTATION
+    from moe_kernels.integrations.hf.patching import _patched_block_experts
 
+    block_experts = _patched_block_experts(model)
     return [m for m in model.modules()
-            if getattr(getattr(m, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
+            if (getattr(getattr(m, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
+                or any(m is e for e in block_experts))
             and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
             and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
+
+
+_HF_EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # [E, ...] each
+
+
+def _hf_expert_tensors(experts: nn.Module) -> list[str]:
+    """The names of the experts module's per-expert parameters: the weights, and GPT-OSS's biases."""
+    return [n for n in _HF_EXPERT_TENSORS if isinstance(getattr(experts, n, None), torch.Tensor)]
 
 
 def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) -> None:
@@ -112,15 +124,13 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
-    if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
-        raise ValueError(f"apply_expert_parallel: {type(experts).__name__}'s biased or transposed experts (GPT-OSS's "
-                         "layout) run on one rank only")
     E = experts.num_experts
-    if experts.gate_up_proj.shape[0] != E or experts.down_proj.shape[0] != E:
+    names = _hf_expert_tensors(experts)
+    if any(getattr(experts, n).shape[0] != E for n in names):
         raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
     dispatcher = make_dispatcher(backend, E, group, **options)
     lo, El = dispatcher.first_expert, dispatcher.num_local_experts
-    for name in ("gate_up_proj", "down_proj"):
+    for name in names:
         w = getattr(experts, name)
         setattr(experts, name, nn.Parameter(w.detach()[lo : lo + El].clone(), requires_grad=w.requires_grad))
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
@@ -153,11 +163,6 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         max_tokens_per_rank *= etp  # the ep dispatch carries the etp group's gathered tokens
     options = {"max_tokens_per_rank": max_tokens_per_rank, "capacity": capacity, "num_sms": num_sms}
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    from moe_kernels.integrations.hf.patching import _patched_blocks
-
-    if blocks := _patched_blocks(model):
-        raise NotImplementedError(f"apply_expert_parallel: the patched Llama 4 blocks ({blocks[0]}, ...) run their "
-                                  "experts on one rank")
     hf_experts = _hf_experts(model)
     if hf_experts and not layers and etp > 1:
         raise NotImplementedError("apply_expert_parallel: expert tensor parallelism (etp_group) is for "
@@ -200,5 +205,5 @@ def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
         if isinstance(m, MoELayer) and m.dispatcher is not None:
             yield from m.experts.parameters()
         elif DISPATCHER_ATTR in m.__dict__:
-            yield m.gate_up_proj
-            yield m.down_proj
+            for name in _hf_expert_tensors(m):
+                yield getattr(m, name)

@@ -813,12 +813,8 @@ def test_llama4_experts_run_the_chosen_tokens_only(monkeypatch, k):
     assert rows == [ids.numel() * k] * 4 and fused == [ids.numel() * k] * 2  # SiLU experts: our fused swiglu
 
 
-def test_llama4_pickle_unpatch_recipe_and_parallelism(tmp_path, monkeypatch):
-    from moe_kernels.parallel.expert_parallel import apply_expert_parallel
-
+def test_llama4_pickle_unpatch_and_recipe(tmp_path, monkeypatch):
     model = patched_copy(build("llama4").eval())
-    with pytest.raises(NotImplementedError, match=r"Llama 4 blocks \(model\.layers\.0\.feed_forward, \.\.\.\) run"):
-        apply_expert_parallel(model)
     ids = inputs()
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
@@ -859,15 +855,17 @@ def test_llama4_with_peft_adapters_runs_transformers_forward(monkeypatch):
     assert rows == []  # the adapters' experts (peft wraps them): transformers' block forward
 
 
-def test_gpt_oss_expert_parallelism_is_refused_before_sharding():
-    from moe_kernels.parallel.expert_parallel import _shard_hf_experts
-
-    model = patched_copy(build("gpt_oss"))
-    experts = moe_blocks(model)[0].experts
-    shape = tuple(experts.gate_up_proj.shape)
-    with pytest.raises(ValueError, match="GptOssExperts's biased or transposed experts"):
-        _shard_hf_experts(experts, "all_to_all", None, {})
-    assert tuple(experts.gate_up_proj.shape) == shape and hf.DISPATCHER_ATTR not in experts.__dict__
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
+def test_expert_parallel_experts_refuse_transformers_forward(family, monkeypatch):
+    # Where these experts would fall back to transformers' forward (adapters, an ONNX export), an expert-parallel
+    # rank holds E / P of them: that forward would be wrong, so it raises (expert parallelism itself:
+    # tests/parallel/test_expert_parallel_hf.py).
+    model = patched_copy(build(family))
+    experts = hf.common._experts_of(moe_blocks(model)[0])
+    experts.__dict__[hf.DISPATCHER_ATTR] = object()  # as apply_expert_parallel leaves it (never reached here)
+    monkeypatch.setattr(hf.experts, "_onnx", types.SimpleNamespace(exporting=lambda: True))
+    with pytest.raises(NotImplementedError, match="expert-parallel .* run on moe_kernels' ops only"):
+        model(inputs())
 
 
 def test_biased_grouped_gemm_matches_per_expert_products():

@@ -52,7 +52,8 @@ def _case(rank, P, family, backend, how):
     for block in moe_blocks(ep):
         assert block.experts.gate_up_proj.shape[0] == E // P and block.experts.down_proj.shape[0] == E // P
     shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
-    assert len(shards) == 2 * len(moe_blocks(ep))
+    per_block = 4 if family == "gpt_oss" else 2  # the weights, and GPT-OSS's biases
+    assert len(shards) == per_block * len(moe_blocks(ep))
     ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
     runs = []
     for model in (ep, full, full64):
@@ -76,7 +77,8 @@ def _case(rank, P, family, backend, how):
 
 
 def _worker(rank, P, backend):
-    for family in ("qwen3_moe", "deepseek_v3", "mixtral"):
+    # GPT-OSS: biased experts stored [E, K, N]; Llama 4: the block's forward patched, tokens scaled on the experts' rank
+    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "llama4"):
         _case(rank, P, family, backend, "patch_hf")
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
 

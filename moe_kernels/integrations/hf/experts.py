@@ -6,15 +6,16 @@ biased [E, K, N] experts and Llama 4's block.
   gate/up columns, stored transposed ([E, H, 2F], [E, F, H]): they run permute -> the biased [E, K, N] grouped
   GEMM (`_GroupedMmKN`: grouped_mm's dgrad product forward, its forward and wgrad products backward, so no
   transposed copy of the weights; the bias gradient a wgrad product with a column of ones, deterministic) ->
-  the experts' own `_apply_gate` -> the same for down_proj -> unpermute. No precision recipe (refused at patch
-  time); with peft adapters, or while torch.onnx exports, the experts run transformers' forward.
+  the experts' own `_apply_gate` -> the same for down_proj -> unpermute; expert-parallel, the dispatcher's
+  dispatch and combine in place of permute and unpermute. No precision recipe (refused at patch time); with peft
+  adapters, or while torch.onnx exports, the experts run transformers' forward (on one rank only).
 - Llama 4 (`Llama4TextMoe`): transformers runs every expert on every token (the inputs of the experts not chosen
   zeroed by their score, sigmoid(-inf) = 0), E / k times the routed experts' FLOPs (16x for Scout, 128x for
   Maverick). Its block forward is replaced (`_llama4_block_forward`): transformers' router as it is, each token's
   copy scaled by its score before the experts, permute, the [E, K, N] grouped GEMMs around SiLU gate * up,
-  unpermute, the block's own shared expert. No precision recipe (refused at patch time); with peft adapters, or
-  while torch.onnx exports, transformers' block forward.
-
+  unpermute, the block's own shared expert; expert-parallel, each token dispatched once and scaled by its score
+  on the experts' rank. No precision recipe (refused at patch time); with peft adapters, or while torch.onnx
+  exports, transformers' block forward (on one rank only).
 """
 
 from __future__ import annotations
@@ -154,13 +155,16 @@ class _GroupedMmKN(torch.autograd.Function):
 def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                             top_k_weights: Tensor) -> Tensor:
     """GPT-OSS's experts on our ops: permute, the biased [E, K, N] grouped GEMMs around the experts' own gate
-    (clamped, interleaved), unpermute with the routing weights. Adapters or a precision recipe: transformers'
-    own forward."""
+    (clamped, interleaved), unpermute with the routing weights; expert-parallel (apply_expert_parallel), the
+    dispatcher's dispatch and combine around the same GEMMs on this rank's experts. Adapters or a precision recipe:
+    transformers' own forward (on one rank)."""
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
     if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
+        if dispatcher is not None:
+            raise NotImplementedError("moe_kernels experts: expert-parallel GPT-OSS experts run on moe_kernels' ops "
+                                      "only (no adapters, no ONNX export)")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
-    if self.__dict__.get(DISPATCHER_ATTR) is not None:  # (apply_expert_parallel refuses these experts)
-        raise NotImplementedError("moe_kernels experts: expert parallelism does not run GPT-OSS's biased experts")
     E = self.num_experts
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
     b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
@@ -168,6 +172,11 @@ def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     idx = top_k_index.to(torch.int32)
     if getattr(self, "_is_expert_parallel", False):
         idx = torch.where(idx < E, idx, -1)
+    if dispatcher is not None:  # this rank holds E / P experts (and their biases)
+        d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=1)
+        h = _GroupedMmKN.apply(d.x, w13.contiguous(), b13, d.group_sizes)
+        y = _GroupedMmKN.apply(self._apply_gate(h).contiguous(), w2.contiguous(), b2, d.group_sizes)
+        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
     h = _GroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
     act = self._apply_gate(h)  # the family's own gate: GPT-OSS's clamped one on interleaved columns
@@ -182,19 +191,31 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     its experts (the same call on the same logits), each token's copy is scaled by its score before the experts
     as transformers scales it, then permute, the experts module called on the routed rows (its hooks run:
     accelerate's offloading, FSDP2's unsharding; `_llama4_experts_forward`), and unpermute sums each token's
-    copies; the shared expert is the block's own. Adapters on the experts (peft wraps them) or an ONNX export:
-    transformers' forward."""
+    copies; the shared expert is the block's own. Expert-parallel (apply_expert_parallel): the tokens dispatched
+    once with their scores, each received row scaled by its score on the experts' rank, the experts, and the
+    combine's unweighted sum. Adapters on the experts (peft wraps them) or an ONNX export: transformers' forward
+    (on one rank)."""
+    dispatcher = _experts_of(self).__dict__.get(DISPATCHER_ATTR)
     if self.experts is not _experts_of(self) or _onnx.exporting():
+        if dispatcher is not None:
+            raise NotImplementedError("moe_kernels: expert-parallel Llama 4 experts run on moe_kernels' ops only (no "
+                                      "adapters, no ONNX export)")
         return _base_class(self).forward(self, hidden_states)
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
     T, E, k = hidden_states.shape[0], self.num_experts, self.router.top_k
     idx = torch.topk(router_logits, k, dim=1).indices  # the router's own picks
     scores = router_scores.gather(1, idx)  # [T, k], the router's dtype, as transformers multiplies
-    x = (hidden_states[:, None, :] * scores[:, :, None]).reshape(T * k, self.hidden_dim)  # copy j of token t: t k + j
-    x_perm, row_map, group_sizes = permute(x.contiguous(), idx.reshape(-1, 1).to(torch.int32), E, align=1)
-    y = self.experts(x_perm, group_sizes)  # [R, H]
-    routed = unpermute(y, row_map.view(T, k))  # each token's k copies summed (fp32, rounded once)
+    if dispatcher is not None:
+        d = dispatcher.dispatch(hidden_states.contiguous(), scores.float(), idx.to(torch.int32), align=1)
+        # token x score in the model's dtype, as transformers scales (the fp32 row weights hold the scores exactly)
+        y = self.experts((d.x * d.weights[:, None].to(d.x.dtype)).contiguous(), d.group_sizes)
+        routed = dispatcher.combine(y, d.handle, weighted=False)  # each token's k rows summed
+    else:
+        x = (hidden_states[:, None, :] * scores[:, :, None]).reshape(T * k, self.hidden_dim)  # copy j of t: t k + j
+        x_perm, row_map, group_sizes = permute(x.contiguous(), idx.reshape(-1, 1).to(torch.int32), E, align=1)
+        y = self.experts(x_perm, group_sizes)  # [R, H]
+        routed = unpermute(y, row_map.view(T, k))  # each token's k copies summed (fp32, rounded once)
     out = self.shared_expert(hidden_states)
     out.add_(routed.to(out.dtype))
     return out, router_logits

@@ -255,12 +255,11 @@ def register_experts_implementation() -> bool:
     return True
 
 
-def _patched_blocks(model: nn.Module) -> list[str]:
-    """Paths of the blocks whose own forward patch_hf replaced (Llama 4's)."""
+def _patched_block_experts(model: nn.Module) -> list[nn.Module]:
+    """The experts modules of the blocks whose own forward patch_hf replaced (Llama 4's)."""
     subs = tuple(_PATCHED_CLASSES.values())
     blocks = tuple(classes[0] for f in FAMILIES if f.block_forward is not None and (classes := _family_classes(f)))
-    return [name or "<root>" for name, m in model.named_modules()
-            if blocks and isinstance(m, blocks) and isinstance(m, subs)]
+    return [_experts_of(m) for m in model.modules() if blocks and isinstance(m, blocks) and isinstance(m, subs)]
 
 
 def is_patched(module: nn.Module) -> bool:
