@@ -347,6 +347,25 @@ def test_sgd_step_matches(family, overrides):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+def test_compiled_patched_model_matches(family):
+    """model.compile() / torch.compile(model, fullgraph=True) on a patched model: one graph (the ops are registered
+    custom ops with fake implementations, no graph break), the same loss and gradients as transformers' eager
+    model within the SGD-step test's fp32 bounds (compiled graphs may reorder fp32 sums)."""
+    ref_model = build(family).train()
+    model = patched_copy(ref_model).train()
+    ids = inputs()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    outs = [compiled(ids, labels=ids), ref_model(ids, labels=ids)]
+    for out in outs:
+        out.loss.backward()
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+    params = dict(model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_gradient_checkpointing_step_matches():
     ref_model = build("deepseek_v3").train()
     model = patched_copy(ref_model).train()
@@ -1225,6 +1244,32 @@ def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, monkeypatch):
         assert ("moe" in taken) == (fits and fused.experts_fit(out.logits))  # not where torch._grouped_mm runs
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (a, ga), (b, gb) = results
+    assert torch.equal(a, b)
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_patched_model_takes_the_registered_ops(cuda, monkeypatch):
+    # Compiled (fullgraph), the patched experts take the registered custom ops instead of the fused region
+    # (moe_kernels._ext.eager is None while compiling); the registered ops give the fused region's outputs and
+    # gradients bit for bit (test above), so the compiled model gives the eager one's.
+    from moe_kernels.nn import fused
+
+    taken = []
+    real = fused.run
+    monkeypatch.setattr(fused, "run", lambda name, *a: (taken.append(name), real(name, *a))[1])
+    model = patched_copy(build("qwen3_moe", layers=1).to(cuda).train())
+    ids = inputs(device=cuda)
+    results = []
+    for m in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        taken.clear()
+        out = m(ids, labels=ids)
+        out.loss.backward()
+        results.append((taken[:], out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (taken_eager, a, ga), (taken_compiled, b, gb) = results
+    assert taken_compiled == [] and ("moe" in taken_eager) == fused.experts_fit(a)
     assert torch.equal(a, b)
     for name in ga:
         assert torch.equal(ga[name], gb[name]), name
