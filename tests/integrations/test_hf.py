@@ -86,6 +86,12 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "hy_v3": ("HYV3Config", "HYV3ForCausalLM", "HY-V3"),
     "laguna": ("LagunaConfig", "LagunaForCausalLM", "Laguna"),
     "minicpm5_moe": ("MiniCPM5MoeConfig", "MiniCPM5MoeForCausalLM", "MiniCPM5-MoE"),
+    "axk2": ("AXK2Config", "AXK2ForCausalLM", "AXK2"),
+    "beam": ("BeamConfig", "BeamForCausalLM", "Beam"),
+    "lara_mini": ("LaraMiniConfig", "LaraMiniForCausalLM", "Lara-Mini"),
+    "flint": ("FlintConfig", "FlintForCausalLM", "Flint"),
+    "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM", "Inkling2"),
+    "minimax_m3_vl": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", "MiniMax-M3"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -113,9 +119,13 @@ _EXTRA = {
     "afmoe": {"num_dense_layers": 0, "num_shared_experts": 1, "route_scale": 2.5},
     "hy_v3": {"num_shared_experts": 1, "router_scaling_factor": 2.5},
     "laguna": {"moe_routed_scaling_factor": 2.5},
+    "flint": {"mlp_only_layers": []},
+    "axk2": {"num_key_value_heads": 4},  # latent attention: as many KV heads as heads
 }
-_LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention"}  # the hybrid families' attention
-_SPARSE_MLP = ("cohere2_moe", "hy_v3", "laguna", "minicpm5_moe")  # mlp_layer_types: every layer an MoE
+# the attention of the hybrid families' layers
+_LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention", "inkling2": "hybrid",
+               "axk2": "indexed_attention"}
+_SPARSE_MLP = ("cohere2_moe", "hy_v3", "laguna", "minicpm5_moe", "beam", "axk2")  # mlp_layer_types: every layer MoE
 
 
 def _matched_config(family: str, layers: int, overrides: dict):
@@ -185,6 +195,15 @@ CASES = [
     ("laguna", {}),
     ("laguna", {"moe_router_logit_softcapping": 1.5}),
     ("minicpm5_moe", {}),  # 2 groups, the best kept
+    ("axk2", {}),
+    ("axk2", {"n_group": None, "topk_group": None}),  # no group limit
+    ("beam", {}),
+    ("lara_mini", {"norm_topk_prob": True}),
+    ("lara_mini", {"norm_topk_prob": False}),
+    ("flint", {"norm_topk_prob": True}),
+    ("flint", {"norm_topk_prob": False}),
+    ("inkling2", {}),
+    ("minimax_m3_vl", {}),
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare)
 ROUTER_CASES = [(f, o) for f, o in CASES if f != "llama4"]
@@ -1278,7 +1297,10 @@ def test_gpu_compiled_patched_model_takes_the_registered_ops(cuda, monkeypatch):
 # DeepSeek-V4's hyper-connection head has bf16 gradients with no significant bit in transformers' own bf16 model
 # (errors of 50% to 360% of their magnitude against fp64), so no bound relative to that error holds for it; its
 # MoE blocks are compared in fp32 by the tests above.
-BF16_CASES = [(f, o) for f, o in CASES if f != "deepseek_v4"]
+# Inkling2's router multiplies its input cast to fp32 by a weight from_pretrained keeps in fp32
+# (_keep_in_fp32_modules_strict): transformers' own forward fails in a model cast whole to bf16 (or fp64), as this
+# test casts it; its MoE blocks are compared in fp32 by the tests above.
+BF16_CASES = [(f, o) for f, o in CASES if f not in ("deepseek_v4", "inkling2")]
 BF16_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in BF16_CASES]
 
 

@@ -45,7 +45,11 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
   e_score_correction_bias), weights over their sum + 1e-20, times route_scale / router_scaling_factor.
 - Laguna: fp32 logits soft-capped (tanh(l / c) c, moe_router_logit_softcapping > 0), sigmoid, selection by score
   + e_score_correction_bias, renormalised; the block scales the experts' output.
-- MiniCPM5-MoE: DeepSeek-V3's routing, autocast off.
+- MiniCPM5-MoE: DeepSeek-V3's routing, autocast off. AXK2: DeepSeek-V3's (no group limit where num_group is
+  None). Beam: DeepSeek-V3's without the scaling (the block scales).
+- Lara-Mini: Qwen's on fp32 logits. Flint: fp32 sigmoid, no bias, renormalised with norm_topk_prob.
+- Inkling2: fp32, sigmoid or sqrt-softplus, selection by score + bias, renormalised, scaled. MiniMax-M3 (and
+  Step-3.7 by its code): sigmoid, selection by score + the router's bias, renormalised, fp32.
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
   source text and the same objects behind its global names, in the installed transformers) routes as that
   family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
@@ -83,25 +87,41 @@ def qwen_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor,
     return router_logits, weights.to(router_logits.dtype), indices.long()
 
 
+def _deepseek_v3_routing(self: nn.Module, router_logits: Tensor, scaling_factor: float) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's top-k on its router's attributes: sigmoid, selection by score + e_score_correction_bias, the
+    n_group / topk_group group limit (a group scored by its top-2 selection scores; none where num_group is None or
+    1), weights over their sum + 1e-20 with norm_topk_prob, times scaling_factor."""
+    G = self.num_group or 1  # AXK2's light checkpoints: num_group None, no group limit
+    grouped = G > 1
+    return router_topk(
+        router_logits,
+        self.top_k,
+        score="sigmoid",
+        num_groups=G if grouped else None,
+        group_topk=self.topk_group if grouped else None,
+        # transformers: group score = sum of the group's top-2 (bias-corrected) scores, whatever k and topk_group
+        group_score_topk=min(2, self.num_experts // G) if grouped else None,
+        scaling_factor=scaling_factor,
+        expert_bias=self.e_score_correction_bias.float(),  # a buffer, fp32 in transformers; selection only
+        normalize=bool(self.norm_topk_prob),
+    )
+
+
 def deepseek_v3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     # transformers routes in fp32: it upcasts the input and the weight (a transient copy of the [E, H] weight for
     # a bf16 model, as in its own forward).
     router_logits = F.linear(hidden_states.float(), self.weight.float())
-    grouped = self.num_group > 1
-    weights, indices = router_topk(
-        router_logits,
-        self.top_k,
-        score="sigmoid",
-        num_groups=self.num_group if grouped else None,
-        group_topk=self.topk_group if grouped else None,
-        # transformers: group score = sum of the group's top-2 (bias-corrected) scores, whatever k and topk_group
-        group_score_topk=min(2, self.num_experts // self.num_group) if grouped else None,
-        scaling_factor=float(self.routed_scaling_factor),
-        expert_bias=self.e_score_correction_bias.float(),  # a buffer, fp32 in transformers; selection only
-        normalize=bool(self.norm_topk_prob),
-    )
+    weights, indices = _deepseek_v3_routing(self, router_logits, float(self.routed_scaling_factor))
     return router_logits, weights, indices.long()  # int64, as transformers' routers return (eager experts need it)
+
+
+def beam_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Beam: DeepSeek-V3's routing without its scaling (the block scales the experts' output)."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = _deepseek_v3_routing(self, router_logits, 1.0)
+    return router_logits, weights, indices.long()
 
 
 def qwen_normalized_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -337,6 +357,46 @@ def minicpm5_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Ten
         return deepseek_v3_router_forward(self, hidden_states)
 
 
+def lara_mini_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Lara-Mini: Qwen's routing on fp32 logits (softmax over all E, top-k, renormalised with norm_topk_prob), cast
+    to the input's dtype."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=not self.norm_topk_prob)
+    return router_logits, weights.to(hidden_states.dtype), indices.long()
+
+
+def flint_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Flint: fp32 logits (autocast off), sigmoid scores, no bias, top-k, over their sum with norm_topk_prob
+    (router_topk adds 1e-20 to it), fp32."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    with _autocast_off(hidden_states):
+        router_logits = F.linear(hidden_states.float(), self.weight.float())
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid", normalize=bool(self.norm_topk_prob))
+    return router_logits, weights, indices.long()
+
+
+def inkling2_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Inkling2: fp32 input, its score_fn (sigmoid or sqrt-softplus), selection by score + e_score_correction_bias,
+    weights over their sum + 1e-20, times routed_scaling_factor, fp32."""
+    flat = hidden_states.float().reshape(-1, self.hidden_dim)
+    logits = F.linear(flat, self.weight)
+    weights, indices = router_topk(logits, self.top_k, score=_deepseek_v4_score(self),
+                                   expert_bias=self.e_score_correction_bias.float(), normalize=True,
+                                   scaling_factor=float(self.routed_scaling_factor))
+    return logits, weights, indices.long()
+
+
+def minimax_m3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """MiniMax-M3 (and Step-3.7, by its code): logits at the router weight's dtype, fp32 sigmoid scores, selection
+    by score + the router's e_score_correction_bias, weights over their sum (router_topk adds 1e-20 to it), fp32."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.to(self.weight.dtype), self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid",
+                                   expert_bias=self.e_score_correction_bias.float(), normalize=True)
+    return router_logits, weights, indices.long()
+
+
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
 
 
@@ -366,7 +426,7 @@ def deepseek_v3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None
     bias = getattr(gate, "e_score_correction_bias", None)
     if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
         return "its router has no [E] e_score_correction_bias"
-    if gate.num_group > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
+    if (gate.num_group or 1) > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
         return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
     return None
 
@@ -447,3 +507,13 @@ def cohere2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     if fn not in ("softmax", "sigmoid"):
         return f"its router's expert_selection_fn={fn!r} (transformers runs 'softmax' and 'sigmoid')"
     return None
+
+
+def inkling2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    if _deepseek_v4_score(gate) is None:
+        return f"its router scores with {type(gate.score_fn).__name__} (router_topk runs sqrt-softplus and sigmoid)"
+    return _bias_problem(getattr(gate, "e_score_correction_bias", None), E, "its router")
+
+
+def minimax_m3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    return _bias_problem(getattr(gate, "e_score_correction_bias", None), E, "its router")
