@@ -92,6 +92,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "flint": ("FlintConfig", "FlintForCausalLM", "Flint"),
     "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM", "Inkling2"),
     "minimax_m3_vl": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", "MiniMax-M3"),
+    "aria": ("AriaTextConfig", "AriaTextForCausalLM", "Aria"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -121,6 +122,7 @@ _EXTRA = {
     "laguna": {"moe_routed_scaling_factor": 2.5},
     "flint": {"mlp_only_layers": []},
     "axk2": {"num_key_value_heads": 4},  # latent attention: as many KV heads as heads
+    "aria": {"intermediate_size": 16, "moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 1},
 }
 # the attention of the hybrid families' layers
 _LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention", "inkling2": "hybrid",
@@ -204,6 +206,7 @@ CASES = [
     ("flint", {"norm_topk_prob": False}),
     ("inkling2", {}),
     ("minimax_m3_vl", {}),
+    ("aria", {}),  # experts stored [E, K, N], bias-free
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare)
 ROUTER_CASES = [(f, o) for f, o in CASES if f != "llama4"]

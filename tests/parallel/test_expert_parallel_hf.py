@@ -77,8 +77,9 @@ def _case(rank, P, family, backend, how):
 
 
 def _worker(rank, P, backend):
-    # GPT-OSS: biased experts stored [E, K, N]; Llama 4: the block's forward patched, tokens scaled on the experts' rank
-    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "llama4"):
+    # GPT-OSS: biased experts stored [E, K, N] (Aria: bias-free); Llama 4: the block's forward patched, tokens
+    # scaled on the experts' rank
+    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "aria", "llama4"):
         _case(rank, P, family, backend, "patch_hf")
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
 

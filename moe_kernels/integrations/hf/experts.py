@@ -1,5 +1,5 @@
-"""The experts' forwards on moe_kernels' ops: transformers' experts interface (`moe_kernels_experts_forward`), GPT-OSS's
-biased [E, K, N] experts and Llama 4's block.
+"""The experts' forwards on moe_kernels' ops: transformers' experts interface (`moe_kernels_experts_forward`), experts
+stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
 
 - GPT-OSS (`GptOssMLP`, its router is `router`): biased logits, top-k by logit, softmax over the k, cast to the
   logits' dtype. Its experts add a bias to both projections and use a clamped SwiGLU variant on interleaved
@@ -9,6 +9,8 @@ biased [E, K, N] experts and Llama 4's block.
   the experts' own `_apply_gate` -> the same for down_proj -> unpermute; expert-parallel, the dispatcher's
   dispatch and combine in place of permute and unpermute. No precision recipe (refused at patch time); with peft
   adapters, or while torch.onnx exports, the experts run transformers' forward (on one rank only).
+- Aria (`AriaTextMoELayer`, its router is `router`): bias-free experts stored [E, H, 2F] (gate then up columns)
+  and [E, F, H], SiLU: the same [E, K, N] path, with our fused swiglu.
 - Llama 4 (`Llama4TextMoe`): transformers runs every expert on every token (the inputs of the experts not chosen
   zeroed by their score, sigmoid(-inf) = 0), E / k times the routed experts' FLOPs (16x for Scout, 128x for
   Maverick). Its block forward is replaced (`_llama4_block_forward`): transformers' router as it is, each token's
@@ -60,8 +62,8 @@ def moe_kernels_experts_forward(
     """
     if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
         raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
-    if _is_biased_layout(self):
-        return _biased_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    if _is_kn_layout(self):
+        return _kn_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     if (
         getattr(self, "has_bias", False)
         or getattr(self, "is_transposed", False)
@@ -70,9 +72,9 @@ def moe_kernels_experts_forward(
         or getattr(self, "has_post_expert_norm", False)
     ):
         raise NotImplementedError(
-            f"moe_kernels experts: {type(self).__name__} has biases, transposed/interleaved weights, no gate "
-            "or a post-expert norm; bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts run here, and "
-            "GPT-OSS's layout (biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights, all three)"
+            f"moe_kernels experts: {type(self).__name__} has biases or interleaved gate/up columns on [E, N, K] "
+            "weights, no gate or a post-expert norm; bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts "
+            "run here, and gated experts stored [E, K, N] (transformers' is_transposed), with or without biases"
         )
     E = self.num_experts
     w13 = _grouped_weight(self.gate_up_proj)  # [E, 2F, H]: N = 2F, K = H
@@ -113,16 +115,16 @@ def moe_kernels_experts_forward(
     return out.to(hidden_states.dtype)
 
 
-def _is_biased_layout(experts: nn.Module) -> bool:
-    """GPT-OSS's experts layout: biases, weights stored [E, K, N], gate/up interleaved, gated, no post norm."""
-    return (getattr(experts, "has_bias", False) and getattr(experts, "is_transposed", False)
-            and not getattr(experts, "is_concatenated", True) and getattr(experts, "has_gate", True)
+def _is_kn_layout(experts: nn.Module) -> bool:
+    """Gated experts stored [E, K, N] (transformers' is_transposed) without a post norm: GPT-OSS's (biases, gate/up
+    columns interleaved, its own gate) and Aria's (bias-free, gate then up columns)."""
+    return (getattr(experts, "is_transposed", False) and getattr(experts, "has_gate", True)
             and not getattr(experts, "has_post_expert_norm", False))
 
 
 class _GroupedMmKN(torch.autograd.Function):
-    """out[rows of e] = x[rows of e] @ w[e] (+ bias[e]) with the weights stored [E, K, N] (GPT-OSS's and Llama 4's
-    layout), from the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is
+    """out[rows of e] = x[rows of e] @ w[e] (+ bias[e]) with the weights stored [E, K, N] (GPT-OSS's, Aria's and
+    Llama 4's layout), from the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is
     its dgrad product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the weight
     gradient its wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad
     product with a column of ones (each group's rows summed in a fixed order, deterministic). Rows past the groups
@@ -152,22 +154,25 @@ class _GroupedMmKN(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                             top_k_weights: Tensor) -> Tensor:
-    """GPT-OSS's experts on our ops: permute, the biased [E, K, N] grouped GEMMs around the experts' own gate
-    (clamped, interleaved), unpermute with the routing weights; expert-parallel (apply_expert_parallel), the
+    """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's): permute, the [E, K, N] grouped GEMMs (with the
+    experts' biases where they have them) around the gate (GPT-OSS's own clamped one on interleaved columns; our
+    fused swiglu for SiLU), unpermute with the routing weights; expert-parallel (apply_expert_parallel), the
     dispatcher's dispatch and combine around the same GEMMs on this rank's experts. Adapters or a precision recipe:
     transformers' own forward (on one rank)."""
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
     if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
         if dispatcher is not None:
-            raise NotImplementedError("moe_kernels experts: expert-parallel GPT-OSS experts run on moe_kernels' ops "
+            raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on moe_kernels' ops "
                                       "only (no adapters, no ONNX export)")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
-    b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
+    b13 = b2 = None
+    if getattr(self, "has_bias", False):
+        b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
     x = hidden_states.to(w13.dtype).contiguous()
     idx = top_k_index.to(torch.int32)
     if getattr(self, "_is_expert_parallel", False):
@@ -175,11 +180,11 @@ def _biased_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index:
     if dispatcher is not None:  # this rank holds E / P experts (and their biases)
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=1)
         h = _GroupedMmKN.apply(d.x, w13.contiguous(), b13, d.group_sizes)
-        y = _GroupedMmKN.apply(self._apply_gate(h).contiguous(), w2.contiguous(), b2, d.group_sizes)
+        y = _GroupedMmKN.apply(_gated(self, h).contiguous(), w2.contiguous(), b2, d.group_sizes)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
     h = _GroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
-    act = self._apply_gate(h)  # the family's own gate: GPT-OSS's clamped one on interleaved columns
+    act = _gated(self, h)  # GPT-OSS's own clamped gate on interleaved columns; Aria's SiLU: our swiglu
     y = _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), b2, group_sizes)  # [R, H]
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
 

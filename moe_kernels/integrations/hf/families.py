@@ -18,6 +18,7 @@ from .experts import _llama4_block_forward, _llama4_experts_forward
 from .routings import (
     afmoe_problem,
     afmoe_router_forward,
+    aria_router_forward,
     beam_router_forward,
     cohere2_problem,
     cohere2_router_forward,
@@ -69,7 +70,7 @@ class _Family:
     router_forward: Callable
     problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
     reference: bool = True  # its router's code is a routing reference other families are matched against
-    biased_experts: bool = False  # GPT-OSS's experts: biases, transposed weights, interleaved gate/up
+    kn_experts: bool = False  # experts stored [E, K, N] (is_transposed; GPT-OSS's with biases, interleaved gate/up)
     block_forward: Callable | None = None  # the block's forward replaced (its router stays transformers')
     experts_forward: Callable | None = None  # with block_forward: the experts' forward the block calls
     experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
@@ -93,7 +94,7 @@ FAMILIES = (
     _Family("DeepSeek-V2", _TM + "deepseek_v2.modeling_deepseek_v2", "DeepseekV2Moe", "DeepseekV2TopkRouter",
             "DeepseekV2Experts", deepseek_v2_router_forward, deepseek_v2_problem),
     _Family("GPT-OSS", _TM + "gpt_oss.modeling_gpt_oss", "GptOssMLP", "GptOssTopKRouter", "GptOssExperts",
-            gpt_oss_router_forward, biased_experts=True),
+            gpt_oss_router_forward, kn_experts=True),
     _Family("ERNIE-4.5", _TM + "ernie4_5_moe.modeling_ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock",
             "Ernie4_5_MoeTopKRouter", "Ernie4_5_MoeExperts", ernie_router_forward, ernie_problem),
     _Family("DeepSeek-V4", _TM + "deepseek_v4.modeling_deepseek_v4", "DeepseekV4SparseMoeBlock",
@@ -139,6 +140,8 @@ FAMILIES = (
             "Inkling2Experts", inkling2_router_forward, inkling2_problem),
     _Family("MiniMax-M3", _TM + "minimax_m3_vl.modeling_minimax_m3_vl", "MiniMaxM3VLSparseMoeBlock",
             "MiniMaxM3VLTopKRouter", "MiniMaxM3VLExperts", minimax_m3_router_forward, minimax_m3_problem),
+    _Family("Aria", _TM + "aria.modeling_aria", "AriaTextMoELayer", "AriaTextTopKRouter", "AriaExperts",
+            aria_router_forward, kn_experts=True),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
@@ -209,7 +212,7 @@ def _matched_family(cls: type) -> _Family | None:
                 short = cls.__module__[len(_TM):].split(".")[0]
                 found = _Family(f"{short} ({ref.name} routing)", cls.__module__, None, cls.__name__, None,
                                 ref.router_forward, ref.problem, reference=False,
-                                biased_experts=ref.biased_experts)
+                                kn_experts=ref.kn_experts)
                 break
     _MATCHED[cls] = found
     return found

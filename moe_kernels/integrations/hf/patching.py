@@ -73,9 +73,11 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         return fam.problem(gate, block, E)
     if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
         return "its experts do not dispatch through transformers' experts interface"
-    biased = fam.biased_experts  # GPT-OSS: biases, [E, H, 2F] interleaved gate/up and [E, F, H] weights
-    for flag, expected in (("has_bias", biased), ("is_transposed", biased), ("is_concatenated", not biased),
-                           ("has_gate", True), ("has_post_expert_norm", False)):
+    kn = fam.kn_experts  # stored [E, K, N]: GPT-OSS's (biases, [E, H, 2F] interleaved gate/up, [E, F, H]), Aria's
+    flags = (("is_transposed", kn), ("has_gate", True), ("has_post_expert_norm", False))
+    if not kn:
+        flags += (("has_bias", False), ("is_concatenated", True))
+    for flag, expected in flags:
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
     w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
@@ -87,10 +89,10 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
     E = getattr(experts, "num_experts", None)
     if w13.dim() != 3 or w2.dim() != 3 or wg.dim() != 2:
         return "its weights are not [E, 2F, H] / [E, H, F] / [E, H] (or transposed, with biases)"
-    if biased:  # stored [E, K, N]
+    if kn:  # stored [E, K, N]
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
         b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
-        if not (isinstance(b13, Tensor) and isinstance(b2, Tensor) and tuple(b13.shape) == tuple(w13.shape[:2])
+        if getattr(experts, "has_bias", False) and not (isinstance(b13, Tensor) and isinstance(b2, Tensor) and tuple(b13.shape) == tuple(w13.shape[:2])
                 and tuple(b2.shape) == tuple(w2.shape[:2]) and b13.dtype == b2.dtype == w13.dtype):
             return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
     H, F2 = w13.shape[2], w13.shape[1]
@@ -275,7 +277,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
     DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
     forward: see the package docstring), Granite-MoE, Jamba, HunYuan-MoE-V1, LFM2-MoE, AFMoE, Cohere2-MoE, HY-V3,
-    Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3 (routings:
+    Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria (routings:
     `moe_kernels.integrations.hf.routings`), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, Granite 4.0, ...; `matched_routers()` lists them). Each block keeps its
@@ -305,7 +307,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
             if fam is not None and problem is None:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
-                if fam.biased_experts or fam.block_forward is not None:
+                if fam.kn_experts or fam.block_forward is not None:
                     raise ValueError(f"{where}: {fam.name}'s experts (stored [E, K, N]) run at the model's precision "
                                      "only")
                 F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]

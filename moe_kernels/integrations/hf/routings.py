@@ -48,6 +48,7 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - MiniCPM5-MoE: DeepSeek-V3's routing, autocast off. AXK2: DeepSeek-V3's (no group limit where num_group is
   None). Beam: DeepSeek-V3's without the scaling (the block scales).
 - Lara-Mini: Qwen's on fp32 logits. Flint: fp32 sigmoid, no bias, renormalised with norm_topk_prob.
+- Aria: top-k by logit, softmax over the k, in the logits' dtype (its experts are stored [E, K, N]).
 - Inkling2: fp32, sigmoid or sqrt-softplus, selection by score + bias, renormalised, scaled. MiniMax-M3 (and
   Step-3.7 by its code): sigmoid, selection by score + the router's bias, renormalised, fp32.
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
@@ -396,6 +397,14 @@ def minimax_m3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[T
                                    expert_bias=self.e_score_correction_bias.float(), normalize=True)
     return router_logits, weights, indices.long()
 
+
+
+def aria_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Aria: top-k by logit, softmax over the k (transformers takes it in the logits' dtype, router_topk in fp32
+    rounded to it: in bf16 the two differ by at most one rounding)."""
+    router_logits = F.linear(hidden_states, self.weight)
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    return router_logits, weights.to(router_logits.dtype), indices.long()
 
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
 
