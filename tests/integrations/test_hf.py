@@ -93,6 +93,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "inkling2": ("Inkling2TextConfig", "Inkling2ForCausalLM", "Inkling2"),
     "minimax_m3_vl": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", "MiniMax-M3"),
     "aria": ("AriaTextConfig", "AriaTextForCausalLM", "Aria"),
+    "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", "Longcat-Flash"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -123,6 +124,9 @@ _EXTRA = {
     "flint": {"mlp_only_layers": []},
     "axk2": {"num_key_value_heads": 4},  # latent attention: as many KV heads as heads
     "aria": {"intermediate_size": 16, "moe_num_experts": 8, "moe_topk": 2, "moe_num_shared_experts": 1},
+    # 8 routed experts and 2 zero-computation ones (a token's share of those passes through as is)
+    "longcat_flash": {"ffn_hidden_size": 48, "expert_ffn_hidden_size": 16, "moe_topk": 2, "zero_expert_num": 2,
+                      "num_key_value_heads": 4},
 }
 # the attention of the hybrid families' layers
 _LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention", "inkling2": "hybrid",
@@ -138,6 +142,8 @@ def _matched_config(family: str, layers: int, overrides: dict):
         kw["layer_types"] = [_LAYER_TYPE.get(family, "full_attention")] * layers
     if family in _SPARSE_MLP:
         kw["mlp_layer_types"] = ["sparse"] * layers
+    if "num_layers" in accepted:  # Longcat-Flash: a layer is two attention and MLP sublayers, one MoE block
+        return cls(num_layers=layers, **{**kw, **overrides})
     return cls(num_hidden_layers=layers, **{**kw, **overrides})
 
 
@@ -207,6 +213,8 @@ CASES = [
     ("inkling2", {}),
     ("minimax_m3_vl", {}),
     ("aria", {}),  # experts stored [E, K, N], bias-free
+    ("longcat_flash", {}),
+    ("longcat_flash", {"zero_expert_num": 0}),
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare)
 ROUTER_CASES = [(f, o) for f, o in CASES if f != "llama4"]
@@ -223,7 +231,8 @@ def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.3)
-            elif name.endswith((".gate.weight", ".router.weight", ".router.proj.weight", ".gate.wg.weight")):
+            elif name.endswith((".gate.weight", ".router.weight", ".router.proj.weight", ".gate.wg.weight",
+                                ".router.classifier.weight")):
                 p.normal_(0.0, 1.0)
         for module in model.modules():
             for bias in ("e_score_correction_bias", "expert_bias"):  # selection biases (buffers)

@@ -42,11 +42,11 @@ def _experts_of(block: nn.Module):
     return experts
 
 
-_ROUTER_LINEARS = ("proj", "wg", "gate")  # Gemma 4's, HunYuan-MoE-V1's and AFMoE's router projections
+_ROUTER_LINEARS = ("proj", "wg", "gate", "classifier")  # Gemma 4's, HunYuan-MoE-V1's, AFMoE's, Longcat-Flash's
 
 
 def _gate_weight(gate: nn.Module):
-    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg` or `gate`)."""
+    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg`, `gate` or `classifier`)."""
     w = getattr(gate, "weight", None)
     if isinstance(w, Tensor):
         return w

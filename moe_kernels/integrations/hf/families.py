@@ -46,6 +46,8 @@ from .routings import (
     lfm2_problem,
     lfm2_router_forward,
     llama4_problem,
+    longcat_problem,
+    longcat_router_forward,
     minicpm5_router_forward,
     minimax_m2_problem,
     minimax_m2_router_forward,
@@ -70,6 +72,7 @@ class _Family:
     router_forward: Callable
     problem: Callable | None = None  # (gate, block, E) -> why the router's settings do not run, or None
     reference: bool = True  # its router's code is a routing reference other families are matched against
+    zero_experts: str | None = None  # the block's count of zero-computation experts the router also scores
     kn_experts: bool = False  # experts stored [E, K, N] (is_transposed; GPT-OSS's with biases, interleaved gate/up)
     block_forward: Callable | None = None  # the block's forward replaced (its router stays transformers')
     experts_forward: Callable | None = None  # with block_forward: the experts' forward the block calls
@@ -142,6 +145,8 @@ FAMILIES = (
             "MiniMaxM3VLTopKRouter", "MiniMaxM3VLExperts", minimax_m3_router_forward, minimax_m3_problem),
     _Family("Aria", _TM + "aria.modeling_aria", "AriaTextMoELayer", "AriaTextTopKRouter", "AriaExperts",
             aria_router_forward, kn_experts=True),
+    _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
+            "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )
 
 SUPPORTED = tuple(f.name for f in FAMILIES)
@@ -211,7 +216,7 @@ def _matched_family(cls: type) -> _Family | None:
             if ref_fn is not None and _same_code(fn, ref_fn):
                 short = cls.__module__[len(_TM):].split(".")[0]
                 found = _Family(f"{short} ({ref.name} routing)", cls.__module__, None, cls.__name__, None,
-                                ref.router_forward, ref.problem, reference=False,
+                                ref.router_forward, ref.problem, reference=False, zero_experts=ref.zero_experts,
                                 kn_experts=ref.kn_experts)
                 break
     _MATCHED[cls] = found

@@ -96,11 +96,14 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
                 and tuple(b2.shape) == tuple(w2.shape[:2]) and b13.dtype == b2.dtype == w13.dtype):
             return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
     H, F2 = w13.shape[2], w13.shape[1]
-    if (w13.shape[0], w2.shape[0], wg.shape[0]) != (E, E, E) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) \
+    Z = getattr(block, fam.zero_experts, None) if fam.zero_experts else 0  # Longcat-Flash's zero-computation experts
+    if not isinstance(Z, int) or Z < 0:
+        return f"its {fam.zero_experts}={Z!r} is not a count of experts"
+    if (w13.shape[0], w2.shape[0], wg.shape[0]) != (E, E, E + Z) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) \
             or wg.shape[1] != H:
         return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
-                f"router {tuple(wg.shape)} for {E} experts")
-    if not 1 <= _gate_top_k(gate) <= E:
+                f"router {tuple(wg.shape)} for {E} experts" + (f" and {Z} zero-computation experts" if Z else ""))
+    if not 1 <= _gate_top_k(gate) <= E + Z:
         return "its router has no valid top_k"
     return fam.problem(gate, block, E) if fam.problem is not None else None
 
@@ -277,7 +280,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
     DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
     forward: see the package docstring), Granite-MoE, Jamba, HunYuan-MoE-V1, LFM2-MoE, AFMoE, Cohere2-MoE, HY-V3,
-    Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria (routings:
+    Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria,
+    Longcat-Flash (routings:
     `moe_kernels.integrations.hf.routings`), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, Granite 4.0, ...; `matched_routers()` lists them). Each block keeps its

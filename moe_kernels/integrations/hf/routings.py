@@ -48,6 +48,8 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - MiniCPM5-MoE: DeepSeek-V3's routing, autocast off. AXK2: DeepSeek-V3's (no group limit where num_group is
   None). Beam: DeepSeek-V3's without the scaling (the block scales).
 - Lara-Mini: Qwen's on fp32 logits. Flint: fp32 sigmoid, no bias, renormalised with norm_topk_prob.
+- Longcat-Flash: fp32 logits over the routed and zero-computation experts, softmax over all, selection by
+  probability + e_score_correction_bias, not renormalised, scaled (the block passes the zero experts' share).
 - Aria: top-k by logit, softmax over the k, in the logits' dtype (its experts are stored [E, K, N]).
 - Inkling2: fp32, sigmoid or sqrt-softplus, selection by score + bias, renormalised, scaled. MiniMax-M3 (and
   Step-3.7 by its code): sigmoid, selection by score + the router's bias, renormalised, fp32.
@@ -406,6 +408,19 @@ def aria_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor,
     weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
     return router_logits, weights.to(router_logits.dtype), indices.long()
 
+
+def longcat_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Longcat-Flash: fp32 logits over the routed and the zero-computation experts (its classifier's weight; its
+    bias, where it has one, unused, as in transformers), softmax over all, selection by probability +
+    e_score_correction_bias, never renormalised, times routed_scaling_factor. The block sends the zero-computation
+    picks' share of each token through as is."""
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = F.linear(hidden_states.float(), self.classifier.weight.float())
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=True,
+                                   expert_bias=self.e_score_correction_bias.float(),
+                                   scaling_factor=float(self.routed_scaling_factor))
+    return router_logits, weights.to(router_logits.dtype), indices.long()
+
 # Per-family checks of the router's settings (gate, block, E) -> why it cannot run on router_topk, or None.
 
 
@@ -526,3 +541,7 @@ def inkling2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
 
 def minimax_m3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     return _bias_problem(getattr(gate, "e_score_correction_bias", None), E, "its router")
+
+
+def longcat_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    return _bias_problem(getattr(gate, "e_score_correction_bias", None), E + block.zero_expert_num, "its router")
