@@ -124,9 +124,9 @@ def _is_kn_layout(experts: nn.Module) -> bool:
 
 class _GroupedMmKN(torch.autograd.Function):
     """out[rows of e] = x[rows of e] @ w[e] (+ bias[e]) with the weights stored [E, K, N] (GPT-OSS's, Aria's and
-    Llama 4's layout), from the grouped GEMM's three products, so no transposed copy of the weights is made: the forward is
-    its dgrad product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the weight
-    gradient its wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad
+    Llama 4's layout), from the grouped GEMM's three products, so no transposed copy of the weights is made: the
+    forward is its dgrad product (dout @ w[e] for w [E, N', K']), the input gradient its forward product and the
+    weight gradient its wgrad product with the operands swapped (x_e^T @ g_e). The bias gradient is the same wgrad
     product with a column of ones (each group's rows summed in a fixed order, deterministic). Rows past the groups
     get bias[E-1] (nothing reads them)."""
 
@@ -165,8 +165,8 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
     if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
         if dispatcher is not None:
-            raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on moe_kernels' ops "
-                                      "only (no adapters, no ONNX export)")
+            raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on "
+                                      "moe_kernels' ops only (no adapters, no ONNX export)")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]

@@ -92,8 +92,9 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
     if kn:  # stored [E, K, N]
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
         b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
-        if getattr(experts, "has_bias", False) and not (isinstance(b13, Tensor) and isinstance(b2, Tensor) and tuple(b13.shape) == tuple(w13.shape[:2])
-                and tuple(b2.shape) == tuple(w2.shape[:2]) and b13.dtype == b2.dtype == w13.dtype):
+        biases_fit = (isinstance(b13, Tensor) and isinstance(b2, Tensor) and tuple(b13.shape) == tuple(w13.shape[:2])
+                      and tuple(b2.shape) == tuple(w2.shape[:2]) and b13.dtype == b2.dtype == w13.dtype)
+        if getattr(experts, "has_bias", False) and not biases_fit:
             return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
     H, F2 = w13.shape[2], w13.shape[1]
     Z = getattr(block, fam.zero_experts, None) if fam.zero_experts else 0  # Longcat-Flash's zero-computation experts
