@@ -203,8 +203,7 @@ CASES = [
     ("laguna", {}),
     ("laguna", {"moe_router_logit_softcapping": 1.5}),
     ("minicpm5_moe", {}),  # 2 groups, the best kept
-    ("axk2", {}),
-    ("axk2", {"n_group": None, "topk_group": None}),  # no group limit
+    ("axk2", {"n_group": None, "topk_group": None}),  # its light checkpoints: no group limit (grouped: refused)
     ("beam", {}),
     ("lara_mini", {"norm_topk_prob": True}),
     ("lara_mini", {"norm_topk_prob": False}),
@@ -969,7 +968,8 @@ def test_default_silu_gate_runs_the_fused_swiglu(family, act, fused, monkeypatch
 
 @pytest.mark.parametrize("family", list(MATCHED))
 def test_each_family_reports_its_routing(family):
-    block = moe_blocks(build(family))[0]
+    overrides = next(o for f, o in CASES if f == family)  # the family's first case (AXK2's: no group limit)
+    block = moe_blocks(build(family, **overrides))[0]
     found = [fam.name for path, b, fam, problem in hf.patching._scan(block) if fam is not None and problem is None]
     assert found == [MATCHED[family][2]]
 
@@ -1003,6 +1003,40 @@ def test_deepseek_v2_routing_router_topk_cannot_run_is_left_alone(overrides, why
     with pytest.warns(UserWarning, match=rf"DeepseekV2Moe at model\.layers\.0\.mlp.*{why}"):
         mk.patch_hf(model)
     assert not hf.is_patched(model)
+
+
+@pytest.mark.parametrize(("family", "overrides", "why"), [
+    # transformers fills the slots past the kept groups' experts with dropped ones, in torch.topk's tie order
+    ("deepseek_v3", {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 5}, "top_k=5 exceeds the 4 experts"),
+    ("minicpm5_moe", {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 5}, "top_k=5 exceeds the 4 experts"),
+    ("beam", {"n_group": 2, "topk_group": 1, "num_experts_per_tok": 5}, "top_k=5 exceeds the 4 experts"),
+    # AXK2 scores the dropped groups' experts 0, not -inf
+    ("axk2", {"n_group": 2, "topk_group": 1}, "scores the dropped groups' experts 0"),
+])
+def test_sigmoid_group_routing_router_topk_cannot_run_is_left_alone(family, overrides, why):
+    if family == "deepseek_v3":
+        overrides = {**overrides, "n_routed_experts": 8}
+    model = build(family, **overrides)
+    with pytest.warns(UserWarning, match=rf"(?s)left \d+ MoE block.*{why}"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
+
+
+def test_cohere2_sigmoid_routing_selects_by_logit():
+    # Cohere2-MoE's "sigmoid" routing picks its experts by logit and takes their sigmoids afterwards: where logits
+    # pass about 17 their fp32 sigmoids are all 1.0, and a pick by sigmoid would take the lowest index instead.
+    model = build("cohere2_moe", expert_selection_fn="sigmoid", norm_topk_prob=True)
+    gate = moe_blocks(model)[0].gate
+    with torch.no_grad():
+        gate.weight.mul_(8.0)
+    x = torch.randn(256, H, generator=torch.Generator().manual_seed(3))
+    ref_logits, ref_w, ref_idx = gate(x)
+    assert (ref_logits.topk(2, dim=-1).values.min(-1).values > 17).sum() > 20  # saturated sigmoids, both chosen
+    mk.patch_hf(model)
+    _, w, idx = gate(x)
+    order, ref_order = idx.sort(-1), ref_idx.sort(-1)
+    assert torch.equal(order.values, ref_order.values)
+    torch.testing.assert_close(w.gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-6, atol=1e-6)
 
 
 def test_router_with_changed_code_is_left_alone():

@@ -10,7 +10,8 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - DeepSeek-V3: fp32 logits (the router upcasts input and weight), sigmoid, selection by sigmoid +
   e_score_correction_bias, n_group/topk_group group limit where a group's score is the sum of its top 2
   selection scores (group_score_topk=2), weights normalised (+1e-20) only with norm_topk_prob, times
-  routed_scaling_factor.
+  routed_scaling_factor. Refused where top_k exceeds the kept groups' experts but not all E (transformers fills the
+  slots with dropped experts in torch.topk's tie order).
 - Qwen3-VL-MoE (and Qwen3.5-MoE, Qwen3-Omni's text model by their code): Qwen's routing, always renormalised.
 - MiniMax-M2: sigmoid, selection by sigmoid + the block's e_score_correction_bias (the block passes it to the
   router), no group limit, weights renormalised over the k, fp32.
@@ -40,13 +41,14 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - Jamba: softmax over all E, top-k, never renormalised. HunYuan-MoE-V1: its `wg` Linear (fp32 input where `wg` is
   fp32), softmax over all E, top-k, renormalised.
 - LFM2-MoE: sigmoid, selection by score + the block's expert_bias (use_expert_bias), weights over their sum + 1e-6
-  (norm_topk_prob; taken outside router_topk, whose own normalisation adds 1e-20), times routed_scaling_factor.
+  (norm_topk_prob; taken outside router_topk, whose own normalisation adds 1e-20), times routed_scaling_factor. In
+  bf16, experts whose rounded scores tie may be picked the other way (transformers' sigmoids are in bf16).
 - AFMoE, HY-V3: fp32 logits, sigmoid, selection by score + the block's bias (AFMoE's expert_bias, HY-V3's
   e_score_correction_bias), weights over their sum + 1e-20, times route_scale / router_scaling_factor.
 - Laguna: fp32 logits soft-capped (tanh(l / c) c, moe_router_logit_softcapping > 0), sigmoid, selection by score
   + e_score_correction_bias, renormalised; the block scales the experts' output.
-- MiniCPM5-MoE: DeepSeek-V3's routing, autocast off. AXK2: DeepSeek-V3's (no group limit where num_group is
-  None). Beam: DeepSeek-V3's without the scaling (the block scales).
+- MiniCPM5-MoE: DeepSeek-V3's routing, autocast off. AXK2's light checkpoints (num_group None): DeepSeek-V3's
+  without a group limit (AXK2's group limit scores the dropped groups' experts 0: refused). Beam: DeepSeek-V3's without the scaling (the block scales).
 - Lara-Mini: Qwen's on fp32 logits. Flint: fp32 sigmoid, no bias, renormalised with norm_topk_prob.
 - Longcat-Flash: fp32 logits over the routed and zero-computation experts, softmax over all, selection by
   probability + e_score_correction_bias, not renormalised, scaled (the block passes the zero experts' share).
@@ -295,7 +297,9 @@ def lfm2_router_forward(self: nn.Module, hidden_states: Tensor, expert_bias: Ten
                         ) -> tuple[Tensor, Tensor, Tensor]:
     """LFM2-MoE: sigmoid scores, selection by score + the block's expert_bias (passed in by the block) where
     use_expert_bias, weights the chosen scores over their sum + 1e-6 with norm_topk_prob (the quotient taken here:
-    router_topk's own adds 1e-20), times routed_scaling_factor, in the logits' dtype."""
+    router_topk's own adds 1e-20), times routed_scaling_factor, in the logits' dtype. transformers takes the
+    sigmoids in the logits' dtype, router_topk in fp32 from the same logits: in bf16 or fp16, experts whose rounded
+    scores tie (frequent: bf16 keeps 8 bits) may be picked the other way."""
     router_logits = F.linear(hidden_states, self.weight)
     bias = expert_bias.float() if self.use_expert_bias else None
     weights, indices = router_topk(router_logits, self.top_k, score="sigmoid", expert_bias=bias, normalize=False)
@@ -318,13 +322,15 @@ def afmoe_router_forward(self: nn.Module, hidden_states: Tensor, expert_bias: Te
 
 def cohere2_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Cohere2-MoE: top-k by logit, then the softmax over the k (expert_selection_fn "softmax", == Mixtral's routing)
-    or their sigmoids ("sigmoid"), over their sum with norm_topk_prob (router_topk adds 1e-20 to the sum); cast to
-    the input's dtype."""
+    or the k logits' sigmoids ("sigmoid"; over their sum with norm_topk_prob), cast to the input's dtype. The sigmoid
+    weights are taken here, in the logits' dtype as transformers takes them, from router_topk's picks by logit (its
+    own sigmoid ranks by fp32 sigmoids, which tie at 1.0 for logits past about 17)."""
     router_logits = F.linear(hidden_states, self.weight)
-    if self.expert_selection_fn == "softmax":
-        weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
-    else:
-        weights, indices = router_topk(router_logits, self.top_k, score="sigmoid", normalize=bool(self.norm_topk_prob))
+    weights, indices = router_topk(router_logits, self.top_k, score="softmax", pre_softmax=False)
+    if self.expert_selection_fn == "sigmoid":
+        weights = router_logits.gather(1, indices.long()).sigmoid()
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
     return router_logits, weights.to(hidden_states.dtype), indices.long()
 
 
@@ -450,9 +456,25 @@ def deepseek_v3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None
     bias = getattr(gate, "e_score_correction_bias", None)
     if not isinstance(bias, Tensor) or tuple(bias.shape) != (E,):
         return "its router has no [E] e_score_correction_bias"
-    if (gate.num_group or 1) > 1 and (E % gate.num_group or not 1 <= gate.topk_group <= gate.num_group):
-        return f"n_group={gate.num_group}, topk_group={gate.topk_group} do not fit {E} experts"
+    G, g = gate.num_group or 1, gate.topk_group
+    if G > 1:
+        if E % G or not 1 <= g <= G:
+            return f"n_group={G}, topk_group={g} do not fit {E} experts"
+        if g * (E // G) < gate.top_k < E:
+            # transformers then fills the remaining slots with experts of dropped groups (all at -inf: which ones
+            # is torch.topk's tie order) at their sigmoid weights; k = E takes every expert either way
+            return f"top_k={gate.top_k} exceeds the {g * (E // G)} experts of the topk_group={g} kept groups"
     return None
+
+
+def axk2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    if (gate.num_group or 1) > 1:
+        # AXK2 fills the dropped groups' selection scores with 0, not -inf: where a kept expert's score + bias is
+        # below 0, a dropped expert outranks it. router_topk drops the groups outright.
+        return (f"its group limit (n_group={gate.num_group}) scores the dropped groups' experts 0, which outranks "
+                "kept experts whose score + bias is negative (router_topk drops them); its light checkpoints "
+                "(n_group None) run")
+    return deepseek_v3_problem(gate, block, E)
 
 
 def minimax_m2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
