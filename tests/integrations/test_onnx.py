@@ -32,7 +32,7 @@ from moe_kernels.testing import (  # noqa: E402
     assert_within_fp32_rounding,
     random_routing,
 )
-from tests.integrations.test_hf import _decisive_ids, _recorded_routing, build, inputs, moe_blocks  # noqa: E402
+from tests.integrations.hf_models import _decisive_ids, _recorded_routing, build, inputs, moe_blocks  # noqa: E402
 
 router_mod = importlib.import_module("moe_kernels.ops.router")
 permute_mod = importlib.import_module("moe_kernels.ops.permute")

@@ -18,7 +18,7 @@ from moe_kernels.integrations import peft as mk_peft  # noqa: E402
 from moe_kernels.nn import MoELayer  # noqa: E402
 from moe_kernels.nn.moe import qwen3_30b_a3b  # noqa: E402
 from moe_kernels.testing import assert_close_to_fp64  # noqa: E402
-from tests.integrations.test_hf import build, inputs, moe_blocks  # noqa: E402
+from tests.integrations.hf_models import build, inputs, moe_blocks  # noqa: E402
 
 HF_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 

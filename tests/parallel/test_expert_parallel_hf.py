@@ -39,7 +39,7 @@ def _grads(model, shards, rank, P):
 
 
 def _case(rank, P, family, backend, how):
-    from tests.integrations.test_hf import build, moe_blocks
+    from tests.integrations.hf_models import build, moe_blocks
 
     full = build(family)
     if how == "patch_hf":
@@ -90,7 +90,7 @@ def test_transformers_expert_parallel_equals_one_rank(backend):
 
 
 def test_unpatched_transformers_model_is_refused():
-    from tests.integrations.test_hf import build
+    from tests.integrations.hf_models import build
 
     with pytest.raises(ValueError, match="no MoELayer .*patch_hf"):
         apply_expert_parallel(build("qwen3_moe"))
