@@ -10,9 +10,10 @@ innermost module runs moe_kernels' grouped experts (our `GroupedExperts`, or a t
 on the "moe_kernels" experts implementation) to `MoeKernelsParamWrapper`, a subclass that keeps peft's
 parameters, state dict keys, merging and saving, and only replaces how the adapter is applied: its factors
 are handed to the experts' forward (moe_kernels.nn.lora.lora_terms), which adds two rank-r grouped GEMMs.
-Cases the fused path does not cover run peft's own code: several active adapters at once, weights stored
-transposed ([E, K, N]), non-float weights. Adapters saved from a fused model load with
-`PeftModel.from_pretrained`; call `fuse_lora` (or `patch_hf`) again after loading.
+Experts stored [E, K, N] (GPT-OSS's, Aria's, Llama 4's patched block) take it too, in their layout. Cases the
+fused path does not cover run peft's own code: several active adapters at once, non-float weights. Adapters
+saved from a fused model load with `PeftModel.from_pretrained`; call `fuse_lora` (or `patch_hf`) again after
+loading.
 
 peft is imported only when a model holds its wrappers.
 """
@@ -43,10 +44,13 @@ def _innermost(module: nn.Module) -> nn.Module:
 
 
 def _runs_grouped_experts(module: nn.Module) -> bool:
+    """Our GroupedExperts, transformers experts on the "moe_kernels" implementation, or the experts of a block
+    whose forward patch_hf replaced (Llama 4's)."""
     from moe_kernels.integrations.hf import EXPERTS_IMPLEMENTATION
+    from moe_kernels.integrations.hf.patching import is_patched_experts
     from moe_kernels.nn.experts import GroupedExperts
 
-    if isinstance(module, GroupedExperts):
+    if isinstance(module, GroupedExperts) or is_patched_experts(module):
         return True
     config = getattr(module, "config", None)
     return getattr(config, "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
@@ -63,14 +67,16 @@ def _make_wrapper_class():
             adapters = [a for a in active_adapters if a in self.lora_A]
             base = self.get_base_layer()
             param = self.get_param()
-            if (len(adapters) != 1 or self.num_experts == 1 or not self._did_swap_in_out_features
-                    or param.dtype not in _FLOAT or not _runs_grouped_experts(base)
-                    or not hasattr(self, "get_delta_factors")):  # peft without factor access: its own path
+            # The delta in the stored layout is s lhs rhs: for [E, N, K] weights (peft swapped in and out)
+            # lhs = B [E, N, r], rhs = A [E, r, K]; for [E, K, N] ones lhs [E, K, r], rhs [E, r, N]. The experts
+            # apply it in their own layout (moe_kernels.nn.lora, moe_kernels.integrations.hf.experts._kn_mm).
+            if (len(adapters) != 1 or self.num_experts == 1 or param.dtype not in _FLOAT
+                    or not _runs_grouped_experts(base) or not hasattr(self, "get_delta_factors")
+                    or param.dim() != 3):  # peft without factor access: its own path
                 with super()._activate_lora(active_adapters):
                     yield
                 return
-            b, a, scaling = self.get_delta_factors(adapters[0])  # B [E, N, r], A [E, r, K]
-            entry = (b, a, scaling)
+            entry = self.get_delta_factors(adapters[0])  # (lhs, rhs, scaling)
             terms = base.__dict__.setdefault(LORA_ATTR, {}).setdefault(self.parameter_name, [])
             terms.append(entry)
             try:

@@ -343,29 +343,13 @@ def test_unsupported_blocks_are_left_alone_and_listed_in_one_warning():
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
-def test_gpt_oss_recipe_and_adapters():
-    # GPT-OSS's biased experts take no precision recipe (refused at patch time, before anything changes); with
-    # peft adapters on them the experts run transformers' own forward, the router ours.
+def test_gpt_oss_recipe_is_refused():
+    # GPT-OSS's biased experts take no precision recipe (refused at patch time, before anything changes). (peft
+    # adapters on them run as rank-r [E, K, N] products: tests/integrations/test_peft.py.)
     model = build("gpt_oss")
     with pytest.raises(ValueError, match=r"GPT-OSS's experts \(stored \[E, K, N\]\) run at the model's precision"):
         mk.patch_hf(model, recipe=mk.quant.Fp8BlockwiseRecipe())
     assert not hf.is_patched(model)
-    ref_model = build("gpt_oss").eval()
-    model = patched_copy(ref_model)
-    calls = []
-    experts = moe_blocks(model)[0].experts
-    real = type(experts).forward.__wrapped__
-    hf_lora = hf.experts.lora_terms
-    try:
-        hf.experts.lora_terms = lambda module, name: ["adapter"] if module is experts else hf_lora(module, name)
-        type(experts).forward.__wrapped__ = lambda *a: (calls.append(1), real(*a))[1]
-        ids = inputs()
-        with torch.no_grad():
-            assert_same_outputs(run(model, ids), run(ref_model, ids))
-    finally:
-        hf.experts.lora_terms = hf_lora
-        type(experts).forward.__wrapped__ = real
-    assert calls == [1]
 
 
 def test_deepseek_v4_hash_layers_keep_transformers_router_and_run_our_experts(monkeypatch):
@@ -494,7 +478,9 @@ def test_llama4_pickle_unpatch_and_recipe(tmp_path, monkeypatch):
     assert not hf.is_patched(fresh)
 
 
-def test_llama4_with_peft_adapters_runs_transformers_forward(monkeypatch):
+def test_llama4_with_peft_adapters_runs_the_routed_rows(monkeypatch):
+    # peft wraps the experts; the patched block calls them through the wrappers, on the T k routed rows (the
+    # adapters' terms as rank-r products: its equality with peft's W + s B A is in tests/integrations/test_peft.py).
     peft = pytest.importorskip("peft")
     cfg = peft.LoraConfig(r=4, init_lora_weights=False,
                           target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
@@ -504,20 +490,41 @@ def test_llama4_with_peft_adapters_runs_transformers_forward(monkeypatch):
     rows = _count_kn_rows(monkeypatch)
     ids = inputs()
     with torch.no_grad():
-        torch.testing.assert_close(model(ids).logits, ref_model(ids).logits, rtol=0, atol=0)
-    assert rows == []  # the adapters' experts (peft wraps them): transformers' block forward
+        torch.testing.assert_close(model(ids).logits, ref_model(ids).logits, rtol=1e-5, atol=1e-5)
+    T, k = ids.numel(), model.config.num_experts_per_tok
+    assert rows and set(rows) == {T * k}, rows  # every [E, K, N] product on the routed rows (and the rank-r ones)
+
+
+class _Wrapper(nn.Module):  # an adapter wrapper around the experts, as peft's keeps them: base_layer
+    def __init__(self, base):
+        super().__init__()
+        self.base_layer = base
+
+    def forward(self, *args):
+        return self.base_layer(*args)
 
 
 @pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
-def test_expert_parallel_experts_refuse_transformers_forward(family, monkeypatch):
-    # Where these experts would fall back to transformers' forward (adapters, an ONNX export), an expert-parallel
-    # rank holds E / P of them: that forward would be wrong, so it raises (expert parallelism itself:
+@pytest.mark.parametrize("why", ["onnx", "lora"])
+def test_expert_parallel_experts_refuse_what_they_cannot_shard(family, why, monkeypatch):
+    # An expert-parallel rank holds E / P experts: transformers' forward (an ONNX export) and LoRA adapters (which
+    # hold every expert's factors) would be wrong there, so they raise (expert parallelism itself:
     # tests/parallel/test_expert_parallel_hf.py).
     model = patched_copy(build(family))
-    experts = hf.common._experts_of(moe_blocks(model)[0])
+    block = moe_blocks(model)[0]
+    experts = hf.common._experts_of(block)
     experts.__dict__[hf.DISPATCHER_ATTR] = object()  # as apply_expert_parallel leaves it (never reached here)
-    monkeypatch.setattr(hf.experts, "_onnx", types.SimpleNamespace(exporting=lambda: True))
-    with pytest.raises(NotImplementedError, match="expert-parallel .* run on moe_kernels' ops only"):
+    if why == "onnx":
+        monkeypatch.setattr(hf.experts, "_onnx", types.SimpleNamespace(exporting=lambda: True))
+        match = "expert-parallel .* run on moe_kernels' ops only"
+    elif family == "gpt_oss":
+        real = hf.experts.lora_terms
+        monkeypatch.setattr(hf.experts, "lora_terms", lambda m, name: [None] if m is experts else real(m, name))
+        match = "LoRA adapters on expert-parallel experts"
+    else:
+        block.experts = _Wrapper(experts)
+        match = "LoRA adapters on expert-parallel Llama 4 experts"
+    with pytest.raises(NotImplementedError, match=match):
         model(inputs())
 
 

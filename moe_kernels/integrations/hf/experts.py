@@ -7,8 +7,9 @@ stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
   GEMM (`_GroupedMmKN`: grouped_mm's dgrad product forward, its forward and wgrad products backward, so no
   transposed copy of the weights; the bias gradient a wgrad product with a column of ones, deterministic) ->
   the experts' own `_apply_gate` -> the same for down_proj -> unpermute; expert-parallel, the dispatcher's
-  dispatch and combine in place of permute and unpermute. No precision recipe (refused at patch time); with peft
-  adapters, or while torch.onnx exports, the experts run transformers' forward (on one rank only).
+  dispatch and combine in place of permute and unpermute. peft LoRA terms as rank-r [E, K, N] products (`_kn_mm`).
+  No precision recipe (refused at patch time); while torch.onnx exports, the experts run transformers' forward
+  (on one rank only).
 - Aria (`AriaTextMoELayer`, its router is `router`): bias-free experts stored [E, H, 2F] (gate then up columns)
   and [E, F, H], SiLU: the same [E, K, N] path, with our fused swiglu.
 - Llama 4 (`Llama4TextMoe`): transformers runs every expert on every token (the inputs of the experts not chosen
@@ -16,8 +17,9 @@ stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
   Maverick). Its block forward is replaced (`_llama4_block_forward`): transformers' router as it is, each token's
   copy scaled by its score before the experts, permute, the [E, K, N] grouped GEMMs around SiLU gate * up,
   unpermute, the block's own shared expert; expert-parallel, each token dispatched once and scaled by its score
-  on the experts' rank. No precision recipe (refused at patch time); with peft adapters, or while torch.onnx
-  exports, transformers' block forward (on one rank only).
+  on the experts' rank; peft adapters on the experts through peft's wrappers (LoRA terms as rank-r products). No
+  precision recipe (refused at patch time); while torch.onnx exports, transformers' block forward (on one rank
+  only).
 """
 
 from __future__ import annotations
@@ -154,20 +156,35 @@ class _GroupedMmKN(torch.autograd.Function):
         return dx, dw, db, None
 
 
+def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms) -> Tensor:
+    """x @ (w[e] + sum of s lhs[e] rhs[e]) (+ bias[e]) per group, w stored [E, K, N]: the [E, K, N] product, and
+    for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the delta in the stored layout is s lhs rhs,
+    peft's get_delta_factors) two rank-r [E, K, N] products, (x lhs) rhs, so W + s lhs rhs is never formed."""
+    out = _GroupedMmKN.apply(x, w, bias, group_sizes)
+    for lhs, rhs, scaling in terms:
+        lhs, rhs = lhs.to(x.dtype).contiguous(), rhs.to(x.dtype).contiguous()  # small: E (K + N) r elements
+        low = _GroupedMmKN.apply(_GroupedMmKN.apply(x, lhs, None, group_sizes), rhs, None, group_sizes)
+        out = out + scaling * low.to(out.dtype)
+    return out
+
+
 def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
-                            top_k_weights: Tensor) -> Tensor:
+                        top_k_weights: Tensor) -> Tensor:
     """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's): permute, the [E, K, N] grouped GEMMs (with the
-    experts' biases where they have them) around the gate (GPT-OSS's own clamped one on interleaved columns; our
-    fused swiglu for SiLU), unpermute with the routing weights; expert-parallel (apply_expert_parallel), the
-    dispatcher's dispatch and combine around the same GEMMs on this rank's experts. Adapters or a precision recipe:
-    transformers' own forward (on one rank)."""
+    experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around the gate
+    (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU), unpermute with the routing
+    weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs
+    on this rank's experts. A precision recipe or an ONNX export: transformers' own forward (on one rank)."""
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
-    lora = lora_terms(self, "gate_up_proj") or lora_terms(self, "down_proj")
-    if lora or self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
+    lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")
+    if self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
         if dispatcher is not None:
             raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on "
-                                      "moe_kernels' ops only (no adapters, no ONNX export)")
+                                      "moe_kernels' ops only (no ONNX export)")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    if dispatcher is not None and (lora13 or lora2):
+        raise NotImplementedError("moe_kernels experts: LoRA adapters on expert-parallel experts are not supported "
+                                  "(the adapters hold every expert, the weights this rank's)")
     E = self.num_experts
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
     b13 = b2 = None
@@ -183,9 +200,9 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
         y = _GroupedMmKN.apply(_gated(self, h).contiguous(), w2.contiguous(), b2, d.group_sizes)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
-    h = _GroupedMmKN.apply(x_perm, w13.contiguous(), b13, group_sizes)  # [R, 2F]
+    h = _kn_mm(x_perm, w13.contiguous(), b13, group_sizes, lora13)  # [R, 2F]
     act = _gated(self, h)  # GPT-OSS's own clamped gate on interleaved columns; Aria's SiLU: our swiglu
-    y = _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), b2, group_sizes)  # [R, H]
+    y = _kn_mm(act.contiguous(), w2.contiguous(), b2, group_sizes, lora2)  # [R, H]
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
 
 
@@ -198,14 +215,18 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     accelerate's offloading, FSDP2's unsharding; `_llama4_experts_forward`), and unpermute sums each token's
     copies; the shared expert is the block's own. Expert-parallel (apply_expert_parallel): the tokens dispatched
     once with their scores, each received row scaled by its score on the experts' rank, the experts, and the
-    combine's unweighted sum. Adapters on the experts (peft wraps them) or an ONNX export: transformers' forward
+    combine's unweighted sum. peft adapters on the experts: called through peft's wrappers (fused by
+    moe_kernels.integrations.peft: rank-r products; else peft's W + s B A). An ONNX export: transformers' forward
     (on one rank)."""
     dispatcher = _experts_of(self).__dict__.get(DISPATCHER_ATTR)
-    if self.experts is not _experts_of(self) or _onnx.exporting():
+    if _onnx.exporting():
         if dispatcher is not None:
             raise NotImplementedError("moe_kernels: expert-parallel Llama 4 experts run on moe_kernels' ops only (no "
-                                      "adapters, no ONNX export)")
+                                      "ONNX export)")
         return _base_class(self).forward(self, hidden_states)
+    if dispatcher is not None and self.experts is not _experts_of(self):
+        raise NotImplementedError("moe_kernels: LoRA adapters on expert-parallel Llama 4 experts are not supported "
+                                  "(the adapters hold every expert, the weights this rank's)")
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
     T, E, k = hidden_states.shape[0], self.num_experts, self.router.top_k
@@ -228,18 +249,20 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
 
 def _llama4_experts_forward(self: nn.Module, hidden_states: Tensor, group_sizes: Tensor | None = None) -> Tensor:
     """Llama4TextExperts given the routed rows [R, H] grouped by expert and the group sizes (the patched block's
-    call): the [E, K, N] grouped GEMMs on the weights as stored around gate * up (our fused swiglu for SiLU).
-    Called as transformers calls it, without group sizes: transformers' dense forward."""
+    call): the [E, K, N] grouped GEMMs on the weights as stored (peft's LoRA terms as rank-r products: `_kn_mm`)
+    around gate * up (our fused swiglu for SiLU). Called as transformers calls it, without group sizes:
+    transformers' dense forward."""
     if group_sizes is None:
         return _base_class(self).forward(self, hidden_states)
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
-    h = _GroupedMmKN.apply(hidden_states.to(w13.dtype).contiguous(), w13.contiguous(), None, group_sizes)
+    x = hidden_states.to(w13.dtype).contiguous()
+    h = _kn_mm(x, w13.contiguous(), None, group_sizes, lora_terms(self, "gate_up_proj"))
     if _is_silu(self.act_fn):
         act = swiglu(h)
     else:
         gate, up = h.chunk(2, dim=-1)  # gate columns, then up
         act = up * self.act_fn(gate)
-    return _GroupedMmKN.apply(act.contiguous(), w2.contiguous(), None, group_sizes)
+    return _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora_terms(self, "down_proj"))
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:

@@ -261,6 +261,12 @@ def register_experts_implementation() -> bool:
     return True
 
 
+def is_patched_experts(module: nn.Module) -> bool:
+    """Whether `module` is the experts module of a block whose forward patch_hf replaced (Llama 4's)."""
+    return type(module) in _PATCHED_CLASSES.values() and any(
+        f.block_forward is not None and _base_class(module).__name__ == f.experts for f in FAMILIES)
+
+
 def _patched_block_experts(model: nn.Module) -> list[nn.Module]:
     """The experts modules of the blocks whose own forward patch_hf replaced (Llama 4's)."""
     subs = tuple(_PATCHED_CLASSES.values())

@@ -48,7 +48,8 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - Laguna: fp32 logits soft-capped (tanh(l / c) c, moe_router_logit_softcapping > 0), sigmoid, selection by score
   + e_score_correction_bias, renormalised; the block scales the experts' output.
 - MiniCPM5-MoE: DeepSeek-V3's routing, autocast off. AXK2's light checkpoints (num_group None): DeepSeek-V3's
-  without a group limit (AXK2's group limit scores the dropped groups' experts 0: refused). Beam: DeepSeek-V3's without the scaling (the block scales).
+  without a group limit (AXK2's group limit scores the dropped groups' experts 0: refused). Beam: DeepSeek-V3's
+  without the scaling (the block scales).
 - Lara-Mini: Qwen's on fp32 logits. Flint: fp32 sigmoid, no bias, renormalised with norm_topk_prob.
 - Longcat-Flash: fp32 logits over the routed and zero-computation experts, softmax over all, selection by
   probability + e_score_correction_bias, not renormalised, scaled (the block passes the zero experts' share).
