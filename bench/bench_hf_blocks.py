@@ -16,6 +16,10 @@ Models (GPU):
   gpt-oss-120b    GptOssMLP, H 2880, F 2880, E 128, k 4 (biased experts, clamped SwiGLU)
   ernie-4.5-21b   Ernie4_5_MoeSparseMoeBlock, H 2560, F 1536, E 64, k 6, two shared experts
   llama4-scout    Llama4TextMoe, H 5120, F 8192, E 16, k 1, a shared expert of F 8192
+  lfm2-8b-a1b     Lfm2MoeSparseMoeBlock, H 2048, F 1792, E 32, k 4 (sigmoid routing with an expert bias): transformers'
+                  Lfm2MoeConfig defaults, whose docstring names LiquidAI/LFM2-8B-A1B
+  trinity-mini    AfmoeSparseMoeBlock, H 2048, F 1408, E 64, k 6, two shared experts: AfmoeConfig's defaults, whose
+                  docstring names arcee-ai/Trinity-Mini
 FLOPs: the routed experts' forward and backward, 3 x 2 T k 3 H F, plus the shared experts' 3 x 2 T 3 H Fs (the
 work of the patched block; transformers' Llama 4 does E / k times the routed part). Bytes: the expert weights
 read and their gradients written (bf16), x read and the output written.
@@ -49,6 +53,11 @@ MODELS = {
                            moe_num_shared_experts=2)),
     "llama4-scout": ("Llama4TextConfig", _TM + "llama4.modeling_llama4", "Llama4TextMoe",
                      dict(hidden_size=5120, intermediate_size=8192, num_local_experts=16, num_experts_per_tok=1)),
+    "lfm2-8b-a1b": ("Lfm2MoeConfig", _TM + "lfm2_moe.modeling_lfm2_moe", "Lfm2MoeSparseMoeBlock",
+                    dict(hidden_size=2048, moe_intermediate_size=1792, num_experts=32, num_experts_per_tok=4)),
+    "trinity-mini": ("AfmoeConfig", _TM + "afmoe.modeling_afmoe", "AfmoeSparseMoeBlock",
+                     dict(hidden_size=2048, moe_intermediate_size=1408, num_experts=64, num_experts_per_tok=6,
+                          num_shared_experts=2)),
 }
 TINY = {  # the CPU's shapes: the same families, every code path
     "qwen3-30b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -57,6 +66,9 @@ TINY = {  # the CPU's shapes: the same families, every code path
     "ernie-4.5-21b": dict(hidden_size=64, moe_intermediate_size=32, moe_num_experts=8, moe_k=2,
                           moe_num_shared_experts=1),
     "llama4-scout": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=1),
+    "lfm2-8b-a1b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "trinity-mini": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                         num_shared_experts=1),
 }
 TOKENS = (4096, 8192)
 CPU_TOKENS = 64
@@ -94,7 +106,7 @@ def _block(ctx: h.Context, c: Case, dtype: torch.dtype) -> nn.Module:
             elif name.endswith("_bias"):
                 std = 0.0
             else:  # router logits of std 2 on unit inputs: decided, not saturated
-                std = 2 / H**0.5 if name in ("gate.weight", "router.weight") else 0.02
+                std = 2 / H**0.5 if name in ("gate.weight", "router.weight", "router.gate.weight") else 0.02
             p.copy_(torch.randn(p.shape, generator=g, device=ctx.device, dtype=torch.float32) * std)
         for name, b in block.named_buffers():
             b.zero_()
@@ -128,8 +140,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _router_weight(block: nn.Module) -> torch.Tensor:
-    router = getattr(block, "gate", None) or block.router
-    return router.weight
+    from moe_kernels.integrations.hf.common import _gate_weight, _router_of
+
+    return _gate_weight(_router_of(block))
 
 
 def _check(ctx: h.Context, c: Case, ours: nn.Module, theirs: nn.Module, x: torch.Tensor) -> None:
@@ -157,7 +170,8 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     F = kw.get("moe_intermediate_size", kw.get("intermediate_size"))
     E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts")))
     k = kw.get("num_experts_per_tok", kw.get("moe_k"))
-    Fs = F * kw.get("moe_num_shared_experts", 0) + (F if c.model == "llama4-scout" else 0)
+    shared = kw.get("moe_num_shared_experts", 0) + kw.get("num_shared_experts", 0)  # experts of F each
+    Fs = F * shared + (F if c.model == "llama4-scout" else 0)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
     sets = [(torch.randn(1, c.T, H, generator=g, device=ctx.device, dtype=dtype),)
             for _ in range(ctx.n_input_sets)]

@@ -1,5 +1,5 @@
-"""bench_hf_blocks: the CPU run works end to end over the four families, and a patched block that computes
-something else is reported instead of timed."""
+"""bench_hf_blocks: the CPU run works end to end over its families, and a patched block that computes something
+else is reported instead of timed."""
 
 import json
 import subprocess
