@@ -26,6 +26,14 @@ read and their gradients written (bf16), x read and the output written.
 Checked first, on the first input set: the outputs of both, relative L2 error at most 4 x 2^-8 on the GPU (two
 bf16 computations of one function that may round the activation differently: each rounding 2^-9 relative) and
 1e-5 on the CPU (fp32); and the router weight's gradient within the same bound.
+LoRA fine-tuning (cases <model>+lora, qwen3-30b-a3b and gpt-oss-120b): peft LoRA (r = 16, alpha = 32) on the
+experts' gate_up_proj and down_proj, the base weights frozen, op hf_lora_fwd_bwd.
+  ours          patch_hf on the peft model: the adapters as rank-r grouped products beside the frozen experts'
+                (moe_kernels.integrations.peft; GPT-OSS's in the [E, K, N] layout), W + s B A never formed
+  transformers  peft's ParamWrapper: W + s B A formed for every expert on each forward, then transformers' experts
+FLOPs: the frozen routed experts' forward and input gradient, 2 x 2 T k 3 H F, plus the shared experts' (the
+adapters' rank-r work is not counted: it is what the two sides do differently). Checked first: the outputs and
+the first adapter's B gradient, within the bounds above.
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ TINY = {  # the CPU's shapes: the same families, every code path
 }
 TOKENS = (4096, 8192)
 CPU_TOKENS = 64
+LORA_MODELS = ("qwen3-30b-a3b", "gpt-oss-120b")  # cases "<model>+lora"
+RANK = 16
+_LORA = "+lora"
 
 
 Case = h.ModelCase
@@ -79,22 +90,22 @@ Case = h.ModelCase
 
 def cases(ctx: h.Context) -> list[Case]:
     if not ctx.is_cuda:
-        return [Case(m, CPU_TOKENS) for m in TINY]
+        return [Case(m, CPU_TOKENS) for m in (*TINY, *(m + _LORA for m in LORA_MODELS))]
     models, tokens = ctx.pick(MODELS, (4096,) if ctx.quick else TOKENS)
-    return [Case(m, T) for m in models for T in tokens]
+    return [Case(m, T) for m in (*models, *(m + _LORA for m in LORA_MODELS if m in models)) for T in tokens]
 
 
-def _block(ctx: h.Context, c: Case, dtype: torch.dtype) -> nn.Module:
+def _block(ctx: h.Context, model: str, dtype: torch.dtype) -> nn.Module:
     import transformers
 
-    config_cls, module, block_cls, kw = MODELS[c.model]
-    kw = kw if ctx.is_cuda else TINY[c.model]
+    config_cls, module, block_cls, kw = MODELS[model]
+    kw = kw if ctx.is_cuda else TINY[model]
     # from_pretrained's default experts implementation: "grouped_mm" where torch dispatches it (a GPU)
     impl = {"experts_implementation": "grouped_mm"} if ctx.is_cuda else {}
     config = getattr(transformers, config_cls)(**kw, **impl)
     with torch.device("meta"):
         block = getattr(importlib.import_module(module), block_cls)(config).to(dtype)
-        if c.model == "ernie-4.5-21b":
+        if model == "ernie-4.5-21b":
             block.gate.float()  # ERNIE keeps its router in fp32 (_keep_in_fp32_modules_strict)
     block = block.to_empty(device=ctx.device)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
@@ -114,15 +125,22 @@ def _block(ctx: h.Context, c: Case, dtype: torch.dtype) -> nn.Module:
 
 
 def _peer_variant(block: nn.Module) -> str:
-    experts = getattr(block, "experts", None)
-    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     import transformers
 
+    from moe_kernels.integrations.hf.common import _experts_of
+
+    lora = hasattr(block, "get_base_model")  # a peft model
+    block = block.get_base_model() if lora else block
+    experts = _experts_of(block)
+    impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if experts is not None and not hasattr(type(experts).forward, "__wrapped__"):
         how = "dense experts (every expert on every token)"
     else:
         how = f'experts_implementation="{impl or "eager"}"'
+    if lora:
+        import peft
 
+        how += f", peft {peft.__version__} LoRA (W + s B A formed)"
     return f"transformers {transformers.__version__} {type(block).__name__}, {how}"
 
 
@@ -145,48 +163,71 @@ def _router_weight(block: nn.Module) -> torch.Tensor:
     return _gate_weight(_router_of(block))
 
 
+def _lora_b(model: nn.Module) -> torch.Tensor:
+    return next(p for n, p in model.named_parameters() if "lora_B" in n)
+
+
 def _check(ctx: h.Context, c: Case, ours: nn.Module, theirs: nn.Module, x: torch.Tensor) -> None:
     bound = 4 * 2.0**-8 if ctx.is_cuda else 1e-5
+    lora = c.model.endswith(_LORA)
     outs = []
     for block in (ours, theirs):
         block.zero_grad(set_to_none=True)
         out = _step(block)(x)
-        outs.append((out.detach(), _router_weight(block).grad.clone()))
-    for what, a, b in (("output", outs[0][0], outs[1][0]), ("router weight gradient", outs[0][1], outs[1][1])):
+        outs.append((out.detach(), (_lora_b(block) if lora else _router_weight(block)).grad.clone()))
+    grad = "adapter B gradient" if lora else "router weight gradient"
+    for what, a, b in (("output", outs[0][0], outs[1][0]), (grad, outs[0][1], outs[1][1])):
         err = _rel(a, b)
         if not err <= bound:
             raise AssertionError(f"{c.name} hf block: {what} relative L2 error {err:.3g} > {bound:.3g} against "
                                  "transformers")
 
 
+def _lora(block: nn.Module) -> nn.Module:
+    import peft
+
+    config = peft.LoraConfig(r=RANK, lora_alpha=2 * RANK, target_modules=[], init_lora_weights=False,
+                             target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    return peft.get_peft_model(block, config)
+
+
 def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     dtype = torch.bfloat16 if ctx.is_cuda else torch.float32
-    theirs = _block(ctx, c, dtype)
+    lora = c.model.endswith(_LORA)
+    model = c.model.removesuffix(_LORA)
+    theirs = _block(ctx, model, dtype)
+    if lora:
+        theirs = _lora(theirs)
     ours = moe_kernels.patch_hf(copy.deepcopy(theirs))
     if not moe_kernels.integrations.hf.is_patched(ours):
         raise AssertionError(f"{c.name}: patch_hf left the block on transformers' code")
-    kw = MODELS[c.model][3] if ctx.is_cuda else TINY[c.model]
+    fused = sum(type(m).__name__ == "MoeKernelsParamWrapper" for m in ours.modules())
+    if lora and fused != 2:
+        raise AssertionError(f"{c.name}: {fused} of the 2 adapters fused")
+    kw = MODELS[model][3] if ctx.is_cuda else TINY[model]
     H = kw["hidden_size"]
     F = kw.get("moe_intermediate_size", kw.get("intermediate_size"))
     E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts")))
     k = kw.get("num_experts_per_tok", kw.get("moe_k"))
     shared = kw.get("moe_num_shared_experts", 0) + kw.get("num_shared_experts", 0)  # experts of F each
-    Fs = F * shared + (F if c.model == "llama4-scout" else 0)
+    Fs = F * shared + (F if model == "llama4-scout" else 0)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
     sets = [(torch.randn(1, c.T, H, generator=g, device=ctx.device, dtype=dtype),)
             for _ in range(ctx.n_input_sets)]
     _check(ctx, c, ours, theirs, sets[0][0])
     t_ours, t_theirs = ctx.time_ab(_step(ours), sets, _step(theirs), sets)
     es = torch.finfo(dtype).bits // 8
-    flops = 3 * 2 * c.T * 3 * H * (k * F + Fs)
-    nbytes = es * (2 * 3 * H * (E * F + Fs) + 2 * c.T * H)
-    return [h.make_result(ctx, op="hf_block_fwd_bwd", case=c.name, shape=dict(T=c.T, H=H, F=F, E=E, k=k, Fs=Fs),
-                          dtype=dtype, timing=t_ours, nbytes=nbytes, flops=flops, peers={"transformers": t_theirs},
+    products = 2 if lora else 3  # frozen base weights: forward and input gradient, no weight gradient
+    flops = products * 2 * c.T * 3 * H * (k * F + Fs)
+    nbytes = es * ((1 if lora else 2) * 3 * H * (E * F + Fs) + 2 * c.T * H)  # weights read (their gradients written)
+    op = "hf_lora_fwd_bwd" if lora else "hf_block_fwd_bwd"
+    return [h.make_result(ctx, op=op, case=c.name, shape=dict(T=c.T, H=H, F=F, E=E, k=k, Fs=Fs), dtype=dtype,
+                          timing=t_ours, nbytes=nbytes, flops=flops, peers={"transformers": t_theirs},
                           peer_variant={"transformers": _peer_variant(theirs)})]
 
 
 def headline(results: list[h.Result]) -> list[str]:
-    return [f"hf_block_fwd_bwd {r.case}: {r.speedup['transformers']:.2f}x transformers "
+    return [f"{r.op} {r.case}: {r.speedup['transformers']:.2f}x transformers "
             f"({r.peer_variant['transformers']})" for r in results]
 
 

@@ -149,9 +149,9 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
     Part("dispatch", (Run("dispatch", models=("deepseek-v3",)),), min_s=30),
     Part("step", (Run("train", tokens=(4096, 16384, 65536), profile=True),), min_s=90),
-    # transformers' blocks as loaded and patched (patch_hf) at six models' shapes, 4096 tokens: Llama 4 Scout's
-    # dense experts dominate (~0.1 s a fwd+bwd on an H100, ~10 s timed); ~40 s in all.
-    Part("hf", (Run("hf_blocks", tokens=(4096,)),), min_s=50),
+    # transformers' blocks as loaded and patched (patch_hf) at six models' shapes and two with peft LoRA, 4096
+    # tokens: Llama 4 Scout's dense experts dominate (~0.1 s a fwd+bwd on an H100, ~10 s timed); ~50 s in all.
+    Part("hf", (Run("hf_blocks", tokens=(4096,)),), min_s=60),
 )}
 
 app = typer.Typer(add_completion=False)
