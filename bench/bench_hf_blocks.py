@@ -4,8 +4,8 @@ shapes.
 Case: one sparse MoE block of a transformers 5.x family at a published model's shapes, built from its config
 (weights random, std 0.02; the router's 2 / sqrt(H), logits of std 2 on the unit-variance input: routing decided
 but not saturated; ERNIE's selection bias std 0.01, of the order of its probabilities), bf16 on a GPU (fp32 on
-the CPU, tiny shapes); input [1, T, H]. One op, hf_block_fwd_bwd: the block's forward and backward (loss = mean of the
-squared output), every parameter's gradient.
+the CPU, tiny shapes); input [1, T, H], its gradient taken (as every layer's after the first). One op,
+hf_block_fwd_bwd: the block's forward and backward (loss = mean of the squared output), every parameter's gradient.
   ours          the same block after patch_hf (router_topk where the router is patched, permute, our grouped
                 GEMMs, swiglu, unpermute; Llama 4's block forward over the routed rows only)
   transformers  the block as from_pretrained runs it by default: experts_implementation="grouped_mm" on a GPU
@@ -32,8 +32,9 @@ experts' gate_up_proj and down_proj, the base weights frozen, op hf_lora_fwd_bwd
                 (moe_kernels.integrations.peft; GPT-OSS's in the [E, K, N] layout), W + s B A never formed
   transformers  peft's ParamWrapper: W + s B A formed for every expert on each forward, then transformers' experts
 FLOPs: the frozen routed experts' forward and input gradient, 2 x 2 T k 3 H F, plus the shared experts' (the
-adapters' rank-r work is not counted: it is what the two sides do differently). Checked first: the outputs and
-the first adapter's B gradient, within the bounds above.
+adapters' rank-r work is not counted: it is what the two sides do differently). Bytes: the frozen weights and the
+adapters read, x read and the output written. Checked first: the outputs and the first adapter's B gradient, within
+the bounds above.
 """
 
 from __future__ import annotations
@@ -212,14 +213,17 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     shared = kw.get("moe_num_shared_experts", 0) + kw.get("num_shared_experts", 0)  # experts of F each
     Fs = F * shared + (F if model == "llama4-scout" else 0)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
-    sets = [(torch.randn(1, c.T, H, generator=g, device=ctx.device, dtype=dtype),)
+    # the input's gradient taken, as every layer's after the first: each GEMM's input gradient runs (the FLOPs)
+    sets = [(torch.randn(1, c.T, H, generator=g, device=ctx.device, dtype=dtype).requires_grad_(),)
             for _ in range(ctx.n_input_sets)]
     _check(ctx, c, ours, theirs, sets[0][0])
     t_ours, t_theirs = ctx.time_ab(_step(ours), sets, _step(theirs), sets)
     es = torch.finfo(dtype).bits // 8
     products = 2 if lora else 3  # frozen base weights: forward and input gradient, no weight gradient
     flops = products * 2 * c.T * 3 * H * (k * F + Fs)
-    nbytes = es * ((1 if lora else 2) * 3 * H * (E * F + Fs) + 2 * c.T * H)  # weights read (their gradients written)
+    # weights read (their gradients written; with LoRA the adapters read instead, E r (3 H + 3 F))
+    nbytes = es * ((1 if lora else 2) * 3 * H * (E * F + Fs) + 2 * c.T * H
+                   + (E * RANK * (3 * H + 3 * F) if lora else 0))
     op = "hf_lora_fwd_bwd" if lora else "hf_block_fwd_bwd"
     return [h.make_result(ctx, op=op, case=c.name, shape=dict(T=c.T, H=H, F=F, E=E, k=k, Fs=Fs), dtype=dtype,
                           timing=t_ours, nbytes=nbytes, flops=flops, peers={"transformers": t_theirs},

@@ -2,8 +2,9 @@
 layer shapes.
 
 Case: our MoELayer with peft LoRA (r = 16, alpha = 32) on `experts.w13` and `experts.w2`, the base weights
-frozen (fine-tuning), bf16 on a GPU (fp32 on the CPU). One op, lora_fwd_bwd: the layer's forward and backward
-(router, permute, experts, unpermute; the router and the permutes are the same code on both sides).
+frozen (fine-tuning), bf16 on a GPU (fp32 on the CPU), the input's gradient taken (as every layer's after the
+first). One op, lora_fwd_bwd: the layer's forward and backward (router, permute, experts, unpermute; the router
+and the permutes are the same code on both sides).
   ours               fuse_lora: each adapted product is grouped_mm(x, W) + s grouped_mm(grouped_mm(x, A), B)
   peft_materialised  peft's ParamWrapper: W + s B A formed for every expert on each forward (baddbmm),
                      then the same grouped GEMMs on it
@@ -105,7 +106,9 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     cfg, ours, theirs, dtype = _layers(ctx, c)
     H, F, E = cfg.hidden_size, cfg.ffn_size, cfg.num_experts
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
-    sets = [(torch.randn(c.T, H, generator=g, device=ctx.device, dtype=dtype),) for _ in range(ctx.n_input_sets)]
+    # the input's gradient taken, as every layer's after the first: both products' input gradients run (the FLOPs)
+    sets = [(torch.randn(c.T, H, generator=g, device=ctx.device, dtype=dtype).requires_grad_(),)
+            for _ in range(ctx.n_input_sets)]
     _check(ctx, c, ours, theirs, sets[0][0])
     t_ours = ctx.time(_step(ours), sets)
     t_theirs = ctx.time(_step(theirs), sets)

@@ -11,9 +11,9 @@ on the "moe_kernels" experts implementation) to `MoeKernelsParamWrapper`, a subc
 parameters, state dict keys, merging and saving, and only replaces how the adapter is applied: its factors
 are handed to the experts' forward (moe_kernels.nn.lora.lora_terms), which adds two rank-r grouped GEMMs.
 Experts stored [E, K, N] (GPT-OSS's, Aria's, Llama 4's patched block) take it too, in their layout. Cases the
-fused path does not cover run peft's own code: several active adapters at once, non-float weights. Adapters
-saved from a fused model load with `PeftModel.from_pretrained`; call `fuse_lora` (or `patch_hf`) again after
-loading.
+fused path does not cover run peft's own code: several active adapters at once, non-float weights, an ONNX
+export. Adapters saved from a fused model load with `PeftModel.from_pretrained`; call `fuse_lora` (or `patch_hf`)
+again after loading.
 
 peft is imported only when a model holds its wrappers.
 """
@@ -26,6 +26,7 @@ import sys
 import torch
 from torch import nn
 
+from moe_kernels import onnx as _onnx
 from moe_kernels.nn.lora import LORA_ATTR
 
 _WRAPPER = "MoeKernelsParamWrapper"
@@ -70,9 +71,11 @@ def _make_wrapper_class():
             # The delta in the stored layout is s lhs rhs: for [E, N, K] weights (peft swapped in and out)
             # lhs = B [E, N, r], rhs = A [E, r, K]; for [E, K, N] ones lhs [E, K, r], rhs [E, r, N]. The experts
             # apply it in their own layout (moe_kernels.nn.lora, moe_kernels.integrations.hf.experts._kn_mm).
+            # While torch.onnx exports, experts may take transformers' forward (experts stored [E, K, N]), which reads
+            # the weight, not our terms: peft's own path then, W + s B A in the weight.
             if (len(adapters) != 1 or self.num_experts == 1 or param.dtype not in _FLOAT
                     or not _runs_grouped_experts(base) or not hasattr(self, "get_delta_factors")
-                    or param.dim() != 3):  # peft without factor access: its own path
+                    or param.dim() != 3 or _onnx.exporting()):  # peft without factor access: its own path
                 with super()._activate_lora(active_adapters):
                     yield
                 return

@@ -32,7 +32,7 @@ from moe_kernels.testing import (  # noqa: E402
     assert_within_fp32_rounding,
     random_routing,
 )
-from tests.integrations.hf_models import _decisive_ids, _recorded_routing, build, inputs, moe_blocks  # noqa: E402
+from tests.integrations.hf_models import H, _decisive_ids, _recorded_routing, build, inputs, moe_blocks  # noqa: E402
 
 router_mod = importlib.import_module("moe_kernels.ops.router")
 permute_mod = importlib.import_module("moe_kernels.ops.permute")
@@ -271,3 +271,39 @@ def test_import_loads_no_onnx_package():
               "assert not loaded, loaded\n"
               "assert not moe_kernels.onnx.exporting()\n")
     subprocess.run([sys.executable, "-c", script], check=True)
+
+
+class _BlockOutput(nn.Module):
+    """The MoE block's output tensor (Llama 4's block returns (output, router logits))."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def test_fused_lora_on_llama4_exports():
+    """Llama 4's patched block exports through transformers' forward, which reads the weights: while exporting, the
+    fused peft adapters take peft's own path (W + s B A in the weight), so the exported block keeps the adapter
+    (GPT-OSS's and Aria's experts, also stored [E, K, N], take the same path: test_peft.py; transformers' own
+    forward of theirs does not export). Error model: the export's fp32 W + s B A products against eager's rank-r
+    ones, a few fp32 roundings of the output's scale."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False,
+                             target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"])
+    torch.manual_seed(0)
+    model = mk.patch_hf(peft.get_peft_model(build("llama4", layers=1, use_cache=False), config)).eval()
+    block = _BlockOutput(moe_blocks(model.get_base_model())[0]).eval()
+    x = torch.randn(1, 6, H)
+    with torch.no_grad():
+        eager = block(x)
+        with model.disable_adapter():
+            base = block(x)
+    assert (eager - base).abs().max() > 0.1  # the adapter matters
+    onnx_program = torch.onnx.export(block, (x,), dynamo=True)
+    session = _session(onnx_program)
+    got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]).reshape(eager.shape)
+    torch.testing.assert_close(got, eager, rtol=1e-4, atol=1e-5 * eager.abs().max().item())

@@ -66,6 +66,26 @@ def test_fused_lora_equals_peft_within_the_policy(family, monkeypatch):
         assert_close_to_fp64(grads[name], base_grads[name], ref_grads[name], f"{family} d{name}")
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "aria"])
+def test_fused_lora_while_exporting_keeps_the_adapter(family, monkeypatch):
+    # While torch.onnx exports, experts stored [E, K, N] run transformers' forward, which reads the weight: the
+    # fused wrapper then takes peft's own path (W + s B A in the weight) rather than terms nobody reads. (The export
+    # itself: tests/integrations/test_onnx.py, for Llama 4; transformers' forward of these experts does not export.)
+    import moe_kernels.onnx
+
+    torch.manual_seed(0)
+    model = mk.patch_hf(_lora(build(family, layers=1)))
+    ids = inputs()
+    with torch.no_grad():
+        eager = model(ids).logits
+        with model.disable_adapter():
+            base = model(ids).logits
+        monkeypatch.setattr(moe_kernels.onnx, "exporting", lambda: True)
+        exporting = model(ids).logits
+    assert (eager - base).abs().max() > 1e-2  # the adapter matters
+    torch.testing.assert_close(exporting, eager, rtol=1e-4, atol=1e-5)
+
+
 def test_fine_tune_changes_only_the_adapters():
     torch.manual_seed(0)
     model = build("qwen3_moe")

@@ -181,6 +181,8 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
         if dispatcher is not None:
             raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on "
                                       "moe_kernels' ops only (no ONNX export)")
+        if lora13 or lora2:  # (the fused wrapper hands none over while exporting: peft forms W + s B A then)
+            raise RuntimeError("moe_kernels experts: transformers' forward would drop the fused LoRA terms")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     if dispatcher is not None and (lora13 or lora2):
         raise NotImplementedError("moe_kernels experts: LoRA adapters on expert-parallel experts are not supported "
