@@ -86,6 +86,31 @@ def test_fused_lora_while_exporting_keeps_the_adapter(family, monkeypatch):
     torch.testing.assert_close(exporting, eager, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4"])
+def test_gpu_fused_lora_equals_peft_within_the_policy(cuda, family):
+    # The fused adapters on the CUDA path (our grouped GEMMs: the [E, N, K] products for Qwen3-MoE, the [E, K, N]
+    # ones for GPT-OSS and Llama 4) against peft's W + s B A on the same patched model, and both against fp64 on
+    # the CPU: ours at most 2x peft's fp32 error (plus 8 ulps), the error policy of the CPU test above.
+    torch.manual_seed(0)
+    targets = [t.replace("mlp.", "feed_forward.") for t in HF_TARGETS] if family == "llama4" else HF_TARGETS
+    cpu_model = _lora(build(family, layers=1), targets)
+    ref64_model = copy.deepcopy(cpu_model).double()  # transformers' own code, unpatched (the plain loop: fp64 too)
+    ref64_model.get_base_model().set_experts_implementation("eager")
+    peft_model = mk.patch_hf(copy.deepcopy(cpu_model).to(cuda))
+    fused = copy.deepcopy(peft_model)
+    assert mk_peft.unfuse_lora(peft_model) == 2 and mk_peft.fuse_lora(fused) == 0  # fused by patch_hf already
+    ids = inputs()
+    out, grads = _logits_and_grads(fused, ids.to(cuda))
+    base, base_grads = _logits_and_grads(peft_model, ids.to(cuda))
+    ref, ref_grads = _logits_and_grads(ref64_model, ids)
+    assert_close_to_fp64(out.cpu(), base.cpu(), ref, f"{family} logits")
+    lora_names = [n for n in base_grads if "lora_" in n]
+    assert lora_names and set(lora_names) <= set(grads)
+    for name in lora_names:
+        assert_close_to_fp64(grads[name].cpu(), base_grads[name].cpu(), ref_grads[name], f"{family} d{name}")
+
+
 def test_fine_tune_changes_only_the_adapters():
     torch.manual_seed(0)
     model = build("qwen3_moe")
