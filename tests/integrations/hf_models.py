@@ -88,6 +88,8 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "minimax_m3_vl": ("MiniMaxM3VLTextConfig", "MiniMaxM3VLForCausalLM", "MiniMax-M3"),
     "aria": ("AriaTextConfig", "AriaTextForCausalLM", "Aria"),
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", "Longcat-Flash"),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "PhiMoE"),  # transformers' router, our experts
+    "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", "Kolibri"),  # transformers' router, our experts
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -208,9 +210,13 @@ CASES = [
     ("aria", {}),  # experts stored [E, K, N], bias-free
     ("longcat_flash", {}),
     ("longcat_flash", {"zero_expert_num": 0}),
+    ("phimoe", {}),
+    ("kolibri1", {}),
 ]
-# Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare)
-ROUTER_CASES = [(f, o) for f, o in CASES if f != "llama4"]
+# Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare); PhiMoE
+# and Kolibri: transformers' routers, our experts
+EXPERTS_ONLY = ("llama4", "phimoe", "kolibri1")
+ROUTER_CASES = [(f, o) for f, o in CASES if f not in EXPERTS_ONLY]
 ROUTER_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in ROUTER_CASES]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]
 

@@ -104,6 +104,7 @@ def test_sgd_step_matches(family, overrides):
     ids = inputs()
     params = dict(model.named_parameters())
     for m in (ref_model, model):
+        torch.manual_seed(0)  # the same draws for routers that sample in training (PhiMoE's sparsemixer)
         out = run(m, ids, labels=ids)
         out.loss.backward()
         torch.optim.SGD(m.parameters(), lr=0.5).step()
@@ -357,7 +358,9 @@ def test_gpu_compiled_patched_model_takes_the_registered_ops(cuda, monkeypatch):
 # Inkling2's router multiplies its input cast to fp32 by a weight from_pretrained keeps in fp32
 # (_keep_in_fp32_modules_strict): transformers' own forward fails in a model cast whole to bf16 (or fp64), as this
 # test casts it; its MoE blocks are compared in fp32 by the tests above.
-BF16_CASES = [(f, o) for f, o in CASES if f not in ("deepseek_v4", "inkling2")]
+# PhiMoE's router samples its experts in training (sparsemixer): the bf16 and fp64 models, whose scores differ by
+# bf16's rounding, draw different experts; its experts are compared in fp32 by the tests above.
+BF16_CASES = [(f, o) for f, o in CASES if f not in ("deepseek_v4", "inkling2", "phimoe")]
 BF16_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in BF16_CASES]
 
 

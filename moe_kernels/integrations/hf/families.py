@@ -146,6 +146,13 @@ FAMILIES = (
             "MiniMaxM3VLTopKRouter", "MiniMaxM3VLExperts", minimax_m3_router_forward, minimax_m3_problem),
     _Family("Aria", _TM + "aria.modeling_aria", "AriaTextMoELayer", "AriaTextTopKRouter", "AriaExperts",
             aria_router_forward, kn_experts=True),
+    # Routers router_topk does not reproduce, left as they are, our experts behind them:
+    # PhiMoE's sparsemixer (experts sampled in training, a straight-through gradient), Kolibri's selection by
+    # logit + bias with the chosen logits' sigmoids as weights.
+    _Family("PhiMoE", _TM + "phimoe.modeling_phimoe", "PhimoeSparseMoeBlock", "PhimoeTopKRouter", "PhimoeExperts",
+            None, reference=False, experts_only_routers=("PhimoeTopKRouter",)),
+    _Family("Kolibri", _TM + "kolibri1.modeling_kolibri1", "Kolibri1SparseMoeBlock", "Kolibri1TopKRouter",
+            "Kolibri1Experts", None, reference=False, experts_only_routers=("Kolibri1TopKRouter",)),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )
