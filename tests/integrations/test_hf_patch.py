@@ -490,6 +490,8 @@ def test_llama4_with_peft_adapters_runs_the_routed_rows(monkeypatch):
     rows = _count_kn_rows(monkeypatch)
     ids = inputs()
     with torch.no_grad():
+        # fp32, the same products in another order (rank-r terms beside W, where peft forms W + s B A): the bound of
+        # test_forward_matches
         torch.testing.assert_close(model(ids).logits, ref_model(ids).logits, rtol=1e-5, atol=1e-5)
     T, k = ids.numel(), model.config.num_experts_per_tok
     assert rows and set(rows) == {T * k}, rows  # every [E, K, N] product on the routed rows (and the rank-r ones)
