@@ -90,6 +90,7 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "longcat_flash": ("LongcatFlashConfig", "LongcatFlashForCausalLM", "Longcat-Flash"),
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "PhiMoE"),  # transformers' router, our experts
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", "Kolibri"),  # transformers' router, our experts
+    "zaya": ("ZayaConfig", "ZayaForCausalLM", "Zaya"),  # transformers' router, our experts
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -126,7 +127,7 @@ _EXTRA = {
 }
 # the attention of the hybrid families' layers
 _LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention", "inkling2": "hybrid",
-               "axk2": "indexed_attention"}
+               "zaya": "hybrid", "axk2": "indexed_attention"}
 _SPARSE_MLP = ("cohere2_moe", "hy_v3", "laguna", "minicpm5_moe", "beam", "axk2")  # mlp_layer_types: every layer MoE
 
 
@@ -212,10 +213,11 @@ CASES = [
     ("longcat_flash", {"zero_expert_num": 0}),
     ("phimoe", {}),
     ("kolibri1", {}),
+    ("zaya", {"num_experts_per_tok": 1}),  # (Zaya's only k)
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare); PhiMoE
 # and Kolibri: transformers' routers, our experts
-EXPERTS_ONLY = ("llama4", "phimoe", "kolibri1")
+EXPERTS_ONLY = ("llama4", "phimoe", "kolibri1", "zaya")
 ROUTER_CASES = [(f, o) for f, o in CASES if f not in EXPERTS_ONLY]
 ROUTER_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in ROUTER_CASES]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]

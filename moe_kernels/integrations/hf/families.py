@@ -148,11 +148,13 @@ FAMILIES = (
             aria_router_forward, kn_experts=True),
     # Routers router_topk does not reproduce, left as they are, our experts behind them:
     # PhiMoE's sparsemixer (experts sampled in training, a straight-through gradient), Kolibri's selection by
-    # logit + bias with the chosen logits' sigmoids as weights.
+    # logit + bias with the chosen logits' sigmoids as weights, Zaya's MLP router carrying state across layers.
     _Family("PhiMoE", _TM + "phimoe.modeling_phimoe", "PhimoeSparseMoeBlock", "PhimoeTopKRouter", "PhimoeExperts",
             None, reference=False, experts_only_routers=("PhimoeTopKRouter",)),
     _Family("Kolibri", _TM + "kolibri1.modeling_kolibri1", "Kolibri1SparseMoeBlock", "Kolibri1TopKRouter",
             "Kolibri1Experts", None, reference=False, experts_only_routers=("Kolibri1TopKRouter",)),
+    _Family("Zaya", _TM + "zaya.modeling_zaya", "ZayaSparseMoeBlock", "ZayaRouter", "ZayaExperts", None,
+            reference=False, experts_only_routers=("ZayaRouter",)),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

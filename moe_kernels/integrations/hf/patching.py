@@ -81,13 +81,14 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
     w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
-    wg = _gate_weight(gate)
-    if not all(isinstance(t, Tensor) for t in (w13, w2, wg)):
+    # transformers' router stays (PhiMoE's, Kolibri's, Zaya's, whose has no [E, H] weight): the experts alone checked
+    wg = None if _experts_only(fam, gate) else _gate_weight(gate)
+    if not all(isinstance(t, Tensor) for t in (w13, w2)) or not (wg is None or isinstance(wg, Tensor)):
         return "it lacks gate_up_proj/down_proj/router weight tensors (transformers 4.x layout?)"
     if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
         return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
     E = getattr(experts, "num_experts", None)
-    if w13.dim() != 3 or w2.dim() != 3 or wg.dim() != 2:
+    if w13.dim() != 3 or w2.dim() != 3 or (wg is not None and wg.dim() != 2):
         return "its weights are not [E, 2F, H] / [E, H, F] / [E, H] (or transposed, with biases)"
     if kn:  # stored [E, K, N]
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
@@ -100,10 +101,11 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
     Z = getattr(block, fam.zero_experts, None) if fam.zero_experts else 0  # Longcat-Flash's zero-computation experts
     if not isinstance(Z, int) or Z < 0:
         return f"its {fam.zero_experts}={Z!r} is not a count of experts"
-    if (w13.shape[0], w2.shape[0], wg.shape[0]) != (E, E, E + Z) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) \
-            or wg.shape[1] != H:
+    router_fits = wg is None or tuple(wg.shape) == (E + Z, H)
+    if (w13.shape[0], w2.shape[0]) != (E, E) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) or not router_fits:
+        router = "transformers'" if wg is None else tuple(wg.shape)
         return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
-                f"router {tuple(wg.shape)} for {E} experts" + (f" and {Z} zero-computation experts" if Z else ""))
+                f"router {router} for {E} experts" + (f" and {Z} zero-computation experts" if Z else ""))
     if not 1 <= _gate_top_k(gate) <= E + Z:
         return "its router has no valid top_k"
     return fam.problem(gate, block, E) if fam.problem is not None else None
@@ -288,7 +290,7 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
     forward: see the package docstring), Granite-MoE, Jamba, HunYuan-MoE-V1, LFM2-MoE, AFMoE, Cohere2-MoE, HY-V3,
     Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria,
-    Longcat-Flash, and PhiMoE's and Kolibri's experts behind transformers' own routers (routings:
+    Longcat-Flash, and PhiMoE's, Kolibri's and Zaya's experts behind transformers' own routers (routings:
     `moe_kernels.integrations.hf.routings`), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, Granite 4.0, ...; `matched_routers()` lists them). Each block keeps its
