@@ -45,16 +45,11 @@ def _innermost(module: nn.Module) -> nn.Module:
 
 
 def _runs_grouped_experts(module: nn.Module) -> bool:
-    """Our GroupedExperts, transformers experts on the "moe_kernels" implementation, or the experts of a block
-    whose forward patch_hf replaced (Llama 4's)."""
-    from moe_kernels.integrations.hf import EXPERTS_IMPLEMENTATION
-    from moe_kernels.integrations.hf.patching import is_patched_experts
+    """Our GroupedExperts, or transformers experts that run moe_kernels' experts forward."""
+    from moe_kernels.integrations.hf.patching import runs_our_experts
     from moe_kernels.nn.experts import GroupedExperts
 
-    if isinstance(module, GroupedExperts) or is_patched_experts(module):
-        return True
-    config = getattr(module, "config", None)
-    return getattr(config, "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
+    return isinstance(module, GroupedExperts) or runs_our_experts(module)
 
 
 def _make_wrapper_class():
@@ -75,7 +70,7 @@ def _make_wrapper_class():
             # the weight, not our terms: peft's own path then, W + s B A in the weight.
             if (len(adapters) != 1 or self.num_experts == 1 or param.dtype not in _FLOAT
                     or not _runs_grouped_experts(base) or not hasattr(self, "get_delta_factors")
-                    or param.dim() != 3 or _onnx.exporting()):  # peft without factor access: its own path
+                    or _onnx.exporting()):  # peft without factor access: its own path
                 with super()._activate_lora(active_adapters):
                     yield
                 return

@@ -98,16 +98,12 @@ class ExpertTensorParallelDispatcher(Dispatcher):
 
 
 def _hf_experts(model: nn.Module) -> list[nn.Module]:
-    """transformers experts modules running moe_kernels' experts implementation, and the experts of the blocks
-    whose forward patch_hf replaced (Llama 4's)."""
-    from moe_kernels.integrations.hf import EXPERTS_IMPLEMENTATION
-    from moe_kernels.integrations.hf.patching import _patched_block_experts
+    """transformers experts modules running moe_kernels' experts forward (the "moe_kernels" experts implementation,
+    or the experts of a block whose forward patch_hf replaced: Llama 4's)."""
+    from moe_kernels.integrations.hf.patching import runs_our_experts
 
-    block_experts = _patched_block_experts(model)
     return [m for m in model.modules()
-            if (getattr(getattr(m, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION
-                or any(m is e for e in block_experts))
-            and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+            if runs_our_experts(m) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
             and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
 
 

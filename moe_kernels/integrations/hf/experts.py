@@ -158,14 +158,11 @@ class _GroupedMmKN(torch.autograd.Function):
 
 def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms) -> Tensor:
     """x @ (w[e] + sum of s lhs[e] rhs[e]) (+ bias[e]) per group, w stored [E, K, N]: the [E, K, N] product, and
-    for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the delta in the stored layout is s lhs rhs,
-    peft's get_delta_factors) two rank-r [E, K, N] products, (x lhs) rhs, so W + s lhs rhs is never formed."""
-    out = _GroupedMmKN.apply(x, w, bias, group_sizes)
-    for lhs, rhs, scaling in terms:
-        lhs, rhs = lhs.to(x.dtype).contiguous(), rhs.to(x.dtype).contiguous()  # small: E (K + N) r elements
-        low = _GroupedMmKN.apply(_GroupedMmKN.apply(x, lhs, None, group_sizes), rhs, None, group_sizes)
-        out = out + scaling * low.to(out.dtype)
-    return out
+    grouped_mm_lora's two rank-r products for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the
+    delta in the stored layout is s lhs rhs, peft's get_delta_factors), so W + s lhs rhs is never formed. In
+    grouped_mm's [E, N, K] terms that delta is s rhs^T lhs^T (the factors are small: E (K + N) r elements)."""
+    terms = [(rhs.transpose(1, 2), lhs.transpose(1, 2), s) for lhs, rhs, s in terms]
+    return grouped_mm_lora(x, w, group_sizes, terms, mm=lambda x, w, g: _GroupedMmKN.apply(x, w, bias, g))
 
 
 def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
@@ -198,13 +195,14 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
         idx = torch.where(idx < E, idx, -1)
     if dispatcher is not None:  # this rank holds E / P experts (and their biases)
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=1)
-        h = _GroupedMmKN.apply(d.x, w13.contiguous(), b13, d.group_sizes)
-        y = _GroupedMmKN.apply(_gated(self, h).contiguous(), w2.contiguous(), b2, d.group_sizes)
-        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
-    x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
-    h = _kn_mm(x_perm, w13.contiguous(), b13, group_sizes, lora13)  # [R, 2F]
+        rows, group_sizes = d.x, d.group_sizes
+    else:
+        rows, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
+    h = _kn_mm(rows, w13.contiguous(), b13, group_sizes, lora13)  # [R, 2F]
     act = _gated(self, h)  # GPT-OSS's own clamped gate on interleaved columns; Aria's SiLU: our swiglu
     y = _kn_mm(act.contiguous(), w2.contiguous(), b2, group_sizes, lora2)  # [R, H]
+    if dispatcher is not None:
+        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
 
 

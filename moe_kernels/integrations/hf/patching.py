@@ -263,17 +263,13 @@ def register_experts_implementation() -> bool:
     return True
 
 
-def is_patched_experts(module: nn.Module) -> bool:
-    """Whether `module` is the experts module of a block whose forward patch_hf replaced (Llama 4's)."""
+def runs_our_experts(module: nn.Module) -> bool:
+    """Whether a transformers experts module runs moe_kernels' experts forward: selected as the "moe_kernels"
+    experts implementation, or the experts of a block whose forward patch_hf replaced (Llama 4's)."""
+    if getattr(getattr(module, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION:
+        return True
     return type(module) in _PATCHED_CLASSES.values() and any(
         f.block_forward is not None and _base_class(module).__name__ == f.experts for f in FAMILIES)
-
-
-def _patched_block_experts(model: nn.Module) -> list[nn.Module]:
-    """The experts modules of the blocks whose own forward patch_hf replaced (Llama 4's)."""
-    subs = tuple(_PATCHED_CLASSES.values())
-    blocks = tuple(classes[0] for f in FAMILIES if f.block_forward is not None and (classes := _family_classes(f)))
-    return [_experts_of(m) for m in model.modules() if blocks and isinstance(m, blocks) and isinstance(m, subs)]
 
 
 def is_patched(module: nn.Module) -> bool:

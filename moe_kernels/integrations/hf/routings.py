@@ -407,7 +407,6 @@ def minimax_m3_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[T
     return router_logits, weights, indices.long()
 
 
-
 def aria_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Aria: top-k by logit, softmax over the k (transformers takes it in the logits' dtype, router_topk in fp32
     rounded to it: in bf16 the two differ by at most one rounding)."""
