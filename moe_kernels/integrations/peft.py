@@ -15,6 +15,15 @@ fused path does not cover run peft's own code: several active adapters at once, 
 export. Adapters saved from a fused model load with `PeftModel.from_pretrained`; call `fuse_lora` (or `patch_hf`)
 again after loading.
 
+Expert parallelism (`moe_kernels.parallel.apply_expert_parallel`, after `get_peft_model`): the adapters stay
+whole on every rank, every expert's factors, as peft creates, saves and loads them, while the rank's weights are
+its E / P experts. The wrapper hands the experts (and peft's own paths: merging, several adapters) the slices of
+this rank's experts. A backward fills those slices with the gradients of every rank's tokens routed to them and
+leaves the other experts' zero, so the data-parallel mean over the group that every replicated parameter takes
+(DDP, FSDP2, `moe_kernels.parallel.GradientReducer`) is each factor's gradient, and the ranks' adapters stay
+equal. Adapters created after `apply_expert_parallel` would hold only the rank's experts under names every rank
+shares; they are refused.
+
 peft is imported only when a model holds its wrappers.
 """
 
@@ -27,7 +36,7 @@ import torch
 from torch import nn
 
 from moe_kernels import onnx as _onnx
-from moe_kernels.nn.lora import LORA_ATTR
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, LORA_ATTR, unwrapped
 
 _WRAPPER = "MoeKernelsParamWrapper"
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -36,12 +45,6 @@ _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
 def _param_wrapper_class():
     mod = sys.modules.get("peft.tuners.lora.layer")
     return getattr(mod, "ParamWrapper", None) if mod is not None else None
-
-
-def _innermost(module: nn.Module) -> nn.Module:
-    while isinstance(getattr(module, "base_layer", None), nn.Module):
-        module = module.base_layer
-    return module
 
 
 def _runs_grouped_experts(module: nn.Module) -> bool:
@@ -57,6 +60,30 @@ def _make_wrapper_class():
 
     class MoeKernelsParamWrapper(ParamWrapper):
         """peft's ParamWrapper whose adapter reaches the grouped experts as low-rank terms (module docstring)."""
+
+        def _local_experts(self) -> slice | None:
+            """The experts this rank holds, where the wrapped experts are expert-parallel (None: all of them)."""
+            held = self.get_base_layer().__dict__.get(EXPERT_RANGE_ATTR)
+            if held is None:
+                return None
+            first, count, total = held
+            if self.num_experts != total:
+                raise ValueError(
+                    f"moe_kernels: the LoRA adapter on {self.parameter_name} holds {self.num_experts} experts and the "
+                    f"expert-parallel layer {total}: it was created after apply_expert_parallel, from this rank's "
+                    "experts alone, under names every rank shares. Create the adapters (get_peft_model, "
+                    "PeftModel.from_pretrained) before apply_expert_parallel")
+            return slice(first, first + count)
+
+        def get_delta_factors(self, adapter_name):
+            lhs, rhs, scaling = super().get_delta_factors(adapter_name)
+            local = self._local_experts()
+            return (lhs, rhs, scaling) if local is None else (lhs[local], rhs[local], scaling)
+
+        def get_delta_weight(self, adapter_name, *args, **kwargs):
+            delta = super().get_delta_weight(adapter_name, *args, **kwargs)
+            local = self._local_experts()
+            return delta if local is None else delta[local]
 
         @contextlib.contextmanager
         def _activate_lora(self, active_adapters):
@@ -89,14 +116,20 @@ def _make_wrapper_class():
     return MoeKernelsParamWrapper
 
 
+def _wrapper_class():
+    """The one MoeKernelsParamWrapper class of this process, created on first use (peft loaded)."""
+    cls = globals().get(_WRAPPER)
+    if cls is None:
+        cls = globals()[_WRAPPER] = _make_wrapper_class()
+    return cls
+
+
 def __getattr__(name: str):
     # Importable by name (pickles of fused models load in a fresh process), created on first use.
     if name == _WRAPPER and _param_wrapper_class() is None:
         import peft.tuners.lora.layer  # noqa: F401
     if name == _WRAPPER:
-        cls = _make_wrapper_class()
-        globals()[_WRAPPER] = cls
-        return cls
+        return _wrapper_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -106,23 +139,25 @@ def fuse_lora(model: nn.Module) -> int:
     ParamWrapper = _param_wrapper_class()
     if ParamWrapper is None:
         return 0
-    cls = __getattr__(_WRAPPER)
+    cls = _wrapper_class()
     changed = 0
     for module in model.modules():
-        if type(module) is ParamWrapper and _runs_grouped_experts(_innermost(module)):
+        if type(module) is ParamWrapper and _runs_grouped_experts(unwrapped(module)):
             module.__class__ = cls
             changed += 1
     return changed
 
 
 def unfuse_lora(model: nn.Module) -> int:
-    """Back to peft's own wrappers (W + BA formed on each forward); returns how many changed."""
+    """Back to peft's own wrappers (W + BA formed on each forward); returns how many changed. ValueError on an
+    expert-parallel model: peft's own wrapper would add every expert's delta to this rank's experts."""
     ParamWrapper = _param_wrapper_class()
     if ParamWrapper is None or _WRAPPER not in globals():
         return 0
-    changed = 0
-    for module in model.modules():
-        if type(module) is globals()[_WRAPPER]:
-            module.__class__ = ParamWrapper
-            changed += 1
-    return changed
+    wrappers = [m for m in model.modules() if type(m) is globals()[_WRAPPER]]
+    if any(EXPERT_RANGE_ATTR in m.get_base_layer().__dict__ for m in wrappers):
+        raise ValueError("unfuse_lora: the experts are expert-parallel (apply_expert_parallel); peft's own wrappers "
+                         "would add every expert's delta to this rank's experts")
+    for module in wrappers:
+        module.__class__ = ParamWrapper
+    return len(wrappers)

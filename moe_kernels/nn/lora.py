@@ -21,6 +21,17 @@ from torch import Tensor, nn
 from moe_kernels.ops.grouped_mm import grouped_mm
 
 LORA_ATTR = "_moe_kernels_lora"
+# On an expert-parallel rank's experts module: (first, count, total), the experts [first, first + count) of the
+# layer's `total` that it holds (moe_kernels.parallel.apply_expert_parallel). An adapter wrapper applies those
+# experts' slices of its factors (moe_kernels.integrations.peft).
+EXPERT_RANGE_ATTR = "_moe_kernels_expert_range"
+
+
+def unwrapped(module: nn.Module) -> nn.Module:
+    """The experts module inside any adapter wrappers (peft's keep the module they wrap as `base_layer`)."""
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        module = module.base_layer
+    return module
 
 
 def lora_terms(module: nn.Module, name: str) -> list[tuple[Tensor, Tensor, float]]:

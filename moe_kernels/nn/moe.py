@@ -14,7 +14,7 @@ from torch.nn.modules import module as _nn_module
 
 from moe_kernels.nn import fused, torch_native
 from moe_kernels.nn.experts import GroupedExperts
-from moe_kernels.nn.lora import lora_terms
+from moe_kernels.nn.lora import lora_terms, unwrapped
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.expert_mlp import expert_mlp_reference
@@ -196,6 +196,9 @@ class MoELayer(nn.Module):
         if cfg.backend == "torch":
             if self.dispatcher is not None:
                 raise ValueError("MoELayer: the torch-native backend has no expert-parallel path")
+            if self._adapted():
+                raise ValueError("MoELayer: the torch-native backend runs no adapters on the experts (peft's LoRA); "
+                                 "use backend='kernels' or 'reference'")
             return self._forward_torch_native(x, seq_len)
         ops = _REFERENCE_OPS if cfg.backend == "reference" else _KERNEL_OPS
         if cfg.recipe is not None:
@@ -217,10 +220,10 @@ class MoELayer(nn.Module):
         elif self.dispatcher is not None:
             self._took("dispatched")
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
-        elif getattr(cfg.recipe, "fused_permute", False) and not lora_terms(self.experts, "w13"):
+        elif getattr(cfg.recipe, "fused_permute", False) and not self._adapted():
             self._took("recipe")
             # The recipe fuses the permute with its first GEMM's input quantization.
-            fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm") and not lora_terms(self.experts, "w2")
+            fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm")
             # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
                 x_in, routed.indices, cfg.num_experts, cfg.permute_align, self.experts.w13, swiglu_next=fused_swiglu
@@ -254,6 +257,13 @@ class MoELayer(nn.Module):
         if self.expert_path != path:
             self.expert_path = path
 
+    def _adapted(self) -> bool:
+        """Adapters may apply to the experts: an adapter wrapper holds them (peft's, whose forward hands the
+        experts their LoRA terms: moe_kernels.integrations.peft), or terms are set. Only the paths that call the
+        experts module apply them; the fused, gathered and recipe-fused paths read the weights."""
+        return self.experts is not unwrapped(self.experts) or bool(
+            lora_terms(self.experts, "w13") or lora_terms(self.experts, "w2"))
+
     def _launch(self, x: Tensor) -> fused.Launch | None:
         """The fused regions' launch for this call (moe_kernels.nn.fused), or None for the registered ops."""
         return fused.launch_for(x)
@@ -261,13 +271,13 @@ class MoELayer(nn.Module):
     def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
         """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
         plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
-        if self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
+        if (self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES
+                or self._adapted()):
             return False
         experts = self.experts
         w13, w2 = experts.w13, experts.w2
         if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
-                and w2.is_contiguous() and not lora_terms(experts, "w13") and not lora_terms(experts, "w2")
-                and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups)):
+                and w2.is_contiguous() and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups)):
             return False
         autocast = _autocast_dtype(x)
         return _gemm_dtype(w13, autocast) == x.dtype and _gemm_dtype(w2, autocast) == x.dtype
@@ -290,11 +300,12 @@ class MoELayer(nn.Module):
     def _gathered_fit(self, x: Tensor) -> bool:
         """The gather-fused experts take the plain local layer (no dispatcher, no adapters, plain weights in x's
         dtype after autocast); elsewhere the layer keeps its other paths."""
+        if self.dispatcher is not None or self._adapted():
+            return False
         w13, w2 = self.experts.w13, self.experts.w2
         autocast = _autocast_dtype(x)
-        return (self.dispatcher is None and type(w13) in _PLAIN and type(w2) in _PLAIN
-                and _gemm_dtype(w13, autocast) == x.dtype and _gemm_dtype(w2, autocast) == x.dtype
-                and not lora_terms(self.experts, "w13") and not lora_terms(self.experts, "w2"))
+        return (type(w13) in _PLAIN and type(w2) in _PLAIN and _gemm_dtype(w13, autocast) == x.dtype
+                and _gemm_dtype(w2, autocast) == x.dtype)
 
     def _forward_gathered(self, launch: fused.Launch | None, x: Tensor, routed) -> Tensor:
         cfg = self.config

@@ -10,7 +10,12 @@ transformers models take the same path once their experts run moe_kernels' exper
 (`patch_hf(model)`, or `from_pretrained(..., experts_implementation="moe_kernels")`): each experts module
 keeps its rank's slice of `gate_up_proj` / `down_proj` and a dispatcher, and the experts forward
 dispatches the rows, runs the local grouped GEMMs and combines, while transformers' router, block and
-shared experts run as they are. (transformers' own expert-parallel interface shards through DTensor
+shared experts run as they are.
+
+peft LoRA adapters on the experts (either kind of model; created before this call) stay whole on every rank,
+replicated parameters like the router: each rank applies its experts' slices of them (the experts module
+records the range it holds, EXPERT_RANGE_ATTR; moe_kernels.integrations.peft slices), a rank's backward leaves
+the other experts' slices zero, and the data-parallel mean of their gradients is exact. (transformers' own expert-parallel interface shards through DTensor
 hooks and its own all-to-all; ours keeps plain local tensors and our dispatchers, so the same backends,
 tests and checkpoints serve both kinds of model.)
 
@@ -44,7 +49,7 @@ from moe_kernels.dispatch import LocalDispatcher, NvlinkDispatcher, collectives,
 from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
-from moe_kernels.nn.lora import lora_terms
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, unwrapped
 
 
 def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 0, parts: int = 1) -> GroupedExperts:
@@ -130,6 +135,7 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
         w = getattr(experts, name)
         setattr(experts, name, nn.Parameter(w.detach()[lo : lo + El].clone(), requires_grad=w.requires_grad))
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
+    experts.__dict__[EXPERT_RANGE_ATTR] = (lo, El, E)
 
 
 def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backend: str = "all_to_all",
@@ -164,8 +170,11 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         raise NotImplementedError("apply_expert_parallel: expert tensor parallelism (etp_group) is for "
                                   "moe_kernels models; transformers experts take expert parallelism only")
     if hf_experts and not layers:
+        from moe_kernels.integrations.peft import fuse_lora
+
         for experts in hf_experts:
             _shard_hf_experts(experts, backend, group, options)
+        fuse_lora(model)  # peft's adapters on the experts: this rank's slices (peft's own wrapper would take them all)
         return model
     if not layers:
         raise ValueError("apply_expert_parallel: the model has no MoELayer (nor transformers experts on moe_kernels: "
@@ -175,22 +184,37 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
             raise ValueError("apply_expert_parallel: the model is already expert-parallel")
         if layer.config.backend == "torch":
             raise ValueError("apply_expert_parallel: the torch-native backend has no expert-parallel path")
-        if layer.experts.num_experts != layer.config.num_experts:
+        if unwrapped(layer.experts).num_experts != layer.config.num_experts:
             raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
         if etp > 1 and layer.config.ffn_size % etp:
             raise ValueError(f"apply_expert_parallel: the {etp} ranks of etp_group must divide the expert ffn size "
                              f"{layer.config.ffn_size}")
-        if etp > 1 and (lora_terms(layer.experts, "w13") or lora_terms(layer.experts, "w2")):
-            raise NotImplementedError("apply_expert_parallel: LoRA adapters on experts split by etp_group")
+        if etp > 1 and unwrapped(layer.experts) is not layer.experts:
+            raise NotImplementedError("apply_expert_parallel: LoRA adapters on experts split by etp_group (each "
+                                      "expert's ffn width split too)")
     etp_rank = 0 if etp == 1 else dist.get_rank(etp_group)
     one_rank = group is not None and dist.get_world_size(group) == 1
     for layer in layers:
         E = layer.config.num_experts
         dispatcher = LocalDispatcher(E) if one_rank and etp > 1 else make_dispatcher(backend, E, group, **options)
-        layer.experts = _local_experts(layer.experts, dispatcher.first_expert, dispatcher.num_local_experts,
-                                       etp_rank, etp)
+        first, count = dispatcher.first_expert, dispatcher.num_local_experts
+        local = _local_experts(unwrapped(layer.experts), first, count, etp_rank, etp)
+        local.__dict__[EXPERT_RANGE_ATTR] = (first, count, E)
+        _replace_unwrapped(layer, "experts", local)
         layer.dispatcher = dispatcher if etp == 1 else ExpertTensorParallelDispatcher(dispatcher, etp_group)
+    if any(unwrapped(layer.experts) is not layer.experts for layer in layers):
+        from moe_kernels.integrations.peft import fuse_lora
+
+        fuse_lora(model)  # peft's adapters on the experts: this rank's slices (peft's own wrapper would take them all)
     return model
+
+
+def _replace_unwrapped(parent: nn.Module, name: str, new: nn.Module) -> None:
+    """parent.<name> = new, or, where adapter wrappers hold the module (base_layer), the innermost one's base_layer."""
+    module = getattr(parent, name)
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        parent, name, module = module, "base_layer", module.base_layer
+    setattr(parent, name, new)
 
 
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -199,7 +223,7 @@ def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
 
     for m in model.modules():
         if isinstance(m, MoELayer) and m.dispatcher is not None:
-            yield from m.experts.parameters()
+            yield from unwrapped(m.experts).parameters()  # (an adapter wrapper's factors stay replicated)
         elif DISPATCHER_ATTR in m.__dict__:
             for name in _hf_expert_tensors(m):
                 yield getattr(m, name)

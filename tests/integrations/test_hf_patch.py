@@ -497,36 +497,29 @@ def test_llama4_with_peft_adapters_runs_the_routed_rows(monkeypatch):
     assert rows and set(rows) == {T * k}, rows  # every [E, K, N] product on the routed rows (and the rank-r ones)
 
 
-class _Wrapper(nn.Module):  # an adapter wrapper around the experts, as peft's keeps them: base_layer
-    def __init__(self, base):
-        super().__init__()
-        self.base_layer = base
-
-    def forward(self, *args):
-        return self.base_layer(*args)
-
-
 @pytest.mark.parametrize("family", ["gpt_oss", "llama4"])
-@pytest.mark.parametrize("why", ["onnx", "lora"])
-def test_expert_parallel_experts_refuse_what_they_cannot_shard(family, why, monkeypatch):
-    # An expert-parallel rank holds E / P experts: transformers' forward (an ONNX export) and LoRA adapters (which
-    # hold every expert's factors) would be wrong there, so they raise (expert parallelism itself:
-    # tests/parallel/test_expert_parallel_hf.py).
+def test_expert_parallel_experts_refuse_an_onnx_export(family, monkeypatch):
+    # An expert-parallel rank holds E / P experts: transformers' forward (which an ONNX export takes) would be wrong
+    # there, so it raises (expert parallelism itself, and LoRA on it: tests/parallel/test_expert_parallel_hf.py).
     model = patched_copy(build(family))
-    block = moe_blocks(model)[0]
-    experts = hf.common._experts_of(block)
+    experts = hf.common._experts_of(moe_blocks(model)[0])
     experts.__dict__[hf.DISPATCHER_ATTR] = object()  # as apply_expert_parallel leaves it (never reached here)
-    if why == "onnx":
-        monkeypatch.setattr(hf.experts, "_onnx", types.SimpleNamespace(exporting=lambda: True))
-        match = "expert-parallel .* run on moe_kernels' ops only"
-    elif family == "gpt_oss":
-        real = hf.experts.lora_terms
-        monkeypatch.setattr(hf.experts, "lora_terms", lambda m, name: [None] if m is experts else real(m, name))
-        match = "LoRA adapters on expert-parallel experts"
-    else:
-        block.experts = _Wrapper(experts)
-        match = "LoRA adapters on expert-parallel Llama 4 experts"
-    with pytest.raises(NotImplementedError, match=match):
+    monkeypatch.setattr(hf.experts, "_onnx", types.SimpleNamespace(exporting=lambda: True))
+    with pytest.raises(NotImplementedError, match="expert-parallel .* run on moe_kernels' ops only"):
+        model(inputs())
+
+
+def test_lora_terms_must_cover_the_experts_held(monkeypatch):
+    # A LoRA term whose expert count is not the weights' (an adapter over every expert handed to a rank's slice)
+    # raises before any kernel runs.
+    model = patched_copy(build("qwen3_moe"))
+    experts = hf.common._experts_of(moe_blocks(model)[0])
+    E, N, K = experts.gate_up_proj.shape
+    term = (torch.zeros(E + 1, N, 2), torch.zeros(E + 1, 2, K), 1.0)
+    real = hf.experts.lora_terms
+    monkeypatch.setattr(hf.experts, "lora_terms",
+                        lambda m, name: [term] if m is experts and name == "gate_up_proj" else real(m, name))
+    with pytest.raises(ValueError, match=f"holds {E} experts and a LoRA term {E + 1}"):
         model(inputs())
 
 

@@ -166,7 +166,9 @@ def _lora_reference64(base, adapter_dir, ids):
 
 def test_unfuse_returns_to_peft():
     peft_model = mk.patch_hf(_lora(build("qwen3_moe", layers=1)))
-    assert mk_peft.unfuse_lora(peft_model) == 2
+    other = mk.patch_hf(_lora(build("qwen3_moe", layers=1)))  # a second fuse: still the one wrapper class
+    assert mk_peft.fuse_lora(peft_model) == 0
+    assert mk_peft.unfuse_lora(other) == 2 and mk_peft.unfuse_lora(peft_model) == 2
     assert not any(type(m).__name__ == "MoeKernelsParamWrapper" for m in peft_model.modules())
     assert mk_peft.fuse_lora(peft_model) == 2
 
@@ -191,3 +193,55 @@ def test_grouped_experts_of_our_moe_layer():
         outs.append((out.detach(), inp.grad, grad_a))
     for i, what in enumerate(("out", "dx", "dlora_A")):
         assert_close_to_fp64(outs[0][i], outs[1][i], outs[2][i], f"GroupedExperts LoRA {what}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", [None, "fp8"])
+def test_gpu_grouped_experts_of_our_moe_layer(cuda, recipe):
+    # On the CUDA path the layer would otherwise take its fused regions (or the FP8 recipe's fused permute), which
+    # read the weights: with an adapter wrapper around the experts it calls them through it. Without a recipe: fused
+    # adapters against peft's W + s B A on the same layer and both against fp64 on the CPU, ours at most 2x peft's
+    # error (plus 8 ulps). FP8: our output against the fp64 layer without the recipe, above the SQNR floor of four
+    # quantized operands (moe_kernels.testing's model, as tests/quant/test_recipe.py bounds the recipe's layer).
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+    from moe_kernels.testing import quantized_sqnr_floor_db, sqnr_db
+
+    torch.manual_seed(0)
+    extra = {} if recipe is None else dict(recipe=Fp8BlockwiseRecipe(), hidden_size=128, ffn_size=128)
+    cfg = qwen3_30b_a3b(**{"hidden_size": 32, "ffn_size": 16, "num_experts": 8, "k": 2, **extra})
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.w13", "experts.w2"],
+                             init_lora_weights=False)
+    cpu = peft.get_peft_model(MoELayer(cfg), config)
+    plain = copy.deepcopy(cpu).to(cuda)
+    fused = copy.deepcopy(plain)
+    assert mk_peft.fuse_lora(fused) == 2
+    ref64 = copy.deepcopy(cpu).double()
+    ref64.get_base_model().config = cfg.replace(backend="reference", recipe=None)  # the references, in fp64
+    x = torch.randn(3, 11, cfg.hidden_size)
+    outs = []
+    for model, inp in ((fused, x.to(cuda)), (plain, x.to(cuda)), (ref64, x.double())):
+        inp = inp.clone().requires_grad_()
+        out, aux = model(inp)
+        (out.square().sum() + aux).backward()
+        grad_a = next(p.grad for n, p in model.named_parameters() if "lora_A" in n)
+        outs.append((out.detach().cpu(), inp.grad.cpu(), grad_a.cpu()))
+    assert fused.get_base_model().expert_path == "ops"
+    with torch.no_grad(), fused.disable_adapter():
+        bare = fused(x.to(cuda))[0].cpu()
+    assert (bare - outs[0][0]).abs().max() > 1e-2, "the adapter reaches the output"
+    if recipe is None:
+        for i, what in enumerate(("out", "dx", "dlora_A")):
+            assert_close_to_fp64(outs[0][i], outs[1][i], outs[2][i], f"GroupedExperts LoRA {what}")
+    else:
+        floor = quantized_sqnr_floor_db(4)
+        for got, what in ((outs[0][0], "ours"), (outs[1][0], "peft's")):
+            assert sqnr_db(got.double(), outs[2][0]) > floor, f"FP8 LoRA output, {what}"
+
+
+def test_torch_native_layer_refuses_adapters():
+    # The torch-native backend reads the expert weights itself: it would drop the adapter.
+    layer = MoELayer(qwen3_30b_a3b(hidden_size=32, ffn_size=16, num_experts=8, k=2, backend="torch"))
+    config = peft.LoraConfig(r=4, target_modules=[], target_parameters=["experts.w13"])
+    model = peft.get_peft_model(layer, config)
+    with pytest.raises(ValueError, match="torch-native backend runs no adapters"):
+        model(torch.randn(5, 32))

@@ -86,6 +86,44 @@ def test_moe_layer_expert_parallel_equals_one_rank(backend, world_size):
     run_world(_worker_layer, world_size, backend)
 
 
+def _worker_lora(rank, P, backend):
+    # peft LoRA on the layer's experts, then expert parallelism: the adapters stay whole (replicated) and each rank
+    # applies its experts' slices. The EP layer's outputs and input gradients equal the full layer's on this rank's
+    # tokens; a rank's adapter gradients, summed over the ranks, equal the full layer's summed (each rank fills only
+    # its experts' slices, with every rank's tokens routed to them).
+    import peft
+
+    from moe_kernels.integrations import peft as mk_peft
+
+    torch.manual_seed(0)
+    cfg = qwen3_30b_a3b(hidden_size=24, ffn_size=16, num_experts=4 * P, k=3)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=["experts.w13", "experts.w2"],
+                             init_lora_weights=False)
+    full = peft.get_peft_model(MoELayer(cfg), config)
+    mk_peft.fuse_lora(full)
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    layer = ep.get_base_model()
+    assert layer.expert_path is None and len(list(expert_parameters(ep))) == 2
+    assert all("lora_" not in n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep)))
+    where = f"rank {rank}/{P} {backend} LoRA"
+    _compare_layers(rank, full, ep, cfg.hidden_size, None, where)
+    assert layer.expert_path == "dispatched"
+    lora = [n for n, p in ep.named_parameters() if "lora_" in n]
+    assert len(lora) == 4
+    full_params = dict(full.named_parameters())
+    for name in lora:
+        got, want = dict(ep.named_parameters())[name].grad.clone(), full_params[name].grad.clone()
+        dist.all_reduce(got)
+        dist.all_reduce(want)
+        torch.testing.assert_close(got, want, **TOL, msg=f"{where}: {name}")
+
+
+@pytest.mark.parametrize("backend", ["all_gather", "all_to_all"])
+def test_moe_layer_lora_expert_parallel_equals_one_rank(backend):
+    pytest.importorskip("peft")
+    run_world(_worker_lora, 2, backend)
+
+
 def _worker_model(rank, P, family):
     torch.manual_seed(0)
     full = build_model(PRESETS[family](num_experts=4 * P))

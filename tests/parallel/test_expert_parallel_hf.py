@@ -94,3 +94,83 @@ def test_unpatched_transformers_model_is_refused():
 
     with pytest.raises(ValueError, match="no MoELayer .*patch_hf"):
         apply_expert_parallel(build("qwen3_moe"))
+
+
+def _lora_case(rank, P, family, backend):
+    # peft LoRA on the experts, then patch_hf, then expert parallelism: the adapters stay whole on every rank and
+    # each rank applies its experts' slices. A rank's adapter gradients hold its experts' slices (every rank's tokens
+    # routed to them) and zeros elsewhere, so their sum over the ranks equals the one-rank model's sum over the ranks.
+    import peft
+
+    from moe_kernels.integrations import peft as mk_peft
+    from tests.integrations.hf_models import build, moe_blocks
+
+    torch.manual_seed(0)
+    mlp = "feed_forward" if family == "llama4" else "mlp"
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
+                             target_parameters=[f"{mlp}.experts.gate_up_proj", f"{mlp}.experts.down_proj"])
+    full = mk.patch_hf(peft.get_peft_model(build(family), config))
+    full64 = copy.deepcopy(full).double()
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    E = hf.common._experts_of(moe_blocks(full.get_base_model())[0]).num_experts
+    lora = [n for n, p in ep.named_parameters() if p.requires_grad]
+    assert lora and all("lora_" in n for n in lora)
+    assert all(p.shape == dict(full.named_parameters())[n].shape for n, p in ep.named_parameters() if n in lora)
+    ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+    runs = []
+    for model in (ep, full, full64):
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if n in lora}
+        for g in grads.values():
+            dist.all_reduce(g)
+        runs.append((out.logits, out.loss, grads))
+    (logits, loss, grads), (logits32, loss32, grads32), (logits64, loss64, grads64) = runs
+    where = f"rank {rank}/{P} {family} {backend} LoRA"
+    # Error policy: as _case's (the EP model's fp32 error at most twice the one-rank fp32 model's, plus 8 ulps).
+    assert_close_to_fp64(logits, logits32, logits64, f"{where}: logits")
+    assert_close_to_fp64(loss, loss32, loss64, f"{where}: loss")
+    for name, g in grads.items():
+        assert_close_to_fp64(g, grads32[name], grads64[name], f"{where}: d {name}")
+    # This rank's backward touches only its experts' slices of lora_A ([E r, K] rows) and lora_B ([N, E r] columns).
+    lo, hi = rank * (E // P), (rank + 1) * (E // P)
+    for name, p in ep.named_parameters():
+        if "lora_A" in name:
+            g = p.grad.view(E, -1, p.shape[-1])
+        elif "lora_B" in name:
+            g = p.grad.view(p.shape[0], -1, E).permute(2, 0, 1)
+        else:
+            continue
+        assert g[lo:hi].abs().sum() > 0 and g[:lo].abs().sum() == 0 and g[hi:].abs().sum() == 0, name
+    # Merging adds each rank's slices of the delta to its experts: the same logits as the adapters applied.
+    with torch.no_grad():
+        before = ep(ids).logits
+        merged = ep.merge_and_unload()
+        torch.testing.assert_close(merged(ids).logits, before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="expert-parallel"):
+        mk_peft.unfuse_lora(apply_expert_parallel(copy.deepcopy(full), backend=backend))
+
+
+def _late_adapter_case(rank, P):
+    # Adapters created after apply_expert_parallel would hold this rank's experts under names every rank shares.
+    import peft
+
+    from tests.integrations.hf_models import build, inputs
+
+    ep = apply_expert_parallel(mk.patch_hf(build("qwen3_moe")))
+    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.experts.gate_up_proj"])
+    model = mk.patch_hf(peft.get_peft_model(ep, config))
+    with pytest.raises(ValueError, match="created after apply_expert_parallel"):
+        model(inputs())
+
+
+def _lora_worker(rank, P, backend):
+    for family in ("qwen3_moe", "gpt_oss", "llama4"):
+        _lora_case(rank, P, family, backend)
+    _late_adapter_case(rank, P)
+
+
+@pytest.mark.parametrize("backend", ["all_to_all", "all_gather"])
+def test_lora_on_expert_parallel_transformers_experts(backend):
+    pytest.importorskip("peft")
+    run_world(_lora_worker, 2, backend)

@@ -88,12 +88,10 @@ def moe_kernels_experts_forward(
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
     mm = grouped_mm if recipe is None else recipe.grouped_mm
     lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")  # peft adapters, fused
+    _check_lora_experts(self, w13.shape[0], lora13, lora2)  # (an expert-parallel rank's slices: the peft wrapper's)
     align = 1 if recipe is None else recipe.align
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     if dispatcher is not None:  # moe_kernels.parallel.apply_expert_parallel: this rank holds E / P experts
-        if lora13 or lora2:
-            raise NotImplementedError("moe_kernels experts: LoRA adapters on expert-parallel experts are not supported "
-                                      "(the adapters hold every expert, the weights this rank's)")
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
         act = _gated(self, h)
@@ -115,6 +113,16 @@ def moe_kernels_experts_forward(
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
+
+
+def _check_lora_experts(experts: nn.Module, local: int, *term_lists) -> None:
+    """The LoRA terms handed to experts holding `local` experts cover those experts (moe_kernels.integrations.peft's
+    wrapper slices an expert-parallel rank's): ValueError otherwise, before any kernel runs."""
+    for terms in term_lists:
+        for lhs, rhs, _ in terms:
+            if lhs.shape[0] != local or rhs.shape[0] != local:
+                raise ValueError(f"moe_kernels experts: {type(experts).__name__} holds {local} experts and a LoRA term "
+                                 f"{lhs.shape[0]} (factors {tuple(lhs.shape)}, {tuple(rhs.shape)})")
 
 
 def _is_kn_layout(experts: nn.Module) -> bool:
@@ -181,11 +189,9 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
         if lora13 or lora2:  # (the fused wrapper hands none over while exporting: peft forms W + s B A then)
             raise RuntimeError("moe_kernels experts: transformers' forward would drop the fused LoRA terms")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
-    if dispatcher is not None and (lora13 or lora2):
-        raise NotImplementedError("moe_kernels experts: LoRA adapters on expert-parallel experts are not supported "
-                                  "(the adapters hold every expert, the weights this rank's)")
     E = self.num_experts
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
+    _check_lora_experts(self, w13.shape[0], lora13, lora2)
     b13 = b2 = None
     if getattr(self, "has_bias", False):
         b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
@@ -224,9 +230,6 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
             raise NotImplementedError("moe_kernels: expert-parallel Llama 4 experts run on moe_kernels' ops only (no "
                                       "ONNX export)")
         return _base_class(self).forward(self, hidden_states)
-    if dispatcher is not None and self.experts is not _experts_of(self):
-        raise NotImplementedError("moe_kernels: LoRA adapters on expert-parallel Llama 4 experts are not supported "
-                                  "(the adapters hold every expert, the weights this rank's)")
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(hidden_states)  # [T, E]: sigmoid of the top-k logits, 0 elsewhere
     T, E, k = hidden_states.shape[0], self.num_experts, self.router.top_k
@@ -256,13 +259,15 @@ def _llama4_experts_forward(self: nn.Module, hidden_states: Tensor, group_sizes:
         return _base_class(self).forward(self, hidden_states)
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
     x = hidden_states.to(w13.dtype).contiguous()
-    h = _kn_mm(x, w13.contiguous(), None, group_sizes, lora_terms(self, "gate_up_proj"))
+    lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")
+    _check_lora_experts(self, w13.shape[0], lora13, lora2)
+    h = _kn_mm(x, w13.contiguous(), None, group_sizes, lora13)
     if _is_silu(self.act_fn):
         act = swiglu(h)
     else:
         gate, up = h.chunk(2, dim=-1)  # gate columns, then up
         act = up * self.act_fn(gate)
-    return _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora_terms(self, "down_proj"))
+    return _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora2)
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
