@@ -202,7 +202,7 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     ours = moe_kernels.patch_hf(copy.deepcopy(theirs))
     if not moe_kernels.integrations.hf.is_patched(ours):
         raise AssertionError(f"{c.name}: patch_hf left the block on transformers' code")
-    fused = sum(type(m).__name__ == "MoeKernelsParamWrapper" for m in ours.modules())
+    fused = sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in ours.modules())
     if lora and fused != 2:
         raise AssertionError(f"{c.name}: {fused} of the 2 adapters fused")
     kw = MODELS[model][3] if ctx.is_cuda else TINY[model]

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from moe_kernels import onnx as _onnx
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, LORA_ATTR, unwrapped
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, LORA_ATTR, SLICED_DELTA_ATTR, unwrapped
 
 _WRAPPER = "MoeKernelsParamWrapper"
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -98,8 +98,16 @@ def _make_wrapper_class():
             if (len(adapters) != 1 or self.num_experts == 1 or param.dtype not in _FLOAT
                     or not _runs_grouped_experts(base) or not hasattr(self, "get_delta_factors")
                     or _onnx.exporting()):  # peft without factor access: its own path
-                with super()._activate_lora(active_adapters):
-                    yield
+                # (on expert-parallel experts, with this rank's slice of the delta: get_delta_weight/_factors below)
+                sliced = EXPERT_RANGE_ATTR in base.__dict__
+                if sliced:
+                    base.__dict__[SLICED_DELTA_ATTR] = base.__dict__.get(SLICED_DELTA_ATTR, 0) + 1
+                try:
+                    with super()._activate_lora(active_adapters):
+                        yield
+                finally:
+                    if sliced:
+                        base.__dict__[SLICED_DELTA_ATTR] -= 1
                 return
             entry = self.get_delta_factors(adapters[0])  # (lhs, rhs, scaling)
             terms = base.__dict__.setdefault(LORA_ATTR, {}).setdefault(self.parameter_name, [])
@@ -112,7 +120,10 @@ def _make_wrapper_class():
                     base.__dict__[LORA_ATTR].pop(self.parameter_name, None)
 
     MoeKernelsParamWrapper.__module__ = __name__
-    MoeKernelsParamWrapper.__qualname__ = _WRAPPER
+    MoeKernelsParamWrapper.__qualname__ = _WRAPPER  # what pickles name (moe_kernels.integrations.peft.<qualname>)
+    # peft recognises its wrappers by class name ("ParamWrapper"): adding or loading a further adapter finds the
+    # wrapper by that name to add the adapter to it, and refuses any other tuner layer in its place.
+    MoeKernelsParamWrapper.__name__ = ParamWrapper.__name__
     return MoeKernelsParamWrapper
 
 

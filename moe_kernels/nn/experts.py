@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
+from moe_kernels.nn.lora import check_expert_parallel_weights, grouped_mm_lora, lora_terms
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 
@@ -44,6 +44,7 @@ class GroupedExperts(nn.Module):
         """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified).
 
         `mm` and `act` are the grouped product and the fused activation (the ops, or their references)."""
+        check_expert_parallel_weights(self)
         h = grouped_mm_lora(x, self.w13, group_sizes, lora_terms(self, "w13"), mm=mm)  # [R, 2F]
         return self.forward_from_gate_up(h, group_sizes, row_weights, mm=mm, act=act)
 

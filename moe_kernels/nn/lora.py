@@ -17,6 +17,7 @@ is the list of (B [E, N, r], A [E, r, K], s) for the weight `name`.
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from moe_kernels.ops.grouped_mm import grouped_mm
 
@@ -25,6 +26,21 @@ LORA_ATTR = "_moe_kernels_lora"
 # layer's `total` that it holds (moe_kernels.parallel.apply_expert_parallel). An adapter wrapper applies those
 # experts' slices of its factors (moe_kernels.integrations.peft).
 EXPERT_RANGE_ATTR = "_moe_kernels_expert_range"
+# Set (a count) on such experts while moe_kernels.integrations.peft's wrapper parametrizes their weights with this
+# rank's slice of its delta (peft's own path: several adapters, non-float weights).
+SLICED_DELTA_ATTR = "_moe_kernels_sliced_delta"
+
+
+def check_expert_parallel_weights(experts: nn.Module) -> None:
+    """ValueError where an expert-parallel rank's experts module has its weights parametrized by anything but our
+    adapter wrapper's sliced delta: peft's own LoRA wrapper, made after apply_expert_parallel from this rank's
+    experts alone, would train adapters that differ per rank under names every rank shares."""
+    if (EXPERT_RANGE_ATTR in experts.__dict__ and parametrize.is_parametrized(experts)
+            and not experts.__dict__.get(SLICED_DELTA_ATTR)):
+        raise ValueError(
+            f"moe_kernels: the weights of the expert-parallel {type(experts).__name__} are parametrized (peft's own "
+            "LoRA wrapper?): adapters must be created (get_peft_model, PeftModel.from_pretrained) before "
+            "apply_expert_parallel, which keeps every expert's factors on every rank and applies this rank's slices")
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
@@ -32,6 +48,15 @@ def unwrapped(module: nn.Module) -> nn.Module:
     while isinstance(getattr(module, "base_layer", None), nn.Module):
         module = module.base_layer
     return module
+
+
+def experts_path(layer: nn.Module, name: str = "experts") -> str:
+    """The attribute path from `layer` to its experts module inside any adapter wrappers: "experts", or
+    "experts.base_layer" (one wrapper), ... (the prefix of the experts' parameter names in layer's state dict)."""
+    path, module = name, getattr(layer, name)
+    while isinstance(getattr(module, "base_layer", None), nn.Module):
+        path, module = path + ".base_layer", module.base_layer
+    return path
 
 
 def lora_terms(module: nn.Module, name: str) -> list[tuple[Tensor, Tensor, float]]:

@@ -226,7 +226,8 @@ class MoELayer(nn.Module):
             fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm")
             # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
-                x_in, routed.indices, cfg.num_experts, cfg.permute_align, self.experts.w13, swiglu_next=fused_swiglu
+                x_in, routed.indices, cfg.num_experts, cfg.permute_align, unwrapped(self.experts).w13,
+                swiglu_next=fused_swiglu
             )
             row_weights = None
             if cfg.weights_in_activation:
@@ -235,10 +236,12 @@ class MoELayer(nn.Module):
             if fused_swiglu:
                 # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass); in the backward
                 # the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
-                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, self.experts.w2, group_sizes, unpermute_next=True)
+                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, unwrapped(self.experts).w2, group_sizes,
+                                                 unpermute_next=True)
                 out = cfg.recipe.unpermute(y, row_map, weights)
             else:
-                y = self.experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+                y = unwrapped(self.experts).forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm,
+                                                                 act=ops.swiglu)
                 out = ops.unpermute(y, row_map, weights)
         else:
             self._took("ops")
@@ -258,11 +261,16 @@ class MoELayer(nn.Module):
             self.expert_path = path
 
     def _adapted(self) -> bool:
-        """Adapters may apply to the experts: an adapter wrapper holds them (peft's, whose forward hands the
-        experts their LoRA terms: moe_kernels.integrations.peft), or terms are set. Only the paths that call the
-        experts module apply them; the fused, gathered and recipe-fused paths read the weights."""
-        return self.experts is not unwrapped(self.experts) or bool(
-            lora_terms(self.experts, "w13") or lora_terms(self.experts, "w2"))
+        """Adapters may apply to the experts: an adapter wrapper holds them with its adapters on (peft's, whose
+        forward hands the experts their LoRA terms: moe_kernels.integrations.peft; not while disabled or merged
+        into the weights), or terms are set. Only the paths that call the experts module apply them; the fused,
+        gathered and recipe-fused paths read the weights."""
+        module = self.experts
+        while isinstance(getattr(module, "base_layer", None), nn.Module):
+            if not (getattr(module, "disable_adapters", False) or getattr(module, "merged", False)):
+                return True
+            module = module.base_layer
+        return bool(lora_terms(module, "w13") or lora_terms(module, "w2"))
 
     def _launch(self, x: Tensor) -> fused.Launch | None:
         """The fused regions' launch for this call (moe_kernels.nn.fused), or None for the registered ops."""
@@ -274,7 +282,7 @@ class MoELayer(nn.Module):
         if (self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES
                 or self._adapted()):
             return False
-        experts = self.experts
+        experts = unwrapped(self.experts)
         w13, w2 = experts.w13, experts.w2
         if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
                 and w2.is_contiguous() and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups)):
@@ -284,7 +292,8 @@ class MoELayer(nn.Module):
 
     def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
         cfg = self.config
-        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
+        experts = unwrapped(self.experts)
+        w13, w2 = autocast_input(experts.w13), autocast_input(experts.w2)
         if not cfg.weights_in_activation and fused.experts_fit(x):
             # One node for the routed experts, tokens in, tokens out.
             return fused.run("moe", launch, x, routed.indices, routed.weights, w13, w2, cfg.num_experts,
@@ -302,7 +311,7 @@ class MoELayer(nn.Module):
         dtype after autocast); elsewhere the layer keeps its other paths."""
         if self.dispatcher is not None or self._adapted():
             return False
-        w13, w2 = self.experts.w13, self.experts.w2
+        w13, w2 = unwrapped(self.experts).w13, unwrapped(self.experts).w2
         autocast = _autocast_dtype(x)
         return (type(w13) in _PLAIN and type(w2) in _PLAIN and _gemm_dtype(w13, autocast) == x.dtype
                 and _gemm_dtype(w2, autocast) == x.dtype)
@@ -311,7 +320,8 @@ class MoELayer(nn.Module):
         cfg = self.config
         E, align = cfg.num_experts, cfg.permute_align
         R = permuted_rows(x.shape[0], routed.indices.shape[1], E, align)
-        w13, w2 = autocast_input(self.experts.w13), autocast_input(self.experts.w2)
+        experts = unwrapped(self.experts)
+        w13, w2 = autocast_input(experts.w13), autocast_input(experts.w2)
         if cfg.backend == "reference":
             _, row_map, group_sizes = permute_reference(x[:, :0], routed.indices, E, align)
             row_weights = permuted_row_values(routed.weights, row_map, R)
@@ -337,7 +347,8 @@ class MoELayer(nn.Module):
         router = self.router
         logits = torch_native.router_logits(x2, router.weight)
         weights, indices = torch_native.route(logits, router.config, router.expert_bias)
-        out = torch_native.experts(x2, weights, indices, self.experts.w13, self.experts.w2)
+        experts = unwrapped(self.experts)
+        out = torch_native.experts(x2, weights, indices, experts.w13, experts.w2)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         aux = torch_native.aux_losses(logits, router.config, seq_len)

@@ -58,14 +58,15 @@ def _gate_up_names(model: nn.Module) -> set[str]:
 
 def _check_experts(model: nn.Module, splits: dict) -> None:
     from moe_kernels.nn import MoELayer
+    from moe_kernels.nn.lora import experts_path, unwrapped
 
     for name, m in model.named_modules():
         if isinstance(m, MoELayer) and m.dispatcher is not None:
-            prefix = f"{name}.experts." if name else "experts."
-            other = [prefix + n for n, _ in m.experts.named_parameters() if prefix + n not in splits]
+            prefix = f"{name}.{experts_path(m)}." if name else f"{experts_path(m)}."  # (inside adapter wrappers)
+            other = [prefix + n for n, _ in unwrapped(m.experts).named_parameters() if prefix + n not in splits]
             if other:
                 raise NotImplementedError(f"sharded checkpoints: the expert-parallel experts hold parameters the "
-                                          f"checkpoint cannot place ({other[:3]}; LoRA adapters on split experts)")
+                                          f"checkpoint cannot place ({other[:3]})")
 
 
 class _Meshes:

@@ -49,7 +49,7 @@ from moe_kernels.dispatch import LocalDispatcher, NvlinkDispatcher, collectives,
 from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, unwrapped
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, lora_terms, unwrapped
 
 
 def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 0, parts: int = 1) -> GroupedExperts:
@@ -189,7 +189,8 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         if etp > 1 and layer.config.ffn_size % etp:
             raise ValueError(f"apply_expert_parallel: the {etp} ranks of etp_group must divide the expert ffn size "
                              f"{layer.config.ffn_size}")
-        if etp > 1 and unwrapped(layer.experts) is not layer.experts:
+        inner = unwrapped(layer.experts)
+        if etp > 1 and (inner is not layer.experts or lora_terms(inner, "w13") or lora_terms(inner, "w2")):
             raise NotImplementedError("apply_expert_parallel: LoRA adapters on experts split by etp_group (each "
                                       "expert's ffn width split too)")
     etp_rank = 0 if etp == 1 else dist.get_rank(etp_group)

@@ -32,6 +32,7 @@ def splits_of(model: nn.Module, tp_group=None) -> dict[str, list[Split]]:
     """name -> the splits from the full tensor to this rank's logical tensor, outermost first (parameters
     not listed are whole on every rank, apart from FSDP's shards)."""
     from moe_kernels.nn import MoELayer
+    from moe_kernels.nn.lora import experts_path
     from moe_kernels.parallel.expert_parallel import ExpertTensorParallelDispatcher
     from moe_kernels.parallel.tensor_parallel import SPLIT_DIMS
 
@@ -45,8 +46,9 @@ def splits_of(model: nn.Module, tp_group=None) -> dict[str, list[Split]]:
             if isinstance(d, ExpertTensorParallelDispatcher):
                 d, etp_group = d.inner, d.group
             ep = [("dim", d.group, 0)] if d.num_ranks > 1 else []
-            out[f"{prefix}experts.w13"] = ep + ([("gate_up", etp_group, 1)] if etp_group is not None else [])
-            out[f"{prefix}experts.w2"] = ep + ([("dim", etp_group, 2)] if etp_group is not None else [])
+            experts = prefix + experts_path(m)  # (inside adapter wrappers: experts.base_layer...)
+            out[f"{experts}.w13"] = ep + ([("gate_up", etp_group, 1)] if etp_group is not None else [])
+            out[f"{experts}.w2"] = ep + ([("dim", etp_group, 2)] if etp_group is not None else [])
     return out
 
 

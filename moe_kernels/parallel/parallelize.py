@@ -56,6 +56,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_kernels.nn import MoELayer, Router
+from moe_kernels.nn.lora import unwrapped
 from moe_kernels.parallel.context_parallel import apply_context_parallel
 from moe_kernels.parallel.expert_parallel import apply_expert_parallel, expert_parameters
 from moe_kernels.parallel.full_state import device_of, model_from_state, splits_of
@@ -439,7 +440,11 @@ def parallelize(model: nn.Module, layout: ParallelConfig, device: torch.device |
                 summed(fully_shard(rest, mesh=whole_mesh, mp_policy=mp), whole_mesh)
         for m in block.modules():
             routed = getattr(m, "experts", None)
-            if routed is None or not isinstance(routed, nn.Module) or not any(True for _ in routed.parameters()):
+            if routed is None or not isinstance(routed, nn.Module):
+                continue
+            # Inside adapter wrappers (peft's LoRA): the experts alone; the factors stay replicated with the block.
+            routed = unwrapped(routed)
+            if not any(True for _ in routed.parameters()):
                 continue
             # Expert-parallel experts, and with tp or cp every rank's experts (their gradients are its tokens'
             # part): summed over edp, which holds the tp and cp ranks too.

@@ -182,7 +182,7 @@ _SPLIT = re.compile(r"\.(self_attn\.(q_proj|q_b_proj|kv_b_proj|o_proj|k_proj|v_p
 
 def _category(cfg, name: str, tp: int) -> str:
     """How parallelize shards parameter `name` (module docstring): "expert", "split" or "replicated"."""
-    if ".experts." in name:
+    if ".experts." in name and "lora_" not in name:  # (peft's factors on the experts stay replicated)
         return "expert"
     m = _SPLIT.search(name)
     if m is None:

@@ -24,6 +24,12 @@ With `fused_swiglu` the SwiGLU writes the second GEMM's input in E4M3 (swiglu_qu
 backward the first GEMM's output gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), handed to the
 first GEMM's backward directly; the unpermute's backward (`Fp8BlockwiseRecipe.unpermute`) does the same for the
 second GEMM's output gradient (unpermute_bwd_quantize_fp8). No bf16 gradient inside the experts is written.
+
+Weights stored [E, K, N] (transformers' GPT-OSS, Aria and Llama 4 experts; `grouped_mm_kn`): the same three
+products. The one quantization of the stored weight writes both layouts of its tiles (quantize_fp8_experts_dual on
+[E, K, N]), the forward reading the transposed ones ([E, N, K], as the [E, N, K] weight's forward tiles) and dgrad
+the stored ones; wgrad takes its operands the other way round (x^T dout, [E, K, N]). So no transposed copy of the
+weight is made, and the codes are those of the [E, N, K] weight w.transpose(1, 2).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ from moe_kernels.ops.permute import (permute, permute_quantize_fp8, permuted_row
                                      unpermute_bwd_quantize_fp8)
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
 from moe_kernels.quant import weight_cache
+from moe_kernels.quant.fsdp_fp8 import Fp8GatheredWeight
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,6 +79,19 @@ class Fp8BlockwiseRecipe:
         With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128))."""
         return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
                                    weight_cache.cacheable(w))
+
+    def grouped_mm_kn(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+        """grouped_mm for weights stored [E, K, N]: [M, K] rows times w[e] per group -> [M, N] in x's dtype; the
+        same result as grouped_mm(x, w.transpose(1, 2).contiguous(), group_sizes) without the transposed copy
+        (module docstring). K and N multiples of 128."""
+        if isinstance(w, Fp8GatheredWeight):
+            raise ValueError("Fp8BlockwiseRecipe.grouped_mm_kn: expert weights gathered in FP8 by FSDP2 are [E, N, K] "
+                             "weights' (moe_kernels.quant.fsdp_fp8); [E, K, N] weights are gathered in their dtype")
+        if w.dim() != 3 or w.shape[2] % BLOCK or w.shape[1] % BLOCK:
+            raise ValueError(f"Fp8BlockwiseRecipe.grouped_mm_kn: `w` must be [E, K, N] with K and N multiples of "
+                             f"{BLOCK}, got shape {tuple(w.shape)}")
+        return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
+                                   weight_cache.cacheable(w), True)
 
     def swiglu_grouped_mm(self, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor, *,
                           unpermute_next: bool = False) -> Tensor:
@@ -170,6 +190,13 @@ class Nvfp4Recipe:
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         return _Nvfp4GroupedMM.apply(autocast_input(x), w, group_sizes, self)
 
+    def grouped_mm_kn(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+        """grouped_mm for weights stored [E, K, N]: the codes and results of grouped_mm(x, w.transpose(1, 2),
+        group_sizes) (the forward's tiles quantized from the transposed weight, dgrad's from the stored one)."""
+        if w.dim() != 3:
+            raise ValueError(f"Nvfp4Recipe.grouped_mm_kn: `w` must be [E, K, N], got shape {tuple(w.shape)}")
+        return _Nvfp4GroupedMM.apply(autocast_input(x), w, group_sizes, self, True)
+
 
 def _check_multiples(recipe, hidden_size: int, ffn_size: int, block: int, why: str) -> None:
     if hidden_size % block or ffn_size % block:
@@ -186,10 +213,11 @@ def _rows_in_groups(t: Tensor, group_sizes: Tensor) -> Tensor:
 
 class _Nvfp4GroupedMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Nvfp4Recipe) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Nvfp4Recipe, kn: bool = False) -> Tensor:
+        # kn: w stored [E, K, N], the product that of its transpose (Nvfp4Recipe.grouped_mm_kn)
         x_q, x_s, x_g = quantize_nvfp4(_rows_in_groups(x, group_sizes))
-        w_q, w_s, w_g = quantize_nvfp4_experts(w.detach())
-        ctx.stochastic, ctx.nvfp4_wgrad = recipe.stochastic_dgrad, recipe.nvfp4_wgrad
+        w_q, w_s, w_g = quantize_nvfp4_experts(w.detach().transpose(1, 2).contiguous() if kn else w.detach())
+        ctx.stochastic, ctx.nvfp4_wgrad, ctx.kn = recipe.stochastic_dgrad, recipe.nvfp4_wgrad, kn
         ctx.save_for_backward(x, w, group_sizes)
         return grouped_mm_nvfp4(x_q, x_s, x_g, w_q, w_s, w_g, group_sizes, out_dtype=x.dtype)
 
@@ -201,15 +229,19 @@ class _Nvfp4GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             rng = _fresh_rng(dout.device) if ctx.stochastic else None
             d_q, d_s, d_g = quantize_nvfp4(_rows_in_groups(dout, group_sizes), rng=rng)
-            wt_q, wt_s, wt_g = quantize_nvfp4_experts(w.detach().transpose(1, 2).contiguous())  # [E, K, N]
+            wt = w.detach() if ctx.kn else w.detach().transpose(1, 2).contiguous()  # [E, K, N]
+            wt_q, wt_s, wt_g = quantize_nvfp4_experts(wt)
             dx = _rows_in_groups(grouped_mm_nvfp4(d_q, d_s, d_g, wt_q, wt_s, wt_g, group_sizes, out_dtype=x.dtype),
                                  group_sizes)  # zeros past the groups, as grouped_mm's dgrad
         if ctx.needs_input_grad[1]:
             if ctx.nvfp4_wgrad:
-                dw = _nvfp4_wgrad(dout, x, group_sizes).to(w.dtype)
+                dw = _nvfp4_wgrad(dout, x, group_sizes)  # [E, N, K]
+                dw = (dw.transpose(1, 2) if ctx.kn else dw).to(w.dtype)
+            elif ctx.kn:
+                dw = torch.ops.moe_kernels.grouped_mm_wgrad(x, dout, group_sizes).to(w.dtype)  # x^T dout: [E, K, N]
             else:
                 dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, x, group_sizes).to(w.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def _fresh_rng(device: torch.device) -> Tensor:
@@ -273,17 +305,20 @@ def _weight_grad_needed(w: Tensor) -> bool:
 def _fp8_forward(
     x_q: Tensor, x_scale: Tensor, x: Tensor | None, w: Tensor, group_sizes: Tensor, recipe, need_wgrad: bool,
     out_dtype: torch.dtype, cache: bool, x_tokens: tuple[Tensor, Tensor] | None = None, need_dgrad: bool = True,
+    kn: bool = False,
 ) -> tuple[Tensor, dict, list[Tensor]]:
     """The forward product from quantized rows, and what the backward needs (`state`). `x` (the rows in the
     input precision) is read only for wgrad, unless its token-major E4M3 copy `x_tokens` is given (made by the
     producer). The weight's tiles come from the weight cache when `cache`; with FP8 dgrad in view
-    (`need_dgrad`) a fresh quantization writes dgrad's transposed tiles in the same pass."""
-    fp8_dgrad = recipe.fp8_dgrad and w.shape[1] % BLOCK == 0
+    (`need_dgrad`) a fresh quantization writes dgrad's transposed tiles in the same pass. `kn`: w is stored
+    [E, K, N] (both layouts always written: the forward reads the transposed ones, dgrad the stored ones)."""
+    fp8_dgrad = recipe.fp8_dgrad and w.shape[2 if kn else 1] % BLOCK == 0
     w8 = weight_cache.fp8_expert_weights(w, pow2_scale=recipe.pow2_scale, cache=cache,
-                                         transposed=fp8_dgrad and need_dgrad)
-    out = grouped_mm_fp8(x_q, x_scale, w8.q, w8.scale, group_sizes).to(out_dtype)  # w8.q [E, N, K]
+                                         transposed=kn or (fp8_dgrad and need_dgrad))
+    w_q, w_scale = w8.transposed() if kn else (w8.q, w8.scale)  # [E, N, K] codes, [E, N/128, K/128] scales
+    out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(out_dtype)
     state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=out.dtype,
-                 w8=w8 if fp8_dgrad else None)
+                 w8=w8 if fp8_dgrad else None, kn=kn)
     # wgrad reads x along the tokens: with FP8 wgrad only its token-blocked E4M3 copy is kept.
     if not need_wgrad:
         saved_x = ()
@@ -310,11 +345,14 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
             else:
                 d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
             # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made with them once per weight
-            # version (quantize_fp8_experts_dual).
-            wt_q, wt_scale = state["w8"].transposed()
+            # version (quantize_fp8_experts_dual); for a weight stored [E, K, N], its own layout's.
+            w8 = state["w8"]
+            wt_q, wt_scale = (w8.q, w8.scale) if state["kn"] else w8.transposed()
             # Rows past the groups are unspecified, as grouped_mm_dgrad's: the permute backward reads only the
             # rows it mapped, so no masking pass over dx.
             dx = grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(state["x_dtype"])
+        elif state["kn"]:  # dout @ w[e]^T with w [E, K, N]: grouped_mm's forward product
+            dx = torch.ops.moe_kernels.grouped_mm(dout, w.to(dout.dtype), group_sizes)
         else:
             dx = torch.ops.moe_kernels.grouped_mm_dgrad(dout, w.to(dout.dtype), group_sizes)
     if need_dw:
@@ -323,16 +361,20 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
                                "or w.requires_grad False), so nothing was kept for dW")
         if state["fp8_wgrad"]:
             d_t = dout_fp8[2:] if dout_fp8 is not None else quantize_fp8_tokens(dout, pow2_scale=state["pow2_scale"])
+            # dout^T x ([E, N, K]), or x^T dout for a weight stored [E, K, N]
+            operands = (*saved_x, *d_t) if state["kn"] else (*d_t, *saved_x)
             sink = grad_sink.sink_of(w)
             if sink is not None:
                 # Into the fp32 main gradient from the kernel's epilogue (moe_kernels.nn.grad_sink): added to what
                 # this step's earlier micro-batches wrote, or written afresh; autograd gets no gradient for w.
-                grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes, out=sink.buffer(), accumulate=sink.written())
+                grouped_mm_fp8_wgrad(*operands, group_sizes, out=sink.buffer(), accumulate=sink.written())
                 sink.mark()
                 return dx, None
             # The weight's dtype straight from the kernel's epilogue (bf16 or fp32): no fp32 copy, no cast.
             out_dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
-            dw = grouped_mm_fp8_wgrad(*d_t, *saved_x, group_sizes, out_dtype=out_dtype).to(w.dtype)
+            dw = grouped_mm_fp8_wgrad(*operands, group_sizes, out_dtype=out_dtype).to(w.dtype)
+        elif state["kn"]:
+            dw = torch.ops.moe_kernels.grouped_mm_wgrad(saved_x[0], dout, group_sizes).to(w.dtype)
         else:
             dw = torch.ops.moe_kernels.grouped_mm_wgrad(dout, saved_x[0], group_sizes).to(w.dtype)
     return dx, dw
@@ -341,17 +383,17 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool,
-                cache: bool):
+                cache: bool, kn: bool = False):
         x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale)  # [M, K], [M, K/128]
         out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
-                                             need_dgrad=ctx.needs_input_grad[0])
+                                             need_dgrad=ctx.needs_input_grad[0], kn=kn)
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
         dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2])
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None
 
 
 _ZERO_SCALARS: dict[tuple[torch.dtype, torch.device], Tensor] = {}

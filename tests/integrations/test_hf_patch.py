@@ -347,7 +347,7 @@ def test_gpt_oss_recipe_is_refused():
     # GPT-OSS's biased experts take no precision recipe (refused at patch time, before anything changes). (peft
     # adapters on them run as rank-r [E, K, N] products: tests/integrations/test_peft.py.)
     model = build("gpt_oss")
-    with pytest.raises(ValueError, match=r"GPT-OSS's experts \(stored \[E, K, N\]\) run at the model's precision"):
+    with pytest.raises(ValueError, match=r"GPT-OSS's experts have biases and run at the model's precision only"):
         mk.patch_hf(model, recipe=mk.quant.Fp8BlockwiseRecipe())
     assert not hf.is_patched(model)
 
@@ -471,9 +471,10 @@ def test_llama4_pickle_unpatch_and_recipe(tmp_path, monkeypatch):
     with torch.no_grad():
         run(loaded, ids)
     assert rows == []
-    # no precision recipe for experts stored [E, K, N] (refused before anything changes)
+    # the FP8 recipe's blocks of 128 (H = 32 here), checked on the stored [E, H, 2F] / [E, F, H] layout (refused
+    # before anything changes; the recipes themselves: test_kn_experts_precision_recipe)
     fresh = build("llama4")
-    with pytest.raises(ValueError, match=r"Llama 4's experts \(stored \[E, K, N\]\) run at the model's precision"):
+    with pytest.raises(ValueError, match=r"does not fit the recipe.*hidden_size \(32\) and ffn_size \(16\)"):
         mk.patch_hf(fresh, recipe=mk.quant.Fp8BlockwiseRecipe())
     assert not hf.is_patched(fresh)
 
@@ -509,13 +510,14 @@ def test_expert_parallel_experts_refuse_an_onnx_export(family, monkeypatch):
         model(inputs())
 
 
-def test_lora_terms_must_cover_the_experts_held(monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4"])  # [E, N, K]; [E, K, N]; Llama 4's experts
+def test_lora_terms_must_cover_the_experts_held(family, monkeypatch):
     # A LoRA term whose expert count is not the weights' (an adapter over every expert handed to a rank's slice)
     # raises before any kernel runs.
-    model = patched_copy(build("qwen3_moe"))
+    model = patched_copy(build(family))
     experts = hf.common._experts_of(moe_blocks(model)[0])
-    E, N, K = experts.gate_up_proj.shape
-    term = (torch.zeros(E + 1, N, 2), torch.zeros(E + 1, 2, K), 1.0)
+    E, A, B = experts.gate_up_proj.shape
+    term = (torch.zeros(E + 1, A, 2), torch.zeros(E + 1, 2, B), 1.0)
     real = hf.experts.lora_terms
     monkeypatch.setattr(hf.experts, "lora_terms",
                         lambda m, name: [term] if m is experts and name == "gate_up_proj" else real(m, name))
@@ -668,6 +670,54 @@ def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
     err = relative_l2_error(out.logits, ref)
     assert 1e-3 < err < 2 * QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4), err
     experts = moe_blocks(model)[0].experts
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["llama4", "aria"])
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_kn_experts_precision_recipe(family, recipe, monkeypatch):
+    # Experts stored [E, K, N] (Llama 4's patched block, Aria's) on a precision recipe: every expert GEMM through
+    # its grouped_mm_kn (rows padded to the recipe's alignment), logits within the recipe's error of the model's own,
+    # the weights' gradients reached.
+    _kn_recipe_case(family, recipe, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama4", "aria"])
+def test_gpu_kn_experts_fp8_recipe(cuda, family, monkeypatch):
+    # The same on the device: the FP8 kernels (the sm_90a CUTLASS ones on Hopper) on the weights as stored.
+    _kn_recipe_case(family, "fp8", cuda, monkeypatch)
+
+
+def _kn_recipe_case(family, recipe, device, monkeypatch):
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+    from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
+
+    sizes = dict(hidden_size=128, head_dim=32, intermediate_size=128)
+    model = build(family, layers=1, **sizes).to(device)
+    ids = inputs().to(device)
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
+    mk.patch_hf(model, recipe=cls())
+    calls = []
+    real = cls.grouped_mm_kn
+    monkeypatch.setattr(cls, "grouped_mm_kn",
+                        lambda self, x, w, gs: calls.append((x.detach(), w.detach(), gs)) or real(self, x, w, gs))
+    out = run(model, ids, labels=ids)
+    monkeypatch.undo()
+    assert len(calls) == 2 * len(moe_blocks(model))
+    assert all(int(gs.sum()) % cls().align == 0 for _, _, gs in calls)
+    err = relative_l2_error(out.logits.cpu(), ref.cpu())
+    # Error models as test_fp8_recipe_runs_fused_permute_and_fp8_wgrad's (four E4M3 operands) and
+    # test_precision_recipe's (NVFP4's, measured on these operands); 2x allowed; above 0.1%: applied at all.
+    bound = (QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4) if recipe == "fp8"
+             else _nvfp4_swiglu_error([(x.cpu(), w.transpose(1, 2).contiguous().cpu(), gs.cpu())
+                                       for x, w, gs in calls]))
+    assert 1e-3 < err < 2 * bound, (err, bound)
+    out.loss.backward()
+    experts = hf.common._experts_of(moe_blocks(model)[0])
     for p in (experts.gate_up_proj, experts.down_proj):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 

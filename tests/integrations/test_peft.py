@@ -49,7 +49,7 @@ def test_fused_lora_equals_peft_within_the_policy(family, monkeypatch):
     fused = mk.patch_hf(copy.deepcopy(peft_model))
     peft_model.get_base_model().set_experts_implementation("eager")  # transformers' plain loop: fp64 too
     ref64_model = copy.deepcopy(peft_model).double()
-    assert sum(type(m).__name__ == "MoeKernelsParamWrapper" for m in fused.modules()) == 2
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in fused.modules()) == 2
     registered = []
     real = parametrize.register_parametrization
     monkeypatch.setattr(parametrize, "register_parametrization", lambda *a, **k: registered.append(1) or real(*a, **k))
@@ -147,7 +147,7 @@ def test_merge_and_save_load_round_trip(tmp_path):
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "adapter")
     assert mk_peft.fuse_lora(loaded) == 0  # its experts run transformers' code until patched
     mk.patch_hf(loaded)
-    assert sum(type(m).__name__ == "MoeKernelsParamWrapper" for m in loaded.modules()) == 2 * len(moe_blocks(loaded))
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in loaded.modules()) == 2 * len(moe_blocks(loaded))
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, want, rtol=0, atol=0)
         # Merged into the base weights: W + s B A formed once; the same function up to fp32 rounding.
@@ -169,7 +169,7 @@ def test_unfuse_returns_to_peft():
     other = mk.patch_hf(_lora(build("qwen3_moe", layers=1)))  # a second fuse: still the one wrapper class
     assert mk_peft.fuse_lora(peft_model) == 0
     assert mk_peft.unfuse_lora(other) == 2 and mk_peft.unfuse_lora(peft_model) == 2
-    assert not any(type(m).__name__ == "MoeKernelsParamWrapper" for m in peft_model.modules())
+    assert not any(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in peft_model.modules())
     assert mk_peft.fuse_lora(peft_model) == 2
 
 
@@ -245,3 +245,27 @@ def test_torch_native_layer_refuses_adapters():
     model = peft.get_peft_model(layer, config)
     with pytest.raises(ValueError, match="torch-native backend runs no adapters"):
         model(torch.randn(5, 32))
+
+
+def test_a_second_adapter_on_fused_wrappers():
+    # peft finds its wrappers by class name to add a further adapter to them (add_adapter, load_adapter): the fused
+    # wrappers take it too. Both active: peft's own path (W + both deltas); one: the fused path. Against the same
+    # model on peft's own wrappers, within fp32 rounding of W + s B A (outputs O(1): a few 1e-7; 1e-5 allowed).
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=HF_TARGETS,
+                             init_lora_weights=False)
+    plain = _lora(build("qwen3_moe", layers=1))
+    plain.add_adapter("second", config)
+    fused = mk.patch_hf(copy.deepcopy(plain))  # both adapters there when fused
+    again = mk.patch_hf(_lora(build("qwen3_moe", layers=1)))  # fused first, the second adapter added afterwards
+    again.add_adapter("second", config)
+    again.load_state_dict(plain.state_dict())
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in again.modules()) == 2
+    ids = inputs()
+    for active in (["default", "second"], "second"):
+        for model in (plain, fused, again):
+            model.base_model.set_adapter(active)
+        with torch.no_grad():
+            want = plain(ids).logits
+            for model in (fused, again):
+                torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5, msg=str(active))

@@ -105,17 +105,50 @@ def _worker_lora(rank, P, backend):
     layer = ep.get_base_model()
     assert layer.expert_path is None and len(list(expert_parameters(ep))) == 2
     assert all("lora_" not in n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep)))
-    where = f"rank {rank}/{P} {backend} LoRA"
-    _compare_layers(rank, full, ep, cfg.hidden_size, None, where)
-    assert layer.expert_path == "dispatched"
-    lora = [n for n, p in ep.named_parameters() if "lora_" in n]
-    assert len(lora) == 4
-    full_params = dict(full.named_parameters())
-    for name in lora:
-        got, want = dict(ep.named_parameters())[name].grad.clone(), full_params[name].grad.clone()
-        dist.all_reduce(got)
-        dist.all_reduce(want)
-        torch.testing.assert_close(got, want, **TOL, msg=f"{where}: {name}")
+    E, El = cfg.num_experts, cfg.num_experts // P
+    for empty_rank in (None, 1):  # rank 1 without tokens: zero adapter gradients there, not None
+        where = f"rank {rank}/{P} {backend} LoRA, empty rank {empty_rank}"
+        full.zero_grad(set_to_none=True)
+        ep.zero_grad(set_to_none=True)
+        _compare_layers(rank, full, ep, cfg.hidden_size, empty_rank, where)
+        assert layer.expert_path == "dispatched"
+        lora = [n for n, p in ep.named_parameters() if "lora_" in n]
+        assert len(lora) == 4
+        full_params = dict(full.named_parameters())
+        for name in lora:
+            got, want = dict(ep.named_parameters())[name].grad.clone(), full_params[name].grad.clone()
+            # this rank's backward touches only its experts' slices: lora_A's [E r, K] rows, lora_B's [N, E r] columns
+            per_expert = (got.view(E, -1, got.shape[-1]) if "lora_A" in name
+                          else got.view(got.shape[0], -1, E).permute(2, 0, 1))
+            lo, hi = rank * El, (rank + 1) * El
+            assert per_expert[:lo].abs().sum() == 0 and per_expert[hi:].abs().sum() == 0, f"{where}: {name}"
+            dist.all_reduce(got)
+            dist.all_reduce(want)
+            torch.testing.assert_close(got, want, **TOL, msg=f"{where}: {name}")
+    x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+    with torch.no_grad():
+        # Two adapters active at once: peft's own path (W + the deltas), with this rank's slices of each delta.
+        two, two_ep = copy.deepcopy(full), None
+        two.add_adapter("second", config)
+        two_ep = apply_expert_parallel(copy.deepcopy(two), backend=backend)
+        for model in (two, two_ep):
+            model.base_model.set_adapter(["default", "second"])
+        torch.testing.assert_close(two_ep(x)[0], two(x)[0], **TOL)
+        # Adapters made after apply_expert_parallel hold this rank's experts alone: refused.
+        late = peft.get_peft_model(apply_expert_parallel(MoELayer(cfg), backend=backend), config)
+        with pytest.raises(ValueError, match="parametrized .* before apply_expert_parallel"):
+            late(x)
+        with_adapters = ep(x)[0]
+        # The wrapper kept, its adapters off: the layer without them.
+        torch.testing.assert_close(_without_adapters(ep, x), _without_adapters(full, x), **TOL)
+        # Merged (each rank its experts' slices of the delta): the adapters' output, up to the fp32 rounding of
+        # W + s B A (2^-24 of an element; outputs O(1), K <= 24: a few 1e-7), 1e-5 allowed.
+        torch.testing.assert_close(ep.merge_and_unload()(x)[0], with_adapters, rtol=1e-5, atol=1e-5)
+
+
+def _without_adapters(model, x):
+    with model.disable_adapter():
+        return model(x)[0]
 
 
 @pytest.mark.parametrize("backend", ["all_gather", "all_to_all"])

@@ -21,15 +21,23 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _worker(rank, P, family, layout_kw, steps):
+def _worker(rank, P, family, layout_kw, steps, lora=False):
     from moe_kernels.parallel.parallelize import parallelize
 
     torch.manual_seed(0)
     ref = build_model(PRESETS[family](num_experts=8))
+    if lora:  # peft LoRA on the routed experts, only the adapters trained: replicated, whole on every rank
+        import peft
+
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
+                                 target_parameters=["experts.w13", "experts.w2"])
+        ref = peft.inject_adapter_in_model(config, ref)
+        for name, p in ref.named_parameters():
+            p.requires_grad_("lora_" in name)
     par = parallelize(copy.deepcopy(ref), ParallelConfig(**layout_kw))
     model, pc = par.model, par.layout
     # SGD: an update linear in the gradient (Adam turns rounding-level differences into +-lr steps).
-    opts = [torch.optim.SGD(ref.parameters(), lr=0.5), torch.optim.SGD(model.parameters(), lr=0.5)]
+    opts = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (ref, model)]
     vocab = ref.config.vocab_size
     where = f"rank {rank}/{P} {family} {pc.describe()}"
     for step in range(steps):
@@ -53,9 +61,19 @@ def _worker(rank, P, family, layout_kw, steps):
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
         got, want = _full(p.detach()), ref_params[name].detach()
-        if ".experts." in name and pc.ep > 1:
+        if ".experts." in name and "lora_" not in name and pc.ep > 1:
             want = want[ep_rank * El : (ep_rank + 1) * El]
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=f"{where}: {name}")
+    if lora:  # the full state (rank 0): every expert's weights gathered under their names inside the wrappers
+        from moe_kernels.parallel.full_state import full_state
+
+        state = full_state(par, None)
+        if rank == 0:
+            want = ref.state_dict()
+            assert set(state[0]) == set(want)
+            for name, _ in ref.named_parameters():  # (buffers such as the routers' token counts are rank-local)
+                torch.testing.assert_close(state[0][name], want[name], rtol=1e-4, atol=1e-5,
+                                           msg=f"{where}: full state {name}")
 
 
 @pytest.mark.parametrize("family,layout", [
@@ -66,6 +84,13 @@ def _worker(rank, P, family, layout_kw, steps):
 ])
 def test_sharded_training_equals_one_process(family, layout):
     run_world(_worker, 4, family, layout, 3)
+
+
+def test_sharded_lora_training_equals_one_process():
+    # peft adapters on expert-parallel experts under FSDP2 (EP 2 x FSDP 2): the factors shard with their block over
+    # every rank, not with the experts over the expert group, so their gradients hold every rank's tokens.
+    pytest.importorskip("peft")
+    run_world(_worker, 4, "tiny-deepseek-v3", dict(ep=2), 2, True)
 
 
 def _worker_refuses(rank, P):

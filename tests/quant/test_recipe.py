@@ -14,7 +14,7 @@ from moe_kernels.nn.moe import qwen3_30b_a3b
 from moe_kernels.ops.grouped_mm import grouped_mm_reference
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8_reference, quantize_fp8_experts
 from moe_kernels.ops.quant import dequantize_fp8, quantize_fp8
-from moe_kernels.quant import RECIPES, Fp8BlockwiseRecipe
+from moe_kernels.quant import RECIPES, Fp8BlockwiseRecipe, Nvfp4Recipe
 from moe_kernels.testing import assert_tracks_loss_curve, assert_within_fp32_rounding, assert_within_rounding_to, quantized_sqnr_floor_db, sqnr_db
 from moe_kernels.train.data import load_tokens
 
@@ -306,3 +306,58 @@ def test_training_tracks_the_high_precision_loss_curve():
     fp8 = _train(Fp8BlockwiseRecipe())
     assert fp8[-5:].mean() < 0.8 * fp8[:5].mean()  # it trains
     assert_tracks_loss_curve(fp8, ref, seeds, "FP8 blockwise recipe")
+
+
+def _kn_problem(device, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.tensor([128, 0, 256, 128], dtype=torch.int32)  # an empty expert; groups padded to 128 rows
+    M, K, N = int(sizes.sum()) + 16, 256, 384  # rows past the groups too
+    x = torch.randn(M, K, generator=gen).to(device)
+    w_kn = (torch.randn(len(sizes), K, N, generator=gen) * 0.05).to(device)
+    return x, w_kn, sizes.to(device), torch.randn(M, N, generator=gen).to(device)
+
+
+def _kn_runs(recipe, x, w_kn, sizes, dout):
+    """The [E, K, N] product and the [E, N, K] one on the transposed copy: outputs and gradients."""
+    runs = []
+    for kn in (True, False):
+        torch.manual_seed(0)  # NVFP4 wgrad's stochastic rounding: the same seed drawn
+        xi = x.clone().requires_grad_()
+        w = w_kn.clone() if kn else w_kn.transpose(1, 2).contiguous()
+        w.requires_grad_()
+        out = recipe.grouped_mm_kn(xi, w, sizes) if kn else recipe.grouped_mm(xi, w, sizes)
+        (out * dout).sum().backward()
+        rows = int(sizes.sum())
+        runs.append((out[:rows], xi.grad[:rows], w.grad if kn else w.grad.transpose(1, 2)))
+    return runs
+
+
+@pytest.mark.parametrize("recipe", [Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fp8_dgrad=False, fp8_wgrad=False),
+                                    Fp8BlockwiseRecipe(pow2_scale=True), Nvfp4Recipe(stochastic_dgrad=False)],
+                         ids=["fp8", "fp8-bf16-grads", "fp8-pow2", "nvfp4"])
+def test_kn_weights_are_the_transposed_weights(recipe):
+    # Experts stored [E, K, N] (transformers' Llama 4, Aria): the same codes as the [E, N, K] transpose (a tile is
+    # its own transpose), so the same products, bit for bit: output, dx and dW (transposed back).
+    (out, dx, dw), (ref_out, ref_dx, ref_dw) = _kn_runs(recipe, *_kn_problem("cpu"))
+    for got, want, what in ((out, ref_out, "out"), (dx, ref_dx, "dx"), (dw, ref_dw, "dw")):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=what)
+
+
+def test_kn_weights_quantized_once_a_step():
+    # The weight cache keeps both layouts of an [E, K, N] weight from one quantization: a second forward hits.
+    from moe_kernels.quant import weight_cache
+
+    x, w_kn, sizes, dout = _kn_problem("cpu")
+    w = w_kn.requires_grad_()
+    weight_cache.enable()
+    try:
+        before = weight_cache.stats()
+        for _ in range(2):
+            (Fp8BlockwiseRecipe().grouped_mm_kn(x, w, sizes) * dout).sum().backward()
+        after = weight_cache.stats()
+    finally:
+        weight_cache.enable(False)
+    assert after["quantized"] - before["quantized"] == 1 and after["hits"] - before["hits"] == 1
+    assert after["transposed"] == before["transposed"]  # both layouts came from the one quantization
+    with pytest.raises(ValueError, match="multiples of 128"):
+        Fp8BlockwiseRecipe().grouped_mm_kn(x[:, :200], w[:, :200], sizes)

@@ -182,3 +182,23 @@ def test_fused_permute_is_the_unfused_recipe_on_the_kernels(cuda, dtype):
         grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
     for a, b in zip(*grads):
         assert_exact(a, b, f"gathered vs unfused permute quantization ({dtype})")
+
+
+def test_kn_weights_are_the_transposed_weights(cuda):
+    # Experts stored [E, K, N] (Fp8BlockwiseRecipe.grouped_mm_kn) against grouped_mm on the transposed copy, on the
+    # device: the same codes and the same kernels for the forward and dgrad, so out and dx bit for bit. wgrad takes
+    # its operands the other way round (x^T dout): each is within Hopper's FP8 accumulation of the exact sum
+    # (moe_kernels.testing.FP8_MMA_MAGNITUDE per unit of the terms' magnitude), so they differ by at most twice it.
+    from moe_kernels.ops.grouped_mm import grouped_mm_wgrad_reference
+    from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_within_fp32_rounding
+    from tests.quant.test_recipe import _kn_problem, _kn_runs
+
+    x, w_kn, sizes, dout = _kn_problem(cuda)
+    (out, dx, dw), (ref_out, ref_dx, ref_dw) = _kn_runs(Fp8BlockwiseRecipe(), x, w_kn, sizes, dout)
+    assert_exact(out, ref_out, "out")
+    assert_exact(dx, ref_dx, "dx")
+    rows = int(sizes.sum())
+    # The terms' magnitude: |x|^T |dout| per group, 1.1x for the E4M3 rounding of both operands (at most 2^-4 each).
+    magnitude = 1.1 * grouped_mm_wgrad_reference(x[:rows].abs().double().cpu(), dout[:rows].abs().double().cpu(),
+                                                 sizes.cpu())
+    assert_within_fp32_rounding(dw, ref_dw, 2 * FP8_MMA_MAGNITUDE * magnitude, "dw")

@@ -11,15 +11,15 @@ stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
   No precision recipe (refused at patch time); while torch.onnx exports, the experts run transformers' forward
   (on one rank only).
 - Aria (`AriaTextMoELayer`, its router is `router`): bias-free experts stored [E, H, 2F] (gate then up columns)
-  and [E, F, H], SiLU: the same [E, K, N] path, with our fused swiglu.
+  and [E, F, H], SiLU: the same [E, K, N] path, with our fused swiglu; a precision recipe's GEMMs on the stored
+  layout (`recipe.grouped_mm_kn`), the rows padded to its alignment.
 - Llama 4 (`Llama4TextMoe`): transformers runs every expert on every token (the inputs of the experts not chosen
   zeroed by their score, sigmoid(-inf) = 0), E / k times the routed experts' FLOPs (16x for Scout, 128x for
   Maverick). Its block forward is replaced (`_llama4_block_forward`): transformers' router as it is, each token's
   copy scaled by its score before the experts, permute, the [E, K, N] grouped GEMMs around SiLU gate * up,
   unpermute, the block's own shared expert; expert-parallel, each token dispatched once and scaled by its score
-  on the experts' rank; peft adapters on the experts through peft's wrappers (LoRA terms as rank-r products). No
-  precision recipe (refused at patch time); while torch.onnx exports, transformers' block forward (on one rank
-  only).
+  on the experts' rank; peft adapters on the experts through peft's wrappers (LoRA terms as rank-r products); a
+  precision recipe as Aria's; while torch.onnx exports, transformers' block forward (on one rank only).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 from moe_kernels import onnx as _onnx
 from moe_kernels.nn import fused
-from moe_kernels.nn.lora import grouped_mm_lora, lora_terms
+from moe_kernels.nn.lora import check_expert_parallel_weights, grouped_mm_lora, lora_terms
 from moe_kernels.ops.activation import swiglu
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm
 from moe_kernels.ops.permute import permute, unpermute
@@ -92,6 +92,7 @@ def moe_kernels_experts_forward(
     align = 1 if recipe is None else recipe.align
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     if dispatcher is not None:  # moe_kernels.parallel.apply_expert_parallel: this rank holds E / P experts
+        check_expert_parallel_weights(self)
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
         act = _gated(self, h)
@@ -164,12 +165,16 @@ class _GroupedMmKN(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms) -> Tensor:
-    """x @ (w[e] + sum of s lhs[e] rhs[e]) (+ bias[e]) per group, w stored [E, K, N]: the [E, K, N] product, and
-    grouped_mm_lora's two rank-r products for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the
-    delta in the stored layout is s lhs rhs, peft's get_delta_factors), so W + s lhs rhs is never formed. In
-    grouped_mm's [E, N, K] terms that delta is s rhs^T lhs^T (the factors are small: E (K + N) r elements)."""
+def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms, recipe=None) -> Tensor:
+    """x @ (w[e] + sum of s lhs[e] rhs[e]) (+ bias[e]) per group, w stored [E, K, N]: the [E, K, N] product (a
+    precision recipe's, `recipe.grouped_mm_kn`, for bias-free experts), and grouped_mm_lora's two rank-r products
+    for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the delta in the stored layout is s lhs rhs,
+    peft's get_delta_factors), so W + s lhs rhs is never formed. In grouped_mm's [E, N, K] terms that delta is
+    s rhs^T lhs^T (the factors are small: E (K + N) r elements)."""
     terms = [(rhs.transpose(1, 2), lhs.transpose(1, 2), s) for lhs, rhs, s in terms]
+    if recipe is not None:
+        assert bias is None  # (refused at patch time)
+        return grouped_mm_lora(x, w, group_sizes, terms, mm=recipe.grouped_mm_kn)
     return grouped_mm_lora(x, w, group_sizes, terms, mm=lambda x, w, g: _GroupedMmKN.apply(x, w, bias, g))
 
 
@@ -179,10 +184,11 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around the gate
     (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU), unpermute with the routing
     weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs
-    on this rank's experts. A precision recipe or an ONNX export: transformers' own forward (on one rank)."""
+    on this rank's experts. A precision recipe (bias-free experts): its grouped_mm_kn, the rows padded to its
+    alignment. An ONNX export: transformers' own forward (on one rank)."""
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")
-    if self.__dict__.get(_RECIPE_ATTR) is not None or _onnx.exporting():  # (ONNX: transformers' ops export)
+    if _onnx.exporting():  # (transformers' ops export)
         if dispatcher is not None:
             raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on "
                                       "moe_kernels' ops only (no ONNX export)")
@@ -190,6 +196,8 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
             raise RuntimeError("moe_kernels experts: transformers' forward would drop the fused LoRA terms")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...) on bias-free experts (Aria's)
+    align = 1 if recipe is None else recipe.align
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
     _check_lora_experts(self, w13.shape[0], lora13, lora2)
     b13 = b2 = None
@@ -200,13 +208,14 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     if getattr(self, "_is_expert_parallel", False):
         idx = torch.where(idx < E, idx, -1)
     if dispatcher is not None:  # this rank holds E / P experts (and their biases)
-        d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=1)
+        check_expert_parallel_weights(self)
+        d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
         rows, group_sizes = d.x, d.group_sizes
     else:
-        rows, row_map, group_sizes = permute(x, idx.contiguous(), E, align=1)
-    h = _kn_mm(rows, w13.contiguous(), b13, group_sizes, lora13)  # [R, 2F]
+        rows, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
+    h = _kn_mm(rows, w13.contiguous(), b13, group_sizes, lora13, recipe)  # [R, 2F]
     act = _gated(self, h)  # GPT-OSS's own clamped gate on interleaved columns; Aria's SiLU: our swiglu
-    y = _kn_mm(act.contiguous(), w2.contiguous(), b2, group_sizes, lora2)  # [R, H]
+    y = _kn_mm(act.contiguous(), w2.contiguous(), b2, group_sizes, lora2, recipe)  # [R, H]
     if dispatcher is not None:
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
@@ -235,14 +244,16 @@ def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tenso
     T, E, k = hidden_states.shape[0], self.num_experts, self.router.top_k
     idx = torch.topk(router_logits, k, dim=1).indices  # the router's own picks
     scores = router_scores.gather(1, idx)  # [T, k], the router's dtype, as transformers multiplies
+    recipe = _experts_of(self).__dict__.get(_RECIPE_ATTR)
+    align = 1 if recipe is None else recipe.align  # rows per expert padded for the recipe's GEMMs
     if dispatcher is not None:
-        d = dispatcher.dispatch(hidden_states.contiguous(), scores.float(), idx.to(torch.int32), align=1)
+        d = dispatcher.dispatch(hidden_states.contiguous(), scores.float(), idx.to(torch.int32), align=align)
         # token x score in the model's dtype, as transformers scales (the fp32 row weights hold the scores exactly)
         y = self.experts((d.x * d.weights[:, None].to(d.x.dtype)).contiguous(), d.group_sizes)
         routed = dispatcher.combine(y, d.handle, weighted=False)  # each token's k rows summed
     else:
         x = (hidden_states[:, None, :] * scores[:, :, None]).reshape(T * k, self.hidden_dim)  # copy j of t: t k + j
-        x_perm, row_map, group_sizes = permute(x.contiguous(), idx.reshape(-1, 1).to(torch.int32), E, align=1)
+        x_perm, row_map, group_sizes = permute(x.contiguous(), idx.reshape(-1, 1).to(torch.int32), E, align=align)
         y = self.experts(x_perm, group_sizes)  # [R, H]
         routed = unpermute(y, row_map.view(T, k))  # each token's k copies summed (fp32, rounded once)
     out = self.shared_expert(hidden_states)
@@ -261,13 +272,15 @@ def _llama4_experts_forward(self: nn.Module, hidden_states: Tensor, group_sizes:
     x = hidden_states.to(w13.dtype).contiguous()
     lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")
     _check_lora_experts(self, w13.shape[0], lora13, lora2)
-    h = _kn_mm(x, w13.contiguous(), None, group_sizes, lora13)
+    check_expert_parallel_weights(self)
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
+    h = _kn_mm(x, w13.contiguous(), None, group_sizes, lora13, recipe)
     if _is_silu(self.act_fn):
         act = swiglu(h)
     else:
         gate, up = h.chunk(2, dim=-1)  # gate columns, then up
         act = up * self.act_fn(gate)
-    return _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora2)
+    return _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora2, recipe)
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:

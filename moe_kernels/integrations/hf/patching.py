@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR
+
 from .common import (
     _PATCH_ATTR,
     _RECIPE_ATTR,
@@ -98,11 +100,13 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         if getattr(experts, "has_bias", False) and not biases_fit:
             return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
     H, F2 = w13.shape[2], w13.shape[1]
+    held = experts.__dict__.get(EXPERT_RANGE_ATTR)  # apply_expert_parallel's: this rank's experts (patched already)
+    E_held = E if held is None else held[1]
     Z = getattr(block, fam.zero_experts, None) if fam.zero_experts else 0  # Longcat-Flash's zero-computation experts
     if not isinstance(Z, int) or Z < 0:
         return f"its {fam.zero_experts}={Z!r} is not a count of experts"
     router_fits = wg is None or tuple(wg.shape) == (E + Z, H)
-    if (w13.shape[0], w2.shape[0]) != (E, E) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) or not router_fits:
+    if (w13.shape[0], w2.shape[0]) != (E_held, E_held) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) or not router_fits:
         router = "transformers'" if wg is None else tuple(wg.shape)
         return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
                 f"router {router} for {E} experts" + (f" and {Z} zero-computation experts" if Z else ""))
@@ -225,6 +229,7 @@ def _install(block: nn.Module, fam: _Family, recipe) -> None:
     if fam.block_forward is not None:  # the block's forward and its experts' (the router stays transformers')
         _swap_class(block, fam.block_forward)
         _swap_class(_experts_of(block), fam.experts_forward)
+        _experts_of(block).__dict__[_RECIPE_ATTR] = recipe
         return
     gate, experts = _router_of(block), _experts_of(block)
     if not _experts_only(fam, gate):
@@ -316,10 +321,14 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
             if fam is not None and problem is None:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
-                if fam.kn_experts or fam.block_forward is not None:
-                    raise ValueError(f"{where}: {fam.name}'s experts (stored [E, K, N]) run at the model's precision "
+                kn = fam.kn_experts or fam.block_forward is not None  # stored [E, H, 2F] and [E, F, H]
+                if kn and getattr(experts, "has_bias", False):
+                    raise ValueError(f"{where}: {fam.name}'s experts have biases and run at the model's precision "
                                      "only")
-                F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
+                if kn:
+                    F_, H = experts.down_proj.shape[1], experts.gate_up_proj.shape[1]
+                else:
+                    F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
                 try:
                     recipe.check_shapes(H, F_)
                 except ValueError as exc:
