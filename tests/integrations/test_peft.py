@@ -228,6 +228,8 @@ def test_gpu_grouped_experts_of_our_moe_layer(cuda, recipe):
     assert fused.get_base_model().expert_path == "ops"
     with torch.no_grad(), fused.disable_adapter():
         bare = fused(x.to(cuda))[0].cpu()
+    # adapters off: the layer's own fast path again
+    assert fused.get_base_model().expert_path == ("fused" if recipe is None else "recipe")
     assert (bare - outs[0][0]).abs().max() > 1e-2, "the adapter reaches the output"
     if recipe is None:
         for i, what in enumerate(("out", "dx", "dlora_A")):
