@@ -145,17 +145,20 @@ class SharedExperts(nn.Module):
         None where the region would skip what the modules do or cannot take them."""
         autocast = _autocast_dtype(x)
         dtype = _gemm_dtype(x, autocast)
-        if dtype not in _FUSED_DTYPES or not x.is_contiguous() or _nn_hooks():
+        if (dtype not in _FUSED_DTYPES or not x.is_contiguous() or _nn_hooks() or self._forward_hooks
+                or self._forward_pre_hooks or "forward" in self.__dict__):
             return None
         mods = self._modules
         weights = []
         for name in ("gate_proj", "up_proj", "down_proj"):
             m = mods[name]
-            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks:
+            # (accelerate's offloading replaces `forward` on the instance and keeps the weight on meta until it runs)
+            if type(m) is not nn.Linear or m._forward_hooks or m._forward_pre_hooks or "forward" in m.__dict__:
                 return None
             params = m._parameters
             w = params["weight"]
-            if params["bias"] is not None or type(w) not in _PLAIN or not w.is_contiguous():
+            if (params["bias"] is not None or type(w) not in _PLAIN or not w.is_contiguous()
+                    or w.device != x.device):
                 return None
             if w.dtype is not dtype:
                 if _gemm_dtype(w, autocast) != dtype:
@@ -220,14 +223,13 @@ class MoELayer(nn.Module):
         elif self.dispatcher is not None:
             self._took("dispatched")
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
-        elif getattr(cfg.recipe, "fused_permute", False) and not self._adapted():
+        elif getattr(cfg.recipe, "fused_permute", False) and (experts := self._plain_experts(x_in)) is not None:
             self._took("recipe")
             # The recipe fuses the permute with its first GEMM's input quantization.
             fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm")
             # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
-                x_in, routed.indices, cfg.num_experts, cfg.permute_align, unwrapped(self.experts).w13,
-                swiglu_next=fused_swiglu
+                x_in, routed.indices, cfg.num_experts, cfg.permute_align, experts.w13, swiglu_next=fused_swiglu
             )
             row_weights = None
             if cfg.weights_in_activation:
@@ -236,12 +238,10 @@ class MoELayer(nn.Module):
             if fused_swiglu:
                 # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass); in the backward
                 # the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
-                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, unwrapped(self.experts).w2, group_sizes,
-                                                 unpermute_next=True)
+                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, group_sizes, unpermute_next=True)
                 out = cfg.recipe.unpermute(y, row_map, weights)
             else:
-                y = unwrapped(self.experts).forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm,
-                                                                 act=ops.swiglu)
+                y = experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
                 out = ops.unpermute(y, row_map, weights)
         else:
             self._took("ops")
@@ -272,6 +272,25 @@ class MoELayer(nn.Module):
             module = module.base_layer
         return bool(lora_terms(module, "w13") or lora_terms(module, "w2"))
 
+    def _plain_experts(self, x: Tensor) -> GroupedExperts | None:
+        """The experts module whose weights the fast paths (the fused regions, the gathered experts, the recipe's
+        fused permute) read in place of calling it, or None where calling it does more: adapters on (`_adapted`),
+        hooks on it or global ones (accelerate's offloading, which also replaces `forward`, pruning, FSDP2's
+        unsharding), another module in its place (a subclass), or weights not on x's device (offloaded to meta)."""
+        if _nn_hooks() or self._adapted():
+            return None
+        module = self.experts
+        while True:  # the experts and any adapter wrappers around them (theirs off: disabled or merged)
+            if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
+                return None
+            base = getattr(module, "base_layer", None)
+            if not isinstance(base, nn.Module):
+                break
+            module = base
+        if type(module) is not GroupedExperts or module.w13.device != x.device or module.w2.device != x.device:
+            return None
+        return module
+
     def _launch(self, x: Tensor) -> fused.Launch | None:
         """The fused regions' launch for this call (moe_kernels.nn.fused), or None for the registered ops."""
         return fused.launch_for(x)
@@ -279,10 +298,11 @@ class MoELayer(nn.Module):
     def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
         """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
         plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
-        if (self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES
-                or self._adapted()):
+        if self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
             return False
-        experts = unwrapped(self.experts)
+        experts = self._plain_experts(x)
+        if experts is None:
+            return False
         w13, w2 = experts.w13, experts.w2
         if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
                 and w2.is_contiguous() and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups)):
@@ -309,9 +329,10 @@ class MoELayer(nn.Module):
     def _gathered_fit(self, x: Tensor) -> bool:
         """The gather-fused experts take the plain local layer (no dispatcher, no adapters, plain weights in x's
         dtype after autocast); elsewhere the layer keeps its other paths."""
-        if self.dispatcher is not None or self._adapted():
+        experts = None if self.dispatcher is not None else self._plain_experts(x)
+        if experts is None:
             return False
-        w13, w2 = unwrapped(self.experts).w13, unwrapped(self.experts).w2
+        w13, w2 = experts.w13, experts.w2
         autocast = _autocast_dtype(x)
         return (type(w13) in _PLAIN and type(w2) in _PLAIN and _gemm_dtype(w13, autocast) == x.dtype
                 and _gemm_dtype(w2, autocast) == x.dtype)

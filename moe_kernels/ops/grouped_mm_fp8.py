@@ -67,7 +67,14 @@ def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     if not parts:
         return w.new_empty((0, N, K), dtype=_E4M3), w.new_empty((0, nb, kb), dtype=torch.float32)
-    return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
+    return _stack([p[0] for p in parts]), _stack([p[1] for p in parts])
+
+
+def _stack(tensors: list[Tensor]) -> Tensor:
+    """torch.stack outside autocast: autocast's stack promotes its inputs to a common dtype, and knows no float8
+    (RuntimeError under torch.autocast on a CPU)."""
+    with torch.autocast(tensors[0].device.type, enabled=False):
+        return torch.stack(tensors)
 
 
 def _check_experts_dual(w: Tensor) -> None:
@@ -80,8 +87,8 @@ def quantize_fp8_experts_dual_reference(w: Tensor, pow2_scale: bool = False) -> 
     E, N, K = w.shape
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     parts = [quantize_fp8_reference(w[e], "tile", _E4M3, pow2_scale) for e in range(E)]
-    q = torch.stack([p[0] for p in parts]) if parts else w.new_empty((0, N, K), dtype=_E4M3)
-    s = torch.stack([p[1] for p in parts]) if parts else w.new_empty((0, nb, kb), dtype=torch.float32)
+    q = _stack([p[0] for p in parts]) if parts else w.new_empty((0, N, K), dtype=_E4M3)
+    s = _stack([p[1] for p in parts]) if parts else w.new_empty((0, nb, kb), dtype=torch.float32)
     # clone, not contiguous(): a transpose that is already contiguous ([E, 1, 1] scales) must not alias.
     t = dict(memory_format=torch.contiguous_format)
     return q, s, q.transpose(1, 2).clone(**t), s.transpose(1, 2).clone(**t)

@@ -476,3 +476,78 @@ def test_mlp_region_falls_back_to_the_modules(cuda):
         assert_exact(out, mlp(x), change)
         if change in ("hook", "global-hook"):
             assert seen, change
+
+
+def _routed_layer(cuda, shared=0):
+    from moe_kernels.nn import MoEConfig, MoELayer, RouterConfig
+
+    torch.manual_seed(0)
+    return MoELayer(MoEConfig(router=RouterConfig(hidden_size=32, num_experts=4, k=2), ffn_size=16,
+                              shared_ffn_size=shared)).to(cuda)
+
+
+def test_routed_experts_fall_back_to_the_module(cuda):
+    """The fused regions read the routed experts' weights instead of calling the experts module; where the module
+    would do more they call it: hooks on it (and global ones), a subclass in its place, pruning's parametrizing
+    pre-hook (its weight recomputed every forward), and no fused launch for the experts."""
+    from torch.nn.utils import prune
+
+    from moe_kernels.nn import GroupedExperts
+
+    class Doubled(GroupedExperts):
+        def forward(self, *args, **kwargs):
+            return 2 * super().forward(*args, **kwargs)
+
+    x = torch.randn(16, 32, device=cuda)
+    for change in ("hook", "global-hook", "subclass", "prune"):
+        layer = _routed_layer(cuda)
+        with torch.no_grad():
+            base = layer(x)[0]
+        seen, handle = [], None
+        if change == "hook":
+            layer.experts.register_forward_pre_hook(lambda m, args: seen.append(1))
+        elif change == "global-hook":
+            handle = torch.nn.modules.module.register_module_forward_hook(
+                lambda m, args, out: seen.append(1) if isinstance(m, GroupedExperts) else None)
+        elif change == "subclass":
+            doubled = Doubled(4, 32, 16).to(cuda)
+            doubled.load_state_dict(layer.experts.state_dict())
+            layer.experts = doubled
+        else:
+            prune.random_unstructured(layer.experts, "w13", amount=0.5)
+        try:
+            with extension_calls() as ext:
+                out, aux = layer(x)
+            out.square().mean().backward()  # (pruning: a stale w13 would be backed through twice)
+        finally:
+            if handle is not None:
+                handle.remove()
+        assert layer.expert_path == "ops" and "moe_fwd" not in ext.calls, (change, ext.calls)
+        if change in ("hook", "global-hook"):
+            assert seen, change
+        if change == "subclass":
+            torch.testing.assert_close(out, 2 * base, rtol=1e-5, atol=1e-6)
+        if change == "prune":
+            with torch.no_grad():
+                want = layer.experts.w13_orig * layer.experts.w13_mask
+            assert torch.equal(layer.experts.w13, want)
+    layer = _routed_layer(cuda)
+    layer(x)
+    assert layer.expert_path == "fused"  # and as it is, the fused region
+
+
+@pytest.mark.parametrize("offload", ["model", "experts", "shared"])
+def test_accelerate_offloading(cuda, offload):
+    """accelerate's offloading keeps the weights on the meta device and loads them around each module's forward
+    (replacing `forward` on the instance): the layer calls the modules, with the model's own outputs."""
+    accelerate = pytest.importorskip("accelerate")
+    layer = _routed_layer(cuda, shared=16).eval()
+    x = torch.randn(16, 32, device=cuda)
+    with torch.no_grad():
+        want = layer(x)[0]
+    target = {"model": layer, "experts": layer.experts, "shared": layer.shared_experts}[offload]
+    accelerate.cpu_offload(target, execution_device=cuda)
+    assert any(p.device.type == "meta" for p in target.parameters())
+    with torch.no_grad():
+        got = layer(x)[0]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -361,3 +361,26 @@ def test_kn_weights_quantized_once_a_step():
     assert after["transposed"] == before["transposed"]  # both layouts came from the one quantization
     with pytest.raises(ValueError, match="multiples of 128"):
         Fp8BlockwiseRecipe().grouped_mm_kn(x[:, :200], w[:, :200], sizes)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_moe_layer_with_the_recipe_under_cpu_autocast(fused):
+    # On the CPU references under torch.autocast("cpu", bfloat16), as test_recipe_gpu's autocast test on the device
+    # (autocast's stack promotion knew no float8: the weights' tiles were stacked inside it). Error model there: four
+    # E4M3 operands, sqrt(4) x E4M3_REL_ERROR relative L2, 2x allowed, plus 4 bf16 roundings of the autocast.
+    from moe_kernels.testing import E4M3_REL_ERROR, U_BF16, relative_l2_error
+
+    torch.manual_seed(0)
+    cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=128, num_experts=4, k=2)
+    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=fused, fused_swiglu=fused)))
+    ref = MoELayer(cfg)
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(32, 128)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = layer(x)
+        want, _ = ref(x)
+    assert out.dtype == torch.bfloat16
+    err = relative_l2_error(out.float(), want.float())
+    assert err < 2 * 4**0.5 * E4M3_REL_ERROR + 4 * U_BF16, err
+    out.float().square().sum().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in layer.experts.parameters())
