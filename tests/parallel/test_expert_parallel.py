@@ -249,3 +249,17 @@ def _worker_etp_only(rank, P):
 
 def test_expert_tensor_parallel_without_expert_parallel():
     run_world(_worker_etp_only, 2)
+
+
+@pytest.mark.gpu
+def test_expert_parallel_on_the_kernels():
+    # The same equivalences on the CUDA code path: the EP layer's dispatched experts on the kernels against the
+    # one-rank layer's fused regions, LoRA included. gloo's ranks exchange CPU tensors, so this runs where the CUDA
+    # kernels run on the CPU (the emulated tier); on a GPU the NVLink tests cover the device path.
+    from tests.emulation import EMULATED
+
+    if not EMULATED:
+        pytest.skip("gloo carries CPU tensors: the CUDA code path on them runs under MOE_KERNELS_EMULATE only")
+    run_world(_worker_layer, 2, "all_to_all")
+    pytest.importorskip("peft")
+    run_world(_worker_lora, 2, "all_gather")
