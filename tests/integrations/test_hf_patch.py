@@ -594,6 +594,19 @@ def _nvfp4_swiglu_error(calls) -> float:
     return total**0.5
 
 
+def _run_on_recipe(model, ids, cls, method, monkeypatch):
+    """patch_hf(model, recipe=cls()), then one forward with the labels: (its output, the operands (x, w, group
+    sizes) of every call of the recipe's `method`, the experts' forward GEMMs)."""
+    mk.patch_hf(model, recipe=cls())
+    calls = []
+    real = getattr(cls, method)
+    monkeypatch.setattr(cls, method,
+                        lambda self, x, w, gs: calls.append((x.detach(), w.detach(), gs)) or real(self, x, w, gs))
+    out = run(model, ids, labels=ids)
+    monkeypatch.undo()
+    return out, calls
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 def test_precision_recipe(family, monkeypatch):
     # The routed experts' GEMMs on the NVFP4 recipe: close to the model's own outputs, not equal, training
@@ -604,13 +617,7 @@ def test_precision_recipe(family, monkeypatch):
     ids = inputs()
     with torch.no_grad():
         ref = run(model, ids).logits
-    mk.patch_hf(model, recipe=Nvfp4Recipe())
-    calls = []  # the experts' forward GEMMs' operands
-    recipe_mm = Nvfp4Recipe.grouped_mm
-    monkeypatch.setattr(Nvfp4Recipe, "grouped_mm",
-                        lambda self, x, w, gs: calls.append((x.detach(), w.detach(), gs)) or recipe_mm(self, x, w, gs))
-    out = run(model, ids, labels=ids)
-    monkeypatch.undo()
+    out, calls = _run_on_recipe(model, ids, Nvfp4Recipe, "grouped_mm", monkeypatch)
     # Error model: NVFP4 keeps about 2 significant bits, ~10% relative error per operand, measured on these
     # operands (_nvfp4_swiglu_error, ~0.25 for one layer); these tiny models put most of their logits through
     # the experts, and the rest of the network (attention, norm, lm_head) passes that error on with a gain
@@ -700,13 +707,7 @@ def _kn_recipe_case(family, recipe, device, monkeypatch):
     with torch.no_grad():
         ref = run(model, ids).logits
     cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
-    mk.patch_hf(model, recipe=cls())
-    calls = []
-    real = cls.grouped_mm_kn
-    monkeypatch.setattr(cls, "grouped_mm_kn",
-                        lambda self, x, w, gs: calls.append((x.detach(), w.detach(), gs)) or real(self, x, w, gs))
-    out = run(model, ids, labels=ids)
-    monkeypatch.undo()
+    out, calls = _run_on_recipe(model, ids, cls, "grouped_mm_kn", monkeypatch)
     assert len(calls) == 2 * len(moe_blocks(model))
     assert all(int(gs.sum()) % cls().align == 0 for _, _, gs in calls)
     err = relative_l2_error(out.logits.cpu(), ref.cpu())

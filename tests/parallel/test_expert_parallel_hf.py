@@ -38,6 +38,17 @@ def _grads(model, shards, rank, P):
     return grads
 
 
+def _assert_runs_close(runs, where):
+    """runs: (logits, loss, gradients by name) of the EP model, the fp32 one-rank model and the fp64 one. Error
+    policy: the EP model's fp32 error against the fp64 one-rank model at most twice the fp32 one-rank model's (the
+    row layouts differ, so the grouped products sum in other orders), plus 8 fp32 ulps."""
+    (logits, loss, grads), (logits32, loss32, grads32), (logits64, loss64, grads64) = runs
+    assert_close_to_fp64(logits, logits32, logits64, f"{where}: logits")
+    assert_close_to_fp64(loss, loss32, loss64, f"{where}: loss")
+    for name, g in grads.items():
+        assert_close_to_fp64(g, grads32[name], grads64[name], f"{where}: d {name}")
+
+
 def _case(rank, P, family, backend, how):
     from tests.integrations.hf_models import build, moe_blocks
 
@@ -62,14 +73,7 @@ def _case(rank, P, family, backend, how):
         loss = out.loss if aux is None else out.loss + aux
         loss.backward()
         runs.append((out.logits, loss, _grads(model, set() if model is ep else shards, rank, P)))
-    (logits, loss, grads), (logits32, loss32, grads32), (logits64, loss64, grads64) = runs
-    where = f"rank {rank}/{P} {family} {backend} {how}"
-    # Error policy: the EP model's fp32 error against the fp64 one-rank model at most twice the fp32 one-rank
-    # model's (the row layouts differ, so the grouped products sum in other orders), plus 8 fp32 ulps.
-    assert_close_to_fp64(logits, logits32, logits64, f"{where}: logits")
-    assert_close_to_fp64(loss, loss32, loss64, f"{where}: loss")
-    for name, g in grads.items():
-        assert_close_to_fp64(g, grads32[name], grads64[name], f"{where}: d {name}")
+    _assert_runs_close(runs, f"rank {rank}/{P} {family} {backend} {how}")
     with pytest.raises(ValueError, match="already expert-parallel"):
         apply_expert_parallel(ep)
     with pytest.raises(ValueError, match="expert-parallel"):
@@ -125,13 +129,7 @@ def _lora_case(rank, P, family, backend):
         for g in grads.values():
             dist.all_reduce(g)
         runs.append((out.logits, out.loss, grads))
-    (logits, loss, grads), (logits32, loss32, grads32), (logits64, loss64, grads64) = runs
-    where = f"rank {rank}/{P} {family} {backend} LoRA"
-    # Error policy: as _case's (the EP model's fp32 error at most twice the one-rank fp32 model's, plus 8 ulps).
-    assert_close_to_fp64(logits, logits32, logits64, f"{where}: logits")
-    assert_close_to_fp64(loss, loss32, loss64, f"{where}: loss")
-    for name, g in grads.items():
-        assert_close_to_fp64(g, grads32[name], grads64[name], f"{where}: d {name}")
+    _assert_runs_close(runs, f"rank {rank}/{P} {family} {backend} LoRA")
     # This rank's backward touches only its experts' slices of lora_A ([E r, K] rows) and lora_B ([N, E r] columns).
     lo, hi = rank * (E // P), (rank + 1) * (E // P)
     for name, p in ep.named_parameters():
