@@ -145,8 +145,7 @@ class SharedExperts(nn.Module):
         None where the region would skip what the modules do or cannot take them."""
         autocast = _autocast_dtype(x)
         dtype = _gemm_dtype(x, autocast)
-        if (dtype not in _FUSED_DTYPES or not x.is_contiguous() or _nn_hooks() or self._forward_hooks
-                or self._forward_pre_hooks or "forward" in self.__dict__):
+        if dtype not in _FUSED_DTYPES or not x.is_contiguous() or _nn_hooks():
             return None
         mods = self._modules
         weights = []
@@ -262,12 +261,13 @@ class MoELayer(nn.Module):
 
     def _adapted(self) -> bool:
         """Adapters may apply to the experts: an adapter wrapper holds them with its adapters on (peft's, whose
-        forward hands the experts their LoRA terms: moe_kernels.integrations.peft; not while disabled or merged
-        into the weights), or terms are set. Only the paths that call the experts module apply them; the fused,
+        forward hands the experts their LoRA terms: moe_kernels.integrations.peft; not while disabled, nor while
+        merged into the weights, but disabled after merging its forward unmerges first), or terms are set. Only the paths that call the experts module apply them; the fused,
         gathered and recipe-fused paths read the weights."""
         module = self.experts
         while isinstance(getattr(module, "base_layer", None), nn.Module):
-            if not (getattr(module, "disable_adapters", False) or getattr(module, "merged", False)):
+            disabled, merged = getattr(module, "disable_adapters", False), getattr(module, "merged", False)
+            if disabled == merged:  # on and unmerged; or off but merged (peft's forward unmerges first)
                 return True
             module = module.base_layer
         return bool(lora_terms(module, "w13") or lora_terms(module, "w2"))

@@ -73,7 +73,10 @@ def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor
 def _stack(tensors: list[Tensor]) -> Tensor:
     """torch.stack outside autocast: autocast's stack promotes its inputs to a common dtype, and knows no float8
     (RuntimeError under torch.autocast on a CPU)."""
-    with torch.autocast(tensors[0].device.type, enabled=False):
+    device = tensors[0].device.type
+    if not (torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)):  # (meta has no autocast)
+        return torch.stack(tensors)
+    with torch.autocast(device, enabled=False):
         return torch.stack(tensors)
 
 

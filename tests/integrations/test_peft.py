@@ -271,3 +271,32 @@ def test_a_second_adapter_on_fused_wrappers():
             want = plain(ids).logits
             for model in (fused, again):
                 torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5, msg=str(active))
+
+
+@pytest.mark.gpu
+def test_gpu_merged_and_disabled_adapters_on_our_moe_layer(cuda):
+    # The layer reads the experts' weights on its fast path only where they hold what the wrapper would compute:
+    # adapters merged (the delta in the weights), or disabled and unmerged; merged and then disabled, peft's forward
+    # unmerges first, so the layer calls it. Each state against the layer it stands for, within fp32 rounding of
+    # W + s B A (outputs O(1), K <= 32: a few 1e-7; 1e-5 allowed).
+    torch.manual_seed(0)
+    cfg = qwen3_30b_a3b(hidden_size=32, ffn_size=16, num_experts=8, k=2)
+    base = MoELayer(cfg).to(cuda)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=["experts.w13", "experts.w2"],
+                             init_lora_weights=False)
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    mk_peft.fuse_lora(model)
+    x = torch.randn(3, 11, 32, device=cuda)
+    layer = model.get_base_model()
+    with torch.no_grad():
+        bare, adapted = base(x)[0], model(x)[0]
+        assert layer.expert_path == "ops" and (adapted - bare).abs().max() > 1e-2
+        with model.disable_adapter():
+            torch.testing.assert_close(model(x)[0], bare, rtol=1e-5, atol=1e-5)
+            assert layer.expert_path == "fused"
+        model.merge_adapter()
+        torch.testing.assert_close(model(x)[0], adapted, rtol=1e-5, atol=1e-5)
+        assert layer.expert_path == "fused"
+        with model.disable_adapter():
+            torch.testing.assert_close(model(x)[0], bare, rtol=1e-5, atol=1e-5)
+            assert layer.expert_path == "ops"

@@ -166,6 +166,40 @@ def _late_adapter_case(rank, P):
         plain(inputs())
 
 
+def _kn_recipe_worker(rank, P):
+    # Experts stored [E, K, N] on the FP8 recipe, expert-parallel: the recipe given before apply_expert_parallel or
+    # to the expert-parallel model afterwards. The same codes on every rank (each token's 1x128 blocks, each
+    # expert's tiles), so the EP logits are the one-rank model's up to the fp32 summation order of the products
+    # (relative ~1e-7 at K = 128; 1e-5 allowed); every expert GEMM on the recipe, its groups padded to 128 rows.
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+    from tests.integrations.hf_models import build
+
+    for family in ("llama4", "aria"):
+        for order in ("recipe, then EP", "EP, then recipe"):
+            full = mk.patch_hf(build(family, layers=1, hidden_size=128, head_dim=32, intermediate_size=128))
+            if order == "recipe, then EP":
+                mk.patch_hf(full, recipe=Fp8BlockwiseRecipe())
+                ep = apply_expert_parallel(copy.deepcopy(full))
+            else:
+                ep = apply_expert_parallel(copy.deepcopy(full))
+                for model in (full, ep):
+                    mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
+            calls, real = [], Fp8BlockwiseRecipe.grouped_mm_kn
+            Fp8BlockwiseRecipe.grouped_mm_kn = lambda self, x, w, gs: calls.append(gs) or real(self, x, w, gs)
+            try:
+                ids = torch.randint(0, 64, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+                with torch.no_grad():
+                    got, want = ep(ids).logits, full(ids).logits
+            finally:
+                Fp8BlockwiseRecipe.grouped_mm_kn = real
+            assert len(calls) == 4 and all(int(gs.sum()) % 128 == 0 for gs in calls), (family, order)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=f"rank {rank} {family} {order}")
+
+
+def test_kn_experts_recipe_expert_parallel():
+    run_world(_kn_recipe_worker, 2)
+
+
 def _lora_worker(rank, P, backend):
     for family in ("qwen3_moe", "gpt_oss", "llama4"):
         _lora_case(rank, P, family, backend)

@@ -73,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR
 from moe_kernels.ops.router import router_topk
 
 from .common import _WEIGHT_DTYPES, _experts_of
@@ -500,8 +501,9 @@ def llama4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
         return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
     H, F2 = w13.shape[1], w13.shape[2]
-    if gate.bias is not None or tuple(gate.weight.shape) != (E, H) or w13.shape[0] != E or F2 % 2 \
-            or tuple(w2.shape) != (E, F2 // 2, H) or getattr(block, "hidden_dim", None) != H:
+    held = experts.__dict__.get(EXPERT_RANGE_ATTR, (0, E, E))[1]  # an expert-parallel rank's experts: E / P
+    if gate.bias is not None or tuple(gate.weight.shape) != (E, H) or w13.shape[0] != held or F2 % 2 \
+            or tuple(w2.shape) != (held, F2 // 2, H) or getattr(block, "hidden_dim", None) != H:
         return (f"unexpected shapes: router {tuple(gate.weight.shape)} (bias {gate.bias is not None}), gate_up_proj "
                 f"{tuple(w13.shape)}, down_proj {tuple(w2.shape)} for {E} experts")
     if not isinstance(getattr(block, "shared_expert", None), nn.Module):
