@@ -43,10 +43,16 @@ def check_expert_parallel_weights(experts: nn.Module) -> None:
             "apply_expert_parallel, which keeps every expert's factors on every rank and applies this rank's slices")
 
 
+def wrapped_module(module: nn.Module) -> nn.Module | None:
+    """The module an adapter wrapper holds (peft's keep it as the submodule `base_layer`), or None. A dict lookup:
+    getattr on an nn.Module without the attribute raises inside nn.Module.__getattr__, a microsecond a call."""
+    return module._modules.get("base_layer")
+
+
 def unwrapped(module: nn.Module) -> nn.Module:
-    """The experts module inside any adapter wrappers (peft's keep the module they wrap as `base_layer`)."""
-    while isinstance(getattr(module, "base_layer", None), nn.Module):
-        module = module.base_layer
+    """The experts module inside any adapter wrappers."""
+    while (base := wrapped_module(module)) is not None:
+        module = base
     return module
 
 
@@ -54,8 +60,8 @@ def experts_path(layer: nn.Module, name: str = "experts") -> str:
     """The attribute path from `layer` to its experts module inside any adapter wrappers: "experts", or
     "experts.base_layer" (one wrapper), ... (the prefix of the experts' parameter names in layer's state dict)."""
     path, module = name, getattr(layer, name)
-    while isinstance(getattr(module, "base_layer", None), nn.Module):
-        path, module = path + ".base_layer", module.base_layer
+    while (base := wrapped_module(module)) is not None:
+        path, module = path + ".base_layer", base
     return path
 
 

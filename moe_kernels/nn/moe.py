@@ -14,7 +14,7 @@ from torch.nn.modules import module as _nn_module
 
 from moe_kernels.nn import fused, torch_native
 from moe_kernels.nn.experts import GroupedExperts
-from moe_kernels.nn.lora import lora_terms, unwrapped
+from moe_kernels.nn.lora import lora_terms, unwrapped, wrapped_module
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import swiglu, swiglu_reference
 from moe_kernels.ops.expert_mlp import expert_mlp_reference
@@ -262,14 +262,12 @@ class MoELayer(nn.Module):
     def _adapted(self) -> bool:
         """Adapters may apply to the experts: an adapter wrapper holds them with its adapters on (peft's, whose
         forward hands the experts their LoRA terms: moe_kernels.integrations.peft; not while disabled, nor while
-        merged into the weights, but disabled after merging its forward unmerges first), or terms are set. Only the paths that call the experts module apply them; the fused,
-        gathered and recipe-fused paths read the weights."""
+        merged into the weights, but disabled after merging its forward unmerges first), or terms are set."""
         module = self.experts
-        while isinstance(getattr(module, "base_layer", None), nn.Module):
-            disabled, merged = getattr(module, "disable_adapters", False), getattr(module, "merged", False)
-            if disabled == merged:  # on and unmerged; or off but merged (peft's forward unmerges first)
+        while (base := wrapped_module(module)) is not None:
+            if getattr(module, "disable_adapters", False) == getattr(module, "merged", False):
                 return True
-            module = module.base_layer
+            module = base
         return bool(lora_terms(module, "w13") or lora_terms(module, "w2"))
 
     def _plain_experts(self, x: Tensor) -> GroupedExperts | None:
@@ -277,17 +275,20 @@ class MoELayer(nn.Module):
         fused permute) read in place of calling it, or None where calling it does more: adapters on (`_adapted`),
         hooks on it or global ones (accelerate's offloading, which also replaces `forward`, pruning, FSDP2's
         unsharding), another module in its place (a subclass), or weights not on x's device (offloaded to meta)."""
-        if _nn_hooks() or self._adapted():
+        if _nn_hooks():
             return None
         module = self.experts
-        while True:  # the experts and any adapter wrappers around them (theirs off: disabled or merged)
+        while True:  # the experts and any adapter wrappers around them
             if module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__:
                 return None
-            base = getattr(module, "base_layer", None)
-            if not isinstance(base, nn.Module):
+            base = wrapped_module(module)
+            if base is None:
                 break
+            if getattr(module, "disable_adapters", False) == getattr(module, "merged", False):
+                return None  # its adapters on (or merged, then disabled: its forward unmerges first)
             module = base
-        if type(module) is not GroupedExperts or module.w13.device != x.device or module.w2.device != x.device:
+        if (type(module) is not GroupedExperts or lora_terms(module, "w13") or lora_terms(module, "w2")
+                or module.w13.device != x.device or module.w2.device != x.device):
             return None
         return module
 
