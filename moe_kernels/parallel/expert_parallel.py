@@ -49,7 +49,7 @@ from moe_kernels.dispatch import LocalDispatcher, NvlinkDispatcher, collectives,
 from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, lora_terms, unwrapped
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, lora_terms, unwrapped, wrapped_module
 
 
 def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 0, parts: int = 1) -> GroupedExperts:
@@ -213,8 +213,8 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
 def _replace_unwrapped(parent: nn.Module, name: str, new: nn.Module) -> None:
     """parent.<name> = new, or, where adapter wrappers hold the module (base_layer), the innermost one's base_layer."""
     module = getattr(parent, name)
-    while isinstance(getattr(module, "base_layer", None), nn.Module):
-        parent, name, module = module, "base_layer", module.base_layer
+    while (base := wrapped_module(module)) is not None:
+        parent, name, module = module, "base_layer", base
     setattr(parent, name, new)
 
 

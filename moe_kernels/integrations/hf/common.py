@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from moe_kernels.nn.lora import unwrapped
+
 EXPERTS_IMPLEMENTATION = "moe_kernels"  # the name in transformers' ExpertsInterface
 _PATCH_ATTR = "_moe_kernels_patch"  # router: its previous `_old_forward` (accelerate); experts: previous implementation
 _RECIPE_ATTR = "_moe_kernels_recipe"  # on patched experts modules given a precision recipe
@@ -37,9 +39,7 @@ def _router_of(block: nn.Module):
 def _experts_of(block: nn.Module):
     """The block's experts module, inside any adapter wrappers (peft's ParamWrapper keeps it as base_layer)."""
     experts = getattr(block, "experts", None)
-    while isinstance(getattr(experts, "base_layer", None), nn.Module):
-        experts = experts.base_layer
-    return experts
+    return unwrapped(experts) if isinstance(experts, nn.Module) else experts
 
 
 _ROUTER_LINEARS = ("proj", "wg", "gate", "classifier")  # Gemma 4's, HunYuan-MoE-V1's, AFMoE's, Longcat-Flash's
