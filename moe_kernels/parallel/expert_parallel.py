@@ -108,11 +108,12 @@ def _hf_experts(model: nn.Module) -> list[nn.Module]:
     from moe_kernels.integrations.hf.patching import runs_our_experts
 
     return [m for m in model.modules()
-            if runs_our_experts(m) and isinstance(getattr(m, "gate_up_proj", None), torch.Tensor)
+            if runs_our_experts(m) and isinstance(getattr(m, "gate_up_proj", getattr(m, "up_proj", None)), torch.Tensor)
             and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
 
 
-_HF_EXPERT_TENSORS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")  # [E, ...] each
+# [E, ...] each (up_proj: experts without a gate, Nemotron-H's)
+_HF_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 
 
 def _hf_expert_tensors(experts: nn.Module) -> list[str]:

@@ -91,6 +91,8 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "PhiMoE"),  # transformers' router, our experts
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", "Kolibri"),  # transformers' router, our experts
     "zaya": ("ZayaConfig", "ZayaForCausalLM", "Zaya"),  # transformers' router, our experts
+    # DeepSeek-V3's router, experts without a gate (squared ReLU), an optional latent projection around the experts
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", "nemotron_h (DeepSeek-V3 routing)"),
 }
 _SIZES = dict(COMMON, intermediate_size=48, moe_intermediate_size=16, shared_expert_intermediate_size=24, head_dim=8,
               num_experts=8, num_local_experts=8, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -124,6 +126,8 @@ _EXTRA = {
     # 8 routed experts and 2 zero-computation ones (a token's share of those passes through as is)
     "longcat_flash": {"ffn_hidden_size": 48, "expert_ffn_hidden_size": 16, "moe_topk": 2, "zero_expert_num": 2,
                       "num_key_value_heads": 4},
+    "nemotron_h": {"moe_shared_expert_intermediate_size": 24, "mamba_num_heads": 4, "mamba_head_dim": 16,
+                   "n_groups": 2, "ssm_state_size": 8, "chunk_size": 8},
 }
 # the attention of the hybrid families' layers
 _LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention", "inkling2": "hybrid",
@@ -139,6 +143,10 @@ def _matched_config(family: str, layers: int, overrides: dict):
         kw["layer_types"] = [_LAYER_TYPE.get(family, "full_attention")] * layers
     if family in _SPARSE_MLP:
         kw["mlp_layer_types"] = ["sparse"] * layers
+    if "layers_block_type" in accepted:  # Nemotron-H: a layer is one mixer (Mamba, attention, MLP or MoE)
+        types = ["full_attention", "moe"] * layers  # each MoE layer after an attention one, the first a Mamba one
+        types[0] = "linear_attention" if layers > 1 else types[0]
+        return cls(layers_block_type=types, **{**kw, **overrides})
     if "num_layers" in accepted:  # Longcat-Flash: a layer is two attention and MLP sublayers, one MoE block
         return cls(num_layers=layers, **{**kw, **overrides})
     return cls(num_hidden_layers=layers, **{**kw, **overrides})
@@ -214,6 +222,8 @@ CASES = [
     ("phimoe", {}),
     ("kolibri1", {}),
     ("zaya", {"num_experts_per_tok": 1}),  # (Zaya's only k)
+    ("nemotron_h", {}),  # experts without a gate: act_fn(up) (squared ReLU)
+    ("nemotron_h", {"moe_latent_size": 24, "n_group": 1, "topk_group": 1}),  # the experts on a latent width
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare); PhiMoE
 # and Kolibri: transformers' routers, our experts
@@ -230,7 +240,7 @@ def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module
     model = getattr(transformers, _CLASSES[family])(_config(family, layers, **overrides))
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            if name.endswith(("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.3)
             elif name.endswith((".gate.weight", ".router.weight", ".router.proj.weight", ".gate.wg.weight",
                                 ".router.classifier.weight")):

@@ -118,11 +118,11 @@ def test_sgd_step_matches(family, overrides):
     for block in moe_blocks(model):
         gate_weight = hf.common._gate_weight(hf.common._router_of(block))
         router = () if family == "zaya" else (gate_weight,)  # Zaya's MLP router has no [E, H] weight
-        for p in (*router, block.experts.gate_up_proj, block.experts.down_proj):
+        for p in (*router, getattr(block.experts, hf.common._up_name(block.experts)), block.experts.down_proj):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "nemotron_h"])
 def test_compiled_patched_model_matches(family):
     """model.compile() / torch.compile(model, fullgraph=True) on a patched model: one graph (the ops are registered
     custom ops with fake implementations, no graph break), the same loss and gradients as transformers' eager

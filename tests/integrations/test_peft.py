@@ -23,6 +23,15 @@ from tests.integrations.hf_models import build, inputs, moe_blocks  # noqa: E402
 HF_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
+def _targets(family):
+    """peft's targets for the family's experts: Llama 4's under feed_forward; Nemotron-H's (no gate) under mixer."""
+    if family == "llama4":
+        return [t.replace("mlp.", "feed_forward.") for t in HF_TARGETS]
+    if family == "nemotron_h":
+        return ["mixer.experts.up_proj", "mixer.experts.down_proj"]
+    return HF_TARGETS
+
+
 def _lora(model, targets=HF_TARGETS, r=4):
     # init_lora_weights=False: B is random too, so the adapter changes the output from the first step.
     config = peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=[], target_parameters=targets,
@@ -40,10 +49,10 @@ def _logits_and_grads(model, ids):
 
 # GPT-OSS (biased) and Aria: experts stored [E, K, N]; Llama 4: its patched block calls the experts through peft's
 # wrappers
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "aria", "llama4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "aria", "llama4", "nemotron_h"])
 def test_fused_lora_equals_peft_within_the_policy(family, monkeypatch):
     torch.manual_seed(0)
-    targets = [t.replace("mlp.", "feed_forward.") for t in HF_TARGETS] if family == "llama4" else HF_TARGETS
+    targets = _targets(family)
     peft_model = _lora(build(family, layers=1), targets)
     ids = inputs()
     fused = mk.patch_hf(copy.deepcopy(peft_model))
@@ -87,13 +96,13 @@ def test_fused_lora_while_exporting_keeps_the_adapter(family, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4", "nemotron_h"])
 def test_gpu_fused_lora_equals_peft_within_the_policy(cuda, family):
     # The fused adapters on the CUDA path (our grouped GEMMs: the [E, N, K] products for Qwen3-MoE, the [E, K, N]
     # ones for GPT-OSS and Llama 4) against peft's W + s B A on the same patched model, and both against fp64 on
     # the CPU: ours at most 2x peft's fp32 error (plus 8 ulps), the error policy of the CPU test above.
     torch.manual_seed(0)
-    targets = [t.replace("mlp.", "feed_forward.") for t in HF_TARGETS] if family == "llama4" else HF_TARGETS
+    targets = _targets(family)
     cpu_model = _lora(build(family, layers=1), targets)
     ref64_model = copy.deepcopy(cpu_model).double()  # transformers' own code, unpatched (the plain loop: fp64 too)
     ref64_model.get_base_model().set_experts_implementation("eager")

@@ -61,7 +61,8 @@ def _case(rank, P, family, backend, how):
     ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
     E = moe_blocks(full)[0].experts.num_experts
     for block in moe_blocks(ep):
-        assert block.experts.gate_up_proj.shape[0] == E // P and block.experts.down_proj.shape[0] == E // P
+        up = getattr(block.experts, hf.common._up_name(block.experts))  # gate_up_proj; up_proj without a gate
+        assert up.shape[0] == E // P and block.experts.down_proj.shape[0] == E // P
     shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
     per_block = 4 if family == "gpt_oss" else 2  # the weights, and GPT-OSS's biases
     assert len(shards) == per_block * len(moe_blocks(ep))
@@ -82,8 +83,8 @@ def _case(rank, P, family, backend, how):
 
 def _worker(rank, P, backend):
     # GPT-OSS: biased experts stored [E, K, N] (Aria: bias-free); Llama 4: the block's forward patched, tokens
-    # scaled on the experts' rank
-    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "aria", "llama4"):
+    # scaled on the experts' rank; Nemotron-H: experts without a gate
+    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "aria", "llama4", "nemotron_h"):
         _case(rank, P, family, backend, "patch_hf")
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
 
@@ -110,9 +111,10 @@ def _lora_case(rank, P, family, backend):
     from tests.integrations.hf_models import build, moe_blocks
 
     torch.manual_seed(0)
-    mlp = "feed_forward" if family == "llama4" else "mlp"
+    mlp = {"llama4": "feed_forward", "nemotron_h": "mixer"}.get(family, "mlp")
+    up = "up_proj" if family == "nemotron_h" else "gate_up_proj"
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
-                             target_parameters=[f"{mlp}.experts.gate_up_proj", f"{mlp}.experts.down_proj"])
+                             target_parameters=[f"{mlp}.experts.{up}", f"{mlp}.experts.down_proj"])
     full = mk.patch_hf(peft.get_peft_model(build(family), config))
     full64 = copy.deepcopy(full).double()
     ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
@@ -201,7 +203,7 @@ def test_kn_experts_recipe_expert_parallel():
 
 
 def _lora_worker(rank, P, backend):
-    for family in ("qwen3_moe", "gpt_oss", "llama4"):
+    for family in ("qwen3_moe", "gpt_oss", "llama4", "nemotron_h"):
         _lora_case(rank, P, family, backend)
     _late_adapter_case(rank, P)
 

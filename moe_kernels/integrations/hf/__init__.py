@@ -11,7 +11,9 @@ Written against the transformers 5.x layout, where every supported sparse MoE bl
   installed by class) for `output_router_logits` and its load-balancing loss;
 - an experts module (decorated with `use_experts_implementation`) with `gate_up_proj` [E, 2F, H] (gate rows
   [0, F), then up rows [F, 2F)), `down_proj` [E, H, F] and `act_fn`, called as
-  `experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`.
+  `experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`; experts without a gate
+  (transformers' `has_gate=False`, Nemotron-H's squared ReLU) hold `up_proj` [E, F, H] instead and compute
+  act_fn(up).
 
 Both weights already have grouped_mm's [E, N, K] layout (out x in, like nn.Linear): they are passed to it as
 they are, read from the module at every call, so nothing is copied and nothing but the model holds them.
@@ -28,7 +30,8 @@ as accelerate's offloading hooks; transformers' classes themselves are never mod
 - the experts': the block's config selects the "moe_kernels" experts implementation in transformers' own
   experts interface (the previous choice is remembered for `unpatch_hf`), which runs `permute` ->
   `grouped_mm(gate_up_proj)` -> the gate activation (our fused `swiglu` where the experts compute
-  transformers' default SiLU gate, else the module's own) -> `grouped_mm(down_proj)` -> `unpermute` (routing
+  transformers' default SiLU gate, else the module's own; act_fn(up) for experts without a gate) ->
+  `grouped_mm(down_proj)` -> `unpermute` (routing
   weights applied there, the Hugging Face order). `model.set_experts_implementation("eager")` (or
   any other) after `patch_hf` therefore switches the experts away from our ops, as it would without it.
 

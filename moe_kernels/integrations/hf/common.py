@@ -57,6 +57,12 @@ def _gate_weight(gate: nn.Module):
     return None
 
 
+def _up_name(experts: nn.Module) -> str:
+    """The experts' first projection: `gate_up_proj` [E, 2F, H] (gate rows, then up) for gated experts, `up_proj`
+    [E, F, H] for experts without a gate (transformers' has_gate=False: Nemotron-H's, act_fn(up) alone)."""
+    return "gate_up_proj" if getattr(experts, "has_gate", True) else "up_proj"
+
+
 def _gate_top_k(gate: nn.Module) -> int:
     """The router's k: `top_k`, or its config's `top_k_experts` (Gemma 4)."""
     k = getattr(gate, "top_k", None)

@@ -44,6 +44,7 @@ from .common import (
     _base_class,
     _experts_of,
     _is_dtensor,
+    _up_name,
 )
 
 
@@ -62,7 +63,8 @@ def moe_kernels_experts_forward(
     hidden_states [T, H]; top_k_index [T, k] (int32 from our router, int64 from transformers' own);
     top_k_weights [T, k]. Returns [T, H] in hidden_states' dtype.
     """
-    if any(_is_dtensor(t) for t in (self.gate_up_proj, self.down_proj, hidden_states)):
+    up = _up_name(self)  # gate_up_proj [E, 2F, H], or up_proj [E, F, H] for experts without a gate
+    if any(_is_dtensor(t) for t in (getattr(self, up), self.down_proj, hidden_states)):
         raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     if _is_kn_layout(self):
         return _kn_experts_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -70,16 +72,16 @@ def moe_kernels_experts_forward(
         getattr(self, "has_bias", False)
         or getattr(self, "is_transposed", False)
         or not getattr(self, "is_concatenated", True)
-        or not getattr(self, "has_gate", True)
         or getattr(self, "has_post_expert_norm", False)
     ):
         raise NotImplementedError(
             f"moe_kernels experts: {type(self).__name__} has biases or interleaved gate/up columns on [E, N, K] "
-            "weights, no gate or a post-expert norm; bias-free [E, 2F, H] gate_up_proj + [E, H, F] down_proj experts "
-            "run here, and gated experts stored [E, K, N] (transformers' is_transposed), with or without biases"
+            "weights, or a post-expert norm; bias-free [E, 2F, H] gate_up_proj (or [E, F, H] up_proj without a gate) "
+            "+ [E, H, F] down_proj experts run here, and gated experts stored [E, K, N] (transformers' "
+            "is_transposed), with or without biases"
         )
     E = self.num_experts
-    w13 = _grouped_weight(self.gate_up_proj)  # [E, 2F, H]: N = 2F, K = H
+    w13 = _grouped_weight(getattr(self, up))  # [E, 2F, H]: N = 2F, K = H (up_proj [E, F, H]: N = F)
     w2 = _grouped_weight(self.down_proj)  # [E, H, F]: N = H, K = F
     x = hidden_states.to(w13.dtype).contiguous()  # a no-op unless autocast handed us another dtype
     idx = top_k_index.to(torch.int32)
@@ -87,7 +89,7 @@ def moe_kernels_experts_forward(
         idx = torch.where(idx < E, idx, -1)  # EP sentinels (>= E, weight 0) become dropped slots
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...): low-precision expert GEMMs
     mm = grouped_mm if recipe is None else recipe.grouped_mm
-    lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")  # peft adapters, fused
+    lora13, lora2 = lora_terms(self, up), lora_terms(self, "down_proj")  # peft adapters, fused
     _check_lora_experts(self, w13.shape[0], lora13, lora2)  # (an expert-parallel rank's slices: the peft wrapper's)
     align = 1 if recipe is None else recipe.align
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
@@ -95,10 +97,10 @@ def moe_kernels_experts_forward(
         check_expert_parallel_weights(self)
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
-        act = _gated(self, h)
+        act = _activation(self, h)
         y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
-    if recipe is None and not lora13 and not lora2 and _is_default_silu_gate(self):
+    if recipe is None and not lora13 and not lora2 and up == "gate_up_proj" and _is_default_silu_gate(self):
         launch = fused.launch_for(x)
         if launch is not None and _moe_region_fits(launch, x, w13, w2, E):
             # The whole routed-experts computation as MoELayer's fused region: one extension call each way
@@ -110,7 +112,7 @@ def moe_kernels_experts_forward(
     else:
         x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
         h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
-    act = _gated(self, h)  # act_fn(gate) * up
+    act = _activation(self, h)  # act_fn(gate) * up; act_fn(up) without a gate
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
@@ -292,6 +294,14 @@ def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool
             and type(w13) in plain and type(w2) in plain and w13.is_contiguous() and w2.is_contiguous()
             and not torch.is_autocast_enabled(x.device.type)
             and E <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups) and fused.experts_fit(x))
+
+
+def _activation(experts: nn.Module, h: Tensor) -> Tensor:
+    """The experts' activation on the first projection's rows: act_fn(gate) * up for gated experts (`_gated`),
+    act_fn(up) for experts without a gate (transformers' has_gate=False: Nemotron-H's squared ReLU)."""
+    if getattr(experts, "has_gate", True):
+        return _gated(experts, h)
+    return experts.act_fn(h)
 
 
 def _gated(experts: nn.Module, h: Tensor) -> Tensor:

@@ -27,6 +27,7 @@ from .common import (
     _gate_weight,
     _is_dtensor,
     _router_of,
+    _up_name,
 )
 from .experts import moe_kernels_experts_forward
 from .families import (
@@ -76,17 +77,22 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
     if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
         return "its experts do not dispatch through transformers' experts interface"
     kn = fam.kn_experts  # stored [E, K, N]: GPT-OSS's (biases, [E, H, 2F] interleaved gate/up, [E, F, H]), Aria's
-    flags = (("is_transposed", kn), ("has_gate", True), ("has_post_expert_norm", False))
+    gated = getattr(experts, "has_gate", True)  # without a gate (Nemotron-H's): up_proj [E, F, H], act_fn(up)
+    flags = (("is_transposed", kn), ("has_post_expert_norm", False))
     if not kn:
         flags += (("has_bias", False), ("is_concatenated", True))
     for flag, expected in flags:
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
-    w13, w2 = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not gated and (kn or not callable(getattr(experts, "act_fn", None))):
+        return ("its experts have has_gate=False " + ("stored [E, K, N]" if kn else "and no act_fn") +
+                "; experts without a gate run stored [E, F, H] / [E, H, F] with an act_fn")
+    up = _up_name(experts)
+    w13, w2 = getattr(experts, up, None), getattr(experts, "down_proj", None)
     # transformers' router stays (PhiMoE's, Kolibri's, Zaya's, whose has no [E, H] weight): the experts alone checked
     wg = None if _experts_only(fam, gate) else _gate_weight(gate)
     if not all(isinstance(t, Tensor) for t in (w13, w2)) or not (wg is None or isinstance(wg, Tensor)):
-        return "it lacks gate_up_proj/down_proj/router weight tensors (transformers 4.x layout?)"
+        return f"it lacks {up}/down_proj/router weight tensors (transformers 4.x layout?)"
     if w13.dtype not in _WEIGHT_DTYPES or w2.dtype != w13.dtype:
         return f"its expert weights are {w13.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
     E = getattr(experts, "num_experts", None)
@@ -100,19 +106,28 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         if getattr(experts, "has_bias", False) and not biases_fit:
             return "its expert biases are not [E, 2F] / [E, H] in the weights' dtype"
     H, F2 = w13.shape[2], w13.shape[1]
+    F = F2 // 2 if gated else F2
     held = experts.__dict__.get(EXPERT_RANGE_ATTR)  # apply_expert_parallel's: this rank's experts (patched already)
     E_held = E if held is None else held[1]
     Z = getattr(block, fam.zero_experts, None) if fam.zero_experts else 0  # Longcat-Flash's zero-computation experts
     if not isinstance(Z, int) or Z < 0:
         return f"its {fam.zero_experts}={Z!r} is not a count of experts"
-    router_fits = wg is None or tuple(wg.shape) == (E + Z, H)
-    if (w13.shape[0], w2.shape[0]) != (E_held, E_held) or F2 % 2 or tuple(w2.shape[1:]) != (H, F2 // 2) or not router_fits:
+    router_fits = wg is None or tuple(wg.shape) == (E + Z, _router_width(block, H))
+    if (w13.shape[0], w2.shape[0]) != (E_held, E_held) or (gated and F2 % 2) or tuple(w2.shape[1:]) != (H, F) or not router_fits:
         router = "transformers'" if wg is None else tuple(wg.shape)
-        return (f"unexpected weight shapes gate_up_proj {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
+        return (f"unexpected weight shapes {up} {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
                 f"router {router} for {E} experts" + (f" and {Z} zero-computation experts" if Z else ""))
     if not 1 <= _gate_top_k(gate) <= E + Z:
         return "its router has no valid top_k"
     return fam.problem(gate, block, E) if fam.problem is not None else None
+
+
+def _router_width(block: nn.Module, H: int) -> int:
+    """The width of the router's input: the experts' H, or the model's hidden size where the block projects the
+    tokens to a latent width for its experts (Nemotron-H's `fc1_latent_proj` [L, H] Linear: the router reads the
+    hidden states, the experts the projected ones)."""
+    latent = block._modules.get("fc1_latent_proj")
+    return latent.in_features if isinstance(latent, nn.Linear) and latent.out_features == H else H
 
 
 def _looks_like_moe(module: nn.Module) -> bool:
@@ -294,8 +309,9 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     Longcat-Flash, and PhiMoE's, Kolibri's and Zaya's experts behind transformers' own routers (routings:
     `moe_kernels.integrations.hf.routings`), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
-    Qwen3.5-MoE, Kimi-Linear, Granite 4.0, ...; `matched_routers()` lists them). Each block keeps its
-    parameters, its router module and its own forward; only the router's and the experts' forwards change
+    Qwen3.5-MoE, Kimi-Linear, Granite 4.0, Nemotron-H (experts without a gate), ...; `matched_routers()` lists
+    them). Each block keeps its parameters, its router module and its own forward; only the router's and the
+    experts' forwards change
     (see the module docstring). Other MoE-like blocks are left alone and listed in one warning. Patching a
     patched model changes nothing but the recipe; `unpatch_hf` undoes it.
 
@@ -328,13 +344,13 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
                 if kn:
                     F_, H = experts.down_proj.shape[1], experts.gate_up_proj.shape[1]
                 else:
-                    F_, H = experts.down_proj.shape[-1], experts.gate_up_proj.shape[-1]
+                    F_, H = experts.down_proj.shape[-1], getattr(experts, _up_name(experts)).shape[-1]
                 try:
                     recipe.check_shapes(H, F_)
                 except ValueError as exc:
                     raise ValueError(f"{where}: {exc}") from None
-                if experts.gate_up_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError(f"{where}: its expert weights are {experts.gate_up_proj.dtype}; the recipes "
+                if experts.down_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"{where}: its expert weights are {experts.down_proj.dtype}; the recipes "
                                      "quantize fp32, bf16 or fp16")
     patched, skipped = 0, {}
     for path, block, fam, problem in found:

@@ -1,0 +1,264 @@
+"""patch_hf(model, recipe=...) on tiny random transformers models: the routed experts' GEMMs on the FP8 and NVFP4
+recipes within their error models (experts stored [E, N, K] and [E, K, N], with and without a gate), the fused FP8
+producers taken, refusals at patch time; and transformers' own tensor and expert parallelism refused."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+import moe_kernels as mk  # noqa: E402
+from moe_kernels.integrations import hf  # noqa: E402
+from moe_kernels.testing import NVFP4_EPS_CAP, relative_l2_error  # noqa: E402
+from tests.integrations.hf_models import H, build, inputs, moe_blocks, run  # noqa: E402
+
+
+def test_gpt_oss_recipe_is_refused():
+    # GPT-OSS's biased experts take no precision recipe (refused at patch time, before anything changes). (peft
+    # adapters on them run as rank-r [E, K, N] products: tests/integrations/test_peft.py.)
+    model = build("gpt_oss")
+    with pytest.raises(ValueError, match=r"GPT-OSS's experts have biases and run at the model's precision only"):
+        mk.patch_hf(model, recipe=mk.quant.Fp8BlockwiseRecipe())
+    assert not hf.is_patched(model)
+
+
+def _nvfp4_swiglu_error(calls, first: float = 2.0) -> float:
+    """The quantization error model (moe_kernels.testing) of NVFP4 SwiGLU experts, from the operands of each
+    block's two forward GEMMs (`calls`: (x, w, group_sizes) in call order, gate/up then down), quantized as
+    the recipe does: sqrt(sum of eps^2), the first GEMM's operands counted twice (their error reaches the
+    activation through both the gate and the up half; silu's log-derivative is ~1). `first`: that weight of the
+    first GEMM's squared errors (4 for a squared ReLU, whose log-derivative is 2)."""
+    from moe_kernels.ops.grouped_mm_nvfp4 import quantize_nvfp4_experts
+    from moe_kernels.ops.quant import dequantize_nvfp4, quantize_nvfp4
+
+    total = 0.0
+    for i, (x, w, group_sizes) in enumerate(calls):
+        x = x[: int(group_sizes.sum())].float()  # rows past the groups are zeroed before quantizing
+        q, s, g = quantize_nvfp4_experts(w.float())
+        w_deq = dequantize_nvfp4(q.reshape(-1, q.shape[-1]), s.reshape(-1, s.shape[-1]), g, dtype=torch.float32)
+        eps_x = relative_l2_error(dequantize_nvfp4(*quantize_nvfp4(x), dtype=torch.float32), x)
+        eps_w = relative_l2_error(w_deq.view(w.shape), w)
+        assert eps_x < NVFP4_EPS_CAP and eps_w < NVFP4_EPS_CAP, (eps_x, eps_w)  # the quantizer itself is sound
+        total += (first if i % 2 == 0 else 1) * (eps_x**2 + eps_w**2)
+    return total**0.5
+
+
+def _run_on_recipe(model, ids, cls, method, monkeypatch):
+    """patch_hf(model, recipe=cls()), then one forward with the labels: (its output, the operands (x, w, group
+    sizes) of every call of the recipe's `method`, the experts' forward GEMMs)."""
+    mk.patch_hf(model, recipe=cls())
+    calls = []
+    real = getattr(cls, method)
+    monkeypatch.setattr(cls, method,
+                        lambda self, x, w, gs: calls.append((x.detach(), w.detach(), gs)) or real(self, x, w, gs))
+    out = run(model, ids, labels=ids)
+    monkeypatch.undo()
+    return out, calls
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_precision_recipe(family, monkeypatch):
+    # The routed experts' GEMMs on the NVFP4 recipe: close to the model's own outputs, not equal, training
+    # reaches the original weights; unpatching drops the recipe.
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+
+    model = build(family, layers=1)
+    ids = inputs()
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    out, calls = _run_on_recipe(model, ids, Nvfp4Recipe, "grouped_mm", monkeypatch)
+    # Error model: NVFP4 keeps about 2 significant bits, ~10% relative error per operand, measured on these
+    # operands (_nvfp4_swiglu_error, ~0.25 for one layer); these tiny models put most of their logits through
+    # the experts, and the rest of the network (attention, norm, lm_head) passes that error on with a gain
+    # around 1: 2x the model allowed. Above 1%: the recipe is applied at all.
+    assert len(calls) == 2 * len(moe_blocks(model))
+    err = relative_l2_error(out.logits, ref)
+    assert 0.01 < err < 2 * _nvfp4_swiglu_error(calls), err
+    out.loss.backward()
+    experts = moe_blocks(model)[0].experts
+    assert experts.gate_up_proj.grad is not None and experts.gate_up_proj.grad.abs().sum() > 0
+    mk.unpatch_hf(model)
+    assert not any(hf.common._RECIPE_ATTR in m.__dict__ for m in model.modules())
+    with torch.no_grad():
+        torch.testing.assert_close(run(model, ids).logits, ref, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="does not fit the recipe.*multiples of 128"):
+        mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())  # H = 32
+    assert not hf.is_patched(model)
+    with pytest.raises(TypeError, match="`recipe`"):
+        mk.patch_hf(model, recipe=Nvfp4Recipe)  # the class, not an instance
+    with pytest.raises(ValueError, match="float64"):
+        mk.patch_hf(copy.deepcopy(model).double(), recipe=Nvfp4Recipe())
+    # A deep copy of a model patched with a recipe keeps it, bound to the copy.
+    mk.patch_hf(model, recipe=Nvfp4Recipe())
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(run(twin, ids).logits, run(model, ids).logits, rtol=0, atol=0)
+    assert moe_blocks(twin)[0].experts.__dict__[hf.common._RECIPE_ATTR] == Nvfp4Recipe()
+
+
+def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
+    # The FP8 recipe on a patched model: the first expert GEMM takes its rows in E4M3 from the pass that
+    # permutes them, the weight gradients come from grouped_mm_fp8_wgrad; logits within FP8's error of the
+    # model's own.
+    from moe_kernels.quant import Fp8BlockwiseRecipe, recipe as recipe_mod
+    from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
+
+    model = build("qwen3_moe", layers=1, hidden_size=128, moe_intermediate_size=128, head_dim=32)
+    ids = inputs()
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
+    seen = {"fused": 0, "wgrad": 0}
+    gather, fused, wgrad = (recipe_mod.unpermute_bwd_quantize_fp8, recipe_mod.permute_quantize_fp8,
+                            recipe_mod.grouped_mm_fp8_wgrad)
+    # The first GEMM's input: the gather writing both layouts (16-bit rows) or permute_quantize_fp8 (fp32 rows).
+    monkeypatch.setattr(recipe_mod, "unpermute_bwd_quantize_fp8",
+                        lambda *a, **kw: seen.__setitem__("fused", seen["fused"] + (a[2] is None)) or gather(*a, **kw))
+    monkeypatch.setattr(recipe_mod, "permute_quantize_fp8",
+                        lambda *a, **kw: seen.__setitem__("fused", seen["fused"] + 1) or fused(*a, **kw))
+    monkeypatch.setattr(recipe_mod, "grouped_mm_fp8_wgrad",
+                        lambda *a, **kw: seen.__setitem__("wgrad", seen["wgrad"] + 1) or wgrad(*a, **kw))
+    out = run(model, ids, labels=ids)
+    out.loss.backward()
+    assert seen == {"fused": 1, "wgrad": 2}  # one block: the fused first GEMM, both weights' FP8 wgrad
+    # Error model: the SwiGLU experts quantize four E4M3 operands; the rest of the network passes that error
+    # on with a gain around 1 (2x allowed, as the NVFP4 test); above 0.1%: the recipe is applied at all.
+    err = relative_l2_error(out.logits, ref)
+    assert 1e-3 < err < 2 * QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4), err
+    experts = moe_blocks(model)[0].experts
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["llama4", "aria"])
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_kn_experts_precision_recipe(family, recipe, monkeypatch):
+    # Experts stored [E, K, N] (Llama 4's patched block, Aria's) on a precision recipe: every expert GEMM through
+    # its grouped_mm_kn (rows padded to the recipe's alignment), logits within the recipe's error of the model's own,
+    # the weights' gradients reached.
+    _kn_recipe_case(family, recipe, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama4", "aria"])
+def test_gpu_kn_experts_fp8_recipe(cuda, family, monkeypatch):
+    # The same on the device: the FP8 kernels (the sm_90a CUTLASS ones on Hopper) on the weights as stored.
+    _kn_recipe_case(family, "fp8", cuda, monkeypatch)
+
+
+def _kn_recipe_case(family, recipe, device, monkeypatch):
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+    from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
+
+    sizes = dict(hidden_size=128, head_dim=32, intermediate_size=128)
+    model = build(family, layers=1, **sizes).to(device)
+    ids = inputs().to(device)
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
+    out, calls = _run_on_recipe(model, ids, cls, "grouped_mm_kn", monkeypatch)
+    assert len(calls) == 2 * len(moe_blocks(model))
+    assert all(int(gs.sum()) % cls().align == 0 for _, _, gs in calls)
+    err = relative_l2_error(out.logits.cpu(), ref.cpu())
+    # Error models as test_fp8_recipe_runs_fused_permute_and_fp8_wgrad's (four E4M3 operands) and
+    # test_precision_recipe's (NVFP4's, measured on these operands); 2x allowed; above 0.1%: applied at all.
+    bound = (QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4) if recipe == "fp8"
+             else _nvfp4_swiglu_error([(x.cpu(), w.transpose(1, 2).contiguous().cpu(), gs.cpu())
+                                       for x, w, gs in calls]))
+    assert 1e-3 < err < 2 * bound, (err, bound)
+    out.loss.backward()
+    experts = hf.common._experts_of(moe_blocks(model)[0])
+    for p in (experts.gate_up_proj, experts.down_proj):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_experts_without_a_gate_on_a_recipe(recipe, monkeypatch):
+    # Nemotron-H's experts (up_proj, squared ReLU, down_proj) on a precision recipe: both expert GEMMs on it, logits
+    # within the recipe's error of the model's own, both weights' gradients reached.
+    _ungated_recipe_case(recipe, "cpu", monkeypatch)
+
+
+@pytest.mark.gpu
+def test_gpu_experts_without_a_gate_on_the_fp8_recipe(cuda, monkeypatch):
+    _ungated_recipe_case("fp8", cuda, monkeypatch)
+
+
+def _ungated_recipe_case(recipe, device, monkeypatch):
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+    from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
+
+    model = build("nemotron_h", layers=1, hidden_size=128, head_dim=32, moe_intermediate_size=128).to(device)
+    ids = inputs().to(device)
+    with torch.no_grad():
+        ref = run(model, ids).logits
+    cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
+    first = []  # FP8: the first GEMM fused with the permute (permute_quantize_fp8)
+    if recipe == "fp8":
+        real_first = cls.permute_grouped_mm
+        monkeypatch.setattr(cls, "permute_grouped_mm", lambda self, x, idx, E, align, w, **kw: first.append(
+            (x.detach(), w.detach())) or real_first(self, x, idx, E, align, w, **kw))
+    out, calls = _run_on_recipe(model, ids, cls, "grouped_mm", monkeypatch)
+    assert len(first) + len(calls) == 2 * len(moe_blocks(model)) and len(first) == (recipe == "fp8")
+    err = relative_l2_error(out.logits.cpu(), ref.cpu())
+    # Error models as test_fp8_recipe_runs_fused_permute_and_fp8_wgrad's and test_precision_recipe's, with the first
+    # GEMM's relative error doubled by the squared ReLU (x^2's log-derivative is 2); 2x allowed; above 0.1%: applied.
+    e = E4M3_REL_ERROR
+    bound = (QUANT_SLACK * quantized_product_error(2 * e, 2 * e, e, e) if recipe == "fp8"
+             else _nvfp4_swiglu_error([(x.cpu(), w.cpu(), gs.cpu()) for x, w, gs in calls], first=4.0))
+    assert 1e-3 < err < 2 * bound, (err, bound)
+    out.loss.backward()
+    experts = moe_blocks(model)[0].experts
+    for p in (experts.up_proj, experts.down_proj):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+def test_transformers_expert_parallelism_is_refused_at_patch_time():
+    # transformers' expert parallelism leaves each rank its own experts; patch_hf refuses such a model up
+    # front and says why (it used to report "unexpected weight shapes").
+    model = build("qwen3_moe")
+    for block in moe_blocks(model):
+        block.experts._is_expert_parallel = True
+        block.experts.gate_up_proj = nn.Parameter(block.experts.gate_up_proj.detach()[:4].clone())
+        block.experts.down_proj = nn.Parameter(block.experts.down_proj.detach()[:4].clone())
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp holds one rank's experts \(transformers' expert "
+                                         r"parallelism was applied\)"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
+
+
+def _tensor_parallel_refused(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = build("qwen3_moe")
+    experts = moe_blocks(model)[0].experts
+    ref = copy.deepcopy(experts)
+    # transformers' tensor plan: gate_up_proj packed column-wise, down_proj row-wise (sharded DTensors).
+    experts.gate_up_proj = nn.Parameter(distribute_tensor(experts.gate_up_proj.detach(), mesh, [Shard(1)]))
+    experts.down_proj = nn.Parameter(distribute_tensor(experts.down_proj.detach(), mesh, [Shard(2)]))
+    with pytest.raises(ValueError, match=r"mlp holds sharded \(DTensor\) weights: transformers' tensor or expert "
+                                         r"parallelism was applied"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
+    # The experts backend called on such weights says the same instead of "mixed torch.Tensor and DTensor".
+    x, idx, w = torch.randn(5, H), torch.randint(0, 8, (5, 2)), torch.rand(5, 2)
+    with pytest.raises(NotImplementedError, match="sharded \\(DTensor\\) weights"):
+        hf.moe_kernels_experts_forward(experts, x, idx, w)
+    assert hf.moe_kernels_experts_forward(ref, x, idx, w).shape == (5, H)  # the same call on plain weights runs
+
+
+@pytest.mark.distributed
+def test_transformers_tensor_parallelism_is_refused_at_patch_time():
+    from tests.distributed import run_world
+
+    run_world(_tensor_parallel_refused, 2)
+
+
+def test_model_without_moe_blocks_warns():
+    with pytest.warns(UserWarning, match="found no MoE blocks"):
+        mk.patch_hf(nn.Sequential(nn.Linear(4, 4)))
