@@ -53,7 +53,7 @@ OPS_FIGURES = {
     "router_aux_scores": None, "aux_loss": "aux_loss_fwd_bwd", "apply_capacity": "capacity_probs",
     "update_expert_bias": "expert_bias_update", "grouped_mm": "grouped_mm_fwd",
     "grouped_mm_fp8": "grouped_mm_fp8_fwd", "grouped_mm_fp8_wgrad": "grouped_mm_fp8_wgrad",
-    "grouped_mm_nvfp4": None, "swiglu": None, "quantize_fp8": "quantize_fp8_block",
+    "grouped_mm_nvfp4": None, "swiglu": None, "squared_relu": None, "quantize_fp8": "quantize_fp8_block",
     "quantize_nvfp4": "quantize_nvfp4_1d", "NvlinkDispatcher": "dispatch", "MoELayer": "moe_layer_fwd_bwd",
     "expert_mlp": "expert_mlp_fwd_bwd",
 }

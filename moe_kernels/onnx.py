@@ -1,8 +1,8 @@
 """ONNX export of models that run moe_kernels' ops: `torch.onnx.export(model, args, dynamo=True)` as it is.
 
 ONNX has no moe_kernels ops, so an exported graph must spell them in standard operators. While torch.onnx's
-exporter runs (`exporting()`), the public ops `router_topk`, `permute`, `unpermute`, `grouped_mm`, `swiglu` and
-`tokens_per_expert` run the traceable formulations below instead of their custom ops; torch.export records
+exporter runs (`exporting()`), the public ops `router_topk`, `permute`, `unpermute`, `grouped_mm`, `swiglu`,
+`squared_relu` and `tokens_per_expert` run the traceable formulations below instead of their custom ops; torch.export records
 their ATen ops and torch.onnx translates those. Nothing else changes: outside an ONNX export (eager,
 torch.compile, a plain `torch.export.export`, which keeps the custom ops for AOTInductor) the ops run their
 kernels as before. A model patched by `patch_hf` therefore exports with the exporter's defaults:
@@ -26,8 +26,8 @@ static or dynamic batch and sequence dimensions:
   op's accumulation dtype, rows past the groups zero. The group sizes are data: torch.export holds them as
   unbacked sizes, ONNX as a runtime Split, so the graph does the kernel's FLOPs (no dense product over all
   experts) with E products per call in the graph.
-- unpermute, swiglu: their references, which are already static (unpermute sums the k slots in ascending
-  order in fp32, as the op does).
+- unpermute, swiglu, squared_relu: their references, which are already static (unpermute sums the k slots in
+  ascending order in fp32, as the op does).
 
 The other ops have no formulation: a model that calls one (the FP8 and NVFP4 ops of a precision recipe,
 router_aux_scores and the losses, the backward ops) fails to export with torch.onnx's "No ONNX function
@@ -141,6 +141,14 @@ def swiglu_traceable(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     return swiglu_reference(h, row_weights)
 
 
+def squared_relu_traceable(h: Tensor) -> Tensor:
+    """moe_kernels::squared_relu: its reference, torch's relu then square."""
+    from moe_kernels.ops.activation import _check_squared_relu, squared_relu_reference
+
+    _check_squared_relu(h)
+    return squared_relu_reference(h)
+
+
 def tokens_per_expert_traceable(indices: Tensor, num_experts: int) -> Tensor:
     """moe_kernels::tokens_per_expert: its reference (a scatter-add into E + 1 bins)."""
     from moe_kernels.ops.permute import tokens_per_expert_reference
@@ -162,5 +170,6 @@ def decompositions() -> dict[torch._ops.OpOverload, Callable]:
         ops.unpermute.default: unpermute_traceable,
         ops.grouped_mm.default: grouped_mm_traceable,
         ops.swiglu.default: swiglu_traceable,
+        ops.squared_relu.default: squared_relu_traceable,
         ops.tokens_per_expert.default: tokens_per_expert_traceable,
     }

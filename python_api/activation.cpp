@@ -1,5 +1,6 @@
 #include <pybind11/pybind11.h>
 
+#include "activation/squared_relu.h"
 #include "activation/swiglu.h"
 #include "registry.h"
 
@@ -30,6 +31,22 @@ void register_activation(py::module_& m) {
       },
       py::arg("dout"), py::arg("h"), py::arg("row_weights"), py::arg("dh"), py::arg("drow_weights"), py::arg("rows"),
       py::arg("ffn"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "squared_relu_fwd",
+      [](uintptr_t h, uintptr_t out, int64_t n, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        activation::squared_relu_fwd({ptr<const void>(h), ptr<void>(out), n, DType(dtype)}, stream(s));
+      },
+      py::arg("h"), py::arg("out"), py::arg("n"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+  m.def(
+      "squared_relu_bwd",
+      [](uintptr_t dout, uintptr_t h, uintptr_t dh, int64_t n, int32_t dtype, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        activation::squared_relu_bwd({ptr<const void>(dout), ptr<const void>(h), ptr<void>(dh), n, DType(dtype)},
+                                     stream(s));
+      },
+      py::arg("dout"), py::arg("h"), py::arg("dh"), py::arg("n"), py::arg("dtype"), py::arg("device"),
+      py::arg("stream"));
   m.def(
       "swiglu_fwd_fp8",
       [](uintptr_t h, uintptr_t row_weights, uintptr_t q, uintptr_t scale, uintptr_t q_t, uintptr_t scale_t,

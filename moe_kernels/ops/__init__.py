@@ -1,6 +1,6 @@
 """Registered ops, one module per family."""
 
-from moe_kernels.ops.activation import swiglu
+from moe_kernels.ops.activation import squared_relu, swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
 from moe_kernels.ops.grouped_mm_fp8 import (
     grouped_mm_fp8,
@@ -35,6 +35,7 @@ __all__ = [
     "quantize_fp8_experts",
     "quantize_fp8_experts_dual",
     "quantize_fp8_tokens",
+    "squared_relu",
     "swiglu",
     "quantize_fp8",
     "dequantize_fp8",

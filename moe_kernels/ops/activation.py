@@ -1,4 +1,5 @@
-"""Fused SwiGLU for the experts: out[r] = silu(h[r, :F]) * h[r, F:] (* row_weights[r]).
+"""Fused activations for the experts: SwiGLU, out[r] = silu(h[r, :F]) * h[r, F:] (* row_weights[r]), and the
+squared ReLU of experts without a gate, relu(h)^2 (`squared_relu`).
 
 h is the [R, 2F] output of the w13 grouped GEMM (gate columns first). Routing weights, when given
 per row, are applied here instead of in unpermute (one pass less over the expert outputs).
@@ -134,6 +135,94 @@ def swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
     if _onnx.exporting():
         return _onnx.swiglu_traceable(h, row_weights)
     return torch.ops.moe_kernels.swiglu(h, row_weights)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Squared ReLU (experts without a gate: Nemotron-H's, Primer's)
+
+
+def _check_squared_relu(h: Tensor) -> None:
+    check_tensor("squared_relu", "h", h, dtypes=FLOAT_DTYPES)
+
+
+def squared_relu_reference(h: Tensor) -> Tensor:
+    """relu(h)^2 in h's dtype, as torch's relu then square compute it (transformers' ReLUSquaredActivation)."""
+    return torch.square(torch.relu(h))
+
+
+def squared_relu_bwd_reference(dout: Tensor, h: Tensor) -> Tensor:
+    """torch's backward of square(relu(h)): dout * (2 relu(h)), zero wherever relu(h) <= 0 (even for an inf or NaN
+    dout, as relu's backward masks), NaN where h is NaN."""
+    r = torch.relu(h)
+    return torch.where((r > 0) | r.isnan(), dout * (2 * r), torch.zeros_like(r))
+
+
+@torch.library.custom_op("moe_kernels::squared_relu", mutates_args=())
+def _squared_relu(h: Tensor) -> Tensor:
+    _check_squared_relu(h)
+    return squared_relu_reference(h)
+
+
+@torch.library.custom_op("moe_kernels::squared_relu_bwd", mutates_args=())
+def _squared_relu_bwd(dout: Tensor, h: Tensor) -> Tensor:
+    return squared_relu_bwd_reference(dout, h)
+
+
+@_squared_relu.register_fake
+def _(h):
+    _check_squared_relu(h)
+    return torch.empty_like(h)
+
+
+@_squared_relu_bwd.register_fake
+def _(dout, h):
+    return torch.empty_like(h)
+
+
+@_ext.cuda_impl(_squared_relu)
+def _squared_relu_cuda(h):
+    _check_squared_relu(h)
+    check_cuda_dtype("squared_relu", "h", h)
+    C = _ext.kernels("squared_relu", h)
+    if C is None:
+        return squared_relu_reference(h)
+    out = torch.empty_like(h)
+    C.squared_relu_fwd(_ext.ptr(h), _ext.ptr(out), h.numel(), _ext.dtype_code(h.dtype), *_ext.launch_args(h).values())
+    return out
+
+
+@_ext.cuda_impl(_squared_relu_bwd)
+def _squared_relu_bwd_cuda(dout, h):
+    check_cuda_dtype("squared_relu backward", "h", h)
+    C = _ext.kernels("squared_relu", h)
+    if C is None:
+        return squared_relu_bwd_reference(dout, h)
+    dh = torch.empty_like(h)
+    C.squared_relu_bwd(_ext.ptr(dout), _ext.ptr(h), _ext.ptr(dh), h.numel(), _ext.dtype_code(h.dtype),
+                       *_ext.launch_args(h).values())
+    return dh
+
+
+def _setup_squared_relu(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+
+
+def _backward_squared_relu(ctx, grad):
+    (h,) = ctx.saved_tensors
+    return torch.ops.moe_kernels.squared_relu_bwd(grad.to(h.dtype).contiguous(), h)
+
+
+_squared_relu.register_autograd(_backward_squared_relu, setup_context=_setup_squared_relu)
+
+
+def squared_relu(h: Tensor) -> Tensor:
+    """relu(h)^2 elementwise (a contiguous float tensor of any shape), one pass each way: bit for bit torch's
+    `torch.square(torch.relu(h))` and its gradient, in every dtype (the product is formed in fp32 and rounded once,
+    as torch rounds it; relu is exact). The backward keeps h only (torch's keeps relu(h) as well)."""
+    if _onnx.exporting():
+        return _onnx.squared_relu_traceable(h)
+    _check_squared_relu(h)
+    return torch.ops.moe_kernels.squared_relu(h)
 
 
 # ---------------------------------------------------------------------------------------------------

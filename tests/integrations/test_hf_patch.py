@@ -104,6 +104,25 @@ def test_experts_interface_registration(family, overrides, monkeypatch):
     assert len(calls) == 2 * len(moe_blocks(model))  # both expert GEMMs of every block on our grouped_mm
 
 
+@pytest.mark.parametrize("act", ["relu2", "gelu"])
+def test_experts_without_a_gate_take_the_fused_squared_relu(act, monkeypatch):
+    # Nemotron-H's experts (no gate): transformers' squared ReLU runs as our squared_relu (bit for bit its relu then
+    # square), another activation as the experts' own act_fn; the same logits and gradients as transformers' either way.
+    calls, real = [], hf.experts.squared_relu
+    monkeypatch.setattr(hf.experts, "squared_relu", lambda h: calls.append(h.shape) or real(h))
+    ref = build("nemotron_h", layers=1, mlp_hidden_act=act).train()
+    model = patched_copy(ref)
+    ids = inputs()
+    for m in (ref, model):
+        run(m, ids, labels=ids).loss.backward()
+    assert len(calls) == (1 if act == "relu2" else 0)  # one call per MoE block
+    params = dict(model.named_parameters())
+    for name, p in ref.named_parameters():  # (test_hf.py's SGD-step bounds)
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        assert_same_outputs(run(model.eval(), ids), run(ref.eval(), ids))
+
+
 # ---------------------------------------------------------------------------------------------------
 # The patch chosen at call time: later choices, copies, pickles, replicas and wrappers
 

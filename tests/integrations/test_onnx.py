@@ -95,6 +95,7 @@ def test_formulations_equal_the_references(kind, align):
         assert_within_fp32_rounding(h, want, magnitude, f"grouped_mm {dtype}")
         assert not h[int(sizes.sum()):].any()  # rows past the groups: zero
         assert_exact(mk_onnx.swiglu_traceable(h), activation_mod.swiglu_reference(h), f"swiglu {dtype}")
+        assert_exact(mk_onnx.squared_relu_traceable(h), activation_mod.squared_relu_reference(h), f"squared_relu {dtype}")
         w = torch.rand(T, k, generator=g)
         assert_exact(mk_onnx.unpermute_traceable(h, row_map, w), permute_mod.unpermute_reference(h, row_map, w),
                      f"unpermute {dtype}")
@@ -218,7 +219,8 @@ def _assert_matches(session, model, ref64, ids, what):
     assert_close_to_fp64(got, ours, exact, f"{what}: onnxruntime's logits")
 
 
-@pytest.mark.parametrize(("family", "dynamic"), [("qwen3_moe", True), ("deepseek_v3", False), ("mixtral", False)])
+@pytest.mark.parametrize(("family", "dynamic"), [("qwen3_moe", True), ("deepseek_v3", False), ("mixtral", False),
+                                               ("nemotron_h", False)])
 def test_patched_model_exports_and_runs_in_onnxruntime(family, dynamic):
     model, ref64 = _models(family)
     ids = _decisive_ids(model, ref64, moe_blocks(model)[0].gate.top_k, "cpu")  # fp32 routes as fp64 does
@@ -239,7 +241,8 @@ def test_patched_model_exports_and_runs_in_onnxruntime(family, dynamic):
             assert all(torch.equal(a, b) for a, b in zip(picks, picks64, strict=True))
             _assert_matches(session, model, ref64, other, f"{family} [{batch}, {seq}]")
     assert _ops_called(model, ids) >= {"moe_kernels.router_topk.default", "moe_kernels.permute.default",
-                                       "moe_kernels.grouped_mm.default", "moe_kernels.unpermute.default"}
+                                       "moe_kernels.grouped_mm.default", "moe_kernels.unpermute.default",
+                                       *(["moe_kernels.squared_relu.default"] if family == "nemotron_h" else [])}
 
 
 def test_exported_program_decomposes_for_onnx():

@@ -1,10 +1,10 @@
-"""swiglu: CPU tier."""
+"""swiglu and squared_relu: CPU tier."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.ops import swiglu
+from moe_kernels.ops import squared_relu, swiglu
 
 
 def test_matches_formula_and_weights():
@@ -33,3 +33,44 @@ def test_bad_input():
         swiglu(torch.randn(3, 4), torch.rand(4))
     with pytest.raises(TypeError, match="`h`"):
         swiglu(torch.randint(0, 3, (3, 4)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# squared_relu
+
+
+def _edge_values(dtype):
+    # zeros of both signs, NaN, infinities, values whose square overflows fp16 (300^2 > 65504) or underflows
+    return torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 300.0, -300.0, 1e-30, -1e-30, 1.5],
+                        dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_squared_relu_is_torchs_relu_then_square(dtype):
+    h = torch.cat([torch.randn(200).to(dtype), _edge_values(dtype)]).view(3, 70)
+    out = squared_relu(h)
+    assert out.dtype == dtype and out.shape == h.shape
+    torch.testing.assert_close(out, torch.square(torch.relu(h)), rtol=0, atol=0, equal_nan=True)
+    # its gradient: torch's, bit for bit, for a gradient holding infinities and NaN as well
+    hg = h.clone().requires_grad_()
+    dout = torch.cat([torch.randn(205).to(dtype), _edge_values(dtype)[:5]]).view(3, 70)
+    (ours,) = torch.autograd.grad(squared_relu(hg), hg, dout)
+    (theirs,) = torch.autograd.grad(torch.square(torch.relu(hg)), hg, dout)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+
+
+def test_squared_relu_gradcheck_and_opcheck():
+    h = torch.randn(6, 9, dtype=torch.float64)
+    h = (h + 0.1 * h.sign()).requires_grad_()  # away from the kink at 0, where the finite difference is one-sided
+    assert torch.autograd.gradcheck(squared_relu, (h,))
+    torch.library.opcheck(torch.ops.moe_kernels.squared_relu, (torch.randn(5, 6, requires_grad=True),))
+    torch.library.opcheck(torch.ops.moe_kernels.squared_relu, (torch.randn(0, 6, requires_grad=True),))
+
+
+def test_squared_relu_bad_input():
+    with pytest.raises(TypeError, match="squared_relu: `h`"):
+        squared_relu(torch.randint(0, 3, (3, 4)))
+    with pytest.raises(ValueError, match="squared_relu: `h` must be contiguous"):
+        squared_relu(torch.randn(4, 3).t())
+    with pytest.raises(TypeError, match="squared_relu: `h` must be a torch.Tensor"):
+        squared_relu([1.0, 2.0])

@@ -1,12 +1,17 @@
-"""swiglu: GPU tier against fp64 (policy: error <= 2x torch's at the same precision)."""
+"""swiglu: GPU tier against fp64 (policy: error <= 2x torch's at the same precision). squared_relu: bit for bit
+torch's relu then square on the same device, forward and backward (both round the fp32 product once)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moe_kernels.ops import swiglu
-from moe_kernels.ops.activation import swiglu_bwd_reference, swiglu_reference
+from moe_kernels.ops import squared_relu, swiglu
+from moe_kernels.ops.activation import squared_relu_bwd_reference, squared_relu_reference, swiglu_bwd_reference, \
+    swiglu_reference
 from moe_kernels.testing import assert_close_to_fp64
+from tests.emulation import EMULATED, skip_if_too_large
+
+EMULATION_BUDGET = 2e7  # squared_relu: elements per case
 
 pytestmark = pytest.mark.gpu
 
@@ -38,3 +43,67 @@ def test_misaligned_rows(cuda):
     base = torch.randn(50 * 16 + 1, device=cuda, dtype=torch.bfloat16)
     h = base[1:].view(50, 16)
     torch.testing.assert_close(swiglu(h).float(), swiglu_reference(h.cpu()).float().to(cuda), rtol=1e-2, atol=1e-2)
+
+
+def _with_edges(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """t with zeros of both signs, NaN, infinities and values whose square overflows fp16 at random places."""
+    edges = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 300.0, -300.0, 1e-30]).to(t.dtype)
+    flat = t.flatten().clone()
+    if flat.numel():
+        g = torch.Generator().manual_seed(seed)
+        at = torch.randint(0, flat.numel(), (min(flat.numel(), 64),), generator=g)
+        flat[at] = edges[torch.randint(0, len(edges), (len(at),), generator=g)]
+    return flat.view(t.shape)
+
+
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (37, 3), (1000, 768), (300, 2048), (7, 1001), (2, 3, 5)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_squared_relu_is_torchs_bit_for_bit(cuda, shape, dtype):
+    h = _with_edges(torch.randn(shape).to(dtype), seed=1)
+    dout = _with_edges(torch.randn(shape).to(dtype), seed=2)
+    hg = h.to(cuda).requires_grad_()
+    out = squared_relu(hg)
+    (dh,) = torch.autograd.grad(out, hg, dout.to(cuda))
+    # torch's own composition on the same device, and the CPU reference
+    h_ref = h.to(cuda).requires_grad_()
+    ref = torch.square(torch.relu(h_ref))
+    (dh_ref,) = torch.autograd.grad(ref, h_ref, dout.to(cuda))
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dh, dh_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out.cpu(), squared_relu_reference(h), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(dh.cpu(), squared_relu_bwd_reference(dout, h), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("offset", [1, 2, 4])
+def test_squared_relu_misaligned_and_grid_stride(cuda, offset):
+    # Views starting 1, 2 and 4 elements into their storage (vectors of 2, 4 and 8 bytes, or single elements), and
+    # more vectors than the kernel's grid holds threads (8192 blocks of 256): the grid-stride loop's later rounds.
+    n = 8192 * 256 * 2 + 3
+    skip_if_too_large(n, EMULATION_BUDGET, "elements")
+    base = torch.randn(n + offset, device=cuda, dtype=torch.bfloat16)
+    h = base[offset:]
+    dout = torch.randn_like(h)
+    hg = h.detach().requires_grad_()
+    out = squared_relu(hg)
+    (dh,) = torch.autograd.grad(out, hg, dout)
+    assert torch.equal(out, torch.square(torch.relu(h)))
+    assert torch.equal(dh, squared_relu_bwd_reference(dout, h))
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_memory
+@pytest.mark.cuda_device
+def test_squared_relu_past_2_31_elements(cuda):
+    # 2^31 + 24 bf16 elements (4 GB each way): 64-bit indices; checked against torch in chunks.
+    if EMULATED:
+        pytest.skip("not emulated: 2^31 elements")
+    n = 2**31 + 24
+    h = torch.randn(n, device=cuda, dtype=torch.bfloat16)
+    out = squared_relu(h)
+    chunk = 2**28
+    for i in range(0, n, chunk):
+        assert torch.equal(out[i : i + chunk], torch.square(torch.relu(h[i : i + chunk]))), i
+    del out
+    dh = torch.ops.moe_kernels.squared_relu_bwd(h, h)  # dout = h: 2 relu(h) h
+    for i in range(0, n, chunk):
+        assert torch.equal(dh[i : i + chunk], squared_relu_bwd_reference(h[i : i + chunk], h[i : i + chunk])), i

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from moe_kernels import onnx as _onnx
 from moe_kernels.nn import fused
 from moe_kernels.nn.lora import check_expert_parallel_weights, grouped_mm_lora, lora_terms
-from moe_kernels.ops.activation import swiglu
+from moe_kernels.ops.activation import squared_relu, swiglu
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm
 from moe_kernels.ops.permute import permute, unpermute
 
@@ -298,10 +298,20 @@ def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool
 
 def _activation(experts: nn.Module, h: Tensor) -> Tensor:
     """The experts' activation on the first projection's rows: act_fn(gate) * up for gated experts (`_gated`),
-    act_fn(up) for experts without a gate (transformers' has_gate=False: Nemotron-H's squared ReLU)."""
+    act_fn(up) for experts without a gate (transformers' has_gate=False): our fused `squared_relu` for
+    transformers' squared ReLU (Nemotron-H's; bit for bit its relu then square, one pass each way), else the
+    experts' own act_fn."""
     if getattr(experts, "has_gate", True):
         return _gated(experts, h)
+    if _is_squared_relu(experts.act_fn):
+        return squared_relu(h)
     return experts.act_fn(h)
+
+
+def _is_squared_relu(act) -> bool:
+    """transformers' ReLUSquaredActivation (ACT2FN["relu2"])."""
+    relu2 = getattr(sys.modules.get("transformers.activations"), "ReLUSquaredActivation", None)
+    return relu2 is not None and type(act) is relu2
 
 
 def _gated(experts: nn.Module, h: Tensor) -> Tensor:

@@ -1,0 +1,107 @@
+// Fused squared ReLU: elementwise over a contiguous tensor in the widest vectors that divide its length and
+// every pointer's alignment (no tail), a grid-stride loop over 64-bit indices (tensors past 2^31 elements).
+#include <algorithm>
+#include <stdexcept>
+
+#include "activation/squared_relu.h"
+#include "common/check.h"
+#include "common/rows.cuh"
+#include "common/vec.cuh"
+
+namespace moe::activation {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 8192;  // a grid-stride loop past this: enough blocks to fill any GPU
+
+// relu(x): NaN stays NaN (torch's relu propagates it; fmaxf would not).
+__device__ __forceinline__ float relu(float x) { return x > 0.f || x != x ? x : 0.f; }
+
+__device__ __forceinline__ float squared_relu_value(float x) {
+  const float r = relu(x);
+  return __fmul_rn(r, r);
+}
+
+// torch's backward of square(relu(x)): dout * (2 relu(x)), then zero wherever relu(x) <= 0 (even for an inf or
+// NaN dout); a NaN x passes NaN.
+__device__ __forceinline__ float squared_relu_grad(float x, float dout) {
+  const float r = relu(x);
+  return r > 0.f || r != r ? __fmul_rn(dout, __fmul_rn(2.f, r)) : 0.f;
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    squared_relu_fwd_kernel(const T* __restrict__ h, T* __restrict__ out, int64_t n) {
+  using P = Pack<T, N>;
+  const int64_t vecs = n / N;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vecs; v += stride) {
+    const P x = reinterpret_cast<const P*>(h)[v];
+    P y;
+#pragma unroll
+    for (int i = 0; i < N; ++i) y.v[i] = from_float<T>(squared_relu_value(to_float(x.v[i])));
+    reinterpret_cast<P*>(out)[v] = y;
+  }
+}
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads)
+    squared_relu_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ h, T* __restrict__ dh, int64_t n) {
+  using P = Pack<T, N>;
+  const int64_t vecs = n / N;
+  const int64_t stride = int64_t(gridDim.x) * kThreads;
+  for (int64_t v = int64_t(blockIdx.x) * kThreads + threadIdx.x; v < vecs; v += stride) {
+    const P x = reinterpret_cast<const P*>(h)[v], d = reinterpret_cast<const P*>(dout)[v];
+    P g;
+#pragma unroll
+    for (int i = 0; i < N; ++i) g.v[i] = from_float<T>(squared_relu_grad(to_float(x.v[i]), to_float(d.v[i])));
+    reinterpret_cast<P*>(dh)[v] = g;
+  }
+}
+
+// The vector width: the widest that divides n and every pointer's alignment (so no element is left over).
+template <typename T, typename F>
+void by_vec(int64_t n, const void* const* ptrs, int k, F&& f) {
+  const int elems = widest_vector(n * int64_t(sizeof(T)), ptrs, k) / int(sizeof(T));
+  constexpr int kMax = 16 / int(sizeof(T));
+  if (elems >= kMax) return f.template operator()<T, kMax>();
+  if (kMax >= 4 && elems >= 4) return f.template operator()<T, (kMax >= 4 ? 4 : 1)>();
+  if (kMax >= 2 && elems >= 2) return f.template operator()<T, (kMax >= 2 ? 2 : 1)>();
+  return f.template operator()<T, 1>();
+}
+
+template <typename F>
+void by_dtype(DType dtype, int64_t n, const void* const* ptrs, int k, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return by_vec<float>(n, ptrs, k, f);
+    case DType::kFloat16: return by_vec<__half>(n, ptrs, k, f);
+    case DType::kBFloat16: return by_vec<__nv_bfloat16>(n, ptrs, k, f);
+    default: throw std::invalid_argument("squared_relu: dtype must be float32, float16 or bfloat16");
+  }
+}
+
+unsigned blocks_for(int64_t vecs) { return unsigned(std::min<int64_t>((vecs + kThreads - 1) / kThreads, kMaxBlocks)); }
+
+}  // namespace
+
+void squared_relu_fwd(const SquaredReluParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  const void* ptrs[] = {p.h, p.out};
+  by_dtype(p.dtype, p.n, ptrs, 2, [&]<typename T, int N>() {
+    squared_relu_fwd_kernel<T, N><<<blocks_for(p.n / N), kThreads, 0, stream>>>(static_cast<const T*>(p.h),
+                                                                                 static_cast<T*>(p.out), p.n);
+  });
+  check_launch("squared_relu_fwd_kernel");
+}
+
+void squared_relu_bwd(const SquaredReluBwdParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  const void* ptrs[] = {p.dout, p.h, p.dh};
+  by_dtype(p.dtype, p.n, ptrs, 3, [&]<typename T, int N>() {
+    squared_relu_bwd_kernel<T, N><<<blocks_for(p.n / N), kThreads, 0, stream>>>(
+        static_cast<const T*>(p.dout), static_cast<const T*>(p.h), static_cast<T*>(p.dh), p.n);
+  });
+  check_launch("squared_relu_bwd_kernel");
+}
+
+}  // namespace moe::activation

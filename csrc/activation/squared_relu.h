@@ -1,0 +1,32 @@
+// Fused squared ReLU for experts without a gate (Nemotron-H's, Primer's): out = relu(h)^2, and its backward
+// dh = 2 relu(h) dout, one pass each way (torch's relu then square take two kernels forward, three backward,
+// and keep relu(h) for the backward). Math in fp32, rounded once: bit for bit torch's in every dtype (relu is
+// exact, and a product of two 16-bit values is exact in fp32).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace moe::activation {
+
+struct SquaredReluParams {
+  const void* h;   // [n] (a contiguous [R, F])
+  void* out;       // [n]
+  int64_t n;       // elements
+  DType dtype;
+};
+void squared_relu_fwd(const SquaredReluParams& p, cudaStream_t stream);
+
+struct SquaredReluBwdParams {
+  const void* dout;  // [n]
+  const void* h;     // [n]
+  void* dh;          // [n]
+  int64_t n;
+  DType dtype;
+};
+void squared_relu_bwd(const SquaredReluBwdParams& p, cudaStream_t stream);
+
+}  // namespace moe::activation
