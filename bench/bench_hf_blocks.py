@@ -7,7 +7,8 @@ but not saturated; ERNIE's selection bias std 0.01, of the order of its probabil
 the CPU, tiny shapes); input [1, T, H], its gradient taken (as every layer's after the first). One op,
 hf_block_fwd_bwd: the block's forward and backward (loss = mean of the squared output), every parameter's gradient.
   ours          the same block after patch_hf (router_topk where the router is patched, permute, our grouped
-                GEMMs, swiglu, unpermute; Llama 4's block forward over the routed rows only)
+                GEMMs, swiglu (squared_relu for experts without a gate), unpermute; Llama 4's block forward over
+                the routed rows only)
   transformers  the block as from_pretrained runs it by default: experts_implementation="grouped_mm" on a GPU
                 (eager, a loop over the experts, on the CPU; named in the peer variant), or Llama 4's dense
                 experts (every expert on every token: E / k times the routed FLOPs)
@@ -20,9 +21,12 @@ Models (GPU):
                   Lfm2MoeConfig defaults, whose docstring names LiquidAI/LFM2-8B-A1B
   trinity-mini    AfmoeSparseMoeBlock, H 2048, F 1408, E 64, k 6, two shared experts: AfmoeConfig's defaults, whose
                   docstring names arcee-ai/Trinity-Mini
-FLOPs: the routed experts' forward and backward, 3 x 2 T k 3 H F, plus the shared experts' 3 x 2 T 3 H Fs (the
-work of the patched block; transformers' Llama 4 does E / k times the routed part). Bytes: the expert weights
-read and their gradients written (bf16), x read and the output written.
+  nemotron-3-nano NemotronHMoE, H 2688, F 1856, E 128, k 6, a shared expert of F 3712, experts without a gate
+                  (squared ReLU), sigmoid routing with an expert bias, scaled 2.5: NVIDIA-Nemotron-3-Nano-30B-A3B
+FLOPs: the routed experts' forward and backward, 3 x 2 T k m H F, plus the shared experts' 3 x 2 T m H Fs, m the
+weight matrices per expert (3 with a gate, 2 without; the work of the patched block; transformers' Llama 4 does
+E / k times the routed part). Bytes: the expert weights read and their gradients written (bf16), x read and the
+output written.
 Checked first, on the first input set: the outputs of both, relative L2 error at most 4 x 2^-8 on the GPU (two
 bf16 computations of one function that may round the activation differently: each rounding 2^-9 relative) and
 1e-5 on the CPU (fp32); and the router weight's gradient within the same bound.
@@ -67,6 +71,10 @@ MODELS = {
     "trinity-mini": ("AfmoeConfig", _TM + "afmoe.modeling_afmoe", "AfmoeSparseMoeBlock",
                      dict(hidden_size=2048, moe_intermediate_size=1408, num_experts=64, num_experts_per_tok=6,
                           num_shared_experts=2)),
+    "nemotron-3-nano": ("NemotronHConfig", _TM + "nemotron_h.modeling_nemotron_h", "NemotronHMoE",
+                        dict(hidden_size=2688, moe_intermediate_size=1856, n_routed_experts=128, num_experts_per_tok=6,
+                             n_group=1, topk_group=1, moe_shared_expert_intermediate_size=3712,
+                             routed_scaling_factor=2.5, norm_topk_prob=True)),
 }
 TINY = {  # the CPU's shapes: the same families, every code path
     "qwen3-30b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -78,6 +86,9 @@ TINY = {  # the CPU's shapes: the same families, every code path
     "lfm2-8b-a1b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2),
     "trinity-mini": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
                          num_shared_experts=1),
+    "nemotron-3-nano": dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                            n_group=1, topk_group=1, moe_shared_expert_intermediate_size=64,
+                            routed_scaling_factor=2.5, norm_topk_prob=True),
 }
 TOKENS = (4096, 8192)
 CPU_TOKENS = 64
@@ -208,10 +219,13 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     kw = MODELS[model][3] if ctx.is_cuda else TINY[model]
     H = kw["hidden_size"]
     F = kw.get("moe_intermediate_size", kw.get("intermediate_size"))
-    E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts")))
+    E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts", kw.get("n_routed_experts"))))
     k = kw.get("num_experts_per_tok", kw.get("moe_k"))
     shared = kw.get("moe_num_shared_experts", 0) + kw.get("num_shared_experts", 0)  # experts of F each
-    Fs = F * shared + (F if model == "llama4-scout" else 0)
+    Fs = F * shared + (F if model == "llama4-scout" else 0) + kw.get("moe_shared_expert_intermediate_size", 0)
+    from moe_kernels.integrations.hf.common import _experts_of
+
+    m = 3 if getattr(_experts_of(theirs.get_base_model() if lora else theirs), "has_gate", True) else 2
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
     # the input's gradient taken, as every layer's after the first: each GEMM's input gradient runs (the FLOPs)
     sets = [(torch.randn(1, c.T, H, generator=g, device=ctx.device, dtype=dtype).requires_grad_(),)
@@ -220,13 +234,14 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     t_ours, t_theirs = ctx.time_ab(_step(ours), sets, _step(theirs), sets)
     es = torch.finfo(dtype).bits // 8
     products = 2 if lora else 3  # frozen base weights: forward and input gradient, no weight gradient
-    flops = products * 2 * c.T * 3 * H * (k * F + Fs)
+    flops = products * 2 * c.T * m * H * (k * F + Fs)
     # weights read (their gradients written; with LoRA the adapters read instead, E r (3 H + 3 F))
-    nbytes = es * ((1 if lora else 2) * 3 * H * (E * F + Fs) + 2 * c.T * H
+    nbytes = es * ((1 if lora else 2) * m * H * (E * F + Fs) + 2 * c.T * H
                    + (E * RANK * (3 * H + 3 * F) if lora else 0))
     op = "hf_lora_fwd_bwd" if lora else "hf_block_fwd_bwd"
-    return [h.make_result(ctx, op=op, case=c.name, shape=dict(T=c.T, H=H, F=F, E=E, k=k, Fs=Fs), dtype=dtype,
-                          timing=t_ours, nbytes=nbytes, flops=flops, peers={"transformers": t_theirs},
+    shape = dict(T=c.T, H=H, F=F, E=E, k=k, Fs=Fs, **({"m": m} if m != 3 else {}))  # m: without a gate only
+    return [h.make_result(ctx, op=op, case=c.name, shape=shape, dtype=dtype, timing=t_ours, nbytes=nbytes,
+                          flops=flops, peers={"transformers": t_theirs},
                           peer_variant={"transformers": _peer_variant(theirs)})]
 
 

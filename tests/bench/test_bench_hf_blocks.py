@@ -35,9 +35,12 @@ def test_cpu_run_writes_results(tmp_path):
     llama = next(r for r in data["results"] if r["case"].startswith("llama4"))
     s = llama["shape"]  # the routed work and the shared expert's, fwd + bwd
     assert llama["flops"] == 3 * 2 * s["T"] * 3 * s["H"] * (s["k"] * s["F"] + s["Fs"]) and s["Fs"] == s["F"]
+    nemotron = next(r for r in data["results"] if r["case"].startswith("nemotron"))
+    s = nemotron["shape"]  # experts without a gate: two weight matrices each, routed and shared
+    assert s["m"] == 2 and nemotron["flops"] == 3 * 2 * s["T"] * 2 * s["H"] * (s["k"] * s["F"] + s["Fs"]) and s["Fs"] > 0
 
 
-@pytest.mark.parametrize("model", ["llama4-scout", "qwen3-30b-a3b"])
+@pytest.mark.parametrize("model", ["llama4-scout", "qwen3-30b-a3b", "nemotron-3-nano"])
 def test_a_wrong_patched_block_fails_the_case(monkeypatch, model):
     from moe_kernels.integrations import hf
 
