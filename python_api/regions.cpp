@@ -8,7 +8,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
+#include "activation/squared_relu.h"
 #include "activation/swiglu.h"
 #include "gemm/grouped_mm.h"
 #include "permute/permute.h"
@@ -36,55 +39,85 @@ size_t need_of(std::initializer_list<const gemm::GroupedParams*> gemms) {
   return need;
 }
 
-// The experts' forward: x [R, H] -> h = x W13^T [R, 2F], a = swiglu(h, row_weights) [R, F], y = a W2^T [R, H].
+// The experts' activation: SwiGLU on [gate | up] (h [R, 2F]), or the squared ReLU of experts without a gate
+// (h [R, F], no row weights).
+enum class Act : int32_t { kSwiglu = 0, kSquaredRelu = 1 };
+
+Act act_of(int32_t code) {
+  if (code != int32_t(Act::kSwiglu) && code != int32_t(Act::kSquaredRelu)) {
+    throw std::invalid_argument("moe regions: activation code must be 0 (swiglu) or 1 (squared_relu), got " +
+                                std::to_string(code));
+  }
+  return Act(code);
+}
+
+int64_t up_width(Act act, int64_t ffn) { return act == Act::kSwiglu ? 2 * ffn : ffn; }
+
+// The experts' forward: x [R, H] -> h = x W13^T [R, 2F], a = swiglu(h, row_weights) [R, F], y = a W2^T [R, H]
+// (squared ReLU: h [R, F], a = relu(h)^2).
 struct ExpertsFwd {
   gemm::GroupedParams up, down;
   const void* h;
   const float* row_weights;
   void* a;
+  Act act;
 
   size_t need() const { return need_of({&up, &down}); }
   void run(int64_t rows, int64_t ffn, DType dt, cudaStream_t s) const {
     gemm::grouped_mm(up, s);
-    activation::swiglu_fwd({h, row_weights, a, rows, ffn, dt}, s);
+    if (act == Act::kSwiglu) {
+      activation::swiglu_fwd({h, row_weights, a, rows, ffn, dt}, s);
+    } else {
+      activation::squared_relu_fwd({h, a, rows * ffn, dt}, s);
+    }
     gemm::grouped_mm(down, s);
   }
 };
 
 ExpertsFwd experts_fwd_params(uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes, uintptr_t row_weights,
                               uintptr_t h, uintptr_t a, uintptr_t y, int64_t rows, int64_t hidden, int64_t ffn,
-                              int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device) {
-  return {gemm_params(GemmOp::kFwd, x, w13, h, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes, device),
+                              int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device,
+                              Act act = Act::kSwiglu) {
+  return {gemm_params(GemmOp::kFwd, x, w13, h, group_sizes, E, rows, up_width(act, ffn), hidden, dt, workspace,
+                      ws_bytes, device),
           gemm_params(GemmOp::kFwd, a, w2, y, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
-          ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a)};
+          ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a), act};
 }
 
 // Its backward's five products: dy [R, H] -> da = dy W2 [R, F], dw2 = dy^T a, dh = swiglu_bwd(da, h) [R, 2F] (and
-// drow_weights), dx = dh W13 [R, H], dw13 = dh^T x. run_head launches the first three (dw2 only when asked for);
-// the caller launches dx and dw13, with whatever goes between.
+// drow_weights; squared ReLU: dh = 2 relu(h) da [R, F]), dx = dh W13 [R, H], dw13 = dh^T x. run_head launches the
+// first three (dw2 only when asked for); the caller launches dx and dw13, with whatever goes between.
 struct ExpertsBwd {
   gemm::GroupedParams da, dw2, dx, dw13;
   activation::SwigluBwdParams act;
+  Act kind;
 
   size_t need() const { return need_of({&da, &dw2, &dx, &dw13}); }
   void run_head(cudaStream_t s) const {
     gemm::grouped_mm(da, s);
     if (dw2.d) gemm::grouped_mm(dw2, s);
-    activation::swiglu_bwd(act, s);
+    if (kind == Act::kSwiglu) {
+      activation::swiglu_bwd(act, s);
+    } else {
+      activation::squared_relu_bwd({act.dout, act.h, act.dh, act.rows * act.ffn, act.dtype}, s);
+    }
   }
 };
 
 ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t a, uintptr_t w13, uintptr_t w2,
                               uintptr_t group_sizes, uintptr_t row_weights, uintptr_t da, uintptr_t dh, uintptr_t dx,
                               uintptr_t dw13, uintptr_t dw2, uintptr_t drow_weights, int64_t rows, int64_t hidden,
-                              int64_t ffn, int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device) {
+                              int64_t ffn, int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device,
+                              Act kind = Act::kSwiglu) {
+  const int64_t width = up_width(kind, ffn);
   return {
       gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
       gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
-      gemm_params(GemmOp::kDgrad, dh, w13, dx, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes, device),
-      gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, 2 * ffn, hidden, dt, workspace, ws_bytes, device),
+      gemm_params(GemmOp::kDgrad, dh, w13, dx, group_sizes, E, rows, width, hidden, dt, workspace, ws_bytes, device),
+      gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, width, hidden, dt, workspace, ws_bytes, device),
       {ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh), ptr<float>(drow_weights),
-       rows, ffn, dt}};
+       rows, ffn, dt},
+      kind};
 }
 
 }  // namespace
@@ -133,16 +166,17 @@ void register_regions(py::module_& m) {
   // entries above in their order. x [T, H], indices [T, k], weights [T, k] fp32 (0: a plain sum);
   // x_perm [R, H], row_map [T, k], group_sizes [E], h [R, 2F], a [R, F], y [R, H] are written for the
   // backward, out [T, H]. The permute and the GEMMs share the workspace (they run in order on one stream).
+  // act: 0 SwiGLU, 1 the squared ReLU of experts without a gate (w13 [E, F, H], h [R, F]).
   m.def(
       "moe_fwd",
       [](uintptr_t x, uintptr_t indices, uintptr_t weights, uintptr_t w13, uintptr_t w2, uintptr_t x_perm,
          uintptr_t row_map, uintptr_t group_sizes, uintptr_t h, uintptr_t a, uintptr_t y, uintptr_t out,
          int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t align,
-         int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
+         int32_t act, int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
         const auto mlp = experts_fwd_params(x_perm, w13, w2, group_sizes, 0, h, a, y, rows, hidden, ffn, E, dt,
-                                            workspace, ws_bytes, device);
+                                            workspace, ws_bytes, device, act_of(act));
         const size_t need = std::max(permute::permute_workspace_bytes(tokens * k, E), mlp.need());
         if (ws_bytes < need) return need;
         permute::permute_fwd({ptr<const void>(x), ptr<const int32_t>(indices), ptr<void>(x_perm), ptr<int32_t>(row_map),
@@ -157,19 +191,19 @@ void register_regions(py::module_& m) {
       });
   // Its backward: dout [T, H] -> dx [T, H], dw13, dw2, dweights [T, k] fp32 (each only when its pointer is
   // non-zero; dweights reads y): the unpermute's backward, the experts' five products, the permute's backward
-  // (an unpermute of dx_perm). dy [R, H], da [R, F], dh [R, 2F], dx_perm [R, H] are scratch; the unpermute
-  // backward's row mask lives in the workspace. R > 0.
+  // (an unpermute of dx_perm). dy [R, H], da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] are scratch;
+  // the unpermute backward's row mask lives in the workspace. R > 0.
   m.def(
       "moe_bwd",
       [](uintptr_t dout, uintptr_t x_perm, uintptr_t row_map, uintptr_t weights, uintptr_t group_sizes, uintptr_t h,
          uintptr_t a, uintptr_t y, uintptr_t w13, uintptr_t w2, uintptr_t dy, uintptr_t da, uintptr_t dh,
          uintptr_t dx_perm, uintptr_t dx, uintptr_t dw13, uintptr_t dw2, uintptr_t dweights, int64_t tokens,
-         int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype, uintptr_t workspace,
-         size_t ws_bytes, int device, uintptr_t s) -> size_t {
+         int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t act, int32_t dtype,
+         uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
         const auto mlp = experts_bwd_params(dy, x_perm, h, a, w13, w2, group_sizes, 0, da, dh, dx_perm, dw13, dw2, 0,
-                                            rows, hidden, ffn, E, dt, workspace, ws_bytes, device);
+                                            rows, hidden, ffn, E, dt, workspace, ws_bytes, device, act_of(act));
         const size_t need = std::max(size_t(rows), mlp.need());
         if (ws_bytes < need) return need;
         auto* row_mask = ptr<uint8_t>(workspace);  // zero-filled scratch of unpermute_bwd, done before the GEMMs

@@ -407,6 +407,22 @@ MUTANTS = (
         "    block0 = 0;\n",
         ("tests/ops/test_grouped_mm_fp8_mma_gpu.py", "-k", "test_on_a_gpu_of_8_9"),
     ),
+    Mutant(
+        "NaN dropped",
+        "squared_relu's relu: fmaxf's rule (NaN becomes 0) where torch's relu passes NaN on",
+        "activation/squared_relu.cu",
+        "__device__ __forceinline__ float relu(float x) { return x > 0.f || x != x ? x : 0.f; }\n",
+        "__device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }\n",
+        ("tests/ops/test_activation_gpu.py", "-k", "test_squared_relu_is_torchs_bit_for_bit and 1000"),
+    ),
+    Mutant(
+        "one grid-stride round",
+        "squared_relu_bwd_kernel: the loop stops after its first round over the grid",
+        "activation/squared_relu.cu",
+        "    P g;\n",
+        "    P g;\n    if (v >= stride) return;\n",
+        ("tests/ops/test_activation_gpu.py", "-k", "test_squared_relu_misaligned_and_grid_stride"),
+    ),
 )
 
 

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.ops import expert_mlp as _mlp
-from moe_kernels.ops.activation import swiglu
+from moe_kernels.ops.activation import squared_relu, swiglu
 from moe_kernels.ops.grouped_mm import TORCH_GROUPED_MM, grouped_mm, grouped_mm_backend
 from moe_kernels.ops.permute import permute, permuted_rows, unpermute
 from moe_kernels.ops.router import resolve_topk_options
@@ -320,11 +320,11 @@ class _Moe(torch.autograd.Function):
     each way besides the outputs."""
 
     @staticmethod
-    def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L):
+    def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L, act=0):
         T, H = x.shape
         k = indices.shape[1]
-        E, F2, _ = w13.shape
-        F = F2 // 2
+        E, F2, _ = w13.shape  # F2: the first projection's width, 2F for SwiGLU, F for the squared ReLU (act 1)
+        F = w2.shape[-1]
         R = permuted_rows(T, k, num_experts, align)
         es = x.element_size()
         need_w = weights is not None and ctx.needs_input_grad[2]
@@ -334,13 +334,13 @@ class _Moe(torch.autograd.Function):
         out = x.new_empty((T, H))
         w = _f32(weights)
         dt = _DTYPE[x.dtype]
-        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, dt), x, (0 if need_w else R * H * es,),
+        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, act, dt), x, (0 if need_w else R * H * es,),
                           lambda scratch, ws, nbytes: L.C.moe_fwd(
                               _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), x_perm,
-                              row_map, group_sizes, h, a, y or scratch[0], _ext.ptr(out), T, k, R, H, F, E, align, dt,
-                              ws, nbytes, L.device, L.stream))
+                              row_map, group_sizes, h, a, y or scratch[0], _ext.ptr(out), T, k, R, H, F, E, align, act,
+                              dt, ws, nbytes, L.device, L.stream))
         ctx.save_for_backward(kept, w, w13, w2)
-        ctx.L, ctx.need_w, ctx.shape = L, need_w, (T, k, R, H, F, E, es)
+        ctx.L, ctx.need_w, ctx.shape, ctx.act = L, need_w, (T, k, R, H, F, F2, E, es), act
         ctx.offsets = [p - kept.data_ptr() if p else -1 for p in parts]
         ctx.w_dtype = None if weights is None else weights.dtype
         return out
@@ -350,12 +350,12 @@ class _Moe(torch.autograd.Function):
         _first_order_only()
         kept, w, w13, w2 = ctx.saved_tensors
         L, need_w = ctx.L, ctx.need_w
-        T, k, R, H, F, E, es = ctx.shape
+        T, k, R, H, F, F2, E, es = ctx.shape
         if kept.data_ptr() % 16:  # restored at an unaligned address (a saved_tensors_hooks unpack): realign
             kept = kept.clone()
         base = kept.data_ptr()
         x_perm, row_map, group_sizes, h, a, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
-        need_x, _, _, need_w13, need_w2, _, _, _ = ctx.needs_input_grad
+        need_x, _, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
         dout = dout.contiguous()
         dev = dout.device
         if R == 0:  # no slots: nothing flows back
@@ -370,13 +370,13 @@ class _Moe(torch.autograd.Function):
             dw = torch.empty((T, k), dtype=_F32, device=dev) if need_w else None
             dt = _DTYPE[dout.dtype]
             # scratch: dy, da, dh, dx_perm
-            _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, dt), dout,
-                              (R * H * es, R * F * es, R * 2 * F * es, R * H * es if need_x else 0),
+            _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, ctx.act, dt), dout,
+                              (R * H * es, R * F * es, R * F2 * es, R * H * es if need_x else 0),
                               lambda scratch, ws, nbytes: L.C.moe_bwd(
                                   _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, a, y, _ext.ptr(w13),
                                   _ext.ptr(w2), *scratch, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(dw),
-                                  T, k, R, H, F, E, dt, ws, nbytes, L.device, L.stream))
-        return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None
+                                  T, k, R, H, F, E, ctx.act, dt, ws, nbytes, L.device, L.stream))
+        return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None
 
 
 def _moe_ops(x, indices, weights, w13, w2, num_experts, align):
@@ -391,6 +391,22 @@ def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w1
     """out [T, H] = unpermute(experts(permute(x)), weights): the plain local layer's routed experts (the routing
     weights applied in the unpermute)."""
     return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L)
+
+
+def _moe_squared_relu_ops(x, indices, weights, w_up, w2, num_experts, align):
+    x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
+    y = grouped_mm(squared_relu(grouped_mm(x_perm, w_up, group_sizes)), w2, group_sizes)
+    return unpermute(y, row_map, weights)
+
+
+@_register("moe_squared_relu", _moe_squared_relu_ops,
+           "moe_fwd (permute, grouped_mm, squared_relu, grouped_mm, unpermute) / "
+           "moe_bwd (unpermute_bwd, 5 products, unpermute of dx)")
+def moe_squared_relu_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w_up: Tensor, w2: Tensor,
+                            num_experts: int, align: int):
+    """The `moe` region for experts without a gate (Nemotron-H's): out [T, H] = unpermute(relu(x_perm w_up^T)^2
+    w2^T, weights), w_up [E, F, H], w2 [E, H, F]; the same kernels and launches, the squared ReLU for SwiGLU."""
+    return _Moe.apply(x, indices, weights, w_up, w2, num_experts, align, L, 1)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -300,15 +300,17 @@ def _assert_bf16_close_to_fp64(ours, theirs, exact, what):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, monkeypatch):
+@pytest.mark.parametrize(("family", "region"), [("qwen3_moe", "moe"), ("nemotron_h", "moe_squared_relu")])
+def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, family, region, monkeypatch):
     # The patched experts take MoELayer's "moe" region (one extension call each way) on a GPU, and it gives the
-    # registered ops' outputs and gradients bit for bit; a LoRA or a recipe keeps the per-op path.
+    # registered ops' outputs and gradients bit for bit; a LoRA or a recipe keeps the per-op path. Experts without
+    # a gate (Nemotron-H's squared ReLU): the same region with the squared ReLU for SwiGLU.
     from moe_kernels.nn import fused
 
     taken = []
     real = fused.run
     monkeypatch.setattr(fused, "run", lambda name, *a: (taken.append(name), real(name, *a))[1])
-    base = build("qwen3_moe", layers=1).to(device=cuda, dtype=dtype).train()
+    base = build(family, layers=1).to(device=cuda, dtype=dtype).train()
     model = patched_copy(base)
     ids = inputs(device=cuda)
     results = []
@@ -319,7 +321,7 @@ def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, monkeypatch):
         taken.clear()
         out = run(model, ids, labels=ids)
         out.loss.backward()
-        assert ("moe" in taken) == (fits and fused.experts_fit(out.logits))  # not where torch._grouped_mm runs
+        assert (region in taken) == (fits and fused.experts_fit(out.logits))  # not where torch._grouped_mm runs
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (a, ga), (b, gb) = results
     assert torch.equal(a, b)

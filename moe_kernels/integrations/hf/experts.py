@@ -100,12 +100,14 @@ def moe_kernels_experts_forward(
         act = _activation(self, h)
         y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
-    if recipe is None and not lora13 and not lora2 and up == "gate_up_proj" and _is_default_silu_gate(self):
+    region = _fused_region(self) if recipe is None and not lora13 and not lora2 else None
+    if region is not None:
         launch = fused.launch_for(x)
         if launch is not None and _moe_region_fits(launch, x, w13, w2, E):
             # The whole routed-experts computation as MoELayer's fused region: one extension call each way
-            # (permute, grouped_mm, swiglu, grouped_mm, unpermute with the routing weights, the Hugging Face order).
-            out = fused.run("moe", launch, x, idx.contiguous(), top_k_weights.float().contiguous(), w13, w2, E, 1)
+            # (permute, grouped_mm, swiglu or squared_relu, grouped_mm, unpermute with the routing weights, the
+            # Hugging Face order).
+            out = fused.run(region, launch, x, idx.contiguous(), top_k_weights.float().contiguous(), w13, w2, E, 1)
             return out.to(hidden_states.dtype)
     if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
         h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
@@ -294,6 +296,14 @@ def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool
             and type(w13) in plain and type(w2) in plain and w13.is_contiguous() and w2.is_contiguous()
             and not torch.is_autocast_enabled(x.device.type)
             and E <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups) and fused.experts_fit(x))
+
+
+def _fused_region(experts: nn.Module) -> str | None:
+    """The fused region (moe_kernels.nn.fused) that computes these experts' activation: "moe" for transformers'
+    default SiLU gate, "moe_squared_relu" for a squared ReLU without a gate; None for any other activation."""
+    if getattr(experts, "has_gate", True):
+        return "moe" if _is_default_silu_gate(experts) else None
+    return "moe_squared_relu" if _is_squared_relu(experts.act_fn) else None
 
 
 def _activation(experts: nn.Module, h: Tensor) -> Tensor:
