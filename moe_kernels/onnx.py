@@ -2,9 +2,9 @@
 
 ONNX has no moe_kernels ops, so an exported graph must spell them in standard operators. While torch.onnx's
 exporter runs (`exporting()`), the public ops `router_topk`, `permute`, `unpermute`, `grouped_mm`, `swiglu`,
-`squared_relu` and `tokens_per_expert` run the traceable formulations below instead of their custom ops; torch.export records
-their ATen ops and torch.onnx translates those. Nothing else changes: outside an ONNX export (eager,
-torch.compile, a plain `torch.export.export`, which keeps the custom ops for AOTInductor) the ops run their
+`squared_relu` and `tokens_per_expert` run the traceable formulations below instead of their custom ops;
+torch.export records their ATen ops and torch.onnx translates those. Nothing else changes: outside an ONNX export
+(eager, torch.compile, a plain `torch.export.export`, which keeps the custom ops for AOTInductor) the ops run their
 kernels as before. A model patched by `patch_hf` therefore exports with the exporter's defaults:
 
     model = moe_kernels.patch_hf(AutoModelForCausalLM.from_pretrained(..., use_cache=False))

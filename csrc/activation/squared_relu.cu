@@ -22,11 +22,13 @@ __device__ __forceinline__ float squared_relu_value(float x) {
   return __fmul_rn(r, r);
 }
 
-// torch's backward of square(relu(x)): dout * (2 relu(x)), then zero wherever relu(x) <= 0 (even for an inf or
-// NaN dout); a NaN x passes NaN.
+// torch's backward of square(relu(x)): dout * (2 relu(x)), 2 relu(x) rounded to T first as torch rounds it (exact
+// but for overflow: fp16 at relu(x) >= 32768), then zero wherever relu(x) <= 0 (even for an inf or NaN dout); a
+// NaN x passes NaN.
+template <typename T>
 __device__ __forceinline__ float squared_relu_grad(float x, float dout) {
   const float r = relu(x);
-  return r > 0.f || r != r ? __fmul_rn(dout, __fmul_rn(2.f, r)) : 0.f;
+  return r > 0.f || r != r ? __fmul_rn(dout, to_float(from_float<T>(__fmul_rn(2.f, r)))) : 0.f;
 }
 
 template <typename T, int N>
@@ -54,7 +56,7 @@ __global__ void __launch_bounds__(kThreads)
     const P x = reinterpret_cast<const P*>(h)[v], d = reinterpret_cast<const P*>(dout)[v];
     P g;
 #pragma unroll
-    for (int i = 0; i < N; ++i) g.v[i] = from_float<T>(squared_relu_grad(to_float(x.v[i]), to_float(d.v[i])));
+    for (int i = 0; i < N; ++i) g.v[i] = from_float<T>(squared_relu_grad<T>(to_float(x.v[i]), to_float(d.v[i])));
     reinterpret_cast<P*>(dh)[v] = g;
   }
 }

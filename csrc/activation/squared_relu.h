@@ -1,7 +1,8 @@
 // Fused squared ReLU for experts without a gate (Nemotron-H's, Primer's): out = relu(h)^2, and its backward
 // dh = 2 relu(h) dout, one pass each way (torch's relu then square take two kernels forward, three backward,
-// and keep relu(h) for the backward). Math in fp32, rounded once: bit for bit torch's in every dtype (relu is
-// exact, and a product of two 16-bit values is exact in fp32).
+// and keep relu(h) for the backward). Math in fp32, each product rounded to the dtype as torch rounds it: bit for
+// bit torch's in every dtype (relu and 2 relu(h) are exact but for overflow, and a product of two 16-bit values is
+// exact in fp32).
 #pragma once
 
 #include <cuda_runtime.h>

@@ -50,7 +50,7 @@ def wrapped_module(module: nn.Module) -> nn.Module | None:
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
-    """The experts module inside any adapter wrappers."""
+    """The module (the experts, or any other) inside any adapter wrappers (peft's keep it as `base_layer`)."""
     while (base := wrapped_module(module)) is not None:
         module = base
     return module

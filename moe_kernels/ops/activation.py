@@ -145,14 +145,20 @@ def _check_squared_relu(h: Tensor) -> None:
     check_tensor("squared_relu", "h", h, dtypes=FLOAT_DTYPES)
 
 
+def _check_squared_relu_bwd(dout: Tensor, h: Tensor) -> None:
+    _check_squared_relu(h)
+    check_tensor("squared_relu backward", "dout", dout, dtypes=(h.dtype,), device=h.device)
+    check_shape("squared_relu backward", "dout", dout, h.shape, "the shape of h")
+
+
 def squared_relu_reference(h: Tensor) -> Tensor:
     """relu(h)^2 in h's dtype, as torch's relu then square compute it (transformers' ReLUSquaredActivation)."""
     return torch.square(torch.relu(h))
 
 
 def squared_relu_bwd_reference(dout: Tensor, h: Tensor) -> Tensor:
-    """torch's backward of square(relu(h)): dout * (2 relu(h)), zero wherever relu(h) <= 0 (even for an inf or NaN
-    dout, as relu's backward masks), NaN where h is NaN."""
+    """torch's backward of square(relu(h)): dout * (2 relu(h)) (2 relu(h) in h's dtype: inf in fp16 from 32768), zero
+    wherever relu(h) <= 0 (even for an inf or NaN dout, as relu's backward masks), NaN where h is NaN."""
     r = torch.relu(h)
     return torch.where((r > 0) | r.isnan(), dout * (2 * r), torch.zeros_like(r))
 
@@ -165,6 +171,7 @@ def _squared_relu(h: Tensor) -> Tensor:
 
 @torch.library.custom_op("moe_kernels::squared_relu_bwd", mutates_args=())
 def _squared_relu_bwd(dout: Tensor, h: Tensor) -> Tensor:
+    _check_squared_relu_bwd(dout, h)
     return squared_relu_bwd_reference(dout, h)
 
 
@@ -176,6 +183,7 @@ def _(h):
 
 @_squared_relu_bwd.register_fake
 def _(dout, h):
+    _check_squared_relu_bwd(dout, h)
     return torch.empty_like(h)
 
 
@@ -193,6 +201,7 @@ def _squared_relu_cuda(h):
 
 @_ext.cuda_impl(_squared_relu_bwd)
 def _squared_relu_bwd_cuda(dout, h):
+    _check_squared_relu_bwd(dout, h)
     check_cuda_dtype("squared_relu backward", "h", h)
     C = _ext.kernels("squared_relu", h)
     if C is None:
@@ -217,8 +226,8 @@ _squared_relu.register_autograd(_backward_squared_relu, setup_context=_setup_squ
 
 def squared_relu(h: Tensor) -> Tensor:
     """relu(h)^2 elementwise (a contiguous float tensor of any shape), one pass each way: bit for bit torch's
-    `torch.square(torch.relu(h))` and its gradient, in every dtype (the product is formed in fp32 and rounded once,
-    as torch rounds it; relu is exact). The backward keeps h only (torch's keeps relu(h) as well)."""
+    `torch.square(torch.relu(h))` and its gradient, in every dtype (each product formed in fp32 and rounded to the
+    dtype, as torch rounds it; relu is exact). The backward keeps h only (torch's keeps relu(h) as well)."""
     if _onnx.exporting():
         return _onnx.squared_relu_traceable(h)
     _check_squared_relu(h)

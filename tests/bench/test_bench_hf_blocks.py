@@ -37,7 +37,8 @@ def test_cpu_run_writes_results(tmp_path):
     assert llama["flops"] == 3 * 2 * s["T"] * 3 * s["H"] * (s["k"] * s["F"] + s["Fs"]) and s["Fs"] == s["F"]
     nemotron = next(r for r in data["results"] if r["case"].startswith("nemotron"))
     s = nemotron["shape"]  # experts without a gate: two weight matrices each, routed and shared
-    assert s["m"] == 2 and nemotron["flops"] == 3 * 2 * s["T"] * 2 * s["H"] * (s["k"] * s["F"] + s["Fs"]) and s["Fs"] > 0
+    assert s["m"] == 2 and s["Fs"] > 0
+    assert nemotron["flops"] == 3 * 2 * s["T"] * 2 * s["H"] * (s["k"] * s["F"] + s["Fs"])
 
 
 @pytest.mark.parametrize("model", ["llama4-scout", "qwen3-30b-a3b", "nemotron-3-nano"])

@@ -123,6 +123,25 @@ def test_experts_without_a_gate_take_the_fused_squared_relu(act, monkeypatch):
         assert_same_outputs(run(model.eval(), ids), run(ref.eval(), ids))
 
 
+@pytest.mark.parametrize(("change", "why"), [
+    ("no act_fn", "has_gate=False and no act_fn"),
+    ("stored [E, K, N]", "is_transposed=True"),
+    ("router width", r"unexpected weight shapes up_proj \(8, 16, 32\), down_proj \(8, 32, 16\), router \(8, 33\)"),
+])
+def test_experts_without_a_gate_of_another_structure_are_left_alone(change, why):
+    model = build("nemotron_h", layers=1)
+    block = moe_blocks(model)[0]
+    if change == "no act_fn":
+        del block.experts.act_fn
+    elif change == "stored [E, K, N]":
+        block.experts.is_transposed = True
+    else:
+        block.gate.weight = nn.Parameter(torch.zeros(8, H + 1))
+    with pytest.warns(UserWarning, match=rf"NemotronHMoE at model\.layers\.1\.mixer: .*{why}"):
+        mk.patch_hf(model)
+    assert not hf.is_patched(model)
+
+
 # ---------------------------------------------------------------------------------------------------
 # The patch chosen at call time: later choices, copies, pickles, replicas and wrappers
 

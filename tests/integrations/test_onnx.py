@@ -95,7 +95,8 @@ def test_formulations_equal_the_references(kind, align):
         assert_within_fp32_rounding(h, want, magnitude, f"grouped_mm {dtype}")
         assert not h[int(sizes.sum()):].any()  # rows past the groups: zero
         assert_exact(mk_onnx.swiglu_traceable(h), activation_mod.swiglu_reference(h), f"swiglu {dtype}")
-        assert_exact(mk_onnx.squared_relu_traceable(h), activation_mod.squared_relu_reference(h), f"squared_relu {dtype}")
+        assert_exact(mk_onnx.squared_relu_traceable(h), activation_mod.squared_relu_reference(h),
+                     f"squared_relu {dtype}")
         w = torch.rand(T, k, generator=g)
         assert_exact(mk_onnx.unpermute_traceable(h, row_map, w), permute_mod.unpermute_reference(h, row_map, w),
                      f"unpermute {dtype}")

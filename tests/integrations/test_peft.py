@@ -75,6 +75,29 @@ def test_fused_lora_equals_peft_within_the_policy(family, monkeypatch):
         assert_close_to_fp64(grads[name], base_grads[name], ref_grads[name], f"{family} d{name}")
 
 
+def test_lora_on_nemotron_h_latent_projections_and_experts():
+    # Nemotron-H with latent experts (moe_latent_size): peft's LoRA on the latent projections (`all-linear` takes
+    # them) wraps fc1_latent_proj, whose width tells the router's [E, H] weight from the experts' latent H; the block
+    # is patched, both expert adapters fused, and the logits are peft's own within the fp32 bound of the forward tests.
+    torch.manual_seed(0)
+    model = build("nemotron_h", layers=1, moe_latent_size=24, n_group=1, topk_group=1)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["fc1_latent_proj", "fc2_latent_proj"],
+                             target_parameters=_targets("nemotron_h"), init_lora_weights=False)
+    peft_model = peft.get_peft_model(model, config)
+    ids = inputs()
+    with torch.no_grad():
+        ref = peft_model(ids).logits
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # patched without a warning: no block left on transformers' code
+        fused = mk.patch_hf(peft_model)
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in fused.modules()) == 2
+    assert mk.integrations.hf.is_patched(fused)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "aria"])
 def test_fused_lora_while_exporting_keeps_the_adapter(family, monkeypatch):
     # While torch.onnx exports, experts stored [E, K, N] run transformers' forward, which reads the weight: the

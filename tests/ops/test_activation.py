@@ -40,8 +40,9 @@ def test_bad_input():
 
 
 def _edge_values(dtype):
-    # zeros of both signs, NaN, infinities, values whose square overflows fp16 (300^2 > 65504) or underflows
-    return torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 300.0, -300.0, 1e-30, -1e-30, 1.5],
+    # zeros of both signs, NaN, infinities, values whose square overflows fp16 (300^2 > 65504) or underflows, and one
+    # whose double overflows fp16 too (2 x 40000: torch's backward rounds 2 relu(h) to the dtype before the product)
+    return torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 300.0, -300.0, 1e-30, -1e-30, 40000.0],
                         dtype=dtype)
 
 
@@ -50,6 +51,10 @@ def test_squared_relu_is_torchs_relu_then_square(dtype):
     h = torch.cat([torch.randn(200).to(dtype), _edge_values(dtype)]).view(3, 70)
     out = squared_relu(h)
     assert out.dtype == dtype and out.shape == h.shape
+    # relu(h)^2 exactly (fp64 holds the product of two fp32 values exactly), rounded once to the dtype: torch's
+    # relu then square, bit for bit
+    exact = torch.relu(h.double()).square().to(dtype)
+    torch.testing.assert_close(out, exact, rtol=0, atol=0, equal_nan=True)
     torch.testing.assert_close(out, torch.square(torch.relu(h)), rtol=0, atol=0, equal_nan=True)
     # its gradient: torch's, bit for bit, for a gradient holding infinities and NaN as well
     hg = h.clone().requires_grad_()
@@ -74,3 +79,11 @@ def test_squared_relu_bad_input():
         squared_relu(torch.randn(4, 3).t())
     with pytest.raises(TypeError, match="squared_relu: `h` must be a torch.Tensor"):
         squared_relu([1.0, 2.0])
+    bwd = torch.ops.moe_kernels.squared_relu_bwd
+    h = torch.randn(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="squared_relu backward: `dout` must have dtype"):
+        bwd(torch.randn(4, 3), h)
+    with pytest.raises(ValueError, match="squared_relu backward: `dout` must have shape"):
+        bwd(torch.randn(4, 2, dtype=torch.bfloat16), h)
+    with pytest.raises(ValueError, match="squared_relu: `h` must be contiguous"):
+        bwd(torch.randn(3, 4, dtype=torch.bfloat16), torch.randn(4, 3, dtype=torch.bfloat16).t())

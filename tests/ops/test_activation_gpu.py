@@ -46,8 +46,10 @@ def test_misaligned_rows(cuda):
 
 
 def _with_edges(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """t with zeros of both signs, NaN, infinities and values whose square overflows fp16 at random places."""
-    edges = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 300.0, -300.0, 1e-30]).to(t.dtype)
+    """t with zeros of both signs, NaN, infinities and values whose square (300) or double (40000) overflows fp16 at
+    random places."""
+    edges = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 300.0, -300.0, 1e-30, 40000.0]).to(
+        t.dtype)
     flat = t.flatten().clone()
     if flat.numel():
         g = torch.Generator().manual_seed(seed)
@@ -56,7 +58,8 @@ def _with_edges(t: torch.Tensor, seed: int) -> torch.Tensor:
     return flat.view(t.shape)
 
 
-@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (37, 3), (1000, 768), (300, 2048), (7, 1001), (2, 3, 5)])
+@pytest.mark.parametrize("shape", [(0, 8), (1, 1), (37, 3), (1000, 768), (300, 2048), (7, 1001), (2, 3, 5)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_squared_relu_is_torchs_bit_for_bit(cuda, shape, dtype):
     h = _with_edges(torch.randn(shape).to(dtype), seed=1)
@@ -74,14 +77,28 @@ def test_squared_relu_is_torchs_bit_for_bit(cuda, shape, dtype):
     torch.testing.assert_close(dh.cpu(), squared_relu_bwd_reference(dout, h), rtol=0, atol=0, equal_nan=True)
 
 
-@pytest.mark.parametrize("offset", [1, 2, 4])
-def test_squared_relu_misaligned_and_grid_stride(cuda, offset):
-    # Views starting 1, 2 and 4 elements into their storage (vectors of 2, 4 and 8 bytes, or single elements), and
-    # more vectors than the kernel's grid holds threads (8192 blocks of 256): the grid-stride loop's later rounds.
-    n = 8192 * 256 * 2 + 3
-    skip_if_too_large(n, EMULATION_BUDGET, "elements")
+@pytest.mark.parametrize("offset", [0, 1, 2, 4])
+def test_squared_relu_misaligned(cuda, offset):
+    # bf16 views starting 0, 1, 2 and 4 elements into their storage, of a length divisible by 8: vectors of 16, 2, 4
+    # and 8 bytes (the widest that every pointer's alignment and the length allow).
+    n = 4096 * 8
     base = torch.randn(n + offset, device=cuda, dtype=torch.bfloat16)
     h = base[offset:]
+    dout = torch.randn_like(h)
+    hg = h.detach().requires_grad_()
+    out = squared_relu(hg)
+    (dh,) = torch.autograd.grad(out, hg, dout)
+    assert torch.equal(out, torch.square(torch.relu(h)))
+    assert torch.equal(dh, squared_relu_bwd_reference(dout, h))
+
+
+@pytest.mark.parametrize(("dtype", "extra"), [(torch.bfloat16, 24), (torch.float32, 3)], ids=["bf16-x8", "fp32-x1"])
+def test_squared_relu_grid_stride(cuda, dtype, extra):
+    # More vectors than the kernel's grid holds threads (8192 blocks of 256): the grid-stride loop's later rounds,
+    # with 8-element vectors (bf16, a length divisible by 8) and single elements (an odd length).
+    n = 8192 * 256 * (8 if dtype == torch.bfloat16 else 1) + extra
+    skip_if_too_large(n, EMULATION_BUDGET, "elements")
+    h = torch.randn(n, device=cuda, dtype=dtype)
     dout = torch.randn_like(h)
     hg = h.detach().requires_grad_()
     out = squared_relu(hg)
@@ -94,10 +111,11 @@ def test_squared_relu_misaligned_and_grid_stride(cuda, offset):
 @pytest.mark.gpu_memory
 @pytest.mark.cuda_device
 def test_squared_relu_past_2_31_elements(cuda):
-    # 2^31 + 24 bf16 elements (4 GB each way): 64-bit indices; checked against torch in chunks.
+    # 2^31 + 1 bf16 elements (4 GB each way), an odd length: single-element vectors, so the vector index itself
+    # passes 2^31 (64-bit indices); checked against torch in chunks.
     if EMULATED:
         pytest.skip("not emulated: 2^31 elements")
-    n = 2**31 + 24
+    n = 2**31 + 1
     h = torch.randn(n, device=cuda, dtype=torch.bfloat16)
     out = squared_relu(h)
     chunk = 2**28

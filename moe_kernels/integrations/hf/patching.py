@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, unwrapped
 
 from .common import (
     _PATCH_ATTR,
@@ -113,7 +113,9 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
     if not isinstance(Z, int) or Z < 0:
         return f"its {fam.zero_experts}={Z!r} is not a count of experts"
     router_fits = wg is None or tuple(wg.shape) == (E + Z, _router_width(block, H))
-    if (w13.shape[0], w2.shape[0]) != (E_held, E_held) or (gated and F2 % 2) or tuple(w2.shape[1:]) != (H, F) or not router_fits:
+    experts_fit = (w13.shape[0], w2.shape[0]) == (E_held, E_held) and not (gated and F2 % 2) and tuple(
+        w2.shape[1:]) == (H, F)
+    if not experts_fit or not router_fits:
         router = "transformers'" if wg is None else tuple(wg.shape)
         return (f"unexpected weight shapes {up} {tuple(w13.shape)}, down_proj {tuple(w2.shape)}, "
                 f"router {router} for {E} experts" + (f" and {Z} zero-computation experts" if Z else ""))
@@ -125,8 +127,9 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
 def _router_width(block: nn.Module, H: int) -> int:
     """The width of the router's input: the experts' H, or the model's hidden size where the block projects the
     tokens to a latent width for its experts (Nemotron-H's `fc1_latent_proj` [L, H] Linear: the router reads the
-    hidden states, the experts the projected ones)."""
+    hidden states, the experts the projected ones; inside any adapter wrapper, peft's LoRA on that Linear)."""
     latent = block._modules.get("fc1_latent_proj")
+    latent = unwrapped(latent) if isinstance(latent, nn.Module) else None
     return latent.in_features if isinstance(latent, nn.Linear) and latent.out_features == H else H
 
 
@@ -311,9 +314,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, Granite 4.0, Nemotron-H (experts without a gate), ...; `matched_routers()` lists
     them). Each block keeps its parameters, its router module and its own forward; only the router's and the
-    experts' forwards change
-    (see the module docstring). Other MoE-like blocks are left alone and listed in one warning. Patching a
-    patched model changes nothing but the recipe; `unpatch_hf` undoes it.
+    experts' forwards change (see the module docstring). Other MoE-like blocks are left alone and listed in one
+    warning. Patching a patched model changes nothing but the recipe; `unpatch_hf` undoes it.
 
     recipe: a moe_kernels.quant recipe (Fp8BlockwiseRecipe(), Nvfp4Recipe()) for the routed experts' GEMMs
     (their weights stay as they are; quantization happens in each GEMM), or None for the model's precision.
