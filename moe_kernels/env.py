@@ -24,6 +24,7 @@ CUDA_OPS = {
     "grouped_mm": ("grouped_mm",),
     "grouped_mm_fp8": ("grouped_mm",),
     "swiglu": ("swiglu_fwd", "swiglu_bwd"),
+    "squared_relu": ("squared_relu_fwd", "squared_relu_bwd"),
     "expert_mlp": ("expert_mlp_fwd", "expert_mlp_bwd"),
     "quantize_fp8": ("fp8_quantize",),
     "dequantize_fp8": ("fp8_dequantize",),
