@@ -1,11 +1,10 @@
 // Fused squared ReLU: elementwise over a contiguous tensor in the widest vectors that divide its length and
 // every pointer's alignment (no tail), a grid-stride loop over 64-bit indices (tensors past 2^31 elements).
 #include <algorithm>
-#include <stdexcept>
 
 #include "activation/squared_relu.h"
 #include "common/check.h"
-#include "common/rows.cuh"
+#include "common/dispatch.cuh"
 #include "common/vec.cuh"
 
 namespace moe::activation {
@@ -61,27 +60,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// The vector width: the widest that divides n and every pointer's alignment (so no element is left over).
-template <typename T, typename F>
-void by_vec(int64_t n, const void* const* ptrs, int k, F&& f) {
-  const int elems = widest_vector(n * int64_t(sizeof(T)), ptrs, k) / int(sizeof(T));
-  constexpr int kMax = 16 / int(sizeof(T));
-  if (elems >= kMax) return f.template operator()<T, kMax>();
-  if (kMax >= 4 && elems >= 4) return f.template operator()<T, (kMax >= 4 ? 4 : 1)>();
-  if (kMax >= 2 && elems >= 2) return f.template operator()<T, (kMax >= 2 ? 2 : 1)>();
-  return f.template operator()<T, 1>();
-}
-
-template <typename F>
-void by_dtype(DType dtype, int64_t n, const void* const* ptrs, int k, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return by_vec<float>(n, ptrs, k, f);
-    case DType::kFloat16: return by_vec<__half>(n, ptrs, k, f);
-    case DType::kBFloat16: return by_vec<__nv_bfloat16>(n, ptrs, k, f);
-    default: throw std::invalid_argument("squared_relu: dtype must be float32, float16 or bfloat16");
-  }
-}
-
 unsigned blocks_for(int64_t vecs) { return unsigned(std::min<int64_t>((vecs + kThreads - 1) / kThreads, kMaxBlocks)); }
 
 }  // namespace
@@ -89,7 +67,7 @@ unsigned blocks_for(int64_t vecs) { return unsigned(std::min<int64_t>((vecs + kT
 void squared_relu_fwd(const SquaredReluParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   const void* ptrs[] = {p.h, p.out};
-  by_dtype(p.dtype, p.n, ptrs, 2, [&]<typename T, int N>() {
+  by_float_vector(p.dtype, p.n, ptrs, 2, "squared_relu", [&]<typename T, int N>() {
     squared_relu_fwd_kernel<T, N><<<blocks_for(p.n / N), kThreads, 0, stream>>>(static_cast<const T*>(p.h),
                                                                                  static_cast<T*>(p.out), p.n);
   });
@@ -99,7 +77,7 @@ void squared_relu_fwd(const SquaredReluParams& p, cudaStream_t stream) {
 void squared_relu_bwd(const SquaredReluBwdParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   const void* ptrs[] = {p.dout, p.h, p.dh};
-  by_dtype(p.dtype, p.n, ptrs, 3, [&]<typename T, int N>() {
+  by_float_vector(p.dtype, p.n, ptrs, 3, "squared_relu_bwd", [&]<typename T, int N>() {
     squared_relu_bwd_kernel<T, N><<<blocks_for(p.n / N), kThreads, 0, stream>>>(
         static_cast<const T*>(p.dout), static_cast<const T*>(p.h), static_cast<T*>(p.dh), p.n);
   });

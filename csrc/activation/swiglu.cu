@@ -1,12 +1,10 @@
 // Fused SwiGLU: one pass reads [gate | up] and writes the activation (torch's silu(g) * u * w takes three
 // kernels and twice the traffic); the backward reads h and dout once and writes dh, plus the row-weight
 // gradient as a fixed-order row reduction.
-#include <stdexcept>
-#include <string>
-
 #include "activation/swiglu.h"
 #include "activation/swiglu_math.cuh"
 #include "common/check.h"
+#include "common/dispatch.cuh"
 #include "common/rows.cuh"
 #include "common/vec.cuh"
 
@@ -78,33 +76,13 @@ __global__ void __launch_bounds__(kRowBlockThreads)
   }
 }
 
-template <typename T, typename F>
-void by_vec(int64_t ffn, const void* const* ptrs, int n, F&& f) {
-  // Vectors never straddle gate and up: the width must divide F, the row stride and the pointers.
-  const int elems = widest_vector(ffn * int64_t(sizeof(T)), ptrs, n) / int(sizeof(T));
-  constexpr int kMax = 16 / int(sizeof(T));
-  if (elems >= kMax) return f.template operator()<T, kMax>();
-  if (kMax >= 4 && elems >= 4) return f.template operator()<T, (kMax >= 4 ? 4 : 1)>();
-  if (kMax >= 2 && elems >= 2) return f.template operator()<T, (kMax >= 2 ? 2 : 1)>();
-  return f.template operator()<T, 1>();
-}
-
-template <typename F>
-void by_dtype(DType dtype, int64_t ffn, const void* const* ptrs, int n, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return by_vec<float>(ffn, ptrs, n, f);
-    case DType::kFloat16: return by_vec<__half>(ffn, ptrs, n, f);
-    case DType::kBFloat16: return by_vec<__nv_bfloat16>(ffn, ptrs, n, f);
-    default: throw std::invalid_argument("swiglu: dtype must be float32, float16 or bfloat16");
-  }
-}
-
 }  // namespace
 
 void swiglu_fwd(const SwigluParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.ffn == 0) return;
   const void* ptrs[] = {p.h, p.out};
-  by_dtype(p.dtype, p.ffn, ptrs, 2, [&]<typename T, int N>() {
+  // Vectors never straddle gate and up: the width must divide F, the row stride and the pointers.
+  by_float_vector(p.dtype, p.ffn, ptrs, 2, "swiglu", [&]<typename T, int N>() {
     const RowGeometry g = row_geometry(p.ffn * int64_t(sizeof(T)), int(sizeof(T)) * N);
     const int64_t blocks = (p.rows + g.rows_per_block - 1) / g.rows_per_block;
     swiglu_fwd_kernel<T, N><<<unsigned(blocks), kRowBlockThreads, 0, stream>>>(
@@ -120,7 +98,7 @@ void swiglu_bwd(const SwigluBwdParams& p, cudaStream_t stream) {
     return;
   }
   const void* ptrs[] = {p.dout, p.h, p.dh};
-  by_dtype(p.dtype, p.ffn, ptrs, 3, [&]<typename T, int N>() {
+  by_float_vector(p.dtype, p.ffn, ptrs, 3, "swiglu_bwd", [&]<typename T, int N>() {
     const RowGeometry g = row_geometry(p.ffn * int64_t(sizeof(T)), int(sizeof(T)) * N);
     const int64_t blocks = (p.rows + g.rows_per_block - 1) / g.rows_per_block;
     swiglu_bwd_kernel<T, N><<<unsigned(blocks), kRowBlockThreads, 0, stream>>>(

@@ -4,6 +4,7 @@
 // no FMA contraction), which is exactly what the PyTorch reference computes: results are bit-identical
 // to it and run to run. One power-of-two thread group per token walks the row in 16-byte vectors.
 #include "common/check.h"
+#include "common/dispatch.cuh"
 #include "common/rows.cuh"
 #include "common/vec.cuh"
 #include "permute/permute.h"
@@ -272,41 +273,12 @@ void launch_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
   check_launch("unpermute zero_unmarked_rows_kernel");
 }
 
-// Widest vector (in elements of T) that the row length and the base pointers allow.
-template <typename T>
-int vector_elems(int64_t hidden, const void* const* ptrs, int n) {
-  return widest_vector(hidden * int64_t(sizeof(T)), ptrs, n) / int(sizeof(T));
-}
-
-template <typename T, typename Params, typename Launch>
-void dispatch_vec(const Params& p, int elems, Launch&& launch) {
-  constexpr int kMax = 16 / int(sizeof(T));
-  if (elems >= kMax) return launch.template operator()<T, kMax>();
-  if (kMax >= 4 && elems >= 4) return launch.template operator()<T, (kMax >= 4 ? 4 : 1)>();
-  if (kMax >= 2 && elems >= 2) return launch.template operator()<T, (kMax >= 2 ? 2 : 1)>();
-  return launch.template operator()<T, 1>();
-}
-
-template <typename Params, typename Launch>
-void dispatch_dtype(const Params& p, const void* const* ptrs, int n, const char* what, Launch&& launch) {
-  switch (p.dtype) {
-    case DType::kFloat32:
-      return dispatch_vec<float>(p, vector_elems<float>(p.hidden, ptrs, n), launch);
-    case DType::kFloat16:
-      return dispatch_vec<__half>(p, vector_elems<__half>(p.hidden, ptrs, n), launch);
-    case DType::kBFloat16:
-      return dispatch_vec<__nv_bfloat16>(p, vector_elems<__nv_bfloat16>(p.hidden, ptrs, n), launch);
-    default:
-      throw std::invalid_argument(std::string(what) + ": dtype must be float32, float16 or bfloat16");
-  }
-}
-
 }  // namespace
 
 void unpermute_fwd(const UnpermuteParams& p, cudaStream_t stream) {
   if (p.num_tokens == 0 || p.hidden == 0) return;
   const void* ptrs[] = {p.y, p.out};
-  dispatch_dtype(p, ptrs, 2, "unpermute", [&]<typename T, int N>() { launch_fwd<T, N>(p, stream); });
+  by_float_vector(p.dtype, p.hidden, ptrs, 2, "unpermute", [&]<typename T, int N>() { launch_fwd<T, N>(p, stream); });
 }
 
 void unpermute_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
@@ -318,7 +290,8 @@ void unpermute_bwd(const UnpermuteBwdParams& p, cudaStream_t stream) {
   }
   if (p.dy == nullptr && p.dweights == nullptr) return;  // nothing asked for
   const void* ptrs[] = {p.dout, p.y, p.dy};
-  dispatch_dtype(p, ptrs, 3, "unpermute_bwd", [&]<typename T, int N>() { launch_bwd<T, N>(p, stream); });
+  by_float_vector(p.dtype, p.hidden, ptrs, 3, "unpermute_bwd",
+                  [&]<typename T, int N>() { launch_bwd<T, N>(p, stream); });
 }
 
 }  // namespace moe::permute

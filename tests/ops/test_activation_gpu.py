@@ -83,13 +83,7 @@ def test_squared_relu_misaligned(cuda, offset):
     # and 8 bytes (the widest that every pointer's alignment and the length allow).
     n = 4096 * 8
     base = torch.randn(n + offset, device=cuda, dtype=torch.bfloat16)
-    h = base[offset:]
-    dout = torch.randn_like(h)
-    hg = h.detach().requires_grad_()
-    out = squared_relu(hg)
-    (dh,) = torch.autograd.grad(out, hg, dout)
-    assert torch.equal(out, torch.square(torch.relu(h)))
-    assert torch.equal(dh, squared_relu_bwd_reference(dout, h))
+    _assert_squared_relu_is_torchs(base[offset:])
 
 
 @pytest.mark.parametrize(("dtype", "extra"), [(torch.bfloat16, 24), (torch.float32, 3)], ids=["bf16-x8", "fp32-x1"])
@@ -98,7 +92,11 @@ def test_squared_relu_grid_stride(cuda, dtype, extra):
     # with 8-element vectors (bf16, a length divisible by 8) and single elements (an odd length).
     n = 8192 * 256 * (8 if dtype == torch.bfloat16 else 1) + extra
     skip_if_too_large(n, EMULATION_BUDGET, "elements")
-    h = torch.randn(n, device=cuda, dtype=dtype)
+    _assert_squared_relu_is_torchs(torch.randn(n, device=cuda, dtype=dtype))
+
+
+def _assert_squared_relu_is_torchs(h: torch.Tensor) -> None:
+    """squared_relu(h) and its gradient for a random dout equal torch's relu then square, bit for bit."""
     dout = torch.randn_like(h)
     hg = h.detach().requires_grad_()
     out = squared_relu(hg)
