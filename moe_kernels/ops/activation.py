@@ -38,6 +38,12 @@ def _check(h: Tensor, row_weights: Tensor | None, op: str = "swiglu") -> None:
         check_shape(op, "row_weights", row_weights, (h.shape[0],), "one weight per row of h")
 
 
+def _check_bwd(dout: Tensor, h: Tensor, row_weights: Tensor | None) -> None:
+    _check(h, row_weights, "swiglu backward")
+    check_tensor("swiglu backward", "dout", dout, ndim=2, dtypes=(h.dtype,), device=h.device)
+    check_shape("swiglu backward", "dout", dout, (h.shape[0], h.shape[1] // 2), "[R, F], h being [R, 2F]")
+
+
 def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -71,6 +77,7 @@ def _swiglu(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
 
 @torch.library.custom_op("moe_kernels::swiglu_bwd", mutates_args=())
 def _swiglu_bwd(dout: Tensor, h: Tensor, row_weights: Tensor | None, need_dw: bool) -> tuple[Tensor, Tensor]:
+    _check_bwd(dout, h, row_weights)
     return swiglu_bwd_reference(dout, h, row_weights, need_dw)
 
 
@@ -82,6 +89,7 @@ def _(h, row_weights=None):
 
 @_swiglu_bwd.register_fake
 def _(dout, h, row_weights, need_dw):
+    _check_bwd(dout, h, row_weights)
     return h.new_empty(h.shape), h.new_empty((h.shape[0],) if need_dw else (0,), dtype=_acc(h.dtype))
 
 
@@ -101,6 +109,7 @@ def _swiglu_cuda(h, row_weights=None):
 
 @_ext.cuda_impl(_swiglu_bwd)
 def _swiglu_bwd_cuda(dout, h, row_weights, need_dw):
+    _check_bwd(dout, h, row_weights)
     check_cuda_dtype("swiglu backward", "h", h)
     C = _ext.kernels("swiglu", h)
     if C is None:

@@ -73,6 +73,20 @@ def _check(x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2: Ten
         check_shape(op, "row_weights", row_weights, (num_rows,), "one weight per permuted row")
 
 
+def _check_bwd(dout: Tensor, x: Tensor, row_token: Tensor, row_map: Tensor, h: Tensor, w13: Tensor, w2: Tensor,
+               group_sizes: Tensor, row_weights: Tensor | None) -> None:
+    """The backward op's arguments: the forward's checks, and dout, row_token and h as the forward made them."""
+    R = h.shape[0] if isinstance(h, Tensor) and h.dim() == 2 else 0
+    _check(x, row_map, group_sizes, w13, w2, row_weights, R)
+    op = f"{_OP} backward"
+    check_tensor(op, "dout", dout, ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_shape(op, "dout", dout, tuple(x.shape), "the shape of x")
+    check_tensor(op, "h", h, ndim=2, dtypes=(x.dtype,), device=x.device)
+    check_shape(op, "h", h, (R, w13.shape[1]), "[R, 2F], the forward's")
+    check_tensor(op, "row_token", row_token, ndim=1, dtypes=(torch.int32,), device=x.device)
+    check_shape(op, "row_token", row_token, (R,), "one token per permuted row, the forward's")
+
+
 def _check_values(row_map: Tensor, group_sizes: Tensor, num_rows: int) -> None:
     """Host-syncing checks of the routing's values (the CPU path, and the CUDA path in the checking mode)."""
     _check_row_map_values(row_map, num_rows, _OP)
@@ -137,6 +151,7 @@ def _expert_mlp(x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2
 def _expert_mlp_bwd(dout: Tensor, x: Tensor, row_token: Tensor, row_map: Tensor, h: Tensor, w13: Tensor, w2: Tensor,
                     group_sizes: Tensor, row_weights: Tensor | None, need_dx: bool, need_dw13: bool, need_dw2: bool,
                     need_drw: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_bwd(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights)
     dx, dw13, dw2, drw = expert_mlp_bwd_reference(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights,
                                                   need_dx, need_dw13, need_dw2, need_drw)
     return _filled(dx, dw13, dw2, drw, x)
@@ -159,6 +174,7 @@ def _(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
 
 @_expert_mlp_bwd.register_fake
 def _(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights, need_dx, need_dw13, need_dw2, need_drw):
+    _check_bwd(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights)
     return (x.new_empty(x.shape if need_dx else (0,)), w13.new_empty(w13.shape if need_dw13 else (0,)),
             w2.new_empty(w2.shape if need_dw2 else (0,)),
             x.new_empty((h.shape[0],) if need_drw else (0,), dtype=_acc(x.dtype)))
@@ -244,6 +260,7 @@ def _expert_mlp_cuda(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
 @_ext.cuda_impl(_expert_mlp_bwd)
 def _expert_mlp_bwd_cuda(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights, need_dx, need_dw13,
                          need_dw2, need_drw):
+    _check_bwd(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights)
     C = _ext.kernels(_OP, x)
     if C is None:
         return _filled(*expert_mlp_bwd_reference(dout, x, row_token, row_map, h, w13, w2, group_sizes, row_weights,

@@ -33,6 +33,14 @@ def test_bad_input():
         swiglu(torch.randn(3, 4), torch.rand(4))
     with pytest.raises(TypeError, match="`h`"):
         swiglu(torch.randint(0, 3, (3, 4)))
+    bwd = torch.ops.moe_kernels.swiglu_bwd  # the registered backward op called directly
+    h = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="swiglu backward: `dout` must have shape"):
+        bwd(torch.randn(3, 4), h, None, False)
+    with pytest.raises(TypeError, match="swiglu backward: `dout` must have dtype"):
+        bwd(torch.randn(3, 2, dtype=torch.float64), h, None, False)
+    with pytest.raises(ValueError, match="swiglu backward: `row_weights`"):
+        bwd(torch.randn(3, 2), h, torch.rand(2), True)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -129,3 +129,26 @@ def test_bad_arguments_name_the_argument(change, match):
     with pytest.raises((ValueError, TypeError), match=match):
         expert_mlp(args["x"], args["row_map"], args["group_sizes"], args["w13"], args["w2"], args["row_weights"],
                    num_rows=args["num_rows"])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dout=lambda t: t[:-1]), "`dout` must have shape"),
+    (dict(dout=lambda t: t.double()), "`dout` must have dtype"),
+    (dict(h=lambda t: t[:, :-2].contiguous()), "`h` must have shape"),
+    (dict(row_token=lambda t: t[:-1]), "`row_token` must have shape"),
+    (dict(row_token=lambda t: t.long()), "`row_token` must have dtype"),
+])
+def test_backward_op_checks_its_arguments(change, match):
+    # The registered backward op, called directly with tensors unlike the forward's: a ValueError or TypeError
+    # naming the argument, before any kernel reads them.
+    x, w13, w2, idx, weights, E, align = _problem(dtype=torch.float32)
+    R = permuted_rows(x.shape[0], idx.shape[1], E, align)
+    _, row_map, gs = permute(x[:, :0], idx, E, align=align)
+    rw = permuted_row_values(weights, row_map, R)
+    _, row_token, h = torch.ops.moe_kernels.expert_mlp(x, row_map, gs, w13, w2, rw, R)
+    args = dict(dout=torch.randn_like(x), row_token=row_token, h=h)
+    for name, fn in change.items():
+        args[name] = fn(args[name])
+    with pytest.raises((ValueError, TypeError), match=f"expert_mlp backward: {match}"):
+        torch.ops.moe_kernels.expert_mlp_bwd(args["dout"], x, args["row_token"], row_map, args["h"], w13, w2, gs, rw,
+                                             True, True, True, True)
