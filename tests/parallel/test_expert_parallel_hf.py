@@ -49,10 +49,10 @@ def _assert_runs_close(runs, where):
         assert_close_to_fp64(g, grads32[name], grads64[name], f"{where}: d {name}")
 
 
-def _case(rank, P, family, backend, how):
+def _case(rank, P, family, backend, how, **overrides):
     from tests.integrations.hf_models import build, moe_blocks
 
-    full = build(family)
+    full = build(family, **overrides)
     if how == "patch_hf":
         mk.patch_hf(full)
     else:  # transformers' router, our experts
@@ -86,6 +86,7 @@ def _worker(rank, P, backend):
     # scaled on the experts' rank; Nemotron-H: experts without a gate
     for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "aria", "llama4", "nemotron_h"):
         _case(rank, P, family, backend, "patch_hf")
+    _case(rank, P, "nemotron_h", backend, "patch_hf", moe_latent_size=24, n_group=1, topk_group=1)  # latent experts
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
 
 
