@@ -18,4 +18,5 @@ BENCHES = {
     "tune_grouped_mm": "bench.bench_tune_grouped_mm",
     "expert_mlp": "bench.bench_expert_mlp",
     "hf_blocks": "bench.bench_hf_blocks",
+    "activation": "bench.bench_activation",
 }

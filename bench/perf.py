@@ -146,7 +146,10 @@ PARTS: dict[str, Part] = {p.name: p for p in (
     Part("fp8", (Run("grouped_mm_fp8", models=("deepseek-v3", "qwen3-30b-a3b"), tokens=(8192,), profile=True),
                  Run("moe_layer_fp8", tokens=(8192,), min_s=30), Run("bytes", tokens=(8192,), min_s=10)),
          min_s=60),
-    Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),), min_s=30),
+    # The memory-bound kernels: permute family at deepseek-v3, the experts' activations (~10 s).
+    Part("permute", (Run("permute", models=("deepseek-v3",), tokens=(8192,)),
+                     Run("activation", models=("qwen3-30b-a3b", "nemotron-3-nano"), tokens=(8192,), min_s=10)),
+         min_s=30),
     Part("dispatch", (Run("dispatch", models=("deepseek-v3",)),), min_s=30),
     Part("step", (Run("train", tokens=(4096, 16384, 65536), profile=True),), min_s=90),
     # transformers' blocks as loaded and patched (patch_hf) at six models' shapes and two with peft LoRA, 4096

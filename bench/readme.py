@@ -53,7 +53,8 @@ OPS_FIGURES = {
     "router_aux_scores": None, "aux_loss": "aux_loss_fwd_bwd", "apply_capacity": "capacity_probs",
     "update_expert_bias": "expert_bias_update", "grouped_mm": "grouped_mm_fwd",
     "grouped_mm_fp8": "grouped_mm_fp8_fwd", "grouped_mm_fp8_wgrad": "grouped_mm_fp8_wgrad",
-    "grouped_mm_nvfp4": None, "swiglu": None, "squared_relu": None, "quantize_fp8": "quantize_fp8_block",
+    "grouped_mm_nvfp4": None, "swiglu": "swiglu_fwd_bwd", "squared_relu": "squared_relu_fwd_bwd",
+    "quantize_fp8": "quantize_fp8_block",
     "quantize_nvfp4": "quantize_nvfp4_1d", "NvlinkDispatcher": "dispatch", "MoELayer": "moe_layer_fwd_bwd",
     "expert_mlp": "expert_mlp_fwd_bwd",
 }
@@ -69,7 +70,7 @@ RECEIVED_BYTES_SUITES = {"dispatch"}  # results count bytes received, not read +
 MAIN_PEER = {"permute": "torch_eager", "router": "torch_eager", "router_losses": "torch_eager",
              "quant": "torch_eager", "grouped_mm": "torch_grouped_mm", "grouped_mm_fp8": "moe_kernels_bf16",
              "moe_layer": "hf_grouped_mm", "dispatch": "all_to_all_virtual", "lora": "peft_materialised",
-             "train": "torch_native", "expert_mlp": "permuted"}
+             "train": "torch_native", "expert_mlp": "permuted", "activation": "torch_eager"}
 # Ops whose bar names another peer than their suite's: the FP8 step against our bf16 step, the captured step
 # against the same step run eagerly.
 MAIN_PEER_BY_OP = {"train_step_fp8": "moe_kernels_bf16", "train_step_graphed": "eager_step"}
