@@ -89,17 +89,17 @@ ExpertsFwd experts_fwd_params(uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_
 // first three (dw2 only when asked for); the caller launches dx and dw13, with whatever goes between.
 struct ExpertsBwd {
   gemm::GroupedParams da, dw2, dx, dw13;
-  activation::SwigluBwdParams act;
-  Act kind;
+  activation::SwigluBwdParams grad;  // the activation's backward (the squared ReLU reads its da, h, dh and sizes)
+  Act act;
 
   size_t need() const { return need_of({&da, &dw2, &dx, &dw13}); }
   void run_head(cudaStream_t s) const {
     gemm::grouped_mm(da, s);
     if (dw2.d) gemm::grouped_mm(dw2, s);
-    if (kind == Act::kSwiglu) {
-      activation::swiglu_bwd(act, s);
+    if (act == Act::kSwiglu) {
+      activation::swiglu_bwd(grad, s);
     } else {
-      activation::squared_relu_bwd({act.dout, act.h, act.dh, act.rows * act.ffn, act.dtype}, s);
+      activation::squared_relu_bwd({grad.dout, grad.h, grad.dh, grad.rows * grad.ffn, grad.dtype}, s);
     }
   }
 };
@@ -108,8 +108,8 @@ ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t 
                               uintptr_t group_sizes, uintptr_t row_weights, uintptr_t da, uintptr_t dh, uintptr_t dx,
                               uintptr_t dw13, uintptr_t dw2, uintptr_t drow_weights, int64_t rows, int64_t hidden,
                               int64_t ffn, int32_t E, DType dt, uintptr_t workspace, size_t ws_bytes, int device,
-                              Act kind = Act::kSwiglu) {
-  const int64_t width = up_width(kind, ffn);
+                              Act act = Act::kSwiglu) {
+  const int64_t width = up_width(act, ffn);
   return {
       gemm_params(GemmOp::kDgrad, dy, w2, da, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
       gemm_params(GemmOp::kWgrad, dy, a, dw2, group_sizes, E, rows, hidden, ffn, dt, workspace, ws_bytes, device),
@@ -117,7 +117,7 @@ ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t 
       gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, width, hidden, dt, workspace, ws_bytes, device),
       {ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh), ptr<float>(drow_weights),
        rows, ffn, dt},
-      kind};
+      act};
 }
 
 }  // namespace

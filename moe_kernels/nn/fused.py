@@ -379,9 +379,9 @@ class _Moe(torch.autograd.Function):
         return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None
 
 
-def _moe_ops(x, indices, weights, w13, w2, num_experts, align):
+def _moe_ops(x, indices, weights, w13, w2, num_experts, align, experts=_experts_ops):
     x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
-    return unpermute(_experts_ops(x_perm, group_sizes, w13, w2, None), row_map, weights)
+    return unpermute(experts(x_perm, group_sizes, w13, w2, None), row_map, weights)
 
 
 @_register("moe", _moe_ops, "moe_fwd (permute, grouped_mm, swiglu, grouped_mm, unpermute) / "
@@ -393,10 +393,13 @@ def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w1
     return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L)
 
 
+def _squared_relu_experts_ops(x, group_sizes, w_up, w2, row_weights):
+    assert row_weights is None  # (the squared ReLU takes no routing weights; unpermute applies them)
+    return grouped_mm(squared_relu(grouped_mm(x, w_up, group_sizes)), w2, group_sizes)
+
+
 def _moe_squared_relu_ops(x, indices, weights, w_up, w2, num_experts, align):
-    x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
-    y = grouped_mm(squared_relu(grouped_mm(x_perm, w_up, group_sizes)), w2, group_sizes)
-    return unpermute(y, row_map, weights)
+    return _moe_ops(x, indices, weights, w_up, w2, num_experts, align, experts=_squared_relu_experts_ops)
 
 
 @_register("moe_squared_relu", _moe_squared_relu_ops,

@@ -239,7 +239,8 @@ def squared_relu(h: Tensor) -> Tensor:
     dtype, as torch rounds it; relu is exact). The backward keeps h only (torch's keeps relu(h) as well)."""
     if _onnx.exporting():
         return _onnx.squared_relu_traceable(h)
-    _check_squared_relu(h)
+    if not isinstance(h, Tensor):  # (the op checks the rest; the dispatcher would reject this less clearly)
+        raise TypeError(f"squared_relu: `h` must be a torch.Tensor, got {type(h).__name__}")
     return torch.ops.moe_kernels.squared_relu(h)
 
 

@@ -105,10 +105,11 @@ class ExpertTensorParallelDispatcher(Dispatcher):
 def _hf_experts(model: nn.Module) -> list[nn.Module]:
     """transformers experts modules running moe_kernels' experts forward (the "moe_kernels" experts implementation,
     or the experts of a block whose forward patch_hf replaced: Llama 4's)."""
+    from moe_kernels.integrations.hf.common import _up_name
     from moe_kernels.integrations.hf.patching import runs_our_experts
 
     return [m for m in model.modules()
-            if runs_our_experts(m) and isinstance(getattr(m, "gate_up_proj", getattr(m, "up_proj", None)), torch.Tensor)
+            if runs_our_experts(m) and isinstance(getattr(m, _up_name(m), None), torch.Tensor)
             and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
 
 
