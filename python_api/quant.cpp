@@ -15,16 +15,16 @@ void register_quant(py::module_& m) {
   m.def(
       "fp8_quantize",
       [](uintptr_t x, uintptr_t q, uintptr_t scale, uintptr_t amax, int64_t rows, int64_t cols, int32_t granularity,
-         bool e5m2, bool pow2, int32_t dtype, int device, uintptr_t s) {
+         bool e5m2, bool pow2, int32_t dtype, int device, uintptr_t s, int64_t q_cols) {
         DeviceGuard guard(device);
         quant::Fp8QuantParams p{ptr<const void>(x), ptr<uint8_t>(q), ptr<float>(scale), ptr<uint32_t>(amax),
                                 rows,               cols,           Granularity(granularity), e5m2,
-                                pow2,               DType(dtype)};
+                                pow2,               DType(dtype),   q_cols};
         quant::fp8_quantize(p, stream(s));
       },
       py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("amax"), py::arg("rows"), py::arg("cols"),
       py::arg("granularity"), py::arg("e5m2"), py::arg("pow2"), py::arg("dtype"), py::arg("device"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("q_cols") = 0);
   m.def(
       "fp8_quantize_tokens",
       [](uintptr_t x, uintptr_t q, uintptr_t scale, int64_t rows, int64_t cols, bool e5m2, bool pow2, int32_t dtype,

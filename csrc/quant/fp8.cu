@@ -71,8 +71,9 @@ __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p,
   for (int64_t base = int64_t(blockIdx.x) * kStep; base < total; base += int64_t(gridDim.x) * kStep) {
     // Per u: the block index g (its scale's index), the offset of the lane's first element and its column.
     // VEC keeps the loaded elements packed (half the registers of floats) until their amax.
-    int64_t g[U], off[U], col[VEC ? 1 : U];
-    bool in[U];  // VEC: the lane's vector is in the row (cols % 8 == 0: all in or all out)
+    int64_t g[U], off[U], qoff[U], col[VEC ? 1 : U];
+    bool in[U];   // VEC: the lane's vector is in the row (cols % 8 == 0: all in or all out)
+    bool out[U];  // VEC: ... in q's row (q_cols % 8 == 0)
     Pack<T, kGroupItems> pk[U];
     float v[VEC ? 1 : U][kGroupItems];
 #pragma unroll
@@ -82,7 +83,9 @@ __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p,
       const int64_t r = live ? g[u] / blocks_per_row : 0;
       const int64_t c = live ? (g[u] - r * blocks_per_row) * kFp8Block + lane * (VEC ? kGroupItems : 1) : p.cols;
       off[u] = r * p.cols + c;
+      qoff[u] = r * p.q_cols + c;
       in[u] = c < p.cols;
+      out[u] = c < p.q_cols;
       if constexpr (VEC) {
         if (in[u]) pk[u] = *reinterpret_cast<const Pack<T, kGroupItems>*>(x + off[u]);
       } else {
@@ -110,17 +113,18 @@ __global__ void __launch_bounds__(kThreads) block_quant_kernel(Fp8QuantParams p,
       const float s = scale_from_amax(warp_nan_max(m, kGroupLanes), p.e5m2, p.pow2);
       if (g[u] >= total) continue;
       if (lane == 0) p.scale[g[u]] = s;
+      // Past cols, up to q_cols, e is 0 and so is its code: the zero padding of a K that is no multiple of 128.
       if constexpr (VEC) {
-        if (in[u]) {
-          Pack<uint8_t, kGroupItems> out;
+        if (out[u]) {
+          Pack<uint8_t, kGroupItems> codes;
 #pragma unroll
-          for (int j = 0; j < kGroupItems; ++j) out.v[j] = to_fp8(__fmul_rn(e[j], s), p.e5m2);
-          *reinterpret_cast<Pack<uint8_t, kGroupItems>*>(p.q + off[u]) = out;
+          for (int j = 0; j < kGroupItems; ++j) codes.v[j] = to_fp8(__fmul_rn(e[j], s), p.e5m2);
+          *reinterpret_cast<Pack<uint8_t, kGroupItems>*>(p.q + qoff[u]) = codes;
         }
       } else {
 #pragma unroll
         for (int j = 0; j < kGroupItems; ++j) {
-          if (col[u] + j * kGroupLanes < p.cols) p.q[off[u] + j * kGroupLanes] = to_fp8(__fmul_rn(e[j], s), p.e5m2);
+          if (col[u] + j * kGroupLanes < p.q_cols) p.q[qoff[u] + j * kGroupLanes] = to_fp8(__fmul_rn(e[j], s), p.e5m2);
         }
       }
     }
@@ -150,10 +154,15 @@ unsigned capped_grid(int64_t want) { return unsigned(want < 1 ? 1 : (want < 6553
 
 }  // namespace
 
-void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
-  if (p.rows < 0 || p.cols < 0) throw std::invalid_argument("quantize_fp8: negative size");
+void fp8_quantize(const Fp8QuantParams& params, cudaStream_t stream) {
+  if (params.rows < 0 || params.cols < 0) throw std::invalid_argument("quantize_fp8: negative size");
+  Fp8QuantParams p = params;
+  if (p.q_cols == 0) p.q_cols = p.cols;
   const int64_t n = p.rows * p.cols;
   const int64_t bpr = (p.cols + kFp8Block - 1) / kFp8Block;
+  if (p.q_cols != p.cols && (p.granularity != Granularity::kBlock || p.q_cols < p.cols || p.q_cols > bpr * kFp8Block)) {
+    throw std::invalid_argument("quantize_fp8: q_cols must be cols, or up to ceil(cols / 128) * 128 for 1x128 blocks");
+  }
   if (p.granularity == Granularity::kTile) {  // one expert of the experts' tile kernel, the row-major layout alone
     fp8_quantize_experts({p.x, p.q, p.scale, nullptr, nullptr, 1, p.rows, p.cols, p.pow2, p.dtype, p.e5m2}, stream);
     return;
@@ -183,7 +192,7 @@ void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream) {
         // loads in flight per thread either way.
         constexpr int U = sizeof(T) == 4 ? 2 : 4;
         const unsigned grid = capped_grid((total + kGroupsPerBlock * U - 1) / (kGroupsPerBlock * U));
-        const bool vec = p.cols % kGroupItems == 0 &&
+        const bool vec = p.cols % kGroupItems == 0 && p.q_cols % kGroupItems == 0 &&
                          reinterpret_cast<uintptr_t>(p.x) % alignof(Pack<T, kGroupItems>) == 0 &&
                          reinterpret_cast<uintptr_t>(p.q) % 8 == 0;
         if (vec) {

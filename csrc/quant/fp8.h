@@ -33,6 +33,9 @@ struct Fp8QuantParams {
   bool e5m2;
   bool pow2;
   DType dtype;
+  // block granularity: q's row length, cols (0: the same) or more, up to ceil(cols/128) * 128, the codes
+  // past cols written as zeros (the operand of an FP8 GEMM whose K is no multiple of 128, zero-padded)
+  int64_t q_cols = 0;
 };
 void fp8_quantize(const Fp8QuantParams& p, cudaStream_t stream);
 

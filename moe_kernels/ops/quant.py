@@ -54,12 +54,18 @@ def _check_granularity(op: str, granularity: str) -> None:
         raise ValueError(f"{op}: `granularity` must be one of {GRANULARITIES}, got {granularity!r}")
 
 
-def _check_quant(x: Tensor, granularity: str, fp8_dtype: torch.dtype) -> None:
+def _check_quant(x: Tensor, granularity: str, fp8_dtype: torch.dtype, pad_to_block: bool = False) -> None:
     op = "quantize_fp8"
     check_tensor(op, "x", x, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
     _check_granularity(op, granularity)
     if fp8_dtype not in FP8_DTYPES:
         raise TypeError(f"{op}: `fp8_dtype` must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    if pad_to_block and granularity != "block":
+        raise ValueError(f"{op}: `pad_to_block` pads 1x128 blocks' codes (granularity 'block'), got {granularity!r}")
+
+
+def _q_cols(cols: int, pad_to_block: bool) -> int:
+    return -(-cols // BLOCK) * BLOCK if pad_to_block else cols
 
 
 def _check_dequant(q: Tensor, scale: Tensor, granularity: str, dtype: torch.dtype) -> None:
@@ -119,15 +125,18 @@ def _expand(scale: Tensor, granularity: str, rows: int, cols: int) -> Tensor:
 
 
 def quantize_fp8_reference(
-    x: Tensor, granularity: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False
+    x: Tensor, granularity: str, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False,
+    pad_to_block: bool = False,
 ) -> tuple[Tensor, Tensor]:
     M, K = x.shape
     scale = scale_from_amax(_amax(x, granularity), fp8_dtype, pow2_scale)
     fmax = FP8_MAX[fp8_dtype]
     v = x.float() * _expand(scale, granularity, M, K)
     q = v.clamp(-fmax, fmax).to(fp8_dtype)
-    q = torch.where(torch.isnan(v), _NAN_FP8, q.view(torch.uint8)).view(fp8_dtype)  # one NaN code
-    return q, scale
+    q = torch.where(torch.isnan(v), _NAN_FP8, q.view(torch.uint8))  # one NaN code
+    if pad_to_block:  # zero codes past K, to the last block's end
+        q = torch.nn.functional.pad(q, (0, _q_cols(K, True) - K))
+    return q.view(fp8_dtype), scale
 
 
 def quantize_fp8_tokens_reference(t: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
@@ -150,16 +159,18 @@ def dequantize_fp8_reference(q: Tensor, scale: Tensor, granularity: str, dtype: 
 
 
 @torch.library.custom_op("moe_kernels::quantize_fp8", mutates_args=())
-def _quantize_fp8(x: Tensor, granularity: str, fp8_dtype: torch.dtype, pow2_scale: bool) -> tuple[Tensor, Tensor]:
-    _check_quant(x, granularity, fp8_dtype)
-    return quantize_fp8_reference(x, granularity, fp8_dtype, pow2_scale)
+def _quantize_fp8(x: Tensor, granularity: str, fp8_dtype: torch.dtype, pow2_scale: bool,
+                  pad_to_block: bool = False) -> tuple[Tensor, Tensor]:
+    _check_quant(x, granularity, fp8_dtype, pad_to_block)
+    return quantize_fp8_reference(x, granularity, fp8_dtype, pow2_scale, pad_to_block)
 
 
 @_quantize_fp8.register_fake
-def _(x, granularity, fp8_dtype, pow2_scale):
-    _check_quant(x, granularity, fp8_dtype)
-    return (torch.empty_like(x, dtype=fp8_dtype),
-            x.new_empty(scale_shape(granularity, *x.shape), dtype=torch.float32))
+def _(x, granularity, fp8_dtype, pow2_scale, pad_to_block=False):
+    _check_quant(x, granularity, fp8_dtype, pad_to_block)
+    M, K = x.shape
+    return (x.new_empty((M, _q_cols(K, pad_to_block)), dtype=fp8_dtype),
+            x.new_empty(scale_shape(granularity, M, K), dtype=torch.float32))
 
 
 @torch.library.custom_op("moe_kernels::quantize_fp8_tokens", mutates_args=())
@@ -189,19 +200,20 @@ def _(q, scale, granularity, dtype):
 
 
 @_ext.cuda_impl(_quantize_fp8)
-def _quantize_fp8_cuda(x, granularity, fp8_dtype, pow2_scale):
-    _check_quant(x, granularity, fp8_dtype)
+def _quantize_fp8_cuda(x, granularity, fp8_dtype, pow2_scale, pad_to_block=False):
+    _check_quant(x, granularity, fp8_dtype, pad_to_block)
     C = _ext.kernels("quantize_fp8", x)
     if C is None:
-        return quantize_fp8_reference(x, granularity, fp8_dtype, pow2_scale)
+        return quantize_fp8_reference(x, granularity, fp8_dtype, pow2_scale, pad_to_block)
     M, K = x.shape
-    q = torch.empty_like(x, dtype=fp8_dtype)
+    Kq = _q_cols(K, pad_to_block)
+    q = torch.empty((M, Kq), dtype=fp8_dtype, device=x.device)
     scale = torch.empty(scale_shape(granularity, M, K), dtype=torch.float32, device=x.device)
     amax = torch.empty((1,), dtype=torch.int32, device=x.device) if granularity == "tensor" else None
     C.fp8_quantize(
         x=_ext.ptr(x), q=_ext.ptr(q), scale=scale.data_ptr(), amax=_ext.ptr(amax), rows=M, cols=K,
         granularity=_GRANULARITY_CODES[granularity], e5m2=fp8_dtype == torch.float8_e5m2, pow2=pow2_scale,
-        dtype=_ext.dtype_code(x.dtype), **_ext.launch_args(x),
+        dtype=_ext.dtype_code(x.dtype), **_ext.launch_args(x), q_cols=Kq,
     )
     return q, scale
 
@@ -243,11 +255,16 @@ def _dequantize_fp8_cuda(q, scale, granularity, dtype):
 
 
 def quantize_fp8(
-    x: Tensor, granularity: str = "block", *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False
+    x: Tensor, granularity: str = "block", *, fp8_dtype: torch.dtype = torch.float8_e4m3fn, pow2_scale: bool = False,
+    pad_to_block: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """FP8 with current scaling. x: [M, K] fp32/bf16/fp16. Returns (q [M, K] fp8, scale fp32) with the scale
-    shape of `granularity` ("tensor", "row", "block" = 1x128 along K, "tile" = 128x128); q = fp8(x * scale)."""
-    return torch.ops.moe_kernels.quantize_fp8(x, granularity, fp8_dtype, bool(pow2_scale))
+    shape of `granularity` ("tensor", "row", "block" = 1x128 along K, "tile" = 128x128); q = fp8(x * scale).
+
+    pad_to_block ("block" only): q is [M, ceil(K / 128) * 128], its codes past K zeros (the scales as without
+    it, [M, ceil(K / 128)]), written in the same pass: the operand of grouped_mm_fp8 where K is no multiple of
+    128, zero-padded as that op requires."""
+    return torch.ops.moe_kernels.quantize_fp8(x, granularity, fp8_dtype, bool(pow2_scale), bool(pad_to_block))
 
 
 def dequantize_fp8(q: Tensor, scale: Tensor, granularity: str = "block", *, dtype: torch.dtype = torch.bfloat16) -> Tensor:

@@ -30,6 +30,15 @@ products. The one quantization of the stored weight writes both layouts of its t
 [E, K, N]), the forward reading the transposed ones ([E, N, K], as the [E, N, K] weight's forward tiles) and dgrad
 the stored ones; wgrad takes its operands the other way round (x^T dout, [E, K, N]). So no transposed copy of the
 weight is made, and the codes are those of the [E, N, K] weight w.transpose(1, 2).
+
+A contraction that is no multiple of 128 (Nemotron 3 Nano's F = 1856 for the down projection's forward and the
+up projection's dgrad) is zero-padded to one: the activation or gradient quantization writes its codes' rows
+padded with zeros in the same pass (quantize_fp8(..., pad_to_block=True)), and the weight's codes in that layout
+are padded once per cache entry (`Fp8Weights.gemm_tiles`: one copy of the codes a step, held instead of the
+unpadded ones). The last partial block's scale covers the elements present, so the padded products add exact
+zeros: the result is the unpadded one's. The fused producers (permute's gather, the SwiGLU's, the unpermute
+backward's) write unpadded rows, so they are taken where H and F are multiples of 128 and the composition
+(with the padded quantization) runs otherwise.
 """
 
 from __future__ import annotations
@@ -71,8 +80,10 @@ class Fp8BlockwiseRecipe:
                              f"gradient's blocks of {BLOCK} tokens must not straddle two experts), got {self.align}")
 
     def check_shapes(self, hidden_size: int, ffn_size: int) -> None:
-        """Both expert GEMMs contract over H (gate/up) or F (down) in blocks of 128."""
-        _check_multiples(self, hidden_size, ffn_size, BLOCK, "one scale per 128 along each GEMM's K")
+        """Both expert GEMMs contract over H (gate/up) or F (down) in blocks of 128, the last zero-padded where
+        the size is no multiple of 128; multiples of 16 keep every E4M3 row and bf16 output 16-byte aligned (the
+        CUTLASS kernels' operands)."""
+        _check_multiples(self, hidden_size, ffn_size, 16, "16-byte aligned E4M3 rows and bf16 outputs")
 
     def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast).
@@ -83,13 +94,12 @@ class Fp8BlockwiseRecipe:
     def grouped_mm_kn(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         """grouped_mm for weights stored [E, K, N]: [M, K] rows times w[e] per group -> [M, N] in x's dtype; the
         same result as grouped_mm(x, w.transpose(1, 2).contiguous(), group_sizes) without the transposed copy
-        (module docstring). K and N multiples of 128."""
+        (module docstring)."""
         if isinstance(w, Fp8GatheredWeight):
             raise ValueError("Fp8BlockwiseRecipe.grouped_mm_kn: expert weights gathered in FP8 by FSDP2 are [E, N, K] "
                              "weights' (moe_kernels.quant.fsdp_fp8); [E, K, N] weights are gathered in their dtype")
-        if w.dim() != 3 or w.shape[2] % BLOCK or w.shape[1] % BLOCK:
-            raise ValueError(f"Fp8BlockwiseRecipe.grouped_mm_kn: `w` must be [E, K, N] with K and N multiples of "
-                             f"{BLOCK}, got shape {tuple(w.shape)}")
+        if w.dim() != 3:
+            raise ValueError(f"Fp8BlockwiseRecipe.grouped_mm_kn: `w` must be [E, K, N], got shape {tuple(w.shape)}")
         return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
                                    weight_cache.cacheable(w), True)
 
@@ -150,6 +160,9 @@ class Fp8BlockwiseRecipe:
         `out` raises in the backward."""
         if align % self.align:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
+        if x.shape[-1] % BLOCK:  # the fused producers write unpadded rows: the composition pads the codes
+            x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
+            return self.grouped_mm(x_perm, w, group_sizes), row_map, group_sizes
         link = None
         if (swiglu_next and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad and w.shape[1] % (2 * BLOCK) == 0
                 and not torch.compiler.is_compiling()):
@@ -312,10 +325,11 @@ def _fp8_forward(
     producer). The weight's tiles come from the weight cache when `cache`; with FP8 dgrad in view
     (`need_dgrad`) a fresh quantization writes dgrad's transposed tiles in the same pass. `kn`: w is stored
     [E, K, N] (both layouts always written: the forward reads the transposed ones, dgrad the stored ones)."""
-    fp8_dgrad = recipe.fp8_dgrad and w.shape[2 if kn else 1] % BLOCK == 0
+    fp8_dgrad = recipe.fp8_dgrad
     w8 = weight_cache.fp8_expert_weights(w, pow2_scale=recipe.pow2_scale, cache=cache,
                                          transposed=kn or (fp8_dgrad and need_dgrad))
-    w_q, w_scale = w8.transposed() if kn else (w8.q, w8.scale)  # [E, N, K] codes, [E, N/128, K/128] scales
+    # [E, N, Kp] codes (K zero-padded to a multiple of 128, as x_q's rows), [E, N/128, Kp/128] scales
+    w_q, w_scale = w8.gemm_tiles(transposed=kn)
     out = grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes).to(out_dtype)
     state = dict(fp8_dgrad=fp8_dgrad, fp8_wgrad=recipe.fp8_wgrad, pow2_scale=recipe.pow2_scale, x_dtype=out.dtype,
                  w8=w8 if fp8_dgrad else None, kn=kn)
@@ -342,12 +356,11 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
         if state["fp8_dgrad"]:
             if dout_fp8 is not None:
                 d_q, d_scale = dout_fp8[:2]
-            else:
-                d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"])  # [M, N], [M, N/128]
-            # The forward's codes, tiles transposed ([E, K, N], [E, K/128, N/128]): made with them once per weight
-            # version (quantize_fp8_experts_dual); for a weight stored [E, K, N], its own layout's.
-            w8 = state["w8"]
-            wt_q, wt_scale = (w8.q, w8.scale) if state["kn"] else w8.transposed()
+            else:  # [M, Np] (N zero-padded to a multiple of 128), [M, Np/128]
+                d_q, d_scale = quantize_fp8(dout, "block", pow2_scale=state["pow2_scale"], pad_to_block=True)
+            # The forward's codes, tiles transposed ([E, K, Np], [E, K/128, Np/128]): made with them once per
+            # weight version (quantize_fp8_experts_dual); for a weight stored [E, K, N], its own layout's.
+            wt_q, wt_scale = state["w8"].gemm_tiles(transposed=not state["kn"])
             # Rows past the groups are unspecified, as grouped_mm_dgrad's: the permute backward reads only the
             # rows it mapped, so no masking pass over dx.
             dx = grouped_mm_fp8(d_q, d_scale, wt_q, wt_scale, group_sizes).to(state["x_dtype"])
@@ -384,7 +397,8 @@ class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool,
                 cache: bool, kn: bool = False):
-        x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale)  # [M, K], [M, K/128]
+        # [M, Kp] (K zero-padded to a multiple of 128), [M, Kp/128]
+        x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale, pad_to_block=True)
         out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
                                              need_dgrad=ctx.needs_input_grad[0], kn=kn)
         ctx.save_for_backward(*saved)

@@ -45,13 +45,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts, quantize_fp8_experts_dual
+from moe_kernels.ops.quant import BLOCK
 from moe_kernels.quant.fsdp_fp8 import Fp8GatheredWeight
 
 _generation = 0
 _enabled = False
 _lock = threading.Lock()
 _entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_stats = {"quantized": 0, "transposed": 0, "hits": 0, "refreshed": 0}
+_stats = {"quantized": 0, "transposed": 0, "hits": 0, "refreshed": 0, "padded": 0}
 
 
 def _bump_generation(*_args, **_kwargs) -> None:
@@ -74,6 +75,7 @@ class Fp8Weights:
     qt: Tensor | None = None
     scale_t: Tensor | None = None
     key: tuple = field(default=(), repr=False)
+    padded: dict = field(default_factory=dict, repr=False)  # "q" / "qt": their codes zero-padded (gemm_tiles)
 
     def transposed(self) -> tuple[Tensor, Tensor]:
         if self.qt is None:
@@ -81,6 +83,25 @@ class Fp8Weights:
             self.scale_t = self.scale.transpose(1, 2).contiguous()
             _stats["transposed"] += 1
         return self.qt, self.scale_t
+
+    def gemm_tiles(self, transposed: bool) -> tuple[Tensor, Tensor]:
+        """grouped_mm_fp8's weight operand: the stored layout's tiles (`transposed` False) or dgrad's, with the
+        codes' rows zero-padded to a multiple of 128 where their length is none (the scales already cover the
+        last partial tile): [E, rows, ceil(cols / 128) * 128]. Padded once per entry; the unpadded layout is then a
+        view of the padded codes, so the codes are held once."""
+        name = "qt" if transposed else "q"
+        q, scale = self.transposed() if transposed else (self.q, self.scale)
+        cols = q.shape[-1]
+        if cols % BLOCK == 0:
+            return q, scale
+        p = self.padded.get(name)
+        if p is None:
+            p = torch.nn.functional.pad(q.view(torch.uint8), (0, -(-cols // BLOCK) * BLOCK - cols)).view(q.dtype)
+            self.padded[name] = p
+            _stats["padded"] += 1
+            if getattr(self, name) is q:
+                setattr(self, name, p[..., :cols])
+        return p, scale
 
 
 def _key(w: Tensor, pow2_scale: bool) -> tuple:
@@ -192,6 +213,6 @@ def clear() -> None:
 
 def stats() -> dict[str, int]:
     """Counts since import: weights quantized (in one or both layouts), transposed copies made afterwards
-    (an entry made without dgrad's tiles, asked for them later), cache hits, and entries remade with their
-    compute copies (`refresh`)."""
+    (an entry made without dgrad's tiles, asked for them later), cache hits, entries remade with their
+    compute copies (`refresh`), and layouts whose codes were zero-padded to a multiple of 128 (`gemm_tiles`)."""
     return dict(_stats, entries=len(_entries))

@@ -47,6 +47,20 @@ def test_quantize_matches_reference(cuda, gran, M, K, dtype):
     _check(x, x.to(cuda), gran, E4M3, False, f"{gran} {M}x{K} {dtype}")
 
 
+@pytest.mark.parametrize("M,K", [(7, 300), (130, 1856), (3, 136), (5, 7), (2, 128), (0, 200), (4, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_codes_zero_padded_to_128(cuda, M, K, dtype):
+    # pad_to_block: rows of ceil(K / 128) * 128 codes, zeros past K, written by the same pass (the vector path
+    # where K % 8 == 0, else the scalar one); the scales as without it.
+    x = _input(M, K, dtype, seed=M * K + 1, specials=True)
+    q, s = mk.quantize_fp8(x.to(cuda), "block", pad_to_block=True)
+    rq, rs = quantize_fp8_reference(x, "block", E4M3, False, pad_to_block=True)
+    assert q.shape == (M, -(-K // 128) * 128)
+    assert_exact(s.cpu(), rs, "scales")
+    assert_exact(q.cpu().view(torch.uint8), rq.view(torch.uint8), "codes")
+    assert not q.cpu().view(torch.uint8)[:, K:].any()
+
+
 @pytest.mark.parametrize("gran", GRANS)
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("pow2", [False, True])
