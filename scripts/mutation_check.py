@@ -431,6 +431,22 @@ MUTANTS = (
         "    P g;\n    if (v >= stride) return;\n",
         ("tests/ops/test_activation_gpu.py", "-k", "test_squared_relu_grid_stride"),
     ),
+    Mutant(
+        "padding left unwritten (vector path)",
+        "block_quant_kernel: a lane whose vector lies past cols writes nothing, so q's zero padding to 128 is not",
+        "quant/fp8.cu",
+        "        if (out[u]) {\n",
+        "        if (in[u]) {\n",
+        ("tests/ops/test_quant_gpu.py", "-k", "test_block_codes_zero_padded_to_128"),
+    ),
+    Mutant(
+        "padding left unwritten (scalar path)",
+        "block_quant_kernel: the scalar path writes codes up to cols only, not q_cols",
+        "quant/fp8.cu",
+        "if (col[u] + j * kGroupLanes < p.q_cols) p.q[",
+        "if (col[u] + j * kGroupLanes < p.cols) p.q[",
+        ("tests/ops/test_quant_gpu.py", "-k", "test_block_codes_zero_padded_to_128"),
+    ),
 )
 
 

@@ -42,8 +42,9 @@ def _config(family: str, layers: int = 2, **overrides):
                   num_hidden_layers=layers + 1, **{**COMMON, "num_key_value_heads": 4})
         return T.DeepseekV3Config(**{**kw, **overrides})
     if family == "gpt_oss":
-        return T.GptOssConfig(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
-                              num_hidden_layers=layers, **COMMON, **overrides)
+        kw = dict(intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, head_dim=8,
+                  num_hidden_layers=layers, **COMMON)
+        return T.GptOssConfig(**{**kw, **overrides})
     if family in MATCHED:
         return _matched_config(family, layers, overrides)
     raise ValueError(family)

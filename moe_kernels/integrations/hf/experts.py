@@ -8,8 +8,10 @@ stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
   transposed copy of the weights; the bias gradient a wgrad product with a column of ones, deterministic) ->
   the experts' own `_apply_gate` -> the same for down_proj -> unpermute; expert-parallel, the dispatcher's
   dispatch and combine in place of permute and unpermute. peft LoRA terms as rank-r [E, K, N] products (`_kn_mm`).
-  No precision recipe (refused at patch time); while torch.onnx exports, the experts run transformers' forward
-  (on one rank only).
+  A precision recipe: its [E, K, N] GEMMs (`recipe.grouped_mm_kn`; FP8 zero-pads GPT-OSS's H = F = 2880 to 2944
+  along each contraction), each bias added into the GEMM's output in place (`_GroupBias`, its gradient the
+  same deterministic group sums); while torch.onnx exports, the experts run transformers' forward (on one rank
+  only).
 - Aria (`AriaTextMoELayer`, its router is `router`): bias-free experts stored [E, H, 2F] (gate then up columns)
   and [E, F, H], SiLU: the same [E, K, N] path, with our fused swiglu; a precision recipe's GEMMs on the stored
   layout (`recipe.grouped_mm_kn`), the rows padded to its alignment.
@@ -147,13 +149,9 @@ class _GroupedMmKN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, bias, group_sizes):
-        ops = torch.ops.moe_kernels
-        E, R = w.shape[0], x.shape[0]
-        out = ops.grouped_mm_dgrad(x, w, group_sizes)
+        out = torch.ops.moe_kernels.grouped_mm_dgrad(x, w, group_sizes)
         if bias is not None:
-            ends = torch.cumsum(group_sizes, 0)
-            rows = torch.searchsorted(ends, torch.arange(R, device=x.device, dtype=ends.dtype), right=True)
-            out.add_(bias.index_select(0, rows.clamp_(max=E - 1)))
+            _add_group_bias(out, bias, group_sizes)
         ctx.save_for_backward(x, w, group_sizes)
         return out
 
@@ -165,20 +163,52 @@ class _GroupedMmKN(torch.autograd.Function):
         need_x, need_w, need_b, _ = ctx.needs_input_grad
         dx = ops.grouped_mm(g, w, group_sizes) if need_x else None
         dw = ops.grouped_mm_wgrad(x, g, group_sizes) if need_w else None
-        db = ops.grouped_mm_wgrad(g.new_ones((g.shape[0], 1)), g, group_sizes)[:, 0] if need_b else None
+        db = _group_bias_grad(g, group_sizes) if need_b else None
         return dx, dw, db, None
+
+
+def _add_group_bias(out: Tensor, bias: Tensor, group_sizes: Tensor) -> None:
+    """out[rows of e] += bias[e], in place; rows past the groups get bias[E-1] (nothing reads them). No host sync."""
+    E, R = bias.shape[0], out.shape[0]
+    ends = torch.cumsum(group_sizes, 0)
+    rows = torch.searchsorted(ends, torch.arange(R, device=out.device, dtype=ends.dtype), right=True)
+    out.add_(bias.index_select(0, rows.clamp_(max=E - 1)))
+
+
+def _group_bias_grad(g: Tensor, group_sizes: Tensor) -> Tensor:
+    """[E, N]: each group's rows of g summed, by the wgrad product with a column of ones (a fixed order,
+    deterministic); empty groups give zeros."""
+    return torch.ops.moe_kernels.grouped_mm_wgrad(g.new_ones((g.shape[0], 1)), g, group_sizes)[:, 0]
+
+
+class _GroupBias(torch.autograd.Function):
+    """out + bias[expert of each row], added in place into a precision recipe's GEMM output (which nothing saved)."""
+
+    @staticmethod
+    def forward(ctx, out, bias, group_sizes):
+        _add_group_bias(out, bias.to(out.dtype), group_sizes)
+        ctx.mark_dirty(out)
+        ctx.save_for_backward(group_sizes)
+        ctx.bias_dtype = bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        (group_sizes,) = ctx.saved_tensors
+        db = _group_bias_grad(g.contiguous(), group_sizes).to(ctx.bias_dtype) if ctx.needs_input_grad[1] else None
+        return g, db, None
 
 
 def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms, recipe=None) -> Tensor:
     """x @ (w[e] + sum of s lhs[e] rhs[e]) (+ bias[e]) per group, w stored [E, K, N]: the [E, K, N] product (a
-    precision recipe's, `recipe.grouped_mm_kn`, for bias-free experts), and grouped_mm_lora's two rank-r products
-    for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the delta in the stored layout is s lhs rhs,
-    peft's get_delta_factors), so W + s lhs rhs is never formed. In grouped_mm's [E, N, K] terms that delta is
-    s rhs^T lhs^T (the factors are small: E (K + N) r elements)."""
+    precision recipe's, `recipe.grouped_mm_kn`, the bias then added in place into its output), and
+    grouped_mm_lora's two rank-r products for each peft LoRA term (lhs [E, K, r], rhs [E, r, N], scaling s: the
+    delta in the stored layout is s lhs rhs, peft's get_delta_factors), so W + s lhs rhs is never formed. In
+    grouped_mm's [E, N, K] terms that delta is s rhs^T lhs^T (the factors are small: E (K + N) r elements)."""
     terms = [(rhs.transpose(1, 2), lhs.transpose(1, 2), s) for lhs, rhs, s in terms]
     if recipe is not None:
-        assert bias is None  # (refused at patch time)
-        return grouped_mm_lora(x, w, group_sizes, terms, mm=recipe.grouped_mm_kn)
+        out = grouped_mm_lora(x, w, group_sizes, terms, mm=recipe.grouped_mm_kn)
+        return out if bias is None else _GroupBias.apply(out, bias, group_sizes)
     return grouped_mm_lora(x, w, group_sizes, terms, mm=lambda x, w, g: _GroupedMmKN.apply(x, w, bias, g))
 
 
@@ -188,8 +218,8 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around the gate
     (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU), unpermute with the routing
     weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs
-    on this rank's experts. A precision recipe (bias-free experts): its grouped_mm_kn, the rows padded to its
-    alignment. An ONNX export: transformers' own forward (on one rank)."""
+    on this rank's experts. A precision recipe: its grouped_mm_kn (the biases added into its output), the rows
+    padded to its alignment. An ONNX export: transformers' own forward (on one rank)."""
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")
     if _onnx.exporting():  # (transformers' ops export)
@@ -200,7 +230,7 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
             raise RuntimeError("moe_kernels experts: transformers' forward would drop the fused LoRA terms")
         return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
-    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...) on bias-free experts (Aria's)
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
     align = 1 if recipe is None else recipe.align
     w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
     _check_lora_experts(self, w13.shape[0], lora13, lora2)

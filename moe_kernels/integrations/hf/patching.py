@@ -340,9 +340,6 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
                 kn = fam.kn_experts or fam.block_forward is not None  # stored [E, H, 2F] and [E, F, H]
-                if kn and getattr(experts, "has_bias", False):
-                    raise ValueError(f"{where}: {fam.name}'s experts have biases and run at the model's precision "
-                                     "only")
                 if kn:
                     F_, H = experts.down_proj.shape[1], experts.gate_up_proj.shape[1]
                 else:
