@@ -504,10 +504,10 @@ def test_llama4_pickle_unpatch_and_recipe(tmp_path, monkeypatch):
     with torch.no_grad():
         run(loaded, ids)
     assert rows == []
-    # the FP8 recipe's blocks of 128 (H = 32 here), checked on the stored [E, H, 2F] / [E, F, H] layout (refused
+    # the FP8 recipe's multiples of 16 (F = 24 here), checked on the stored [E, H, 2F] / [E, F, H] layout (refused
     # before anything changes; the recipes themselves: test_kn_experts_precision_recipe)
-    fresh = build("llama4")
-    with pytest.raises(ValueError, match=r"does not fit the recipe.*hidden_size \(32\) and ffn_size \(16\)"):
+    fresh = build("llama4", intermediate_size=24)
+    with pytest.raises(ValueError, match=r"does not fit the recipe.*hidden_size \(32\) and ffn_size \(24\)"):
         mk.patch_hf(fresh, recipe=mk.quant.Fp8BlockwiseRecipe())
     assert not hf.is_patched(fresh)
 

@@ -177,9 +177,11 @@ def _kn_recipe_worker(rank, P):
     from moe_kernels.quant import Fp8BlockwiseRecipe
     from tests.integrations.hf_models import build
 
-    for family in ("llama4", "aria"):
+    # GPT-OSS: biases, and H = 144, F = 48 zero-padded to 256 and 128 along the contractions.
+    sizes = {"llama4": (128, 128), "aria": (128, 128), "gpt_oss": (144, 48)}
+    for family, (H, F) in sizes.items():
         for order in ("recipe, then EP", "EP, then recipe"):
-            full = mk.patch_hf(build(family, layers=1, hidden_size=128, head_dim=32, intermediate_size=128))
+            full = mk.patch_hf(build(family, layers=1, hidden_size=H, head_dim=32, intermediate_size=F))
             if order == "recipe, then EP":
                 mk.patch_hf(full, recipe=Fp8BlockwiseRecipe())
                 ep = apply_expert_parallel(copy.deepcopy(full))
