@@ -127,6 +127,10 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
+    if getattr(experts, "has_post_expert_norm", False):
+        raise ValueError(f"apply_expert_parallel: {type(experts).__name__} applies a norm after each expert (transformers' "
+                         "has_post_expert_norm): its weight is shared by every expert, so each rank would hold the "
+                         "gradient of its own experts' rows only; not supported yet")
     E = experts.num_experts
     names = _hf_expert_tensors(experts)
     if any(getattr(experts, n).shape[0] != E for n in names):

@@ -30,7 +30,8 @@ carries its tiles, taken here as they are; where that does not apply, the gather
 in every forward, as without the cache. With fp32 master weights (moe_kernels.train.master) the step's
 write of the bf16 copies remakes the entries in the same pass (`refresh`): the master read once, the copy and
 both layouts of its codes written, so no forward quantizes. Entries hold a weak reference to their parameter, so a dropped model frees them. The
-cache holds 2 bytes per expert weight element (the codes in both layouts) plus 2 x 4 bytes per 128x128
+cache holds 2 bytes per expert weight element (the codes in both layouts; a layout whose rows are no multiple of 128
+long is held zero-padded to one, `Fp8Weights.gemm_tiles`) plus 2 x 4 bytes per 128x128
 tile of scales between steps; `clear()` drops every entry.
 """
 

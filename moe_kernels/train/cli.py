@@ -40,7 +40,7 @@ def train(
                                                   "policy). Default: on with --bf16 on a GPU; forced on, on the CPU "
                                                   "too."),
     precision: str = typer.Option("bf16", help="Expert GEMMs: bf16 (the autocast precision), fp8-blockwise "
-                                  "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 128) or nvfp4 "
+                                  "(DeepSeek-V3's FP8 recipe; hidden and expert sizes multiples of 16) or nvfp4 "
                                   "(the NVFP4 recipe's numerics, not faster on Hopper; sizes multiples of 16)."),
     activation_checkpointing: bool = typer.Option(False, help="Recompute each block in the backward pass."),
     fused_ce: bool = typer.Option(True, help="The lm_head and cross-entropy fused over chunks of tokens (no "

@@ -70,17 +70,18 @@ def moe_kernels_experts_forward(
         raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     if _is_kn_layout(self):
         return _kn_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+    norm = _post_expert_norm(self)  # applied to each expert output before its routing weight (Muse Spark's)
     if (
         getattr(self, "has_bias", False)
         or getattr(self, "is_transposed", False)
         or not getattr(self, "is_concatenated", True)
-        or getattr(self, "has_post_expert_norm", False)
+        or (getattr(self, "has_post_expert_norm", False) and norm is None)
     ):
         raise NotImplementedError(
             f"moe_kernels experts: {type(self).__name__} has biases or interleaved gate/up columns on [E, N, K] "
-            "weights, or a post-expert norm; bias-free [E, 2F, H] gate_up_proj (or [E, F, H] up_proj without a gate) "
-            "+ [E, H, F] down_proj experts run here, and gated experts stored [E, K, N] (transformers' "
-            "is_transposed), with or without biases"
+            "weights, or a post-expert norm without a post_expert_norm module; bias-free [E, 2F, H] gate_up_proj (or "
+            "[E, F, H] up_proj without a gate) + [E, H, F] down_proj experts run here, with or without a post-expert "
+            "norm, and gated experts stored [E, K, N] (transformers' is_transposed), with or without biases"
         )
     E = self.num_experts
     w13 = _grouped_weight(getattr(self, up))  # [E, 2F, H]: N = 2F, K = H (up_proj [E, F, H]: N = F)
@@ -101,8 +102,10 @@ def moe_kernels_experts_forward(
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
         act = _activation(self, h)
         y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
+        if norm is not None:
+            y = _normed(norm, y, d.group_sizes)
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
-    region = _fused_region(self) if recipe is None and not lora13 and not lora2 else None
+    region = _fused_region(self) if recipe is None and not lora13 and not lora2 and norm is None else None
     if region is not None:
         launch = fused.launch_for(x)
         if launch is not None and _moe_region_fits(launch, x, w13, w2, E):
@@ -118,8 +121,26 @@ def moe_kernels_experts_forward(
         h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
     act = _activation(self, h)  # act_fn(gate) * up; act_fn(up) without a gate
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
+    if norm is not None:
+        y = _normed(norm, y, group_sizes)
     out = unpermute(y, row_map, top_k_weights.float().contiguous())
     return out.to(hidden_states.dtype)
+
+
+def _post_expert_norm(experts: nn.Module) -> nn.Module | None:
+    """The experts' post-expert norm module (transformers' has_post_expert_norm), or None."""
+    if not getattr(experts, "has_post_expert_norm", False):
+        return None
+    norm = getattr(experts, "post_expert_norm", None)
+    return norm if isinstance(norm, nn.Module) else None
+
+
+def _normed(norm: nn.Module, y: Tensor, group_sizes: Tensor) -> Tensor:
+    """norm(y) over the permuted expert outputs, the rows past the groups zeroed first: they are unspecified (grouped
+    GEMM's, possibly NaN), and though nothing reads their output, their terms would reach the norm's weight gradient
+    (0 x NaN). Padding rows inside the groups are zeros already. No host sync."""
+    valid = torch.arange(y.shape[0], device=y.device) < group_sizes.sum()
+    return norm(torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device)))
 
 
 def _check_lora_experts(experts: nn.Module, local: int, *term_lists) -> None:

@@ -155,6 +155,10 @@ FAMILIES = (
             "Kolibri1Experts", None, reference=False, experts_only_routers=("Kolibri1TopKRouter",)),
     _Family("Zaya", _TM + "zaya.modeling_zaya", "ZayaSparseMoeBlock", "ZayaRouter", "ZayaExperts", None,
             reference=False, experts_only_routers=("ZayaRouter",)),
+    # Muse Spark: its router (top-k weights renormalised with an epsilon, then scaled) stays; its experts apply a norm
+    # to each expert's output before the routing weight (post_expert_norm), on the projected width.
+    _Family("Muse Spark", _TM + "muse_spark.modeling_muse_spark", "MuseSparkMoE", "MuseSparkTopkRouter",
+            "MuseSparkExperts", None, reference=False, experts_only_routers=("MuseSparkTopkRouter",)),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

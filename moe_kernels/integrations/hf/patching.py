@@ -78,12 +78,16 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         return "its experts do not dispatch through transformers' experts interface"
     kn = fam.kn_experts  # stored [E, K, N]: GPT-OSS's (biases, [E, H, 2F] interleaved gate/up, [E, F, H]), Aria's
     gated = getattr(experts, "has_gate", True)  # without a gate (Nemotron-H's): up_proj [E, F, H], act_fn(up)
-    flags = (("is_transposed", kn), ("has_post_expert_norm", False))
+    flags = (("is_transposed", kn),)
     if not kn:
         flags += (("has_bias", False), ("is_concatenated", True))
     for flag, expected in flags:
         if getattr(experts, flag, expected) != expected:
             return f"its experts have {flag}={not expected}"
+    if getattr(experts, "has_post_expert_norm", False) and (
+            kn or not isinstance(getattr(experts, "post_expert_norm", None), nn.Module)):
+        return ("its experts have has_post_expert_norm=True " + ("stored [E, K, N]" if kn else "and no "
+                "post_expert_norm module") + "; a post-expert norm runs on experts stored [E, 2F, H] / [E, H, F]")
     if not gated and (kn or not callable(getattr(experts, "act_fn", None))):
         return ("its experts have has_gate=False " + ("stored [E, K, N]" if kn else "and no act_fn") +
                 "; experts without a gate run stored [E, F, H] / [E, H, F] with an act_fn")
