@@ -36,8 +36,9 @@ def attention_matmul_params(cfg: ModelConfig) -> int:
 
 def moe_active_matmul_params(cfg: ModelConfig) -> int:
     moe, H = cfg.moe, cfg.hidden_size
-    shared = 3 * H * moe.shared_ffn_size + (H if moe.shared_gate else 0)
-    return moe.num_experts * H + moe.router.k * 3 * H * moe.ffn_size + shared
+    m = 3 if moe.activation == "swiglu" else 2  # matrices per expert MLP: gate, up, down (no gate: up, down)
+    shared = m * H * moe.shared_ffn_size + (H if moe.shared_gate else 0)
+    return moe.num_experts * H + moe.router.k * m * H * moe.ffn_size + shared
 
 
 def active_matmul_params(cfg: ModelConfig) -> int:

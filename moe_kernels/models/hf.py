@@ -164,6 +164,8 @@ def _hf_incompatibilities(cfg: ModelConfig) -> list[str]:
     """What of `cfg` the transformers class of its family cannot express (empty when saving is exact)."""
     moe, r = cfg.moe, cfg.moe.router
     bad = []
+    if moe.activation != "swiglu":
+        bad.append(f"activation={moe.activation!r} (its experts are SwiGLU)")
     if moe.shared_gate:
         bad.append("shared_gate (Qwen2-MoE's gated shared expert)")
     if cfg.family == "deepseek_v3":

@@ -1,4 +1,4 @@
-"""SwiGLU experts on grouped GEMMs."""
+"""SwiGLU (or squared-ReLU) experts on grouped GEMMs."""
 
 from __future__ import annotations
 
@@ -9,27 +9,42 @@ import torch
 from torch import Tensor, nn
 
 from moe_kernels.nn.lora import check_expert_parallel_weights, grouped_mm_lora, lora_terms
-from moe_kernels.ops.activation import swiglu
+from moe_kernels.ops.activation import squared_relu, swiglu
 from moe_kernels.ops.grouped_mm import grouped_mm
+
+ACTIVATIONS = ("swiglu", "squared_relu")
+
+
+def squared_relu_act(h, row_weights=None):
+    """squared_relu in the experts' activation signature (the squared ReLU takes no routing weights)."""
+    if row_weights is not None:
+        raise ValueError("squared-ReLU experts take no row weights (routing weights apply in unpermute)")
+    return squared_relu(h)
 
 
 class GroupedExperts(nn.Module):
-    """E SwiGLU MLPs applied to permuted rows: y = (silu(x W_gate^T) * (x W_up^T)) W_down^T per expert.
+    """E SwiGLU MLPs applied to permuted rows: y = (silu(x W_gate^T) * (x W_up^T)) W_down^T per expert; or, with
+    activation="squared_relu", E MLPs without a gate: y = relu(x W_up^T)^2 W_down^T (Nemotron-H's experts).
 
     Weights: w13 [E, 2F, H] holds the gate rows [0, F) then the up rows [F, 2F) (the Hugging Face 5.x
-    `gate_up_proj` order); w2 [E, H, F]. Input rows come grouped by expert (permute's output with its
-    group_sizes); `row_weights` [R], when given, scale each row's activation (routing weights applied
-    inside the expert instead of in unpermute).
+    `gate_up_proj` order), or the up rows alone [E, F, H] without a gate; w2 [E, H, F]. Input rows come grouped
+    by expert (permute's output with its group_sizes); `row_weights` [R], when given, scale each row's activation
+    (routing weights applied inside the expert instead of in unpermute; SwiGLU only).
 
     Low-rank adapters: peft's LoRA with `target_parameters=["...experts.w13", "...experts.w2"]`, made to run as
     grouped rank-r GEMMs by moe_kernels.integrations.peft.fuse_lora (moe_kernels.nn.lora).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *, device=None, dtype=None):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *, activation: str = "swiglu", device=None,
+                 dtype=None):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GroupedExperts: activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts, self.hidden_size, self.ffn_size = num_experts, hidden_size, ffn_size
+        self.activation = activation
         factory = {"device": device, "dtype": dtype}
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * ffn_size, hidden_size, **factory))
+        rows = 2 * ffn_size if self.gated else ffn_size
+        self.w13 = nn.Parameter(torch.empty(num_experts, rows, hidden_size, **factory))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_size, **factory))
         self.reset_parameters()
 
@@ -38,21 +53,28 @@ class GroupedExperts(nn.Module):
         nn.init.uniform_(self.w13, -1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
         nn.init.uniform_(self.w2, -1 / math.sqrt(self.ffn_size), 1 / math.sqrt(self.ffn_size))
 
+    @property
+    def gated(self) -> bool:
+        """w13 holds gate and up rows (SwiGLU); False: the up rows alone (squared ReLU)."""
+        return self.activation == "swiglu"
+
     def forward(
-        self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=swiglu
+        self, x: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=None
     ) -> Tensor:
         """x [R, H] grouped by expert, group_sizes [E] int32 -> [R, H] (rows past the groups unspecified).
 
-        `mm` and `act` are the grouped product and the fused activation (the ops, or their references)."""
+        `mm` and `act` are the grouped product and the fused activation (the ops, or their references; None: this
+        module's activation op)."""
         check_expert_parallel_weights(self)
-        h = grouped_mm_lora(x, self.w13, group_sizes, lora_terms(self, "w13"), mm=mm)  # [R, 2F]
+        h = grouped_mm_lora(x, self.w13, group_sizes, lora_terms(self, "w13"), mm=mm)  # [R, 2F] ([R, F] ungated)
         return self.forward_from_gate_up(h, group_sizes, row_weights, mm=mm, act=act)
 
     def forward_from_gate_up(
-        self, h: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=swiglu
+        self, h: Tensor, group_sizes: Tensor, row_weights: Tensor | None = None, *, mm=grouped_mm, act=None
     ) -> Tensor:
-        """The rest of forward once the gate/up product h = x W13^T [R, 2F] is computed (e.g. fused with
-        the permute by a precision recipe)."""
+        """The rest of forward once the gate/up product h = x W13^T [R, 2F] (the up product [R, F] without a gate)
+        is computed (e.g. fused with the permute by a precision recipe)."""
+        act = act if act is not None else (swiglu if self.gated else squared_relu_act)
         return grouped_mm_lora(act(h, row_weights), self.w2, group_sizes, lora_terms(self, "w2"), mm=mm)  # -> [R, H]
 
     @classmethod

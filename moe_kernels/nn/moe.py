@@ -13,10 +13,10 @@ from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
 from moe_kernels.nn import fused, torch_native
-from moe_kernels.nn.experts import GroupedExperts
+from moe_kernels.nn.experts import ACTIVATIONS, GroupedExperts, squared_relu_act
 from moe_kernels.nn.lora import lora_terms, unwrapped, wrapped_module
 from moe_kernels.nn.router import Router, RouterConfig
-from moe_kernels.ops.activation import swiglu, swiglu_reference
+from moe_kernels.ops.activation import squared_relu, squared_relu_reference, swiglu, swiglu_reference
 from moe_kernels.ops.expert_mlp import expert_mlp_reference
 from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm, grouped_mm_reference
 from moe_kernels.ops.permute import (
@@ -53,12 +53,18 @@ def _nn_hooks() -> bool:
 
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
+def _squared_relu_reference_act(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
+    assert row_weights is None  # (MoEConfig refuses weights_in_activation with the squared ReLU)
+    return squared_relu_reference(h)
+
+
 _REFERENCE_OPS = SimpleNamespace(
-    permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference, swiglu=swiglu_reference
+    permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference, swiglu=swiglu_reference,
+    squared_relu=_squared_relu_reference_act,
 )
 _KERNEL_OPS = SimpleNamespace(
     permute=lambda x, idx, E, align: permute(x, idx, E, align=align), unpermute=unpermute, grouped_mm=grouped_mm,
-    swiglu=swiglu,
+    swiglu=swiglu, squared_relu=squared_relu_act,
 )
 
 
@@ -76,6 +82,9 @@ class MoEConfig:
     gather_experts: bool = False
     backend: str = "kernels"  # "reference": the plain references; "torch": the torch-native composition
     recipe: Fp8BlockwiseRecipe | Nvfp4Recipe | None = None  # routed experts' GEMM precision; None: the input's
+    # The experts' (and shared experts') MLP: "swiglu" (gate and up projections), or "squared_relu": relu(x W_up^T)^2
+    # W_down^T without a gate (Nemotron-H's experts), the routing weights applied in the unpermute.
+    activation: str = "swiglu"
 
     def __post_init__(self):
         if self.ffn_size < 1 or self.shared_ffn_size < 0:
@@ -86,6 +95,11 @@ class MoEConfig:
             raise ValueError(f"MoEConfig: backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.shared_gate and not self.shared_ffn_size:
             raise ValueError("MoEConfig: shared_gate needs shared experts (shared_ffn_size > 0)")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoEConfig: activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.activation == "squared_relu" and self.weights_in_activation:
+            raise ValueError("MoEConfig: weights_in_activation applies the routing weights in the SwiGLU; with "
+                             "activation='squared_relu' they apply in the unpermute (weights_in_activation=False)")
         if self.gather_experts:
             if not self.weights_in_activation:
                 raise ValueError("MoEConfig: gather_experts needs weights_in_activation=True (the routing weights "
@@ -117,12 +131,14 @@ class MoEConfig:
 
 
 class SharedExperts(nn.Module):
-    """Dense SwiGLU MLP every token goes through, with Qwen2-MoE's optional sigmoid gate."""
+    """Dense SwiGLU MLP every token goes through, with Qwen2-MoE's optional sigmoid gate; with
+    activation="squared_relu", down(relu(up(x))^2) without a gate projection (Nemotron-H's shared expert)."""
 
-    def __init__(self, hidden_size: int, ffn_size: int, *, gate: bool = False, device=None, dtype=None):
+    def __init__(self, hidden_size: int, ffn_size: int, *, gate: bool = False, activation: str = "swiglu",
+                 device=None, dtype=None):
         super().__init__()
         factory = {"device": device, "dtype": dtype, "bias": False}
-        self.gate_proj = nn.Linear(hidden_size, ffn_size, **factory)
+        self.gate_proj = nn.Linear(hidden_size, ffn_size, **factory) if activation == "swiglu" else None
         self.up_proj = nn.Linear(hidden_size, ffn_size, **factory)
         self.down_proj = nn.Linear(ffn_size, hidden_size, **factory)
         self.gate = nn.Linear(hidden_size, 1, **factory) if gate else None
@@ -131,6 +147,10 @@ class SharedExperts(nn.Module):
         """x [..., H] -> [..., H]. kernels: the MLP as the `mlp` fused region (our grouped GEMM over one group and
         the fused SwiGLU; `launch`: its thin path, None: the registered ops), where the projections are plain
         bias-free nn.Linear weights without hooks; else (and by default) the nn.Linear modules."""
+        if self.gate_proj is None:  # squared ReLU: our fused op on the kernels' path, torch's relu then square else
+            up = self.up_proj(x)
+            out = self.down_proj(squared_relu(up) if kernels else F.relu(up).square())
+            return out if self.gate is None else torch.sigmoid(self.gate(x)) * out
         weights = self._region_weights(x) if kernels else None
         if weights is not None:
             x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -177,9 +197,11 @@ class MoELayer(nn.Module):
         super().__init__()
         self.config = config
         self.router = Router(config.router).to(device=device)
-        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_size, device=device, dtype=dtype)
+        self.experts = GroupedExperts(config.num_experts, config.hidden_size, config.ffn_size,
+                                      activation=config.activation, device=device, dtype=dtype)
         self.shared_experts = (
-            SharedExperts(config.hidden_size, config.shared_ffn_size, gate=config.shared_gate, device=device, dtype=dtype)
+            SharedExperts(config.hidden_size, config.shared_ffn_size, gate=config.shared_gate,
+                          activation=config.activation, device=device, dtype=dtype)
             if config.shared_ffn_size
             else None
         )
@@ -225,7 +247,7 @@ class MoELayer(nn.Module):
         elif getattr(cfg.recipe, "fused_permute", False) and (experts := self._plain_experts(x_in)) is not None:
             self._took("recipe")
             # The recipe fuses the permute with its first GEMM's input quantization.
-            fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm")
+            fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm") and cfg.activation == "swiglu"
             # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
                 x_in, routed.indices, cfg.num_experts, cfg.permute_align, experts.w13, swiglu_next=fused_swiglu
@@ -240,7 +262,8 @@ class MoELayer(nn.Module):
                 y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, group_sizes, unpermute_next=True)
                 out = cfg.recipe.unpermute(y, row_map, weights)
             else:
-                y = experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+                y = experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm,
+                                                 act=getattr(ops, cfg.activation))
                 out = ops.unpermute(y, row_map, weights)
         else:
             self._took("ops")
@@ -248,7 +271,7 @@ class MoELayer(nn.Module):
             row_weights = None
             if cfg.weights_in_activation:
                 row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
-            y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+            y = self.experts(x_perm, group_sizes, row_weights, mm=ops.grouped_mm, act=getattr(ops, cfg.activation))
             out = ops.unpermute(y, row_map, None if cfg.weights_in_activation else routed.weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2, kernels=cfg.backend == "kernels", launch=launch)
@@ -315,16 +338,20 @@ class MoELayer(nn.Module):
         cfg = self.config
         experts = unwrapped(self.experts)
         w13, w2 = autocast_input(experts.w13), autocast_input(experts.w2)
+        squared = cfg.activation == "squared_relu"
         if not cfg.weights_in_activation and fused.experts_fit(x):
             # One node for the routed experts, tokens in, tokens out.
-            return fused.run("moe", launch, x, routed.indices, routed.weights, w13, w2, cfg.num_experts,
-                             cfg.permute_align)
+            return fused.run("moe_squared_relu" if squared else "moe", launch, x, routed.indices, routed.weights, w13,
+                             w2, cfg.num_experts, cfg.permute_align)
         x_perm, row_map, group_sizes = fused.run("permute", launch, x, routed.indices, cfg.num_experts,
                                                  cfg.permute_align)
         row_weights = None
         if cfg.weights_in_activation:
             row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
-        y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
+        if squared:  # (the experts region is SwiGLU's): the registered ops
+            y = experts(x_perm, group_sizes, None, mm=grouped_mm, act=squared_relu_act)
+        else:
+            y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
         return fused.run("unpermute", launch, y, row_map, None if cfg.weights_in_activation else routed.weights)
 
     def _gathered_fit(self, x: Tensor) -> bool:
@@ -360,7 +387,7 @@ class MoELayer(nn.Module):
         cfg = self.config
         d = self.dispatcher.dispatch(x, weights, indices, align=cfg.permute_align)  # rows for the local experts
         row_weights = d.weights if cfg.weights_in_activation else None
-        y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=ops.swiglu)
+        y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=getattr(ops, cfg.activation))
         return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)
 
     def _forward_torch_native(self, x: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
@@ -370,7 +397,7 @@ class MoELayer(nn.Module):
         logits = torch_native.router_logits(x2, router.weight)
         weights, indices = torch_native.route(logits, router.config, router.expert_bias)
         experts = unwrapped(self.experts)
-        out = torch_native.experts(x2, weights, indices, experts.w13, experts.w2)
+        out = torch_native.experts(x2, weights, indices, experts.w13, experts.w2, activation=self.config.activation)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2)
         aux = torch_native.aux_losses(logits, router.config, seq_len)

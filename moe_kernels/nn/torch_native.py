@@ -77,8 +77,10 @@ def _grouped(x: Tensor, w_ENK: Tensor, offsets: Tensor) -> Tensor:
     return torch._grouped_mm(x, w_ENK.transpose(-2, -1), offs=offsets)
 
 
-def experts(x: Tensor, weights: Tensor, indices: Tensor, w13: Tensor, w2: Tensor) -> Tensor:
-    """SwiGLU experts over argsort-dispatched tokens; output [T, H] in x's dtype."""
+def experts(x: Tensor, weights: Tensor, indices: Tensor, w13: Tensor, w2: Tensor, *, activation: str = "swiglu"
+            ) -> Tensor:
+    """SwiGLU experts (squared-ReLU ones without a gate: w13 the up rows) over argsort-dispatched tokens; output
+    [T, H] in x's dtype."""
     T, H = x.shape
     E, two_f, _ = w13.shape
     k = indices.shape[1]
@@ -91,7 +93,7 @@ def experts(x: Tensor, weights: Tensor, indices: Tensor, w13: Tensor, w2: Tensor
     # to size its output, and the layer must stay capturable in a CUDA graph.
     offsets = tokens_per_expert_reference(flat, E).cumsum(0).to(torch.int32)
     h = _grouped(x.index_select(0, tokens), w13, offsets)
-    act = F.silu(h[:, : two_f // 2]) * h[:, two_f // 2 :]
+    act = F.silu(h[:, : two_f // 2]) * h[:, two_f // 2 :] if activation == "swiglu" else F.relu(h).square()
     y = _grouped(act, w2, offsets)
     y = y.float() * weights.flatten()[order, None]
     return torch.zeros(T, H, dtype=torch.float32, device=x.device).index_add_(0, tokens, y).to(x.dtype)

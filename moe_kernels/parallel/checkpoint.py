@@ -50,10 +50,11 @@ def _splits(par) -> dict:
 
 
 def _gate_up_names(model: nn.Module) -> set[str]:
-    """The w13 parameters of GroupedExperts, stored as [E, 2, F, H]."""
+    """The w13 parameters of gated GroupedExperts, stored as [E, 2, F, H] (squared-ReLU experts' as they are)."""
     from moe_kernels.nn import GroupedExperts
 
-    return {f"{name}.w13" if name else "w13" for name, m in model.named_modules() if isinstance(m, GroupedExperts)}
+    return {f"{name}.w13" if name else "w13" for name, m in model.named_modules()
+            if isinstance(m, GroupedExperts) and m.gated}
 
 
 def _check_experts(model: nn.Module, splits: dict) -> None:

@@ -56,7 +56,8 @@ def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 
     """Experts [first, first + count), each with the part-th of `parts` slices of its ffn width."""
     F = experts.ffn_size
     f, lo = F // parts, part * (F // parts)
-    local = GroupedExperts(count, experts.hidden_size, f, device="meta", dtype=experts.w13.dtype)
+    local = GroupedExperts(count, experts.hidden_size, f, activation=experts.activation, device="meta",
+                           dtype=experts.w13.dtype)
     w13 = experts.w13.detach()[first : first + count]
     # The gate rows' slice, then the up rows' slice (cat copies; a whole-width slice is cloned).
     w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1) if parts > 1 else w13.clone()
@@ -192,6 +193,9 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
             raise ValueError("apply_expert_parallel: the torch-native backend has no expert-parallel path")
         if unwrapped(layer.experts).num_experts != layer.config.num_experts:
             raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
+        if etp > 1 and layer.config.activation != "swiglu":
+            raise ValueError(f"apply_expert_parallel: etp_group splits the SwiGLU experts' ffn width; the "
+                             f"{layer.config.activation!r} experts run expert parallelism without it")
         if etp > 1 and layer.config.ffn_size % etp:
             raise ValueError(f"apply_expert_parallel: the {etp} ranks of etp_group must divide the expert ffn size "
                              f"{layer.config.ffn_size}")

@@ -271,7 +271,8 @@ def _moe(cfg, pc: ParallelConfig, c: int, T: float, ep_backend: str, capacity: f
             total += T * (c * H + c)
     Td = T * pc.etp
     R, N = _routed(cfg, pc, T, ep_backend, capacity)
-    grouped = c * (H + 3 * moe.ffn_size / pc.etp)  # a grouped row: input, gate/up, activation
+    # a grouped row: input, gate/up, activation (without a gate: input, up, activation)
+    grouped = c * (H + (3 if moe.activation == "swiglu" else 2) * moe.ffn_size / pc.etp)
     if pc.ep == 1 and pc.etp == 1:  # permute's row map, unpermute's weights and expert outputs
         return total + T * 8 * k + R * (grouped + c * H)
     if pc.ep == 1:  # the etp group's tokens on a LocalDispatcher: its row values' masks and indices too

@@ -78,6 +78,8 @@ def _worker_layer(rank, P, backend):
     _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)")
     _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2), "rank 1 without tokens",
                 empty_rank=1)
+    _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8,
+                                              activation="squared_relu"), "squared-ReLU experts + shared expert")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -204,6 +206,9 @@ def _worker_etp(rank, P, backend):
         (qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)", None),
         (qwen3_30b_a3b(**small, k=2), "rank 1 without tokens", 1),
     ]
+    with pytest.raises(ValueError, match="etp_group splits the SwiGLU experts"):
+        apply_expert_parallel(MoELayer(qwen3_30b_a3b(**small, k=2, activation="squared_relu")), ep_groups[t_rank],
+                              etp_group=etp_groups[e_rank], backend=backend)
     for cfg, name, empty_rank in cases:
         torch.manual_seed(0)
         full = MoELayer(cfg)
