@@ -31,30 +31,13 @@ def test_gpu_gpt_oss_on_the_fp8_recipe(cuda, monkeypatch):
 
 
 def _gpt_oss_recipe_case(recipe, device, monkeypatch):
-    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
-    from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
-
     model = build("gpt_oss", layers=1, hidden_size=144, intermediate_size=48).to(device)
     experts = moe_blocks(model)[0].experts
     with torch.no_grad():  # biases large enough to matter
         experts.gate_up_proj_bias.normal_(0.0, 0.3)
         experts.down_proj_bias.normal_(0.0, 0.3)
-    ids = inputs().to(device)
-    with torch.no_grad():
-        ref = run(model, ids).logits
-    cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
-    out, calls = _run_on_recipe(model, ids, cls, "grouped_mm_kn", monkeypatch)
-    assert len(calls) == 2 and all(int(gs.sum()) % cls().align == 0 for _, _, gs in calls)
-    err = relative_l2_error(out.logits.cpu(), ref.cpu())
-    # Error models as test_fp8_recipe_runs_fused_permute_and_fp8_wgrad's (four E4M3 operands) and
-    # test_precision_recipe's (NVFP4's, measured on these operands); 2x allowed; above 0.1%: applied at all.
-    bound = (QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4) if recipe == "fp8"
-             else _nvfp4_swiglu_error([(x.cpu(), w.transpose(1, 2).contiguous().cpu(), gs.cpu())
-                                       for x, w, gs in calls]))
-    assert 1e-3 < err < 2 * bound, (err, bound)
-    out.loss.backward()
-    for p in (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias):
-        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+    _check_kn_recipe(model, recipe, device, monkeypatch, (experts.gate_up_proj, experts.down_proj,
+                                                           experts.gate_up_proj_bias, experts.down_proj_bias))
 
 
 def test_group_bias_adds_and_sums_per_group():
@@ -203,11 +186,18 @@ def test_gpu_kn_experts_fp8_recipe(cuda, family, monkeypatch):
 
 
 def _kn_recipe_case(family, recipe, device, monkeypatch):
+    sizes = dict(hidden_size=128, head_dim=32, intermediate_size=128)
+    model = build(family, layers=1, **sizes).to(device)
+    experts = hf.common._experts_of(moe_blocks(model)[0])
+    _check_kn_recipe(model, recipe, device, monkeypatch, (experts.gate_up_proj, experts.down_proj))
+
+
+def _check_kn_recipe(model, recipe, device, monkeypatch, params):
+    """Every expert GEMM of `model` through the recipe's grouped_mm_kn (rows padded to its alignment), logits within
+    the recipe's error of the model's own, `params`' gradients reached."""
     from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
     from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
 
-    sizes = dict(hidden_size=128, head_dim=32, intermediate_size=128)
-    model = build(family, layers=1, **sizes).to(device)
     ids = inputs().to(device)
     with torch.no_grad():
         ref = run(model, ids).logits
@@ -223,8 +213,7 @@ def _kn_recipe_case(family, recipe, device, monkeypatch):
                                        for x, w, gs in calls]))
     assert 1e-3 < err < 2 * bound, (err, bound)
     out.loss.backward()
-    experts = hf.common._experts_of(moe_blocks(model)[0])
-    for p in (experts.gate_up_proj, experts.down_proj):
+    for p in params:
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
