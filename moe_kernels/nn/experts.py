@@ -35,6 +35,8 @@ class GroupedExperts(nn.Module):
     grouped rank-r GEMMs by moe_kernels.integrations.peft.fuse_lora (moe_kernels.nn.lora).
     """
 
+    activation = "swiglu"  # (the class default: modules pickled before the option existed are SwiGLU ones)
+
     def __init__(self, num_experts: int, hidden_size: int, ffn_size: int, *, activation: str = "swiglu", device=None,
                  dtype=None):
         super().__init__()

@@ -137,6 +137,8 @@ class SharedExperts(nn.Module):
     def __init__(self, hidden_size: int, ffn_size: int, *, gate: bool = False, activation: str = "swiglu",
                  device=None, dtype=None):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"SharedExperts: activation must be one of {ACTIVATIONS}, got {activation!r}")
         factory = {"device": device, "dtype": dtype, "bias": False}
         self.gate_proj = nn.Linear(hidden_size, ffn_size, **factory) if activation == "swiglu" else None
         self.up_proj = nn.Linear(hidden_size, ffn_size, **factory)

@@ -128,10 +128,6 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
-    if getattr(experts, "has_post_expert_norm", False):
-        raise ValueError(f"apply_expert_parallel: {type(experts).__name__} applies a norm after each expert (transformers' "
-                         "has_post_expert_norm): its weight is shared by every expert, so each rank would hold the "
-                         "gradient of its own experts' rows only; not supported yet")
     E = experts.num_experts
     names = _hf_expert_tensors(experts)
     if any(getattr(experts, n).shape[0] != E for n in names):
@@ -179,6 +175,12 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
     if hf_experts and not layers:
         from moe_kernels.integrations.peft import fuse_lora
 
+        for experts in hf_experts:  # (refused before any is sharded)
+            if getattr(experts, "has_post_expert_norm", False):
+                raise ValueError(f"apply_expert_parallel: {type(experts).__name__} applies a norm after each expert "
+                                 "(transformers' has_post_expert_norm): its weight is shared by every expert, so a "
+                                 "rank's gradient of it would cover its own experts' rows (every rank's tokens), not "
+                                 "the rank's own tokens as for every other replicated parameter; not supported yet")
         for experts in hf_experts:
             _shard_hf_experts(experts, backend, group, options)
         fuse_lora(model)  # peft's adapters on the experts: this rank's slices (peft's own wrapper would take them all)

@@ -266,7 +266,8 @@ def _moe(cfg, pc: ParallelConfig, c: int, T: float, ep_backend: str, capacity: f
     H, E, k = cfg.hidden_size, moe.num_experts, moe.router.k
     total = T * (4 * H + 4 * E + 4 * k)  # router: fp32 input, logits, choices
     if moe.shared_ffn_size:  # (their input is the router's in fp32)
-        total += T * ((c * H if c != 4 else 0) + 4 * c * moe.shared_ffn_size)
+        per = 4 if moe.activation == "swiglu" else 2  # kept per shared row: gate, up, ... (no gate: up, activation)
+        total += T * ((c * H if c != 4 else 0) + per * c * moe.shared_ffn_size)
         if moe.shared_gate:
             total += T * (c * H + c)
     Td = T * pc.etp

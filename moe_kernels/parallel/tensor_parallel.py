@@ -192,8 +192,7 @@ def _split_attention(attn: nn.Module, n: int, r: int) -> list[nn.Module]:
 
 
 def _split_mlp(mlp: SharedExperts, n: int, r: int) -> list[nn.Module]:
-    if mlp.gate_proj is not None:  # (a squared-ReLU MLP has none; its activation is elementwise as SwiGLU's)
-        _columns(mlp.gate_proj, n, r)
+    _columns(mlp.gate_proj, n, r)  # (dense MLPs are SwiGLU; MoE layers' shared experts stay replicated)
     _columns(mlp.up_proj, n, r)
     _rows(mlp.down_proj, n, r)
     return [mlp.gate] if mlp.gate is not None else []
