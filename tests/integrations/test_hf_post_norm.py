@@ -140,3 +140,31 @@ def test_expert_parallel_is_refused():
     with pytest.raises(ValueError, match="applies a norm after each expert"):
         apply_expert_parallel(model)
     assert all(e.gate_up_proj.shape[0] == 8 for e in _experts(model))
+
+
+def test_fused_lora_on_post_norm_experts():
+    # peft's LoRA on the experts' weights (target_parameters), fused by patch_hf into grouped rank-r GEMMs before the
+    # norm: the output and every gradient (the adapters' included) against peft's own path on transformers' loop,
+    # within 2x that path's fp32 error against its fp64 run (plus 8 ulps: assert_close_to_fp64).
+    peft = pytest.importorskip("peft")
+    from moe_kernels.testing import assert_close_to_fp64
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], init_lora_weights=False,
+                             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    peft_model = peft.get_peft_model(_model(), config)
+    fused = mk.patch_hf(copy.deepcopy(peft_model))
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in fused.modules()) == 2 * 2
+    peft_model.get_base_model().set_experts_implementation("eager")  # transformers' plain loop: fp64 too
+    ref64 = copy.deepcopy(peft_model).double()
+    ids = _ids()
+    runs = []
+    for model in (fused, peft_model, ref64):
+        out = model(ids).last_hidden_state
+        r = torch.randn(out.shape, generator=torch.Generator().manual_seed(2), dtype=out.dtype)
+        (out * r).sum().backward()
+        runs.append((out.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (out, g), (out32, g32), (out64, g64) = runs
+    assert_close_to_fp64(out, out32, out64, "out")
+    assert set(g) == set(g64) and any("lora" in n for n in g)
+    for name in g64:
+        assert_close_to_fp64(g[name], g32[name], g64[name], f"d {name}")
