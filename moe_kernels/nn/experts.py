@@ -15,11 +15,12 @@ from moe_kernels.ops.grouped_mm import grouped_mm
 ACTIVATIONS = ("swiglu", "squared_relu")
 
 
-def squared_relu_act(h, row_weights=None):
-    """squared_relu in the experts' activation signature (the squared ReLU takes no routing weights)."""
+def squared_relu_act(h, row_weights=None, *, op=squared_relu):
+    """squared_relu (or `op`: its reference) in the experts' activation signature (the squared ReLU takes no
+    routing weights)."""
     if row_weights is not None:
         raise ValueError("squared-ReLU experts take no row weights (routing weights apply in unpermute)")
-    return squared_relu(h)
+    return op(h)
 
 
 class GroupedExperts(nn.Module):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -53,14 +54,9 @@ def _nn_hooks() -> bool:
 
 
 # The same layer on the plain PyTorch references (readable, slow, host-syncing), for comparisons.
-def _squared_relu_reference_act(h: Tensor, row_weights: Tensor | None = None) -> Tensor:
-    assert row_weights is None  # (MoEConfig refuses weights_in_activation with the squared ReLU)
-    return squared_relu_reference(h)
-
-
 _REFERENCE_OPS = SimpleNamespace(
     permute=permute_reference, unpermute=unpermute_reference, grouped_mm=grouped_mm_reference, swiglu=swiglu_reference,
-    squared_relu=_squared_relu_reference_act,
+    squared_relu=functools.partial(squared_relu_act, op=squared_relu_reference),
 )
 _KERNEL_OPS = SimpleNamespace(
     permute=lambda x, idx, E, align: permute(x, idx, E, align=align), unpermute=unpermute, grouped_mm=grouped_mm,
@@ -351,7 +347,7 @@ class MoELayer(nn.Module):
         if cfg.weights_in_activation:
             row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
         if squared:  # (the experts region is SwiGLU's): the registered ops
-            y = experts(x_perm, group_sizes, None, mm=grouped_mm, act=squared_relu_act)
+            y = experts(x_perm, group_sizes)
         else:
             y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
         return fused.run("unpermute", launch, y, row_map, None if cfg.weights_in_activation else routed.weights)

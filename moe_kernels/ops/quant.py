@@ -68,6 +68,14 @@ def _q_cols(cols: int, pad_to_block: bool) -> int:
     return -(-cols // BLOCK) * BLOCK if pad_to_block else cols
 
 
+def pad_codes_to_block(q: Tensor) -> Tensor:
+    """FP8 codes [..., K] -> [..., ceil(K / 128) * 128], zero codes past K (a copy; q itself where K % 128 == 0)."""
+    K = q.shape[-1]
+    if K % BLOCK == 0:
+        return q
+    return torch.nn.functional.pad(q.view(torch.uint8), (0, _q_cols(K, True) - K)).view(q.dtype)
+
+
 def _check_dequant(q: Tensor, scale: Tensor, granularity: str, dtype: torch.dtype) -> None:
     op = "dequantize_fp8"
     check_tensor(op, "q", q, ndim=2, dtypes=FP8_DTYPES)
@@ -133,10 +141,8 @@ def quantize_fp8_reference(
     fmax = FP8_MAX[fp8_dtype]
     v = x.float() * _expand(scale, granularity, M, K)
     q = v.clamp(-fmax, fmax).to(fp8_dtype)
-    q = torch.where(torch.isnan(v), _NAN_FP8, q.view(torch.uint8))  # one NaN code
-    if pad_to_block:  # zero codes past K, to the last block's end
-        q = torch.nn.functional.pad(q, (0, _q_cols(K, True) - K))
-    return q.view(fp8_dtype), scale
+    q = torch.where(torch.isnan(v), _NAN_FP8, q.view(torch.uint8)).view(fp8_dtype)  # one NaN code
+    return (pad_codes_to_block(q) if pad_to_block else q), scale
 
 
 def quantize_fp8_tokens_reference(t: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:

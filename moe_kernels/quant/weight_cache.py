@@ -46,7 +46,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts, quantize_fp8_experts_dual
-from moe_kernels.ops.quant import BLOCK
+from moe_kernels.ops.quant import BLOCK, pad_codes_to_block
 from moe_kernels.quant.fsdp_fp8 import Fp8GatheredWeight
 
 _generation = 0
@@ -97,7 +97,7 @@ class Fp8Weights:
             return q, scale
         p = self.padded.get(name)
         if p is None:
-            p = torch.nn.functional.pad(q.view(torch.uint8), (0, -(-cols // BLOCK) * BLOCK - cols)).view(q.dtype)
+            p = pad_codes_to_block(q)
             self.padded[name] = p
             _stats["padded"] += 1
             if getattr(self, name) is q:
