@@ -39,17 +39,21 @@ void register_quant(py::module_& m) {
   m.def(
       "fp8_quantize_experts",
       [](uintptr_t w, uintptr_t q, uintptr_t scale, uintptr_t q_t, uintptr_t scale_t, int64_t experts, int64_t rows,
-         int64_t cols, bool pow2, int32_t dtype, int device, uintptr_t s, uintptr_t copy, int32_t copy_dtype) {
+         int64_t cols, bool pow2, int32_t dtype, int device, uintptr_t s, uintptr_t copy, int32_t copy_dtype,
+         int64_t q_cols, int64_t q_t_rows) {
         DeviceGuard guard(device);
         quant::Fp8ExpertsQuantParams p{ptr<const void>(w), ptr<uint8_t>(q), ptr<float>(scale), ptr<uint8_t>(q_t),
                                        ptr<float>(scale_t), experts, rows, cols, pow2, DType(dtype)};
         p.copy = ptr<void>(copy);
         p.copy_dtype = DType(copy_dtype);
+        p.q_cols = q_cols;
+        p.q_t_rows = q_t_rows;
         quant::fp8_quantize_experts(p, stream(s));
       },
       py::arg("w"), py::arg("q"), py::arg("scale"), py::arg("q_t"), py::arg("scale_t"), py::arg("experts"),
       py::arg("rows"), py::arg("cols"), py::arg("pow2"), py::arg("dtype"), py::arg("device"), py::arg("stream"),
-      py::arg("copy") = 0, py::arg("copy_dtype") = int32_t(DType::kBFloat16));
+      py::arg("copy") = 0, py::arg("copy_dtype") = int32_t(DType::kBFloat16), py::arg("q_cols") = 0,
+      py::arg("q_t_rows") = 0);
   m.def(
       "fp8_dequantize",
       [](uintptr_t q, uintptr_t scale, uintptr_t out, int64_t rows, int64_t cols, int32_t granularity, bool e5m2,

@@ -87,6 +87,11 @@ struct Fp8ExpertsQuantParams {
   // FP8 weight cache's refresh from one read of the master). nullptr: no copy.
   void* copy = nullptr;
   DType copy_dtype = DType::kBFloat16;
+  // Row lengths of the codes (0: unpadded): q's rows q_cols long (cols, or ceil(cols/128) * 128) and q_t's
+  // q_t_rows long (rows, or ceil(rows/128) * 128), the codes past cols (rows) written as zeros: the weight
+  // operand of an FP8 GEMM whose contraction is no multiple of 128, zero-padded in the same pass.
+  int64_t q_cols = 0;
+  int64_t q_t_rows = 0;
 };
 void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream);
 

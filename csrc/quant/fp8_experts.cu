@@ -5,7 +5,9 @@
 // the same codes staged in shared memory (16 KB) to be stored transposed, along N, as 16-byte vectors.
 // Without q_t the same kernel writes the row-major layout alone: quantize_fp8's 128x128 tile granularity
 // (one expert) runs it too. With a copy (fp32 masters, both layouts) each element is first rounded to the
-// copy's dtype, stored there from the same registers, and the rounded value quantized.
+// copy's dtype, stored there from the same registers, and the rounded value quantized. Either layout's rows may
+// be written zero-padded to a multiple of 128 (q_cols, q_t_rows): the last tile's codes past the edge are zeros
+// (elements read as 0), stored with the rest, so no padding pass over the codes follows.
 #include <stdexcept>
 #include <type_traits>
 
@@ -28,7 +30,7 @@ constexpr int kVecT = 16;                              // transposed codes per s
 
 // VEC: rows of w start 8-element aligned (cols % 8 == 0, aligned w): each thread loads 8 contiguous
 // elements; otherwise its 8 elements are strided by 16 (still coalesced across the 16 lanes).
-// VEC_T: rows % 16 == 0 and q_t 16-byte aligned: the transposed codes go out as 16-byte vectors.
+// VEC_T: q_t_rows % 16 == 0 and q_t 16-byte aligned: the transposed codes go out as 16-byte vectors.
 // DUAL: q_t is written (else the row-major codes alone, no staging).
 // C: the copy's element type (void: no copy); T is float where it is not.
 template <typename T, bool VEC, bool VEC_T, bool DUAL, typename C = void>
@@ -91,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
       p.scale[(e * row_tiles + rt) * col_tiles + ct] = s;
       if constexpr (DUAL) p.scale_t[(e * col_tiles + ct) * row_tiles + rt] = s;
     }
-    uint8_t* q = p.q + e * p.rows * p.cols;
+    uint8_t* q = p.q + e * p.rows * p.q_cols;
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       const int r = i * kRowsPerPass + row_in_pass;
@@ -102,13 +104,13 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
       if constexpr (VEC) {
         if constexpr (DUAL) *reinterpret_cast<Pack<uint8_t, kItems>*>(codes + r * kFp8Block + lane * kItems) = out;
         const int64_t col = col0 + lane * kItems;
-        if (row < p.rows && col < p.cols) *reinterpret_cast<Pack<uint8_t, kItems>*>(q + row * p.cols + col) = out;
+        if (row < p.rows && col < p.q_cols) *reinterpret_cast<Pack<uint8_t, kItems>*>(q + row * p.q_cols + col) = out;
       } else {
 #pragma unroll
         for (int j = 0; j < kItems; ++j) {
           const int c = lane + j * kLanesPerRow;
           if constexpr (DUAL) codes[r * kFp8Block + c] = out.v[j];
-          if (row < p.rows && col0 + c < p.cols) q[row * p.cols + col0 + c] = out.v[j];
+          if (row < p.rows && col0 + c < p.q_cols) q[row * p.q_cols + col0 + c] = out.v[j];
         }
       }
     }
@@ -116,22 +118,22 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
     __syncthreads();
     // Transposed: q_t[e][k][n]. Lanes of a warp take consecutive k of the same 16 rows n: conflict-free reads
     // of `codes` (consecutive bytes of one row).
-    uint8_t* q_t = p.q_t + e * p.cols * p.rows;
+    uint8_t* q_t = p.q_t + e * p.cols * p.q_t_rows;
     if constexpr (VEC_T) {
       for (int idx = threadIdx.x; idx < kFp8Block * (kFp8Block / kVecT); idx += kThreads) {
         const int k = idx % kFp8Block, n0 = (idx / kFp8Block) * kVecT;
         const int64_t col = col0 + k, row = row0 + n0;
-        if (col >= p.cols || row >= p.rows) continue;  // rows % 16 == 0: a vector is all in or all out
+        if (col >= p.cols || row >= p.q_t_rows) continue;  // q_t_rows % 16 == 0: a vector is all in or all out
         Pack<uint8_t, kVecT> out;
 #pragma unroll
         for (int j = 0; j < kVecT; ++j) out.v[j] = codes[(n0 + j) * kFp8Block + k];
-        *reinterpret_cast<Pack<uint8_t, kVecT>*>(q_t + col * p.rows + row) = out;
+        *reinterpret_cast<Pack<uint8_t, kVecT>*>(q_t + col * p.q_t_rows + row) = out;
       }
     } else {
       for (int idx = threadIdx.x; idx < kFp8Block * kFp8Block; idx += kThreads) {
         const int k = idx / kFp8Block, n = idx % kFp8Block;
         const int64_t col = col0 + k, row = row0 + n;
-        if (col < p.cols && row < p.rows) q_t[col * p.rows + row] = codes[n * kFp8Block + k];
+        if (col < p.cols && row < p.q_t_rows) q_t[col * p.q_t_rows + row] = codes[n * kFp8Block + k];
       }
     }
   }
@@ -139,9 +141,21 @@ __global__ void __launch_bounds__(kThreads) experts_quant_kernel(Fp8ExpertsQuant
 
 }  // namespace
 
-void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream) {
-  if (p.experts < 0 || p.rows < 0 || p.cols < 0) throw std::invalid_argument("quantize_fp8_experts_dual: negative size");
+void fp8_quantize_experts(const Fp8ExpertsQuantParams& params, cudaStream_t stream) {
+  if (params.experts < 0 || params.rows < 0 || params.cols < 0) {
+    throw std::invalid_argument("quantize_fp8_experts_dual: negative size");
+  }
+  Fp8ExpertsQuantParams p = params;
   const int64_t row_tiles = (p.rows + kFp8Block - 1) / kFp8Block, col_tiles = (p.cols + kFp8Block - 1) / kFp8Block;
+  if (p.q_cols == 0) p.q_cols = p.cols;
+  if (p.q_t_rows == 0) p.q_t_rows = p.rows;
+  if ((p.q_cols != p.cols && p.q_cols != col_tiles * kFp8Block) ||
+      (p.q_t_rows != p.rows && p.q_t_rows != row_tiles * kFp8Block)) {
+    throw std::invalid_argument("quantize_fp8_experts_dual: q_cols (q_t_rows) must be cols (rows) or it rounded up to 128");
+  }
+  if (p.q_t == nullptr && p.q_t_rows != p.rows) {
+    throw std::invalid_argument("quantize_fp8_experts_dual: q_t_rows without q_t");
+  }
   const int64_t tiles = p.experts * row_tiles * col_tiles;
   if (tiles == 0) return;
   const unsigned grid = unsigned(tiles < 65536 ? tiles : 65536);
@@ -151,7 +165,7 @@ void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream) {
     }
     const bool vec = p.cols % kItems == 0 && reinterpret_cast<uintptr_t>(p.w) % alignof(Pack<float, kItems>) == 0 &&
                      reinterpret_cast<uintptr_t>(p.q) % kItems == 0 && reinterpret_cast<uintptr_t>(p.copy) % 16 == 0;
-    const bool vec_t = p.rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
+    const bool vec_t = p.q_t_rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
     auto launch = [&]<typename C, bool V, bool VT>() {
       experts_quant_kernel<float, V, VT, true, C><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
     };
@@ -187,7 +201,7 @@ void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream) {
       }
       return;
     }
-    const bool vec_t = p.rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
+    const bool vec_t = p.q_t_rows % kVecT == 0 && reinterpret_cast<uintptr_t>(p.q_t) % kVecT == 0;
     auto launch = [&]<bool V, bool VT>() {
       experts_quant_kernel<T, V, VT, true><<<grid, kThreads, 0, stream>>>(p, row_tiles, col_tiles, tiles);
     };

@@ -47,7 +47,7 @@ from moe_kernels.ops.grouped_mm import (
     grouped_mm_reference,
     grouped_mm_wgrad_reference,
 )
-from moe_kernels.ops.quant import BLOCK, dequantize_fp8, quantize_fp8, quantize_fp8_reference
+from moe_kernels.ops.quant import BLOCK, dequantize_fp8, pad_codes_to_block, quantize_fp8, quantize_fp8_reference
 
 _E4M3 = torch.float8_e4m3fn
 # grouped_mm_path: sm_90a, sm_100f (opted in) FP8 blockwise; the tensor-core portable kernel (8.9+, opted in)
@@ -84,9 +84,11 @@ def _check_experts_dual(w: Tensor) -> None:
     check_tensor("quantize_fp8_experts_dual", "w", w, ndim=3, dtypes=CUDA_FLOAT_DTYPES, contiguous=False)
 
 
-def quantize_fp8_experts_dual_reference(w: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_fp8_experts_dual_reference(w: Tensor, pow2_scale: bool = False, pad_to_block: bool = False
+                                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The composition the one-pass kernel replaces: each expert's 128x128 tiles (quantize_fp8(w[e], "tile")),
-    then the codes and scales transposed."""
+    then the codes and scales transposed; with `pad_to_block` both layouts' codes zero-padded along their rows
+    (pad_codes_to_block)."""
     E, N, K = w.shape
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
     parts = [quantize_fp8_reference(w[e], "tile", _E4M3, pow2_scale) for e in range(E)]
@@ -94,48 +96,55 @@ def quantize_fp8_experts_dual_reference(w: Tensor, pow2_scale: bool = False) -> 
     s = _stack([p[1] for p in parts]) if parts else w.new_empty((0, nb, kb), dtype=torch.float32)
     # clone, not contiguous(): a transpose that is already contiguous ([E, 1, 1] scales) must not alias.
     t = dict(memory_format=torch.contiguous_format)
-    return q, s, q.transpose(1, 2).clone(**t), s.transpose(1, 2).clone(**t)
+    q_t, s_t = q.transpose(1, 2).clone(**t), s.transpose(1, 2).clone(**t)
+    if pad_to_block:
+        q, q_t = pad_codes_to_block(q), pad_codes_to_block(q_t)
+    return q, s, q_t, s_t
 
 
 @torch.library.custom_op("moe_kernels::quantize_fp8_experts_dual", mutates_args=())
-def _quantize_fp8_experts_dual(w: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_fp8_experts_dual(w: Tensor, pow2_scale: bool, pad_to_block: bool = False
+                               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_experts_dual(w)
-    return quantize_fp8_experts_dual_reference(w, pow2_scale)
+    return quantize_fp8_experts_dual_reference(w, pow2_scale, pad_to_block)
 
 
-def _dual_outputs_like(w: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _dual_outputs_like(w: Tensor, pad_to_block: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     E, N, K = w.shape
     nb, kb = -(-N // BLOCK), -(-K // BLOCK)
-    return (w.new_empty((E, N, K), dtype=_E4M3), w.new_empty((E, nb, kb), dtype=torch.float32),
-            w.new_empty((E, K, N), dtype=_E4M3), w.new_empty((E, kb, nb), dtype=torch.float32))
+    q_cols, q_t_rows = (kb * BLOCK, nb * BLOCK) if pad_to_block else (K, N)
+    return (w.new_empty((E, N, q_cols), dtype=_E4M3), w.new_empty((E, nb, kb), dtype=torch.float32),
+            w.new_empty((E, K, q_t_rows), dtype=_E4M3), w.new_empty((E, kb, nb), dtype=torch.float32))
 
 
 @_quantize_fp8_experts_dual.register_fake
-def _(w, pow2_scale):
+def _(w, pow2_scale, pad_to_block=False):
     _check_experts_dual(w)
-    return _dual_outputs_like(w)
+    return _dual_outputs_like(w, pad_to_block)
 
 
 @_ext.cuda_impl(_quantize_fp8_experts_dual)
-def _quantize_fp8_experts_dual_cuda(w, pow2_scale):
+def _quantize_fp8_experts_dual_cuda(w, pow2_scale, pad_to_block=False):
     _check_experts_dual(w)
-    return _dual_cuda(w, None, pow2_scale)
+    return _dual_cuda(w, None, pow2_scale, pad_to_block)
 
 
-def _dual_cuda(w: Tensor, copy: Tensor | None, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _dual_cuda(w: Tensor, copy: Tensor | None, pow2_scale: bool, pad_to_block: bool
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The one-pass kernel, with the copy where `copy` is given (inputs checked by the caller)."""
     C = _ext.kernels("quantize_fp8_experts_dual", w)
     if C is None:
         if copy is None:
-            return quantize_fp8_experts_dual_reference(w, pow2_scale)
-        return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale)
+            return quantize_fp8_experts_dual_reference(w, pow2_scale, pad_to_block)
+        return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale, pad_to_block)
     w = w.contiguous()
     E, N, K = w.shape
-    q, scale, q_t, scale_t = _dual_outputs_like(w)
+    q, scale, q_t, scale_t = _dual_outputs_like(w, pad_to_block)
     with_copy = {} if copy is None else dict(copy=_ext.ptr(copy), copy_dtype=_ext.dtype_code(copy.dtype))
     C.fp8_quantize_experts(w=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
                            scale_t=_ext.ptr(scale_t), experts=E, rows=N, cols=K, pow2=pow2_scale,
-                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w), **with_copy)
+                           dtype=_ext.dtype_code(w.dtype), **_ext.launch_args(w), **with_copy,
+                           q_cols=q.shape[2], q_t_rows=q_t.shape[2])
     return q, scale, q_t, scale_t
 
 
@@ -150,34 +159,35 @@ def _check_experts_dual_copy(w: Tensor, copy: Tensor) -> None:
         raise RuntimeError(f"{op}: `copy_to` requires grad: write it under torch.no_grad() (as copy_ would ask)")
 
 
-def quantize_fp8_experts_dual_copy_reference(w: Tensor, copy: Tensor, pow2_scale: bool = False
-                                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_fp8_experts_dual_copy_reference(w: Tensor, copy: Tensor, pow2_scale: bool = False,
+                                             pad_to_block: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """What the copying form of the one-pass kernel is, bit for bit: `copy` <- w rounded to its dtype, then
     the dual tiles of those rounded weights."""
     copy.copy_(w)
-    return quantize_fp8_experts_dual_reference(copy, pow2_scale)
+    return quantize_fp8_experts_dual_reference(copy, pow2_scale, pad_to_block)
 
 
 @torch.library.custom_op("moe_kernels::quantize_fp8_experts_dual_copy", mutates_args=("copy",))
-def _quantize_fp8_experts_dual_copy(w: Tensor, copy: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _quantize_fp8_experts_dual_copy(w: Tensor, copy: Tensor, pow2_scale: bool, pad_to_block: bool = False
+                                    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     _check_experts_dual_copy(w, copy)
-    return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale)
+    return quantize_fp8_experts_dual_copy_reference(w, copy, pow2_scale, pad_to_block)
 
 
 @_quantize_fp8_experts_dual_copy.register_fake
-def _(w, copy, pow2_scale):
+def _(w, copy, pow2_scale, pad_to_block=False):
     _check_experts_dual_copy(w, copy)
-    return _dual_outputs_like(copy)
+    return _dual_outputs_like(copy, pad_to_block)
 
 
 @_ext.cuda_impl(_quantize_fp8_experts_dual_copy)
-def _quantize_fp8_experts_dual_copy_cuda(w, copy, pow2_scale):
+def _quantize_fp8_experts_dual_copy_cuda(w, copy, pow2_scale, pad_to_block=False):
     _check_experts_dual_copy(w, copy)
-    return _dual_cuda(w, copy, pow2_scale)
+    return _dual_cuda(w, copy, pow2_scale, pad_to_block)
 
 
-def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: Tensor | None = None
-                              ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: Tensor | None = None,
+                              pad_to_block: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Expert weights [E, N, K] -> (q [E, N, K], scale [E, ceil(N / 128), ceil(K / 128)], q_t [E, K, N],
     scale_t [E, ceil(K / 128), ceil(N / 128)]), E4M3 with fp32 scales: the forward's 128x128 tiles
     (quantize_fp8_experts) and dgrad's transposed tiles (a tile is its own transpose: the same codes and
@@ -186,12 +196,18 @@ def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: T
 
     copy_to: a contiguous bf16 or fp16 tensor of w's shape, w fp32 (master weights): w is rounded to
     copy_to's dtype and written there, and the rounded weights are quantized, in the same pass; bit for bit
-    copy_to.copy_(w) followed by quantize_fp8_experts_dual(copy_to) (a NaN may keep another payload)."""
+    copy_to.copy_(w) followed by quantize_fp8_experts_dual(copy_to) (a NaN may keep another payload).
+
+    pad_to_block: each layout's codes written with their rows zero-padded to a multiple of 128 where their length
+    is none (q [E, N, ceil(K / 128) * 128], q_t [E, K, ceil(N / 128) * 128], the scales unchanged), in the same
+    pass: the weight operand of an FP8 GEMM that contracts over K (the forward) or N (dgrad) when that is no
+    multiple of 128, as quantize_fp8(..., pad_to_block=True) pads the other operand; bit for bit
+    pad_codes_to_block of each layout's codes."""
     if copy_to is not None:
         _check_experts_dual_copy(w, copy_to)
-        return torch.ops.moe_kernels.quantize_fp8_experts_dual_copy(w, copy_to, bool(pow2_scale))
+        return torch.ops.moe_kernels.quantize_fp8_experts_dual_copy(w, copy_to, bool(pow2_scale), bool(pad_to_block))
     _check_experts_dual(w)
-    return torch.ops.moe_kernels.quantize_fp8_experts_dual(w, bool(pow2_scale))
+    return torch.ops.moe_kernels.quantize_fp8_experts_dual(w, bool(pow2_scale), bool(pad_to_block))
 
 
 def _check(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> None:

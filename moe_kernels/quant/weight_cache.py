@@ -53,7 +53,7 @@ _generation = 0
 _enabled = False
 _lock = threading.Lock()
 _entries: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_stats = {"quantized": 0, "transposed": 0, "hits": 0, "refreshed": 0, "padded": 0}
+_stats = {"quantized": 0, "transposed": 0, "hits": 0, "refreshed": 0, "padded": 0, "pad_copies": 0}
 
 
 def _bump_generation(*_args, **_kwargs) -> None:
@@ -88,8 +88,9 @@ class Fp8Weights:
     def gemm_tiles(self, transposed: bool) -> tuple[Tensor, Tensor]:
         """grouped_mm_fp8's weight operand: the stored layout's tiles (`transposed` False) or dgrad's, with the
         codes' rows zero-padded to a multiple of 128 where their length is none (the scales already cover the
-        last partial tile): [E, rows, ceil(cols / 128) * 128]. Padded once per entry; the unpadded layout is then a
-        view of the padded codes, so the codes are held once."""
+        last partial tile): [E, rows, ceil(cols / 128) * 128]. Written padded by the quantization that made both
+        layouts (`_dual_entry`); otherwise padded here by a copy, once per entry. The unpadded layout is a view
+        of the padded codes, so the codes are held once."""
         name = "qt" if transposed else "q"
         q, scale = self.transposed() if transposed else (self.q, self.scale)
         cols = q.shape[-1]
@@ -100,6 +101,7 @@ class Fp8Weights:
             p = pad_codes_to_block(q)
             self.padded[name] = p
             _stats["padded"] += 1
+            _stats["pad_copies"] += 1
             if getattr(self, name) is q:
                 setattr(self, name, p[..., :cols])
         return p, scale
@@ -129,10 +131,24 @@ def cacheable(w: Tensor) -> bool:
             and type(w) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling())
 
 
+def _dual_entry(tiles: tuple[Tensor, Tensor, Tensor, Tensor], key: tuple) -> Fp8Weights:
+    """An entry from quantize_fp8_experts_dual(..., pad_to_block=True): a layout whose rows are no multiple of 128
+    long is held padded (gemm_tiles' operand, made in the quantizing pass), its unpadded layout a view of it."""
+    q, scale, qt, scale_t = tiles
+    K, N = qt.shape[1], q.shape[1]
+    padded = {}
+    if q.shape[2] != K:
+        padded["q"], q = q, q[..., :K]
+    if qt.shape[2] != N:
+        padded["qt"], qt = qt, qt[..., :N]
+    _stats["padded"] += len(padded)
+    return Fp8Weights(q, scale, qt, scale_t, key=key, padded=padded)
+
+
 def _quantize(w: Tensor, pow2_scale: bool, transposed: bool, key: tuple = ()) -> Fp8Weights:
     _stats["quantized"] += 1
-    if transposed:  # both layouts from one read of w
-        return Fp8Weights(*quantize_fp8_experts_dual(w.detach(), pow2_scale=pow2_scale), key=key)
+    if transposed:  # both layouts from one read of w, each zero-padded where its GEMM contracts past 128s
+        return _dual_entry(quantize_fp8_experts_dual(w.detach(), pow2_scale=pow2_scale, pad_to_block=True), key)
     return Fp8Weights(*quantize_fp8_experts(w.detach(), pow2_scale=pow2_scale), key=key)
 
 
@@ -198,8 +214,8 @@ def refresh(w: Tensor, master: Tensor) -> bool:
         return False
     pow2_scale = entry.key[6]
     with torch.no_grad():
-        tiles = quantize_fp8_experts_dual(master, pow2_scale=pow2_scale, copy_to=w)
-    fresh = Fp8Weights(*tiles, key=_key(w, pow2_scale))  # w's version moved with the write
+        tiles = quantize_fp8_experts_dual(master, pow2_scale=pow2_scale, copy_to=w, pad_to_block=True)
+    fresh = _dual_entry(tiles, _key(w, pow2_scale))  # w's version moved with the write
     with _lock:
         _entries[w] = fresh
     _stats["refreshed"] += 1
@@ -215,5 +231,7 @@ def clear() -> None:
 def stats() -> dict[str, int]:
     """Counts since import: weights quantized (in one or both layouts), transposed copies made afterwards
     (an entry made without dgrad's tiles, asked for them later), cache hits, entries remade with their
-    compute copies (`refresh`), and layouts whose codes were zero-padded to a multiple of 128 (`gemm_tiles`)."""
+    compute copies (`refresh`), layouts whose codes are held zero-padded to a multiple of 128 (`gemm_tiles`), and
+    of those the ones padded by a copy after their quantization (`pad_copies`: an entry made without dgrad's
+    layout, or gathered by FSDP2)."""
     return dict(_stats, entries=len(_entries))

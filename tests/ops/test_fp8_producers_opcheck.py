@@ -28,6 +28,11 @@ def test_token_and_weight_quantizers(pow2):
     master, copy = torch.randn(2, 256, 384, generator=g), torch.empty(2, 256, 384, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.moe_kernels.quantize_fp8_experts_dual_copy, (master, copy, pow2),
                           test_utils=UTILS)
+    w = torch.randn(2, 200, 136, generator=g).to(torch.bfloat16)  # both layouts padded
+    torch.library.opcheck(torch.ops.moe_kernels.quantize_fp8_experts_dual, (w, pow2, True), test_utils=UTILS)
+    master, copy = torch.randn(2, 200, 136, generator=g), torch.empty(2, 200, 136, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.moe_kernels.quantize_fp8_experts_dual_copy, (master, copy, pow2, True),
+                          test_utils=UTILS)
 
 
 @pytest.mark.parametrize("weighted", [False, True])

@@ -32,9 +32,9 @@ def _weights(E, N, K, dtype, seed, specials=False):
     return w.to(dtype)
 
 
-def _check(w_cpu, w_dev, pow2, what):
-    got = quantize_fp8_experts_dual(w_dev, pow2_scale=pow2)
-    want = quantize_fp8_experts_dual_reference(w_cpu, pow2)
+def _check(w_cpu, w_dev, pow2, what, pad=False):
+    got = quantize_fp8_experts_dual(w_dev, pow2_scale=pow2, pad_to_block=pad)
+    want = quantize_fp8_experts_dual_reference(w_cpu, pow2, pad)
     for name, a, b in zip(("codes", "scales", "transposed codes", "transposed scales"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}"
         a, b = a.cpu(), b
@@ -99,6 +99,31 @@ def test_bad_input_raises_before_the_kernel(cuda):
         quantize_fp8_experts_dual(torch.zeros(1, 128, 128, dtype=torch.float64, device=cuda))
 
 
+@pytest.mark.parametrize("N, K", [(200, 130), (1, 1), (129, 7), (300, 256), (256, 200), (136, 1856 % 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_padded_layouts(cuda, N, K, dtype, pow2):
+    # pad_to_block: each layout's rows zero-padded to a multiple of 128 in the same pass (q [E, N, ceil(K/128)*128],
+    # q_t [E, K, ceil(N/128)*128]), bit for bit the unpadded codes followed by pad_codes_to_block; the codes
+    # past the edges are 0, the scales those of the elements present. Specials where the sizes allow.
+    w = _weights(3, N, K, torch.float32, seed=N * 31 + K, specials=True).to(dtype)
+    _check(w, w.to(cuda), pow2, f"padded {N}x{K} {dtype} pow2={pow2}", pad=True)
+    q, _, q_t, _ = quantize_fp8_experts_dual(w.to(cuda), pow2_scale=pow2, pad_to_block=True)
+    assert q.shape == (3, N, -(-K // 128) * 128) and q_t.shape == (3, K, -(-N // 128) * 128)
+    assert torch.all(q.view(torch.uint8)[..., K:] == 0) and torch.all(q_t.view(torch.uint8)[..., N:] == 0)
+
+
+def test_padded_layouts_past_the_first_tiles_are_unpadded_codes(cuda):
+    # The padded layouts hold the unpadded ones in their leading columns.
+    w = _weights(2, 300, 200, torch.bfloat16, seed=5)
+    got = quantize_fp8_experts_dual(w.to(cuda), pad_to_block=True)
+    plain = quantize_fp8_experts_dual(w.to(cuda))
+    assert_exact(got[0][..., :200].cpu().view(torch.uint8), plain[0].cpu().view(torch.uint8), "codes")
+    assert_exact(got[2][..., :300].cpu().view(torch.uint8), plain[2].cpu().view(torch.uint8), "transposed codes")
+    for a, b in ((got[1], plain[1]), (got[3], plain[3])):
+        assert_exact(a.cpu(), b.cpu(), "scales")
+
+
 # The copying form (copy_to): fp32 masters rounded to the compute dtype, written there, and the rounded values
 # quantized in the same pass; bit for bit copy_to.copy_(w), then the dual tiles of copy_to.
 
@@ -117,10 +142,10 @@ def _masters(E, N, K, seed, copy_dtype):
     return w
 
 
-def _check_copy(w_cpu, w_dev, copy_dev, pow2, what):
-    got = quantize_fp8_experts_dual(w_dev, pow2_scale=pow2, copy_to=copy_dev)
+def _check_copy(w_cpu, w_dev, copy_dev, pow2, what, pad=False):
+    got = quantize_fp8_experts_dual(w_dev, pow2_scale=pow2, copy_to=copy_dev, pad_to_block=pad)
     want_copy = w_cpu.to(copy_dev.dtype)
-    want = quantize_fp8_experts_dual_reference(want_copy, pow2)
+    want = quantize_fp8_experts_dual_reference(want_copy, pow2, pad)
     assert_exact(copy_dev.cpu(), want_copy, f"{what} copy")
     for name, a, b in zip(("codes", "scales", "transposed codes", "transposed scales"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}"
@@ -138,6 +163,7 @@ def test_copy_matches_the_copy_then_the_quantization(cuda, copy_dtype, E, N, K):
     copy = torch.full((E, N, K), 7.0, dtype=copy_dtype, device=cuda)
     for pow2 in (False, True):
         _check_copy(w, w.to(cuda), copy, pow2, f"{E}x{N}x{K} {copy_dtype} pow2={pow2}")
+    _check_copy(w, w.to(cuda), copy, False, f"{E}x{N}x{K} {copy_dtype} padded", pad=True)
 
 
 def test_copy_misaligned_and_strided(cuda):
@@ -158,6 +184,13 @@ def test_copy_misaligned_and_strided(cuda):
         _check_copy(w, w.to(cuda), copy, False, f"copy shifted by {shift}")
     wt = _masters(2, 384, 256, seed=9, copy_dtype=torch.bfloat16).transpose(1, 2)
     _check_copy(wt, wt.to(cuda), torch.empty(wt.shape, dtype=torch.bfloat16, device=cuda), True, "transposed master")
+    # Padded layouts on the scalar paths: a misaligned master and copy, sizes off 128 (and off 16 for q_t).
+    w = _masters(2, 200, 136, seed=10, copy_dtype=torch.float16)
+    base = torch.empty(w.numel() + 1, device=cuda)
+    dev = base[1:].view(w.shape)
+    dev.copy_(w.to(cuda))
+    cbase = torch.empty(w.numel() + 1, dtype=torch.float16, device=cuda)
+    _check_copy(w, dev, cbase[1:].view(w.shape), False, "misaligned padded", pad=True)
 
 
 @pytest.mark.parametrize("shape", [(0, 128, 128), (2, 0, 128), (2, 128, 0)])
