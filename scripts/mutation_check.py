@@ -410,7 +410,7 @@ MUTANTS = (
     Mutant(
         "NaN dropped",
         "squared_relu's relu: fmaxf's rule (NaN becomes 0) where torch's relu passes NaN on",
-        "activation/squared_relu.cu",
+        "activation/squared_relu_math.cuh",
         "__device__ __forceinline__ float relu(float x) { return x > 0.f || x != x ? x : 0.f; }\n",
         "__device__ __forceinline__ float relu(float x) { return x > 0.f ? x : 0.f; }\n",
         ("tests/ops/test_activation_gpu.py", "-k", "test_squared_relu_is_torchs_bit_for_bit and 1000x768"),
@@ -418,7 +418,7 @@ MUTANTS = (
     Mutant(
         "product unrounded",
         "squared_relu_grad: 2 relu(h) kept in fp32, where torch rounds it to the dtype (fp16: inf from 32768)",
-        "activation/squared_relu.cu",
+        "activation/squared_relu_math.cuh",
         "__fmul_rn(dout, to_float(from_float<T>(__fmul_rn(2.f, r))))",
         "__fmul_rn(dout, __fmul_rn(2.f, r))",
         ("tests/ops/test_activation_gpu.py", "-k", "test_squared_relu_is_torchs_bit_for_bit and 1000x768"),

@@ -127,7 +127,8 @@ def _build(op: str, g: torch.Generator, r: random.Random, dev) -> tuple[Callable
     if op == "quantize_fp8_experts":
         return mk.quantize_fp8_experts, [rn(E, r.choice([128, 200, 256]), r.choice([128, 256]), dtype=fdt)], {}
     if op == "quantize_fp8_experts_dual":
-        return mk.quantize_fp8_experts_dual, [rn(E, 128, 256, dtype=fdt)], {}
+        return (mk.quantize_fp8_experts_dual, [rn(E, r.choice([128, 200]), r.choice([136, 256]), dtype=fdt)],
+                dict(pad_to_block=r.random() < 0.5))
     if op == "quantize_fp8_tokens":
         return mk.quantize_fp8_tokens, [rn(r.choice([0, 1, 100, 300]), r.choice([64, 128, 256]), dtype=fdt)], {}
     if op == "quantize_nvfp4":
@@ -146,6 +147,11 @@ def _build(op: str, g: torch.Generator, r: random.Random, dev) -> tuple[Callable
     h = rn(M, 256, dtype=BF16)
     if op == "swiglu_quantize_fp8":
         return activation.swiglu_quantize_fp8, [h, r.choice([None, rw])], {}
+    hs = rn(M, r.choice([8, 200, 256]), dtype=r.choice([BF16, torch.float16]))
+    if op == "squared_relu_quantize_fp8":
+        return activation.squared_relu_quantize_fp8, [hs], dict(pow2_scale=r.random() < 0.5)
+    if op == "squared_relu_bwd_quantize_fp8":
+        return activation.squared_relu_bwd_quantize_fp8, [rn(*hs.shape, dtype=hs.dtype), hs], {}
     assert op == "swiglu_bwd_quantize_fp8", op
     return activation.swiglu_bwd_quantize_fp8, [rn(M, 128, dtype=BF16), h, rw], dict(need_dw=r.random() < 0.5)
 
@@ -154,7 +160,8 @@ OPS = ("permute", "unpermute", "tokens_per_expert", "permute_quantize_fp8", "exp
        "router_fused", "router_aux_scores", "z_loss", "aux_loss", "seq_aux_loss", "apply_capacity",
        "update_expert_bias", "grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_wgrad", "quantize_fp8",
        "dequantize_fp8", "quantize_fp8_experts", "quantize_fp8_experts_dual", "quantize_fp8_tokens",
-       "quantize_nvfp4", "dequantize_nvfp4", "grouped_mm_nvfp4", "swiglu", "swiglu_quantize_fp8", "swiglu_bwd_quantize_fp8")
+       "quantize_nvfp4", "dequantize_nvfp4", "grouped_mm_nvfp4", "swiglu", "swiglu_quantize_fp8", "swiglu_bwd_quantize_fp8",
+       "squared_relu_quantize_fp8", "squared_relu_bwd_quantize_fp8")
 
 
 def _like(t: torch.Tensor, shape, g) -> torch.Tensor:

@@ -153,11 +153,11 @@ void fp8_quantize_experts(const Fp8ExpertsQuantParams& params, cudaStream_t stre
       (p.q_t_rows != p.rows && p.q_t_rows != row_tiles * kFp8Block)) {
     throw std::invalid_argument("quantize_fp8_experts_dual: q_cols (q_t_rows) must be cols (rows) or it rounded up to 128");
   }
+  const int64_t tiles = p.experts * row_tiles * col_tiles;
+  if (tiles == 0) return;
   if (p.q_t == nullptr && p.q_t_rows != p.rows) {
     throw std::invalid_argument("quantize_fp8_experts_dual: q_t_rows without q_t");
   }
-  const int64_t tiles = p.experts * row_tiles * col_tiles;
-  if (tiles == 0) return;
   const unsigned grid = unsigned(tiles < 65536 ? tiles : 65536);
   if (p.copy != nullptr) {
     if (p.q_t == nullptr || p.dtype != DType::kFloat32) {

@@ -15,6 +15,12 @@ backward reads, from one read of dout and h; its reference, matched bit for bit:
     dh, drow_weights = swiglu_bwd(dout, h, row_weights)
     dh_q, dh_scale = quantize_fp8(dh, "block")       # [R, 2F], [R, 2F / 128]: dgrad's operand
     dh_t_q, dh_t_scale = quantize_fp8_tokens(dh)     # [2F, Rp], [2F, Rp / 128]: wgrad's operand
+squared_relu_quantize_fp8 and squared_relu_bwd_quantize_fp8 are the same for experts without a gate: relu(h)^2,
+or its backward's dh, written as E4M3 only in both layouts, F zero-padded to a multiple of 128 in the forward
+blocks (the GEMM contracts over F, which need not be one: Nemotron 3 Nano's 1856); their reference:
+    v = squared_relu(h)                                         # or squared_relu's backward dh
+    v_q, v_scale = quantize_fp8(v, "block", pad_to_block=True)  # [R, Fp], [R, Fp / 128]
+    v_t_q, v_t_scale = quantize_fp8_tokens(v)                   # [F, Rp], [F, Rp / 128]
 """
 
 from __future__ import annotations
@@ -397,3 +403,118 @@ def swiglu_bwd_quantize_fp8(
     for dh, drow_weights = swiglu_bwd(dout, h, row_weights). No autograd (the FP8 recipe's function calls it)."""
     _check_bwd_fp8(dout, h, row_weights)
     return torch.ops.moe_kernels.swiglu_bwd_quantize_fp8(dout, h, row_weights, bool(need_dw), bool(pow2_scale))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Squared ReLU writing FP8, forward and backward (the FP8 recipe's down-projection input, and the up projection's
+# output gradient, of experts without a gate)
+
+_SQRELU_FP8 = "squared_relu_quantize_fp8"
+_SQRELU_BWD_FP8 = "squared_relu_bwd_quantize_fp8"
+
+
+def _check_squared_relu_fp8(op: str, h: Tensor, dout: Tensor | None = None) -> None:
+    check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
+    if dout is not None:
+        check_tensor(op, "dout", dout, ndim=2, dtypes=(h.dtype,), device=h.device)
+        check_shape(op, "dout", dout, h.shape, "the shape of h")
+    if h.shape[1] % 8:
+        raise ValueError(f"{op}: `h` is [R, F] with F = {h.shape[1]}, which must be a multiple of 8 (16-byte rows)")
+
+
+def _fp8_layouts_reference(v: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both E4M3 layouts of v [R, F]: 1x128 blocks along F, codes zero-padded to a multiple of 128, and 1x128 blocks
+    along the rows, transposed."""
+    return (*quantize_fp8_reference(v, "block", _E4M3, pow2_scale, pad_to_block=True),
+            *quantize_fp8_tokens_reference(v, pow2_scale))
+
+
+def _fp8_layouts_like(h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    R, F = h.shape
+    Rp, nb = -(-R // BLOCK) * BLOCK, -(-F // BLOCK)
+    return (h.new_empty((R, nb * BLOCK), dtype=_E4M3), h.new_empty((R, nb), dtype=torch.float32),
+            h.new_empty((F, Rp), dtype=_E4M3), h.new_empty((F, Rp // BLOCK), dtype=torch.float32))
+
+
+def squared_relu_quantize_fp8_reference(h: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _fp8_layouts_reference(squared_relu_reference(h), pow2_scale)
+
+
+def squared_relu_bwd_quantize_fp8_reference(dout: Tensor, h: Tensor, pow2_scale: bool = False
+                                            ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _fp8_layouts_reference(squared_relu_bwd_reference(dout, h), pow2_scale)
+
+
+@torch.library.custom_op("moe_kernels::squared_relu_quantize_fp8", mutates_args=())
+def _squared_relu_quantize_fp8(h: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_squared_relu_fp8(_SQRELU_FP8, h)
+    return squared_relu_quantize_fp8_reference(h, pow2_scale)
+
+
+@torch.library.custom_op("moe_kernels::squared_relu_bwd_quantize_fp8", mutates_args=())
+def _squared_relu_bwd_quantize_fp8(dout: Tensor, h: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
+    return squared_relu_bwd_quantize_fp8_reference(dout, h, pow2_scale)
+
+
+@_squared_relu_quantize_fp8.register_fake
+def _(h, pow2_scale):
+    _check_squared_relu_fp8(_SQRELU_FP8, h)
+    return _fp8_layouts_like(h)
+
+
+@_squared_relu_bwd_quantize_fp8.register_fake
+def _(dout, h, pow2_scale):
+    _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
+    return _fp8_layouts_like(h)
+
+
+def _squared_relu_fp8_cuda(op: str, dout: Tensor | None, h: Tensor, pow2_scale: bool):
+    C = _ext.kernels(op, h)
+    if C is None:
+        if dout is None:
+            return squared_relu_quantize_fp8_reference(h, pow2_scale)
+        return squared_relu_bwd_quantize_fp8_reference(dout, h, pow2_scale)
+    if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
+        v = torch.ops.moe_kernels.squared_relu(h) if dout is None else torch.ops.moe_kernels.squared_relu_bwd(dout, h)
+        return (*quantize_fp8(v, "block", pow2_scale=pow2_scale, pad_to_block=True),
+                *torch.ops.moe_kernels.quantize_fp8_tokens(v, pow2_scale))
+    h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads
+    if dout is not None and dout.data_ptr() % 16:
+        dout = dout.clone()
+    q, scale, q_t, scale_t = _fp8_layouts_like(h)
+    C.squared_relu_fp8(_ext.ptr(dout), _ext.ptr(h), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t),
+                       h.shape[0], h.shape[1], pow2_scale, _ext.dtype_code(h.dtype), *_ext.launch_args(h).values())
+    return q, scale, q_t, scale_t
+
+
+@_ext.cuda_impl(_squared_relu_quantize_fp8)
+def _squared_relu_quantize_fp8_cuda(h, pow2_scale):
+    _check_squared_relu_fp8(_SQRELU_FP8, h)
+    return _squared_relu_fp8_cuda(_SQRELU_FP8, None, h, pow2_scale)
+
+
+@_ext.cuda_impl(_squared_relu_bwd_quantize_fp8)
+def _squared_relu_bwd_quantize_fp8_cuda(dout, h, pow2_scale):
+    _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
+    return _squared_relu_fp8_cuda(_SQRELU_BWD_FP8, dout.contiguous(), h, pow2_scale)
+
+
+def squared_relu_quantize_fp8(h: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[R, F] (F % 8 == 0) -> (a_q [R, Fp] E4M3, a_scale [R, Fp / 128], a_t_q [F, Rp] E4M3, a_t_scale [F, Rp / 128])
+    for a = squared_relu(h), from one read of h: the down projection's forward operand (1x128 blocks along F, F
+    zero-padded to Fp = ceil(F / 128) * 128 with zero codes) and its wgrad operand (1x128 blocks along the rows,
+    Rp = R rounded up to 128, padding codes 0); bit for bit quantize_fp8(a, "block", pad_to_block=True) and
+    quantize_fp8_tokens(a). No autograd (the FP8 recipe's function wraps it)."""
+    _check_squared_relu_fp8(_SQRELU_FP8, h)
+    return torch.ops.moe_kernels.squared_relu_quantize_fp8(h, bool(pow2_scale))
+
+
+def squared_relu_bwd_quantize_fp8(dout: Tensor, h: Tensor, *, pow2_scale: bool = False
+                                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """squared_relu's backward with dh [R, F] written in E4M3 only, from one read of dout and h: (dh_q [R, Fp],
+    dh_scale [R, Fp / 128], dh_t_q [F, Rp], dh_t_scale [F, Rp / 128]), the up projection's dgrad operand (F
+    zero-padded to a multiple of 128) and its wgrad operand; bit for bit quantize_fp8(dh, "block",
+    pad_to_block=True) and quantize_fp8_tokens(dh) of dh = squared_relu's backward. No autograd."""
+    _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
+    return torch.ops.moe_kernels.squared_relu_bwd_quantize_fp8(dout, h, bool(pow2_scale))

@@ -45,6 +45,15 @@ def test_swiglu_producers(weighted):
     torch.library.opcheck(torch.ops.moe_kernels.swiglu_bwd_quantize_fp8, (da, h, rw, weighted, False), test_utils=UTILS)
 
 
+@pytest.mark.parametrize("F", [256, 200])
+def test_squared_relu_producers(F):
+    g = torch.Generator().manual_seed(F)
+    h = torch.randn(37, F, generator=g).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.moe_kernels.squared_relu_quantize_fp8, (h, False), test_utils=UTILS)
+    d = torch.randn(37, F, generator=g).to(torch.bfloat16)
+    torch.library.opcheck(torch.ops.moe_kernels.squared_relu_bwd_quantize_fp8, (d, h, True), test_utils=UTILS)
+
+
 @pytest.mark.parametrize("with_y", [False, True])
 def test_unpermute_backward_producer(with_y):
     g, row_map, R = _routing()

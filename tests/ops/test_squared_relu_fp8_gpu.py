@@ -1,0 +1,112 @@
+"""squared_relu_quantize_fp8 (the squared ReLU writing the down projection's input in FP8, both layouts) and
+squared_relu_bwd_quantize_fp8 (its backward writing the up projection's output gradient in FP8, both layouts): GPU
+tier, bit for bit against the compositions they replace, squared_relu (or its backward) then quantize_fp8(.,
+"block", pad_to_block=True) and quantize_fp8_tokens, each run on the same device. F off 128 (the forward blocks'
+codes zero-padded) as well as on it."""
+
+import pytest
+import torch
+
+import moe_kernels as mk
+from moe_kernels.ops.activation import squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8
+from moe_kernels.testing import assert_exact
+from tests.emulation import skip_if_too_large
+
+pytestmark = pytest.mark.gpu
+EMULATION_BUDGET = 2**21  # activation elements per case
+NAMES = ("q", "scale", "t_q", "t_scale")
+
+
+def _input(R, F, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(R, F, generator=g) * 3 * torch.logspace(-2, 2, R)[:, None]
+    d = torch.randn(R, F, generator=g) * torch.logspace(-3, 1, R)[:, None]
+    return h.to(dtype), d.to(dtype)
+
+
+def _compare(got, want, what):
+    for name, x, y in zip(NAMES, got, want, strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype, f"{what} {name}"
+        if x.dtype == torch.float8_e4m3fn:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert_exact(x.cpu(), y.cpu(), f"{what} {name}")
+
+
+def _layouts(v, pow2):
+    return (*mk.quantize_fp8(v, "block", pow2_scale=pow2, pad_to_block=True), *mk.quantize_fp8_tokens(v, pow2_scale=pow2))
+
+
+def _check(h, pow2, what):
+    _compare(squared_relu_quantize_fp8(h, pow2_scale=pow2), _layouts(torch.ops.moe_kernels.squared_relu(h), pow2), what)
+
+
+def _check_bwd(d, h, pow2, what):
+    dh = torch.ops.moe_kernels.squared_relu_bwd(d, h)
+    _compare(squared_relu_bwd_quantize_fp8(d, h, pow2_scale=pow2), _layouts(dh, pow2), f"backward {what}")
+
+
+@pytest.mark.parametrize("R", [0, 1, 127, 128, 129, 300])
+@pytest.mark.parametrize("F", [8, 128, 200, 256, 1856])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_matches_composition(cuda, R, F, dtype):
+    skip_if_too_large(R * F, EMULATION_BUDGET, "elements")
+    h, d = _input(R, F, dtype, seed=R + F)
+    _check(h.to(cuda), False, f"{R}x{F} {dtype}")
+    _check_bwd(d.to(cuda), h.to(cuda), False, f"{R}x{F} {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_specials_and_pow2(cuda, dtype, pow2):
+    # NaN / inf in h and in the incoming gradient, zero columns and rows (zero blocks in both layouts), an fp16
+    # overflow (relu(h)^2 past 65504), negative blocks (relu zero), F off 128 so the padded block has them too.
+    h, d = _input(260, 200, torch.float32, seed=3)
+    h[3, 5], h[17, 190], h[29, 9] = float("nan"), float("inf"), -float("inf")
+    d[40, 7], d[41, 130], d[17, 190] = float("nan"), float("inf"), float("nan")
+    h[:, 100] = 0.0  # a column of zeros: zero token blocks
+    h[140:150, :] = 0.0  # zero rows: zero forward blocks
+    h[200, 150] = 300.0  # 90000: inf in fp16
+    h[210:215, 128:] = -1.0  # the padded block negative: a zero block
+    h, d = h.to(dtype).to(cuda), d.to(dtype).to(cuda)
+    _check(h, pow2, f"specials {dtype} pow2={pow2}")
+    _check_bwd(d, h, pow2, f"specials {dtype} pow2={pow2}")
+
+
+def test_padding_codes_are_zero(cuda):
+    h, d = _input(130, 200, torch.bfloat16, seed=5)
+    for q, _, qt, _ in (squared_relu_quantize_fp8(h.to(cuda)), squared_relu_bwd_quantize_fp8(d.to(cuda), h.to(cuda))):
+        assert q.shape == (130, 256) and qt.shape == (200, 256)
+        assert torch.all(q.view(torch.uint8)[:, 200:] == 0) and torch.all(qt.view(torch.uint8)[:, 130:] == 0)
+
+
+def test_hot_and_empty_row_ranges(cuda):
+    # A hot expert's long run of large rows next to rows of zeros (an empty expert's padding): per-block scales.
+    h, d = _input(384, 256, torch.bfloat16, seed=8)
+    h[:128] *= 100
+    h[128:256] = 0
+    d[128:256] = 0
+    _check(h.to(cuda), False, "hot and empty")
+    _check_bwd(d.to(cuda), h.to(cuda), False, "hot and empty")
+
+
+def test_misaligned_inputs(cuda):
+    h, d = _input(140, 136, torch.bfloat16, seed=9)
+    devs = []
+    for t in (h, d):
+        base = torch.empty(t.numel() + 1, dtype=t.dtype, device=cuda)
+        x = base[1:].view(t.shape)
+        x.copy_(t.to(cuda))
+        assert x.data_ptr() % 16 != 0
+        devs.append(x)
+    _check(devs[0], False, "misaligned")
+    _check_bwd(devs[1], devs[0], False, "misaligned")
+
+
+def test_bad_input_raises_before_the_kernel(cuda):
+    h = torch.zeros(4, 256, dtype=torch.bfloat16, device=cuda)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        squared_relu_quantize_fp8(torch.zeros(4, 100, dtype=torch.bfloat16, device=cuda))
+    with pytest.raises(ValueError, match="`dout` must have shape"):
+        squared_relu_bwd_quantize_fp8(torch.zeros(4, 128, dtype=torch.bfloat16, device=cuda), h)
+    with pytest.raises(TypeError, match="`dout` must have dtype"):
+        squared_relu_bwd_quantize_fp8(torch.zeros(4, 256, dtype=torch.float16, device=cuda), h)
