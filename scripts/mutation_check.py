@@ -447,6 +447,32 @@ MUTANTS = (
         "if (col[u] + j * kGroupLanes < p.cols) p.q[",
         ("tests/ops/test_quant_gpu.py", "-k", "test_block_codes_zero_padded_to_128"),
     ),
+    Mutant(
+        "padded codes at the unpadded stride",
+        "experts_quant_kernel: dgrad's transposed codes written zero-padded but each row placed at the unpadded "
+        "row length, so the rows overlap",
+        "quant/fp8_experts.cu",
+        "        *reinterpret_cast<Pack<uint8_t, kVecT>*>(q_t + col * p.q_t_rows + row) = out;\n",
+        "        *reinterpret_cast<Pack<uint8_t, kVecT>*>(q_t + col * p.rows + row) = out;\n",
+        ("tests/ops/test_quantize_experts_gpu.py", "-k", "test_padded_layouts and 300-256"),
+    ),
+    Mutant(
+        "padding columns left unwritten",
+        "squared_relu_fp8_kernel: a live row's codes stored only for the lanes below F, so the forward blocks' zero "
+        "padding to 128 is not written",
+        "activation/squared_relu_fp8.cu",
+        "      quant::quantize_row_block<kLanes>(v, m, live, p.q",
+        "      quant::quantize_row_block<kLanes>(v, m, live && c < p.ffn, p.q",
+        ("tests/ops/test_squared_relu_fp8_gpu.py", "-k", "test_padding_codes_are_zero"),
+    ),
+    Mutant(
+        "the forward's value in the backward",
+        "squared_relu_fp8_kernel: the backward quantizes relu(h)^2 instead of dout * 2 relu(h)",
+        "activation/squared_relu_fp8.cu",
+        "        if constexpr (kBwd) {\n",
+        "        if constexpr (false) {\n",
+        ("tests/ops/test_squared_relu_fp8_gpu.py", "-k", "test_matches_composition and 1856-129"),
+    ),
 )
 
 

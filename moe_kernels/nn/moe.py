@@ -245,19 +245,25 @@ class MoELayer(nn.Module):
         elif getattr(cfg.recipe, "fused_permute", False) and (experts := self._plain_experts(x_in)) is not None:
             self._took("recipe")
             # The recipe fuses the permute with its first GEMM's input quantization.
-            fused_swiglu = hasattr(cfg.recipe, "swiglu_grouped_mm") and cfg.activation == "swiglu"
-            # With the fused SwiGLU as h's only consumer, h's gradient travels in FP8 (swiglu_next).
+            fused_act = hasattr(cfg.recipe, "swiglu_grouped_mm")
+            gated = cfg.activation == "swiglu"
+            # With the fused activation as h's only consumer, h's gradient travels in FP8 (swiglu_next,
+            # squared_relu_next).
             h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
-                x_in, routed.indices, cfg.num_experts, cfg.permute_align, experts.w13, swiglu_next=fused_swiglu
+                x_in, routed.indices, cfg.num_experts, cfg.permute_align, experts.w13,
+                swiglu_next=fused_act and gated, squared_relu_next=fused_act and not gated,
             )
             row_weights = None
             if cfg.weights_in_activation:
                 row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
             weights = None if cfg.weights_in_activation else routed.weights
-            if fused_swiglu:
-                # The SwiGLU writes the second GEMM's FP8 input itself (both layouts in one pass); in the backward
-                # the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
-                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, group_sizes, unpermute_next=True)
+            if fused_act:
+                # The activation writes the second GEMM's FP8 input itself (both layouts in one pass); in the
+                # backward the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
+                if gated:
+                    y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, group_sizes, unpermute_next=True)
+                else:
+                    y = cfg.recipe.squared_relu_grouped_mm(h, experts.w2, group_sizes, unpermute_next=True)
                 out = cfg.recipe.unpermute(y, row_map, weights)
             else:
                 y = experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm,

@@ -22,7 +22,8 @@ blocks), so no bf16 copy of the permuted rows is written or saved; otherwise per
 the padding and the forward quantization in one pass over the tokens).
 With `fused_swiglu` the SwiGLU writes the second GEMM's input in E4M3 (swiglu_quantize_fp8), and in the
 backward the first GEMM's output gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), handed to the
-first GEMM's backward directly; the unpermute's backward (`Fp8BlockwiseRecipe.unpermute`) does the same for the
+first GEMM's backward directly (for experts without a gate the squared ReLU's: squared_relu_quantize_fp8,
+squared_relu_bwd_quantize_fp8); the unpermute's backward (`Fp8BlockwiseRecipe.unpermute`) does the same for the
 second GEMM's output gradient (unpermute_bwd_quantize_fp8). No bf16 gradient inside the experts is written.
 
 Weights stored [E, K, N] (transformers' GPT-OSS, Aria and Llama 4 experts; `grouped_mm_kn`): the same three
@@ -33,12 +34,13 @@ weight is made, and the codes are those of the [E, N, K] weight w.transpose(1, 2
 
 A contraction that is no multiple of 128 (Nemotron 3 Nano's F = 1856 for the down projection's forward and the
 up projection's dgrad) is zero-padded to one: the activation or gradient quantization writes its codes' rows
-padded with zeros in the same pass (quantize_fp8(..., pad_to_block=True)), and the weight's codes in that layout
-are padded once per cache entry (`Fp8Weights.gemm_tiles`: one copy of the codes a step, held instead of the
-unpadded ones). The last partial block's scale covers the elements present, so the padded products add exact
-zeros: the result is the unpadded one's. The fused producers (permute's gather, the SwiGLU's, the unpermute
-backward's) write unpadded rows, so they are taken where H and F are multiples of 128 and the composition
-(with the padded quantization) runs otherwise.
+padded with zeros in the same pass (quantize_fp8(..., pad_to_block=True); the squared ReLU's producers likewise),
+and the weight's codes in that layout are written padded by the quantization that makes both layouts
+(quantize_fp8_experts_dual(..., pad_to_block=True), held by the weight cache; where an entry was made otherwise,
+`Fp8Weights.gemm_tiles` pads it with one copy). The last partial block's scale covers the elements present, so
+the padded products add exact zeros: the result is the unpadded one's. The other fused producers (permute's
+gather, the SwiGLU's, the unpermute backward's) write unpadded rows, so they are taken where H (and the SwiGLU's
+F) are multiples of 128 and the composition (with the padded quantization) runs otherwise.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.nn import grad_sink
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
-from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
+from moe_kernels.ops.activation import (squared_relu, squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8, swiglu,
+                                        swiglu_bwd_quantize_fp8, swiglu_quantize_fp8)
 from moe_kernels.ops.permute import (permute, permute_quantize_fp8, permuted_rows, unpermute,
                                      unpermute_bwd_quantize_fp8)
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
@@ -69,7 +72,9 @@ class Fp8BlockwiseRecipe:
     fp8_dgrad: bool = True  # False: dgrad in the input precision too
     fp8_wgrad: bool = True  # False: wgrad in the input precision (the x saved as is)
     fused_permute: bool = True  # the MoE layer's first GEMM takes permute_quantize_fp8's output
-    fused_swiglu: bool = True  # the MoE layer's SwiGLU writes the second GEMM's FP8 input (swiglu_quantize_fp8)
+    # the MoE layer's SwiGLU (or squared ReLU) writes the second GEMM's FP8 input (swiglu_quantize_fp8,
+    # squared_relu_quantize_fp8), and its backward the first GEMM's output gradient
+    fused_swiglu: bool = True
     align: int = 128  # rows per expert padded to this
 
     def __post_init__(self):
@@ -119,17 +124,34 @@ class Fp8BlockwiseRecipe:
         F = h.shape[-1] // 2
         if not (self.fused_swiglu and self.fp8_wgrad and F % BLOCK == 0):
             return self.grouped_mm(swiglu(h, row_weights), w, group_sizes)
+        return self._activation_grouped_mm(h, row_weights, w, group_sizes, True, unpermute_next)
+
+    def squared_relu_grouped_mm(self, h: Tensor, w: Tensor, group_sizes: Tensor, *,
+                                unpermute_next: bool = False) -> Tensor:
+        """grouped_mm(squared_relu(h), w, group_sizes) for experts without a gate, as swiglu_grouped_mm: the
+        activation written in FP8 by the squared ReLU's kernel (squared_relu_quantize_fp8: both layouts in one
+        pass, F zero-padded to a multiple of 128 where it is none), its backward writing dh in E4M3 for the up
+        projection's backward when h comes from permute_grouped_mm(..., squared_relu_next=True), and
+        `unpermute_next` as there. Bit for bit the composition, which runs where the fused kernel does not apply
+        (fp8_wgrad off, fused_swiglu off)."""
+        if not (self.fused_swiglu and self.fp8_wgrad and h.shape[-1] % 8 == 0):
+            return self.grouped_mm(squared_relu(h), w, group_sizes)
+        return self._activation_grouped_mm(h, None, w, group_sizes, False, unpermute_next)
+
+    def _activation_grouped_mm(self, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor,
+                               gated: bool, unpermute_next: bool) -> Tensor:
         h_in = autocast_input(h)
-        # h straight from permute_grouped_mm(..., swiglu_next=True): the SwiGLU backward hands it dh in FP8.
+        # h straight from permute_grouped_mm(..., swiglu_next / squared_relu_next=True): this backward hands it dh
+        # in FP8.
         link = getattr(h, "_fp8_grad_link", None) if h_in is h else None
-        if link is not None and link.pow2_scale != self.pow2_scale:
+        if link is not None and (link.pow2_scale != self.pow2_scale or link.gated != gated):
             link = None
         # The output's gradient may arrive in FP8 too, from `unpermute` below, where the caller says so.
         out_link = None
         if unpermute_next and self.fp8_dgrad and w.shape[1] % BLOCK == 0 and not torch.compiler.is_compiling():
             out_link = _Fp8GradLink(self.pow2_scale)
-        out = _Fp8SwigluGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
-                                        weight_cache.cacheable(w), link, out_link)
+        out = _Fp8ActivationGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
+                                            weight_cache.cacheable(w), link, out_link, gated)
         if out_link is not None:
             out._fp8_grad_link = out_link
         return out
@@ -147,7 +169,8 @@ class Fp8BlockwiseRecipe:
         return _Fp8Unpermute.apply(y, row_map, weights, link)
 
     def permute_grouped_mm(
-        self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor, *, swiglu_next: bool = False
+        self, x: Tensor, indices: Tensor, num_experts: int, align: int, w: Tensor, *, swiglu_next: bool = False,
+        squared_relu_next: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """permute(x, indices, num_experts, align) followed by grouped_mm(., w, group_sizes), with the
         permute and the forward quantization fused (permute_quantize_fp8): (out [R, N], row_map,
@@ -157,16 +180,23 @@ class Fp8BlockwiseRecipe:
         may hand this GEMM's backward its gradient in E4M3, both layouts (swiglu_bwd_quantize_fp8), with no
         bf16 gradient written. The gradient autograd then carries for `out` is a placeholder (zeros, no
         memory): a hook on `out` or a gradient taken with respect to it sees zeros, and another consumer of
-        `out` raises in the backward."""
+        `out` raises in the backward. `squared_relu_next`: the same with squared_relu_grouped_mm as `out`'s one
+        consumer (squared_relu_bwd_quantize_fp8 writes the gradient)."""
         if align % self.align:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
         if x.shape[-1] % BLOCK:  # the fused producers write unpadded rows: the composition pads the codes
             x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
             return self.grouped_mm(x_perm, w, group_sizes), row_map, group_sizes
+        if swiglu_next and squared_relu_next:
+            raise ValueError("Fp8BlockwiseRecipe.permute_grouped_mm: swiglu_next and squared_relu_next name two "
+                             "consumers of the output; give one")
         link = None
-        if (swiglu_next and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad and w.shape[1] % (2 * BLOCK) == 0
+        # The producers' shapes: the SwiGLU's F a multiple of 128 (w [E, 2F, H]), the squared ReLU's any F % 8 == 0
+        # (its dh codes zero-padded to 128, as dgrad's weight tiles).
+        fits = w.shape[1] % (2 * BLOCK) == 0 if swiglu_next else w.shape[1] % 8 == 0
+        if ((swiglu_next or squared_relu_next) and fits and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad
                 and not torch.compiler.is_compiling()):
-            link = _Fp8GradLink(self.pow2_scale)
+            link = _Fp8GradLink(self.pow2_scale, gated=swiglu_next)
         out, row_map, group_sizes = _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
                                                                _weight_grad_needed(w), weight_cache.cacheable(w), link)
         if link is not None:
@@ -432,8 +462,9 @@ class _Fp8GradLink:
     projection's output gradient from the unpermute backward. Made for one tensor; `payload` lives from the one
     backward to the other."""
 
-    def __init__(self, pow2_scale: bool):
+    def __init__(self, pow2_scale: bool, gated: bool = True):
         self.pow2_scale = pow2_scale
+        self.gated = gated  # from permute_grouped_mm: the activation that will send (SwiGLU, else the squared ReLU)
         self.payload: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
         self.placeholder: Tensor | None = None
 
@@ -453,25 +484,32 @@ class _Fp8GradLink:
         if (grad is None or grad.data_ptr() != placeholder.data_ptr() or grad.stride() != placeholder.stride()
                 or grad.shape != placeholder.shape):
             raise RuntimeError("Fp8BlockwiseRecipe: a tensor whose gradient travels in FP8 (the output of "
-                               "permute_grouped_mm(..., swiglu_next=True), or of swiglu_grouped_mm passed to "
-                               "Fp8BlockwiseRecipe.unpermute) received a gradient from another consumer; "
-                               "use the plain calls where the tensor has other consumers")
+                               "permute_grouped_mm(..., swiglu_next=True or squared_relu_next=True), or of "
+                               "swiglu_grouped_mm or squared_relu_grouped_mm passed to Fp8BlockwiseRecipe.unpermute) "
+                               "received a gradient from another consumer; use the plain calls where the tensor has "
+                               "other consumers")
         return payload
 
 
-class _Fp8SwigluGroupedMM(torch.autograd.Function):
+class _Fp8ActivationGroupedMM(torch.autograd.Function):
+    """grouped_mm(act(h), w) with the activation written in E4M3 by its kernel: SwiGLU (`gated`, with the routing
+    weights) or the squared ReLU."""
+
     @staticmethod
     def forward(ctx, h: Tensor, row_weights: Tensor | None, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe,
-                need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None,
-                out_link: _Fp8GradLink | None = None):
-        # One pass over h: both E4M3 layouts of a = swiglu(h, row_weights) (fp8_wgrad is on here).
-        a_q, a_scale, a_t_q, a_t_scale = swiglu_quantize_fp8(h, row_weights, pow2_scale=recipe.pow2_scale)
+                need_wgrad: bool, cache: bool, link: _Fp8GradLink | None, out_link: _Fp8GradLink | None,
+                gated: bool):
+        # One pass over h: both E4M3 layouts of a = act(h) (fp8_wgrad is on here).
+        if gated:
+            a_q, a_scale, a_t_q, a_t_scale = swiglu_quantize_fp8(h, row_weights, pow2_scale=recipe.pow2_scale)
+        else:  # [R, Fp] codes (F zero-padded to 128, as the down projection's weight tiles), [F, Rp]
+            a_q, a_scale, a_t_q, a_t_scale = squared_relu_quantize_fp8(h, pow2_scale=recipe.pow2_scale)
         ctx.need_drw = row_weights is not None and ctx.needs_input_grad[1]
         out, ctx.state, saved = _fp8_forward(a_q, a_scale, None, w, group_sizes, recipe, need_wgrad, h.dtype, cache,
                                              x_tokens=(a_t_q, a_t_scale),
                                              need_dgrad=ctx.needs_input_grad[0] or ctx.need_drw)
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
-        ctx.link, ctx.out_link = link, out_link
+        ctx.link, ctx.out_link, ctx.gated = link, out_link, gated
         ctx.save_for_backward(*saved, h, row_weights)
         return out
 
@@ -484,13 +522,18 @@ class _Fp8SwigluGroupedMM(torch.autograd.Function):
         dh = drw = None
         if need_h and ctx.link is not None and ctx.needs_input_grad[0]:
             # dh in E4M3 only, both layouts the up projection's backward reads; autograd carries a placeholder.
-            *dh_fp8, drw = swiglu_bwd_quantize_fp8(da.contiguous(), h, row_weights, need_dw=ctx.need_drw,
-                                                   pow2_scale=ctx.link.pow2_scale)
+            if ctx.gated:
+                *dh_fp8, drw = swiglu_bwd_quantize_fp8(da.contiguous(), h, row_weights, need_dw=ctx.need_drw,
+                                                       pow2_scale=ctx.link.pow2_scale)
+            else:
+                dh_fp8 = squared_relu_bwd_quantize_fp8(da.contiguous(), h, pow2_scale=ctx.link.pow2_scale)
             dh = ctx.link.send(tuple(dh_fp8), h.shape, h.dtype, h.device)
-        elif need_h:  # swiglu's backward, as the composition takes it
+        elif need_h and ctx.gated:  # swiglu's backward, as the composition takes it
             dh, drw = torch.ops.moe_kernels.swiglu_bwd(da.contiguous(), h, row_weights, ctx.need_drw)
+        elif need_h:
+            dh = torch.ops.moe_kernels.squared_relu_bwd(da.contiguous(), h)
         drw = drw.to(ctx.rw_dtype) if ctx.need_drw else None
-        return dh, drw, dw, None, None, None, None, None, None
+        return dh, drw, dw, None, None, None, None, None, None, None
 
 
 class _Fp8Unpermute(torch.autograd.Function):

@@ -169,6 +169,43 @@ def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("family, ffn", [("qwen3_moe", 128), ("nemotron_h", 128), ("nemotron_h", 208)])
+def test_fp8_recipe_takes_the_fused_activation_producers(family, ffn, monkeypatch):
+    # A patched model's experts on the FP8 recipe as MoELayer's: the SwiGLU (transformers' default SiLU gate) or the
+    # squared ReLU writes the down projection's E4M3 input, and backward the up projection's E4M3 gradient; the
+    # unpermute backward writes the down projection's. No bf16 activation or gradient is quantized by a pass of its
+    # own, and logits and gradients are bit for bit those of the unfused recipe (fused_swiglu=False).
+    from moe_kernels.quant import Fp8BlockwiseRecipe, recipe as recipe_mod
+
+    sizes = dict(hidden_size=128, head_dim=32, moe_intermediate_size=ffn)
+    model = build(family, layers=1, **sizes).to(torch.bfloat16)  # (fp32 rows: permute_quantize_fp8 and a token pass)
+    plain = copy.deepcopy(model)
+    mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
+    mk.patch_hf(plain, recipe=Fp8BlockwiseRecipe(fused_swiglu=False))
+    calls = dict.fromkeys(("quantize_fp8", "quantize_fp8_tokens", "swiglu_bwd_quantize_fp8",
+                           "squared_relu_bwd_quantize_fp8"), 0)
+
+    def counted(name, fn):
+        return lambda *a, **kw: calls.__setitem__(name, calls[name] + 1) or fn(*a, **kw)
+
+    ids = inputs()
+    grads = []
+    for m in (model, plain):
+        with monkeypatch.context() as mp:
+            if m is model:
+                for name in calls:
+                    mp.setattr(recipe_mod, name, counted(name, getattr(recipe_mod, name)))
+            out = run(m, ids, labels=ids)
+            out.loss.backward()
+        grads.append((out.logits, *(p.grad for p in m.parameters() if p.grad is not None)))
+    gated = family == "qwen3_moe"
+    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "swiglu_bwd_quantize_fp8": int(gated),
+                     "squared_relu_bwd_quantize_fp8": int(not gated)}
+    assert len(grads[0]) == len(grads[1]) > 3
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("family", ["llama4", "aria"])
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
 def test_kn_experts_precision_recipe(family, recipe, monkeypatch):
@@ -245,13 +282,16 @@ def _ungated_recipe_case(recipe, device, monkeypatch, ffn=128):
     with torch.no_grad():
         ref = run(model, ids).logits
     cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
-    first = []  # FP8: the first GEMM fused with the permute (permute_quantize_fp8)
+    first, second = [], []  # FP8: the first GEMM fused with the permute, the second with the squared ReLU
     if recipe == "fp8":
-        real_first = cls.permute_grouped_mm
+        real_first, real_second = cls.permute_grouped_mm, cls.squared_relu_grouped_mm
         monkeypatch.setattr(cls, "permute_grouped_mm", lambda self, x, idx, E, align, w, **kw: first.append(
             (x.detach(), w.detach())) or real_first(self, x, idx, E, align, w, **kw))
+        monkeypatch.setattr(cls, "squared_relu_grouped_mm", lambda self, h, w, gs, **kw: second.append(
+            (h.detach(), w.detach())) or real_second(self, h, w, gs, **kw))
     out, calls = _run_on_recipe(model, ids, cls, "grouped_mm", monkeypatch)
-    assert len(first) + len(calls) == 2 * len(moe_blocks(model)) and len(first) == (recipe == "fp8")
+    assert len(first) + len(second) + len(calls) == 2 * len(moe_blocks(model))
+    assert len(first) == len(second) == (recipe == "fp8")
     err = relative_l2_error(out.logits.cpu(), ref.cpu())
     # Error models as test_fp8_recipe_runs_fused_permute_and_fp8_wgrad's and test_precision_recipe's, with the first
     # GEMM's relative error doubled by the squared ReLU (x^2's log-derivative is 2); 2x allowed; above 0.1%: applied.

@@ -272,7 +272,20 @@ def test_fused_swiglu_is_the_unfused_recipe(weights_in_activation):
     _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False))
 
 
-def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch):
+@pytest.mark.parametrize("ffn_size", [256, 208])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_squared_relu_is_the_unfused_recipe(ffn_size, dtype):
+    # Experts without a gate: squared_relu_quantize_fp8 + the FP8 GEMM equals squared_relu, then both
+    # quantizations (F = 208 zero-padded) + the FP8 GEMM, forward and gradients; in the backward
+    # squared_relu_bwd_quantize_fp8 equals squared_relu's backward, then both quantizations of dh in the up
+    # projection's backward.
+    torch.manual_seed(2)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=ffn_size, num_experts=6, k=2, activation="squared_relu")
+    _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False), dtype)
+
+
+@pytest.mark.parametrize("activation, ffn_size", [("swiglu", 256), ("squared_relu", 256), ("squared_relu", 208)])
+def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch, activation, ffn_size):
     # In the layer's backward the unpermute writes dy in E4M3 (both layouts) for the down projection's backward
     # and the SwiGLU writes dh in E4M3 for the up projection's: no quantization of a bf16 gradient anywhere. In
     # the forward the gather of the permuted rows writes x in both layouts (the second unpermute_bwd_quantize_fp8
@@ -280,7 +293,7 @@ def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch):
     import moe_kernels.quant.recipe as recipe_module
 
     calls = dict.fromkeys(("quantize_fp8", "quantize_fp8_tokens", "swiglu_bwd_quantize_fp8",
-                           "unpermute_bwd_quantize_fp8"), 0)
+                           "squared_relu_bwd_quantize_fp8", "unpermute_bwd_quantize_fp8"), 0)
     def counted(name, fn):
         def call(*args, **kwargs):
             calls[name] += 1
@@ -290,12 +303,13 @@ def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch):
     for name in calls:
         monkeypatch.setattr(recipe_module, name, counted(name, getattr(recipe_module, name)))
     torch.manual_seed(3)
-    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=ffn_size, num_experts=6, k=2, activation=activation)
     layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(torch.bfloat16)
     out, aux = layer(torch.randn(2, 29, 256, dtype=torch.bfloat16, requires_grad=True))
     (out.square().sum() + aux).backward()
-    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "swiglu_bwd_quantize_fp8": 1,
-                     "unpermute_bwd_quantize_fp8": 2}
+    gated = activation == "swiglu"
+    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "swiglu_bwd_quantize_fp8": int(gated),
+                     "squared_relu_bwd_quantize_fp8": int(not gated), "unpermute_bwd_quantize_fp8": 2}
 
 
 def test_fp8_gradient_link_rejects_a_second_consumer():
@@ -321,6 +335,22 @@ def test_fp8_gradient_link_rejects_a_second_consumer():
     y = recipe.swiglu_grouped_mm(h, None, w2, gs)
     (dy,) = torch.autograd.grad(recipe.unpermute(y, row_map, torch.rand(40, 2)).square().sum(), y)
     assert dy.abs().sum() > 0
+    # The same for the squared ReLU's input, and the two flags together are refused.
+    w1 = torch.nn.Parameter(torch.randn(4, 200, 128) * 0.05)
+    w2s = torch.nn.Parameter(torch.randn(4, 128, 200) * 0.05)
+    h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w1, squared_relu_next=True)
+    y = recipe.squared_relu_grouped_mm(h, w2s, gs)
+    with pytest.raises(RuntimeError, match="received a gradient from another consumer"):
+        (y.square().sum() + h.float().sum()).backward()
+    with pytest.raises(ValueError, match="give one"):
+        recipe.permute_grouped_mm(x, indices, 4, 128, w13, swiglu_next=True, squared_relu_next=True)
+    # A link made for one activation is not taken by the other (its gradient then comes as an ordinary one).
+    h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13, swiglu_next=True)
+    assert h._fp8_grad_link is not None and h._fp8_grad_link.gated
+    x.grad = None
+    w2_256 = torch.nn.Parameter(torch.randn(4, 128, 256) * 0.05)
+    recipe.squared_relu_grouped_mm(h, w2_256, gs).square().sum().backward()
+    assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     # Without swiglu_next the same graph is fine (dh in bf16, summed with the other gradient by autograd).
     h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
     (recipe.swiglu_grouped_mm(h, None, w2, gs).square().sum() + h.float().sum()).backward()

@@ -162,6 +162,31 @@ def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_acti
         assert_exact(a, b, "fused vs unfused SwiGLU quantization")
 
 
+@pytest.mark.parametrize("ffn_size", [256, 208])
+def test_fused_squared_relu_is_the_unfused_recipe_on_the_kernels(cuda, ffn_size):
+    # Experts without a gate: the squared ReLU's kernels writing both E4M3 layouts, forward and backward
+    # (squared_relu_quantize_fp8, squared_relu_bwd_quantize_fp8; F = 208 zero-padded to 256 in the same pass)
+    # against squared_relu (or its backward), quantize_fp8 and quantize_fp8_tokens on the same device: the same
+    # codes, so the layer's output and every gradient agree bit for bit (bf16 activations under autocast).
+    from moe_kernels.nn.moe import qwen3_30b_a3b
+
+    torch.manual_seed(6)
+    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=ffn_size, num_experts=6, k=2, activation="squared_relu")
+    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(cuda)
+    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_swiglu=False))).to(cuda)
+    plain.load_state_dict(fused.state_dict())
+    x = torch.randn(3, 41, 256, device=cuda)
+    grads = []
+    for layer in (fused, plain):
+        xi = x.clone().requires_grad_()
+        with torch.autocast(cuda.type, dtype=torch.bfloat16):
+            out, aux = layer(xi)
+        (out.float().square().sum() + aux).backward()
+        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
+    for a, b in zip(*grads):
+        assert_exact(a, b, "fused vs unfused squared-ReLU quantization")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_permute_is_the_unfused_recipe_on_the_kernels(cuda, dtype):
     # The first GEMM's input written in both E4M3 layouts by the gather of the permuted rows (routing-only

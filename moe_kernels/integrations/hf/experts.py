@@ -114,11 +114,24 @@ def moe_kernels_experts_forward(
             # Hugging Face order).
             out = fused.run(region, launch, x, idx.contiguous(), top_k_weights.float().contiguous(), w13, w2, E, 1)
             return out.to(hidden_states.dtype)
+    # FP8: our SwiGLU or squared ReLU writes the second GEMM's E4M3 input, and backward the first GEMM's output
+    # gradient, as MoELayer's recipe path does (bit for bit the composition); not with adapters or a norm, which
+    # read the bf16 activation or output.
+    fused_act = _fp8_fused_activation(self, recipe) if not (lora13 or lora2 or norm is not None) else None
     if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
-        h, row_map, group_sizes = recipe.permute_grouped_mm(x, idx.contiguous(), E, recipe.align, w13)
+        h, row_map, group_sizes = recipe.permute_grouped_mm(
+            x, idx.contiguous(), E, recipe.align, w13, swiglu_next=fused_act == "swiglu",
+            squared_relu_next=fused_act == "squared_relu",
+        )
     else:
         x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
         h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
+    if fused_act is not None:
+        if fused_act == "swiglu":
+            y = recipe.swiglu_grouped_mm(h, None, w2, group_sizes, unpermute_next=True)
+        else:
+            y = recipe.squared_relu_grouped_mm(h, w2, group_sizes, unpermute_next=True)
+        return recipe.unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
     act = _activation(self, h)  # act_fn(gate) * up; act_fn(up) without a gate
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
     if norm is not None:
@@ -355,6 +368,17 @@ def _fused_region(experts: nn.Module) -> str | None:
     if getattr(experts, "has_gate", True):
         return "moe" if _is_default_silu_gate(experts) else None
     return "moe_squared_relu" if _is_squared_relu(experts.act_fn) else None
+
+
+def _fp8_fused_activation(experts: nn.Module, recipe) -> str | None:
+    """Which of the FP8 recipe's fused activation GEMMs fits these experts: "swiglu" (transformers' default SiLU
+    gate, the activation `_gated` runs as our swiglu), "squared_relu" (transformers' squared ReLU without a gate),
+    or None (another recipe, or an activation of the family's own)."""
+    if not hasattr(recipe, "swiglu_grouped_mm"):
+        return None
+    if getattr(experts, "has_gate", True):
+        return "swiglu" if _is_default_silu_gate(experts) else None
+    return "squared_relu" if _is_squared_relu(experts.act_fn) else None
 
 
 def _activation(experts: nn.Module, h: Tensor) -> Tensor:
