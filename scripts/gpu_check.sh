@@ -138,7 +138,7 @@ stage_racecheck() {
   # memory only at __syncwarp and __syncthreads; docs/testing.md, races).
   local files=(tests/ops/test_permute_gpu.py tests/ops/test_router_gpu.py tests/ops/test_router_fused_gpu.py
     tests/ops/test_router_losses_gpu.py tests/ops/test_quant_gpu.py tests/ops/test_quantize_tokens_gpu.py
-    tests/ops/test_swiglu_fp8_gpu.py tests/ops/test_squared_relu_fp8_gpu.py tests/ops/test_permute_quantize_fp8_gpu.py
+    tests/ops/test_swiglu_fp8_gpu.py tests/ops/test_rows_fp8_gpu.py tests/ops/test_permute_quantize_fp8_gpu.py
     tests/ops/test_activation_gpu.py tests/ops/test_grouped_mm_gpu.py tests/dispatch/test_nvlink.py tests/ops/test_grouped_mm_fp8_mma_gpu.py)
   local k="(test_forward_matches_fp64 and uniform-300-256) or (test_wgrad_matches_fp64 and uniform-256-384) or (matches_reference and (7-8-2 or 0-1-1 or 130-16 or 4160 or fp32-softmax-999-16 or fp32-deepseek-999 \
 or fp32-sigmoid_unnormalized-999)) or tokens_past_the_grid or nvlink_capacity or (test_aux_loss and (7-64-4 or 512-2048)) \

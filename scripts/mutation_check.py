@@ -458,20 +458,20 @@ MUTANTS = (
     ),
     Mutant(
         "padding columns left unwritten",
-        "squared_relu_fp8_kernel: a live row's codes stored only for the lanes below F, so the forward blocks' zero "
-        "padding to 128 is not written",
-        "activation/squared_relu_fp8.cu",
+        "rows_fp8_kernel (the squared ReLU's FP8 producers, quantize_fp8_dual): a live row's codes stored only for the "
+        "lanes below C, so the forward blocks' zero padding to 128 is not written",
+        "activation/rows_fp8.cu",
         "      quant::quantize_row_block<kLanes>(v, m, live, p.q",
-        "      quant::quantize_row_block<kLanes>(v, m, live && c < p.ffn, p.q",
-        ("tests/ops/test_squared_relu_fp8_gpu.py", "-k", "test_padding_codes_are_zero"),
+        "      quant::quantize_row_block<kLanes>(v, m, live && c < p.cols, p.q",
+        ("tests/ops/test_rows_fp8_gpu.py", "-k", "test_padding_codes_are_zero"),
     ),
     Mutant(
         "the forward's value in the backward",
-        "squared_relu_fp8_kernel: the backward quantizes relu(h)^2 instead of dout * 2 relu(h)",
-        "activation/squared_relu_fp8.cu",
-        "        if constexpr (kBwd) {\n",
+        "rows_fp8_kernel: the squared ReLU's backward quantizes relu(h)^2 instead of dout * 2 relu(h)",
+        "activation/rows_fp8.cu",
+        "        if constexpr (kOp == RowsFp8Op::kSquaredReluBwd) {\n",
         "        if constexpr (false) {\n",
-        ("tests/ops/test_squared_relu_fp8_gpu.py", "-k", "test_matches_composition and 1856-129"),
+        ("tests/ops/test_rows_fp8_gpu.py", "-k", "test_matches_composition and 1856-129"),
     ),
 )
 

@@ -152,6 +152,8 @@ def _build(op: str, g: torch.Generator, r: random.Random, dev) -> tuple[Callable
         return activation.squared_relu_quantize_fp8, [hs], dict(pow2_scale=r.random() < 0.5)
     if op == "squared_relu_bwd_quantize_fp8":
         return activation.squared_relu_bwd_quantize_fp8, [rn(*hs.shape, dtype=hs.dtype), hs], {}
+    if op == "quantize_fp8_dual":
+        return activation.quantize_fp8_dual, [hs], dict(pow2_scale=r.random() < 0.5)
     assert op == "swiglu_bwd_quantize_fp8", op
     return activation.swiglu_bwd_quantize_fp8, [rn(M, 128, dtype=BF16), h, rw], dict(need_dw=r.random() < 0.5)
 
@@ -161,7 +163,7 @@ OPS = ("permute", "unpermute", "tokens_per_expert", "permute_quantize_fp8", "exp
        "update_expert_bias", "grouped_mm", "grouped_mm_fp8", "grouped_mm_fp8_wgrad", "quantize_fp8",
        "dequantize_fp8", "quantize_fp8_experts", "quantize_fp8_experts_dual", "quantize_fp8_tokens",
        "quantize_nvfp4", "dequantize_nvfp4", "grouped_mm_nvfp4", "swiglu", "swiglu_quantize_fp8", "swiglu_bwd_quantize_fp8",
-       "squared_relu_quantize_fp8", "squared_relu_bwd_quantize_fp8")
+       "squared_relu_quantize_fp8", "squared_relu_bwd_quantize_fp8", "quantize_fp8_dual")
 
 
 def _like(t: torch.Tensor, shape, g) -> torch.Tensor:

@@ -30,25 +30,4 @@ struct SquaredReluBwdParams {
 };
 void squared_relu_bwd(const SquaredReluBwdParams& p, cudaStream_t stream);
 
-// The squared ReLU writing its result in E4M3 only, in both layouts the FP8 recipe reads, from one read of its
-// inputs: the forward's a = relu(h)^2 (the down projection's input; dout null) or the backward's
-// dh = squared_relu_bwd(dout, h) (the up projection's output gradient; dout given). 1x128 blocks along F for
-// the forward GEMM (or dgrad), F zero-padded to Fp = ceil(F/128) * 128 (the GEMM contracts over it), and 1x128
-// blocks along the rows, transposed, for wgrad: bit for bit quantize_fp8(v, "block", pad_to_block=True) and
-// quantize_fp8_tokens(v) of the value v the unfused op writes (rounded to h's dtype). F % 8 == 0, dout and h
-// 16-byte aligned, fp16 or bf16 (a 128 x 128 fp32 tile would not fit 48 KB of static shared memory).
-struct SquaredReluFp8Params {
-  const void* dout;           // [R, F], or nullptr: the forward
-  const void* h;              // [R, F]
-  uint8_t* q;                 // [R, Fp], codes past F zero
-  float* scale;               // [R, Fp / 128]
-  uint8_t* q_t;               // [F, Rp], Rp = R rounded up to 128 (padding codes 0); 16-byte aligned
-  float* scale_t;             // [F, Rp / 128]
-  int64_t rows;
-  int64_t ffn;                // F
-  bool pow2;
-  DType dtype;
-};
-void squared_relu_fp8(const SquaredReluFp8Params& p, cudaStream_t stream);
-
 }  // namespace moe::activation

@@ -409,6 +409,7 @@ def swiglu_bwd_quantize_fp8(
 # Squared ReLU writing FP8, forward and backward (the FP8 recipe's down-projection input, and the up projection's
 # output gradient, of experts without a gate)
 
+ROWS_FP8_IDENTITY, ROWS_FP8_SQUARED_RELU, ROWS_FP8_SQUARED_RELU_BWD = 0, 1, 2  # the extension's rows_fp8 ops
 _SQRELU_FP8 = "squared_relu_quantize_fp8"
 _SQRELU_BWD_FP8 = "squared_relu_bwd_quantize_fp8"
 
@@ -469,35 +470,40 @@ def _(dout, h, pow2_scale):
     return _fp8_layouts_like(h)
 
 
-def _squared_relu_fp8_cuda(op: str, dout: Tensor | None, h: Tensor, pow2_scale: bool):
-    C = _ext.kernels(op, h)
+def _rows_fp8_cuda(op: str, code: int, x: Tensor, dout: Tensor | None, pow2_scale: bool, reference, composed):
+    """The rows_fp8 kernel (`code`: its op) writing both E4M3 layouts of an elementwise value of x (and dout), or
+    `reference()` off the kernels, `composed()` (the unfused ops, then both quantizations) for fp32."""
+    C = _ext.kernels(op, x)
     if C is None:
-        if dout is None:
-            return squared_relu_quantize_fp8_reference(h, pow2_scale)
-        return squared_relu_bwd_quantize_fp8_reference(dout, h, pow2_scale)
-    if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
-        v = torch.ops.moe_kernels.squared_relu(h) if dout is None else torch.ops.moe_kernels.squared_relu_bwd(dout, h)
+        return reference()
+    if x.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
+        v = composed()
         return (*quantize_fp8(v, "block", pow2_scale=pow2_scale, pad_to_block=True),
                 *torch.ops.moe_kernels.quantize_fp8_tokens(v, pow2_scale))
-    h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads
+    x = x if x.data_ptr() % 16 == 0 else x.clone()  # 16-byte loads
     if dout is not None and dout.data_ptr() % 16:
         dout = dout.clone()
-    q, scale, q_t, scale_t = _fp8_layouts_like(h)
-    C.squared_relu_fp8(_ext.ptr(dout), _ext.ptr(h), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t),
-                       h.shape[0], h.shape[1], pow2_scale, _ext.dtype_code(h.dtype), *_ext.launch_args(h).values())
+    q, scale, q_t, scale_t = _fp8_layouts_like(x)
+    C.rows_fp8(code, _ext.ptr(x), _ext.ptr(dout), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t),
+               x.shape[0], x.shape[1], pow2_scale, _ext.dtype_code(x.dtype), *_ext.launch_args(x).values())
     return q, scale, q_t, scale_t
 
 
 @_ext.cuda_impl(_squared_relu_quantize_fp8)
 def _squared_relu_quantize_fp8_cuda(h, pow2_scale):
     _check_squared_relu_fp8(_SQRELU_FP8, h)
-    return _squared_relu_fp8_cuda(_SQRELU_FP8, None, h, pow2_scale)
+    return _rows_fp8_cuda(_SQRELU_FP8, ROWS_FP8_SQUARED_RELU, h, None, pow2_scale,
+                          lambda: squared_relu_quantize_fp8_reference(h, pow2_scale),
+                          lambda: torch.ops.moe_kernels.squared_relu(h))
 
 
 @_ext.cuda_impl(_squared_relu_bwd_quantize_fp8)
 def _squared_relu_bwd_quantize_fp8_cuda(dout, h, pow2_scale):
     _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
-    return _squared_relu_fp8_cuda(_SQRELU_BWD_FP8, dout.contiguous(), h, pow2_scale)
+    dout = dout.contiguous()
+    return _rows_fp8_cuda(_SQRELU_BWD_FP8, ROWS_FP8_SQUARED_RELU_BWD, h, dout, pow2_scale,
+                          lambda: squared_relu_bwd_quantize_fp8_reference(dout, h, pow2_scale),
+                          lambda: torch.ops.moe_kernels.squared_relu_bwd(dout, h))
 
 
 def squared_relu_quantize_fp8(h: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -518,3 +524,49 @@ def squared_relu_bwd_quantize_fp8(dout: Tensor, h: Tensor, *, pow2_scale: bool =
     pad_to_block=True) and quantize_fp8_tokens(dh) of dh = squared_relu's backward. No autograd."""
     _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
     return torch.ops.moe_kernels.squared_relu_bwd_quantize_fp8(dout, h, bool(pow2_scale))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Both FP8 layouts of a tensor from one read (a GEMM operand and its wgrad copy, where no producer writes them)
+
+_DUAL = "quantize_fp8_dual"
+
+
+def _check_dual(t: Tensor) -> None:
+    check_tensor(_DUAL, "t", t, ndim=2, dtypes=CUDA_FLOAT_DTYPES, contiguous=False)
+    if t.shape[1] % 8:
+        raise ValueError(f"{_DUAL}: `t` is [R, C] with C = {t.shape[1]}, which must be a multiple of 8 (16-byte rows)")
+
+
+def quantize_fp8_dual_reference(t: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _fp8_layouts_reference(t.contiguous(), pow2_scale)
+
+
+@torch.library.custom_op("moe_kernels::quantize_fp8_dual", mutates_args=())
+def _quantize_fp8_dual(t: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    _check_dual(t)
+    return quantize_fp8_dual_reference(t, pow2_scale)
+
+
+@_quantize_fp8_dual.register_fake
+def _(t, pow2_scale):
+    _check_dual(t)
+    return _fp8_layouts_like(t)
+
+
+@_ext.cuda_impl(_quantize_fp8_dual)
+def _quantize_fp8_dual_cuda(t, pow2_scale):
+    _check_dual(t)
+    t = t.contiguous()
+    return _rows_fp8_cuda(_DUAL, ROWS_FP8_IDENTITY, t, None, pow2_scale, lambda: quantize_fp8_dual_reference(t, pow2_scale),
+                          lambda: t)
+
+
+def quantize_fp8_dual(t: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """[R, C] (C % 8 == 0) -> (q [R, Cp] E4M3, scale [R, Cp / 128], q_t [C, Rp] E4M3, scale_t [C, Rp / 128]) from one
+    read of t: an FP8 GEMM's operand (1x128 blocks along C, zero-padded to Cp = ceil(C / 128) * 128) and its wgrad
+    copy (1x128 blocks along the rows, transposed, Rp = R rounded up to 128, padding codes 0); bit for bit
+    quantize_fp8(t, "block", pad_to_block=True) and quantize_fp8_tokens(t). For the FP8 recipe's operands that no
+    producer writes (a dispatched expert input, the gradient a combine hands back). No autograd."""
+    _check_dual(t)
+    return torch.ops.moe_kernels.quantize_fp8_dual(t, bool(pow2_scale))

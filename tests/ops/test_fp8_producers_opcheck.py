@@ -52,6 +52,7 @@ def test_squared_relu_producers(F):
     torch.library.opcheck(torch.ops.moe_kernels.squared_relu_quantize_fp8, (h, False), test_utils=UTILS)
     d = torch.randn(37, F, generator=g).to(torch.bfloat16)
     torch.library.opcheck(torch.ops.moe_kernels.squared_relu_bwd_quantize_fp8, (d, h, True), test_utils=UTILS)
+    torch.library.opcheck(torch.ops.moe_kernels.quantize_fp8_dual, (h, False), test_utils=UTILS)
 
 
 @pytest.mark.parametrize("with_y", [False, True])

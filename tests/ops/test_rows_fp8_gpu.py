@@ -1,14 +1,15 @@
-"""squared_relu_quantize_fp8 (the squared ReLU writing the down projection's input in FP8, both layouts) and
-squared_relu_bwd_quantize_fp8 (its backward writing the up projection's output gradient in FP8, both layouts): GPU
-tier, bit for bit against the compositions they replace, squared_relu (or its backward) then quantize_fp8(.,
-"block", pad_to_block=True) and quantize_fp8_tokens, each run on the same device. F off 128 (the forward blocks'
-codes zero-padded) as well as on it."""
+"""The rows_fp8 kernel's ops: squared_relu_quantize_fp8 (the squared ReLU writing the down projection's input in FP8,
+both layouts), squared_relu_bwd_quantize_fp8 (its backward writing the up projection's output gradient in FP8, both
+layouts) and quantize_fp8_dual (both layouts of a tensor as it is): GPU tier, bit for bit against the compositions
+they replace, squared_relu (or its backward, or nothing) then quantize_fp8(., "block", pad_to_block=True) and
+quantize_fp8_tokens, each run on the same device. F off 128 (the forward blocks' codes zero-padded) as well as on
+it."""
 
 import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.ops.activation import squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8
+from moe_kernels.ops.activation import quantize_fp8_dual, squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8
 from moe_kernels.testing import assert_exact
 from tests.emulation import skip_if_too_large
 
@@ -38,6 +39,7 @@ def _layouts(v, pow2):
 
 def _check(h, pow2, what):
     _compare(squared_relu_quantize_fp8(h, pow2_scale=pow2), _layouts(torch.ops.moe_kernels.squared_relu(h), pow2), what)
+    _compare(quantize_fp8_dual(h, pow2_scale=pow2), _layouts(h, pow2), f"dual {what}")
 
 
 def _check_bwd(d, h, pow2, what):
@@ -74,7 +76,8 @@ def test_specials_and_pow2(cuda, dtype, pow2):
 
 def test_padding_codes_are_zero(cuda):
     h, d = _input(130, 200, torch.bfloat16, seed=5)
-    for q, _, qt, _ in (squared_relu_quantize_fp8(h.to(cuda)), squared_relu_bwd_quantize_fp8(d.to(cuda), h.to(cuda))):
+    for q, _, qt, _ in (squared_relu_quantize_fp8(h.to(cuda)), squared_relu_bwd_quantize_fp8(d.to(cuda), h.to(cuda)),
+                        quantize_fp8_dual(h.to(cuda))):
         assert q.shape == (130, 256) and qt.shape == (200, 256)
         assert torch.all(q.view(torch.uint8)[:, 200:] == 0) and torch.all(qt.view(torch.uint8)[:, 130:] == 0)
 
@@ -106,7 +109,18 @@ def test_bad_input_raises_before_the_kernel(cuda):
     h = torch.zeros(4, 256, dtype=torch.bfloat16, device=cuda)
     with pytest.raises(ValueError, match="multiple of 8"):
         squared_relu_quantize_fp8(torch.zeros(4, 100, dtype=torch.bfloat16, device=cuda))
+    with pytest.raises(ValueError, match="multiple of 8"):
+        quantize_fp8_dual(torch.zeros(4, 100, dtype=torch.bfloat16, device=cuda))
+    with pytest.raises(TypeError, match="`t` must have dtype"):
+        quantize_fp8_dual(torch.zeros(4, 128, dtype=torch.float64, device=cuda))
     with pytest.raises(ValueError, match="`dout` must have shape"):
         squared_relu_bwd_quantize_fp8(torch.zeros(4, 128, dtype=torch.bfloat16, device=cuda), h)
     with pytest.raises(TypeError, match="`dout` must have dtype"):
         squared_relu_bwd_quantize_fp8(torch.zeros(4, 256, dtype=torch.float16, device=cuda), h)
+
+
+def test_dual_of_a_strided_view(cuda):
+    # A non-contiguous view (a column slice) is quantized as its contiguous copy.
+    h, _ = _input(130, 272, torch.bfloat16, seed=12)
+    view = h.to(cuda)[:, 8:264]
+    _compare(quantize_fp8_dual(view), _layouts(view.contiguous(), False), "dual of a view")

@@ -1,11 +1,11 @@
-"""squared_relu_quantize_fp8 and squared_relu_bwd_quantize_fp8: CPU tier (the references are the compositions;
+"""squared_relu_quantize_fp8, squared_relu_bwd_quantize_fp8 and quantize_fp8_dual: CPU tier (the references are the compositions;
 shapes under fake tensors; bad input named before any kernel)."""
 
 import pytest
 import torch
 
-from moe_kernels.ops.activation import (squared_relu, squared_relu_bwd_quantize_fp8, squared_relu_bwd_reference,
-                                        squared_relu_quantize_fp8)
+from moe_kernels.ops.activation import (quantize_fp8_dual, squared_relu, squared_relu_bwd_quantize_fp8,
+                                        squared_relu_bwd_reference, squared_relu_quantize_fp8)
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_tokens
 from moe_kernels.ops.quant import quantize_fp8
 
@@ -36,7 +36,15 @@ def test_backward_equals_the_composition(F):
           (*quantize_fp8(dh, "block", pad_to_block=True), *quantize_fp8_tokens(dh)))
 
 
+@pytest.mark.parametrize("C", [256, 200])
+def test_dual_equals_the_composition(C):
+    t = torch.randn(130, C, generator=torch.Generator().manual_seed(C + 2)).to(torch.bfloat16)
+    _same(quantize_fp8_dual(t), (*quantize_fp8(t, "block", pad_to_block=True), *quantize_fp8_tokens(t)))
+
+
 def test_shapes_on_meta():
+    q, s, qt, st = quantize_fp8_dual(torch.empty(300, 1856, device="meta", dtype=torch.bfloat16))
+    assert [tuple(t.shape) for t in (q, s, qt, st)] == [(300, 1920), (300, 15), (1856, 384), (1856, 3)]
     h = torch.empty(300, 1856, device="meta", dtype=torch.bfloat16)
     for out in (squared_relu_quantize_fp8(h), squared_relu_bwd_quantize_fp8(torch.empty_like(h), h)):
         assert [tuple(t.shape) for t in out] == [(300, 1920), (300, 15), (1856, 384), (1856, 3)]
