@@ -15,7 +15,7 @@ from torch.nn.modules import module as _nn_module
 
 from moe_kernels.nn import fused, torch_native
 from moe_kernels.nn.experts import ACTIVATIONS, GroupedExperts, squared_relu_act
-from moe_kernels.nn.lora import lora_terms, unwrapped, wrapped_module
+from moe_kernels.nn.lora import check_expert_parallel_weights, lora_terms, unwrapped, wrapped_module
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import squared_relu, squared_relu_reference, swiglu, swiglu_reference
 from moe_kernels.ops.expert_mlp import expert_mlp_reference
@@ -391,7 +391,20 @@ class MoELayer(nn.Module):
         cfg = self.config
         d = self.dispatcher.dispatch(x, weights, indices, align=cfg.permute_align)  # rows for the local experts
         row_weights = d.weights if cfg.weights_in_activation else None
-        y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=getattr(ops, cfg.activation))
+        experts = self._plain_experts(x) if hasattr(cfg.recipe, "swiglu_grouped_mm") else None
+        if experts is not None:
+            # FP8: the activation writes the second GEMM's E4M3 input, and backward the first GEMM's output gradient
+            # (both layouts each), as on the one-rank recipe path; the dispatched rows and the gradient the combine
+            # hands back are quantized in both layouts by one pass each (the recipe's grouped_mm).
+            check_expert_parallel_weights(experts)
+            gated = experts.gated
+            h = cfg.recipe.grouped_mm(d.x, experts.w13, d.group_sizes, swiglu_next=gated, squared_relu_next=not gated)
+            if gated:
+                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, d.group_sizes)
+            else:
+                y = cfg.recipe.squared_relu_grouped_mm(h, experts.w2, d.group_sizes)
+        else:
+            y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=getattr(ops, cfg.activation))
         return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)
 
     def _forward_torch_native(self, x: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:

@@ -57,8 +57,8 @@ from moe_kernels.ops.grouped_mm import autocast_input
 from moe_kernels.nn import grad_sink
 from moe_kernels.ops.grouped_mm_fp8 import grouped_mm_fp8, grouped_mm_fp8_wgrad, quantize_fp8_tokens
 from moe_kernels.ops.grouped_mm_nvfp4 import grouped_mm_nvfp4, quantize_nvfp4_experts
-from moe_kernels.ops.activation import (squared_relu, squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8, swiglu,
-                                        swiglu_bwd_quantize_fp8, swiglu_quantize_fp8)
+from moe_kernels.ops.activation import (quantize_fp8_dual, squared_relu, squared_relu_bwd_quantize_fp8,
+                                        squared_relu_quantize_fp8, swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8)
 from moe_kernels.ops.permute import (permute, permute_quantize_fp8, permuted_rows, unpermute,
                                      unpermute_bwd_quantize_fp8)
 from moe_kernels.ops.quant import BLOCK, NVFP4_BLOCK, dequantize_nvfp4, quantize_fp8, quantize_nvfp4
@@ -90,11 +90,36 @@ class Fp8BlockwiseRecipe:
         CUTLASS kernels' operands)."""
         _check_multiples(self, hidden_size, ffn_size, 16, "16-byte aligned E4M3 rows and bf16 outputs")
 
-    def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
+    def grouped_mm(self, x: Tensor, w: Tensor, group_sizes: Tensor, *, swiglu_next: bool = False,
+                   squared_relu_next: bool = False) -> Tensor:
         """Drop-in for ops.grouped_mm: [M, K] x [E, N, K] -> [M, N] in x's dtype (autocast's under autocast).
-        With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128))."""
-        return _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
-                                   weight_cache.cacheable(w))
+        With fp8_wgrad every group must be a multiple of 128 rows (permute(..., align=128)). With FP8 wgrad a 16-bit
+        x is quantized in both layouts the GEMM reads by one pass (quantize_fp8_dual), and so is the output
+        gradient in the backward where dgrad and wgrad both read it.
+
+        `swiglu_next` / `squared_relu_next`: the caller feeds the output to swiglu_grouped_mm (squared_relu_grouped_mm)
+        and to nothing else, so that activation's backward hands this GEMM's backward its gradient in E4M3, as
+        permute_grouped_mm's (the expert-parallel layer's first GEMM: its rows come from a dispatcher)."""
+        link = self._grad_link(w, swiglu_next, squared_relu_next, "grouped_mm")
+        out = _Fp8GroupedMM.apply(autocast_input(x), w, group_sizes, self, _weight_grad_needed(w),
+                                  weight_cache.cacheable(w), False, link)
+        if link is not None:
+            out._fp8_grad_link = link
+        return out
+
+    def _grad_link(self, w: Tensor, swiglu_next: bool, squared_relu_next: bool, op: str) -> "_Fp8GradLink | None":
+        """The link that carries an activation's E4M3 backward output to the GEMM that made its input, where the
+        activation's producers apply: the SwiGLU's F a multiple of 128 (w [E, 2F, K]), the squared ReLU's any
+        F % 8 == 0 (its dh codes zero-padded to 128, as dgrad's weight tiles)."""
+        if swiglu_next and squared_relu_next:
+            raise ValueError(f"Fp8BlockwiseRecipe.{op}: swiglu_next and squared_relu_next name two consumers of the "
+                             "output; give one")
+        if not (swiglu_next or squared_relu_next):
+            return None
+        fits = w.shape[1] % (2 * BLOCK) == 0 if swiglu_next else w.shape[1] % 8 == 0
+        if fits and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad and not torch.compiler.is_compiling():
+            return _Fp8GradLink(self.pow2_scale, gated=swiglu_next)
+        return None
 
     def grouped_mm_kn(self, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
         """grouped_mm for weights stored [E, K, N]: [M, K] rows times w[e] per group -> [M, N] in x's dtype; the
@@ -187,16 +212,7 @@ class Fp8BlockwiseRecipe:
         if x.shape[-1] % BLOCK:  # the fused producers write unpadded rows: the composition pads the codes
             x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
             return self.grouped_mm(x_perm, w, group_sizes), row_map, group_sizes
-        if swiglu_next and squared_relu_next:
-            raise ValueError("Fp8BlockwiseRecipe.permute_grouped_mm: swiglu_next and squared_relu_next name two "
-                             "consumers of the output; give one")
-        link = None
-        # The producers' shapes: the SwiGLU's F a multiple of 128 (w [E, 2F, H]), the squared ReLU's any F % 8 == 0
-        # (its dh codes zero-padded to 128, as dgrad's weight tiles).
-        fits = w.shape[1] % (2 * BLOCK) == 0 if swiglu_next else w.shape[1] % 8 == 0
-        if ((swiglu_next or squared_relu_next) and fits and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad
-                and not torch.compiler.is_compiling()):
-            link = _Fp8GradLink(self.pow2_scale, gated=swiglu_next)
+        link = self._grad_link(w, swiglu_next, squared_relu_next, "permute_grouped_mm")
         out, row_map, group_sizes = _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
                                                                _weight_grad_needed(w), weight_cache.cacheable(w), link)
         if link is not None:
@@ -381,6 +397,10 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
     n_x = state["n_x"]
     saved_x, (w, group_sizes) = saved[:n_x], saved[n_x:]
     dout = dout.contiguous() if dout_fp8 is None else None
+    if (dout_fp8 is None and need_dx and need_dw and state["fp8_dgrad"] and state["fp8_wgrad"] and saved_x
+            and _dual_fits(dout)):
+        # dgrad and wgrad both read dout in E4M3: both layouts from one read (quantize_fp8_dual).
+        dout_fp8 = quantize_fp8_dual(dout, pow2_scale=state["pow2_scale"])
     dx = dw = None
     if need_dx:
         if state["fp8_dgrad"]:
@@ -423,21 +443,32 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
     return dx, dw
 
 
+def _dual_fits(t: Tensor) -> bool:
+    """Whether quantize_fp8_dual's kernel takes t: 16-bit rows whose length is a multiple of 8."""
+    return t.dtype in (torch.bfloat16, torch.float16) and t.shape[-1] % 8 == 0
+
+
 class _Fp8GroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, group_sizes: Tensor, recipe: Fp8BlockwiseRecipe, need_wgrad: bool,
-                cache: bool, kn: bool = False):
-        # [M, Kp] (K zero-padded to a multiple of 128), [M, Kp/128]
-        x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale, pad_to_block=True)
+                cache: bool, kn: bool = False, link: _Fp8GradLink | None = None):
+        x_tokens = None
+        if need_wgrad and recipe.fp8_wgrad and _dual_fits(x):
+            # Both layouts from one read of x: the forward's blocks and wgrad's token-major copy.
+            x_q, x_scale, *x_tokens = quantize_fp8_dual(x, pow2_scale=recipe.pow2_scale)
+        else:  # [M, Kp] (K zero-padded to a multiple of 128), [M, Kp/128]
+            x_q, x_scale = quantize_fp8(x, "block", pow2_scale=recipe.pow2_scale, pad_to_block=True)
         out, ctx.state, saved = _fp8_forward(x_q, x_scale, x, w, group_sizes, recipe, need_wgrad, x.dtype, cache,
-                                             need_dgrad=ctx.needs_input_grad[0], kn=kn)
+                                             x_tokens=x_tokens, need_dgrad=ctx.needs_input_grad[0], kn=kn)
+        ctx.link = link
         ctx.save_for_backward(*saved)
         return out
 
     @staticmethod
     def backward(ctx, dout: Tensor):
-        dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2])
-        return dx, dw, None, None, None, None, None
+        dout_fp8 = ctx.link.receive(dout) if ctx.link is not None else None
+        dx, dw = _fp8_backward(ctx.state, list(ctx.saved_tensors), dout, *ctx.needs_input_grad[:2], dout_fp8=dout_fp8)
+        return dx, dw, None, None, None, None, None, None
 
 
 _ZERO_SCALARS: dict[tuple[torch.dtype, torch.device], Tensor] = {}

@@ -88,6 +88,54 @@ def test_moe_layer_expert_parallel_equals_one_rank(backend, world_size):
     run_world(_worker_layer, world_size, backend)
 
 
+def _worker_fp8(rank, P, backend):
+    # The FP8 recipe on the dispatched path: the dispatched rows and the combine's gradient quantized in both layouts
+    # by one pass each, the activation's producers writing the second GEMM's input and the first GEMM's gradient in
+    # E4M3. Bit for bit the unfused recipe (fused_swiglu=False: the activation in bf16, quantized by its own passes)
+    # on the same ranks, outputs and every gradient; both within the FP8 error model of the full layer in fp32.
+    from moe_kernels.quant import Fp8BlockwiseRecipe, recipe as recipe_mod
+    from moe_kernels.testing import quantized_sqnr_floor_db, sqnr_db
+
+    calls = {"swiglu_bwd_quantize_fp8": 0, "squared_relu_bwd_quantize_fp8": 0}
+    for name in calls:
+        real = getattr(recipe_mod, name)
+        setattr(recipe_mod, name, lambda *a, _n=name, _f=real, **kw: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **kw))
+    for activation, ffn in (("swiglu", 128), ("squared_relu", 208)):
+        torch.manual_seed(0)
+        cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=ffn, num_experts=4 * P, k=2, activation=activation)
+        full = MoELayer(cfg)
+        layers = []
+        for recipe in (Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False)):
+            layer = MoELayer(cfg.replace(recipe=recipe))
+            layer.load_state_dict(full.state_dict())
+            layer = apply_expert_parallel(layer.to(torch.bfloat16), backend=backend)
+            layer.router.float()
+            layers.append(layer)
+        x = torch.randn(2, 40 + 8 * rank, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+        g = torch.randn(x.shape, generator=torch.Generator().manual_seed(10 + rank))
+        results = []
+        before = dict(calls)
+        for model in (full, *layers):
+            xi = x.clone().to(next(model.experts.parameters()).dtype).requires_grad_()
+            out, aux = model(xi)
+            ((out.float() * g).sum() + aux).backward()
+            results.append((out.float(), xi.grad.float(), model.experts.w13.grad.float(), model.experts.w2.grad.float()))
+        where = f"rank {rank}/{P} {backend} FP8 {activation}"
+        assert layers[0].expert_path == layers[1].expert_path == "dispatched", where
+        gated = activation == "swiglu"
+        assert calls["swiglu_bwd_quantize_fp8"] - before["swiglu_bwd_quantize_fp8"] == int(gated), where
+        assert calls["squared_relu_bwd_quantize_fp8"] - before["squared_relu_bwd_quantize_fp8"] == int(not gated), where
+        for got, want in zip(results[1], results[2]):
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=where)
+        # Against the fp32 layer: four E4M3 operands in the output (x and w13, the activation and w2).
+        assert sqnr_db(results[1][0], results[0][0]) > quantized_sqnr_floor_db(4), where
+
+
+@pytest.mark.parametrize("backend", ["all_gather", "all_to_all"])
+def test_moe_layer_fp8_expert_parallel(backend):
+    run_world(_worker_fp8, 2, backend)
+
+
 def _worker_lora(rank, P, backend):
     # peft LoRA on the layer's experts, then expert parallelism: the adapters stay whole (replicated) and each rank
     # applies its experts' slices. The EP layer's outputs and input gradients equal the full layer's on this rank's
