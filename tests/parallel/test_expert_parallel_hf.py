@@ -205,6 +205,40 @@ def test_kn_experts_recipe_expert_parallel():
     run_world(_kn_recipe_worker, 2)
 
 
+def _fused_activation_recipe_worker(rank, P):
+    # [E, N, K] experts (transformers' default SiLU gate, Nemotron-H's squared ReLU) on the FP8 recipe, expert-parallel:
+    # the activation's producers write the down projection's E4M3 input and the up projection's E4M3 gradient on
+    # the dispatched rows, bit for bit the unfused recipe (fused_swiglu=False) on the same ranks, logits and every
+    # gradient.
+    from moe_kernels.quant import Fp8BlockwiseRecipe, recipe as recipe_mod
+    from tests.integrations.hf_models import build
+
+    calls = {"swiglu_bwd_quantize_fp8": 0, "squared_relu_bwd_quantize_fp8": 0}
+    for name in calls:
+        real = getattr(recipe_mod, name)
+        setattr(recipe_mod, name, lambda *a, _n=name, _f=real, **kw: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **kw))
+    for family, ffn in (("qwen3_moe", 128), ("nemotron_h", 208)):
+        base = build(family, layers=1, hidden_size=128, head_dim=32, moe_intermediate_size=ffn).to(torch.bfloat16)
+        runs = []
+        before = dict(calls)
+        for recipe in (Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False)):
+            model = apply_expert_parallel(mk.patch_hf(copy.deepcopy(base), recipe=recipe))
+            ids = torch.randint(0, 64, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+            out = model(ids, labels=ids)
+            out.loss.backward()
+            runs.append((out.logits, *(p.grad for p in model.parameters() if p.grad is not None)))
+        gated = family == "qwen3_moe"
+        assert calls["swiglu_bwd_quantize_fp8"] - before["swiglu_bwd_quantize_fp8"] == int(gated), family
+        assert calls["squared_relu_bwd_quantize_fp8"] - before["squared_relu_bwd_quantize_fp8"] == int(not gated)
+        assert len(runs[0]) == len(runs[1]) > 3
+        for a, b in zip(*runs):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"rank {rank} {family}")
+
+
+def test_fused_activation_recipe_expert_parallel():
+    run_world(_fused_activation_recipe_worker, 2)
+
+
 def _lora_worker(rank, P, backend):
     for family in ("qwen3_moe", "gpt_oss", "llama4", "nemotron_h"):
         _lora_case(rank, P, family, backend)

@@ -95,10 +95,19 @@ def moe_kernels_experts_forward(
     lora13, lora2 = lora_terms(self, up), lora_terms(self, "down_proj")  # peft adapters, fused
     _check_lora_experts(self, w13.shape[0], lora13, lora2)  # (an expert-parallel rank's slices: the peft wrapper's)
     align = 1 if recipe is None else recipe.align
+    # FP8: our SwiGLU or squared ReLU writes the second GEMM's E4M3 input, and backward the first GEMM's output
+    # gradient, as MoELayer's recipe path does (bit for bit the composition); not with adapters or a norm, which
+    # read the bf16 activation or output.
+    fused_act = _fp8_fused_activation(self, recipe) if not (lora13 or lora2 or norm is not None) else None
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     if dispatcher is not None:  # moe_kernels.parallel.apply_expert_parallel: this rank holds E / P experts
         check_expert_parallel_weights(self)
         d = dispatcher.dispatch(x, top_k_weights.float(), idx.contiguous(), align=align)
+        if fused_act is not None:
+            y = _fp8_activation_gemms(recipe, fused_act, recipe.grouped_mm(
+                d.x, w13, d.group_sizes, swiglu_next=fused_act == "swiglu",
+                squared_relu_next=fused_act == "squared_relu"), w2, d.group_sizes)
+            return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
         act = _activation(self, h)
         y = grouped_mm_lora(act.contiguous(), w2, d.group_sizes, lora2, mm=mm)
@@ -114,10 +123,6 @@ def moe_kernels_experts_forward(
             # Hugging Face order).
             out = fused.run(region, launch, x, idx.contiguous(), top_k_weights.float().contiguous(), w13, w2, E, 1)
             return out.to(hidden_states.dtype)
-    # FP8: our SwiGLU or squared ReLU writes the second GEMM's E4M3 input, and backward the first GEMM's output
-    # gradient, as MoELayer's recipe path does (bit for bit the composition); not with adapters or a norm, which
-    # read the bf16 activation or output.
-    fused_act = _fp8_fused_activation(self, recipe) if not (lora13 or lora2 or norm is not None) else None
     if getattr(recipe, "fused_permute", False) and not lora13:  # FP8: permute fused with the quantization
         h, row_map, group_sizes = recipe.permute_grouped_mm(
             x, idx.contiguous(), E, recipe.align, w13, swiglu_next=fused_act == "swiglu",
@@ -127,10 +132,7 @@ def moe_kernels_experts_forward(
         x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
         h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
     if fused_act is not None:
-        if fused_act == "swiglu":
-            y = recipe.swiglu_grouped_mm(h, None, w2, group_sizes, unpermute_next=True)
-        else:
-            y = recipe.squared_relu_grouped_mm(h, w2, group_sizes, unpermute_next=True)
+        y = _fp8_activation_gemms(recipe, fused_act, h, w2, group_sizes, unpermute_next=True)
         return recipe.unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
     act = _activation(self, h)  # act_fn(gate) * up; act_fn(up) without a gate
     y = grouped_mm_lora(act.contiguous(), w2, group_sizes, lora2, mm=mm)  # [R, H]
@@ -379,6 +381,14 @@ def _fp8_fused_activation(experts: nn.Module, recipe) -> str | None:
     if getattr(experts, "has_gate", True):
         return "swiglu" if _is_default_silu_gate(experts) else None
     return "squared_relu" if _is_squared_relu(experts.act_fn) else None
+
+
+def _fp8_activation_gemms(recipe, act: str, h: Tensor, w2: Tensor, group_sizes: Tensor, *,
+                          unpermute_next: bool = False) -> Tensor:
+    """The FP8 recipe's activation and down projection in one (its producer writes the GEMM's E4M3 input)."""
+    if act == "swiglu":
+        return recipe.swiglu_grouped_mm(h, None, w2, group_sizes, unpermute_next=unpermute_next)
+    return recipe.squared_relu_grouped_mm(h, w2, group_sizes, unpermute_next=unpermute_next)
 
 
 def _activation(experts: nn.Module, h: Tensor) -> Tensor:
