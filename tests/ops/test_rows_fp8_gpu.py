@@ -124,3 +124,29 @@ def test_dual_of_a_strided_view(cuda):
     h, _ = _input(130, 272, torch.bfloat16, seed=12)
     view = h.to(cuda)[:, 8:264]
     _compare(quantize_fp8_dual(view), _layouts(view.contiguous(), False), "dual of a view")
+
+
+@pytest.mark.slow
+@pytest.mark.gpu_memory
+@pytest.mark.cuda_device
+def test_past_2_31_elements(cuda):
+    # 2^20 + 8 rows of 2048 (2^31 + 16384 elements, 4 GB of bf16): the row-major codes' offsets and the token-major
+    # copy's pass 2^31 (64-bit indices). quantize_fp8_dual against quantize_fp8 and quantize_fp8_tokens on the
+    # device, compared there; then the squared ReLU forward's codes against the composition's.
+    from tests.emulation import EMULATED
+
+    if EMULATED:
+        pytest.skip("not emulated: 2^31 elements")
+    R, C = 2**20 + 8, 2048
+    t = torch.randn(R, C, device=cuda, dtype=torch.bfloat16)
+    got = quantize_fp8_dual(t)
+    for name, x, y in zip(NAMES[:2], got[:2], mk.quantize_fp8(t, "block", pad_to_block=True), strict=True):
+        assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                           y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y), name
+    for name, x, y in zip(NAMES[2:], got[2:], mk.quantize_fp8_tokens(t), strict=True):
+        assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                           y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y), name
+    del got
+    q, s, _, _ = squared_relu_quantize_fp8(t)
+    wq, ws = mk.quantize_fp8(torch.ops.moe_kernels.squared_relu(t), "block", pad_to_block=True)
+    assert torch.equal(q.view(torch.uint8), wq.view(torch.uint8)) and torch.equal(s, ws)
