@@ -26,7 +26,7 @@ router's expert-bias counts are local too: sum `tokens_seen` over the group befo
 
 Expert tensor parallelism (`etp_group`, n ranks): each of the rank's experts keeps 1/n of its ffn width, the
 rows [t*F/n, (t+1)*F/n) of the gate and, separately, of the up projection (contiguous halves of w13 would
-break SwiGLU), and the same columns of w2. The n ranks of an etp group gather their tokens (tokens, routing
+break SwiGLU; experts without a gate: those rows of w13, the up projection), and the same columns of w2. The n ranks of an etp group gather their tokens (tokens, routing
 weights and expert choices: every rank of the group then dispatches the same pairs over its ep group and its
 experts see the same rows), each computes its slice's part of every expert output, combines it over the ep
 group (in the experts' output dtype), and the group reduce-scatters the parts in fp32, each rank keeping the
@@ -59,8 +59,12 @@ def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 
     local = GroupedExperts(count, experts.hidden_size, f, activation=experts.activation, device="meta",
                            dtype=experts.w13.dtype)
     w13 = experts.w13.detach()[first : first + count]
-    # The gate rows' slice, then the up rows' slice (cat copies; a whole-width slice is cloned).
-    w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1) if parts > 1 else w13.clone()
+    if parts == 1:
+        w13 = w13.clone()
+    elif experts.gated:  # the gate rows' slice, then the up rows' slice (cat copies)
+        w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1)
+    else:  # the up rows' slice (experts without a gate)
+        w13 = w13[:, lo : lo + f].clone(memory_format=torch.contiguous_format)
     w2 = experts.w2.detach()[first : first + count, :, lo : lo + f].clone(memory_format=torch.contiguous_format)
     local.w13 = nn.Parameter(w13, requires_grad=experts.w13.requires_grad)
     local.w2 = nn.Parameter(w2, requires_grad=experts.w2.requires_grad)
@@ -195,9 +199,6 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
             raise ValueError("apply_expert_parallel: the torch-native backend has no expert-parallel path")
         if unwrapped(layer.experts).num_experts != layer.config.num_experts:
             raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
-        if etp > 1 and layer.config.activation != "swiglu":
-            raise ValueError(f"apply_expert_parallel: etp_group splits the SwiGLU experts' ffn width; the "
-                             f"{layer.config.activation!r} experts run expert parallelism without it")
         if etp > 1 and layer.config.ffn_size % etp:
             raise ValueError(f"apply_expert_parallel: the {etp} ranks of etp_group must divide the expert ffn size "
                              f"{layer.config.ffn_size}")

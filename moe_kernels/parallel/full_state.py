@@ -4,7 +4,8 @@
 one process would write (the unsplit model's parameter names and shapes, the optimizer's states by index),
 so a checkpoint saved under one layout loads under any other, or in one process: every parameter's FSDP
 shards are gathered (DTensor.full_tensor), then its tensor-parallel slices (the dimension the split
-recorded), its etp slices (the gate and up rows separately for w13, the columns of w2) and its experts over
+recorded), its etp slices (the gate and up rows separately for a gated w13, the rows of one without a gate, the
+columns of w2) and its experts over
 the ep group. `load_full_state(par, optimizer, model_state, optim_state)` cuts every rank's pieces out of
 full state dicts. Every rank calls both, in the same order; the full tensors pass through every rank's
 memory one at a time (rank 0 keeps them, on the CPU), which suits the sizes one node trains, not a
@@ -32,7 +33,7 @@ def splits_of(model: nn.Module, tp_group=None) -> dict[str, list[Split]]:
     """name -> the splits from the full tensor to this rank's logical tensor, outermost first (parameters
     not listed are whole on every rank, apart from FSDP's shards)."""
     from moe_kernels.nn import MoELayer
-    from moe_kernels.nn.lora import experts_path
+    from moe_kernels.nn.lora import experts_path, unwrapped
     from moe_kernels.parallel.expert_parallel import ExpertTensorParallelDispatcher
     from moe_kernels.parallel.tensor_parallel import SPLIT_DIMS
 
@@ -47,7 +48,10 @@ def splits_of(model: nn.Module, tp_group=None) -> dict[str, list[Split]]:
                 d, etp_group = d.inner, d.group
             ep = [("dim", d.group, 0)] if d.num_ranks > 1 else []
             experts = prefix + experts_path(m)  # (inside adapter wrappers: experts.base_layer...)
-            out[f"{experts}.w13"] = ep + ([("gate_up", etp_group, 1)] if etp_group is not None else [])
+            gated = unwrapped(m.experts).gated
+            # w13's etp slice: gate rows and up rows each chunked (SwiGLU), or its rows chunked (no gate)
+            out[f"{experts}.w13"] = ep + ([("gate_up" if gated else "dim", etp_group, 1)] if etp_group is not None
+                                          else [])
             out[f"{experts}.w2"] = ep + ([("dim", etp_group, 2)] if etp_group is not None else [])
     return out
 

@@ -96,8 +96,6 @@ class ParallelConfig:
             problems.append(f"ep={self.ep} must divide the {moe.num_experts} experts")
         if moe.ffn_size % self.etp:
             problems.append(f"etp={self.etp} must divide the expert ffn size {moe.ffn_size}")
-        if self.etp > 1 and moe.activation != "swiglu":
-            problems.append(f"etp={self.etp} splits SwiGLU experts only (activation={moe.activation!r})")
         if cfg.num_heads % self.tp:
             problems.append(f"tp={self.tp} must divide the {cfg.num_heads} attention heads")
         if cfg.mla is None and cfg.num_kv_heads % self.tp and self.tp % cfg.num_kv_heads:

@@ -140,14 +140,18 @@ def test_fused_region_on_the_device(cuda):
         assert_close_to_fp64(g[name], g32[name], g64[name], f"d{name}")
 
 
-def test_layouts_refuse_etp_with_squared_relu():
+def test_layouts_take_etp_with_squared_relu():
+    # Expert tensor parallelism splits the up rows of experts without a gate (tests/parallel: EP x ETP against one
+    # rank); the layout check takes it, and still names a width etp does not divide.
     from moe_kernels.models import PRESETS
     from moe_kernels.nn.moe import SharedExperts
     from moe_kernels.parallel.layout import ParallelConfig
 
     cfg = PRESETS["tiny-qwen3-moe"]()
     cfg = cfg.replace(moe=cfg.moe.replace(activation="squared_relu"))
-    with pytest.raises(ValueError, match="splits SwiGLU experts only"):
-        ParallelConfig(dp_shard=2, ep=1, etp=2).check_model(cfg, seq_len=16)
+    ParallelConfig(dp_shard=2, ep=1, etp=2).check_model(cfg, seq_len=16)
+    odd = cfg.replace(moe=cfg.moe.replace(ffn_size=cfg.moe.ffn_size + 1))
+    with pytest.raises(ValueError, match="etp"):
+        ParallelConfig(dp_shard=2, ep=1, etp=2).check_model(odd, seq_len=16)
     with pytest.raises(ValueError, match="activation must be one of"):
         SharedExperts(8, 8, activation="gelu")

@@ -253,16 +253,17 @@ def _worker_etp(rank, P, backend):
         (deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8), "sigmoid + groups + shared", None),
         (qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)", None),
         (qwen3_30b_a3b(**small, k=2), "rank 1 without tokens", 1),
+        (deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8, activation="squared_relu"),
+         "squared-ReLU experts + shared expert", None),
     ]
-    with pytest.raises(ValueError, match="etp_group splits the SwiGLU experts"):
-        apply_expert_parallel(MoELayer(qwen3_30b_a3b(**small, k=2, activation="squared_relu")), ep_groups[t_rank],
-                              etp_group=etp_groups[e_rank], backend=backend)
     for cfg, name, empty_rank in cases:
         torch.manual_seed(0)
         full = MoELayer(cfg)
         par = apply_expert_parallel(copy.deepcopy(full), ep_groups[t_rank], etp_group=etp_groups[e_rank],
                                     backend=backend)
-        assert par.experts.w13.shape == (cfg.num_experts // ep, 2 * cfg.ffn_size // etp, cfg.hidden_size)
+        gated = cfg.activation == "swiglu"
+        up_rows = (2 if gated else 1) * cfg.ffn_size // etp
+        assert par.experts.w13.shape == (cfg.num_experts // ep, up_rows, cfg.hidden_size)
         where = f"rank {rank}/{P} {backend} ep 2 x etp 2 {name}"
         _compare_layers(rank, full, par, cfg.hidden_size, empty_rank, where)
         sharded = {id(p) for p in expert_parameters(par)}
@@ -272,7 +273,7 @@ def _worker_etp(rank, P, backend):
             if id(p) in sharded:
                 ref = ref.clone()
                 dist.all_reduce(ref)
-                ref = _expert_slice(ref, pname, e_rank, ep, t_rank, etp)
+                ref = _expert_slice(ref, pname, e_rank, ep, t_rank, etp, gated)
             torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {pname}")
 
 

@@ -64,14 +64,14 @@ def _worker(rank, P, tmp):
 MODEL = dict(num_experts=8, num_layers=2)
 
 
-def _split_par(layout, seed):
+def _split_par(layout, seed, model=MODEL):
     from moe_kernels.models import PRESETS, build_model
     from moe_kernels.parallel import ParallelConfig, parallelize
 
     torch.manual_seed(seed)
     # With pp: one micro-batch a step, the objective of the layouts without pipeline stages.
     pipeline = dict(num_microbatches=1, schedule="gpipe") if layout.get("pp", 1) > 1 else {}
-    par = parallelize(build_model(PRESETS["tiny-qwen3-moe"](**MODEL)), ParallelConfig(**layout), **pipeline)
+    par = parallelize(build_model(PRESETS["tiny-qwen3-moe"](**model)), ParallelConfig(**layout), **pipeline)
     return par, torch.optim.AdamW(par.model.parameters(), lr=1e-2)
 
 
@@ -114,12 +114,12 @@ def _same(got, want, what):
                 assert torch.equal(torch.as_tensor(go["state"][i][k]), torch.as_tensor(v)), f"{what}: state {i} {k}"
 
 
-def _split_layouts(rank, tmp, A, B, C=None):
+def _split_layouts(rank, tmp, A, B, C=None, model=MODEL):
     """Saved under layout A, loaded under A and under B (both train on 2 batches a step, so B's first step
     after loading A's checkpoint equals A's); then under C, which saves it again for A."""
     from moe_kernels.parallel.checkpoint import load_sharded, save_sharded
 
-    par, opt = _split_par(A, 0)
+    par, opt = _split_par(A, 0, model)
     _split_steps(par, opt, 0, 2)
     save_sharded(par, opt, f"{tmp}/split")
     saved = par.full_state(opt)
@@ -129,14 +129,14 @@ def _split_layouts(rank, tmp, A, B, C=None):
         torch.save(saved[0], f"{tmp}/split_model.pt")
 
     # The same layout, from other weights: the loaded state is the saved one and the run continues bit for bit.
-    same, same_opt = _split_par(A, 1)
+    same, same_opt = _split_par(A, 1, model)
     load_sharded(same, same_opt, f"{tmp}/split")
     _same(same.full_state(same_opt), saved, f"rank {rank}: loaded under {A}")
     assert all(torch.equal(a, b) for a, b in zip(_split_steps(same, same_opt, 2, 2), straight)), f"rank {rank}"
     _same(same.full_state(same_opt), final, f"rank {rank}: resumed under {A}")
 
     # Another layout: e.g. the experts resharded from 2 ep x 2 etp pieces to 4 ep ranks, the tp slices joined.
-    other, other_opt = _split_par(B, 1)
+    other, other_opt = _split_par(B, 1, model)
     load_sharded(other, other_opt, f"{tmp}/split")
     _same(other.full_state(other_opt), saved, f"rank {rank}: loaded under {B}")
     torch.testing.assert_close(_step_mean(_split_steps(other, other_opt, 2, 1)[0]), _step_mean(straight[0]),
@@ -144,19 +144,19 @@ def _split_layouts(rank, tmp, A, B, C=None):
     if C is None:
         return
     # C loads A's checkpoint and saves its own, which A loads back: both bit for bit.
-    third, third_opt = _split_par(C, 1)
+    third, third_opt = _split_par(C, 1, model)
     load_sharded(third, third_opt, f"{tmp}/split")
     _same(third.full_state(third_opt), saved, f"rank {rank}: loaded under {C}")
     torch.testing.assert_close(_step_mean(_split_steps(third, third_opt, 2, 1)[0]), _step_mean(straight[0]),
                                rtol=1e-5, atol=1e-6, msg=f"rank {rank}: the first loss after resharding to {C}")
-    third, third_opt = _split_par(C, 1)
+    third, third_opt = _split_par(C, 1, model)
     load_sharded(third, third_opt, f"{tmp}/split")
     save_sharded(third, third_opt, f"{tmp}/split_c")
-    back, back_opt = _split_par(A, 2)
+    back, back_opt = _split_par(A, 2, model)
     load_sharded(back, back_opt, f"{tmp}/split_c")
     _same(back.full_state(back_opt), saved, f"rank {rank}: saved under {C}, loaded under {A}")
     # And under C itself: the optimizer's settings survive (each stage keeps its own parameter lists).
-    again, again_opt = _split_par(C, 3)
+    again, again_opt = _split_par(C, 3, model)
     load_sharded(again, again_opt, f"{tmp}/split_c")
     _same(again.full_state(again_opt), saved, f"rank {rank}: saved and loaded under {C}")
     assert again_opt.param_groups[0]["betas"] == (0.9, 0.999) and again_opt.param_groups[0]["lr"] == 1e-2
@@ -187,3 +187,13 @@ def _worker_hsdp_tp(rank, P, tmp):
 @pytest.mark.extended
 def test_sharded_checkpoint_of_hsdp_tensor_parallel(tmp_path):
     run_world(_worker_hsdp_tp, 4, str(tmp_path))
+
+
+def _worker_squared_relu_etp(rank, P, tmp):
+    # Experts without a gate split by etp (each rank the rows of its slice of w13, the columns of w2), saved and
+    # resharded to experts split over 4 ep ranks: the full state bit for bit, the run continuing.
+    _split_layouts(rank, tmp, dict(tp=2, ep=2, etp=2), dict(cp=2, ep=4), model=dict(MODEL, activation="squared_relu"))
+
+
+def test_sharded_checkpoint_of_squared_relu_experts_split_by_etp(tmp_path):
+    run_world(_worker_squared_relu_etp, 4, str(tmp_path))

@@ -36,14 +36,18 @@ def _slice_of(want: torch.Tensor, got: torch.Tensor, index: int) -> torch.Tensor
     return want.chunk(want.shape[d] // got.shape[d], dim=d)[index]
 
 
-def _expert_slice(want: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int) -> torch.Tensor:
+def _expert_slice(want: torch.Tensor, name: str, ep_rank: int, ep: int, etp_rank: int, etp: int,
+                  gated: bool = True) -> torch.Tensor:
     """The part of a one-process expert weight a rank holds: its ep rank's experts, and with etp its slice of
-    each expert's ffn width (the gate rows' slice then the up rows' of w13; w2's columns)."""
+    each expert's ffn width (the gate rows' slice then the up rows' of w13, or the up rows' alone without a gate;
+    w2's columns)."""
     want = want.chunk(ep, dim=0)[ep_rank]
     if etp == 1:
         return want
     if name.endswith("w2"):
         return want.chunk(etp, dim=2)[etp_rank]
+    if not gated:
+        return want.chunk(etp, dim=1)[etp_rank]
     gate, up = want.chunk(2, dim=1)
     return torch.cat([gate.chunk(etp, dim=1)[etp_rank], up.chunk(etp, dim=1)[etp_rank]], dim=1)
 
