@@ -22,7 +22,12 @@ tests and checkpoints serve both kinds of model.)
 Gradients: expert weights now differ per rank and already hold the gradient contributions of every
 rank's tokens routed to them; the replicated parameters hold only the local tokens' contributions and
 need the usual data-parallel all-reduce over the group (`expert_parameters` tells them apart). The
-router's expert-bias counts are local too: sum `tokens_seen` over the group before updating the bias.
+router's expert-bias counts are local too: sum `tokens_seen` over the group before updating the bias. Two kinds
+of replicated parameter are read on the experts' side of the dispatch, so a rank's gradient of them holds its
+experts' rows (every rank's tokens routed there) rather than its own tokens: LoRA adapters on the experts (zeros
+outside the rank's slices) and a norm applied to each expert's output (transformers' post_expert_norm, Muse
+Spark's). Summed (or averaged) over the group, as the data-parallel reduction does, they equal the one-rank
+model's, as every replicated parameter's does.
 
 Expert tensor parallelism (`etp_group`, n ranks): each of the rank's experts keeps 1/n of its ffn width, the
 rows [t*F/n, (t+1)*F/n) of the gate and, separately, of the up projection (contiguous halves of w13 would
@@ -179,12 +184,6 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
     if hf_experts and not layers:
         from moe_kernels.integrations.peft import fuse_lora
 
-        for experts in hf_experts:  # (refused before any is sharded)
-            if getattr(experts, "has_post_expert_norm", False):
-                raise ValueError(f"apply_expert_parallel: {type(experts).__name__} applies a norm after each expert "
-                                 "(transformers' has_post_expert_norm): its weight is shared by every expert, so a "
-                                 "rank's gradient of it would cover its own experts' rows (every rank's tokens), not "
-                                 "the rank's own tokens as for every other replicated parameter; not supported yet")
         for experts in hf_experts:
             _shard_hf_experts(experts, backend, group, options)
         fuse_lora(model)  # peft's adapters on the experts: this rank's slices (peft's own wrapper would take them all)

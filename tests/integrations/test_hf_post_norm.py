@@ -131,15 +131,49 @@ def test_post_expert_norm_on_the_device(cuda):
     _assert_same_model(model, ref, model(ids.to(cuda)).last_hidden_state, ref(ids).last_hidden_state)
 
 
-def test_expert_parallel_is_refused():
-    # The norm's weight is shared by every expert: an expert-parallel rank would hold its own experts' part of its
-    # gradient only. Refused before anything changes.
-    from moe_kernels.parallel import apply_expert_parallel
+def _expert_parallel_worker(rank, P, backend):
+    # Expert-parallel post-norm experts: each rank's output on its own tokens is the one-rank model's, its experts'
+    # gradients the sum over the ranks of the one-rank model's slices. The norm's weight is shared by every expert,
+    # so a rank's gradient of it holds its experts' rows (every rank's tokens): summed over the ranks, as the
+    # data-parallel reduction does, it equals the one-rank model's sum over the ranks (as every other replicated
+    # parameter's, whose rank gradient holds its own tokens).
+    import torch.distributed as dist
 
-    model = mk.patch_hf(_model())
-    with pytest.raises(ValueError, match="applies a norm after each expert"):
-        apply_expert_parallel(model)
-    assert all(e.gate_up_proj.shape[0] == 8 for e in _experts(model))
+    from moe_kernels.parallel import apply_expert_parallel, expert_parameters
+    from moe_kernels.testing import relative_l2_error
+
+    full = mk.patch_hf(_model())
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    assert all(e.gate_up_proj.shape[0] == 8 // P for e in _experts(ep))
+    shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
+    assert len(shards) == 4  # two blocks' gate_up_proj and down_proj
+    ids = torch.randint(0, 64, (2, 6 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+    r = torch.randn(*ids.shape, 32, generator=torch.Generator().manual_seed(10 + rank))
+    outs = []
+    for model in (full, ep):
+        out = model(ids).last_hidden_state
+        (out * r).sum().backward()
+        outs.append(out)
+    where = f"rank {rank}/{P} {backend}"
+    assert relative_l2_error(outs[1], outs[0]) < 1e-5, where
+    full_params = dict(full.named_parameters())
+    for name, p in ep.named_parameters():
+        got, want = p.grad.clone(), full_params[name].grad.clone()
+        if name in shards:
+            dist.all_reduce(want)
+            want = want.chunk(P, 0)[rank]
+        elif name.endswith("post_expert_norm.weight"):
+            dist.all_reduce(got)
+            dist.all_reduce(want)
+        assert relative_l2_error(got, want) < 1e-4, f"{where}: {name}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("backend", ["all_to_all", "all_gather"])
+def test_expert_parallel_equals_one_rank(backend):
+    from tests.distributed import run_world
+
+    run_world(_expert_parallel_worker, 2, backend)
 
 
 def test_fused_lora_on_post_norm_experts():
