@@ -155,6 +155,7 @@ void fp8_quantize_experts(const Fp8ExpertsQuantParams& params, cudaStream_t stre
   }
   const int64_t tiles = p.experts * row_tiles * col_tiles;
   if (tiles == 0) return;
+  // (After the empty-shape return: an empty q_t comes as a null pointer with its padded row length.)
   if (p.q_t == nullptr && p.q_t_rows != p.rows) {
     throw std::invalid_argument("quantize_fp8_experts_dual: q_t_rows without q_t");
   }

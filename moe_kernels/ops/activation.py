@@ -500,7 +500,6 @@ def _squared_relu_quantize_fp8_cuda(h, pow2_scale):
 @_ext.cuda_impl(_squared_relu_bwd_quantize_fp8)
 def _squared_relu_bwd_quantize_fp8_cuda(dout, h, pow2_scale):
     _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
-    dout = dout.contiguous()
     return _rows_fp8_cuda(_SQRELU_BWD_FP8, ROWS_FP8_SQUARED_RELU_BWD, h, dout, pow2_scale,
                           lambda: squared_relu_bwd_quantize_fp8_reference(dout, h, pow2_scale),
                           lambda: torch.ops.moe_kernels.squared_relu_bwd(dout, h))

@@ -189,7 +189,8 @@ def _quantize_fp8_experts_dual_copy_cuda(w, copy, pow2_scale, pad_to_block=False
 def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: Tensor | None = None,
                               pad_to_block: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Expert weights [E, N, K] -> (q [E, N, K], scale [E, ceil(N / 128), ceil(K / 128)], q_t [E, K, N],
-    scale_t [E, ceil(K / 128), ceil(N / 128)]), E4M3 with fp32 scales: the forward's 128x128 tiles
+    scale_t [E, ceil(K / 128), ceil(N / 128)]; with `pad_to_block`, q [E, N, Kp] and q_t [E, K, Np], below),
+    E4M3 with fp32 scales: the forward's 128x128 tiles
     (quantize_fp8_experts) and dgrad's transposed tiles (a tile is its own transpose: the same codes and
     scales laid out the other way), from one read of w on the GPU. Bit for bit quantize_fp8_experts(w)
     followed by transpose(1, 2) of codes and scales. No autograd.

@@ -158,7 +158,7 @@ class Fp8BlockwiseRecipe:
         pass, F zero-padded to a multiple of 128 where it is none), its backward writing dh in E4M3 for the up
         projection's backward when h comes from permute_grouped_mm(..., squared_relu_next=True), and
         `unpermute_next` as there. Bit for bit the composition, which runs where the fused kernel does not apply
-        (fp8_wgrad off, fused_swiglu off)."""
+        (fp8_wgrad off, fused_swiglu off, F not a multiple of 8)."""
         if not (self.fused_swiglu and self.fp8_wgrad and h.shape[-1] % 8 == 0):
             return self.grouped_mm(squared_relu(h), w, group_sizes)
         return self._activation_grouped_mm(h, None, w, group_sizes, False, unpermute_next)
@@ -183,7 +183,7 @@ class Fp8BlockwiseRecipe:
 
     def unpermute(self, y: Tensor, row_map: Tensor, weights: Tensor | None) -> Tensor:
         """ops.unpermute(y, row_map, weights), differentiable in y and weights. Where y comes from
-        swiglu_grouped_mm(..., unpermute_next=True), the backward gathers y's gradient and writes it in E4M3,
+        swiglu_grouped_mm(..., unpermute_next=True) (or squared_relu_grouped_mm's), the backward gathers y's gradient and writes it in E4M3,
         both layouts the down projection's backward reads (unpermute_bwd_quantize_fp8), no bf16 gradient
         written; autograd carries a placeholder for y meanwhile (zeros: a hook on y or a gradient taken with
         respect to it sees zeros, and another consumer of y raises in the backward). Otherwise as
@@ -211,7 +211,8 @@ class Fp8BlockwiseRecipe:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
         if x.shape[-1] % BLOCK:  # the fused producers write unpadded rows: the composition pads the codes
             x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
-            return self.grouped_mm(x_perm, w, group_sizes), row_map, group_sizes
+            out = self.grouped_mm(x_perm, w, group_sizes, swiglu_next=swiglu_next, squared_relu_next=squared_relu_next)
+            return out, row_map, group_sizes
         link = self._grad_link(w, swiglu_next, squared_relu_next, "permute_grouped_mm")
         out, row_map, group_sizes = _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
                                                                _weight_grad_needed(w), weight_cache.cacheable(w), link)
@@ -392,8 +393,9 @@ def _fp8_forward(
 
 def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx: bool, need_dw: bool,
                   dout_fp8: tuple[Tensor, Tensor, Tensor, Tensor] | None = None):
-    """dgrad and wgrad from dout, or from its E4M3 layouts `dout_fp8` (d_q [M, N], d_scale [M, N/128], d_t_q
-    [N, Mp], d_t_scale [N, Mp/128]) when its producer wrote them (FP8 dgrad and wgrad on)."""
+    """dgrad and wgrad from dout, or from its E4M3 layouts `dout_fp8` (d_q [M, Np], d_scale [M, Np/128], d_t_q
+    [N, Mp], d_t_scale [N, Mp/128]; Np = N rounded up to 128, the codes past N zero) when its producer wrote them
+    (FP8 dgrad and wgrad on)."""
     n_x = state["n_x"]
     saved_x, (w, group_sizes) = saved[:n_x], saved[n_x:]
     dout = dout.contiguous() if dout_fp8 is None else None

@@ -11,7 +11,7 @@ import torch
 import moe_kernels as mk
 from moe_kernels.ops.activation import quantize_fp8_dual, squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8
 from moe_kernels.testing import assert_exact
-from tests.emulation import skip_if_too_large
+from tests.emulation import EMULATED, skip_if_too_large
 
 pytestmark = pytest.mark.gpu
 EMULATION_BUDGET = 2**21  # activation elements per case
@@ -75,9 +75,18 @@ def test_specials_and_pow2(cuda, dtype, pow2):
 
 
 def test_padding_codes_are_zero(cuda):
+    # Fresh allocations filled (NaN codes, not the zeros of recycled memory), so unwritten padding shows.
     h, d = _input(130, 200, torch.bfloat16, seed=5)
-    for q, _, qt, _ in (squared_relu_quantize_fp8(h.to(cuda)), squared_relu_bwd_quantize_fp8(d.to(cuda), h.to(cuda)),
-                        quantize_fp8_dual(h.to(cuda))):
+    h, d = h.to(cuda), d.to(cuda)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        outs = [squared_relu_quantize_fp8(h), squared_relu_bwd_quantize_fp8(d, h), quantize_fp8_dual(h)]
+    finally:
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+        torch.use_deterministic_algorithms(EMULATED, warn_only=True)
+    for q, _, qt, _ in outs:
         assert q.shape == (130, 256) and qt.shape == (200, 256)
         assert torch.all(q.view(torch.uint8)[:, 200:] == 0) and torch.all(qt.view(torch.uint8)[:, 130:] == 0)
 
@@ -133,8 +142,6 @@ def test_past_2_31_elements(cuda):
     # 2^20 + 8 rows of 2048 (2^31 + 16384 elements, 4 GB of bf16): the row-major codes' offsets and the token-major
     # copy's pass 2^31 (64-bit indices). quantize_fp8_dual against quantize_fp8 and quantize_fp8_tokens on the
     # device, compared there; then the squared ReLU forward's codes against the composition's.
-    from tests.emulation import EMULATED
-
     if EMULATED:
         pytest.skip("not emulated: 2^31 elements")
     R, C = 2**20 + 8, 2048

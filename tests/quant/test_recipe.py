@@ -312,6 +312,31 @@ def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch, 
                      "squared_relu_bwd_quantize_fp8": int(not gated), "unpermute_bwd_quantize_fp8": 2}
 
 
+@pytest.mark.parametrize("activation, ffn_size", [("swiglu", 128), ("squared_relu", 208)])
+def test_hidden_size_off_128_keeps_the_activation_producers(monkeypatch, activation, ffn_size):
+    # H = 144: the gathers of the permuted rows and of the output gradient take multiples of 128, so the first GEMM's
+    # input and the down projection's gradient are quantized in both layouts by one pass each (quantize_fp8_dual);
+    # the activation still writes the down projection's input and the up projection's gradient in E4M3.
+    import moe_kernels.quant.recipe as recipe_module
+
+    names = ("quantize_fp8", "quantize_fp8_tokens", "quantize_fp8_dual", "swiglu_bwd_quantize_fp8",
+             "squared_relu_bwd_quantize_fp8", "unpermute_bwd_quantize_fp8")
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(recipe_module, name)
+        monkeypatch.setattr(recipe_module, name,
+                            lambda *a, _n=name, _f=real, **kw: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **kw))
+    torch.manual_seed(5)
+    cfg = qwen3_30b_a3b(hidden_size=144, ffn_size=ffn_size, num_experts=6, k=2, activation=activation)
+    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(torch.bfloat16)
+    out, aux = layer(torch.randn(2, 29, 144, dtype=torch.bfloat16, requires_grad=True))
+    (out.square().sum() + aux).backward()
+    gated = activation == "swiglu"
+    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "quantize_fp8_dual": 2,
+                     "swiglu_bwd_quantize_fp8": int(gated), "squared_relu_bwd_quantize_fp8": int(not gated),
+                     "unpermute_bwd_quantize_fp8": 0}
+
+
 def test_fp8_gradient_link_rejects_a_second_consumer():
     recipe = Fp8BlockwiseRecipe()
     torch.manual_seed(4)
@@ -345,11 +370,20 @@ def test_fp8_gradient_link_rejects_a_second_consumer():
     with pytest.raises(ValueError, match="give one"):
         recipe.permute_grouped_mm(x, indices, 4, 128, w13, swiglu_next=True, squared_relu_next=True)
     # A link made for one activation is not taken by the other (its gradient then comes as an ordinary one).
+    import moe_kernels.quant.recipe as recipe_module
+
     h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13, swiglu_next=True)
     assert h._fp8_grad_link is not None and h._fp8_grad_link.gated
     x.grad = None
     w2_256 = torch.nn.Parameter(torch.randn(4, 128, 256) * 0.05)
-    recipe.squared_relu_grouped_mm(h, w2_256, gs).square().sum().backward()
+    sent = []
+    real = recipe_module.squared_relu_bwd_quantize_fp8
+    recipe_module.squared_relu_bwd_quantize_fp8 = lambda *a, **kw: sent.append(1) or real(*a, **kw)
+    try:
+        recipe.squared_relu_grouped_mm(h, w2_256, gs).square().sum().backward()
+    finally:
+        recipe_module.squared_relu_bwd_quantize_fp8 = real
+    assert not sent  # dh went as an ordinary bf16 gradient
     assert torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0
     # Without swiglu_next the same graph is fine (dh in bf16, summed with the other gradient by autograd).
     h, _, gs = recipe.permute_grouped_mm(x, indices, 4, 128, w13)
