@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from moe_kernels import onnx as _onnx
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, LORA_ATTR, SLICED_DELTA_ATTR, unwrapped
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, FFN_SLICE_ATTR, LORA_ATTR, SLICED_DELTA_ATTR, ffn_slice, unwrapped
 
 _WRAPPER = "MoeKernelsParamWrapper"
 _FLOAT = (torch.float32, torch.bfloat16, torch.float16)
@@ -75,15 +75,35 @@ def _make_wrapper_class():
                     "PeftModel.from_pretrained) before apply_expert_parallel")
             return slice(first, first + count)
 
+        def _ffn_slice(self):
+            """(lo, width, ffn, gated) where the wrapped experts are expert-tensor-parallel (each expert's ffn width
+            split: moe_kernels.parallel.expert_parallel), else None."""
+            base = self.get_base_layer()
+            held = base.__dict__.get(FFN_SLICE_ATTR)
+            return None if held is None else (held, base.gated)
+
         def get_delta_factors(self, adapter_name):
             lhs, rhs, scaling = super().get_delta_factors(adapter_name)
             local = self._local_experts()
-            return (lhs, rhs, scaling) if local is None else (lhs[local], rhs[local], scaling)
+            if local is not None:
+                lhs, rhs = lhs[local], rhs[local]
+            ffn = self._ffn_slice()
+            if ffn is not None:  # [E, N, K] experts: lhs [E, N, r] (w13's ffn rows), rhs [E, r, K] (w2's ffn columns)
+                (held, gated), name = ffn, self.parameter_name
+                lhs, rhs = (ffn_slice(lhs, name, held, gated, 1), rhs) if name == "w13" else \
+                    (lhs, ffn_slice(rhs, name, held, gated, 2))
+            return lhs, rhs, scaling
 
         def get_delta_weight(self, adapter_name, *args, **kwargs):
             delta = super().get_delta_weight(adapter_name, *args, **kwargs)
             local = self._local_experts()
-            return delta if local is None else delta[local]
+            if local is not None:
+                delta = delta[local]
+            ffn = self._ffn_slice()
+            if ffn is not None:  # [E, N, K]: w13's ffn rows, w2's ffn columns
+                (held, gated), name = ffn, self.parameter_name
+                delta = ffn_slice(delta, name, held, gated, 1 if name == "w13" else 2)
+            return delta
 
         @contextlib.contextmanager
         def _activate_lora(self, active_adapters):

@@ -16,6 +16,7 @@ is the list of (B [E, N, r], A [E, r, K], s) for the weight `name`.
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -29,6 +30,20 @@ EXPERT_RANGE_ATTR = "_moe_kernels_expert_range"
 # Set (a count) on such experts while moe_kernels.integrations.peft's wrapper parametrizes their weights with this
 # rank's slice of its delta (peft's own path: several adapters, non-float weights).
 SLICED_DELTA_ATTR = "_moe_kernels_sliced_delta"
+# On an expert-tensor-parallel rank's experts module: (lo, width, ffn), the slice [lo, lo + width) of each expert's
+# ffn width `ffn` that it holds (w13's gate rows and up rows, or its rows without a gate; w2's columns). An adapter
+# wrapper applies that slice of its factors too.
+FFN_SLICE_ATTR = "_moe_kernels_ffn_slice"
+
+
+def ffn_slice(t: Tensor, name: str, held: tuple[int, int, int], gated: bool, dim: int) -> Tensor:
+    """The part of `t` (an expert weight `name`, "w13" or "w2", or a factor or delta of it, whose ffn axis is `dim`)
+    that an expert-tensor-parallel rank holding `held` = (lo, width, ffn) keeps: w13's gate and up rows of the slice
+    (or its rows without a gate), w2's columns."""
+    lo, f, F = held
+    if name == "w13" and gated:
+        return torch.cat([t.narrow(dim, lo, f), t.narrow(dim, F + lo, f)], dim)
+    return t.narrow(dim, lo, f)
 
 
 def check_expert_parallel_weights(experts: nn.Module) -> None:

@@ -54,7 +54,7 @@ from moe_kernels.dispatch import LocalDispatcher, NvlinkDispatcher, collectives,
 from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, lora_terms, unwrapped, wrapped_module
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, FFN_SLICE_ATTR, unwrapped, wrapped_module
 
 
 def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 0, parts: int = 1) -> GroupedExperts:
@@ -201,10 +201,6 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         if etp > 1 and layer.config.ffn_size % etp:
             raise ValueError(f"apply_expert_parallel: the {etp} ranks of etp_group must divide the expert ffn size "
                              f"{layer.config.ffn_size}")
-        inner = unwrapped(layer.experts)
-        if etp > 1 and (inner is not layer.experts or lora_terms(inner, "w13") or lora_terms(inner, "w2")):
-            raise NotImplementedError("apply_expert_parallel: LoRA adapters on experts split by etp_group (each "
-                                      "expert's ffn width split too)")
     etp_rank = 0 if etp == 1 else dist.get_rank(etp_group)
     one_rank = group is not None and dist.get_world_size(group) == 1
     for layer in layers:
@@ -213,6 +209,9 @@ def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backe
         first, count = dispatcher.first_expert, dispatcher.num_local_experts
         local = _local_experts(unwrapped(layer.experts), first, count, etp_rank, etp)
         local.__dict__[EXPERT_RANGE_ATTR] = (first, count, E)
+        if etp > 1:  # an adapter wrapper applies this slice of its factors too
+            F = layer.config.ffn_size
+            local.__dict__[FFN_SLICE_ATTR] = (etp_rank * (F // etp), F // etp, F)
         _replace_unwrapped(layer, "experts", local)
         layer.dispatcher = dispatcher if etp == 1 else ExpertTensorParallelDispatcher(dispatcher, etp_group)
     if any(unwrapped(layer.experts) is not layer.experts for layer in layers):

@@ -277,6 +277,55 @@ def _worker_etp(rank, P, backend):
             torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {pname}")
 
 
+def _worker_etp_lora(rank, P):
+    # peft LoRA on the experts, then EP 2 x ETP 2: each rank applies its experts' slices of the factors and, of
+    # those, its ffn slice (w13's B rows: the gate and up rows of its slice, or its rows without a gate; w2's A
+    # columns). Outputs and input gradients equal the full layer's on each rank's tokens; the adapter gradients
+    # summed over the 4 ranks equal the full layer's summed (each rank holds its slice's part of every token routed
+    # to its experts). Fused grouped LoRA terms and peft's own path (two adapters at once).
+    import peft
+
+    from moe_kernels.integrations import peft as mk_peft
+
+    ep, etp = 2, 2
+    etp_groups = [dist.new_group([e * etp + t for t in range(etp)]) for e in range(ep)]
+    ep_groups = [dist.new_group([e * etp + t for e in range(ep)]) for t in range(etp)]
+    e_rank, t_rank = rank // etp, rank % etp
+    for activation in ("swiglu", "squared_relu"):
+        torch.manual_seed(0)
+        cfg = qwen3_30b_a3b(hidden_size=24, ffn_size=16, num_experts=8, k=3, activation=activation)
+        config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=["experts.w13", "experts.w2"],
+                                 init_lora_weights=False)
+        full = peft.get_peft_model(MoELayer(cfg), config)
+        mk_peft.fuse_lora(full)
+        par = apply_expert_parallel(copy.deepcopy(full), ep_groups[t_rank], etp_group=etp_groups[e_rank])
+        where = f"rank {rank}/{P} ep 2 x etp 2 LoRA {activation}"
+        _compare_layers(rank, full, par, cfg.hidden_size, None, where)
+        lora = [n for n, _ in par.named_parameters() if "lora_" in n]
+        assert len(lora) == 4, where
+        full_params, par_params = dict(full.named_parameters()), dict(par.named_parameters())
+        for name in lora:
+            got, want = par_params[name].grad.clone(), full_params[name].grad.clone()
+            dist.all_reduce(got)
+            dist.all_reduce(want)
+            torch.testing.assert_close(got, want, **TOL, msg=f"{where}: {name}")
+        # Two adapters at once: peft's own path (W + the deltas), with this rank's slices of each delta.
+        x = torch.randn(7, cfg.hidden_size, generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            two = copy.deepcopy(full)
+            two.add_adapter("second", config)
+            two_par = apply_expert_parallel(copy.deepcopy(two), ep_groups[t_rank], etp_group=etp_groups[e_rank])
+            for model in (two, two_par):
+                model.base_model.set_adapter(["default", "second"])
+            torch.testing.assert_close(two_par(x)[0], two(x)[0], **TOL, msg=where)
+
+
+@pytest.mark.distributed
+def test_moe_layer_lora_expert_tensor_parallel_equals_one_rank():
+    pytest.importorskip("peft")
+    run_world(_worker_etp_lora, 4)
+
+
 @pytest.mark.parametrize("backend", [pytest.param("all_gather", marks=pytest.mark.extended), "all_to_all"])
 def test_moe_layer_expert_tensor_parallel_equals_one_rank(backend):
     run_world(_worker_etp, 4, backend)
