@@ -26,3 +26,15 @@ def skip_if_emulated(reason: str) -> None:
     streams, device-mismatch checks)."""
     if EMULATED:
         pytest.skip(f"not emulated: {reason}")
+
+
+def misaligned_copy(t, device):
+    """A copy of `t` on `device` that does not start on 16 bytes (a view one element into a larger buffer): the
+    kernels' scalar paths, or their copy to an aligned buffer."""
+    import torch
+
+    base = torch.empty(t.numel() + 1, dtype=t.dtype, device=device)
+    x = base[1:].view(t.shape)
+    x.copy_(t.to(device))
+    assert x.data_ptr() % 16 != 0
+    return x

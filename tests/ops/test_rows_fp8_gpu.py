@@ -11,7 +11,7 @@ import torch
 import moe_kernels as mk
 from moe_kernels.ops.activation import quantize_fp8_dual, squared_relu_bwd_quantize_fp8, squared_relu_quantize_fp8
 from moe_kernels.testing import assert_exact
-from tests.emulation import EMULATED, skip_if_too_large
+from tests.emulation import EMULATED, misaligned_copy, skip_if_too_large
 
 pytestmark = pytest.mark.gpu
 EMULATION_BUDGET = 2**21  # activation elements per case
@@ -103,15 +103,9 @@ def test_hot_and_empty_row_ranges(cuda):
 
 def test_misaligned_inputs(cuda):
     h, d = _input(140, 136, torch.bfloat16, seed=9)
-    devs = []
-    for t in (h, d):
-        base = torch.empty(t.numel() + 1, dtype=t.dtype, device=cuda)
-        x = base[1:].view(t.shape)
-        x.copy_(t.to(cuda))
-        assert x.data_ptr() % 16 != 0
-        devs.append(x)
-    _check(devs[0], False, "misaligned")
-    _check_bwd(devs[1], devs[0], False, "misaligned")
+    h, d = misaligned_copy(h, cuda), misaligned_copy(d, cuda)
+    _check(h, False, "misaligned")
+    _check_bwd(d, h, False, "misaligned")
 
 
 def test_bad_input_raises_before_the_kernel(cuda):

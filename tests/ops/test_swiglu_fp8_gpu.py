@@ -9,7 +9,7 @@ import torch
 import moe_kernels as mk
 from moe_kernels.ops.activation import swiglu, swiglu_bwd_quantize_fp8, swiglu_quantize_fp8
 from moe_kernels.testing import assert_exact
-from tests.emulation import skip_if_too_large
+from tests.emulation import misaligned_copy, skip_if_too_large
 
 pytestmark = pytest.mark.gpu
 EMULATION_BUDGET = 2**21  # activation elements per case
@@ -126,14 +126,8 @@ def test_backward_hot_and_empty_row_ranges(cuda):
 
 def test_backward_misaligned_inputs(cuda):
     da, h, w = _grad_input(140, 128, torch.bfloat16, seed=9, weights=True)
-    devs = []
-    for t in (h, da):
-        base = torch.empty(t.numel() + 1, dtype=t.dtype, device=cuda)
-        d = base[1:].view(t.shape)
-        d.copy_(t.to(cuda))
-        assert d.data_ptr() % 16 != 0
-        devs.append(d)
-    _check_bwd(devs[1], devs[0], w.to(torch.float16).to(cuda), True, False, "backward misaligned")
+    _check_bwd(misaligned_copy(da, cuda), misaligned_copy(h, cuda), w.to(torch.float16).to(cuda), True, False,
+               "backward misaligned")
 
 
 def test_backward_bad_input_raises_before_the_kernel(cuda):

@@ -284,57 +284,40 @@ def test_fused_squared_relu_is_the_unfused_recipe(ffn_size, dtype):
     _assert_same_layer(cfg, Fp8BlockwiseRecipe(), Fp8BlockwiseRecipe(fused_swiglu=False), dtype)
 
 
-@pytest.mark.parametrize("activation, ffn_size", [("swiglu", 256), ("squared_relu", 256), ("squared_relu", 208)])
-def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch, activation, ffn_size):
-    # In the layer's backward the unpermute writes dy in E4M3 (both layouts) for the down projection's backward
-    # and the SwiGLU writes dh in E4M3 for the up projection's: no quantization of a bf16 gradient anywhere. In
-    # the forward the gather of the permuted rows writes x in both layouts (the second unpermute_bwd_quantize_fp8
-    # call), so no quantize_fp8_tokens of a kept bf16 x either; still bit for bit the composition.
+def _counted(monkeypatch, names) -> dict[str, int]:
+    """Calls of the FP8 recipe module's `names` (the producers and quantizers it calls), counted from now on."""
     import moe_kernels.quant.recipe as recipe_module
 
-    calls = dict.fromkeys(("quantize_fp8", "quantize_fp8_tokens", "swiglu_bwd_quantize_fp8",
-                           "squared_relu_bwd_quantize_fp8", "unpermute_bwd_quantize_fp8"), 0)
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            calls[name] += 1
-            return fn(*args, **kwargs)
-        return call
-
-    for name in calls:
-        monkeypatch.setattr(recipe_module, name, counted(name, getattr(recipe_module, name)))
-    torch.manual_seed(3)
-    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=ffn_size, num_experts=6, k=2, activation=activation)
-    layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(torch.bfloat16)
-    out, aux = layer(torch.randn(2, 29, 256, dtype=torch.bfloat16, requires_grad=True))
-    (out.square().sum() + aux).backward()
-    gated = activation == "swiglu"
-    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "swiglu_bwd_quantize_fp8": int(gated),
-                     "squared_relu_bwd_quantize_fp8": int(not gated), "unpermute_bwd_quantize_fp8": 2}
-
-
-@pytest.mark.parametrize("activation, ffn_size", [("swiglu", 128), ("squared_relu", 208)])
-def test_hidden_size_off_128_keeps_the_activation_producers(monkeypatch, activation, ffn_size):
-    # H = 144: the gathers of the permuted rows and of the output gradient take multiples of 128, so the first GEMM's
-    # input and the down projection's gradient are quantized in both layouts by one pass each (quantize_fp8_dual);
-    # the activation still writes the down projection's input and the up projection's gradient in E4M3.
-    import moe_kernels.quant.recipe as recipe_module
-
-    names = ("quantize_fp8", "quantize_fp8_tokens", "quantize_fp8_dual", "swiglu_bwd_quantize_fp8",
-             "squared_relu_bwd_quantize_fp8", "unpermute_bwd_quantize_fp8")
     calls = dict.fromkeys(names, 0)
     for name in names:
         real = getattr(recipe_module, name)
         monkeypatch.setattr(recipe_module, name,
                             lambda *a, _n=name, _f=real, **kw: calls.__setitem__(_n, calls[_n] + 1) or _f(*a, **kw))
-    torch.manual_seed(5)
-    cfg = qwen3_30b_a3b(hidden_size=144, ffn_size=ffn_size, num_experts=6, k=2, activation=activation)
+    return calls
+
+
+@pytest.mark.parametrize("hidden, activation, ffn_size", [(256, "swiglu", 256), (256, "squared_relu", 256),
+                                                         (256, "squared_relu", 208), (144, "swiglu", 128),
+                                                         (144, "squared_relu", 208)])
+def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch, hidden, activation, ffn_size):
+    # In the layer's backward the unpermute writes dy in E4M3 (both layouts) for the down projection's backward
+    # and the activation (SwiGLU or squared ReLU) writes dh in E4M3 for the up projection's: no quantization of a
+    # bf16 gradient anywhere. In the forward the gather of the permuted rows writes x in both layouts (the second
+    # unpermute_bwd_quantize_fp8 call), so no quantize_fp8_tokens of a kept bf16 x either; still bit for bit the
+    # composition. H = 144: the gathers take multiples of 128, so the first GEMM's input and the down projection's
+    # gradient are quantized in both layouts by one pass each (quantize_fp8_dual); the activation's producers stay.
+    calls = _counted(monkeypatch, ("quantize_fp8", "quantize_fp8_tokens", "quantize_fp8_dual",
+                                   "swiglu_bwd_quantize_fp8", "squared_relu_bwd_quantize_fp8",
+                                   "unpermute_bwd_quantize_fp8"))
+    torch.manual_seed(3)
+    cfg = qwen3_30b_a3b(hidden_size=hidden, ffn_size=ffn_size, num_experts=6, k=2, activation=activation)
     layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(torch.bfloat16)
-    out, aux = layer(torch.randn(2, 29, 144, dtype=torch.bfloat16, requires_grad=True))
+    out, aux = layer(torch.randn(2, 29, hidden, dtype=torch.bfloat16, requires_grad=True))
     (out.square().sum() + aux).backward()
-    gated = activation == "swiglu"
-    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "quantize_fp8_dual": 2,
+    gated, gathers = activation == "swiglu", hidden % 128 == 0
+    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "quantize_fp8_dual": 0 if gathers else 2,
                      "swiglu_bwd_quantize_fp8": int(gated), "squared_relu_bwd_quantize_fp8": int(not gated),
-                     "unpermute_bwd_quantize_fp8": 0}
+                     "unpermute_bwd_quantize_fp8": 2 if gathers else 0}
 
 
 def test_fp8_gradient_link_rejects_a_second_consumer():

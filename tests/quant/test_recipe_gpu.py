@@ -147,10 +147,16 @@ def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_acti
 
     torch.manual_seed(2)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2, weights_in_activation=weights_in_activation)
+    _assert_fused_activation_is_unfused(cuda, cfg, "fused vs unfused SwiGLU quantization")
+
+
+def _assert_fused_activation_is_unfused(cuda, cfg, what):
+    """The layer on the recipe with the activation's FP8 producers and without (fused_swiglu=False), same weights and
+    input, bf16 under autocast: output and every gradient bit for bit."""
     fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(cuda)
     plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_swiglu=False))).to(cuda)
     plain.load_state_dict(fused.state_dict())
-    x = torch.randn(3, 41, 256, device=cuda)
+    x = torch.randn(3, 41, cfg.hidden_size, device=cuda)
     grads = []
     for layer in (fused, plain):
         xi = x.clone().requires_grad_()
@@ -159,7 +165,7 @@ def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_acti
         (out.float().square().sum() + aux).backward()
         grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
     for a, b in zip(*grads):
-        assert_exact(a, b, "fused vs unfused SwiGLU quantization")
+        assert_exact(a, b, what)
 
 
 @pytest.mark.parametrize("ffn_size", [256, 208])
@@ -172,19 +178,7 @@ def test_fused_squared_relu_is_the_unfused_recipe_on_the_kernels(cuda, ffn_size)
 
     torch.manual_seed(6)
     cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=ffn_size, num_experts=6, k=2, activation="squared_relu")
-    fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(cuda)
-    plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_swiglu=False))).to(cuda)
-    plain.load_state_dict(fused.state_dict())
-    x = torch.randn(3, 41, 256, device=cuda)
-    grads = []
-    for layer in (fused, plain):
-        xi = x.clone().requires_grad_()
-        with torch.autocast(cuda.type, dtype=torch.bfloat16):
-            out, aux = layer(xi)
-        (out.float().square().sum() + aux).backward()
-        grads.append((out, xi.grad, *(p.grad for p in layer.parameters())))
-    for a, b in zip(*grads):
-        assert_exact(a, b, "fused vs unfused squared-ReLU quantization")
+    _assert_fused_activation_is_unfused(cuda, cfg, "fused vs unfused squared-ReLU quantization")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
