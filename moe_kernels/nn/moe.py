@@ -15,7 +15,7 @@ from torch.nn.modules import module as _nn_module
 
 from moe_kernels.nn import fused, torch_native
 from moe_kernels.nn.experts import ACTIVATIONS, GroupedExperts, squared_relu_act
-from moe_kernels.nn.lora import check_expert_parallel_weights, lora_terms, unwrapped, wrapped_module
+from moe_kernels.nn.lora import lora_terms, unwrapped, wrapped_module
 from moe_kernels.nn.router import Router, RouterConfig
 from moe_kernels.ops.activation import squared_relu, squared_relu_reference, swiglu, swiglu_reference
 from moe_kernels.ops.expert_mlp import expert_mlp_reference
@@ -396,7 +396,6 @@ class MoELayer(nn.Module):
             # FP8: the activation writes the second GEMM's E4M3 input, and backward the first GEMM's output gradient
             # (both layouts each), as on the one-rank recipe path; the dispatched rows and the gradient the combine
             # hands back are quantized in both layouts by one pass each (the recipe's grouped_mm).
-            check_expert_parallel_weights(experts)
             gated = experts.gated
             h = cfg.recipe.grouped_mm(d.x, experts.w13, d.group_sizes, swiglu_next=gated, squared_relu_next=not gated)
             if gated:

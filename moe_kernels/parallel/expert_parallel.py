@@ -15,9 +15,9 @@ shared experts run as they are.
 peft LoRA adapters on the experts (either kind of model; created before this call) stay whole on every rank,
 replicated parameters like the router: each rank applies its experts' slices of them (the experts module
 records the range it holds, EXPERT_RANGE_ATTR; moe_kernels.integrations.peft slices), a rank's backward leaves
-the other experts' slices zero, and the data-parallel mean of their gradients is exact. (transformers' own expert-parallel interface shards through DTensor
-hooks and its own all-to-all; ours keeps plain local tensors and our dispatchers, so the same backends,
-tests and checkpoints serve both kinds of model.)
+the other experts' slices zero, and the data-parallel mean of their gradients is exact. (transformers' own
+expert-parallel interface shards through DTensor hooks and its own all-to-all; ours keeps plain local tensors and
+our dispatchers, so the same backends, tests and checkpoints serve both kinds of model.)
 
 Gradients: expert weights now differ per rank and already hold the gradient contributions of every
 rank's tokens routed to them; the replicated parameters hold only the local tokens' contributions and
@@ -31,7 +31,8 @@ model's, as every replicated parameter's does.
 
 Expert tensor parallelism (`etp_group`, n ranks): each of the rank's experts keeps 1/n of its ffn width, the
 rows [t*F/n, (t+1)*F/n) of the gate and, separately, of the up projection (contiguous halves of w13 would
-break SwiGLU; experts without a gate: those rows of w13, the up projection), and the same columns of w2. The n ranks of an etp group gather their tokens (tokens, routing
+break SwiGLU; experts without a gate: those rows of w13, the up projection), and the same columns of w2. The n
+ranks of an etp group gather their tokens (tokens, routing
 weights and expert choices: every rank of the group then dispatches the same pairs over its ep group and its
 experts see the same rows), each computes its slice's part of every expert output, combines it over the ep
 group (in the experts' output dtype), and the group reduce-scatters the parts in fp32, each rank keeping the
@@ -54,7 +55,7 @@ from moe_kernels.dispatch import LocalDispatcher, NvlinkDispatcher, collectives,
 from moe_kernels.dispatch.all_gather import gather_tokens
 from moe_kernels.dispatch.base import Dispatched, Dispatcher
 from moe_kernels.nn import GroupedExperts, MoELayer
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, FFN_SLICE_ATTR, unwrapped, wrapped_module
+from moe_kernels.nn.lora import EXPERT_RANGE_ATTR, FFN_SLICE_ATTR, ffn_slice, unwrapped, wrapped_module
 
 
 def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 0, parts: int = 1) -> GroupedExperts:
@@ -63,14 +64,11 @@ def _local_experts(experts: GroupedExperts, first: int, count: int, part: int = 
     f, lo = F // parts, part * (F // parts)
     local = GroupedExperts(count, experts.hidden_size, f, activation=experts.activation, device="meta",
                            dtype=experts.w13.dtype)
-    w13 = experts.w13.detach()[first : first + count]
-    if parts == 1:
-        w13 = w13.clone()
-    elif experts.gated:  # the gate rows' slice, then the up rows' slice (cat copies)
-        w13 = torch.cat([w13[:, lo : lo + f], w13[:, F + lo : F + lo + f]], dim=1)
-    else:  # the up rows' slice (experts without a gate)
-        w13 = w13[:, lo : lo + f].clone(memory_format=torch.contiguous_format)
-    w2 = experts.w2.detach()[first : first + count, :, lo : lo + f].clone(memory_format=torch.contiguous_format)
+    held = (lo, f, F)
+    w13 = ffn_slice(experts.w13.detach()[first : first + count], "w13", held, experts.gated, 1)
+    w2 = ffn_slice(experts.w2.detach()[first : first + count], "w2", held, experts.gated, 2)
+    # Own contiguous copies (a narrow of the full tensor would keep it alive; torch.cat already copied).
+    w13, w2 = (t.clone(memory_format=torch.contiguous_format) if t._base is not None else t for t in (w13, w2))
     local.w13 = nn.Parameter(w13, requires_grad=experts.w13.requires_grad)
     local.w2 = nn.Parameter(w2, requires_grad=experts.w2.requires_grad)
     return local
