@@ -20,6 +20,14 @@ Timed, median of the reps:
        qwen3-30b-a3b at 8192 tokens by default (the bar: host issue time below the GPU time), and the
        router's gating linear (x in fp32, x @ W^T, fwd+bwd) beside the router region at deepseek-v3 /
        16384 tokens.
+FP8 (the blockwise recipe's layer, bf16 weights, the weight cache on as moe-train has it: a later micro-batch,
+every weight's codes a cache hit), two paths of the same layer:
+  fp8             the recipe's autograd functions calling the ops' implementations straight (_ext.direct)
+  fp8_registered  the same through the registered custom ops
+  On the CPU the stub also answers the FP8 GEMMs' path query as the sm_90a kernel would (the CPU-executed build
+  has no FP8 GEMM and would run its dequantizing fallback: real fp32 GEMMs, not host work), at H = F = 128 (the
+  fused FP8 producers take multiples of 128). Counted and timed as above; the small aten ops inside the FP8
+  wrappers (scale reciprocals, transposes) count as aten ops and, on a GPU, launch kernels of their own.
 Bar (specs/perf.md via bench.bars, issue 25): host time per MoE layer fwd+bwd of the fused path at most
 1/3 of the registered-op path's (CPU, reported, never asserted by a timed test).
 """
@@ -44,6 +52,8 @@ CPU_TOKENS = 64  # host work does not grow with T; the tiny aten ops' own CPU ti
 GPU_MODELS = ("qwen3-30b-a3b",)
 GPU_TOKENS = (8192,)
 PATHS = ("fused", "registered", "torch")
+FP8_PATHS = ("fp8", "fp8_registered")
+FP8_CPU_SIZES = dict(hidden_size=128, ffn_size=128)
 BAR = "fused host time per layer fwd+bwd <= 1/3 of the registered-op path's (CPU)"
 
 
@@ -73,6 +83,55 @@ def _path(layer: MoELayer, path: str) -> MoELayer:
         other.load_state_dict(layer.state_dict())
         return other
     return layer
+
+
+def _fp8_layer(name: str, ctx: h.Context) -> MoELayer:
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+
+    kw = {} if ctx.is_cuda else dict(FP8_CPU_SIZES, shared_ffn_size=FP8_CPU_SIZES["ffn_size"] if name == "deepseek-v3"
+                                     else 0)
+    torch.manual_seed(0)
+    layer = MoELayer(PRESETS[name](**kw).replace(recipe=Fp8BlockwiseRecipe())).to(ctx.device, torch.bfloat16)
+    layer.router.float()
+    return layer
+
+
+class _Fp8Registered:
+    """Inside, the FP8 recipe's calls take the registered ops (_ext.direct forwards to them)."""
+
+    def __enter__(self):
+        self.saved = _ext.direct
+        _ext.direct = lambda op, t, *args: op(*args)
+
+    def __exit__(self, *exc):
+        _ext.direct = self.saved
+
+
+@contextlib.contextmanager
+def _fp8_cache():
+    """The weight cache on (moe-train's setting) for the FP8 paths, as it was after."""
+    from moe_kernels.quant import weight_cache
+
+    was = weight_cache.enabled()
+    weight_cache.enable()
+    try:
+        yield
+    finally:
+        if not was:
+            weight_cache.enable(False)
+
+
+def _stub_fp8_paths(ext) -> None:
+    """The stubbed CPU-executed extension answers the FP8 GEMMs' path query as the sm_90a kernel does (module
+    docstring); a GPU's own extension answers for itself."""
+    from moe_kernels.ops.grouped_mm_fp8 import _FP8_PATH
+
+    if _ext._EMU is not ext:  # extension_calls put the counting stand-in in the CPU-executed build's place
+        return
+
+    fp8 = _ext.dtype_code(torch.float8_e4m3fn)
+    real = ext._module.grouped_mm_path
+    ext.grouped_mm_path = lambda **kw: _FP8_PATH if kw.get("dtype") == fp8 else real(**kw)
 
 
 class _Registered:
@@ -121,9 +180,16 @@ def _host_us(fn, x, reps: int) -> float:
     return statistics.median(times)
 
 
-def _count(fn, x) -> tuple[int, int]:
-    with extension_calls(stub=True) as ext, _CountAten() as aten:
-        fn(x)
+def _count(fn, x, fp8_paths: bool = False) -> tuple[int, int]:
+    """Extension launches and aten ops of one call of fn; for the FP8 paths after a first call, as timed (the
+    weight cache holding every weight's codes)."""
+    with extension_calls(stub=True) as ext:
+        if fp8_paths:
+            _stub_fp8_paths(ext)
+            fn(x)
+            ext.calls.clear()
+        with _CountAten() as aten:
+            fn(x)
     return sum(ext.calls.values()), aten.n
 
 
@@ -138,17 +204,24 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
     logits = torch.randn(T, base.config.num_experts, generator=gen).requires_grad_()
     row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
     rounds, reps = (3, 10) if ctx.quick else (8, 25)
-    jobs = []  # (key, fn, input, registered)
+    jobs = []  # (key, fn, input, the context it runs in)
     for path in PATHS:
         layer = _path(base, path)
-        jobs.append((f"layer_{path}", _step_fn(layer, g), x, path == "registered"))
+        jobs.append((f"layer_{path}", _step_fn(layer, g), x, _Registered if path == "registered" else None))
         if path != "torch":
-            jobs.append((f"router_{path}", _router_fn(layer, T), logits, path == "registered"))
+            jobs.append((f"router_{path}", _router_fn(layer, T), logits, _Registered if path == "registered" else None))
+    fp8 = _fp8_layer(name, ctx)
+    H8 = fp8.config.hidden_size
+    x8 = torch.randn(1, T, H8, generator=gen).to(torch.bfloat16).requires_grad_()
+    g8 = torch.randn(1, T, H8, generator=gen)
+    for path in FP8_PATHS:
+        jobs.append((f"layer_{path}", _step_fn(fp8, g8), x8, _Fp8Registered if path == "fp8_registered" else None))
     times: dict[str, list[float]] = {key: [] for key, *_ in jobs}
-    with extension_calls(stub=True):
+    with extension_calls(stub=True) as ext, _fp8_cache():
+        _stub_fp8_paths(ext)
         for r in range(rounds + 1):
-            for key, fn, inp, registered in jobs:
-                ctxm = _Registered() if registered else contextlib.nullcontext()
+            for key, fn, inp, mode in jobs:
+                ctxm = mode() if mode else contextlib.nullcontext()
                 with ctxm:
                     if r == 0:
                         for _ in range(10):  # warm-up: workspace sizes, caches, the allocator
@@ -158,11 +231,12 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
                             t0 = time.perf_counter()
                             fn(inp)
                             times[key].append((time.perf_counter() - t0) * 1e6)
-    for key, fn, inp, registered in jobs:
+    for key, fn, inp, mode in jobs:
         row[f"{key}_host_us"] = statistics.median(times[key])
-        with _Registered() if registered else contextlib.nullcontext():
-            row[f"{key}_launches"], row[f"{key}_aten_ops"] = _count(fn, inp)
+        with mode() if mode else contextlib.nullcontext(), _fp8_cache():
+            row[f"{key}_launches"], row[f"{key}_aten_ops"] = _count(fn, inp, fp8_paths=key.startswith("layer_fp8"))
     row["layer_ratio"] = row["layer_fused_host_us"] / row["layer_registered_host_us"]
+    row["fp8_H"], row["fp8_F"] = H8, fp8.config.ffn_size
     return row
 
 
@@ -190,6 +264,18 @@ def _gpu_case(ctx: h.Context, name: str, T: int) -> dict:
         row[f"layer_{path}_host_us"], row[f"layer_{path}_kernel_us"] = m.host_us, m.kernel_us
         row[f"layer_{path}_graph_us"], row[f"layer_{path}_modes_note"] = m.graph_us, m.why_not
         del layer
+    fp8 = _fp8_layer(name, ctx)
+    H8 = fp8.config.hidden_size  # H on a GPU; the CPU's dry run has the FP8 layer's own small H
+    xs8 = xs if H8 == H else [(torch.randn(T, H8, generator=gen, device=ctx.device, dtype=torch.bfloat16)
+                               .requires_grad_(),) for _ in range(ctx.n_input_sets)]
+    g8 = g if H8 == H else torch.randn(T, H8, generator=gen, device=ctx.device)
+    for path in FP8_PATHS:
+        fn = _step_fn(fp8, g8)
+        with _Fp8Registered() if path == "fp8_registered" else contextlib.nullcontext(), _fp8_cache():
+            m = ctx.time_modes(fn, xs8)
+            row[f"layer_{path}_launches"], row[f"layer_{path}_aten_ops"] = _count(fn, xs8[0][0], fp8_paths=True)
+        row[f"layer_{path}_host_us"], row[f"layer_{path}_kernel_us"] = m.host_us, m.kernel_us
+        row[f"layer_{path}_graph_us"], row[f"layer_{path}_modes_note"] = m.graph_us, m.why_not
     row["layer_ratio"] = row["layer_fused_host_us"] / row["layer_registered_host_us"]
     return row
 
@@ -267,6 +353,13 @@ def run(ctx: h.Context) -> h.Report:
             f"torch-native {r['layer_torch_host_us']:.0f} us; extension launches {r['layer_fused_launches']} vs "
             f"{r['layer_registered_launches']}; aten ops {r['layer_fused_aten_ops']} vs {r['layer_registered_aten_ops']}"
             + (f"; GPU time (kernels) {r['layer_fused_kernel_us']:.0f} us" if ctx.is_cuda and r.get('layer_fused_kernel_us') else ""))
+        if "layer_fp8_host_us" in r:
+            head.append(
+                f"{r['model']}/T{r['T']} FP8 recipe layer fwd+bwd host ({where}, weight cache hit): direct calls "
+                f"{r['layer_fp8_host_us']:.0f} us, registered ops {r['layer_fp8_registered_host_us']:.0f} us; "
+                f"extension launches {r['layer_fp8_launches']}; aten ops {r['layer_fp8_aten_ops']} vs "
+                f"{r['layer_fp8_registered_aten_ops']}"
+                + (f"; GPU time (kernels) {r['layer_fp8_kernel_us']:.0f} us" if ctx.is_cuda and r.get('layer_fp8_kernel_us') else ""))
     return h.Report([], head, failures)
 
 
@@ -298,7 +391,7 @@ def _print(ctx: h.Context, rows: list[dict], gating: dict | None) -> None:
         extra = "" if ctx.is_cuda else f" router_fused_host_us={r['router_fused_host_us']:.1f} router_registered_host_us={r['router_registered_host_us']:.1f}"
         print(f"OVERHEAD {r['model']}/T{r['T']} " + " ".join(
             f"{p}:host_us={r[f'layer_{p}_host_us']:.1f},launches={r[f'layer_{p}_launches']},aten={r[f'layer_{p}_aten_ops']}"
-            for p in PATHS) + f" ratio={r['layer_ratio']:.3f}{extra}")
+            for p in PATHS + FP8_PATHS if f"layer_{p}_host_us" in r) + f" ratio={r['layer_ratio']:.3f}{extra}")
     if gating:
         print("GATING " + " ".join(f"{k}={v}" for k, v in gating.items()))
 

@@ -98,12 +98,16 @@ def runs_references(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and (_EMU is None or _reference_mode)
 
 
+_IMPLS: dict = {}  # custom op -> its CUDA implementation (cuda_impl), for `direct`
+
+
 def cuda_impl(op):
     """Decorator: `fn` is `op`'s CUDA implementation; under emulation it also serves CPU tensors,
     except inside `reference_ops()`, where they get the op's own (reference) implementation."""
 
     def register(fn):
         op.register_kernel("cuda")(fn)
+        _IMPLS[op] = fn
         if _EMU is not None:
             reference = op._init_fn  # the custom op's body: checks, then the reference
 
@@ -379,6 +383,23 @@ def eager(t: torch.Tensor) -> Launch | None:
     if C is None:
         return None
     return Launch(C, t.device.index, torch.cuda.current_stream(t.device).cuda_stream)
+
+
+def direct(op, t: torch.Tensor, *args):
+    """op(*args), its CUDA implementation called straight (no dispatcher, no custom-op wrapper: tens of
+    microseconds of host work a call) where nothing needs the registered op: no autograd is being recorded
+    (grad mode off, as inside the precision recipes' autograd functions, forward and backward) and `t`, the
+    op's first tensor, is one the kernels serve eagerly (`eager`'s conditions: not compiling or exporting,
+    a plain tensor, not the checking mode, a CUDA tensor or the CPU under emulation). The same code runs
+    either way, so the results are the same bit for bit; ops that write into an argument are not called
+    this way (the dispatcher bumps that argument's version counter)."""
+    if (torch.is_grad_enabled() or type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling()
+            or (t.device.type != "cuda" and (t.device.type != "cpu" or _EMU is None or _reference_mode))):
+        return op(*args)
+    flags = sys.modules.get(_ONNX_FLAGS)
+    if flags is not None and getattr(flags, "_is_onnx_exporting", False):
+        return op(*args)
+    return _IMPLS[op](*args)
 
 
 _sizes: dict[tuple, int] = {}

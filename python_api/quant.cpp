@@ -55,6 +55,17 @@ void register_quant(py::module_& m) {
       py::arg("copy") = 0, py::arg("copy_dtype") = int32_t(DType::kBFloat16), py::arg("q_cols") = 0,
       py::arg("q_t_rows") = 0);
   m.def(
+      "fp8_dequant_scales",
+      [](uintptr_t a, uintptr_t a_out, int64_t a_rows, int64_t a_cols, uintptr_t b, uintptr_t b_out, int64_t b_rows,
+         int64_t b_cols, bool transpose, int device, uintptr_t s) {
+        DeviceGuard guard(device);
+        quant::fp8_dequant_scales({ptr<const float>(a), ptr<float>(a_out), a_rows, a_cols, ptr<const float>(b),
+                                   ptr<float>(b_out), b_rows, b_cols, transpose},
+                                  stream(s));
+      },
+      py::arg("a"), py::arg("a_out"), py::arg("a_rows"), py::arg("a_cols"), py::arg("b"), py::arg("b_out"),
+      py::arg("b_rows"), py::arg("b_cols"), py::arg("transpose"), py::arg("device"), py::arg("stream"));
+  m.def(
       "fp8_dequantize",
       [](uintptr_t q, uintptr_t scale, uintptr_t out, int64_t rows, int64_t cols, int32_t granularity, bool e5m2,
          int32_t dtype, int device, uintptr_t s) {

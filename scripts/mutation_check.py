@@ -473,6 +473,23 @@ MUTANTS = (
         "        if constexpr (false) {\n",
         ("tests/ops/test_rows_fp8_gpu.py", "-k", "test_matches_composition and 1856-129"),
     ),
+    Mutant(
+        "transposed tile read back along its rows",
+        "dequant_scales_kernel: wgrad's transposed scales read from the staged tile as tile[r][lane], so each 32x32 "
+        "tile is written untransposed",
+        "quant/fp8_scales.cu",
+        "o.dst[row * o.rows + col] = tile[lane][r];",
+        "o.dst[row * o.rows + col] = tile[r][lane];",
+        ("tests/ops/test_fp8_dequant_scales_gpu.py", "-k", "test_matches_reference and 33x65-65x33-t"),
+    ),
+    Mutant(
+        "zero scale inverted",
+        "dequant_scales_kernel: 1 / scale for every scale, so a block of zeros (scale 0) dequantizes by inf",
+        "quant/fp8_scales.cu",
+        "return s == 0.f ? 0.f : 1.f / s;",
+        "return 1.f / s;",
+        ("tests/ops/test_fp8_dequant_scales_gpu.py", "-k", "test_matches_reference and 300x56"),
+    ),
 )
 
 

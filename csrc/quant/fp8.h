@@ -95,4 +95,22 @@ struct Fp8ExpertsQuantParams {
 };
 void fp8_quantize_experts(const Fp8ExpertsQuantParams& p, cudaStream_t stream);
 
+// The FP8 GEMMs' dequantization scales (the factors their kernels multiply the accumulators by) from both
+// operands' quantization scales, in one launch: out = 1 / scale, and 0 where the scale is 0 (a block of zeros:
+// zero codes times 0, where 1 / 0 = inf would give NaN); IEEE division, so bit for bit torch.where(scale == 0, 0,
+// scale.reciprocal()). With `transpose` each [rows, cols] scale tensor is written [cols, rows] (wgrad's
+// token-block-major layout). fp32, contiguous; any size, a [0, n] or [n, 0] operand writes nothing.
+struct Fp8DequantScalesParams {
+  const float* a;
+  float* a_out;
+  int64_t a_rows;
+  int64_t a_cols;
+  const float* b;
+  float* b_out;
+  int64_t b_rows;
+  int64_t b_cols;
+  bool transpose;
+};
+void fp8_dequant_scales(const Fp8DequantScalesParams& p, cudaStream_t stream);
+
 }  // namespace moe::quant

@@ -319,7 +319,7 @@ def swiglu_quantize_fp8(
     for a = swiglu(h, row_weights): the forward's 1x128 blocks along F and wgrad's 1x128 blocks along the rows
     (Rp = R rounded up to 128, padding codes 0), bit for bit quantize_fp8(a, "block") and quantize_fp8_tokens(a).
     No autograd (the FP8 recipe's function wraps it)."""
-    return torch.ops.moe_kernels.swiglu_quantize_fp8(h, row_weights, bool(pow2_scale))
+    return _ext.direct(_swiglu_quantize_fp8, h, h, row_weights, bool(pow2_scale))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -402,7 +402,7 @@ def swiglu_bwd_quantize_fp8(
     R rounded up to 128, padding codes 0), bit for bit quantize_fp8(dh, "block") and quantize_fp8_tokens(dh)
     for dh, drow_weights = swiglu_bwd(dout, h, row_weights). No autograd (the FP8 recipe's function calls it)."""
     _check_bwd_fp8(dout, h, row_weights)
-    return torch.ops.moe_kernels.swiglu_bwd_quantize_fp8(dout, h, row_weights, bool(need_dw), bool(pow2_scale))
+    return _ext.direct(_swiglu_bwd_quantize_fp8, dout, dout, h, row_weights, bool(need_dw), bool(pow2_scale))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -512,7 +512,7 @@ def squared_relu_quantize_fp8(h: Tensor, *, pow2_scale: bool = False) -> tuple[T
     Rp = R rounded up to 128, padding codes 0); bit for bit quantize_fp8(a, "block", pad_to_block=True) and
     quantize_fp8_tokens(a). No autograd (the FP8 recipe's function wraps it)."""
     _check_squared_relu_fp8(_SQRELU_FP8, h)
-    return torch.ops.moe_kernels.squared_relu_quantize_fp8(h, bool(pow2_scale))
+    return _ext.direct(_squared_relu_quantize_fp8, h, h, bool(pow2_scale))
 
 
 def squared_relu_bwd_quantize_fp8(dout: Tensor, h: Tensor, *, pow2_scale: bool = False
@@ -522,7 +522,7 @@ def squared_relu_bwd_quantize_fp8(dout: Tensor, h: Tensor, *, pow2_scale: bool =
     zero-padded to a multiple of 128) and its wgrad operand; bit for bit quantize_fp8(dh, "block",
     pad_to_block=True) and quantize_fp8_tokens(dh) of dh = squared_relu's backward. No autograd."""
     _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
-    return torch.ops.moe_kernels.squared_relu_bwd_quantize_fp8(dout, h, bool(pow2_scale))
+    return _ext.direct(_squared_relu_bwd_quantize_fp8, dout, dout, h, bool(pow2_scale))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -568,4 +568,4 @@ def quantize_fp8_dual(t: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, T
     quantize_fp8(t, "block", pad_to_block=True) and quantize_fp8_tokens(t). For the FP8 recipe's operands that no
     producer writes (a dispatched expert input, the gradient a combine hands back). No autograd."""
     _check_dual(t)
-    return torch.ops.moe_kernels.quantize_fp8_dual(t, bool(pow2_scale))
+    return _ext.direct(_quantize_fp8_dual, t, t, bool(pow2_scale))

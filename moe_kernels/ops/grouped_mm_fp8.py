@@ -26,6 +26,7 @@ only: there is no autograd (a training recipe wraps it with its own backward).
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import torch
@@ -48,6 +49,7 @@ from moe_kernels.ops.grouped_mm import (
     grouped_mm_wgrad_reference,
 )
 from moe_kernels.ops.quant import BLOCK, dequantize_fp8, pad_codes_to_block, quantize_fp8, quantize_fp8_reference
+from moe_kernels.ops.quant import _quantize_fp8_tokens
 
 _E4M3 = torch.float8_e4m3fn
 # grouped_mm_path: sm_90a, sm_100f (opted in) FP8 blockwise; the tensor-core portable kernel (8.9+, opted in)
@@ -208,7 +210,7 @@ def quantize_fp8_experts_dual(w: Tensor, *, pow2_scale: bool = False, copy_to: T
         _check_experts_dual_copy(w, copy_to)
         return torch.ops.moe_kernels.quantize_fp8_experts_dual_copy(w, copy_to, bool(pow2_scale), bool(pad_to_block))
     _check_experts_dual(w)
-    return torch.ops.moe_kernels.quantize_fp8_experts_dual(w, bool(pow2_scale), bool(pad_to_block))
+    return _ext.direct(_quantize_fp8_experts_dual, w, w, bool(pow2_scale), bool(pad_to_block))
 
 
 def _check(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> None:
@@ -342,6 +344,28 @@ def _inverse_scale(scale: Tensor) -> Tensor:
     return torch.where(scale == 0, 0.0, scale.reciprocal())
 
 
+def _as_matrix(t: Tensor) -> tuple[int, int]:
+    """(rows, cols) of t seen as a matrix of its last dimension's rows."""
+    return (math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() else (1, 1)
+
+
+def _dequant_scales(C, a_scale: Tensor, b_scale: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
+    """Both operands' dequantization scales in one launch (C.fp8_dequant_scales): bit for bit _inverse_scale of
+    each, and with `transpose` (wgrad's [N, M/128] and [K, M/128] scales, read token-block-major) its .t() made
+    contiguous. Three elementwise passes and a transpose per operand before, each a launch of its own."""
+    a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
+    (a_rows, a_cols), (b_rows, b_cols) = _as_matrix(a_scale), _as_matrix(b_scale)
+    if transpose:
+        a_out = a_scale.new_empty((a_cols, a_rows))
+        b_out = b_scale.new_empty((b_cols, b_rows))
+    else:
+        a_out, b_out = torch.empty_like(a_scale), torch.empty_like(b_scale)
+    launch = _ext.launch_args(a_scale)
+    C.fp8_dequant_scales(a_scale.data_ptr(), a_out.data_ptr(), a_rows, a_cols, b_scale.data_ptr(), b_out.data_ptr(),
+                         b_rows, b_cols, transpose, launch["device"], launch["stream"])
+    return a_out, b_out
+
+
 @torch.library.custom_op("moe_kernels::grouped_mm_fp8", mutates_args=())
 def _grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
     _check(x_q, x_scale, w_q, w_scale, group_sizes)
@@ -422,8 +446,8 @@ def _run_forward(C, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, 
     N = w_q.shape[1]
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
-    ran = _launch_fp8(C, _FWD, x_q, w_q, out, _inverse_scale(x_scale), _inverse_scale(w_scale), group_sizes, M, N, K,
-                      portable=portable)
+    sfa, sfb = _dequant_scales(C, x_scale, w_scale)
+    ran = _launch_fp8(C, _FWD, x_q, w_q, out, sfa, sfb, group_sizes, M, N, K, portable=portable)
     return out if ran else None
 
 
@@ -435,8 +459,7 @@ def _run_wgrad(C, a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, gr
     [ceil(M / 128), K]: a group's blocks are one contiguous slice."""
     N, M = a_q.shape
     K = b_q.shape[0]
-    inv_a = _inverse_scale(a_scale).t().contiguous()
-    inv_b = _inverse_scale(b_scale).t().contiguous()
+    inv_a, inv_b = _dequant_scales(C, a_scale, b_scale, transpose=True)
     return _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K, accumulate=accumulate,
                        portable=portable)
 
@@ -445,7 +468,7 @@ def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, g
     """[M, N] bf16: group e's rows of dequant(x_q) @ dequant(w_q[e])^T. x_q, x_scale from
     quantize_fp8(x, "block"); w_q, w_scale from quantize_fp8_experts(w); group_sizes [E] int32 on the device.
     A zero scale is a block of zeros (permute's padding rows), so those rows come out 0."""
-    return torch.ops.moe_kernels.grouped_mm_fp8(x_q, x_scale, w_q, w_scale, group_sizes)
+    return _ext.direct(_grouped_mm_fp8, x_q, x_q, x_scale, w_q, w_scale, group_sizes)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -457,7 +480,7 @@ def quantize_fp8_tokens(t: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor,
     the tokens, with the tokens zero-padded to Mp = M rounded up to 128 (whole blocks, 16-byte rows).
     The operands of grouped_mm_fp8_wgrad: with every group 128-aligned, no block straddles two experts."""
     # One pass on the GPU (transpose, padding and quantization); the reference is the composition.
-    return torch.ops.moe_kernels.quantize_fp8_tokens(t, bool(pow2_scale))
+    return _ext.direct(_quantize_fp8_tokens, t, t, bool(pow2_scale))
 
 
 def _check_wgrad(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor) -> None:
@@ -648,8 +671,8 @@ def grouped_mm_fp8_wgrad(
     if out is None:
         if accumulate:
             raise ValueError("grouped_mm_fp8_wgrad: accumulate=True adds into `out`; pass the tensor to add into")
-        return torch.ops.moe_kernels.grouped_mm_fp8_wgrad(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes,
-                                                          out_dtype)
+        return _ext.direct(_grouped_mm_fp8_wgrad, dout_t_q, dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes,
+                           out_dtype)
     if out_dtype != torch.float32:
         raise ValueError(f"grouped_mm_fp8_wgrad: `out` is float32 (an fp32 main gradient); out_dtype is {out_dtype}")
     torch.ops.moe_kernels.grouped_mm_fp8_wgrad_into(dout_t_q, dout_t_scale, x_t_q, x_t_scale, group_sizes, out,

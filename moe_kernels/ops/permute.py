@@ -479,7 +479,7 @@ def permute(x: Tensor, indices: Tensor, num_experts: int, *, align: int = 1) -> 
     """
     if _onnx.exporting():
         return _onnx.permute_traceable(x, _as_int32_indices(indices), num_experts, align)
-    return torch.ops.moe_kernels.permute(x, _as_int32_indices(indices), num_experts, align)
+    return _ext.direct(_permute, x, x, _as_int32_indices(indices), num_experts, align)
 
 
 def permute_quantize_fp8(
@@ -495,8 +495,8 @@ def permute_quantize_fp8(
     output too, written from the same read (else None). x: float32, float16 or bfloat16. No autograd:
     the FP8 recipe (moe_kernels.quant) wraps it.
     """
-    q, scale, row_map, group_sizes, x_perm = torch.ops.moe_kernels.permute_quantize_fp8(
-        x, _as_int32_indices(indices), num_experts, align, pow2_scale, keep_rows
+    q, scale, row_map, group_sizes, x_perm = _ext.direct(
+        _permute_quantize_fp8, x, x, _as_int32_indices(indices), num_experts, align, pow2_scale, keep_rows
     )
     return q, scale, row_map, group_sizes, x_perm if keep_rows else None
 
@@ -506,7 +506,7 @@ def unpermute(y: Tensor, row_map: Tensor, weights: Tensor | None = None) -> Tens
     ascending j (deterministic). Plain sum when `weights` is None. Output dtype is y's."""
     if _onnx.exporting():
         return _onnx.unpermute_traceable(y, row_map, weights)
-    return torch.ops.moe_kernels.unpermute(y, row_map, weights)
+    return _ext.direct(_unpermute, y, y, row_map, weights)
 
 
 def permuted_row_values(values: Tensor, row_map: Tensor, num_rows: int, fill: float = 0) -> Tensor:
@@ -629,4 +629,4 @@ def unpermute_bwd_quantize_fp8(
     unpermute_bwd(dout, row_map, weights, y, R) (rows no slot maps to: zeros). No autograd (the FP8 recipe's
     function calls it)."""
     _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)
-    return torch.ops.moe_kernels.unpermute_bwd_quantize_fp8(dout, row_map, weights, y, num_rows, bool(pow2_scale))
+    return _ext.direct(_unpermute_bwd_quantize_fp8, dout, dout, row_map, weights, y, num_rows, bool(pow2_scale))

@@ -270,7 +270,7 @@ def quantize_fp8(
     pad_to_block ("block" only): q is [M, ceil(K / 128) * 128], its codes past K zeros (the scales as without
     it, [M, ceil(K / 128)]), written in the same pass: the operand of grouped_mm_fp8 where K is no multiple of
     128, zero-padded as that op requires."""
-    return torch.ops.moe_kernels.quantize_fp8(x, granularity, fp8_dtype, bool(pow2_scale), bool(pad_to_block))
+    return _ext.direct(_quantize_fp8, x, x, granularity, fp8_dtype, bool(pow2_scale), bool(pad_to_block))
 
 
 def dequantize_fp8(q: Tensor, scale: Tensor, granularity: str = "block", *, dtype: torch.dtype = torch.bfloat16) -> Tensor:

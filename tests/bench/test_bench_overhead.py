@@ -47,6 +47,16 @@ def test_overhead_counts_the_fused_regions(tmp_path):
             assert r[f"layer_{path}_host_us"] > 0
         assert r["layer_ratio"] == pytest.approx(r["layer_fused_host_us"] / r["layer_registered_host_us"])
     assert "HEADLINE qwen3-30b-a3b/T64 layer fwd+bwd host (CPU, launches stubbed)" in proc.stdout
+    # The FP8 recipe's layer (weight cache hit, the FP8 GEMMs as on sm_90a): router 2, the routing-only permute 1,
+    # the tokens' gather into both E4M3 layouts 1, six FP8 GEMMs (forward, dgrad, wgrad of both projections) each
+    # with its one dequantization-scales launch 12, the SwiGLU's FP8 producers 2, the output's unpermute 1, its
+    # backward's gather into E4M3 1 and the routing weights' gradient 1, permute's backward (an unpermute) 1: 22;
+    # deepseek-v3 adds its shared expert's region (2). The direct calls and the registered ops launch the same kernels.
+    for model, shared in (("qwen3-30b-a3b", 0), ("deepseek-v3", 2)):
+        r = rows[model]
+        assert r["layer_fp8_launches"] == r["layer_fp8_registered_launches"] == 22 + shared, r
+        assert r["layer_fp8_host_us"] > 0 and r["layer_fp8_registered_host_us"] > 0
+    assert "HEADLINE qwen3-30b-a3b/T64 FP8 recipe layer fwd+bwd host" in proc.stdout
 
 
 @pytest.mark.gpu

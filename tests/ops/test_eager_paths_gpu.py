@@ -104,3 +104,74 @@ def test_checking_mode_and_compile_take_the_registered_ops(cuda, checks_on):
     mk.set_checks(False)
     f = torch.compile(lambda x: mk.router_topk(x, 2)[0] * 2, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(f(logits), mk.router_topk(logits, 2)[0] * 2)
+
+
+# The FP8 recipe's autograd functions call the ops' implementations straight (_ext.direct: grad mode is off inside
+# them); replaced by the registered ops, every output and gradient must be the same bit for bit.
+_DIRECT = {"moe_kernels.grouped_mm_fp8", "moe_kernels.grouped_mm_fp8_wgrad", "moe_kernels.swiglu_quantize_fp8",
+           "moe_kernels.swiglu_bwd_quantize_fp8", "moe_kernels.squared_relu_quantize_fp8",
+           "moe_kernels.squared_relu_bwd_quantize_fp8", "moe_kernels.unpermute_bwd_quantize_fp8",
+           "moe_kernels.quantize_fp8_dual", "moe_kernels.quantize_fp8_experts_dual", "moe_kernels.quantize_fp8",
+           "moe_kernels.quantize_fp8_tokens", "moe_kernels.permute_quantize_fp8"}
+
+
+class _DirectOps(TorchDispatchMode):
+    """The FP8 ops that _ext.direct calls straight, when dispatched (the CPU-executed build's dequantizing fallback
+    for the FP8 GEMMs dispatches others inside them; permute and unpermute also serve the layer with grad mode on,
+    through their autograd: test_direct_takes_the_registered_op_where_autograd_or_checks_need_it covers them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if name in _DIRECT:
+            self.names.add(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("activation,ffn_size", [("swiglu", 128), ("squared_relu", 208), ("swiglu", 80)])
+def test_fp8_recipe_layer_direct_calls_equal_registered(cuda, monkeypatch, activation, ffn_size):
+    # SwiGLU at F = 128 (every fused producer), the squared ReLU at F = 208 (padded codes), SwiGLU at F = 80 (the
+    # composition with quantize_fp8_dual); bf16 weights and tokens (no autocast: under a dispatch mode torch runs a
+    # registered op's inner ops without it, and the CPU-executed build's dequantizing fallback has such ops), an
+    # empty expert likely at 8 experts and 37 tokens.
+    from moe_kernels.nn import MoELayer
+    from moe_kernels.nn.moe import qwen3_30b_a3b
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+
+    torch.manual_seed(4)
+    cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=ffn_size, num_experts=8, k=2, activation=activation,
+                        recipe=Fp8BlockwiseRecipe())
+    layer = MoELayer(cfg).to(cuda, torch.bfloat16)
+    x = torch.randn(1, 37, 128, device=cuda, dtype=torch.bfloat16)
+    runs, dispatched = [], []
+    for direct in (True, False):
+        if not direct:
+            monkeypatch.setattr(_ext, "direct", lambda op, t, *args: op(*args))
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_()
+        with _DirectOps() as ops:
+            out, aux = layer(xi)
+            (out.float().square().sum() + aux).backward()
+        runs.append((out, xi.grad, *(p.grad for p in layer.parameters())))
+        dispatched.append(ops.names)
+        monkeypatch.undo()
+    assert not dispatched[0], f"registered ops dispatched on the direct path: {dispatched[0]}"
+    assert {"moe_kernels.grouped_mm_fp8", "moe_kernels.grouped_mm_fp8_wgrad"} <= dispatched[1], dispatched[1]
+    for i, (a, b) in enumerate(zip(*runs)):
+        assert_exact(a, b, f"FP8 recipe layer ({activation}, F={ffn_size}): output/gradient {i}")
+
+
+def test_direct_takes_the_registered_op_where_autograd_or_checks_need_it(cuda, checks_on):
+    # Grad mode on: the registered op (its autograd); the checking mode: the registered op (it validates values
+    # first); grad mode off outside the checking mode: the implementation, no op dispatched.
+    x = torch.randn(10, 16, device=cuda, requires_grad=True)
+    idx = torch.randint(0, 4, (10, 2), device=cuda, dtype=torch.int32)
+    for grad, checks, want in ((True, False, True), (False, True, True), (False, False, False)):
+        mk.set_checks(checks)
+        with torch.set_grad_enabled(grad), _Ops() as ops:
+            y, _, _ = mk.permute(x, idx, 4)
+        assert ("moe_kernels.permute" in ops.names) == want, (grad, checks, ops.names)
+        assert y.requires_grad == grad
