@@ -410,10 +410,19 @@ def markdown_rows(data: dict, dir_name: str) -> list[list[str]]:
                     f"{r['layer_registered_host_us']:.0f}", f"{r['layer_ratio']:.2f}x",
                     f"{r['layer_torch_host_us']:.0f}",
                     f"{r['layer_fused_launches']} / {r['layer_registered_launches']}",
-                    f"{r['layer_fused_aten_ops']} / {r['layer_registered_aten_ops']}", commit])
+                    f"{r['layer_fused_aten_ops']} / {r['layer_registered_aten_ops']}", _fp8_cell(r, cpu), commit])
     return out
+
+
+def _fp8_cell(r: dict, cpu: bool) -> str:
+    """The FP8 recipe layer's cell: host us on the direct calls / the registered ops, extension launches."""
+    if "layer_fp8_host_us" not in r:
+        return "-"
+    gpu = "" if cpu else f"; kernels {h._fmt(r.get('layer_fp8_kernel_us'), '.0f')} us"
+    return (f"{r['layer_fp8_host_us']:.0f} / {r['layer_fp8_registered_host_us']:.0f}{gpu}; "
+            f"{r['layer_fp8_launches']} launches (H {r.get('fp8_H', r['H'])})")
 
 
 MARKDOWN_HEADER = ["where, date", "case", "fused regions: host us per fwd+bwd", "registered ops: host us",
                    "fused / registered (bar <= 0.33x)", "torch-native: host us", "extension launches: fused / registered",
-                   "aten ops: fused / registered", "commit"]
+                   "aten ops: fused / registered", "FP8 recipe layer: host us direct / registered ops", "commit"]
