@@ -42,7 +42,6 @@ from moe_kernels.ops.grouped_mm import (
     REFERENCE,
     _check_sizes_values,
     _launch,
-    grouped_mm,
     grouped_mm_backend,
     portable_mma_opted_in,
     grouped_mm_reference,
@@ -397,10 +396,11 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     if _run_forward(C, x_q, x_scale, w_q, w_scale, group_sizes, out) is not None:
         return out
     # No FP8 kernel takes it (no sm_90a kernel or N % 8, and no tensor-core portable one): the fp32 path (memory:
-    # fp32 copies).
+    # fp32 copies), through the registered grouped_mm, which autocast leaves alone (the public wrapper would round
+    # the dequantized operands to the autocast dtype: not the fp32 product this op promises).
     _warn_without_fp8_kernel(x_q)
     x = dequantize_fp8(x_q, x_scale, "block", dtype=torch.float32)
-    return grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
+    return torch.ops.moe_kernels.grouped_mm(x, _dequantize_experts(w_q, w_scale), group_sizes).to(torch.bfloat16)
 
 
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,

@@ -97,6 +97,20 @@ def test_deterministic(cuda):
         assert torch.equal(mk.grouped_mm_fp8(xq, xs, wq, ws, gs), first)
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "registered"])
+def test_autocast_does_not_change_the_product(cuda, direct):
+    # The op takes E4M3 codes and returns bf16 from fp32 accumulators on every path: autocast must not reach inside
+    # (the dequantizing fallback once rounded its fp32 operands to bf16 under it). The same bits with and without
+    # it, the op called in grad mode (registered) and without (its implementation straight).
+    xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(300, 256, 384, 8, "zipf", seed=5))
+    with torch.set_grad_enabled(not direct):
+        plain = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
+        with torch.autocast(cuda.type, dtype=torch.bfloat16):
+            under = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
+    rows = int(gs.sum())
+    assert torch.equal(under[:rows], plain[:rows])
+
+
 def test_permuted_padding_rows_give_zeros_and_finite_gradients(cuda):
     # quantize -> permute(align=128) on the device: padding rows have codes 0 and scale 0, a block of
     # zeros for the GEMM (the CUTLASS kernel's inverse scale stays 0, not inf), so the next GEMM's wgrad
