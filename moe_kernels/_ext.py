@@ -17,6 +17,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+from torch._C import _functorch as _C_functorch
 
 try:
     from moe_kernels import _C  # type: ignore[attr-defined]
@@ -369,11 +370,12 @@ _ONNX_FLAGS = "torch.onnx._internal.exporter._flags"  # what moe_kernels.onnx.ex
 
 def eager(t: torch.Tensor) -> Launch | None:
     """The launch for an op called eagerly on `t`, resolved once per call chain; None where the registered op
-    must run instead: under torch.compile / torch.export / ONNX export (fake implementations, decompositions),
-    on fake or subclass tensors, in the checking mode (it validates values first), where the references run
+    must run instead: under torch.compile / torch.export / ONNX export / jit tracing (fake implementations,
+    decompositions), inside a torch.func transform (vmap, grad, functionalize), on fake or subclass tensors, in the checking mode (it validates values first), where the references run
     (CPU tensors outside emulation) and on a GPU the extension cannot serve."""
-    if type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling():
-        return None
+    if (type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling()
+            or _C_functorch.peek_interpreter_stack() is not None or torch.jit.is_tracing()):
+        return None  # (a torch.func transform's wrapped tensors hold no data the kernels could read)
     flags = sys.modules.get(_ONNX_FLAGS)
     if flags is not None and getattr(flags, "_is_onnx_exporting", False):
         return None
@@ -388,14 +390,22 @@ def eager(t: torch.Tensor) -> Launch | None:
 def direct(op, t: torch.Tensor, *args):
     """op(*args), its CUDA implementation called straight (no dispatcher, no custom-op wrapper: tens of
     microseconds of host work a call) where nothing needs the registered op: no autograd is being recorded
-    (grad mode off, as inside the precision recipes' autograd functions, forward and backward) and `t`, the
-    op's first tensor, is one the kernels serve eagerly (`eager`'s conditions: not compiling or exporting,
-    a plain tensor, not the checking mode, a CUDA tensor or the CPU under emulation). The same code runs
-    either way, so the results are the same bit for bit; ops that write into an argument are not called
-    this way (the dispatcher bumps that argument's version counter)."""
+    (grad mode off, as inside the precision recipes' autograd functions, forward and backward), every tensor
+    argument is a plain tensor on a device the kernels serve eagerly (`t`, the op's first tensor: a CUDA
+    tensor, or the CPU under emulation), and nothing observes or transforms the ops: not compiling, exporting
+    or jit-tracing, no torch.func transform (vmap, grad, functionalize: their wrapped tensors hold no data the
+    kernels could read), no dispatch mode (a tracer such as make_fx, a FlopCounterMode, a selective-checkpoint
+    policy: they see the registered op), not the checking mode. The same code runs either way, so the results
+    are the same bit for bit; ops that write into an argument are not called this way (the dispatcher bumps
+    that argument's version counter)."""
     if (torch.is_grad_enabled() or type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling()
-            or (t.device.type != "cuda" and (t.device.type != "cpu" or _EMU is None or _reference_mode))):
+            or (t.device.type != "cuda" and (t.device.type != "cpu" or _EMU is None or _reference_mode))
+            or _C_functorch.peek_interpreter_stack() is not None or torch._C._len_torch_dispatch_stack()
+            or torch.jit.is_tracing()):
         return op(*args)
+    for a in args:
+        if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
+            return op(*args)
     flags = sys.modules.get(_ONNX_FLAGS)
     if flags is not None and getattr(flags, "_is_onnx_exporting", False):
         return op(*args)

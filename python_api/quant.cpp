@@ -57,14 +57,15 @@ void register_quant(py::module_& m) {
   m.def(
       "fp8_dequant_scales",
       [](uintptr_t a, uintptr_t a_out, int64_t a_rows, int64_t a_cols, uintptr_t b, uintptr_t b_out, int64_t b_rows,
-         int64_t b_cols, bool transpose, int device, uintptr_t s) {
+         int64_t b_cols, bool transpose, int device, uintptr_t s, int64_t max_blocks) {
         DeviceGuard guard(device);
         quant::fp8_dequant_scales({ptr<const float>(a), ptr<float>(a_out), a_rows, a_cols, ptr<const float>(b),
-                                   ptr<float>(b_out), b_rows, b_cols, transpose},
+                                   ptr<float>(b_out), b_rows, b_cols, transpose, max_blocks},
                                   stream(s));
       },
       py::arg("a"), py::arg("a_out"), py::arg("a_rows"), py::arg("a_cols"), py::arg("b"), py::arg("b_out"),
-      py::arg("b_rows"), py::arg("b_cols"), py::arg("transpose"), py::arg("device"), py::arg("stream"));
+      py::arg("b_rows"), py::arg("b_cols"), py::arg("transpose"), py::arg("device"), py::arg("stream"),
+      py::arg("max_blocks") = 0);
   m.def(
       "fp8_dequantize",
       [](uintptr_t q, uintptr_t scale, uintptr_t out, int64_t rows, int64_t cols, int32_t granularity, bool e5m2,

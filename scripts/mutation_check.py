@@ -490,6 +490,15 @@ MUTANTS = (
         "return 1.f / s;",
         ("tests/ops/test_fp8_dequant_scales_gpu.py", "-k", "test_matches_reference and 300x56"),
     ),
+    Mutant(
+        "no barrier before the tile is restaged",
+        "dequant_scales_kernel: no __syncthreads after the transposed tile is read, so a block striding to its next "
+        "tile overwrites the staged one while other threads still read it",
+        "quant/fp8_scales.cu",
+        "      __syncthreads();  // the tile is rewritten by the next iteration\n",
+        "",
+        ("tests/ops/test_fp8_dequant_scales_gpu.py", "-k", "test_blocks_striding_over_tiles"),
+    ),
 )
 
 

@@ -110,6 +110,7 @@ struct Fp8DequantScalesParams {
   int64_t b_rows;
   int64_t b_cols;
   bool transpose;
+  int64_t max_blocks = 0;  // the grid's cap (0: 65536); the blocks stride over the tiles of both tensors
 };
 void fp8_dequant_scales(const Fp8DequantScalesParams& p, cudaStream_t stream);
 

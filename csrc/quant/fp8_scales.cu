@@ -66,11 +66,13 @@ int64_t tile_count(const Operand& o) { return o.rows == 0 ? 0 : (o.rows + kTile 
 }  // namespace
 
 void fp8_dequant_scales(const Fp8DequantScalesParams& p, cudaStream_t stream) {
+  if (p.max_blocks < 0) throw std::invalid_argument("fp8_dequant_scales: negative max_blocks");
   const Operand a = operand(p.a, p.a_out, p.a_rows, p.a_cols);
   const Operand b = operand(p.b, p.b_out, p.b_rows, p.b_cols);
   const int64_t a_tiles = tile_count(a), tiles = a_tiles + tile_count(b);
   if (tiles == 0) return;
-  const unsigned grid = unsigned(tiles < 65536 ? tiles : 65536);
+  const int64_t cap = p.max_blocks > 0 && p.max_blocks < 65536 ? p.max_blocks : 65536;
+  const unsigned grid = unsigned(tiles < cap ? tiles : cap);
   dequant_scales_kernel<<<grid, kThreads, 0, stream>>>(a, b, a_tiles, tiles, p.transpose);
   check_launch("dequant_scales_kernel");
 }

@@ -2,6 +2,9 @@
 equal the registered custom ops' bit for bit, no registered op is dispatched, and the registered op takes over
 under torch.compile and in the checking mode."""
 
+import collections
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -107,7 +110,21 @@ def test_checking_mode_and_compile_take_the_registered_ops(cuda, checks_on):
 
 
 # The FP8 recipe's autograd functions call the ops' implementations straight (_ext.direct: grad mode is off inside
-# them); replaced by the registered ops, every output and gradient must be the same bit for bit.
+# them); replaced by the registered ops, every output and gradient must be the same bit for bit. A dispatch mode
+# would itself send direct to the registered ops, so the direct calls are counted by wrapping the implementations.
+def _count_direct(monkeypatch) -> collections.Counter:
+    """Counts, per op name, the implementations _ext.direct calls (the dispatcher calls the registered kernels,
+    not these wrappers)."""
+    calls = collections.Counter()
+    for op, fn in list(_ext._IMPLS.items()):
+        def counted(*args, _fn=fn, _name=f"moe_kernels.{op._name}"):
+            calls[_name] += 1
+            return _fn(*args)
+
+        monkeypatch.setitem(_ext._IMPLS, op, counted)
+    return calls
+
+
 _DIRECT = {"moe_kernels.grouped_mm_fp8", "moe_kernels.grouped_mm_fp8_wgrad", "moe_kernels.swiglu_quantize_fp8",
            "moe_kernels.swiglu_bwd_quantize_fp8", "moe_kernels.squared_relu_quantize_fp8",
            "moe_kernels.squared_relu_bwd_quantize_fp8", "moe_kernels.unpermute_bwd_quantize_fp8",
@@ -115,28 +132,27 @@ _DIRECT = {"moe_kernels.grouped_mm_fp8", "moe_kernels.grouped_mm_fp8_wgrad", "mo
            "moe_kernels.quantize_fp8_tokens", "moe_kernels.permute_quantize_fp8"}
 
 
-class _DirectOps(TorchDispatchMode):
-    """The FP8 ops that _ext.direct calls straight, when dispatched (the CPU-executed build's dequantizing fallback
-    for the FP8 GEMMs dispatches others inside them; permute and unpermute also serve the layer with grad mode on,
-    through their autograd: test_direct_takes_the_registered_op_where_autograd_or_checks_need_it covers them)."""
+class _Dispatched(TorchDispatchMode):
+    """How often each of the FP8 ops above is dispatched as a registered op (the CPU-executed build's dequantizing
+    fallback for the FP8 GEMMs dispatches others inside them; permute and unpermute also serve the layer with grad
+    mode on, through their autograd: test_direct_takes_the_registered_op_where_it_must covers them)."""
 
     def __init__(self):
         super().__init__()
-        self.names = set()
+        self.calls = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket)
         if name in _DIRECT:
-            self.names.add(name)
+            self.calls[name] += 1
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("activation,ffn_size", [("swiglu", 128), ("squared_relu", 208), ("swiglu", 80)])
 def test_fp8_recipe_layer_direct_calls_equal_registered(cuda, monkeypatch, activation, ffn_size):
     # SwiGLU at F = 128 (every fused producer), the squared ReLU at F = 208 (padded codes), SwiGLU at F = 80 (the
-    # composition with quantize_fp8_dual); bf16 weights and tokens (no autocast: under a dispatch mode torch runs a
-    # registered op's inner ops without it, and the CPU-executed build's dequantizing fallback has such ops), an
-    # empty expert likely at 8 experts and 37 tokens.
+    # composition with quantize_fp8_dual); bf16 under autocast, an empty expert likely at 8 experts and 37 tokens.
+    # The direct run calls each FP8 op's implementation as often as the registered run dispatches the op.
     from moe_kernels.nn import MoELayer
     from moe_kernels.nn.moe import qwen3_30b_a3b
     from moe_kernels.quant import Fp8BlockwiseRecipe
@@ -144,34 +160,53 @@ def test_fp8_recipe_layer_direct_calls_equal_registered(cuda, monkeypatch, activ
     torch.manual_seed(4)
     cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=ffn_size, num_experts=8, k=2, activation=activation,
                         recipe=Fp8BlockwiseRecipe())
-    layer = MoELayer(cfg).to(cuda, torch.bfloat16)
-    x = torch.randn(1, 37, 128, device=cuda, dtype=torch.bfloat16)
-    runs, dispatched = [], []
-    for direct in (True, False):
-        if not direct:
-            monkeypatch.setattr(_ext, "direct", lambda op, t, *args: op(*args))
+    layer = MoELayer(cfg).to(cuda)
+    x = torch.randn(1, 37, 128, device=cuda)
+
+    def run():
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_()
-        with _DirectOps() as ops:
+        with torch.autocast(cuda.type, dtype=torch.bfloat16):
             out, aux = layer(xi)
-            (out.float().square().sum() + aux).backward()
-        runs.append((out, xi.grad, *(p.grad for p in layer.parameters())))
-        dispatched.append(ops.names)
-        monkeypatch.undo()
-    assert not dispatched[0], f"registered ops dispatched on the direct path: {dispatched[0]}"
-    assert {"moe_kernels.grouped_mm_fp8", "moe_kernels.grouped_mm_fp8_wgrad"} <= dispatched[1], dispatched[1]
-    for i, (a, b) in enumerate(zip(*runs)):
+        (out.float().square().sum() + aux).backward()
+        return (out, xi.grad, *(p.grad for p in layer.parameters()))
+
+    direct_calls = _count_direct(monkeypatch)
+    direct = run()
+    direct_calls = collections.Counter({k: v for k, v in direct_calls.items() if k in _DIRECT})
+    monkeypatch.undo()
+    monkeypatch.setattr(_ext, "direct", lambda op, t, *args: op(*args))
+    registered = run()
+    with _Dispatched() as seen:
+        run()
+    monkeypatch.undo()
+    assert {"moe_kernels.grouped_mm_fp8", "moe_kernels.grouped_mm_fp8_wgrad"} <= set(seen.calls), seen.calls
+    assert direct_calls == seen.calls, (direct_calls, seen.calls)
+    for i, (a, b) in enumerate(zip(direct, registered)):
         assert_exact(a, b, f"FP8 recipe layer ({activation}, F={ffn_size}): output/gradient {i}")
 
 
-def test_direct_takes_the_registered_op_where_autograd_or_checks_need_it(cuda, checks_on):
-    # Grad mode on: the registered op (its autograd); the checking mode: the registered op (it validates values
-    # first); grad mode off outside the checking mode: the implementation, no op dispatched.
+def test_direct_takes_the_registered_op_where_it_must(cuda, monkeypatch, checks_on):
+    # Grad mode on: the registered op (its autograd); the checking mode (it validates values first), a dispatch
+    # mode (it observes the registered op) and torch.func transforms (their wrapped tensors hold no data the kernel
+    # could read): the registered op; grad mode off, none of these: the implementation.
+    calls = _count_direct(monkeypatch)
     x = torch.randn(10, 16, device=cuda, requires_grad=True)
     idx = torch.randint(0, 4, (10, 2), device=cuda, dtype=torch.int32)
-    for grad, checks, want in ((True, False, True), (False, True, True), (False, False, False)):
+    want = mk.permute(x.detach(), idx, 4)[0]
+    cases = {
+        "grad mode on": (True, True, contextlib.nullcontext, lambda: mk.permute(x, idx, 4)[0]),
+        "checking mode": (False, True, contextlib.nullcontext, lambda: mk.permute(x, idx, 4)[0]),
+        "dispatch mode": (False, False, _Ops, lambda: mk.permute(x, idx, 4)[0]),
+        "vmap": (False, False, contextlib.nullcontext,
+                 lambda: torch.vmap(lambda t: mk.permute(t, idx, 4)[0])(x.detach()[None])[0]),
+        "direct": (False, False, contextlib.nullcontext, lambda: mk.permute(x, idx, 4)[0]),
+    }
+    for name, (grad, checks, mode, fn) in cases.items():
         mk.set_checks(checks)
-        with torch.set_grad_enabled(grad), _Ops() as ops:
-            y, _, _ = mk.permute(x, idx, 4)
-        assert ("moe_kernels.permute" in ops.names) == want, (grad, checks, ops.names)
-        assert y.requires_grad == grad
+        calls.clear()
+        with torch.set_grad_enabled(grad), mode():
+            y = fn()
+        assert (calls["moe_kernels.permute"] == 0) == (name != "direct"), (name, calls)
+        assert y.requires_grad == grad, name
+        assert_exact(y.detach(), want, name)

@@ -25,8 +25,9 @@ def _scales(shape, gen) -> torch.Tensor:
     return s
 
 
-def _launch(cuda, a, b, transpose):
-    """The kernel called directly on outputs pre-filled with a sentinel (so an unwritten element shows)."""
+def _launch(cuda, a, b, transpose, max_blocks=0):
+    """The kernel called directly on outputs pre-filled with a sentinel (so an unwritten element shows);
+    `max_blocks` caps the grid, so each block strides over several tiles."""
     C = _ext.kernels("fp8_dequant_scales", a)
     assert C is not None
     ra, rb = (a.shape[:-1].numel(), a.shape[-1]), (b.shape[:-1].numel(), b.shape[-1])
@@ -34,7 +35,7 @@ def _launch(cuda, a, b, transpose):
     b_out = torch.full((rb[1], rb[0]) if transpose else b.shape, 12345.0, device=cuda)
     launch = _ext.launch_args(a)
     C.fp8_dequant_scales(a.data_ptr(), a_out.data_ptr(), *ra, b.data_ptr(), b_out.data_ptr(), *rb, transpose,
-                         launch["device"], launch["stream"])
+                         launch["device"], launch["stream"], max_blocks)
     return a_out, b_out
 
 
@@ -74,6 +75,18 @@ def test_matches_reference(cuda, a_shape, b_shape, transpose):
     assert_exact(b_out, _expected(b, transpose).to(cuda), f"b {b_shape} transpose={transpose}")
 
 
+@pytest.mark.parametrize("max_blocks", [1, 3])
+@pytest.mark.parametrize("transpose", [True, False], ids=["t", "n"])
+def test_blocks_striding_over_tiles(cuda, max_blocks, transpose):
+    # Fewer blocks than tiles: each block takes tiles of a, then of b (the tile staged in shared memory reused;
+    # a missing barrier between iterations overwrites it while it is still read).
+    gen = torch.Generator().manual_seed(11 + max_blocks)
+    a, b = _scales((70, 45), gen), _scales((33, 100), gen)
+    a_out, b_out = _launch(cuda, a.to(cuda), b.to(cuda), transpose, max_blocks)
+    assert_exact(a_out, _expected(a, transpose).to(cuda), f"a, {max_blocks} blocks, transpose={transpose}")
+    assert_exact(b_out, _expected(b, transpose).to(cuda), f"b, {max_blocks} blocks, transpose={transpose}")
+
+
 def test_op_helper_matches_reference(cuda):
     # The helper the FP8 GEMMs call: allocates, makes the inputs contiguous (a strided scale view included).
     gen = torch.Generator().manual_seed(7)
@@ -96,3 +109,5 @@ def test_bad_sizes_raise(cuda):
         C.fp8_dequant_scales(0, 0, -1, 4, 0, 0, 0, 0, False, launch["device"], launch["stream"])
     with pytest.raises(ValueError, match="without its pointers"):
         C.fp8_dequant_scales(0, 0, 2, 4, 0, 0, 0, 0, False, launch["device"], launch["stream"])
+    with pytest.raises(ValueError, match="negative max_blocks"):
+        C.fp8_dequant_scales(0, 0, 0, 0, 0, 0, 0, 0, False, launch["device"], launch["stream"], -1)
