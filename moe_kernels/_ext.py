@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 from torch._C import _functorch as _C_functorch
+from torch.autograd import forward_ad as _forward_ad
 
 try:
     from moe_kernels import _C  # type: ignore[attr-defined]
@@ -394,14 +395,14 @@ def direct(op, t: torch.Tensor, *args):
     argument is a plain tensor on a device the kernels serve eagerly (`t`, the op's first tensor: a CUDA
     tensor, or the CPU under emulation), and nothing observes or transforms the ops: not compiling, exporting
     or jit-tracing, no torch.func transform (vmap, grad, functionalize: their wrapped tensors hold no data the
-    kernels could read), no dispatch mode (a tracer such as make_fx, a FlopCounterMode, a selective-checkpoint
+    kernels could read) or functional tensor, no forward-mode AD level (its tangents), no dispatch mode (a tracer such as make_fx, a FlopCounterMode, a selective-checkpoint
     policy: they see the registered op), not the checking mode. The same code runs either way, so the results
     are the same bit for bit; ops that write into an argument are not called this way (the dispatcher bumps
     that argument's version counter)."""
     if (torch.is_grad_enabled() or type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling()
             or (t.device.type != "cuda" and (t.device.type != "cpu" or _EMU is None or _reference_mode))
             or _C_functorch.peek_interpreter_stack() is not None or torch._C._len_torch_dispatch_stack()
-            or torch.jit.is_tracing()):
+            or torch.jit.is_tracing() or _forward_ad._current_level >= 0 or torch._is_functional_tensor(t)):
         return op(*args)
     for a in args:
         if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:

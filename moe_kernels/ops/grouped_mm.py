@@ -8,6 +8,8 @@ the input dtype. Rows at or past sum(group_sizes) are unspecified in `out` and z
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -75,19 +77,29 @@ def _row_ranges(group_sizes: Tensor) -> list[tuple[int, int]]:
 # References: the per-expert loop
 
 
+def _without_autocast(t: Tensor):
+    """The references multiply in their accumulation dtype even under torch.autocast (which would round the
+    operands of `@` to its dtype): autocast off for t's device."""
+    if t.device.type in ("cuda", "cpu"):
+        return torch.autocast(t.device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def grouped_mm_reference(x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     acc = _acc(x.dtype)
     out = x.new_zeros((x.shape[0], w.shape[1]))
-    for e, (start, n) in enumerate(_row_ranges(group_sizes)):
-        out[start : start + n] = (x[start : start + n].to(acc) @ w[e].to(acc).t()).to(x.dtype)
+    with _without_autocast(x):
+        for e, (start, n) in enumerate(_row_ranges(group_sizes)):
+            out[start : start + n] = (x[start : start + n].to(acc) @ w[e].to(acc).t()).to(x.dtype)
     return out
 
 
 def grouped_mm_dgrad_reference(dout: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
     acc = _acc(dout.dtype)
     dx = dout.new_zeros((dout.shape[0], w.shape[2]))
-    for e, (start, n) in enumerate(_row_ranges(group_sizes)):
-        dx[start : start + n] = (dout[start : start + n].to(acc) @ w[e].to(acc)).to(dout.dtype)
+    with _without_autocast(dout):
+        for e, (start, n) in enumerate(_row_ranges(group_sizes)):
+            dx[start : start + n] = (dout[start : start + n].to(acc) @ w[e].to(acc)).to(dout.dtype)
     return dx
 
 
@@ -95,8 +107,9 @@ def grouped_mm_wgrad_reference(dout: Tensor, x: Tensor, group_sizes: Tensor) -> 
     acc = _acc(dout.dtype)
     E = group_sizes.shape[0]
     dw = dout.new_zeros((E, dout.shape[1], x.shape[1]))
-    for e, (start, n) in enumerate(_row_ranges(group_sizes)):
-        dw[e] = (dout[start : start + n].to(acc).t() @ x[start : start + n].to(acc)).to(dout.dtype)
+    with _without_autocast(dout):
+        for e, (start, n) in enumerate(_row_ranges(group_sizes)):
+            dw[e] = (dout[start : start + n].to(acc).t() @ x[start : start + n].to(acc)).to(dout.dtype)
     return dw
 
 

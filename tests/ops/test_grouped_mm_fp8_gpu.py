@@ -97,11 +97,18 @@ def test_deterministic(cuda):
         assert torch.equal(mk.grouped_mm_fp8(xq, xs, wq, ws, gs), first)
 
 
+@pytest.mark.parametrize("fallback", [True, False], ids=["fallback", "default"])
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "registered"])
-def test_autocast_does_not_change_the_product(cuda, direct):
+def test_autocast_does_not_change_the_product(cuda, monkeypatch, direct, fallback):
     # The op takes E4M3 codes and returns bf16 from fp32 accumulators on every path: autocast must not reach inside
     # (the dequantizing fallback once rounded its fp32 operands to bf16 under it). The same bits with and without
-    # it, the op called in grad mode (registered) and without (its implementation straight).
+    # it, the op called in grad mode (registered) and without (its implementation straight); `fallback` forces the
+    # dequantizing path (no FP8 kernel takes the problem) on any device.
+    import importlib
+
+    if fallback:
+        monkeypatch.setattr(importlib.import_module("moe_kernels.ops.grouped_mm_fp8"), "_run_forward",
+                            lambda *args, **kwargs: None)
     xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(300, 256, 384, 8, "zipf", seed=5))
     with torch.set_grad_enabled(not direct):
         plain = mk.grouped_mm_fp8(xq, xs, wq, ws, gs)
