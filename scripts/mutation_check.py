@@ -478,8 +478,8 @@ MUTANTS = (
         "dequant_scales_kernel: wgrad's transposed scales read from the staged tile as tile[r][lane], so each 32x32 "
         "tile is written untransposed",
         "quant/fp8_scales.cu",
-        "o.dst[row * o.rows + col] = tile[lane][r];",
-        "o.dst[row * o.rows + col] = tile[r][lane];",
+        "dst[row * rows + col] = tile[lane][r];",
+        "dst[row * rows + col] = tile[r][lane];",
         ("tests/ops/test_fp8_dequant_scales_gpu.py", "-k", "test_matches_reference and 33x65-65x33-t"),
     ),
     Mutant(

@@ -27,18 +27,23 @@ __global__ void __launch_bounds__(kThreads) dequant_scales_kernel(Operand a, Ope
   __shared__ float tile[kTile][kTile + 1];
   const int lane = threadIdx.x % kTile;
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    // The operand's fields picked one by one (a reference to either parameter struct would be copied to local
+    // memory).
     const bool first = t < a_tiles;
-    const Operand& o = first ? a : b;
+    const float* src = first ? a.src : b.src;
+    float* dst = first ? a.dst : b.dst;
+    const int64_t rows = first ? a.rows : b.rows, cols = first ? a.cols : b.cols;
+    const int64_t col_tiles = first ? a.col_tiles : b.col_tiles;
     const int64_t local = first ? t : t - a_tiles;
-    const int64_t r0 = local / o.col_tiles * kTile, c0 = local % o.col_tiles * kTile;
+    const int64_t r0 = local / col_tiles * kTile, c0 = local % col_tiles * kTile;
     for (int r = threadIdx.x / kTile; r < kTile; r += kRowStep) {
       const int64_t row = r0 + r, col = c0 + lane;
-      if (row < o.rows && col < o.cols) {
-        const float v = dequant_scale(o.src[row * o.cols + col]);
+      if (row < rows && col < cols) {
+        const float v = dequant_scale(src[row * cols + col]);
         if (transpose) {
           tile[r][lane] = v;
         } else {
-          o.dst[row * o.cols + col] = v;
+          dst[row * cols + col] = v;
         }
       }
     }
@@ -46,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) dequant_scales_kernel(Operand a, Ope
       __syncthreads();
       for (int r = threadIdx.x / kTile; r < kTile; r += kRowStep) {
         const int64_t row = c0 + r, col = r0 + lane;
-        if (row < o.cols && col < o.rows) o.dst[row * o.rows + col] = tile[lane][r];
+        if (row < cols && col < rows) dst[row * rows + col] = tile[lane][r];
       }
       __syncthreads();  // the tile is rewritten by the next iteration
     }
