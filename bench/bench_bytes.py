@@ -8,6 +8,9 @@ Cases (perf.md shapes; `--tokens` overrides the token count):
   nemotron-3-nano  E 128, H 2688, F 1856 (no multiple of 128: zero-padded along the FP8 contractions), k 6,
                    experts without a gate (squared ReLU), a shared expert of F 3712, sigmoid routing; 8192 tokens;
                    a measurement without a bar
+  gpt-oss-120b     E 128, H = F = 2880 (no multiples of 128: zero-padded along the FP8 contractions), k 4,
+                   softmax over the top-4 (the perf.md preset: SwiGLU, no expert biases); 8192 tokens; a
+                   measurement without a bar
 Per case and path (bf16, fp8):
   step x1     one micro-batch fwd+bwd and the optimizer step after it: the FP8 weights quantized once
   later mb    a later micro-batch of a step with gradient accumulation (the FP8 weight cache hits; the
@@ -40,8 +43,9 @@ from . import harness as h
 
 CASES = {"deepseek-v3-ep8": ("deepseek-v3", dict(num_experts=32)), "qwen3-30b-a3b": ("qwen3-30b-a3b", {}),
          "nemotron-3-nano": ("deepseek-v3", dict(hidden_size=2688, ffn_size=1856, shared_ffn_size=3712, num_experts=128,
-                                                 k=6, num_groups=None, group_topk=None, activation="squared_relu"))}
-NO_BAR = {"nemotron-3-nano"}
+                                                 k=6, num_groups=None, group_topk=None, activation="squared_relu")),
+         "gpt-oss-120b": ("gpt-oss-120b", {})}
+NO_BAR = {"nemotron-3-nano", "gpt-oss-120b"}
 TOKENS = 8192
 BAR = bars.bar("fp8_layer_bytes").threshold("bytes_fraction").value
 

@@ -229,11 +229,20 @@ MUTANTS = (
         ("tests/ops/test_swiglu_fp8_gpu.py", "-k", "test_backward_matches_composition and 256 and 129"),
     ),
     Mutant(
+        "one half per block",
+        "swiglu_bwd_fp8_any_kernel (F off 128): the half of dh taken per 128-column block, not per lane, so a block "
+        "straddling d(gate) and d(up) is all d(gate)",
+        "activation/swiglu_bwd_fp8.cu",
+        "    const bool up = c >= p.ffn;\n",
+        "    const bool up = c / kFp8Block * kFp8Block >= p.ffn;\n",
+        ("tests/ops/test_swiglu_fp8_gpu.py", "-k", "test_backward_f_off_128_straddles_the_halves and 200-129"),
+    ),
+    Mutant(
         "wrong row of a gather",
         "unpermute_bwd_fp8_kernel: a row's token taken as slot % k instead of slot / k",
         "permute/unpermute_fp8.cu",
-        "        const P d = *reinterpret_cast<const P*>(dout + (slot / p.k) * p.hidden + c);\n",
-        "        const P d = *reinterpret_cast<const P*>(dout + (slot % p.k) * p.hidden + c);\n",
+        "      const P d = *reinterpret_cast<const P*>(dout + (slot / p.k) * p.hidden + c);\n",
+        "      const P d = *reinterpret_cast<const P*>(dout + (slot % p.k) * p.hidden + c);\n",
         ("tests/ops/test_permute_quantize_fp8_gpu.py", "-k", "test_unpermute_bwd_fp8_matches_composition and 37-8-2"),
     ),
     Mutant(
@@ -458,19 +467,20 @@ MUTANTS = (
     ),
     Mutant(
         "padding columns left unwritten",
-        "rows_fp8_kernel (the squared ReLU's FP8 producers, quantize_fp8_dual): a live row's codes stored only for the "
-        "lanes below C, so the forward blocks' zero padding to 128 is not written",
-        "activation/rows_fp8.cu",
-        "      quant::quantize_row_block<kLanes>(v, m, live, p.q",
-        "      quant::quantize_row_block<kLanes>(v, m, live && c < p.cols, p.q",
+        "dual_fp8_tiles (every dual-layout producer's tile loop: rows_fp8, swiglu_fp8, unpermute_fp8, the SwiGLU "
+        "backward off 128): a live row's codes stored only for the lanes below C, so the forward blocks' zero padding "
+        "to 128 is not written",
+        "quant/fp8_dual_tiles.cuh",
+        "      quantize_row_block<kDualLanes>(v, m, live, q",
+        "      quantize_row_block<kDualLanes>(v, m, live && c < cols, q",
         ("tests/ops/test_rows_fp8_gpu.py", "-k", "test_padding_codes_are_zero"),
     ),
     Mutant(
         "the forward's value in the backward",
         "rows_fp8_kernel: the squared ReLU's backward quantizes relu(h)^2 instead of dout * 2 relu(h)",
         "activation/rows_fp8.cu",
-        "        if constexpr (kOp == RowsFp8Op::kSquaredReluBwd) {\n",
-        "        if constexpr (false) {\n",
+        "    if constexpr (kOp == RowsFp8Op::kSquaredReluBwd) {\n",
+        "    if constexpr (false) {\n",
         ("tests/ops/test_rows_fp8_gpu.py", "-k", "test_matches_composition and 1856-129"),
     ),
     Mutant(

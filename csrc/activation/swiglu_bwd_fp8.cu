@@ -2,7 +2,10 @@
 // and h: a block per tile of 128 rows x 128 columns of F. Each row's 128 values of d(gate) and of d(up) are
 // two forward blocks of dh (16 lanes, 8 values each, amax by shuffles, 8 codes stored at once); the d(gate)
 // tile, rounded to h's dtype, is staged in shared memory for its token-major blocks (quant/fp8_tokens.cuh)
-// while d(up) waits in registers, then d(up) takes the same shared memory.
+// while d(up) waits in registers, then d(up) takes the same shared memory. Where F is no multiple of 128 (but
+// of 8) a block of dh may hold values of both halves: the tile loop of quant/fp8_dual_tiles.cuh over the 2F
+// columns of dh instead, its codes zero-padded to a multiple of 128, each lane computing the half its columns
+// fall in (so gate, up and dout are read twice, the second time mostly from L2).
 #include <stdexcept>
 
 #include "activation/swiglu.h"
@@ -11,6 +14,7 @@
 #include "common/vec.cuh"
 #include "quant/amax.cuh"
 #include "quant/fp8.h"
+#include "quant/fp8_dual_tiles.cuh"
 #include "quant/fp8_math.cuh"
 #include "quant/fp8_tokens.cuh"
 
@@ -23,6 +27,7 @@ constexpr int kLanes = 16;                      // lanes per row block
 constexpr int kItems = kFp8Block / kLanes;      // 8 values per lane: one 16-byte load of dout, gate and up
 constexpr int kRowStep = kThreads / kLanes;     // rows per pass
 constexpr int kPasses = kFp8Block / kRowStep;   // 8 passes over the tile's 128 rows
+static_assert(kThreads == quant::kDualThreads && kItems == quant::kDualItems, "one block shape for both kernels");
 
 template <typename T>
 __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(SwigluBwdFp8Params p, int64_t col_tiles,
@@ -85,15 +90,51 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(SwigluBwdFp8Pa
   }
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_any_kernel(SwigluBwdFp8Params p) {
+  using P = Pack<T, kItems>;
+  __shared__ __align__(16) T tile[kFp8Block * kFp8Block];
+  __shared__ float red[kThreads];
+  const T* dout = static_cast<const T*>(p.dout);
+  const T* h = static_cast<const T*>(p.h);
+  auto value = [&](int64_t row, int64_t c) {  // column c of dh = [d(gate) | d(up)]: F % 8 == 0, one half per lane
+    const bool up = c >= p.ffn;
+    const int64_t f = up ? c - p.ffn : c;
+    const P g = *reinterpret_cast<const P*>(h + row * 2 * p.ffn + f);
+    const P u = *reinterpret_cast<const P*>(h + row * 2 * p.ffn + p.ffn + f);
+    const P d = *reinterpret_cast<const P*>(dout + row * p.ffn + f);
+    const float w = p.row_weights != nullptr ? p.row_weights[row] : 1.f;
+    P v;
+#pragma unroll
+    for (int j = 0; j < kItems; ++j) {
+      const SwigluGrad gr = swiglu_grad(to_float(g.v[j]), to_float(u.v[j]), to_float(d.v[j]), w);
+      v.v[j] = from_float<T>(up ? gr.dup : gr.dgate);
+    }
+    return v;
+  };
+  quant::dual_fp8_tiles<T>(tile, red, p.rows, 2 * p.ffn, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
+}
+
 }  // namespace
 
 void swiglu_bwd_fp8(const SwigluBwdFp8Params& p, cudaStream_t stream) {
   if (p.rows < 0 || p.ffn < 0) throw std::invalid_argument("swiglu_bwd_quantize_fp8: negative size");
-  if (p.ffn % kFp8Block) throw std::invalid_argument("swiglu_bwd_quantize_fp8: F must be a multiple of 128");
+  if (p.ffn % kItems) throw std::invalid_argument("swiglu_bwd_quantize_fp8: F must be a multiple of 8");
   if (reinterpret_cast<uintptr_t>(p.h) % 16 || reinterpret_cast<uintptr_t>(p.dout) % 16) {
     throw std::invalid_argument("swiglu_bwd_quantize_fp8: dout and h must be 16-byte aligned");
   }
   quant::check_code_alignment("swiglu_bwd_quantize_fp8", p.q, p.q_t);
+  if (p.ffn % kFp8Block) {  // blocks of dh straddling d(gate) and d(up)
+    if (quant::dual_tiles(p.rows, 2 * p.ffn) == 0) return;
+    const unsigned grid = quant::dual_grid(p.rows, 2 * p.ffn);
+    switch (p.dtype) {
+      case DType::kFloat16: swiglu_bwd_fp8_any_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
+      case DType::kBFloat16: swiglu_bwd_fp8_any_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;
+      default: throw std::invalid_argument("swiglu_bwd_quantize_fp8: h must be float16 or bfloat16");
+    }
+    check_launch("swiglu_bwd_fp8_any_kernel");
+    return;
+  }
   const int64_t col_tiles = p.ffn / kFp8Block;
   const int64_t tiles = (p.rows + kFp8Block - 1) / kFp8Block * col_tiles;
   if (tiles == 0) return;

@@ -84,17 +84,18 @@ struct UnpermuteBwdParams {
 void unpermute_bwd(const UnpermuteBwdParams& p, cudaStream_t stream);
 
 // The backward's dy written in E4M3 only, in both layouts the down projection's FP8 backward reads (bit for
-// bit quantize_fp8(dy, "block") and quantize_fp8_tokens(dy) of unpermute_bwd's dy): 1x128 blocks along H for
-// dgrad, 1x128 blocks along the rows, transposed, for wgrad. Row-driven: each row gathers its slot's dout
-// (slot_of_row, the inverse of row_map; -1: a row no slot maps to, zeros). dweights are not computed here
-// (unpermute_bwd with dy null gives them in its own reduction order). H % 128 == 0, dout 16-byte aligned,
+// bit quantize_fp8(dy, "block", pad_to_block=True) and quantize_fp8_tokens(dy) of unpermute_bwd's dy): 1x128
+// blocks along H for dgrad (H zero-padded to Hp, a multiple of 128), 1x128 blocks along the rows, transposed, for
+// wgrad. Row-driven: each row gathers its slot's dout (slot_of_row, the inverse of row_map; -1: a row no slot
+// maps to, zeros). dweights are not computed here
+// (unpermute_bwd with dy null gives them in its own reduction order). H % 8 == 0, dout 16-byte aligned,
 // fp16 or bf16.
 struct UnpermuteBwdFp8Params {
   const void* dout;              // [T, H]
   const int32_t* slot_of_row;    // [R]: t * k + j of the slot mapped to the row, or -1
   const float* weights;          // [T, k] or nullptr
-  uint8_t* q;                    // [R, H]
-  float* scale;                  // [R, H / 128]
+  uint8_t* q;                    // [R, Hp], codes past H zero
+  float* scale;                  // [R, Hp / 128]
   uint8_t* q_t;                  // [H, Rp], Rp = R rounded up to 128; 16-byte aligned
   float* scale_t;                // [H, Rp / 128]
   int64_t num_tokens;

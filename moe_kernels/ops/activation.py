@@ -8,16 +8,18 @@ swiglu_quantize_fp8 is the forward for the FP8 blockwise recipe: the down projec
 only, in the two layouts the recipe reads, from one read of h (no bf16 activation, no separate quantize
 passes). Its reference is the composition it replaces, matched bit for bit:
     a = swiglu(h, row_weights)
-    a_q, a_scale = quantize_fp8(a, "block")          # [R, F], [R, F / 128]: the forward GEMM's operand
-    a_t_q, a_t_scale = quantize_fp8_tokens(a)       # [F, Rp], [F, Rp / 128]: wgrad's operand
+    a_q, a_scale = quantize_fp8(a, "block", pad_to_block=True)  # [R, Fp], [R, Fp / 128]: the forward GEMM's operand
+    a_t_q, a_t_scale = quantize_fp8_tokens(a)                   # [F, Rp], [F, Rp / 128]: wgrad's operand
 swiglu_bwd_quantize_fp8 is its backward: dh written as E4M3 only, in the two layouts the up projection's
 backward reads, from one read of dout and h; its reference, matched bit for bit:
     dh, drow_weights = swiglu_bwd(dout, h, row_weights)
-    dh_q, dh_scale = quantize_fp8(dh, "block")       # [R, 2F], [R, 2F / 128]: dgrad's operand
-    dh_t_q, dh_t_scale = quantize_fp8_tokens(dh)     # [2F, Rp], [2F, Rp / 128]: wgrad's operand
+    dh_q, dh_scale = quantize_fp8(dh, "block", pad_to_block=True)  # [R, Wp], [R, Wp / 128]: dgrad's operand
+    dh_t_q, dh_t_scale = quantize_fp8_tokens(dh)                   # [2F, Rp], [2F, Rp / 128]: wgrad's operand
+Fp and Wp are F and 2F rounded up to a multiple of 128 (the codes past them zero: the GEMMs contract over them),
+Rp the rows; F need only be a multiple of 8 (GPT-OSS's 2880).
 squared_relu_quantize_fp8 and squared_relu_bwd_quantize_fp8 are the same for experts without a gate: relu(h)^2,
 or its backward's dh, written as E4M3 only in both layouts, F zero-padded to a multiple of 128 in the forward
-blocks (the GEMM contracts over F, which need not be one: Nemotron 3 Nano's 1856); their reference:
+blocks (Nemotron 3 Nano's 1856); their reference:
     v = squared_relu(h)                                         # or squared_relu's backward dh
     v_q, v_scale = quantize_fp8(v, "block", pad_to_block=True)  # [R, Fp], [R, Fp / 128]
     v_t_q, v_t_scale = quantize_fp8_tokens(v)                   # [F, Rp], [F, Rp / 128]
@@ -32,7 +34,8 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
-from moe_kernels.ops.quant import BLOCK, quantize_fp8, quantize_fp8_reference, quantize_fp8_tokens_reference
+from moe_kernels.ops.quant import (BLOCK, fp8_layouts_empty, quantize_fp8, quantize_fp8_reference,
+                                  quantize_fp8_tokens_reference)
 
 
 def _check(h: Tensor, row_weights: Tensor | None, op: str = "swiglu") -> None:
@@ -256,20 +259,30 @@ def squared_relu(h: Tensor) -> Tensor:
 _E4M3 = torch.float8_e4m3fn
 
 
+def _fp8_layouts_reference(v: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both E4M3 layouts of v [R, F]: 1x128 blocks along F, codes zero-padded to a multiple of 128, and 1x128 blocks
+    along the rows, transposed."""
+    return (*quantize_fp8_reference(v, "block", _E4M3, pow2_scale, pad_to_block=True),
+            *quantize_fp8_tokens_reference(v, pow2_scale))
+
+
 def _check_fp8(h: Tensor, row_weights: Tensor | None) -> None:
     op = "swiglu_quantize_fp8"
     check_tensor(op, "h", h, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
     _check(h, row_weights, op)
-    if (h.shape[1] // 2) % BLOCK:
-        raise ValueError(f"{op}: `h` is [R, 2F] with F = {h.shape[1] // 2}, which must be a multiple of {BLOCK} (one scale "
-                         "per 1x128 block)")
+    _check_ffn_fp8(op, h)
+
+
+def _check_ffn_fp8(op: str, h: Tensor) -> None:
+    if (h.shape[1] // 2) % 8:
+        raise ValueError(f"{op}: `h` is [R, 2F] with F = {h.shape[1] // 2}, which must be a multiple of 8 (16-byte "
+                         "rows of gate and up)")
 
 
 def swiglu_quantize_fp8_reference(
     h: Tensor, row_weights: Tensor | None = None, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    a = swiglu_reference(h, row_weights)
-    return (*quantize_fp8_reference(a, "block", _E4M3, pow2_scale), *quantize_fp8_tokens_reference(a, pow2_scale))
+    return _fp8_layouts_reference(swiglu_reference(h, row_weights), pow2_scale)
 
 
 @torch.library.custom_op("moe_kernels::swiglu_quantize_fp8", mutates_args=())
@@ -281,10 +294,7 @@ def _swiglu_quantize_fp8(h: Tensor, row_weights: Tensor | None, pow2_scale: bool
 @_swiglu_quantize_fp8.register_fake
 def _(h, row_weights, pow2_scale):
     _check_fp8(h, row_weights)
-    R, F = h.shape[0], h.shape[1] // 2
-    Rp = -(-R // BLOCK) * BLOCK
-    return (h.new_empty((R, F), dtype=_E4M3), h.new_empty((R, F // BLOCK), dtype=torch.float32),
-            h.new_empty((F, Rp), dtype=_E4M3), h.new_empty((F, Rp // BLOCK), dtype=torch.float32))
+    return fp8_layouts_empty(h, h.shape[0], h.shape[1] // 2)
 
 
 @_ext.cuda_impl(_swiglu_quantize_fp8)
@@ -295,16 +305,12 @@ def _swiglu_quantize_fp8_cuda(h, row_weights, pow2_scale):
         return swiglu_quantize_fp8_reference(h, row_weights, pow2_scale)
     if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         a = torch.ops.moe_kernels.swiglu(h, row_weights)
-        return (*quantize_fp8(a, "block", pow2_scale=pow2_scale),
+        return (*quantize_fp8(a, "block", pow2_scale=pow2_scale, pad_to_block=True),
                 *torch.ops.moe_kernels.quantize_fp8_tokens(a, pow2_scale))
     if h.data_ptr() % 16:
         h = h.clone()  # 16-byte loads of gate and up
     R, F = h.shape[0], h.shape[1] // 2
-    Rp = -(-R // BLOCK) * BLOCK
-    q = torch.empty((R, F), dtype=_E4M3, device=h.device)
-    scale = torch.empty((R, F // BLOCK), dtype=torch.float32, device=h.device)
-    q_t = torch.empty((F, Rp), dtype=_E4M3, device=h.device)
-    scale_t = torch.empty((F, Rp // BLOCK), dtype=torch.float32, device=h.device)
+    q, scale, q_t, scale_t = fp8_layouts_empty(h, R, F)
     w = None if row_weights is None else row_weights.float().contiguous()
     C.swiglu_fwd_fp8(h=_ext.ptr(h), row_weights=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
                      scale_t=_ext.ptr(scale_t), rows=R, ffn=F, pow2=pow2_scale, dtype=_ext.dtype_code(h.dtype),
@@ -315,10 +321,11 @@ def _swiglu_quantize_fp8_cuda(h, row_weights, pow2_scale):
 def swiglu_quantize_fp8(
     h: Tensor, row_weights: Tensor | None = None, *, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """[R, 2F] (F % 128 == 0) -> (a_q [R, F] E4M3, a_scale [R, F / 128], a_t_q [F, Rp] E4M3, a_t_scale [F, Rp / 128])
-    for a = swiglu(h, row_weights): the forward's 1x128 blocks along F and wgrad's 1x128 blocks along the rows
-    (Rp = R rounded up to 128, padding codes 0), bit for bit quantize_fp8(a, "block") and quantize_fp8_tokens(a).
-    No autograd (the FP8 recipe's function wraps it)."""
+    """[R, 2F] (F % 8 == 0) -> (a_q [R, Fp] E4M3, a_scale [R, Fp / 128], a_t_q [F, Rp] E4M3, a_t_scale [F, Rp / 128])
+    for a = swiglu(h, row_weights): the forward's 1x128 blocks along F (zero-padded to Fp = ceil(F / 128) * 128
+    with zero codes) and wgrad's 1x128 blocks along the rows (Rp = R rounded up to 128, padding codes 0), bit for
+    bit quantize_fp8(a, "block", pad_to_block=True) and quantize_fp8_tokens(a). No autograd (the FP8 recipe's
+    function wraps it)."""
     return _ext.direct(_swiglu_quantize_fp8, h, h, row_weights, bool(pow2_scale))
 
 
@@ -332,16 +339,14 @@ def _check_bwd_fp8(dout: Tensor, h: Tensor, row_weights: Tensor | None) -> None:
     _check(h, row_weights, op)
     check_tensor(op, "dout", dout, ndim=2, dtypes=(h.dtype,), device=h.device)
     check_shape(op, "dout", dout, (h.shape[0], h.shape[1] // 2), "[R, F] for h [R, 2F]")
-    if (h.shape[1] // 2) % BLOCK:
-        raise ValueError(f"{op}: `h` is [R, 2F] with F = {h.shape[1] // 2}, which must be a multiple of {BLOCK} (one scale "
-                         "per 1x128 block)")
+    _check_ffn_fp8(op, h)
 
 
 def swiglu_bwd_quantize_fp8_reference(
     dout: Tensor, h: Tensor, row_weights: Tensor | None = None, need_dw: bool = False, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dh, dw = swiglu_bwd_reference(dout, h, row_weights, need_dw)
-    return (*quantize_fp8_reference(dh, "block", _E4M3, pow2_scale), *quantize_fp8_tokens_reference(dh, pow2_scale), dw)
+    return (*_fp8_layouts_reference(dh, pow2_scale), dw)
 
 
 @torch.library.custom_op("moe_kernels::swiglu_bwd_quantize_fp8", mutates_args=())
@@ -355,11 +360,7 @@ def _swiglu_bwd_quantize_fp8(
 @_swiglu_bwd_quantize_fp8.register_fake
 def _(dout, h, row_weights, need_dw, pow2_scale):
     _check_bwd_fp8(dout, h, row_weights)
-    R, W = h.shape
-    Rp = -(-R // BLOCK) * BLOCK
-    return (h.new_empty((R, W), dtype=_E4M3), h.new_empty((R, W // BLOCK), dtype=torch.float32),
-            h.new_empty((W, Rp), dtype=_E4M3), h.new_empty((W, Rp // BLOCK), dtype=torch.float32),
-            h.new_empty((R,) if need_dw else (0,), dtype=torch.float32))
+    return (*fp8_layouts_empty(h, *h.shape), h.new_empty((h.shape[0],) if need_dw else (0,), dtype=torch.float32))
 
 
 @_ext.cuda_impl(_swiglu_bwd_quantize_fp8)
@@ -370,17 +371,13 @@ def _swiglu_bwd_quantize_fp8_cuda(dout, h, row_weights, need_dw, pow2_scale):
         return swiglu_bwd_quantize_fp8_reference(dout, h, row_weights, need_dw, pow2_scale)
     if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         dh, dw = torch.ops.moe_kernels.swiglu_bwd(dout, h, row_weights, need_dw)
-        return (*quantize_fp8(dh, "block", pow2_scale=pow2_scale),
+        return (*quantize_fp8(dh, "block", pow2_scale=pow2_scale, pad_to_block=True),
                 *torch.ops.moe_kernels.quantize_fp8_tokens(dh, pow2_scale), dw)
     h_in, dout_in = h, dout  # swiglu_bwd's vector width (so its drow_weights reduction order) follows these
     h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads of gate, up and dout
     dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()
     R, W = h.shape
-    Rp = -(-R // BLOCK) * BLOCK
-    q = torch.empty((R, W), dtype=_E4M3, device=h.device)
-    scale = torch.empty((R, W // BLOCK), dtype=torch.float32, device=h.device)
-    q_t = torch.empty((W, Rp), dtype=_E4M3, device=h.device)
-    scale_t = torch.empty((W, Rp // BLOCK), dtype=torch.float32, device=h.device)
+    q, scale, q_t, scale_t = fp8_layouts_empty(h, R, W)
     dw = torch.empty((R,) if need_dw else (0,), dtype=torch.float32, device=h.device)
     w = None if row_weights is None else row_weights.float().contiguous()
     launch = _ext.launch_args(h)
@@ -396,11 +393,12 @@ def _swiglu_bwd_quantize_fp8_cuda(dout, h, row_weights, need_dw, pow2_scale):
 def swiglu_bwd_quantize_fp8(
     dout: Tensor, h: Tensor, row_weights: Tensor | None = None, *, need_dw: bool = False, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """swiglu's backward with dh [R, 2F] (F % 128 == 0) written in E4M3 only: (dh_q [R, 2F], dh_scale [R, 2F / 128],
+    """swiglu's backward with dh [R, 2F] (F % 8 == 0) written in E4M3 only: (dh_q [R, Wp], dh_scale [R, Wp / 128],
     dh_t_q [2F, Rp], dh_t_scale [2F, Rp / 128], drow_weights [R] fp32, or [0] without `need_dw`): the up
-    projection's dgrad operand (1x128 blocks along 2F) and its wgrad operand (1x128 blocks along the rows, Rp =
-    R rounded up to 128, padding codes 0), bit for bit quantize_fp8(dh, "block") and quantize_fp8_tokens(dh)
-    for dh, drow_weights = swiglu_bwd(dout, h, row_weights). No autograd (the FP8 recipe's function calls it)."""
+    projection's dgrad operand (1x128 blocks along 2F, zero-padded to Wp = ceil(2F / 128) * 128 with zero codes)
+    and its wgrad operand (1x128 blocks along the rows, Rp = R rounded up to 128, padding codes 0), bit for bit
+    quantize_fp8(dh, "block", pad_to_block=True) and quantize_fp8_tokens(dh) for dh, drow_weights =
+    swiglu_bwd(dout, h, row_weights). No autograd (the FP8 recipe's function calls it)."""
     _check_bwd_fp8(dout, h, row_weights)
     return _ext.direct(_swiglu_bwd_quantize_fp8, dout, dout, h, row_weights, bool(need_dw), bool(pow2_scale))
 
@@ -423,18 +421,8 @@ def _check_squared_relu_fp8(op: str, h: Tensor, dout: Tensor | None = None) -> N
         raise ValueError(f"{op}: `h` is [R, F] with F = {h.shape[1]}, which must be a multiple of 8 (16-byte rows)")
 
 
-def _fp8_layouts_reference(v: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Both E4M3 layouts of v [R, F]: 1x128 blocks along F, codes zero-padded to a multiple of 128, and 1x128 blocks
-    along the rows, transposed."""
-    return (*quantize_fp8_reference(v, "block", _E4M3, pow2_scale, pad_to_block=True),
-            *quantize_fp8_tokens_reference(v, pow2_scale))
-
-
 def _fp8_layouts_like(h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    R, F = h.shape
-    Rp, nb = -(-R // BLOCK) * BLOCK, -(-F // BLOCK)
-    return (h.new_empty((R, nb * BLOCK), dtype=_E4M3), h.new_empty((R, nb), dtype=torch.float32),
-            h.new_empty((F, Rp), dtype=_E4M3), h.new_empty((F, Rp // BLOCK), dtype=torch.float32))
+    return fp8_layouts_empty(h, *h.shape)
 
 
 def squared_relu_quantize_fp8_reference(h: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -14,7 +14,7 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
-from moe_kernels.ops.quant import BLOCK, quantize_fp8_reference, quantize_fp8_tokens_reference
+from moe_kernels.ops.quant import BLOCK, fp8_layouts_empty, quantize_fp8_reference, quantize_fp8_tokens_reference
 
 INDEX_DTYPES = (torch.int32,)
 # Permute moves bytes, so low-precision payloads (fp8, packed fp4 as uint8) travel through it too.
@@ -545,16 +545,17 @@ def _check_unpermute_bwd_fp8(dout: Tensor, row_map: Tensor, weights: Tensor | No
     op = "unpermute_bwd_quantize_fp8"
     check_tensor(op, "grad_output", dout, ndim=2, dtypes=CUDA_FLOAT_DTYPES)
     _check_unpermute_bwd(dout, row_map, weights, y, num_rows, op)
-    if dout.shape[1] % BLOCK:
-        raise ValueError(f"{op}: H = {dout.shape[1]} must be a multiple of {BLOCK} (one scale per 1x128 block)")
+    if dout.shape[1] % 8:
+        raise ValueError(f"{op}: `grad_output` is [T, H] with H = {dout.shape[1]}, which must be a multiple of 8 "
+                         "(16-byte rows)")
 
 
 def unpermute_bwd_quantize_fp8_reference(
     dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dy, dweights = unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
-    return (*quantize_fp8_reference(dy, "block", _E4M3, pow2_scale), *quantize_fp8_tokens_reference(dy, pow2_scale),
-            dweights)
+    return (*quantize_fp8_reference(dy, "block", _E4M3, pow2_scale, pad_to_block=True),
+            *quantize_fp8_tokens_reference(dy, pow2_scale), dweights)
 
 
 @torch.library.custom_op("moe_kernels::unpermute_bwd_quantize_fp8", mutates_args=())
@@ -569,10 +570,7 @@ def _unpermute_bwd_quantize_fp8(
 @_unpermute_bwd_quantize_fp8.register_fake
 def _(dout, row_map, weights, y, num_rows, pow2_scale):
     _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)
-    H = dout.shape[1]
-    Rp = -(-num_rows // BLOCK) * BLOCK
-    return (dout.new_empty((num_rows, H), dtype=_E4M3), dout.new_empty((num_rows, H // BLOCK), dtype=torch.float32),
-            dout.new_empty((H, Rp), dtype=_E4M3), dout.new_empty((H, Rp // BLOCK), dtype=torch.float32),
+    return (*fp8_layouts_empty(dout, num_rows, dout.shape[1]),
             dout.new_empty(row_map.shape if y is not None else (0,), dtype=torch.float32))
 
 
@@ -593,17 +591,13 @@ def _unpermute_bwd_quantize_fp8_cuda(dout, row_map, weights, y, num_rows, pow2_s
         return unpermute_bwd_quantize_fp8_reference(dout, row_map, weights, y, num_rows, pow2_scale)
     if dout.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         dy, dweights = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, weights, y, num_rows)
-        return (*torch.ops.moe_kernels.quantize_fp8(dy, "block", _E4M3, pow2_scale),
+        return (*torch.ops.moe_kernels.quantize_fp8(dy, "block", _E4M3, pow2_scale, True),
                 *torch.ops.moe_kernels.quantize_fp8_tokens(dy, pow2_scale), dweights)
     T, k = row_map.shape
     H = dout.shape[1]
-    Rp = -(-num_rows // BLOCK) * BLOCK
     dout_in = dout  # unpermute_bwd's vector width (so its dweights reduction order) follows this pointer
     dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()  # 16-byte loads of dout rows
-    q = torch.empty((num_rows, H), dtype=_E4M3, device=dout.device)
-    scale = torch.empty((num_rows, H // BLOCK), dtype=torch.float32, device=dout.device)
-    q_t = torch.empty((H, Rp), dtype=_E4M3, device=dout.device)
-    scale_t = torch.empty((H, Rp // BLOCK), dtype=torch.float32, device=dout.device)
+    q, scale, q_t, scale_t = fp8_layouts_empty(dout, num_rows, H)
     dweights = torch.empty((T, k) if y is not None else (0,), dtype=torch.float32, device=dout.device)
     w = None if weights is None else weights.float().contiguous()
     inv = slot_of_row(row_map, num_rows)  # held until the launch is queued
@@ -622,10 +616,11 @@ def _unpermute_bwd_quantize_fp8_cuda(dout, row_map, weights, y, num_rows, pow2_s
 def unpermute_bwd_quantize_fp8(
     dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int, *, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """unpermute's backward with dy [R, H] (H % 128 == 0) written in E4M3 only: (dy_q [R, H], dy_scale [R, H / 128],
+    """unpermute's backward with dy [R, H] (H % 8 == 0) written in E4M3 only: (dy_q [R, Hp], dy_scale [R, Hp / 128],
     dy_t_q [H, Rp], dy_t_scale [H, Rp / 128], dweights [T, k] fp32, or [0] without `y`): the down projection's
-    dgrad operand (1x128 blocks along H) and its wgrad operand (1x128 blocks along the rows, Rp = R rounded up to
-    128, padding codes 0), bit for bit quantize_fp8(dy, "block") and quantize_fp8_tokens(dy) for dy, dweights =
+    dgrad operand (1x128 blocks along H, zero-padded to Hp = ceil(H / 128) * 128 with zero codes) and its wgrad
+    operand (1x128 blocks along the rows, Rp = R rounded up to 128, padding codes 0), bit for bit
+    quantize_fp8(dy, "block", pad_to_block=True) and quantize_fp8_tokens(dy) for dy, dweights =
     unpermute_bwd(dout, row_map, weights, y, R) (rows no slot maps to: zeros). No autograd (the FP8 recipe's
     function calls it)."""
     _check_unpermute_bwd_fp8(dout, row_map, weights, y, num_rows)

@@ -68,6 +68,15 @@ def _q_cols(cols: int, pad_to_block: bool) -> int:
     return -(-cols // BLOCK) * BLOCK if pad_to_block else cols
 
 
+def fp8_layouts_empty(like: Tensor, R: int, C: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Uninitialised E4M3 layouts of an [R, C] value, as a dual-layout producer writes them: codes [R, Cp] and
+    scales [R, Cp / 128] (Cp = C rounded up to 128), token-major codes [C, Rp] and scales [C, Rp / 128] (Rp = R
+    rounded up to 128)."""
+    Rp, nb = -(-R // BLOCK) * BLOCK, -(-C // BLOCK)
+    return (like.new_empty((R, nb * BLOCK), dtype=torch.float8_e4m3fn), like.new_empty((R, nb), dtype=torch.float32),
+            like.new_empty((C, Rp), dtype=torch.float8_e4m3fn), like.new_empty((C, Rp // BLOCK), dtype=torch.float32))
+
+
 def pad_codes_to_block(q: Tensor) -> Tensor:
     """FP8 codes [..., K] -> [..., ceil(K / 128) * 128], zero codes past K (a copy; q itself where K % 128 == 0)."""
     K = q.shape[-1]

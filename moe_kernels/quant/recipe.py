@@ -32,15 +32,14 @@ products. The one quantization of the stored weight writes both layouts of its t
 the stored ones; wgrad takes its operands the other way round (x^T dout, [E, K, N]). So no transposed copy of the
 weight is made, and the codes are those of the [E, N, K] weight w.transpose(1, 2).
 
-A contraction that is no multiple of 128 (Nemotron 3 Nano's F = 1856 for the down projection's forward and the
-up projection's dgrad) is zero-padded to one: the activation or gradient quantization writes its codes' rows
-padded with zeros in the same pass (quantize_fp8(..., pad_to_block=True); the squared ReLU's producers likewise),
-and the weight's codes in that layout are written padded by the quantization that makes both layouts
+A contraction that is no multiple of 128 (GPT-OSS's H = F = 2880, Nemotron 3 Nano's F = 1856) is zero-padded to
+one: every producer above writes its codes' rows padded with zeros in the same pass (a multiple of 8 is all they
+need: 16-byte rows), as does quantize_fp8(..., pad_to_block=True) where no producer applies, and the weight's
+codes in that layout are written padded by the quantization that makes both layouts
 (quantize_fp8_experts_dual(..., pad_to_block=True), held by the weight cache; where an entry was made otherwise,
 `Fp8Weights.gemm_tiles` pads it with one copy). The last partial block's scale covers the elements present, so
-the padded products add exact zeros: the result is the unpadded one's. The other fused producers (permute's
-gather, the SwiGLU's, the unpermute backward's) write unpadded rows, so they are taken where H (and the SwiGLU's
-F) are multiples of 128 and the composition (with the padded quantization) runs otherwise.
+the padded products add exact zeros: the result is the unpadded one's. Only permute_quantize_fp8 (the first GEMM's
+input without FP8 wgrad, or from fp32 rows) writes unpadded rows: there H off 128 takes the composition.
 """
 
 from __future__ import annotations
@@ -109,14 +108,14 @@ class Fp8BlockwiseRecipe:
 
     def _grad_link(self, w: Tensor, swiglu_next: bool, squared_relu_next: bool, op: str) -> "_Fp8GradLink | None":
         """The link that carries an activation's E4M3 backward output to the GEMM that made its input, where the
-        activation's producers apply: the SwiGLU's F a multiple of 128 (w [E, 2F, K]), the squared ReLU's any
-        F % 8 == 0 (its dh codes zero-padded to 128, as dgrad's weight tiles)."""
+        activation's producers apply: F % 8 == 0 (w [E, 2F, K] for the SwiGLU, [E, F, K] for the squared ReLU; the
+        dh codes zero-padded to a multiple of 128, as dgrad's weight tiles)."""
         if swiglu_next and squared_relu_next:
             raise ValueError(f"Fp8BlockwiseRecipe.{op}: swiglu_next and squared_relu_next name two consumers of the "
                              "output; give one")
         if not (swiglu_next or squared_relu_next):
             return None
-        fits = w.shape[1] % (2 * BLOCK) == 0 if swiglu_next else w.shape[1] % 8 == 0
+        fits = w.shape[1] % (16 if swiglu_next else 8) == 0
         if fits and self.fused_swiglu and self.fp8_dgrad and self.fp8_wgrad and not torch.compiler.is_compiling():
             return _Fp8GradLink(self.pow2_scale, gated=swiglu_next)
         return None
@@ -137,17 +136,18 @@ class Fp8BlockwiseRecipe:
                           unpermute_next: bool = False) -> Tensor:
         """grouped_mm(swiglu(h, row_weights), w, group_sizes) with the activation written in FP8 by the SwiGLU
         kernel (swiglu_quantize_fp8: the forward's 1x128 blocks and wgrad's token-major blocks in one pass; the
-        bf16 activation is never written). Bit for bit the composition; differentiable in h, row_weights and
-        w (the SwiGLU backward from h, as swiglu's; in E4M3 for the up projection's backward when h comes from
-        permute_grouped_mm(..., swiglu_next=True)). The composition runs where the fused kernel does not
-        apply (fp8_wgrad off, F not a multiple of 128, fused_swiglu off).
+        bf16 activation is never written; F zero-padded to a multiple of 128 where it is none). Bit for bit the
+        composition; differentiable in h, row_weights and w (the SwiGLU backward from h, as swiglu's; in E4M3 for
+        the up projection's backward when h comes from permute_grouped_mm(..., swiglu_next=True)). The
+        composition runs where the fused kernel does not apply (fp8_wgrad off, F not a multiple of 8,
+        fused_swiglu off).
 
         `unpermute_next`: the caller feeds the output to `unpermute` of this recipe and to nothing else, so
         that backward may hand this GEMM's backward its gradient in E4M3 (unpermute_bwd_quantize_fp8); the
         gradient autograd then carries for the output is a placeholder, as with permute_grouped_mm's
         `swiglu_next`."""
         F = h.shape[-1] // 2
-        if not (self.fused_swiglu and self.fp8_wgrad and F % BLOCK == 0):
+        if not (self.fused_swiglu and self.fp8_wgrad and F % 8 == 0):
             return self.grouped_mm(swiglu(h, row_weights), w, group_sizes)
         return self._activation_grouped_mm(h, row_weights, w, group_sizes, True, unpermute_next)
 
@@ -173,7 +173,7 @@ class Fp8BlockwiseRecipe:
             link = None
         # The output's gradient may arrive in FP8 too, from `unpermute` below, where the caller says so.
         out_link = None
-        if unpermute_next and self.fp8_dgrad and w.shape[1] % BLOCK == 0 and not torch.compiler.is_compiling():
+        if unpermute_next and self.fp8_dgrad and w.shape[1] % 8 == 0 and not torch.compiler.is_compiling():
             out_link = _Fp8GradLink(self.pow2_scale)
         out = _Fp8ActivationGroupedMM.apply(h_in, row_weights, w, group_sizes, self, _weight_grad_needed(w),
                                             weight_cache.cacheable(w), link, out_link, gated)
@@ -189,7 +189,7 @@ class Fp8BlockwiseRecipe:
         respect to it sees zeros, and another consumer of y raises in the backward). Otherwise as
         ops.unpermute."""
         link = getattr(y, "_fp8_grad_link", None)
-        if link is None or link.pow2_scale != self.pow2_scale or y.shape[1] % BLOCK:
+        if link is None or link.pow2_scale != self.pow2_scale or y.shape[1] % 8:
             return unpermute(y, row_map, weights)
         return _Fp8Unpermute.apply(y, row_map, weights, link)
 
@@ -209,13 +209,15 @@ class Fp8BlockwiseRecipe:
         consumer (squared_relu_bwd_quantize_fp8 writes the gradient)."""
         if align % self.align:
             raise ValueError(f"Fp8BlockwiseRecipe: align {align} must be a multiple of the recipe's {self.align}")
-        if x.shape[-1] % BLOCK:  # the fused producers write unpadded rows: the composition pads the codes
+        x_in, need_wgrad = autocast_input(x), _weight_grad_needed(w)
+        if x.shape[-1] % BLOCK and not _gathers_both_layouts(x_in, need_wgrad, self):
+            # permute_quantize_fp8 writes unpadded rows: the composition pads the codes
             x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
             out = self.grouped_mm(x_perm, w, group_sizes, swiglu_next=swiglu_next, squared_relu_next=squared_relu_next)
             return out, row_map, group_sizes
         link = self._grad_link(w, swiglu_next, squared_relu_next, "permute_grouped_mm")
-        out, row_map, group_sizes = _Fp8PermuteGroupedMM.apply(autocast_input(x), w, indices, num_experts, align, self,
-                                                               _weight_grad_needed(w), weight_cache.cacheable(w), link)
+        out, row_map, group_sizes = _Fp8PermuteGroupedMM.apply(x_in, w, indices, num_experts, align, self, need_wgrad,
+                                                               weight_cache.cacheable(w), link)
         if link is not None:
             out._fp8_grad_link = link
         return out, row_map, group_sizes
@@ -445,6 +447,12 @@ def _fp8_backward(state: dict, saved: list[Tensor], dout: Tensor | None, need_dx
     return dx, dw
 
 
+def _gathers_both_layouts(x: Tensor, need_wgrad: bool, recipe: Fp8BlockwiseRecipe) -> bool:
+    """Whether permute_grouped_mm writes its GEMM's E4M3 input in both layouts by one gather of the tokens
+    (unpermute_bwd_quantize_fp8 with no weights: 16-bit rows, H % 8 == 0, zero-padded to a multiple of 128)."""
+    return need_wgrad and recipe.fp8_wgrad and x.shape[-1] % 8 == 0 and x.dtype != torch.float32
+
+
 def _dual_fits(t: Tensor) -> bool:
     """Whether quantize_fp8_dual's kernel takes t: 16-bit rows whose length is a multiple of 8."""
     return t.dtype in (torch.bfloat16, torch.float16) and t.shape[-1] % 8 == 0
@@ -599,7 +607,7 @@ class _Fp8PermuteGroupedMM(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, indices: Tensor, num_experts: int, align: int, recipe: Fp8BlockwiseRecipe,
                 need_wgrad: bool, cache: bool, link: _Fp8GradLink | None = None):
-        if need_wgrad and recipe.fp8_wgrad and x.shape[1] % BLOCK == 0 and x.dtype != torch.float32:
+        if _gathers_both_layouts(x, need_wgrad, recipe):
             # Both layouts the GEMM reads, from one gather of the tokens: the forward's 1x128 blocks and wgrad's
             # token-major blocks (bit for bit quantize_fp8 and quantize_fp8_tokens of the permuted rows), so
             # no bf16 copy of the permuted rows is written and read back. The routing alone first. (fp32 rows

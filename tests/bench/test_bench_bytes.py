@@ -66,6 +66,18 @@ def test_layer_weight_reads_per_step():
     assert adds
 
 
+def test_fp8_layer_off_multiples_of_128_takes_the_producers():
+    """H and F off 128 (GPT-OSS's 2880; here 144 and 208): every FP8 operand still comes from its producer, the codes
+    zero-padded in the same pass, so no quantization of a bf16 tensor is on the path."""
+    cfg = PRESETS["gpt-oss-120b"](hidden_size=144, ffn_size=208, num_experts=8)
+    ops = [k.op for k in B.layer(cfg.replace(recipe=Fp8BlockwiseRecipe()), 64, micro_batches=1).kernels]
+    for producer in ("unpermute_bwd_quantize_fp8", "swiglu_quantize_fp8", "swiglu_bwd_quantize_fp8"):
+        assert "moe_kernels." + producer in ops, producer
+    assert ops.count("moe_kernels.unpermute_bwd_quantize_fp8") == 2  # the forward's gather, the backward's
+    for composed in ("quantize_fp8", "quantize_fp8_dual", "quantize_fp8_tokens", "swiglu", "swiglu_bwd"):
+        assert "moe_kernels." + composed not in ops, composed
+
+
 def test_bench_case_reports_ratios_from_the_counts():
     row = bench_bytes.case("qwen3-30b-a3b", 512)
     b, f = row["bf16"], row["fp8"]

@@ -273,5 +273,7 @@ def test_unpermute_bwd_quantize_fp8_reference_is_the_composition():
     q, s, qt, st, dwm = unpermute_bwd_quantize_fp8(dout.to("meta"), row_map.to("meta"), None, None, R)
     Rp = -(-R // 128) * 128
     assert (q.shape, s.shape, qt.shape, st.shape, dwm.shape) == ((R, 256), (R, 2), (256, Rp), (256, Rp // 128), (0,))
-    with pytest.raises(ValueError, match="multiple of 128"):
+    q, s, qt, st, _ = unpermute_bwd_quantize_fp8(dout[:, :200].to("meta"), row_map.to("meta"), None, None, R)
+    assert (q.shape, s.shape, qt.shape, st.shape) == ((R, 256), (R, 2), (200, Rp), (200, Rp // 128))
+    with pytest.raises(ValueError, match="multiple of 8"):
         unpermute_bwd_quantize_fp8(dout[:, :100].contiguous(), row_map, w, None, R)

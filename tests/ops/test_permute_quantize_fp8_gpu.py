@@ -106,13 +106,15 @@ def test_feeds_grouped_mm_fp8_like_the_unfused_path(cuda):
 
 
 # unpermute_bwd_quantize_fp8: the unpermute backward writing dy in E4M3, both layouts, against unpermute_bwd then
-# quantize_fp8(., "block") and quantize_fp8_tokens, each run on the same device.
+# quantize_fp8(., "block", pad_to_block=True) and quantize_fp8_tokens, each run on the same device (H % 8 == 0: the
+# codes past H zero).
 
 
 def _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, what):
     got = unpermute_bwd_quantize_fp8(dout, row_map, weights, y, R, pow2_scale=pow2)
     dy, dw = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, weights, y, R)
-    want = (*mk.quantize_fp8(dy, "block", pow2_scale=pow2), *mk.quantize_fp8_tokens(dy, pow2_scale=pow2), dw)
+    want = (*mk.quantize_fp8(dy, "block", pow2_scale=pow2, pad_to_block=True), *mk.quantize_fp8_tokens(dy, pow2_scale=pow2),
+            dw)
     for name, a, b in zip(("dy_q", "dy_scale", "dy_t_q", "dy_t_scale", "dweights"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, f"{what} {name}"
         if a.dtype == torch.float8_e4m3fn:
@@ -133,7 +135,7 @@ def _unpermute_problem(dev, T, E, k, H, dtype, kind="uniform", drop=0.0, seed=0,
 
 
 @pytest.mark.parametrize("T,E,k", [(0, 4, 2), (1, 4, 1), (37, 8, 2), (300, 16, 4)])
-@pytest.mark.parametrize("H", [128, 384])
+@pytest.mark.parametrize("H", [8, 128, 200, 384])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_unpermute_bwd_fp8_matches_composition(cuda, T, E, k, H, dtype):
     skip_if_too_large(T * k * H, EMULATION_BUDGET, "elements")
@@ -154,6 +156,17 @@ def test_unpermute_bwd_fp8_hot_empty_dropped_and_specials(cuda, pow2):
     _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, f"specials pow2={pow2}")
     dout, row_map, weights, y, R = _unpermute_problem(cuda, 130, 6, 2, 128, torch.float16, kind="empty", seed=6)
     _check_unpermute_bwd(dout, row_map, weights, y, R, pow2, f"odd experts empty pow2={pow2}")
+
+
+def test_unpermute_bwd_fp8_h_off_128_gathers_padded_rows(cuda):
+    # H = 2880 % 128 = 64 (GPT-OSS): each row's last forward block holds 64 values, its codes past H zero; the
+    # gather without weights (the FP8 layer's first GEMM input) and with them (the output gradient).
+    dout, row_map, weights, y, R = _unpermute_problem(cuda, 40, 8, 4, 2880, torch.bfloat16, kind="zipf", drop=0.1,
+                                                      seed=11)
+    _check_unpermute_bwd(dout, row_map, weights, y, R, False, "H=2880")
+    _check_unpermute_bwd(dout, row_map, None, None, R, True, "H=2880 gather")
+    q = unpermute_bwd_quantize_fp8(dout, row_map, None, None, R)[0]
+    assert q.shape == (R, 2944) and not q[:, 2880:].view(torch.uint8).any()
 
 
 @pytest.mark.parametrize("R", [0, 130])
@@ -179,7 +192,7 @@ def test_unpermute_bwd_fp8_misaligned_dout(cuda):
 
 def test_unpermute_bwd_fp8_bad_input_raises_before_the_kernel(cuda):
     dout, row_map, weights, y, R = _unpermute_problem(cuda, 20, 4, 2, 128, torch.bfloat16, seed=8)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         unpermute_bwd_quantize_fp8(dout[:, :100].contiguous(), row_map, weights, None, R)
     with pytest.raises(ValueError, match="`weights` must have shape"):
         unpermute_bwd_quantize_fp8(dout, row_map, weights[:, :1].contiguous(), None, R)

@@ -28,8 +28,33 @@ def test_shapes_on_meta():
     assert (q.shape, s.shape) == ((70, 384), (70, 3))
 
 
-def test_rejects_f_not_a_multiple_of_128():
-    with pytest.raises(ValueError, match="multiple of 128"):
+def test_shapes_on_meta_f_off_128():
+    # F = 200: the forward blocks' codes padded to 256; dh's 2F = 400 padded to 512.
+    h = torch.empty(300, 400, device="meta", dtype=torch.bfloat16)
+    q, s, qt, st = swiglu_quantize_fp8(h)
+    assert (q.shape, s.shape, qt.shape, st.shape) == ((300, 256), (300, 2), (200, 384), (200, 3))
+    q, s, qt, st, _ = swiglu_bwd_quantize_fp8(torch.empty(300, 200, device="meta", dtype=torch.bfloat16), h)
+    assert (q.shape, s.shape, qt.shape, st.shape) == ((300, 512), (300, 4), (400, 384), (400, 3))
+
+
+@pytest.mark.parametrize("F", [8, 200])
+def test_f_off_128_equals_the_padded_composition(F):
+    g = torch.Generator().manual_seed(F)
+    h = torch.randn(130, 2 * F, generator=g).to(torch.bfloat16)
+    da = torch.randn(130, F, generator=g).to(torch.bfloat16)
+    a = swiglu(h)
+    want = (*quantize_fp8(a, "block", pad_to_block=True), *quantize_fp8_tokens(a))
+    dh, _ = torch.ops.moe_kernels.swiglu_bwd(da, h, None, False)
+    want_bwd = (*quantize_fp8(dh, "block", pad_to_block=True), *quantize_fp8_tokens(dh))
+    for got, want in ((swiglu_quantize_fp8(h), want), (swiglu_bwd_quantize_fp8(da, h)[:4], want_bwd)):
+        for x, y in zip(got, want):
+            assert x.dtype == y.dtype and x.shape == y.shape
+            assert torch.equal(x.view(torch.uint8) if x.dtype == torch.float8_e4m3fn else x,
+                               y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y)
+
+
+def test_rejects_f_not_a_multiple_of_8():
+    with pytest.raises(ValueError, match="multiple of 8"):
         swiglu_quantize_fp8(torch.zeros(4, 200))
 
 
@@ -57,7 +82,7 @@ def test_backward_shapes_on_meta():
 
 def test_backward_rejects_bad_input():
     h = torch.zeros(4, 256)
-    with pytest.raises(ValueError, match="multiple of 128"):
+    with pytest.raises(ValueError, match="multiple of 8"):
         swiglu_bwd_quantize_fp8(torch.zeros(4, 100), torch.zeros(4, 200))
     with pytest.raises(ValueError, match="`dout` must have shape"):
         swiglu_bwd_quantize_fp8(torch.zeros(4, 256), h)

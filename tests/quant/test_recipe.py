@@ -143,8 +143,9 @@ def test_contractions_past_multiples_of_128_are_zero_padded(kn):
 
 
 def test_moe_layer_with_the_recipe_past_multiples_of_128():
-    # F = 1856 (Nemotron 3 Nano's; 14.5 blocks of 128) and H = 208: the fused producers step aside, the
-    # composition pads; the layer's output and gradients close to the bf16 layer's.
+    # F = 1856 (Nemotron 3 Nano's; 14.5 blocks of 128) and H = 208: every E4M3 operand's codes zero-padded to a
+    # multiple of 128 (fp32 rows: the producers compose, the quantization pads); the layer's output and gradients
+    # close to the bf16 layer's. (tests/quant/test_recipe_gpu.py runs the bf16 layer on the producers' kernels.)
     torch.manual_seed(0)
     cfg = qwen3_30b_a3b(hidden_size=208, ffn_size=1856, num_experts=4, k=2)
     ref = MoELayer(cfg)
@@ -297,27 +298,28 @@ def _counted(monkeypatch, names) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("hidden, activation, ffn_size", [(256, "swiglu", 256), (256, "squared_relu", 256),
-                                                         (256, "squared_relu", 208), (144, "swiglu", 128),
+                                                         (256, "squared_relu", 208), (144, "swiglu", 208),
                                                          (144, "squared_relu", 208)])
 def test_fused_layer_hands_the_expert_gemms_their_gradients_in_fp8(monkeypatch, hidden, activation, ffn_size):
     # In the layer's backward the unpermute writes dy in E4M3 (both layouts) for the down projection's backward
     # and the activation (SwiGLU or squared ReLU) writes dh in E4M3 for the up projection's: no quantization of a
     # bf16 gradient anywhere. In the forward the gather of the permuted rows writes x in both layouts (the second
     # unpermute_bwd_quantize_fp8 call), so no quantize_fp8_tokens of a kept bf16 x either; still bit for bit the
-    # composition. H = 144: the gathers take multiples of 128, so the first GEMM's input and the down projection's
-    # gradient are quantized in both layouts by one pass each (quantize_fp8_dual); the activation's producers stay.
-    calls = _counted(monkeypatch, ("quantize_fp8", "quantize_fp8_tokens", "quantize_fp8_dual",
-                                   "swiglu_bwd_quantize_fp8", "squared_relu_bwd_quantize_fp8",
+    # composition. H = 144 and F = 208 (no multiples of 128, as GPT-OSS's 2880): the producers write the codes
+    # zero-padded, the SwiGLU backward's blocks of dh straddling d(gate) and d(up).
+    calls = _counted(monkeypatch, ("quantize_fp8", "quantize_fp8_tokens", "quantize_fp8_dual", "swiglu_quantize_fp8",
+                                   "squared_relu_quantize_fp8", "swiglu_bwd_quantize_fp8", "squared_relu_bwd_quantize_fp8",
                                    "unpermute_bwd_quantize_fp8"))
     torch.manual_seed(3)
     cfg = qwen3_30b_a3b(hidden_size=hidden, ffn_size=ffn_size, num_experts=6, k=2, activation=activation)
     layer = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(torch.bfloat16)
     out, aux = layer(torch.randn(2, 29, hidden, dtype=torch.bfloat16, requires_grad=True))
     (out.square().sum() + aux).backward()
-    gated, gathers = activation == "swiglu", hidden % 128 == 0
-    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "quantize_fp8_dual": 0 if gathers else 2,
+    gated = activation == "swiglu"
+    assert calls == {"quantize_fp8": 0, "quantize_fp8_tokens": 0, "quantize_fp8_dual": 0,
+                     "swiglu_quantize_fp8": int(gated), "squared_relu_quantize_fp8": int(not gated),
                      "swiglu_bwd_quantize_fp8": int(gated), "squared_relu_bwd_quantize_fp8": int(not gated),
-                     "unpermute_bwd_quantize_fp8": 2 if gathers else 0}
+                     "unpermute_bwd_quantize_fp8": 2}
 
 
 def test_fp8_gradient_link_rejects_a_second_consumer():

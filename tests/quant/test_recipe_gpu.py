@@ -139,14 +139,17 @@ def _nvfp4_experts(w):
 
 
 @pytest.mark.parametrize("weights_in_activation", [False, True])
-def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_activation):
+@pytest.mark.parametrize("hidden, ffn", [(256, 256), (144, 208)])
+def test_fused_swiglu_is_the_unfused_recipe_on_the_kernels(cuda, weights_in_activation, hidden, ffn):
     # The SwiGLU kernel writing both E4M3 layouts (swiglu_quantize_fp8) against swiglu, quantize_fp8 and
     # quantize_fp8_tokens on the same device: the same codes, so the layer's output and every gradient agree
-    # bit for bit (bf16 activations under autocast).
+    # bit for bit (bf16 activations under autocast). H = 144, F = 208 (no multiples of 128, as GPT-OSS's 2880):
+    # the producers' codes zero-padded, dh's blocks straddling d(gate) and d(up).
     from moe_kernels.nn.moe import qwen3_30b_a3b
 
     torch.manual_seed(2)
-    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=256, num_experts=6, k=2, weights_in_activation=weights_in_activation)
+    cfg = qwen3_30b_a3b(hidden_size=hidden, ffn_size=ffn, num_experts=6, k=2,
+                        weights_in_activation=weights_in_activation)
     _assert_fused_activation_is_unfused(cuda, cfg, "fused vs unfused SwiGLU quantization")
 
 
@@ -182,19 +185,21 @@ def test_fused_squared_relu_is_the_unfused_recipe_on_the_kernels(cuda, ffn_size)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fused_permute_is_the_unfused_recipe_on_the_kernels(cuda, dtype):
+@pytest.mark.parametrize("hidden", [256, 144])
+def test_fused_permute_is_the_unfused_recipe_on_the_kernels(cuda, dtype, hidden):
     # The first GEMM's input written in both E4M3 layouts by the gather of the permuted rows (routing-only
     # permute, then unpermute_bwd_quantize_fp8 with no weights; fp32 rows: permute_quantize_fp8) against
     # permute, quantize_fp8 and quantize_fp8_tokens on the same device: the same codes, so the layer's output
-    # and every gradient agree bit for bit (empty experts and a token count off the 128-row blocks included).
+    # and every gradient agree bit for bit (empty experts and a token count off the 128-row blocks included; H =
+    # 144: the gathered codes zero-padded to 256; fp32 rows there take the composition).
     from moe_kernels.nn.moe import qwen3_30b_a3b
 
     torch.manual_seed(5)
-    cfg = qwen3_30b_a3b(hidden_size=256, ffn_size=128, num_experts=8, k=2)
+    cfg = qwen3_30b_a3b(hidden_size=hidden, ffn_size=128, num_experts=8, k=2)
     fused = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())).to(cuda, dtype)
     plain = MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe(fused_permute=False))).to(cuda, dtype)
     plain.load_state_dict(fused.state_dict())
-    x = torch.randn(2, 45, 256, device=cuda, dtype=dtype)
+    x = torch.randn(2, 45, hidden, device=cuda, dtype=dtype)
     grads = []
     for layer in (fused, plain):
         xi = x.clone().requires_grad_()
