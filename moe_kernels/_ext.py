@@ -369,16 +369,23 @@ class Launch(NamedTuple):
 _ONNX_FLAGS = "torch.onnx._internal.exporter._flags"  # what moe_kernels.onnx.exporting() reads
 
 
-def eager(t: torch.Tensor) -> Launch | None:
-    """The launch for an op called eagerly on `t`, resolved once per call chain; None where the registered op
-    must run instead: under torch.compile / torch.export / ONNX export / jit tracing (fake implementations,
-    decompositions), inside a torch.func transform (vmap, grad, functionalize), on fake or subclass tensors, in the checking mode (it validates values first), where the references run
-    (CPU tensors outside emulation) and on a GPU the extension cannot serve."""
+def _transformed(t: torch.Tensor) -> bool:
+    """Whether something around this call needs the registered op, for `eager` and `direct` alike: torch.compile,
+    torch.export, ONNX export or jit tracing (fake implementations, decompositions), a torch.func transform
+    (vmap, grad, functionalize: their wrapped tensors hold no data the kernels could read), a fake or subclass
+    tensor, or the checking mode (it validates values first)."""
     if (type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling()
             or _C_functorch.peek_interpreter_stack() is not None or torch.jit.is_tracing()):
-        return None  # (a torch.func transform's wrapped tensors hold no data the kernels could read)
+        return True
     flags = sys.modules.get(_ONNX_FLAGS)
-    if flags is not None and getattr(flags, "_is_onnx_exporting", False):
+    return flags is not None and getattr(flags, "_is_onnx_exporting", False)
+
+
+def eager(t: torch.Tensor) -> Launch | None:
+    """The launch for an op called eagerly on `t`, resolved once per call chain; None where the registered op
+    must run instead (`_transformed`), where the references run (CPU tensors outside emulation) and on a GPU
+    the extension cannot serve."""
+    if _transformed(t):
         return None
     if t.device.type != "cuda":  # the CPU (kernels only under emulation), meta, other backends
         return Launch(_EMU, 0, 0) if t.device.type == "cpu" and _EMU is not None and not _reference_mode else None
@@ -393,23 +400,19 @@ def direct(op, t: torch.Tensor, *args):
     microseconds of host work a call) where nothing needs the registered op: no autograd is being recorded
     (grad mode off, as inside the precision recipes' autograd functions, forward and backward), every tensor
     argument is a plain tensor on a device the kernels serve eagerly (`t`, the op's first tensor: a CUDA
-    tensor, or the CPU under emulation), and nothing observes or transforms the ops: not compiling, exporting
-    or jit-tracing, no torch.func transform (vmap, grad, functionalize: their wrapped tensors hold no data the
-    kernels could read) or functional tensor, no forward-mode AD level (its tangents), no dispatch mode (a tracer such as make_fx, a FlopCounterMode, a selective-checkpoint
-    policy: they see the registered op), not the checking mode. The same code runs either way, so the results
-    are the same bit for bit; ops that write into an argument are not called this way (the dispatcher bumps
-    that argument's version counter)."""
-    if (torch.is_grad_enabled() or type(t) is not torch.Tensor or _checks or torch.compiler.is_compiling()
+    tensor, or the CPU under emulation), nothing transforms the ops (`_transformed`), and nothing observes them:
+    no functional tensor, no forward-mode AD level (its tangents), no dispatch mode (a tracer such as make_fx,
+    a FlopCounterMode, a selective-checkpoint policy: they see the registered op). The same code runs either
+    way, so the results are the same bit for bit; ops that write into an argument are not called this way (the
+    dispatcher bumps that argument's version counter)."""
+    if (torch.is_grad_enabled() or _transformed(t)
             or (t.device.type != "cuda" and (t.device.type != "cpu" or _EMU is None or _reference_mode))
-            or _C_functorch.peek_interpreter_stack() is not None or torch._C._len_torch_dispatch_stack()
-            or torch.jit.is_tracing() or _forward_ad._current_level >= 0 or torch._is_functional_tensor(t)):
+            or torch._C._len_torch_dispatch_stack() or _forward_ad._current_level >= 0
+            or torch._is_functional_tensor(t)):
         return op(*args)
     for a in args:
         if isinstance(a, torch.Tensor) and type(a) is not torch.Tensor:
             return op(*args)
-    flags = sys.modules.get(_ONNX_FLAGS)
-    if flags is not None and getattr(flags, "_is_onnx_exporting", False):
-        return op(*args)
     return _IMPLS[op](*args)
 
 
