@@ -87,9 +87,8 @@ void unpermute_bwd(const UnpermuteBwdParams& p, cudaStream_t stream);
 // bit quantize_fp8(dy, "block", pad_to_block=True) and quantize_fp8_tokens(dy) of unpermute_bwd's dy): 1x128
 // blocks along H for dgrad (H zero-padded to Hp, a multiple of 128), 1x128 blocks along the rows, transposed, for
 // wgrad. Row-driven: each row gathers its slot's dout (slot_of_row, the inverse of row_map; -1: a row no slot
-// maps to, zeros). dweights are not computed here
-// (unpermute_bwd with dy null gives them in its own reduction order). H % 8 == 0, dout 16-byte aligned,
-// fp16 or bf16.
+// maps to, zeros). dweights are not computed here (unpermute_bwd with dy null gives them in its own reduction
+// order). H % 8 == 0, dout 16-byte aligned, fp16 or bf16.
 struct UnpermuteBwdFp8Params {
   const void* dout;              // [T, H]
   const int32_t* slot_of_row;    // [R]: t * k + j of the slot mapped to the row, or -1

@@ -34,8 +34,7 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
-from moe_kernels.ops.quant import (BLOCK, fp8_layouts_empty, quantize_fp8, quantize_fp8_reference,
-                                  quantize_fp8_tokens_reference)
+from moe_kernels.ops.quant import fp8_layouts_empty, quantize_fp8, quantize_fp8_reference, quantize_fp8_tokens_reference
 
 
 def _check(h: Tensor, row_weights: Tensor | None, op: str = "swiglu") -> None:

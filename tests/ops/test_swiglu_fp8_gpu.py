@@ -132,11 +132,12 @@ def test_backward_specials_and_pow2(cuda, dtype, pow2):
 
 
 @pytest.mark.parametrize("R", [1, 129, 300])
-@pytest.mark.parametrize("F", [8, 136, 200])
+@pytest.mark.parametrize("F", [8, 64, 136, 192, 200])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_backward_f_off_128_straddles_the_halves(cuda, R, F, dtype):
     # F % 128 != 0: blocks of dh = [d(gate) | d(up)] hold values of both halves (F = 200: block 1 is d(gate)'s
-    # columns 128..199 and d(up)'s 0..55), and 2F off 128 (8, 200) zero-pads the last block's codes.
+    # columns 128..199 and d(up)'s 0..55); 2F off 128 (8, 136, 200) zero-pads the last block's codes, 2F a
+    # multiple of 128 (64, 192: as GPT-OSS's 2880) straddles without padding.
     da, h, w = _grad_input(R, F, dtype, seed=R * 5 + F, weights=R % 2 == 1)
     h[:, F:] *= 50  # the halves' gradients of different magnitudes: a straddling block's scale is the larger's
     da, h, w = da.to(cuda), h.to(cuda), None if w is None else w.to(cuda)
