@@ -6,9 +6,13 @@ a rank's shard is E / world whole experts and the FP8 blockwise recipe's 128x128
 `enable_fp8_all_gather(experts)`, called before `fully_shard`, makes w13 and w2 `Fp8ShardWeight`s: FSDP2's
 all-gather extension (`fsdp_pre_all_gather` / `fsdp_post_all_gather`, the hook torchao's float8 training
 uses) then asks the shard for its all-gather inputs, and the shard answers with its E4M3 codes and scales:
-- the forward's gather sends the forward's tiles (codes [e, N, K], scales [e, N/128, K/128]);
+- the forward's gather sends the forward's tiles (codes [e, N, Kp], scales [e, N/128, K/128]);
 - the backward's gather (FSDP2 reshards the experts after the forward and gathers them again when the
-  backward reaches them) sends dgrad's transposed tiles (codes [e, K, N], scales [e, K/128, N/128]).
+  backward reaches them) sends dgrad's transposed tiles (codes [e, K, Np], scales [e, K/128, N/128]).
+Kp and Np are K and N rounded up to a multiple of 128 (the codes past them zero, as the GEMMs contract over
+them: GPT-OSS's 2880 is none; N/128 and K/128 round up too), so the gathered codes go to the GEMMs as they are.
+Where the two layouts' codes differ in size (N or K off 128) the backward's gather sends the forward's tiles
+too (FSDP2 sizes each parameter's all-gather buffers once), and dgrad's are transposed from them on arrival.
 Both come from one quantize_fp8_experts_dual pass over the shard, made on the first gather after the shard
 changed (its version counter, bumped by the optimizer's in-place update, or an optimizer step since) and kept
 until then: each weight is read for quantization once per step, 1/world of it per rank. The shard keeps
@@ -25,8 +29,8 @@ values the FP8 GEMMs use). Gradients are plain tensors of the weight's dtype, re
 The codes equal those the recipe makes from FSDP2's gathered bf16 weight (the shard is cast to FSDP2's
 param_dtype first, then quantized, tile by tile): training takes the same values with or without this, and
 tests hold the two bit for bit. Requirements, checked by `fp8_all_gather_applies`: the FP8 blockwise recipe
-with FP8 dgrad, N and K multiples of 128, plain (not DTensor) parameters and experts that divide evenly over
-the FSDP ranks (FSDP2's extension takes no padding of differently shaped inputs).
+with FP8 dgrad, N and K multiples of 16 (the recipe's own), plain (not DTensor) parameters and experts that
+divide evenly over the FSDP ranks (FSDP2's extension takes no padding of differently shaped inputs).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual
+from moe_kernels.ops.quant import pad_codes_to_block
 
 aten = torch.ops.aten
 BLOCK = 128
@@ -123,7 +128,9 @@ class Fp8ShardWeight(Tensor):
                                "experts (FSDP2 must shard dim 0: the 128x128 tiles never cross experts)")
         dtype = mp_policy.param_dtype or self.dtype
         q, scale, q_t, scale_t = self.quantized(dtype)
-        dgrad = torch._C._current_graph_task_id() != -1  # gathered by the backward (hooks the autograd engine runs)
+        # Gathered by the backward (hooks the autograd engine runs): dgrad's tiles, where they are as large as the
+        # forward's (FSDP2 sizes a parameter's all-gather buffers once); else the forward's, transposed on arrival.
+        dgrad = torch._C._current_graph_task_id() != -1 and q_t.numel() == q.numel()
         return ((q_t, scale_t) if dgrad else (q, scale)), (dgrad, dtype)
 
     def fsdp_post_all_gather(self, outputs, metadata, param_dtype, *, out=None):
@@ -132,25 +139,27 @@ class Fp8ShardWeight(Tensor):
         if out is not None:
             out._set(codes, scales, transposed)
             return None
-        shape = (codes.shape[0], codes.shape[2], codes.shape[1]) if transposed else tuple(codes.shape)
+        shape = (codes.shape[0], *self.shape[1:])  # (the codes' rows may be zero-padded past K or N)
         # The codes and scales are views of FSDP2's all-gather outputs, which it frees and refills itself.
         return Fp8GatheredWeight(codes, scales, transposed, shape, param_dtype, self.pow2_scale), ()
 
     def quantized(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """The shard's E4M3 tiles in both layouts (quantize_fp8_experts_dual of the shard cast to `dtype`), made
-        once per version of the shard and optimizer step."""
+        """The shard's E4M3 tiles in both layouts (quantize_fp8_experts_dual of the shard cast to `dtype`, each
+        layout's codes zero-padded to a multiple of 128 along its rows), made once per version of the shard and
+        optimizer step."""
         d = self._data
         key = (self._version, d._version, d.data_ptr(), d.dtype, dtype, _generation)
         if self._quantized is None or self._quantized[0] != key:
             w = d.detach() if d.dtype == dtype else d.detach().to(dtype)
-            self._quantized = (key, quantize_fp8_experts_dual(w, pow2_scale=self.pow2_scale))
+            self._quantized = (key, quantize_fp8_experts_dual(w, pow2_scale=self.pow2_scale, pad_to_block=True))
             stats["quantized"] += 1
         return self._quantized[1]
 
 
-def _transpose_tiles(codes: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+def _transpose_tiles(codes: Tensor, scales: Tensor, cols: int) -> tuple[Tensor, Tensor]:
+    """The other layout of codes [E, rows, colsp] (zero-padded past `cols`) and their scales: [E, cols, rowsp]."""
     stats["transposed"] += 1
-    return codes.transpose(1, 2).contiguous(), scales.transpose(1, 2).contiguous()
+    return pad_codes_to_block(codes[..., :cols].transpose(1, 2).contiguous()), scales.transpose(1, 2).contiguous()
 
 
 class Fp8GatheredWeight(Tensor):
@@ -175,20 +184,26 @@ class Fp8GatheredWeight(Tensor):
                 f"layout={'dgrad' if self._transposed else 'forward'})")
 
     def forward_tiles(self) -> tuple[Tensor, Tensor]:
-        """(codes [E, N, K], scales [E, N/128, K/128]) as of now."""
-        return _transpose_tiles(self._codes, self._scales) if self._transposed else (self._codes, self._scales)
+        """(codes [E, N, Kp], scales [E, N/128, K/128]) as of now (Kp: K rounded up to 128, codes past K zero)."""
+        if self._transposed:
+            return _transpose_tiles(self._codes, self._scales, self.shape[1])
+        return self._codes, self._scales
 
     def dgrad_tiles(self) -> tuple[Tensor, Tensor]:
-        """(codes [E, K, N], scales [E, K/128, N/128]) as of now."""
-        return (self._codes, self._scales) if self._transposed else _transpose_tiles(self._codes, self._scales)
+        """(codes [E, K, Np], scales [E, K/128, N/128]) as of now (Np: N rounded up to 128, codes past N zero)."""
+        if self._transposed:
+            return self._codes, self._scales
+        return _transpose_tiles(self._codes, self._scales, self.shape[2])
 
     def dequantized(self) -> Tensor:
         q, s = self.forward_tiles()
-        E, N, K = q.shape
-        blocks = q.float().view(E, N // BLOCK, BLOCK, K // BLOCK, BLOCK)
+        E, N, K = self.shape
+        Np, Kp = s.shape[1] * BLOCK, s.shape[2] * BLOCK
+        rows = q.float() if N == Np else torch.nn.functional.pad(q.float(), (0, 0, 0, Np - N))
+        blocks = rows.view(E, Np // BLOCK, BLOCK, Kp // BLOCK, BLOCK)
         scale = s[:, :, None, :, None]
         values = torch.where(scale == 0, torch.zeros((), device=q.device), blocks / scale)
-        return values.view(E, N, K).to(self.dtype)
+        return values.view(E, Np, Kp)[:, :N, :K].to(self.dtype)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -225,8 +240,8 @@ def fp8_all_gather_applies(experts: nn.Module, recipe, shard_world: int) -> str 
         if type(w.data) not in (Tensor, Fp8ShardWeight):
             return f"{name} is a {type(w.data).__name__}, not a plain tensor"
         E, N, K = w.shape
-        if N % BLOCK or K % BLOCK:
-            return f"{name} is [{E}, {N}, {K}]: N and K must be multiples of {BLOCK}"
+        if N % 16 or K % 16:
+            return f"{name} is [{E}, {N}, {K}]: N and K must be multiples of 16 (the recipe's)"
         if E % shard_world:
             return f"{name}'s {E} experts do not divide evenly over {shard_world} FSDP ranks"
     return None

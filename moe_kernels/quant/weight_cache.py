@@ -180,7 +180,8 @@ class _GatheredFp8Weights(Fp8Weights):
     gathered: Fp8GatheredWeight | None = field(default=None, repr=False)
 
     def transposed(self) -> tuple[Tensor, Tensor]:
-        return self.gathered.dgrad_tiles()
+        q_t, scale_t = self.gathered.dgrad_tiles()  # codes zero-padded past N: gemm_tiles hands them on as they are
+        return _unpadded(q_t, self.gathered.shape[1], self.padded, "qt"), scale_t
 
 
 def _gathered(w: Fp8GatheredWeight, pow2_scale: bool) -> Fp8Weights:
@@ -188,7 +189,16 @@ def _gathered(w: Fp8GatheredWeight, pow2_scale: bool) -> Fp8Weights:
         raise ValueError(f"Fp8BlockwiseRecipe(pow2_scale={pow2_scale}): the expert weight was gathered in FP8 with "
                          f"pow2_scale={w.pow2_scale} (enable_fp8_all_gather's); make the two agree")
     q, scale = w.forward_tiles()
-    return _GatheredFp8Weights(q, scale, gathered=w)
+    padded: dict = {}
+    return _GatheredFp8Weights(_unpadded(q, w.shape[2], padded, "q"), scale, padded=padded, gathered=w)
+
+
+def _unpadded(q: Tensor, cols: int, padded: dict, name: str) -> Tensor:
+    """Codes gathered zero-padded past `cols` (fsdp_fp8): the unpadded view, the padded codes kept in `padded`."""
+    if q.shape[-1] == cols:
+        return q
+    padded[name] = q
+    return q[..., :cols]
 
 
 def refresh(w: Tensor, master: Tensor) -> bool:

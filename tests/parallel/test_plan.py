@@ -82,8 +82,8 @@ def test_plan_shards_parameters_as_the_layout_says():
 def test_plan_counts_the_codes_the_fp8_all_gather_keeps():
     from moe_kernels.quant import Fp8BlockwiseRecipe
 
-    def plan(layout, world, **recipe):
-        cfg = PRESETS["tiny-qwen3-moe"](hidden_size=128, ffn_size=128, recipe=Fp8BlockwiseRecipe(**recipe))
+    def plan(layout, world, hf=(128, 128), **recipe):
+        cfg = PRESETS["tiny-qwen3-moe"](hidden_size=hf[0], ffn_size=hf[1], recipe=Fp8BlockwiseRecipe(**recipe))
         bf16 = plan_memory(cfg.replace(recipe=None), layout.resolve(world), batch_size=2, seq_len=64)
         return cfg, plan_memory(cfg, layout.resolve(world), batch_size=2, seq_len=64).params - bf16.params
 
@@ -93,6 +93,9 @@ def test_plan_counts_the_codes_the_fp8_all_gather_keeps():
     assert extra == pytest.approx((2 + 8 / 128**2) * experts / 2)
     # EP 2 x FSDP 2 on 4 ranks: a quarter.
     assert plan(ParallelConfig(ep=2), 4)[1] == pytest.approx((2 + 8 / 128**2) * experts / 4)
+    # H and F off 128 (GPT-OSS's 2880): gathered in FP8 too (the codes zero-padded, not counted).
+    cfg, extra = plan(ParallelConfig(), 2, hf=(144, 208))
+    assert extra == pytest.approx((2 + 8 / 128**2) * _param_count(cfg, lambda name: ".experts." in name) / 2)
     # Nothing where the bf16 gather stays: one FSDP rank, bf16 dgrad, experts that do not divide evenly.
     assert plan(ParallelConfig(ep=2), 2)[1] == 0  # ep 2 on 2 ranks: edp 1
     assert plan(ParallelConfig(), 2, fp8_dgrad=False)[1] == 0

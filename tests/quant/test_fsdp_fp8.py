@@ -111,6 +111,35 @@ def test_gathered_weight_reads_its_tiles_in_either_layout_and_dequantizes_elsewh
             p.add_(1)
 
 
+def test_gathered_tiles_off_128_are_the_padded_quantization():
+    # w13 [E, 416, 144] (F = 208, H = 144): each layout's codes zero-padded along its rows, either layout made from
+    # the other; the GEMM tiles the weight cache hands on are those codes; the dequantized values are the tiles'.
+    from moe_kernels.ops.quant import dequantize_fp8
+    from moe_kernels.quant import weight_cache
+
+    s = Fp8ShardWeight(_weight(4, (E, 416, 144)))
+    q, scale, q_t, scale_t = s.quantized(torch.bfloat16)
+    assert q.shape == (E, 416, 256) and q_t.shape == (E, 144, 512) and scale.shape == (E, 4, 2)
+    ref = quantize_fp8_experts_dual(s._data.to(torch.bfloat16), pad_to_block=True)
+    for got, want in zip((q, scale, q_t, scale_t), ref):
+        torch.testing.assert_close(got.view(torch.uint8) if got.dtype != torch.float32 else got,
+                                   want.view(torch.uint8) if want.dtype != torch.float32 else want, rtol=0, atol=0)
+    for layout, outputs in ((False, (q, scale)), (True, (q_t, scale_t))):
+        g, _ = s.fsdp_post_all_gather(outputs, (layout, torch.bfloat16), torch.bfloat16)
+        assert g.shape == s.shape
+        for got, want in ((g.forward_tiles(), (q, scale)), (g.dgrad_tiles(), (q_t, scale_t))):
+            assert got[0].shape == want[0].shape
+            torch.testing.assert_close(got[0].view(torch.uint8), want[0].view(torch.uint8), rtol=0, atol=0)
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+        w8 = weight_cache.fp8_expert_weights(g, pow2_scale=False, cache=False)
+        for transposed, want in ((False, q), (True, q_t)):
+            torch.testing.assert_close(w8.gemm_tiles(transposed)[0].view(torch.uint8), want.view(torch.uint8),
+                                       rtol=0, atol=0)
+        deq = torch.stack([dequantize_fp8(q[i, :, :144].contiguous(), scale[i], "tile", dtype=torch.float32)
+                           for i in range(E)])
+        torch.testing.assert_close(g.float(), deq.bfloat16().float(), rtol=0, atol=0)
+
+
 def test_pow2_scale_must_agree():
     s = Fp8ShardWeight(_weight(), pow2_scale=True)
     g, _ = s.fsdp_post_all_gather(s.quantized(torch.bfloat16)[:2], (False, torch.bfloat16), torch.bfloat16)
@@ -125,19 +154,20 @@ def test_where_it_applies():
     assert "not fp8-blockwise" in fp8_all_gather_applies(GroupedExperts(4, 128, 128), None, 2)
     assert "dgrad" in fp8_all_gather_applies(GroupedExperts(4, 128, 128), Fp8BlockwiseRecipe(fp8_dgrad=False), 2)
     assert "one FSDP rank" in fp8_all_gather_applies(GroupedExperts(4, 128, 128), recipe, 1)
-    assert "multiples of 128" in fp8_all_gather_applies(GroupedExperts(4, 128, 96), recipe, 2)
+    assert fp8_all_gather_applies(GroupedExperts(4, 144, 208), recipe, 2) is None  # zero-padded codes
+    assert "multiples of 16" in fp8_all_gather_applies(GroupedExperts(4, 128, 100), recipe, 2)
     assert "divide evenly" in fp8_all_gather_applies(GroupedExperts(3, 128, 128), recipe, 2)
 
 
 # Two gloo ranks: FSDP2 gathering bf16 weights for the recipe to quantize, against FSDP2 gathering E4M3.
 
 class _Experts(nn.Module):
-    def __init__(self, recipe):
+    def __init__(self, recipe, h=H, f=F):
         super().__init__()
-        self.experts = GroupedExperts(E, H, F)
+        self.experts = GroupedExperts(E, h, f)
         with torch.no_grad():
-            self.experts.w13.copy_(_weight(1, (E, 2 * F, H)))
-            self.experts.w2.copy_(_weight(2, (E, H, F)))
+            self.experts.w13.copy_(_weight(1, (E, 2 * f, h)))
+            self.experts.w2.copy_(_weight(2, (E, h, f)))
         self.recipe = recipe
 
     def forward(self, x, gs):
@@ -157,11 +187,11 @@ def _gathered_bytes(log, original):
 
 
 def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_dir: str | None,
-         checkpointed: bool = False):
+         checkpointed: bool = False, hf=(H, F)):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     recipe = Fp8BlockwiseRecipe()
-    model = _Experts(recipe)
+    model = _Experts(recipe, *hf)
     if fp8_gather:
         assert fp8_all_gather_applies(model.experts, recipe, 2) is None
         enable_fp8_all_gather(model.experts)
@@ -176,7 +206,7 @@ def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_d
     n0 = fsdp_fp8.stats["quantized"]
     try:
         for _ in range(steps):
-            x = torch.randn(sum(SIZES), H, generator=gen).bfloat16()
+            x = torch.randn(sum(SIZES), hf[0], generator=gen).bfloat16()
             gs = torch.tensor(SIZES, dtype=torch.int32)
             # Checkpointed: the forward runs again inside the backward, where the gather sends dgrad's tiles.
             out = checkpoint(model, x, gs, use_reentrant=False) if checkpointed else model(x, gs)
@@ -192,7 +222,7 @@ def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_d
         import torch.distributed.checkpoint as dcp
 
         dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
-        loaded = _Experts(recipe)
+        loaded = _Experts(recipe, *hf)
         if fp8_gather:
             enable_fp8_all_gather(loaded.experts)
         fully_shard(loaded.experts, mp_policy=mp)
@@ -204,32 +234,56 @@ def _run(rank, fp8_gather: bool, reshard_after_forward: bool, steps: int, ckpt_d
     return outs, params, sum(log), fsdp_fp8.stats["quantized"] - n0
 
 
-def _fsdp_body(rank, world_size, reshard_after_forward, ckpt_root, checkpointed=False):
+def _gather_bytes(e: int, N: int, K: int, transposed: bool) -> int:
+    """Bytes of one rank's FP8 all-gather input for its e experts of an [E, N, K] weight: the codes, zero-padded
+    along their rows to a multiple of 128, and one fp32 scale per 128x128 tile (partial tiles included)."""
+    blocks = -(-N // 128) * -(-K // 128)
+    rows, cols = (K, N) if transposed else (N, K)
+    return e * (rows * -(-cols // 128) * 128 + 4 * blocks)
+
+
+def _fsdp_body(rank, world_size, reshard_after_forward, ckpt_root, checkpointed=False, hf=(H, F)):
     steps = 3
-    ref_outs, ref_params, ref_bytes, _ = _run(rank, False, reshard_after_forward, steps, None, checkpointed)
+    ref_outs, ref_params, ref_bytes, _ = _run(rank, False, reshard_after_forward, steps, None, checkpointed, hf)
     outs, params, nbytes, quantized = _run(rank, True, reshard_after_forward, steps, os.path.join(ckpt_root, "c"),
-                                           checkpointed)
+                                           checkpointed, hf)
     for i, (a, b) in enumerate(zip(outs, ref_outs)):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"output/gradient {i}")
     for a, b in zip(params, ref_params):
         torch.testing.assert_close(a._data, b, rtol=0, atol=0)
     # Each shard quantized once per step, however many times it is gathered (forward, backward).
     assert quantized == 2 * steps, quantized
-    # Codes (1 byte) and one fp32 scale per 128x128 tile, against bf16's 2 bytes an element.
-    elements = E * (2 * F * H + H * F) // world_size
+    # Codes (1 byte, zero-padded past a K or N off 128) and one fp32 scale per 128x128 tile, against bf16's 2
+    # bytes an element.
+    h, f = hf
+    e = E // world_size
+    elements = e * (2 * f * h + h * f)
     # The forward's, and the backward's when resharded after the forward (checkpointed: the recomputed forward
     # runs on the backward's gather, in dgrad's layout, its own tiles transposed from them).
     gathers = steps * (2 if reshard_after_forward else 1)
     assert ref_bytes == gathers * elements * 2, (ref_bytes, nbytes, gathers, elements)
-    assert nbytes == gathers * (elements + elements // (128 * 128) * 4)
+    # The backward's gather sends dgrad's layout where its codes are as large as the forward's (N and K multiples
+    # of 128), else the forward's again (FSDP2 sizes a parameter's all-gather buffers once).
+    backward = [_gather_bytes(e, n, k, _gather_bytes(e, n, k, True) == _gather_bytes(e, n, k, False))
+                for n, k in ((2 * f, h), (h, f))]
+    per_step = [sum(_gather_bytes(e, n, k, False) for n, k in ((2 * f, h), (h, f))), sum(backward)]
+    expected = steps * (per_step[0] + (per_step[1] if reshard_after_forward else 0))
+    if hf == (128, 128):
+        assert expected == gathers * (elements + elements // (128 * 128) * 4)
+    assert nbytes == expected, (nbytes, expected)
 
 
-@pytest.mark.parametrize("reshard_after_forward,checkpointed", [(True, False), (False, False), (True, True)])
-def test_fsdp2_fp8_all_gather_trains_as_the_bf16_gather(reshard_after_forward, checkpointed):
+@pytest.mark.parametrize("reshard_after_forward,checkpointed,hf", [
+    (True, False, (H, F)), (False, False, (H, F)), (True, True, (H, F)),
+    # H and F off 128 (GPT-OSS's 2880): the gathered codes zero-padded along their rows, the two layouts of
+    # different sizes (the backward gathers the forward's and transposes them); resharded or not, checkpointed.
+    (True, False, (144, 208)), (False, False, (144, 208)), (True, True, (144, 208)),
+])
+def test_fsdp2_fp8_all_gather_trains_as_the_bf16_gather(reshard_after_forward, checkpointed, hf):
     from tests.distributed import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_world(_fsdp_body, 2, reshard_after_forward, tmp, checkpointed)
+        run_world(_fsdp_body, 2, reshard_after_forward, tmp, checkpointed, hf)
 
 
 # A whole model through parallelize(): FSDP2 over 2 gloo ranks, the experts gathered in E4M3 or in bf16.
@@ -293,10 +347,12 @@ def test_parallelize_gathers_the_experts_in_fp8_and_trains_as_the_bf16_gather(wo
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not EMULATED, reason="two FSDP2 ranks on the CPU-executed kernels (one GPU holds one NCCL rank)")
-def test_fsdp2_fp8_all_gather_on_the_kernels():
+@pytest.mark.parametrize("hf", [(H, F), (144, 208)])
+def test_fsdp2_fp8_all_gather_on_the_kernels(hf):
     """The same two ranks with the quantization and the FP8 GEMMs on the CUDA implementations (the spawned
-    ranks inherit the emulation): the shard's dual-layout kernel and the GEMMs on gathered codes."""
+    ranks inherit the emulation): the shard's dual-layout kernel and the GEMMs on gathered codes (off 128: the
+    padded layouts, dgrad's transposed from the gathered forward tiles)."""
     from tests.distributed import run_world
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_world(_fsdp_body, 2, True, tmp)
+        run_world(_fsdp_body, 2, True, tmp, False, hf)
