@@ -7,8 +7,10 @@ Cases (the bar's shapes; `--tokens` overrides the token count, 8192 by default):
   nemotron-3-nano  Nemotron 3 Nano's experts: E 128, H 2688, F 1856 (no multiple of 128: the FP8 contractions over F
                    zero-padded to 1920), k 6, squared-ReLU experts and a shared expert of F 3712, the sigmoid router;
                    no bar, a measurement (is FP8 worth it on this model)
-on the CPU (the dry run): a tiny layer of each family (H = F = 128; nemotron-3-nano F = 208, padded) on 32 tokens,
-ours on the reference.
+  gpt-oss-120b     the perf.md preset: E 128, H = F = 2880 (no multiples of 128: every FP8 contraction zero-padded
+                   to 2944), k 4, SwiGLU experts; no bar, a measurement
+on the CPU (the dry run): a tiny layer of each family (H = F = 128; nemotron-3-nano F = 208, gpt-oss-120b H = 144
+and F = 208, padded) on 32 tokens, ours on the reference.
 Ours: MoELayer(cfg) in bf16 (router fp32), and MoELayer(cfg.replace(recipe=Fp8BlockwiseRecipe())) holding the
 same weights, in training mode, x [1, T, H] bf16 ~ randn; one call = forward, then backward of (out, aux) with
 (dout, 1), every parameter's and x's .grad set to None first (no accumulation). The FP8 weight cache is on, as
@@ -43,7 +45,8 @@ CASES = {"deepseek-v3-ep8": ("deepseek-v3", dict(num_experts=32), "deepseek-v3 E
          "qwen3-30b-a3b": ("qwen3-30b-a3b", {}, "qwen3-30b-a3b"),
          "nemotron-3-nano": ("deepseek-v3", dict(hidden_size=2688, ffn_size=1856, shared_ffn_size=3712, num_experts=128,
                                                  k=6, num_groups=None, group_topk=None, activation="squared_relu"),
-                             None)}  # None: no bar
+                             None),  # None: no bar
+         "gpt-oss-120b": ("gpt-oss-120b", {}, None)}
 CPU_SIZES = dict(hidden_size=128, ffn_size=128)
 CPU_TOKENS = 32
 TOKENS = 8192
@@ -64,6 +67,8 @@ def _configs(ctx: h.Context, name: str):
             kw.update(shared_ffn_size=128, num_groups=4, group_topk=2)
         if name == "nemotron-3-nano":
             kw.update(ffn_size=208, shared_ffn_size=128)
+        if name == "gpt-oss-120b":
+            kw.update(hidden_size=144, ffn_size=208)
     cfg = PRESETS[preset](**kw)
     return cfg, cfg.replace(recipe=Fp8BlockwiseRecipe())
 

@@ -38,6 +38,17 @@ def test_a_wrong_fp8_product_fails_the_case(monkeypatch):
         bl.run_case(_ctx(), bl._Case("qwen3-30b-a3b", bl.CPU_TOKENS))
 
 
+def test_gpt_oss_case_is_a_measurement_without_a_bar():
+    # H and F off 128 (144 and 208 on the CPU, 2880 on a GPU): checked and timed as the others, no bar.
+    ctx = _ctx()
+    cfg, cfg8 = bl._configs(ctx, "gpt-oss-120b")
+    assert cfg8.hidden_size % 128 and cfg8.ffn_size % 128 and cfg8.activation == "swiglu"
+    (r,) = bl.run_case(ctx, bl._Case("gpt-oss-120b", bl.CPU_TOKENS))
+    assert r.speedup["moe_kernels_bf16"] > 0 and r.bytes == byte_model.layer(cfg8, bl.CPU_TOKENS).bytes
+    (line,) = bl.headline([r])
+    assert line.endswith("(no bar)")
+
+
 def test_nemotron_case_is_a_measurement_without_a_bar():
     # Squared-ReLU experts, F not a multiple of 128 (208 on the CPU, 1856 on a GPU): checked and timed as the others,
     # its headline says it has no bar.
