@@ -19,8 +19,7 @@ using quant::kFp8Block;
 template <typename T, RowsFp8Op kOp>
 __global__ void __launch_bounds__(kDualThreads) rows_fp8_kernel(RowsFp8Params p) {
   using P = Pack<T, kDualItems>;
-  __shared__ __align__(16) T tile[kFp8Block * kFp8Block];
-  __shared__ float red[kDualThreads];
+  __shared__ quant::DualTileSmem<T> smem;
   const T* x = static_cast<const T*>(p.x);
   const T* dout = static_cast<const T*>(p.dout);
   auto value = [&](int64_t row, int64_t c) {
@@ -40,7 +39,7 @@ __global__ void __launch_bounds__(kDualThreads) rows_fp8_kernel(RowsFp8Params p)
     }
     return v;
   };
-  quant::dual_fp8_tiles<T>(tile, red, p.rows, p.cols, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
+  quant::dual_fp8_tiles<T>(smem, p.rows, p.cols, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
 }
 
 }  // namespace

@@ -93,8 +93,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_kernel(SwigluBwdFp8Pa
 template <typename T>
 __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_any_kernel(SwigluBwdFp8Params p) {
   using P = Pack<T, kItems>;
-  __shared__ __align__(16) T tile[kFp8Block * kFp8Block];
-  __shared__ float red[kThreads];
+  __shared__ quant::DualTileSmem<T> smem;
   const T* dout = static_cast<const T*>(p.dout);
   const T* h = static_cast<const T*>(p.h);
   auto value = [&](int64_t row, int64_t c) {  // column c of dh = [d(gate) | d(up)]: F % 8 == 0, one half per lane
@@ -112,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) swiglu_bwd_fp8_any_kernel(SwigluBwdF
     }
     return v;
   };
-  quant::dual_fp8_tiles<T>(tile, red, p.rows, 2 * p.ffn, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
+  quant::dual_fp8_tiles<T>(smem, p.rows, 2 * p.ffn, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
 }
 
 }  // namespace

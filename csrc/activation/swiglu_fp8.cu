@@ -19,8 +19,7 @@ using quant::kFp8Block;
 template <typename T>
 __global__ void __launch_bounds__(kDualThreads) swiglu_fp8_kernel(SwigluFp8Params p) {
   using P = Pack<T, kDualItems>;
-  __shared__ __align__(16) T tile[kFp8Block * kFp8Block];
-  __shared__ float red[kDualThreads];
+  __shared__ quant::DualTileSmem<T> smem;
   const T* h = static_cast<const T*>(p.h);
   auto value = [&](int64_t row, int64_t c) {
     const P g = *reinterpret_cast<const P*>(h + row * 2 * p.ffn + c);
@@ -31,7 +30,7 @@ __global__ void __launch_bounds__(kDualThreads) swiglu_fp8_kernel(SwigluFp8Param
     for (int j = 0; j < kDualItems; ++j) a.v[j] = from_float<T>(swiglu_value(to_float(g.v[j]), to_float(u.v[j]), w));
     return a;
   };
-  quant::dual_fp8_tiles<T>(tile, red, p.rows, p.ffn, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
+  quant::dual_fp8_tiles<T>(smem, p.rows, p.ffn, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
 }
 
 }  // namespace

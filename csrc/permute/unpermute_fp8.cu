@@ -19,8 +19,7 @@ using quant::kFp8Block;
 template <typename T>
 __global__ void __launch_bounds__(kDualThreads) unpermute_bwd_fp8_kernel(UnpermuteBwdFp8Params p) {
   using P = Pack<T, kDualItems>;
-  __shared__ __align__(16) T tile[kFp8Block * kFp8Block];
-  __shared__ float red[kDualThreads];
+  __shared__ quant::DualTileSmem<T> smem;
   const T* dout = static_cast<const T*>(p.dout);
   auto value = [&](int64_t row, int64_t c) {
     const int64_t slot = p.slot_of_row[row];
@@ -37,7 +36,7 @@ __global__ void __launch_bounds__(kDualThreads) unpermute_bwd_fp8_kernel(Unpermu
     }
     return g;
   };
-  quant::dual_fp8_tiles<T>(tile, red, p.num_rows, p.hidden, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
+  quant::dual_fp8_tiles<T>(smem, p.num_rows, p.hidden, p.q, p.scale, p.q_t, p.scale_t, p.pow2, value);
 }
 
 }  // namespace

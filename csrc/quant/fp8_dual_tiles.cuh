@@ -23,6 +23,14 @@ constexpr int kDualLanes = 16;                            // lanes per row block
 constexpr int kDualItems = kFp8Block / kDualLanes;        // 8 values per lane: one 16-byte load of a 16-bit row
 constexpr int kDualRowStep = kDualThreads / kDualLanes;   // rows per pass
 
+// A dual-layout producer's static shared memory: the tile staged for the token-major blocks, and the scratch of
+// their column reductions.
+template <typename T>
+struct DualTileSmem {
+  __align__(16) T tile[kFp8Block * kFp8Block];
+  float red[kDualThreads];
+};
+
 // Tiles of a [rows, cols] value (cols % 8 == 0).
 __host__ __device__ inline int64_t dual_col_tiles(int64_t cols) { return (cols + kFp8Block - 1) / kFp8Block; }
 __host__ __device__ inline int64_t dual_tiles(int64_t rows, int64_t cols) {
@@ -32,12 +40,13 @@ __host__ __device__ inline int64_t dual_tiles(int64_t rows, int64_t cols) {
 // Every tile of the value, the blocks of the grid striding over them. `value(row, c)` gives the 8 values at
 // columns c .. c + 7 of a row below `rows` (c < cols), rounded to T; it is called for those only. q [rows, Cp]
 // and scale [rows, Cp / 128] take the 1x128 blocks along the columns, q_t [cols, Rp] and scale_t [cols, Rp / 128]
-// (Rp = rows rounded up to 128) the token-major ones. `tile` ([128][128] T, 16-byte aligned) and `red`
-// (kDualThreads floats) are the kernel's static shared memory. The same trip counts in every lane (the shuffles).
+// (Rp = rows rounded up to 128) the token-major ones. `smem`: the kernel's static shared memory. The same trip
+// counts in every lane (the shuffles).
 template <typename T, typename Value>
-__device__ __forceinline__ void dual_fp8_tiles(T* tile, float* red, int64_t rows, int64_t cols, uint8_t* q,
+__device__ __forceinline__ void dual_fp8_tiles(DualTileSmem<T>& smem, int64_t rows, int64_t cols, uint8_t* q,
                                                float* scale, uint8_t* q_t, float* scale_t, bool pow2, Value value) {
   using P = Pack<T, kDualItems>;
+  T* tile = smem.tile;
   const int64_t col_tiles = dual_col_tiles(cols), tiles = dual_tiles(rows, cols);
   const int64_t q_cols = col_tiles * kFp8Block;
   const int64_t padded = (rows + kFp8Block - 1) / kFp8Block * kFp8Block;
@@ -63,7 +72,8 @@ __device__ __forceinline__ void dual_fp8_tiles(T* tile, float* red, int64_t rows
                                      lane, pow2);
     }
     __syncthreads();
-    quantize_tile_columns<T, kFp8Block, kDualThreads>(tile, red, m_tile, c0, cols, padded, q_t, scale_t, false, pow2);
+    quantize_tile_columns<T, kFp8Block, kDualThreads>(tile, smem.red, m_tile, c0, cols, padded, q_t, scale_t, false,
+                                                      pow2);
   }
 }
 
