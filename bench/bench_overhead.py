@@ -25,10 +25,10 @@ every weight's codes a cache hit), two paths of the same layer:
   fp8             the recipe's autograd functions calling the ops' implementations straight (_ext.direct)
   fp8_registered  the same through the registered custom ops
   On the CPU the stub also answers the FP8 GEMMs' path query as the sm_90a kernel would (the CPU-executed build
-  has no FP8 GEMM and would run its dequantizing fallback: real fp32 GEMMs, not host work), at H = F = 128 (the
-  fused FP8 producers take multiples of 128). Timed as above. Counted under the counting dispatch mode, where
-  _ext.direct hands every op to the registered op (a dispatch mode observes ops), so both FP8 paths count the
-  same aten ops and the same launches: the kernels are the same either way.
+  has no FP8 GEMM and would run its dequantizing fallback: real fp32 GEMMs, not host work), at H = F = 128.
+  Timed as above. Counted under the counting dispatch mode, where _ext.direct hands every op to the registered
+  op (a dispatch mode observes ops), so both FP8 paths count the same aten ops and the same launches: the
+  kernels are the same either way.
 Bar (specs/perf.md via bench.bars, issue 25): host time per MoE layer fwd+bwd of the fused path at most
 1/3 of the registered-op path's (CPU, reported, never asserted by a timed test).
 """

@@ -34,7 +34,7 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_shape, check_tensor
-from moe_kernels.ops.quant import fp8_layouts_empty, quantize_fp8, quantize_fp8_reference, quantize_fp8_tokens_reference
+from moe_kernels.ops.quant import fp8_layouts_empty, fp8_layouts_reference, quantize_fp8
 
 
 def _check(h: Tensor, row_weights: Tensor | None, op: str = "swiglu") -> None:
@@ -255,15 +255,6 @@ def squared_relu(h: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------------------
 # SwiGLU writing FP8 (the FP8 recipe's down-projection input)
 
-_E4M3 = torch.float8_e4m3fn
-
-
-def _fp8_layouts_reference(v: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Both E4M3 layouts of v [R, F]: 1x128 blocks along F, codes zero-padded to a multiple of 128, and 1x128 blocks
-    along the rows, transposed."""
-    return (*quantize_fp8_reference(v, "block", _E4M3, pow2_scale, pad_to_block=True),
-            *quantize_fp8_tokens_reference(v, pow2_scale))
-
 
 def _check_fp8(h: Tensor, row_weights: Tensor | None) -> None:
     op = "swiglu_quantize_fp8"
@@ -281,7 +272,7 @@ def _check_ffn_fp8(op: str, h: Tensor) -> None:
 def swiglu_quantize_fp8_reference(
     h: Tensor, row_weights: Tensor | None = None, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _fp8_layouts_reference(swiglu_reference(h, row_weights), pow2_scale)
+    return fp8_layouts_reference(swiglu_reference(h, row_weights), pow2_scale)
 
 
 @torch.library.custom_op("moe_kernels::swiglu_quantize_fp8", mutates_args=())
@@ -303,9 +294,7 @@ def _swiglu_quantize_fp8_cuda(h, row_weights, pow2_scale):
     if C is None:
         return swiglu_quantize_fp8_reference(h, row_weights, pow2_scale)
     if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
-        a = torch.ops.moe_kernels.swiglu(h, row_weights)
-        return (*quantize_fp8(a, "block", pow2_scale=pow2_scale, pad_to_block=True),
-                *torch.ops.moe_kernels.quantize_fp8_tokens(a, pow2_scale))
+        return torch.ops.moe_kernels.quantize_fp8_dual(torch.ops.moe_kernels.swiglu(h, row_weights), pow2_scale)
     if h.data_ptr() % 16:
         h = h.clone()  # 16-byte loads of gate and up
     R, F = h.shape[0], h.shape[1] // 2
@@ -345,7 +334,7 @@ def swiglu_bwd_quantize_fp8_reference(
     dout: Tensor, h: Tensor, row_weights: Tensor | None = None, need_dw: bool = False, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dh, dw = swiglu_bwd_reference(dout, h, row_weights, need_dw)
-    return (*_fp8_layouts_reference(dh, pow2_scale), dw)
+    return (*fp8_layouts_reference(dh, pow2_scale), dw)
 
 
 @torch.library.custom_op("moe_kernels::swiglu_bwd_quantize_fp8", mutates_args=())
@@ -370,8 +359,7 @@ def _swiglu_bwd_quantize_fp8_cuda(dout, h, row_weights, need_dw, pow2_scale):
         return swiglu_bwd_quantize_fp8_reference(dout, h, row_weights, need_dw, pow2_scale)
     if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         dh, dw = torch.ops.moe_kernels.swiglu_bwd(dout, h, row_weights, need_dw)
-        return (*quantize_fp8(dh, "block", pow2_scale=pow2_scale, pad_to_block=True),
-                *torch.ops.moe_kernels.quantize_fp8_tokens(dh, pow2_scale), dw)
+        return (*torch.ops.moe_kernels.quantize_fp8_dual(dh, pow2_scale), dw)
     h_in, dout_in = h, dout  # swiglu_bwd's vector width (so its drow_weights reduction order) follows these
     h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads of gate, up and dout
     dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()
@@ -420,17 +408,13 @@ def _check_squared_relu_fp8(op: str, h: Tensor, dout: Tensor | None = None) -> N
         raise ValueError(f"{op}: `h` is [R, F] with F = {h.shape[1]}, which must be a multiple of 8 (16-byte rows)")
 
 
-def _fp8_layouts_like(h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return fp8_layouts_empty(h, *h.shape)
-
-
 def squared_relu_quantize_fp8_reference(h: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _fp8_layouts_reference(squared_relu_reference(h), pow2_scale)
+    return fp8_layouts_reference(squared_relu_reference(h), pow2_scale)
 
 
 def squared_relu_bwd_quantize_fp8_reference(dout: Tensor, h: Tensor, pow2_scale: bool = False
                                             ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _fp8_layouts_reference(squared_relu_bwd_reference(dout, h), pow2_scale)
+    return fp8_layouts_reference(squared_relu_bwd_reference(dout, h), pow2_scale)
 
 
 @torch.library.custom_op("moe_kernels::squared_relu_quantize_fp8", mutates_args=())
@@ -448,13 +432,13 @@ def _squared_relu_bwd_quantize_fp8(dout: Tensor, h: Tensor, pow2_scale: bool) ->
 @_squared_relu_quantize_fp8.register_fake
 def _(h, pow2_scale):
     _check_squared_relu_fp8(_SQRELU_FP8, h)
-    return _fp8_layouts_like(h)
+    return fp8_layouts_empty(h, *h.shape)
 
 
 @_squared_relu_bwd_quantize_fp8.register_fake
 def _(dout, h, pow2_scale):
     _check_squared_relu_fp8(_SQRELU_BWD_FP8, h, dout)
-    return _fp8_layouts_like(h)
+    return fp8_layouts_empty(h, *h.shape)
 
 
 def _rows_fp8_cuda(op: str, code: int, x: Tensor, dout: Tensor | None, pow2_scale: bool, reference, composed):
@@ -470,7 +454,7 @@ def _rows_fp8_cuda(op: str, code: int, x: Tensor, dout: Tensor | None, pow2_scal
     x = x if x.data_ptr() % 16 == 0 else x.clone()  # 16-byte loads
     if dout is not None and dout.data_ptr() % 16:
         dout = dout.clone()
-    q, scale, q_t, scale_t = _fp8_layouts_like(x)
+    q, scale, q_t, scale_t = fp8_layouts_empty(x, *x.shape)
     C.rows_fp8(code, _ext.ptr(x), _ext.ptr(dout), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t),
                x.shape[0], x.shape[1], pow2_scale, _ext.dtype_code(x.dtype), *_ext.launch_args(x).values())
     return q, scale, q_t, scale_t
@@ -525,7 +509,7 @@ def _check_dual(t: Tensor) -> None:
 
 
 def quantize_fp8_dual_reference(t: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    return _fp8_layouts_reference(t.contiguous(), pow2_scale)
+    return fp8_layouts_reference(t.contiguous(), pow2_scale)
 
 
 @torch.library.custom_op("moe_kernels::quantize_fp8_dual", mutates_args=())
@@ -537,7 +521,7 @@ def _quantize_fp8_dual(t: Tensor, pow2_scale: bool) -> tuple[Tensor, Tensor, Ten
 @_quantize_fp8_dual.register_fake
 def _(t, pow2_scale):
     _check_dual(t)
-    return _fp8_layouts_like(t)
+    return fp8_layouts_empty(t, *t.shape)
 
 
 @_ext.cuda_impl(_quantize_fp8_dual)

@@ -14,7 +14,7 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels import onnx as _onnx
 from moe_kernels.ops._checks import CUDA_FLOAT_DTYPES, FLOAT_DTYPES, check_cuda_dtype, check_int, check_shape, check_tensor
-from moe_kernels.ops.quant import BLOCK, fp8_layouts_empty, quantize_fp8_reference, quantize_fp8_tokens_reference
+from moe_kernels.ops.quant import BLOCK, fp8_layouts_empty, fp8_layouts_reference, quantize_fp8_reference
 
 INDEX_DTYPES = (torch.int32,)
 # Permute moves bytes, so low-precision payloads (fp8, packed fp4 as uint8) travel through it too.
@@ -537,8 +537,6 @@ def tokens_per_expert(indices: Tensor, num_experts: int) -> Tensor:
 # ---------------------------------------------------------------------------------------------------
 # Unpermute backward writing FP8 (the FP8 recipe's down-projection output gradient)
 
-_E4M3 = torch.float8_e4m3fn
-
 
 def _check_unpermute_bwd_fp8(dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None,
                              num_rows: int) -> None:
@@ -554,8 +552,7 @@ def unpermute_bwd_quantize_fp8_reference(
     dout: Tensor, row_map: Tensor, weights: Tensor | None, y: Tensor | None, num_rows: int, pow2_scale: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dy, dweights = unpermute_bwd_reference(dout, row_map, weights, y, num_rows)
-    return (*quantize_fp8_reference(dy, "block", _E4M3, pow2_scale, pad_to_block=True),
-            *quantize_fp8_tokens_reference(dy, pow2_scale), dweights)
+    return (*fp8_layouts_reference(dy, pow2_scale), dweights)
 
 
 @torch.library.custom_op("moe_kernels::unpermute_bwd_quantize_fp8", mutates_args=())
@@ -591,8 +588,7 @@ def _unpermute_bwd_quantize_fp8_cuda(dout, row_map, weights, y, num_rows, pow2_s
         return unpermute_bwd_quantize_fp8_reference(dout, row_map, weights, y, num_rows, pow2_scale)
     if dout.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         dy, dweights = torch.ops.moe_kernels.unpermute_bwd(dout, row_map, weights, y, num_rows)
-        return (*torch.ops.moe_kernels.quantize_fp8(dy, "block", _E4M3, pow2_scale, True),
-                *torch.ops.moe_kernels.quantize_fp8_tokens(dy, pow2_scale), dweights)
+        return (*torch.ops.moe_kernels.quantize_fp8_dual(dy, pow2_scale), dweights)
     T, k = row_map.shape
     H = dout.shape[1]
     dout_in = dout  # unpermute_bwd's vector width (so its dweights reduction order) follows this pointer

@@ -163,6 +163,13 @@ def quantize_fp8_tokens_reference(t: Tensor, pow2_scale: bool = False) -> tuple[
     return quantize_fp8_reference(tt, "block", torch.float8_e4m3fn, pow2_scale)
 
 
+def fp8_layouts_reference(v: Tensor, pow2_scale: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Both E4M3 layouts of v [R, C], as a dual-layout producer writes them (`fp8_layouts_empty`): 1x128 blocks along
+    C, the codes zero-padded to a multiple of 128, and 1x128 blocks along the rows, transposed."""
+    return (*quantize_fp8_reference(v, "block", torch.float8_e4m3fn, pow2_scale, pad_to_block=True),
+            *quantize_fp8_tokens_reference(v, pow2_scale))
+
+
 def dequantize_fp8_reference(q: Tensor, scale: Tensor, granularity: str, dtype: torch.dtype = torch.bfloat16) -> Tensor:
     M, K = q.shape
     s = _expand(scale, granularity, M, K)

@@ -41,7 +41,6 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from moe_kernels.ops.grouped_mm_fp8 import quantize_fp8_experts_dual
-from moe_kernels.ops.quant import pad_codes_to_block
 
 aten = torch.ops.aten
 BLOCK = 128
@@ -157,9 +156,15 @@ class Fp8ShardWeight(Tensor):
 
 
 def _transpose_tiles(codes: Tensor, scales: Tensor, cols: int) -> tuple[Tensor, Tensor]:
-    """The other layout of codes [E, rows, colsp] (zero-padded past `cols`) and their scales: [E, cols, rowsp]."""
+    """The other layout of codes [E, rows, colsp] (zero-padded past `cols`) and their scales: codes [E, cols, rowsp],
+    zero-padded past `rows`, written in one pass."""
     stats["transposed"] += 1
-    return pad_codes_to_block(codes[..., :cols].transpose(1, 2).contiguous()), scales.transpose(1, 2).contiguous()
+    E, rows = codes.shape[:2]
+    out = codes.new_empty((E, cols, -(-rows // BLOCK) * BLOCK))
+    out_u8 = out.view(torch.uint8)
+    out_u8[..., :rows].copy_(codes.view(torch.uint8)[..., :cols].transpose(1, 2))
+    out_u8[..., rows:].zero_()
+    return out, scales.transpose(1, 2).contiguous()
 
 
 class Fp8GatheredWeight(Tensor):
