@@ -21,14 +21,16 @@ Timed, median of the reps:
        router's gating linear (x in fp32, x @ W^T, fwd+bwd) beside the router region at deepseek-v3 /
        16384 tokens.
 FP8 (the blockwise recipe's layer, bf16 weights, the weight cache on as moe-train has it: a later micro-batch,
-every weight's codes a cache hit), two paths of the same layer:
-  fp8             the recipe's autograd functions calling the ops' implementations straight (_ext.direct)
-  fp8_registered  the same through the registered custom ops
+every weight's codes a cache hit), three paths of the same layer:
+  fp8             the `moe_fp8` fused region (moe_kernels.nn.fused_fp8): one autograd node, positional calls
+  fp8_recipe      the recipe's autograd functions calling the ops' implementations straight (_ext.direct)
+  fp8_registered  the recipe's functions through the registered custom ops
   On the CPU the stub also answers the FP8 GEMMs' path query as the sm_90a kernel would (the CPU-executed build
   has no FP8 GEMM and would run its dequantizing fallback: real fp32 GEMMs, not host work), at H = F = 128.
   Timed as above. Counted under the counting dispatch mode, where _ext.direct hands every op to the registered
-  op (a dispatch mode observes ops), so both FP8 paths count the same aten ops and the same launches: the
-  kernels are the same either way.
+  op (a dispatch mode observes ops), so the recipe's two paths count the same aten ops and the same launches (the
+  kernels are the same either way); the region launches the same kernels plus rows_to_tokens, the slot of each
+  permuted row, which the recipe's functions compute with aten ops, twice.
 Bar (specs/perf.md via bench.bars, issue 25): host time per MoE layer fwd+bwd of the fused path at most
 1/3 of the registered-op path's (CPU, reported, never asserted by a timed test).
 """
@@ -53,7 +55,7 @@ CPU_TOKENS = 64  # host work does not grow with T; the tiny aten ops' own CPU ti
 GPU_MODELS = ("qwen3-30b-a3b",)
 GPU_TOKENS = (8192,)
 PATHS = ("fused", "registered", "torch")
-FP8_PATHS = ("fp8", "fp8_registered")
+FP8_PATHS = ("fp8", "fp8_recipe", "fp8_registered")
 FP8_CPU_SIZES = dict(hidden_size=128, ffn_size=128)
 BAR = "fused host time per layer fwd+bwd <= 1/3 of the registered-op path's (CPU)"
 
@@ -97,15 +99,36 @@ def _fp8_layer(name: str, ctx: h.Context) -> MoELayer:
     return layer
 
 
-class _Fp8Registered:
-    """Inside, the FP8 recipe's calls take the registered ops (_ext.direct forwards to them)."""
+class _Fp8Recipe:
+    """Inside, the FP8 layer runs the recipe's autograd functions (the `moe_fp8` region does not fit)."""
 
     def __enter__(self):
-        self.saved = _ext.direct
+        from moe_kernels.nn import fused_fp8
+
+        self.saved = fused_fp8.fits
+        fused_fp8.fits = lambda *args: False
+
+    def __exit__(self, *exc):
+        from moe_kernels.nn import fused_fp8
+
+        fused_fp8.fits = self.saved
+
+
+class _Fp8Registered(_Fp8Recipe):
+    """Inside, the FP8 layer runs the recipe's functions and they take the registered ops (_ext.direct forwards to
+    them)."""
+
+    def __enter__(self):
+        super().__enter__()
+        self.direct = _ext.direct
         _ext.direct = lambda op, t, *args: op(*args)
 
     def __exit__(self, *exc):
-        _ext.direct = self.saved
+        _ext.direct = self.direct
+        super().__exit__(*exc)
+
+
+_FP8_MODES = {"fp8": None, "fp8_recipe": _Fp8Recipe, "fp8_registered": _Fp8Registered}
 
 
 @contextlib.contextmanager
@@ -132,7 +155,9 @@ def _stub_fp8_paths(ext) -> None:
 
     fp8 = _ext.dtype_code(torch.float8_e4m3fn)
     real = ext._module.grouped_mm_path
-    ext.grouped_mm_path = lambda **kw: _FP8_PATH if kw.get("dtype") == fp8 else real(**kw)
+    # (positional: op, dtype, ...; python_api/gemm.cpp)
+    ext.grouped_mm_path = lambda *args, **kw: (_FP8_PATH if (args[1] if len(args) > 1 else kw.get("dtype")) == fp8
+                                               else real(*args, **kw))
 
 
 class _Registered:
@@ -216,7 +241,7 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
     x8 = torch.randn(1, T, H8, generator=gen).to(torch.bfloat16).requires_grad_()
     g8 = torch.randn(1, T, H8, generator=gen)
     for path in FP8_PATHS:
-        jobs.append((f"layer_{path}", _step_fn(fp8, g8), x8, _Fp8Registered if path == "fp8_registered" else None))
+        jobs.append((f"layer_{path}", _step_fn(fp8, g8), x8, _FP8_MODES[path]))
     times: dict[str, list[float]] = {key: [] for key, *_ in jobs}
     with extension_calls(stub=True) as ext, _fp8_cache():
         _stub_fp8_paths(ext)
@@ -272,7 +297,8 @@ def _gpu_case(ctx: h.Context, name: str, T: int) -> dict:
     g8 = g if H8 == H else torch.randn(T, H8, generator=gen, device=ctx.device)
     for path in FP8_PATHS:
         fn = _step_fn(fp8, g8)
-        with _Fp8Registered() if path == "fp8_registered" else contextlib.nullcontext(), _fp8_cache():
+        mode = _FP8_MODES[path]
+        with mode() if mode else contextlib.nullcontext(), _fp8_cache():
             m = ctx.time_modes(fn, xs8)
             row[f"layer_{path}_launches"], row[f"layer_{path}_aten_ops"] = _count(fn, xs8[0][0], fp8_paths=True)
         row[f"layer_{path}_host_us"], row[f"layer_{path}_kernel_us"] = m.host_us, m.kernel_us
@@ -356,9 +382,11 @@ def run(ctx: h.Context) -> h.Report:
             + (f"; GPU time (kernels) {r['layer_fused_kernel_us']:.0f} us" if ctx.is_cuda and r.get('layer_fused_kernel_us') else ""))
         if "layer_fp8_host_us" in r:
             head.append(
-                f"{r['model']}/T{r['T']} FP8 recipe layer fwd+bwd host ({where}, weight cache hit): direct calls "
-                f"{r['layer_fp8_host_us']:.0f} us, registered ops {r['layer_fp8_registered_host_us']:.0f} us; "
-                f"extension launches {r['layer_fp8_launches']}; aten ops {r['layer_fp8_registered_aten_ops']}"
+                f"{r['model']}/T{r['T']} FP8 recipe layer fwd+bwd host ({where}, weight cache hit): fused region "
+                f"{r['layer_fp8_host_us']:.0f} us, the recipe's functions {r['layer_fp8_recipe_host_us']:.0f} us "
+                f"(direct calls), {r['layer_fp8_registered_host_us']:.0f} us (registered ops); extension launches "
+                f"{r['layer_fp8_launches']} vs {r['layer_fp8_recipe_launches']}; aten ops {r['layer_fp8_aten_ops']} vs "
+                f"{r['layer_fp8_recipe_aten_ops']}"
                 + (f"; GPU time (kernels) {r['layer_fp8_kernel_us']:.0f} us" if ctx.is_cuda and r.get('layer_fp8_kernel_us') else ""))
     return h.Report([], head, failures)
 
@@ -415,14 +443,19 @@ def markdown_rows(data: dict, dir_name: str) -> list[list[str]]:
 
 
 def _fp8_cell(r: dict, cpu: bool) -> str:
-    """The FP8 recipe layer's cell: host us on the direct calls / the registered ops, extension launches."""
+    """The FP8 recipe layer's cell: host us on the fused region (tables before it: none) / the recipe's functions'
+    direct calls / their registered ops, extension launches."""
     if "layer_fp8_host_us" not in r:
         return "-"
     gpu = "" if cpu else f"; kernels {h._fmt(r.get('layer_fp8_kernel_us'), '.0f')} us"
-    return (f"{r['layer_fp8_host_us']:.0f} / {r['layer_fp8_registered_host_us']:.0f}{gpu}; "
-            f"{r['layer_fp8_launches']} launches (H {r.get('fp8_H', r['H'])})")
+    if "layer_fp8_recipe_host_us" not in r:  # a table from before the fused region: fp8 was the direct calls
+        return (f"- / {r['layer_fp8_host_us']:.0f} / {r['layer_fp8_registered_host_us']:.0f}{gpu}; "
+                f"{r['layer_fp8_launches']} launches (H {r.get('fp8_H', r['H'])})")
+    return (f"{r['layer_fp8_host_us']:.0f} / {r['layer_fp8_recipe_host_us']:.0f} / "
+            f"{r['layer_fp8_registered_host_us']:.0f}{gpu}; {r['layer_fp8_launches']} launches (H {r.get('fp8_H', r['H'])})")
 
 
 MARKDOWN_HEADER = ["where, date", "case", "fused regions: host us per fwd+bwd", "registered ops: host us",
                    "fused / registered (bar <= 0.33x)", "torch-native: host us", "extension launches: fused / registered",
-                   "aten ops: fused / registered", "FP8 recipe layer: host us direct / registered ops", "commit"]
+                   "aten ops: fused / registered",
+                   "FP8 recipe layer: host us fused region / recipe's functions / registered ops", "commit"]

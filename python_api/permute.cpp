@@ -57,6 +57,18 @@ void register_permute(py::module_& m) {
       },
       py::arg("indices"), py::arg("num_slots"), py::arg("num_experts"), py::arg("counts"), py::arg("device"), py::arg("stream"));
   m.def(
+      "rows_to_tokens",
+      [](uintptr_t row_map, int64_t num_tokens, int64_t k, int64_t num_rows, uintptr_t row_token, int device,
+         uintptr_t s) {
+        DeviceGuard guard(device);
+        permute::rows_to_tokens(ptr<const int32_t>(row_map), num_tokens, k, num_rows, ptr<int32_t>(row_token),
+                                stream(s));
+      },
+      "row_token[r] = the token whose slot row_map sends to row r, -1 for rows no slot maps to (with k = 1 and "
+      "num_tokens = T * k: the slot itself, the inverse of row_map)",
+      py::arg("row_map"), py::arg("num_tokens"), py::arg("k"), py::arg("num_rows"), py::arg("row_token"),
+      py::arg("device"), py::arg("stream"));
+  m.def(
       "unpermute_fwd",
       [](uintptr_t y, uintptr_t row_map, uintptr_t weights, uintptr_t out, int64_t num_tokens, int64_t k,
          int64_t hidden, int64_t num_rows, int32_t dtype, int device, uintptr_t s) {

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules import module as _nn_module
 
-from moe_kernels.nn import fused, torch_native
+from moe_kernels.nn import fused, fused_fp8, torch_native
 from moe_kernels.nn.experts import ACTIVATIONS, GroupedExperts, squared_relu_act
 from moe_kernels.nn.lora import lora_terms, unwrapped, wrapped_module
 from moe_kernels.nn.router import Router, RouterConfig
@@ -244,31 +244,7 @@ class MoELayer(nn.Module):
             out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
         elif getattr(cfg.recipe, "fused_permute", False) and (experts := self._plain_experts(x_in)) is not None:
             self._took("recipe")
-            # The recipe fuses the permute with its first GEMM's input quantization.
-            fused_act = hasattr(cfg.recipe, "swiglu_grouped_mm")
-            gated = cfg.activation == "swiglu"
-            # With the fused activation as h's only consumer, h's gradient travels in FP8 (swiglu_next,
-            # squared_relu_next).
-            h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
-                x_in, routed.indices, cfg.num_experts, cfg.permute_align, experts.w13,
-                swiglu_next=fused_act and gated, squared_relu_next=fused_act and not gated,
-            )
-            row_weights = None
-            if cfg.weights_in_activation:
-                row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
-            weights = None if cfg.weights_in_activation else routed.weights
-            if fused_act:
-                # The activation writes the second GEMM's FP8 input itself (both layouts in one pass); in the
-                # backward the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
-                if gated:
-                    y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, group_sizes, unpermute_next=True)
-                else:
-                    y = cfg.recipe.squared_relu_grouped_mm(h, experts.w2, group_sizes, unpermute_next=True)
-                out = cfg.recipe.unpermute(y, row_map, weights)
-            else:
-                y = experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm,
-                                                 act=getattr(ops, cfg.activation))
-                out = ops.unpermute(y, row_map, weights)
+            out = self._forward_recipe(launch, x_in, routed, experts, ops)
         else:
             self._took("ops")
             x_perm, row_map, group_sizes = ops.permute(x_in, routed.indices, cfg.num_experts, cfg.permute_align)
@@ -280,6 +256,45 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x2, kernels=cfg.backend == "kernels", launch=launch)
         return out.view(shape), routed.aux_loss
+
+    def _forward_recipe(self, launch: fused.Launch | None, x_in: Tensor, routed, experts: GroupedExperts,
+                        ops) -> Tensor:
+        """The routed experts on the recipe's fused permute. The FP8 recipe with the routing weights in the unpermute
+        is the `moe_fp8` region: eagerly, where it fits, one autograd node (moe_kernels.nn.fused_fp8), else the
+        recipe's functions."""
+        cfg = self.config
+        gated = cfg.activation == "swiglu"
+        # The recipe fuses the permute with its first GEMM's input quantization.
+        fused_act = hasattr(cfg.recipe, "swiglu_grouped_mm")
+        if fused_act and not cfg.weights_in_activation:
+            fit = launch is not None and fused_fp8.fits(launch, cfg.recipe, x_in, routed.indices, experts.w13,
+                                                        experts.w2)
+            return fused.run("moe_fp8", launch if fit else None, x_in, routed.indices, routed.weights, experts.w13,
+                             experts.w2, cfg.num_experts, cfg.permute_align, cfg.recipe,
+                             fused_fp8.SWIGLU if gated else fused_fp8.SQUARED_RELU)
+        # With the fused activation as h's only consumer, h's gradient travels in FP8 (swiglu_next,
+        # squared_relu_next).
+        h, row_map, group_sizes = cfg.recipe.permute_grouped_mm(
+            x_in, routed.indices, cfg.num_experts, cfg.permute_align, experts.w13,
+            swiglu_next=fused_act and gated, squared_relu_next=fused_act and not gated,
+        )
+        row_weights = None
+        if cfg.weights_in_activation:
+            row_weights = permuted_row_values(routed.weights, row_map, h.shape[0])
+        weights = None if cfg.weights_in_activation else routed.weights
+        if fused_act:
+            # The activation writes the second GEMM's FP8 input itself (both layouts in one pass); in the
+            # backward the unpermute writes that GEMM's output gradient in FP8 (both layouts in the gather).
+            if gated:
+                y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, group_sizes, unpermute_next=True)
+            else:
+                y = cfg.recipe.squared_relu_grouped_mm(h, experts.w2, group_sizes, unpermute_next=True)
+            out = cfg.recipe.unpermute(y, row_map, weights)
+        else:
+            y = experts.forward_from_gate_up(h, group_sizes, row_weights, mm=ops.grouped_mm,
+                                             act=getattr(ops, cfg.activation))
+            out = ops.unpermute(y, row_map, weights)
+        return out
 
     def _took(self, path: str) -> None:
         """Records the expert path of this forward; nn.Module's attribute setter runs only when it changes."""

@@ -54,6 +54,7 @@ _E4M3 = torch.float8_e4m3fn
 # grouped_mm_path: sm_90a, sm_100f (opted in) FP8 blockwise; the tensor-core portable kernel (8.9+, opted in)
 _FWD, _FP8_PATH, _SM100_FP8_PATH, _MMA_PATH = 0, 3, 5, 8
 _FP8_PATHS = (_FP8_PATH, _SM100_FP8_PATH, _MMA_PATH)
+_E4M3_CODE = _ext.dtype_code(torch.float8_e4m3fn)
 
 
 def quantize_fp8_experts(w: Tensor, *, pow2_scale: bool = False) -> tuple[Tensor, Tensor]:
@@ -348,10 +349,12 @@ def _as_matrix(t: Tensor) -> tuple[int, int]:
     return (math.prod(t.shape[:-1]), t.shape[-1]) if t.dim() else (1, 1)
 
 
-def _dequant_scales(C, a_scale: Tensor, b_scale: Tensor, transpose: bool = False) -> tuple[Tensor, Tensor]:
+def _dequant_scales(C, a_scale: Tensor, b_scale: Tensor, transpose: bool = False,
+                    launch: tuple[int, int] | None = None) -> tuple[Tensor, Tensor]:
     """Both operands' dequantization scales in one launch (C.fp8_dequant_scales): bit for bit _inverse_scale of
     each, and with `transpose` (wgrad's [N, M/128] and [K, M/128] scales, read token-block-major) its .t() made
-    contiguous. Three elementwise passes and a transpose per operand before, each a launch of its own."""
+    contiguous. Three elementwise passes and a transpose per operand before, each a launch of its own. `launch`:
+    (device, stream), else a_scale's device and current stream."""
     a_scale, b_scale = a_scale.contiguous(), b_scale.contiguous()
     (a_rows, a_cols), (b_rows, b_cols) = _as_matrix(a_scale), _as_matrix(b_scale)
     if transpose:
@@ -359,9 +362,9 @@ def _dequant_scales(C, a_scale: Tensor, b_scale: Tensor, transpose: bool = False
         b_out = b_scale.new_empty((b_cols, b_rows))
     else:
         a_out, b_out = torch.empty_like(a_scale), torch.empty_like(b_scale)
-    launch = _ext.launch_args(a_scale)
+    device, stream = launch if launch is not None else _ext.launch_args(a_scale).values()
     C.fp8_dequant_scales(a_scale.data_ptr(), a_out.data_ptr(), a_rows, a_cols, b_scale.data_ptr(), b_out.data_ptr(),
-                         b_rows, b_cols, transpose, launch["device"], launch["stream"])
+                         b_rows, b_cols, transpose, device, stream, 0)
     return a_out, b_out
 
 
@@ -381,8 +384,7 @@ def _(x_q, x_scale, w_q, w_scale, group_sizes):
 @_ext.cuda_impl(_grouped_mm_fp8)
 def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
     _check(x_q, x_scale, w_q, w_scale, group_sizes)
-    M, K = x_q.shape
-    E, N, _ = w_q.shape
+    M, E = x_q.shape[0], w_q.shape[0]
     C = _ext.kernels("grouped_mm_fp8", x_q)
     if C is None or _ext.checks_enabled():
         _check_sizes_values(group_sizes, M, "grouped_mm_fp8")
@@ -390,10 +392,18 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
         return grouped_mm_fp8_reference(x_q, x_scale, w_q, w_scale, group_sizes).to(torch.bfloat16)
     if E > C.grouped_mm_max_groups:
         raise ValueError(f"grouped_mm_fp8: the CUDA kernel takes at most {C.grouped_mm_max_groups} groups (`group_sizes`), got {E}")
+    return forward_on(C, tuple(_ext.launch_args(x_q).values()), x_q, x_scale, w_q, w_scale, group_sizes)
+
+
+def forward_on(C, launch: tuple[int, int], x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
+               group_sizes: Tensor) -> Tensor:
+    """grouped_mm_fp8's CUDA path on operands already checked, on extension C at `launch` (device, stream): the
+    op's implementation and the fused FP8 region (moe_kernels.nn.fused_fp8) both run it."""
+    M, E, N = x_q.shape[0], w_q.shape[0], w_q.shape[1]
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
     if M == 0 or N == 0 or E == 0:
         return out.zero_()
-    if _run_forward(C, x_q, x_scale, w_q, w_scale, group_sizes, out) is not None:
+    if _run_forward(C, x_q, x_scale, w_q, w_scale, group_sizes, out, launch=launch) is not None:
         return out
     # No FP8 kernel takes it (no sm_90a kernel or N % 8, and no tensor-core portable one): the fp32 path (memory:
     # fp32 copies), through the registered grouped_mm, which autocast leaves alone (the public wrapper would round
@@ -405,7 +415,7 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb: Tensor, group_sizes: Tensor,
                 M: int, N: int, K: int, kernel: int = -1, raster: int = -1, accumulate: bool = False,
-                group_order: int = -1, portable: int = -1) -> bool:
+                group_order: int = -1, portable: int = -1, launch: tuple[int, int] | None = None) -> bool:
     """Runs an FP8 blockwise kernel for `op` when one takes this problem (False: none does, nothing ran): the
     sm_90a one, the sm_100f one where opted in, else the tensor-core portable one (8.9 and later, opted in with
     MOE_KERNELS_PORTABLE_MMA=1). sfa / sfb: dequantization scales in the layout grouped_mm.h states for the
@@ -413,31 +423,29 @@ def _launch_fp8(C, op: int, a: Tensor, b: Tensor, out: Tensor, sfa: Tensor, sfb:
     the tuning table's choice (bench tune_grouped_mm and the per-instance GPU tests). group_order: the order the
     scheduler visits the groups (1 largest first, 0 expert order, -1 the default: largest first for wgrad).
     portable=1: the tensor-core portable kernel by name, on any GPU of 8.9 or later (its tests; ValueError
-    where it cannot take the problem)."""
+    where it cannot take the problem). `launch`: (device, stream), else a's device and current stream. The
+    extension is called with positional arguments (python_api/gemm.cpp's order)."""
     E = group_sizes.shape[0]
-    code = _ext.dtype_code(_E4M3)
-    shape = dict(op=op, dtype=code, num_groups=E, M=M, N=N, K=K, a=a.data_ptr(), b=b.data_ptr(), d=out.data_ptr(),
-                 device=_ext.launch_args(a)["device"], sfa=sfa.data_ptr(), sfb=sfb.data_ptr())
-    if kernel >= 0 or raster >= 0:
-        shape.update(kernel=kernel, raster=raster)
-    if portable != -1:
-        shape["portable"] = portable
-    if op == _WGRAD and out.dtype != torch.float32:
-        shape["fp8_wgrad_out"] = _ext.dtype_code(out.dtype)
-    if C.grouped_mm_path(**shape) not in _FP8_PATHS:
+    device, stream = launch if launch is not None else _ext.launch_args(a).values()
+    wgrad_out = _ext.dtype_code(out.dtype) if op == _WGRAD and out.dtype is not torch.float32 else 0
+    a_ptr, b_ptr, d_ptr, sfa_ptr, sfb_ptr = a.data_ptr(), b.data_ptr(), out.data_ptr(), sfa.data_ptr(), sfb.data_ptr()
+    # op, dtype, num_groups, M, N, K, a, b, d, device, sfa, sfb, fp8_wgrad_out, kernel, raster, a_global, b_global,
+    # portable
+    shape = (op, _E4M3_CODE, E, M, N, K, a_ptr, b_ptr, d_ptr, device, sfa_ptr, sfb_ptr, wgrad_out, kernel, raster, 0, 0,
+             portable)
+    if C.grouped_mm_path(*shape, 0, 0, 0) not in _FP8_PATHS:  # (no gathered rows, no epilogue)
         return False
-    nbytes = C.grouped_mm_workspace_bytes(**shape)
+    nbytes = C.grouped_mm_workspace_bytes(*shape)
     ws, ws_ptr = _ext.workspace(nbytes, a)
     # The launch takes the problem the path and the workspace were chosen for (the output dtype included).
-    problem = {k: v for k, v in shape.items() if k != "device"}
-    C.grouped_mm(**problem, group_sizes=group_sizes.data_ptr(), workspace=ws_ptr, workspace_bytes=nbytes,
-                 **_ext.launch_args(a), **({"accumulate": True} if accumulate else {}),
-                 **({"group_order": group_order} if group_order != -1 else {}))
+    C.grouped_mm(op, a_ptr, b_ptr, d_ptr, group_sizes.data_ptr(), E, M, N, K, _E4M3_CODE, ws_ptr, nbytes, device, stream,
+                 sfa_ptr, sfb_ptr, 0, wgrad_out, kernel, raster, accumulate, group_order, 0, 0, portable)
     return True
 
 
 def _run_forward(C, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor,
-                 out: Tensor | None = None, *, portable: int = -1) -> Tensor | None:
+                 out: Tensor | None = None, *, portable: int = -1, launch: tuple[int, int] | None = None
+                 ) -> Tensor | None:
     """The forward on an FP8 blockwise kernel (the op's choice, or with portable=1 the tensor-core portable one by
     name): bf16 `out` ([M, N], allocated when None), or None where no kernel takes the problem (nothing ran). The
     kernels multiply accumulators by dequantization scales: the reciprocals of quantize_fp8's, 0 for a zero scale
@@ -446,22 +454,22 @@ def _run_forward(C, x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, 
     N = w_q.shape[1]
     if out is None:
         out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
-    sfa, sfb = _dequant_scales(C, x_scale, w_scale)
-    ran = _launch_fp8(C, _FWD, x_q, w_q, out, sfa, sfb, group_sizes, M, N, K, portable=portable)
+    sfa, sfb = _dequant_scales(C, x_scale, w_scale, launch=launch)
+    ran = _launch_fp8(C, _FWD, x_q, w_q, out, sfa, sfb, group_sizes, M, N, K, portable=portable, launch=launch)
     return out if ran else None
 
 
 def _run_wgrad(C, a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, group_sizes: Tensor, out: Tensor, *,
-               accumulate: bool = False, portable: int = -1) -> bool:
+               accumulate: bool = False, portable: int = -1, launch: tuple[int, int] | None = None) -> bool:
     """The weight gradient into `out` ([E, N, K], fp32 or bf16) on an FP8 blockwise kernel (the op's choice, or with
     portable=1 the tensor-core portable one by name); False where no kernel takes the problem (nothing ran). The
     dequantization scales (reciprocals, 0 for a zero scale) go token-block-major, [ceil(M / 128), N] and
     [ceil(M / 128), K]: a group's blocks are one contiguous slice."""
     N, M = a_q.shape
     K = b_q.shape[0]
-    inv_a, inv_b = _dequant_scales(C, a_scale, b_scale, transpose=True)
+    inv_a, inv_b = _dequant_scales(C, a_scale, b_scale, transpose=True, launch=launch)
     return _launch_fp8(C, _WGRAD, a_q, b_q, out, inv_a, inv_b, group_sizes, M, N, K, accumulate=accumulate,
-                       portable=portable)
+                       portable=portable, launch=launch)
 
 
 def grouped_mm_fp8(x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor, group_sizes: Tensor) -> Tensor:
@@ -572,16 +580,21 @@ def _wgrad_kernels(a_q: Tensor, group_sizes: Tensor):
 def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=torch.float32):
     _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
     _check_out_dtype(out_dtype)
-    N, M = a_q.shape
-    K = b_q.shape[0]
-    E = group_sizes.shape[0]
     C = _wgrad_kernels(a_q, group_sizes)
     if C is None:
         return grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes, out_dtype=out_dtype)
+    return wgrad_on(C, tuple(_ext.launch_args(a_q).values()), a_q, a_scale, b_q, b_scale, group_sizes, out_dtype)
+
+
+def wgrad_on(C, launch: tuple[int, int], a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor,
+             group_sizes: Tensor, out_dtype: torch.dtype) -> Tensor:
+    """grouped_mm_fp8_wgrad's CUDA path on operands already checked, on extension C at `launch` (device, stream):
+    the op's implementation and the fused FP8 region both run it."""
+    (N, M), K, E = a_q.shape, b_q.shape[0], group_sizes.shape[0]
     if M == 0 or E == 0 or N == 0 or K == 0:
         return torch.zeros((E, N, K), dtype=out_dtype, device=a_q.device)
     out = torch.empty((E, N, K), dtype=out_dtype, device=a_q.device)
-    if _run_wgrad(C, a_q, a_scale, b_q, b_scale, group_sizes, out):
+    if _run_wgrad(C, a_q, a_scale, b_q, b_scale, group_sizes, out, launch=launch):
         return out
     # No FP8 kernel takes it (no sm_90a kernel or M % 16, K % 4 (K % 8 for bf16 out), and no tensor-core portable
     # one): the portable fp32 wgrad (memory: fp32 copies), misaligned groups NaN as on the kernels.
@@ -621,19 +634,24 @@ def _(a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate):
 def _grouped_mm_fp8_wgrad_into_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate):
     _check_wgrad(a_q, a_scale, b_q, b_scale, group_sizes)
     _check_into(a_q, b_q, group_sizes, out)
-    N, M = a_q.shape
-    K = b_q.shape[0]
-    E = group_sizes.shape[0]
     C = _wgrad_kernels(a_q, group_sizes)
     if C is None:
         dw = grouped_mm_fp8_wgrad_reference(a_q, a_scale, b_q, b_scale, group_sizes)
         out.add_(dw) if accumulate else out.copy_(dw)
         return
+    wgrad_into_on(C, tuple(_ext.launch_args(a_q).values()), a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate)
+
+
+def wgrad_into_on(C, launch: tuple[int, int], a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor,
+                  group_sizes: Tensor, out: Tensor, accumulate: bool) -> None:
+    """grouped_mm_fp8_wgrad(..., out=out, accumulate=accumulate)'s CUDA path on operands already checked, on
+    extension C at `launch` (device, stream): the op's implementation and the fused FP8 region both run it."""
+    (N, M), K, E = a_q.shape, b_q.shape[0], group_sizes.shape[0]
     if M == 0 or E == 0 or N == 0 or K == 0:  # no tokens: the product is zero
         if not accumulate:
             out.zero_()
         return
-    if _run_wgrad(C, a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate=accumulate):
+    if _run_wgrad(C, a_q, a_scale, b_q, b_scale, group_sizes, out, accumulate=accumulate, launch=launch):
         return
     # The portable fp32 wgrad, accumulating in its stores as the kernel does in its epilogue.
     _warn_without_fp8_kernel(a_q)

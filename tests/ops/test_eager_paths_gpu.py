@@ -155,14 +155,19 @@ class _Dispatched(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("activation,ffn_size", [("swiglu", 128), ("squared_relu", 208), ("swiglu", 80)])
-def test_fp8_recipe_layer_direct_calls_equal_registered(cuda, monkeypatch, activation, ffn_size):
+def test_fp8_recipe_layer_direct_calls_equal_registered(cuda, monkeypatch, request, activation, ffn_size):
     # SwiGLU at F = 128 (every fused producer), the squared ReLU at F = 208 (padded codes), SwiGLU at F = 80 (the
     # composition with quantize_fp8_dual); bf16 under autocast, an empty expert likely at 8 experts and 37 tokens.
-    # The direct run calls each FP8 op's implementation as often as the registered run dispatches the op.
-    from moe_kernels.nn import MoELayer
+    # The direct run calls each FP8 op's implementation as often as the registered run dispatches the op. The
+    # recipe's functions run (the layer's fused FP8 region stands aside: tests/nn/test_fused_fp8_gpu.py compares it
+    # with them).
+    from moe_kernels.nn import MoELayer, fused_fp8
     from moe_kernels.nn.moe import qwen3_30b_a3b
     from moe_kernels.quant import Fp8BlockwiseRecipe
 
+    region_off = pytest.MonkeyPatch()
+    region_off.setattr(fused_fp8, "fits", lambda *args: False)
+    request.addfinalizer(region_off.undo)
     torch.manual_seed(4)
     cfg = qwen3_30b_a3b(hidden_size=128, ffn_size=ffn_size, num_experts=8, k=2, activation=activation,
                         recipe=Fp8BlockwiseRecipe())

@@ -126,7 +126,38 @@ def test_reference_in_fp64_is_exact_per_group():
     assert torch.all((ref64 - _blockwise_sum(*a, *b, [256])).abs() <= 256 * torch.finfo(torch.float64).eps * magnitude)
 
 
-@pytest.mark.parametrize("out_dtype,code", [(torch.float32, None), (torch.bfloat16, 2)])
+# The positional parameters of the extension's grouped_mm_path, grouped_mm_workspace_bytes and grouped_mm
+# (python_api/gemm.cpp), for stubs that record a call by name.
+_SHAPE = ("op", "dtype", "num_groups", "M", "N", "K", "a", "b", "d", "device", "sfa", "sfb", "fp8_wgrad_out", "kernel",
+          "raster", "a_global", "b_global", "portable")
+_PATH = (*_SHAPE, "a_rows", "b_rows", "act")
+_LAUNCH = ("op", "a", "b", "d", "group_sizes", "num_groups", "M", "N", "K", "dtype", "workspace", "workspace_bytes",
+           "device", "stream", "sfa", "sfb", "group_align", "fp8_wgrad_out", "kernel", "raster", "accumulate",
+           "group_order", "a_global", "b_global", "portable")
+
+
+class _Stub:
+    """An extension whose FP8 GEMM path query answers the sm_90a kernel, recording each call's arguments by name."""
+
+    def __init__(self, path):
+        self.calls, self._path = {}, path
+
+    def grouped_mm_path(self, *args):
+        assert len(args) == len(_PATH)
+        self.calls["path"] = dict(zip(_PATH, args))
+        return self._path
+
+    def grouped_mm_workspace_bytes(self, *args):
+        assert len(args) == len(_SHAPE)
+        self.calls["workspace"] = dict(zip(_SHAPE, args))
+        return 0
+
+    def grouped_mm(self, *args):
+        assert len(args) == len(_LAUNCH)
+        self.calls["launch"] = dict(zip(_LAUNCH, args))
+
+
+@pytest.mark.parametrize("out_dtype,code", [(torch.float32, 0), (torch.bfloat16, 2)])
 def test_the_launch_takes_the_output_dtype_its_path_and_workspace_were_chosen_for(out_dtype, code):
     """The kernel chosen, its workspace and the launch must all see the output's dtype: a bf16 output run by
     the fp32 instance would write twice its bytes. A stub extension records the three calls' arguments."""
@@ -134,26 +165,15 @@ def test_the_launch_takes_the_output_dtype_its_path_and_workspace_were_chosen_fo
 
     g = importlib.import_module("moe_kernels.ops.grouped_mm_fp8")
 
-    calls = {}
-
-    class Stub:
-        def grouped_mm_path(self, **kw):
-            calls["path"] = kw
-            return g._FP8_PATH
-
-        def grouped_mm_workspace_bytes(self, **kw):
-            calls["workspace"] = kw
-            return 0
-
-        def grouped_mm(self, **kw):
-            calls["launch"] = kw
+    stub = _Stub(g._FP8_PATH)
+    calls = stub.calls
 
     a, b = torch.zeros(32, 256, dtype=E4M3), torch.zeros(48, 256, dtype=E4M3)
     out = torch.empty(2, 32, 48, dtype=out_dtype)
     scales = torch.ones(2, 32), torch.ones(2, 48)
-    assert g._launch_fp8(Stub(), g._WGRAD, a, b, out, *scales, torch.tensor([128, 128], dtype=torch.int32), 256, 32, 48)
+    assert g._launch_fp8(stub, g._WGRAD, a, b, out, *scales, torch.tensor([128, 128], dtype=torch.int32), 256, 32, 48)
     for name in ("path", "workspace", "launch"):
-        assert calls[name].get("fp8_wgrad_out") == code, name
+        assert calls[name]["fp8_wgrad_out"] == code, name
         assert calls[name]["d"] == out.data_ptr() and calls[name]["op"] == g._WGRAD, name
     shared = ("op", "dtype", "num_groups", "M", "N", "K", "a", "b", "d", "sfa", "sfb")
     assert {k: calls["launch"][k] for k in shared} == {k: calls["path"][k] for k in shared}
@@ -189,22 +209,11 @@ def test_the_launch_passes_accumulate():
     import importlib
 
     g = importlib.import_module("moe_kernels.ops.grouped_mm_fp8")
-    calls = {}
-
-    class Stub:
-        def grouped_mm_path(self, **kw):
-            return g._FP8_PATH
-
-        def grouped_mm_workspace_bytes(self, **kw):
-            return 0
-
-        def grouped_mm(self, **kw):
-            calls["launch"] = kw
-
+    stub = _Stub(g._FP8_PATH)
     a, b = torch.zeros(32, 256, dtype=E4M3), torch.zeros(48, 256, dtype=E4M3)
     out = torch.empty(2, 32, 48)
     scales = torch.ones(2, 32), torch.ones(2, 48)
     gs = torch.tensor([128, 128], dtype=torch.int32)
     for accumulate in (False, True):
-        assert g._launch_fp8(Stub(), g._WGRAD, a, b, out, *scales, gs, 256, 32, 48, accumulate=accumulate)
-        assert calls["launch"].get("accumulate", False) is accumulate
+        assert g._launch_fp8(stub, g._WGRAD, a, b, out, *scales, gs, 256, 32, 48, accumulate=accumulate)
+        assert stub.calls["launch"]["accumulate"] is accumulate
