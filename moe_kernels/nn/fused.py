@@ -11,7 +11,8 @@ directly. The calling convention, which every op on the hot path follows:
   node on its forward's stream).
 - The extension is called with positional arguments; a region's forward is one extension call (the routed
   experts: permute, experts and unpermute in `moe`), the router's one kernel each way (router_fused) takes its
-  losses too.
+  losses too. The FP8 recipe's region (`moe_fp8`, moe_kernels/nn/fused_fp8.py) still makes one call per kernel,
+  its FP8 GEMMs choosing their kernel (or the dequantizing fallback) per call.
 - Workspaces are sized by the region itself: a region that needs one returns the bytes it needs when
   the given workspace is too small, launching nothing; the size is remembered per shape, so the steady
   state is one call, and each workspace is a fresh caching-allocator block on the current stream
@@ -24,7 +25,7 @@ directly. The calling convention, which every op on the hot path follows:
 registered custom ops: under torch.compile, torch.export and ONNX export (the ops have fake
 implementations and decompositions there), on CPU tensors outside emulation (the references), and on a
 GPU the extension cannot serve. Both paths give bitwise identical outputs and gradients
-(tests/nn/test_fused_regions_gpu.py). New fused kernels add an entry to `REGIONS`.
+(tests/nn/test_fused_regions_gpu.py, tests/nn/test_fused_fp8_gpu.py). New fused kernels add an entry to `REGIONS`.
 """
 
 from __future__ import annotations

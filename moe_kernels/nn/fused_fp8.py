@@ -3,12 +3,14 @@
 The recipe's layer (moe_kernels.quant.recipe: permute_grouped_mm, swiglu_grouped_mm or squared_relu_grouped_mm,
 unpermute) is three autograd functions over a dozen ops, each entered through its Python wrapper, its checks and
 keyword arguments into the extension, with two E4M3 gradients handed between the functions past autograd (the
-recipe's _Fp8GradLink). Here the same kernels run in the same order on the same operands from one autograd node,
-by the fused regions' calling convention (moe_kernels.nn.fused): the launch resolved once per layer call,
-positional calls into the extension, nothing the layer made checked again, and the E4M3 gradients local variables
-of one backward. The slot of each permuted row (the inverse of row_map, which both gathers read) is one kernel in
-the forward, kept for the backward. Outputs and gradients are the recipe's bit for bit
-(tests/nn/test_fused_fp8_gpu.py).
+recipe's _Fp8GradLink). Here the same kernels run on the same operands from one autograd node, by the fused
+regions' calling convention (moe_kernels.nn.fused) as far as Python allows: the launch resolved once per layer
+call, positional calls into the extension (the ops' own launch helpers: forward_on, wgrad_on, swiglu_fp8_on, ...),
+nothing the layer made checked again, and the E4M3 gradients local variables of one backward. The slot of each
+permuted row (the inverse of row_map, which both gathers read) is one rows_to_tokens launch in the forward, kept
+for the backward, where the recipe's functions compute it with aten ops in each gather. Each kernel is still its
+own extension call (about 20 a layer fwd+bwd, where the BF16 `moe` region makes 2). Outputs and gradients are the
+recipe's bit for bit (tests/nn/test_fused_fp8_gpu.py).
 
 forward   permute_fwd (the routing only), rows_to_tokens (each row's slot), unpermute_bwd_fp8 (the tokens
           gathered into both E4M3 layouts of the permuted rows), the up projection (fp8_dequant_scales,
@@ -32,10 +34,10 @@ from torch import Tensor
 
 from moe_kernels import _ext
 from moe_kernels.nn import fused, grad_sink
-from moe_kernels.ops.activation import ROWS_FP8_SQUARED_RELU, ROWS_FP8_SQUARED_RELU_BWD
+from moe_kernels.ops.activation import (ROWS_FP8_SQUARED_RELU, ROWS_FP8_SQUARED_RELU_BWD, rows_fp8_on,
+                                        swiglu_bwd_fp8_on, swiglu_fp8_on)
 from moe_kernels.ops.grouped_mm_fp8 import forward_on, wgrad_into_on, wgrad_on
-from moe_kernels.ops.permute import permuted_rows
-from moe_kernels.ops.quant import fp8_layouts_empty
+from moe_kernels.ops.permute import permuted_rows, unpermute_bwd_fp8_on
 from moe_kernels.quant import weight_cache
 from moe_kernels.quant.recipe import Fp8BlockwiseRecipe
 
@@ -46,53 +48,31 @@ SWIGLU, SQUARED_RELU = 0, 1  # the region's `act`
 
 def fits(L: fused.Launch, recipe, x: Tensor, indices: Tensor, w13: Tensor, w2: Tensor) -> bool:
     """Whether the region takes this layer call (else the recipe's functions run it): the recipe's defaults, x
-    [T, H] bf16 and contiguous with T > 0, H and F multiples of 8 (the producers' 16-byte rows), int32 indices,
-    plain weights that both get a gradient, and an expert count the kernels take."""
+    [T, H] bf16 and contiguous with T > 0, H and F multiples of 8 (the producers' 16-byte rows), contiguous int32
+    indices, plain weights that both get a gradient, and an expert count the kernels take. Where it holds, the
+    recipe's functions take their fully fused path too (the gather of both layouts, both E4M3 gradient hand-offs)."""
     return (type(recipe) is Fp8BlockwiseRecipe and recipe.fp8_dgrad and recipe.fp8_wgrad and recipe.fused_permute
             and recipe.fused_swiglu and x.dtype is torch.bfloat16 and x.dim() == 2 and x.shape[0] > 0
             and x.shape[1] % 8 == 0 and w2.shape[-1] % 8 == 0 and x.is_contiguous()
-            and indices.dtype is torch.int32 and type(w13) in _PLAIN and type(w2) in _PLAIN
+            and indices.dtype is torch.int32 and indices.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN
             and torch.is_grad_enabled() and w13.requires_grad and w2.requires_grad
             and w13.shape[0] <= min(L.C.permute_max_experts, L.C.grouped_mm_max_groups))
 
 
 def _act_fwd(L: fused.Launch, h: Tensor, pow2: bool, act: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Both E4M3 layouts of act(h): swiglu_quantize_fp8(h) or squared_relu_quantize_fp8(h)'s kernel."""
-    R, W = h.shape
-    F = W // 2 if act == SWIGLU else W
-    q, scale, q_t, scale_t = out = fp8_layouts_empty(h, R, F)
+    launch = (L.device, L.stream)
     if act == SWIGLU:
-        L.C.swiglu_fwd_fp8(h.data_ptr(), 0, _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t), R, F, pow2,
-                           _BF16, L.device, L.stream)
-    else:
-        L.C.rows_fp8(ROWS_FP8_SQUARED_RELU, h.data_ptr(), 0, _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t),
-                     _ext.ptr(scale_t), R, F, pow2, _BF16, L.device, L.stream)
-    return out
+        return swiglu_fp8_on(L.C, launch, h, None, pow2)
+    return rows_fp8_on(L.C, launch, ROWS_FP8_SQUARED_RELU, h, None, pow2)
 
 
 def _act_bwd(L: fused.Launch, da: Tensor, h: Tensor, pow2: bool, act: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Both E4M3 layouts of dh from da: swiglu_bwd_quantize_fp8 or squared_relu_bwd_quantize_fp8's kernel."""
-    R, W = h.shape
-    q, scale, q_t, scale_t = out = fp8_layouts_empty(h, R, W)
+    launch = (L.device, L.stream)
     if act == SWIGLU:
-        L.C.swiglu_bwd_fp8(da.data_ptr(), h.data_ptr(), 0, _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t),
-                           _ext.ptr(scale_t), R, W // 2, pow2, _BF16, L.device, L.stream)
-    else:
-        L.C.rows_fp8(ROWS_FP8_SQUARED_RELU_BWD, h.data_ptr(), da.data_ptr(), _ext.ptr(q), _ext.ptr(scale),
-                     _ext.ptr(q_t), _ext.ptr(scale_t), R, W, pow2, _BF16, L.device, L.stream)
-    return out
-
-
-def _gather(L: fused.Launch, t: Tensor, slot: Tensor, weights: Tensor | None, T: int, k: int, R: int,
-            pow2: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Both E4M3 layouts of the permuted rows of t [T, H] (each row its slot's token, times its routing weight
-    when given): unpermute_bwd_quantize_fp8's kernel."""
-    H = t.shape[1]
-    t = t if t.data_ptr() % 16 == 0 else t.clone()  # 16-byte loads of the rows
-    q, scale, q_t, scale_t = out = fp8_layouts_empty(t, R, H)
-    L.C.unpermute_bwd_fp8(t.data_ptr(), slot.data_ptr(), _ext.ptr(weights), _ext.ptr(q), _ext.ptr(scale),
-                          _ext.ptr(q_t), _ext.ptr(scale_t), T, k, H, R, pow2, _BF16, L.device, L.stream)
-    return out
+        return swiglu_bwd_fp8_on(L.C, launch, da, h, None, pow2)
+    return rows_fp8_on(L.C, launch, ROWS_FP8_SQUARED_RELU_BWD, h, da, pow2)
 
 
 def _wgrad(L: fused.Launch, d_t: tuple[Tensor, Tensor], x_t: tuple[Tensor, Tensor], group_sizes: Tensor,
@@ -102,7 +82,9 @@ def _wgrad(L: fused.Launch, d_t: tuple[Tensor, Tensor], x_t: tuple[Tensor, Tenso
     launch = (L.device, L.stream)
     sink = grad_sink.sink_of(w)
     if sink is not None:
-        wgrad_into_on(L.C, launch, *d_t, *x_t, group_sizes, sink.buffer(), sink.written())
+        buffer = sink.buffer()
+        wgrad_into_on(L.C, launch, *d_t, *x_t, group_sizes, buffer, sink.written())
+        torch.autograd.graph.increment_version(buffer)  # written in place, as the registered op's dispatch records
         sink.mark()
         return None
     out_dtype = w.dtype if w.dtype in (torch.float32, torch.bfloat16) else torch.float32
@@ -129,7 +111,7 @@ class _MoeFp8(torch.autograd.Function):
         slot = torch.empty((R,), dtype=i32, device=x.device)
         C.rows_to_tokens(row_map.data_ptr(), T * k, 1, R, slot.data_ptr(), dev, s)
         # The permuted rows in both E4M3 layouts (the forward's and wgrad's), from one gather of the tokens.
-        x_q, x_scale, *x_t = _gather(L, x, slot, None, T, k, R, pow2)
+        x_q, x_scale, *x_t = unpermute_bwd_fp8_on(C, (dev, s), x, slot, None, k, pow2)
         w8_13 = weight_cache.fp8_expert_weights(w13, pow2_scale=pow2, cache=cache[0], transposed=need_x)
         h = forward_on(C, (dev, s), x_q, x_scale, *w8_13.gemm_tiles(transposed=False), group_sizes)
         a_q, a_scale, *a_t = _act_fwd(L, h, pow2, act)
@@ -155,7 +137,7 @@ class _MoeFp8(torch.autograd.Function):
         R, H = slot.shape[0], dout.shape[1]
         dout = dout.contiguous()
         # The down projection's output gradient in both E4M3 layouts, gathered from dout (times each slot's weight).
-        dy_q, dy_scale, *dy_t = _gather(L, dout, slot, w, T, k, R, pow2)
+        dy_q, dy_scale, *dy_t = unpermute_bwd_fp8_on(L.C, launch, dout, slot, w, k, pow2)
         dweights = None
         if ctx.need_dw:  # unpermute_bwd's own reduction (dy not written)
             dweights = torch.empty((T, k), dtype=torch.float32, device=dout.device)

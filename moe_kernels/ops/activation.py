@@ -295,15 +295,22 @@ def _swiglu_quantize_fp8_cuda(h, row_weights, pow2_scale):
         return swiglu_quantize_fp8_reference(h, row_weights, pow2_scale)
     if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         return torch.ops.moe_kernels.quantize_fp8_dual(torch.ops.moe_kernels.swiglu(h, row_weights), pow2_scale)
+    w = None if row_weights is None else row_weights.float().contiguous()
+    return swiglu_fp8_on(C, tuple(_ext.launch_args(h).values()), h, w, pow2_scale)
+
+
+def swiglu_fp8_on(C, launch: tuple[int, int], h: Tensor, w: Tensor | None, pow2_scale: bool
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """swiglu_quantize_fp8's kernel on checked 16-bit rows h [R, 2F] and fp32 row weights w (or None), on extension
+    C at `launch` (device, stream): the op's implementation and the fused FP8 region (moe_kernels.nn.fused_fp8)
+    both run it."""
     if h.data_ptr() % 16:
         h = h.clone()  # 16-byte loads of gate and up
     R, F = h.shape[0], h.shape[1] // 2
-    q, scale, q_t, scale_t = fp8_layouts_empty(h, R, F)
-    w = None if row_weights is None else row_weights.float().contiguous()
-    C.swiglu_fwd_fp8(h=_ext.ptr(h), row_weights=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t),
-                     scale_t=_ext.ptr(scale_t), rows=R, ffn=F, pow2=pow2_scale, dtype=_ext.dtype_code(h.dtype),
-                     **_ext.launch_args(h))
-    return q, scale, q_t, scale_t
+    q, scale, q_t, scale_t = out = fp8_layouts_empty(h, R, F)
+    C.swiglu_fwd_fp8(_ext.ptr(h), _ext.ptr(w), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t), R, F,
+                     pow2_scale, _ext.dtype_code(h.dtype), *launch)
+    return out
 
 
 def swiglu_quantize_fp8(
@@ -360,21 +367,30 @@ def _swiglu_bwd_quantize_fp8_cuda(dout, h, row_weights, need_dw, pow2_scale):
     if h.dtype == torch.float32:  # a 128 x 128 fp32 tile does not fit the kernel's shared memory: the composition
         dh, dw = torch.ops.moe_kernels.swiglu_bwd(dout, h, row_weights, need_dw)
         return (*torch.ops.moe_kernels.quantize_fp8_dual(dh, pow2_scale), dw)
-    h_in, dout_in = h, dout  # swiglu_bwd's vector width (so its drow_weights reduction order) follows these
-    h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads of gate, up and dout
-    dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()
     R, W = h.shape
-    q, scale, q_t, scale_t = fp8_layouts_empty(h, R, W)
     dw = torch.empty((R,) if need_dw else (0,), dtype=torch.float32, device=h.device)
     w = None if row_weights is None else row_weights.float().contiguous()
     launch = _ext.launch_args(h)
-    C.swiglu_bwd_fp8(dout=_ext.ptr(dout), h=_ext.ptr(h), row_weights=_ext.ptr(w), q=_ext.ptr(q), scale=_ext.ptr(scale),
-                     q_t=_ext.ptr(q_t), scale_t=_ext.ptr(scale_t), rows=R, ffn=W // 2, pow2=pow2_scale,
-                     dtype=_ext.dtype_code(h.dtype), **launch)
-    if need_dw:  # swiglu_bwd's own reduction (bit for bit the composition's), dh not written
-        C.swiglu_bwd(dout=_ext.ptr(dout_in), h=_ext.ptr(h_in), row_weights=_ext.ptr(w), dh=0, drow_weights=_ext.ptr(dw),
+    q, scale, q_t, scale_t = swiglu_bwd_fp8_on(C, tuple(launch.values()), dout, h, w, pow2_scale)
+    if need_dw:  # swiglu_bwd's own reduction (bit for bit the composition's), dh not written; its vector width (so
+        # its drow_weights reduction order) follows the pointers of dout and h as given
+        C.swiglu_bwd(dout=_ext.ptr(dout), h=_ext.ptr(h), row_weights=_ext.ptr(w), dh=0, drow_weights=_ext.ptr(dw),
                      rows=R, ffn=W // 2, dtype=_ext.dtype_code(h.dtype), **launch)
     return q, scale, q_t, scale_t, dw
+
+
+def swiglu_bwd_fp8_on(C, launch: tuple[int, int], dout: Tensor, h: Tensor, w: Tensor | None, pow2_scale: bool
+                      ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """swiglu_bwd_quantize_fp8's kernel (dh in both E4M3 layouts, no row weights' gradient) on checked 16-bit dout
+    [R, F] and h [R, 2F], fp32 row weights w (or None), on extension C at `launch` (device, stream): the op's
+    implementation and the fused FP8 region both run it."""
+    h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads of gate, up and dout
+    dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()
+    R, W = h.shape
+    q, scale, q_t, scale_t = out = fp8_layouts_empty(h, R, W)
+    C.swiglu_bwd_fp8(_ext.ptr(dout), _ext.ptr(h), _ext.ptr(w), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t),
+                     _ext.ptr(scale_t), R, W // 2, pow2_scale, _ext.dtype_code(h.dtype), *launch)
+    return out
 
 
 def swiglu_bwd_quantize_fp8(
@@ -451,13 +467,20 @@ def _rows_fp8_cuda(op: str, code: int, x: Tensor, dout: Tensor | None, pow2_scal
         v = composed()
         return (*quantize_fp8(v, "block", pow2_scale=pow2_scale, pad_to_block=True),
                 *torch.ops.moe_kernels.quantize_fp8_tokens(v, pow2_scale))
+    return rows_fp8_on(C, tuple(_ext.launch_args(x).values()), code, x, dout, pow2_scale)
+
+
+def rows_fp8_on(C, launch: tuple[int, int], code: int, x: Tensor, dout: Tensor | None, pow2_scale: bool
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The rows_fp8 kernel (`code`: its op) on checked 16-bit x [R, C] (and dout), on extension C at `launch`
+    (device, stream): the ops' implementations and the fused FP8 region both run it."""
     x = x if x.data_ptr() % 16 == 0 else x.clone()  # 16-byte loads
     if dout is not None and dout.data_ptr() % 16:
         dout = dout.clone()
-    q, scale, q_t, scale_t = fp8_layouts_empty(x, *x.shape)
+    q, scale, q_t, scale_t = out = fp8_layouts_empty(x, *x.shape)
     C.rows_fp8(code, _ext.ptr(x), _ext.ptr(dout), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t), _ext.ptr(scale_t),
-               x.shape[0], x.shape[1], pow2_scale, _ext.dtype_code(x.dtype), *_ext.launch_args(x).values())
-    return q, scale, q_t, scale_t
+               x.shape[0], x.shape[1], pow2_scale, _ext.dtype_code(x.dtype), *launch)
+    return out
 
 
 @_ext.cuda_impl(_squared_relu_quantize_fp8)

@@ -591,22 +591,31 @@ def _unpermute_bwd_quantize_fp8_cuda(dout, row_map, weights, y, num_rows, pow2_s
         return (*torch.ops.moe_kernels.quantize_fp8_dual(dy, pow2_scale), dweights)
     T, k = row_map.shape
     H = dout.shape[1]
-    dout_in = dout  # unpermute_bwd's vector width (so its dweights reduction order) follows this pointer
-    dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()  # 16-byte loads of dout rows
-    q, scale, q_t, scale_t = fp8_layouts_empty(dout, num_rows, H)
     dweights = torch.empty((T, k) if y is not None else (0,), dtype=torch.float32, device=dout.device)
     w = None if weights is None else weights.float().contiguous()
     inv = slot_of_row(row_map, num_rows)  # held until the launch is queued
     launch = _ext.launch_args(dout)
-    C.unpermute_bwd_fp8(dout=_ext.ptr(dout), slot_of_row=_ext.ptr(inv), weights=_ext.ptr(w),
-                        q=_ext.ptr(q), scale=_ext.ptr(scale), q_t=_ext.ptr(q_t), scale_t=_ext.ptr(scale_t),
-                        num_tokens=T, k=k, hidden=H, num_rows=num_rows, pow2=pow2_scale,
-                        dtype=_ext.dtype_code(dout.dtype), **launch)
-    if y is not None:  # unpermute_bwd's own reduction (bit for bit the composition's), dy not written
-        C.unpermute_bwd(dout=_ext.ptr(dout_in), y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), dy=0,
+    q, scale, q_t, scale_t = unpermute_bwd_fp8_on(C, tuple(launch.values()), dout, inv, w, k, pow2_scale)
+    if y is not None:  # unpermute_bwd's own reduction (bit for bit the composition's), dy not written; its vector
+        # width (so its dweights reduction order) follows dout's pointer as given
+        C.unpermute_bwd(dout=_ext.ptr(dout), y=_ext.ptr(y), row_map=_ext.ptr(row_map), weights=_ext.ptr(w), dy=0,
                         dweights=_ext.ptr(dweights), row_mask=0, num_tokens=T, k=k, hidden=H,
                         num_rows=num_rows, dtype=_ext.dtype_code(dout.dtype), **launch)
     return q, scale, q_t, scale_t, dweights
+
+
+def unpermute_bwd_fp8_on(C, launch: tuple[int, int], dout: Tensor, slot: Tensor, w: Tensor | None, k: int,
+                         pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """unpermute_bwd_quantize_fp8's kernel on checked 16-bit dout [T, H]: the rows of `slot` [R] (slot_of_row: each
+    row's slot t * k + j, -1 for none) gathered, times w [T, k] fp32 (or None), into both E4M3 layouts, on extension
+    C at `launch` (device, stream): the op's implementation and the fused FP8 region (which gathers the tokens into
+    the first GEMM's input with it too) both run it."""
+    dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()  # 16-byte loads of dout rows
+    (T, H), R = dout.shape, slot.shape[0]
+    q, scale, q_t, scale_t = out = fp8_layouts_empty(dout, R, H)
+    C.unpermute_bwd_fp8(_ext.ptr(dout), _ext.ptr(slot), _ext.ptr(w), _ext.ptr(q), _ext.ptr(scale), _ext.ptr(q_t),
+                        _ext.ptr(scale_t), T, k, H, R, pow2_scale, _ext.dtype_code(dout.dtype), *launch)
+    return out
 
 
 def unpermute_bwd_quantize_fp8(

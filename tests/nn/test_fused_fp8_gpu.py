@@ -179,6 +179,8 @@ def test_region_writes_the_gradient_sinks(cuda, monkeypatch):
             for p in experts:
                 grad_sink.unregister(p)
         assert [s.marks for s in sinks] == [2, 2]
+        # written in place twice: the version counter says so (autograd's checks of saved tensors read it)
+        assert [s.buf._version for s in sinks] == [2, 2]
         sums.append([s.buf for s in sinks])
     for a, b, name in zip(*sums, ("w13", "w2")):
         assert_exact(a, b, f"main gradient of {name}")
@@ -202,14 +204,21 @@ def test_region_has_first_derivatives_only(cuda):
         torch.autograd.grad(out.float().square().sum(), x, create_graph=True)
 
 
-@pytest.mark.parametrize("why", ["fp16", "no-grad", "frozen-experts", "weights-in-activation", "no-fused-swiglu"])
+_NOT_FIT = {"no-fused-swiglu": dict(fused_swiglu=False), "no-fp8-dgrad": dict(fp8_dgrad=False),
+            "no-fp8-wgrad": dict(fp8_wgrad=False), "no-fused-permute": dict(fused_permute=False)}
+
+
+@pytest.mark.parametrize("why", ["fp16", "no-grad", "frozen-experts", "frozen-w2", "weights-in-activation",
+                                 *_NOT_FIT])
 def test_the_recipes_functions_where_the_region_does_not_fit(cuda, why):
     kw = {"weights_in_activation": True} if why == "weights-in-activation" else {}
-    if why == "no-fused-swiglu":
-        kw["recipe"] = Fp8BlockwiseRecipe(fused_swiglu=False)
+    if why in _NOT_FIT:
+        kw["recipe"] = Fp8BlockwiseRecipe(**_NOT_FIT[why])
     layer = _layer(cuda, dtype=torch.float16 if why == "fp16" else torch.bfloat16, **kw)
     if why == "frozen-experts":
         layer.experts.requires_grad_(False)
+    if why == "frozen-w2":
+        layer.experts.w2.requires_grad_(False)
     x, g = _inputs(cuda, 128, dtype=layer.experts.w13.dtype)
     with extension_calls() as ext:
         if why == "no-grad":
@@ -219,7 +228,29 @@ def test_the_recipes_functions_where_the_region_does_not_fit(cuda, why):
         else:
             _step(layer, x, g)
     assert "rows_to_tokens" not in ext.calls, (why, ext.calls)
-    assert layer.expert_path == "recipe"
+    assert layer.expert_path == ("ops" if why == "no-fused-permute" else "recipe")
+
+
+def test_fits_refuses_what_the_region_cannot_take(cuda):
+    # Inputs the layer does not make itself, refused before any launch: int64 or strided indices, no tokens, a
+    # strided x, a recipe subclass (its methods may differ from the functions the region replaces).
+    from moe_kernels.nn import fused
+
+    class Recipe(Fp8BlockwiseRecipe):
+        pass
+
+    layer = _layer(cuda)
+    w13, w2 = layer.experts.w13, layer.experts.w2
+    x = torch.randn(16, 128, device=cuda, dtype=torch.bfloat16)
+    idx = torch.randint(0, 8, (16, 2), device=cuda, dtype=torch.int32)
+    L, recipe = fused.launch_for(x), Fp8BlockwiseRecipe()
+    assert L is not None and fused_fp8.fits(L, recipe, x, idx, w13, w2)
+    refused = {"int64 indices": (recipe, x, idx.long()), "strided indices": (recipe, x, idx.t().contiguous().t()),
+               "no tokens": (recipe, x[:0], idx[:0]), "strided x": (recipe, torch.randn(128, 16, device=cuda,
+                                                                                       dtype=torch.bfloat16).t(), idx),
+               "a recipe subclass": (Recipe(), x, idx)}
+    for what, (r, xi, ii) in refused.items():
+        assert not fused_fp8.fits(L, r, xi, ii, w13, w2), what
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
