@@ -205,11 +205,27 @@ def demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, r.stdout.splitlines())) if r.returncode == 0 else {n: n for n in names}
 
 
+def instance_names(name: str) -> list[str]:
+    """The CUTLASS instances named in a kernel's symbol (`NAME_instance`), demangled (`::NAME_instance>`) or not
+    (`<length>NAME_instance`: c++filt gives up on the longest CUTLASS symbols)."""
+    found = re.findall(r"::(\w+?)_instance\b", name)
+    for m in re.finditer(r"\d+", name):  # the length may follow other digits (`5sm10039wgrad_..._instance`)
+        for i in range(len(m.group())):
+            ident = name[m.end():m.end() + int(m.group()[i:])]
+            if ident.endswith("_instance") and re.fullmatch(r"[A-Za-z_]\w*", ident):
+                found.append(ident[: -len("_instance")])
+                break
+    return found
+
+
 def short_name(demangled: str, source: str) -> str:
     """`void moe::permute::(anonymous namespace)::copy_kernel<16>(...)` -> `permute::copy_kernel<16>`;
-    a CUTLASS kernel (one per file) -> `cutlass::device_kernel[fwd_bf16_coop_256x128x64_c1x1]`."""
+    a CUTLASS instance's kernel -> `cutlass::device_kernel[fwd_bf16_coop_256x128x64_c1x1]`, by the instance's name
+    that its type carries (`NAME_instance`: several instances share a translation unit), and a kernel templated on
+    an instance (its problem-list preparation) -> `gemm::sm90::prepare_sm90[fwd_bf16_coop_256x128x64_c1x1]`."""
+    instance = instance_names(demangled)
     if "cutlass13device_kernel" in demangled or demangled.startswith("void cutlass::device_kernel"):
-        return f"cutlass::device_kernel[{Path(source).stem}]"
+        return f"cutlass::device_kernel[{instance[-1] if instance else Path(source).stem}]"
     name = demangled
     if name.startswith("void "):
         name = name[5:]
@@ -223,6 +239,8 @@ def short_name(demangled: str, source: str) -> str:
             cut = i
             break
     name = name[:cut].replace("(anonymous namespace)::", "").replace("moe::", "").replace("cutlass::", "")
+    if instance:
+        name = f"{name.split('<')[0]}[{instance[-1]}]"
     return name if len(name) <= 100 else name[:97] + "..."
 
 

@@ -28,11 +28,12 @@ using sm90::GroupedGemm;
 
 }  // namespace moe::gemm::sm100
 
-// One explicit instantiation per translation unit, named for the dispatcher (gemm/sm100_kernels.cu).
-#define MOE_GROUPED_SM100_INSTANCE(NAME, ELEMENT, OP, ...)                                            \
-  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
-    return GroupedGemm<ELEMENT, OP, __VA_ARGS__>::workspace_bytes(p, sm_count);                      \
-  }                                                                                                  \
+// One explicit instantiation, named for the dispatcher (gemm/sm100_dispatch.cu), its kernel too (NamedKernel).
+#define MOE_GROUPED_SM100_INSTANCE(NAME, ELEMENT, OP, ...)                                             \
+  struct NAME##_instance;                                                                              \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                      \
+    return GroupedGemm<ELEMENT, OP, __VA_ARGS__, NAME##_instance>::workspace_bytes(p, sm_count);       \
+  }                                                                                                    \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
-    GroupedGemm<ELEMENT, OP, __VA_ARGS__>::run(p, sm_count, groups, stream);                         \
+    GroupedGemm<ELEMENT, OP, __VA_ARGS__, NAME##_instance>::run(p, sm_count, groups, stream);          \
   }

@@ -36,7 +36,7 @@ using namespace cute;
 using sm90::round_up;
 using sm90::take;
 
-template <int kTileM, int kTileN, int kTileK>
+template <int kTileM, int kTileN, int kTileK, typename Name = void>
 struct Nvfp4Gemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::nv_float4_t<cutlass::float_e2m1_t>;
@@ -64,7 +64,8 @@ struct Nvfp4Gemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       cutlass::gemm::KernelPtrArrayTmaWarpSpecialized1SmNvf4Sm100>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel =
+      sm90::NamedKernel<cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>, Name>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -171,10 +172,10 @@ __global__ void prepare_nvfp4(const uint8_t* a, const uint8_t* sfa, const uint8_
   arr.layout_sfb[s] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
-template <int kTileM, int kTileN, int kTileK>
-void Nvfp4Gemm<kTileM, kTileN, kTileK>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
-                                             cudaStream_t stream) {
-  using Self = Nvfp4Gemm<kTileM, kTileN, kTileK>;
+template <int kTileM, int kTileN, int kTileK, typename Name>
+void Nvfp4Gemm<kTileM, kTileN, kTileK, Name>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
+                                                   cudaStream_t stream) {
+  using Self = Nvfp4Gemm<kTileM, kTileN, kTileK, Name>;
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
   prepare_nvfp4<Self><<<(E + 127) / 128, 128, 0, stream>>>(
@@ -187,10 +188,11 @@ void Nvfp4Gemm<kTileM, kTileN, kTileK>::run(const GroupedParams& p, int sm_count
 
 }  // namespace moe::gemm::sm100
 
-#define MOE_NVFP4_SM100_INSTANCE(NAME, TILE_M, TILE_N, TILE_K)                                         \
-  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
-    return Nvfp4Gemm<TILE_M, TILE_N, TILE_K>::workspace_bytes(p, sm_count);                          \
-  }                                                                                                  \
+#define MOE_NVFP4_SM100_INSTANCE(NAME, TILE_M, TILE_N, TILE_K)                                          \
+  struct NAME##_instance;                                                                               \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                       \
+    return Nvfp4Gemm<TILE_M, TILE_N, TILE_K, NAME##_instance>::workspace_bytes(p, sm_count);            \
+  }                                                                                                     \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
-    Nvfp4Gemm<TILE_M, TILE_N, TILE_K>::run(p, sm_count, groups, stream);                             \
+    Nvfp4Gemm<TILE_M, TILE_N, TILE_K, NAME##_instance>::run(p, sm_count, groups, stream);               \
   }

@@ -37,6 +37,14 @@ inline cutlass::gemm::kernel::detail::RasterOrderOptions raster_option(int32_t r
   return raster == 1 ? Options::AlongN : Options::AlongM;
 }
 
+// One named instance's CUTLASS kernel: the same kernel under a type that carries the instance's name
+// (NAME##_instance), so the kernel's symbol says which instance it is where one translation unit holds several
+// (scripts/kernel_resources.py reads it). It adds no member; the adapter and device_kernel use the base's.
+template <class Kernel, class Name>
+struct Named : Kernel {};
+template <class Kernel, class Name>
+using NamedKernel = cute::conditional_t<cute::is_void_v<Name>, Kernel, Named<Kernel, Name>>;
+
 template <typename Gemm>
 void run_gemm(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream, const char* what) {
   Gemm gemm;

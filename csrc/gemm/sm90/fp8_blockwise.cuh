@@ -85,7 +85,7 @@ struct Sm90Fp8PingpongSchedule {
 };
 
 // ElementOut: bf16 for the forward; fp32 or bf16 for wgrad.
-template <GemmOp kOp, typename ElementOut, typename Schedule = Sm90Fp8Schedule<1>>
+template <GemmOp kOp, typename ElementOut, typename Schedule = Sm90Fp8Schedule<1>, typename Name = void>
 struct Fp8BlockwiseGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementAB = cutlass::float_e4m3_t;
@@ -120,7 +120,8 @@ struct Fp8BlockwiseGemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Schedule::Kernel>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel =
+      NamedKernel<cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>, Name>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -196,12 +197,11 @@ struct Fp8BlockwiseGemm {
   static void run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream);
 };
 
-template <GemmOp kOp, typename ElementOut, typename Schedule>
+template <GemmOp kOp, typename G>
 __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const float* sfa, const cutlass::float_e4m3_t* b,
-                                      const float* sfb, ElementOut* d, const GroupInfo* groups, const int32_t* visit,
-                                      int E, int64_t M, int64_t N, int64_t K,
-                                      typename Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::Arrays arr) {
-  using G = Fp8BlockwiseGemm<kOp, ElementOut, Schedule>;
+                                      const float* sfb, typename G::ElementD* d, const GroupInfo* groups,
+                                      const int32_t* visit, int E, int64_t M, int64_t N, int64_t K,
+                                      typename G::Arrays arr) {
   const int s = blockIdx.x * blockDim.x + threadIdx.x;  // problem s of the list: group visit[s] (prepare_sm90)
   if (s >= E) return;
   const int e = visit != nullptr ? visit[s] : s;
@@ -245,25 +245,26 @@ __global__ void prepare_fp8_blockwise(const cutlass::float_e4m3_t* a, const floa
   arr.layout_sfb[s] = G::ScaleConfig::tile_atom_to_shape_SFB(make_shape(m, int(N), int(K), 1));
 }
 
-template <GemmOp kOp, typename ElementOut, typename Schedule>
-void Fp8BlockwiseGemm<kOp, ElementOut, Schedule>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
-                                                       cudaStream_t stream) {
+template <GemmOp kOp, typename ElementOut, typename Schedule, typename Name>
+void Fp8BlockwiseGemm<kOp, ElementOut, Schedule, Name>::run(const GroupedParams& p, int sm_count,
+                                                             const GroupInfo* groups, cudaStream_t stream) {
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
-  prepare_fp8_blockwise<kOp, ElementOut, Schedule><<<(E + 127) / 128, 128, 0, stream>>>(
+  prepare_fp8_blockwise<kOp, Fp8BlockwiseGemm><<<(E + 127) / 128, 128, 0, stream>>>(
       static_cast<const ElementAB*>(p.a), p.sfa, static_cast<const ElementAB*>(p.b), p.sfb,
       static_cast<ElementD*>(p.d), groups, p.visit, E, p.M, p.N, p.K, arr);
   check_launch("grouped_mm prepare_fp8_blockwise");
   run_gemm<Gemm>(arguments(arr, p, sm_count), arr.cutlass_workspace, stream, "grouped_mm fp8 blockwise kernel");
 }
 
-// One explicit instantiation per translation unit, with named entry points for the dispatcher.
-#define MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, SCHEDULE)                          \
-  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
-    return Fp8BlockwiseGemm<OP, ELEMENT_OUT, SCHEDULE>::workspace_bytes(p, sm_count);                \
-  }                                                                                                  \
+// One explicit instantiation, with named entry points for the dispatcher and its kernel named for it (NamedKernel).
+#define MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, SCHEDULE)                           \
+  struct NAME##_instance;                                                                              \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                      \
+    return Fp8BlockwiseGemm<OP, ELEMENT_OUT, SCHEDULE, NAME##_instance>::workspace_bytes(p, sm_count); \
+  }                                                                                                    \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
-    Fp8BlockwiseGemm<OP, ELEMENT_OUT, SCHEDULE>::run(p, sm_count, groups, stream);                   \
+    Fp8BlockwiseGemm<OP, ELEMENT_OUT, SCHEDULE, NAME##_instance>::run(p, sm_count, groups, stream);    \
   }
 #define MOE_FP8_BLOCKWISE_INSTANCE(NAME, OP, ELEMENT_OUT, CLUSTER_M) \
   MOE_FP8_BLOCKWISE_SCHEDULE_INSTANCE(NAME, OP, ELEMENT_OUT, Sm90Fp8Schedule<CLUSTER_M>)

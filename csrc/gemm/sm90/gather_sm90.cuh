@@ -335,7 +335,7 @@ void gather_gemm_run(const GroupedParams& p, const GroupInfo* groups, const int3
   check_launch("grouped_mm gather_gemm_kernel");
 }
 
-// One instantiation per translation unit (each is a CUTLASS mainloop): a named entry point for the dispatcher.
+// One instantiation (each is a CUTLASS mainloop; instances_gather.cu): a named entry point for the dispatcher.
 #define MOE_GATHER_SM90_INSTANCE(NAME, ELEMENT, OP)                                                            \
   void NAME##_run(const GroupedParams& p, const GroupInfo* groups, const int32_t* tiles, int64_t row_tiles,   \
                   cudaStream_t stream) {                                                                        \

@@ -1,7 +1,7 @@
 // CUTLASS 3.x grouped GEMM for sm_90a: TMA loads, WGMMA, warp-specialised persistent kernels with
 // the grouped tile scheduler. Problem shapes, pointers and strides are written on the device by
 // `prepare_sm90` from the group sizes, so nothing here syncs with the host and a CUDA graph can
-// capture it. One instantiation per .cu file (each takes minutes and GBs to compile).
+// capture it. The instances are instantiated in instances_bf16.cu and instances_fp16.cu.
 #pragma once
 
 #include <cutlass/cutlass.h>
@@ -56,7 +56,7 @@ template <> struct Layouts<GemmOp::kWgrad> {
   using B = cutlass::layout::RowMajor;
 };
 
-template <typename Element, GemmOp kOp, typename Config>
+template <typename Element, GemmOp kOp, typename Config, typename Name = void>
 struct GroupedGemm {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using LayoutA = typename Layouts<kOp>::A;
@@ -77,7 +77,8 @@ struct GroupedGemm {
           sizeof(typename CollectiveEpilogue::SharedStorage))>,
       typename Config::Kernel>::CollectiveOp;
 
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
+  using Kernel =
+      NamedKernel<cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>, Name>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
   using StrideB = typename Kernel::InternalStrideB;
@@ -176,10 +177,10 @@ __global__ void prepare_sm90(const Element* a, const Element* b, Element* d, con
   }
 }
 
-template <typename Element, GemmOp kOp, typename Config>
-void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
+template <typename Element, GemmOp kOp, typename Config, typename Name>
+void GroupedGemm<Element, kOp, Config, Name>::run(const GroupedParams& p, int sm_count, const GroupInfo* groups,
                                             cudaStream_t stream) {
-  using Self = GroupedGemm<Element, kOp, Config>;
+  using Self = GroupedGemm<Element, kOp, Config, Name>;
   const int E = p.num_groups;
   const Arrays arr = carve(p.workspace, E);
   prepare_sm90<Self, Element, kOp><<<(E + 127) / 128, 128, 0, stream>>>(
@@ -189,14 +190,15 @@ void GroupedGemm<Element, kOp, Config>::run(const GroupedParams& p, int sm_count
   run_gemm<Gemm>(arguments(arr, p, sm_count), arr.cutlass_workspace, stream, "grouped_mm sm90 kernel");
 }
 
-// One explicit instantiation per translation unit, with named entry points for the dispatcher. The
-// configuration is the variadic tail (its template arguments hold commas).
-#define MOE_GROUPED_SM90_INSTANCE(NAME, ELEMENT, OP, ...)                                             \
-  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                    \
-    return GroupedGemm<ELEMENT, OP, __VA_ARGS__>::workspace_bytes(p, sm_count);                      \
-  }                                                                                                  \
+// One explicit instantiation, with named entry points for the dispatcher and its kernel named for it
+// (NamedKernel). The configuration is the variadic tail (its template arguments hold commas).
+#define MOE_GROUPED_SM90_INSTANCE(NAME, ELEMENT, OP, ...)                                              \
+  struct NAME##_instance;                                                                              \
+  size_t NAME##_workspace(const GroupedParams& p, int sm_count) {                                      \
+    return GroupedGemm<ELEMENT, OP, __VA_ARGS__, NAME##_instance>::workspace_bytes(p, sm_count);       \
+  }                                                                                                    \
   void NAME##_run(const GroupedParams& p, int sm_count, const GroupInfo* groups, cudaStream_t stream) { \
-    GroupedGemm<ELEMENT, OP, __VA_ARGS__>::run(p, sm_count, groups, stream);                         \
+    GroupedGemm<ELEMENT, OP, __VA_ARGS__, NAME##_instance>::run(p, sm_count, groups, stream);          \
   }
 
 }  // namespace moe::gemm::sm90
