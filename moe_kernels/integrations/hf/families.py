@@ -7,7 +7,7 @@ import importlib
 import inspect
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,18 +237,22 @@ def _matched_family(cls: type) -> _Family | None:
     return found
 
 
-def matched_routers() -> dict[str, str]:
+def matched_routers(models: Iterable[str] | None = None) -> dict[str, str]:
     """{router class (module.Class): the family whose routing it runs} for every router class of the installed
     transformers that patch_hf runs: the named families' and those matched by their code. Imports every
-    transformers model module (seconds); for documentation and tests."""
+    transformers model module (a minute), or only those of `models` (transformers.models' package names, such
+    as "glm4_moe"); for documentation and tests."""
+    keep = None if models is None else set(models)
     out = {}
     for fam in FAMILIES:
+        if keep is not None and fam.module.split(".")[2] not in keep:
+            continue
         try:
             if isinstance(getattr(importlib.import_module(fam.module), fam.gate, None), type):
                 out[f"{fam.module}.{fam.gate}"] = fam.name
         except ImportError:  # a transformers without that model
             continue
-    for name, text in _modeling_files():
+    for name, text in _modeling_files(keep):
         if "def forward" not in text or ("Router" not in text and "Gate" not in text):
             continue
         try:
@@ -277,13 +281,15 @@ def _transformers_class(name: str) -> type | None:
     return None
 
 
-def _modeling_files() -> Iterator[tuple[str, str]]:
-    """(module name, source text) of every transformers model module, by its file (nothing imported but
-    transformers.models itself); none without transformers."""
+def _modeling_files(models: set[str] | None = None) -> Iterator[tuple[str, str]]:
+    """(module name, source text) of every transformers model module (of `models` only, where given), by its
+    file (nothing imported but transformers.models itself); none without transformers."""
     try:
         import transformers.models
     except ImportError:
         return
     for path in sorted(Path(transformers.models.__file__).parent.glob("*/modeling_*.py")):
+        if models is not None and path.parent.name not in models:
+            continue
         yield f"{_TM}{path.parent.name}.{path.stem}", path.read_text(encoding="utf-8", errors="replace")
 
