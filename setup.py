@@ -104,7 +104,7 @@ def default_jobs() -> int:
     try:
         mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     except (ValueError, OSError):
-        mem_gb = 4.0 * cores
+        mem_gb = 7.0 * cores
     # A CUTLASS translation unit (several instances) peaks near 7 GB of host memory in nvcc/cicc (6.9 GB measured:
     # csrc/gemm/sm90/instances_fp8_blockwise.cu, nvcc 13.0).
     return max(1, min(cores, int(mem_gb // 7)))

@@ -209,11 +209,16 @@ def instance_names(name: str) -> list[str]:
     """The CUTLASS instances named in a kernel's symbol (`NAME_instance`), demangled (`::NAME_instance>`) or not
     (`<length>NAME_instance`: c++filt gives up on the longest CUTLASS symbols)."""
     found = re.findall(r"::(\w+?)_instance\b", name)
-    for m in re.finditer(r"\d+", name):  # the length may follow other digits (`5sm10039wgrad_..._instance`)
+    if found:
+        return found
+    pos = 0
+    while m := re.compile(r"\d+").search(name, pos):  # the length may follow other digits (`5sm10039wgrad_...`)
+        pos = m.end()
         for i in range(len(m.group())):
             ident = name[m.end():m.end() + int(m.group()[i:])]
             if ident.endswith("_instance") and re.fullmatch(r"[A-Za-z_]\w*", ident):
                 found.append(ident[: -len("_instance")])
+                pos = m.end() + len(ident)  # past the name: digits inside it start no other
                 break
     return found
 
@@ -225,7 +230,7 @@ def short_name(demangled: str, source: str) -> str:
     an instance (its problem-list preparation) -> `gemm::sm90::prepare_sm90[fwd_bf16_coop_256x128x64_c1x1]`."""
     instance = instance_names(demangled)
     if "cutlass13device_kernel" in demangled or demangled.startswith("void cutlass::device_kernel"):
-        return f"cutlass::device_kernel[{instance[-1] if instance else Path(source).stem}]"
+        return f"cutlass::device_kernel[{instance[0] if instance else Path(source).stem}]"
     name = demangled
     if name.startswith("void "):
         name = name[5:]
@@ -240,7 +245,7 @@ def short_name(demangled: str, source: str) -> str:
             break
     name = name[:cut].replace("(anonymous namespace)::", "").replace("moe::", "").replace("cutlass::", "")
     if instance:
-        name = f"{name.split('<')[0]}[{instance[-1]}]"
+        name = f"{name.split('<')[0]}[{instance[0]}]"
     return name if len(name) <= 100 else name[:97] + "..."
 
 

@@ -15,8 +15,8 @@ constexpr auto kF = GemmOp::kFwd, kD = GemmOp::kDgrad, kW = GemmOp::kWgrad;
 constexpr auto kBf16 = DType::kBFloat16, kFp16 = DType::kFloat16, kE4M3 = DType::kFloat8E4M3, kFp32 = DType::kFloat32;
 }  // namespace
 
-// One row per instance file in csrc/gemm/sm90/ (same name; tests/ops/test_grouped_mm_tuning.py checks that
-// each file instantiates the configuration written here).
+// One row per instance (a MOE_*_INSTANCE in csrc/gemm/sm90/instances_*.cu, same name;
+// tests/ops/test_grouped_mm_tuning.py checks that each is instantiated once, with the configuration written here).
 const KernelSpec kSm90Kernels[] = {
     // name                                  op  dtype  out    pingpong tile          cluster
     {"fwd_bf16_pingpong_128x128x64_c1x1", kF, kBf16, kBf16, true, 128, 128, 64, 1, 1},

@@ -1,7 +1,7 @@
 """The sm_90a grouped GEMM instances and their choice (csrc/gemm/sm90_kernels.h, csrc/gemm/sm90_table.h): CPU tier.
 
 The choice is host code compiled into every extension, so it is checked here without a GPU: the table covers
-every perf.md problem, each row names an instance that serves it, every instance file instantiates what the
+every perf.md problem, each row names an instance that serves it, every instance is instantiated once as the
 list says, and every input gets an answer (or a clear error for what no instance serves)."""
 
 import importlib
@@ -37,43 +37,58 @@ def _serves(spec, op, dtype, out):
     return (spec["op"], spec["dtype"], spec["out"]) == (op, dtype, out)
 
 
-def test_every_instance_file_instantiates_its_listed_configuration(C):
+def _instances() -> dict[str, tuple[str, str]]:
+    """{instance name: (its macro, the macro's arguments after the name)} over csrc/gemm/sm90/*.cu, where each
+    translation unit instantiates several; a name instantiated twice fails."""
+    out = {}
+    for path in sorted(SM90.glob("*.cu")):
+        for m in re.finditer(r"^(MOE_\w+_INSTANCE)\((\w+), (.*)\)\s*$", path.read_text(), re.M):
+            macro, name, args = m.groups()
+            assert name not in out, f"{name} is instantiated twice"
+            out[name] = (macro, args)
+    return out
+
+
+def test_every_instance_is_instantiated_once_with_its_listed_configuration(C):
     specs = {k["name"]: k for k in C.grouped_mm_sm90_kernels()}
-    files = {p.stem: p.read_text() for p in SM90.glob("*.cu")}
-    # The gathered products' kernels (expert_mlp) are not table instances: one file each, named in gather_run's list.
-    gather = {n: t for n, t in files.items() if "MOE_GATHER_SM90_INSTANCE(" in t}
+    instances = _instances()
+    # The gathered products' kernels (expert_mlp) are not table instances: named in gather_run's list.
+    gather = {n: a for n, (macro, a) in instances.items() if macro == "MOE_GATHER_SM90_INSTANCE"}
     dispatch = (ROOT / "csrc" / "gemm" / "sm90_dispatch.cu").read_text()
     listed = re.findall(r"X\((\w+)\)", dispatch[dispatch.index("#define MOE_GATHER_INSTANCES(X)"):].split("\n")[0])
     assert sorted(gather) == sorted(listed) and len(listed) == 3, (sorted(gather), listed)
-    for name, text in gather.items():
-        assert re.search(rf"MOE_GATHER_SM90_INSTANCE\({name}, cutlass::bfloat16_t, GemmOp::k\w+\)", text), name
-        files.pop(name)
-    assert set(files) == set(specs), "one .cu per listed instance, named after it"
+    for name, args in gather.items():
+        assert re.fullmatch(r"cutlass::bfloat16_t, GemmOp::k\w+", args), name
+        instances.pop(name)
+    assert set(instances) == set(specs), "one instantiation per listed instance"
     el = {"cutlass::bfloat16_t": BF16, "cutlass::half_t": FP16}
     ops = {"kFwd": 0, "kDgrad": 1, "kWgrad": 2}
-    for name, text in files.items():
+    for name, (macro, args) in instances.items():
         s = specs[name]
-        m = re.search(r"MOE_GROUPED_SM90_INSTANCE\((\w+), ([\w:]+), GemmOp::(\w+), "
-                      r"Sm90Config<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>\)", text)
-        if m:
-            n, element, op, tm, tn, tk, cm, cn, pp = m.groups()
-            assert (n, el[element], el[element], ops[op]) == (name, s["dtype"], s["out"], s["op"]), name
+        if macro == "MOE_GROUPED_SM90_INSTANCE":
+            m = re.fullmatch(r"([\w:]+), GemmOp::(\w+), Sm90Config<(\d+), (\d+), (\d+), (\d+), (\d+), (true|false)>",
+                             args)
+            assert m, name
+            element, op, tm, tn, tk, cm, cn, pp = m.groups()
+            assert (el[element], el[element], ops[op]) == (s["dtype"], s["out"], s["op"]), name
             assert (int(tm), int(tn), int(tk)) == tuple(s["tile"]) and (int(cm), int(cn)) == tuple(s["cluster"]), name
             assert (pp == "true") == s["pingpong"], name
             continue
         # FP8 blockwise: cooperative on 128x128x128 tiles with a cluster along M, or ping-pong on 64x128x128
         # tiles (fp8_blockwise.cuh's two schedules).
-        m = re.search(r"MOE_FP8_BLOCKWISE_INSTANCE\((\w+), GemmOp::(\w+), ([\w:]+), (\d+)\)", text)
-        if m:
-            n, op, out, cm = m.groups()
+        if macro == "MOE_FP8_BLOCKWISE_INSTANCE":
+            m = re.fullmatch(r"GemmOp::(\w+), ([\w:]+), (\d+)", args)
+            assert m, name
+            op, out, cm = m.groups()
             config = ((128, 128, 128), (int(cm), 1), False)
         else:
-            m = re.search(r"MOE_FP8_BLOCKWISE_PINGPONG_INSTANCE\((\w+), GemmOp::(\w+), ([\w:]+)\)", text)
-            assert m, f"{name}.cu instantiates none of the macros"
-            n, op, out = m.groups()
+            assert macro == "MOE_FP8_BLOCKWISE_PINGPONG_INSTANCE", f"{name}: {macro}"
+            m = re.fullmatch(r"GemmOp::(\w+), ([\w:]+)", args)
+            assert m, name
+            op, out = m.groups()
             config = ((64, 128, 128), (1, 1), True)
         out_code = {"float": FP32, "cutlass::bfloat16_t": BF16}[out]
-        assert (n, FP8, out_code, ops[op]) == (name, s["dtype"], s["out"], s["op"]), name
+        assert (FP8, out_code, ops[op]) == (s["dtype"], s["out"], s["op"]), name
         assert (tuple(s["tile"]), tuple(s["cluster"]), s["pingpong"]) == config, name
 
 

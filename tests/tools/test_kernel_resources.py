@@ -40,3 +40,8 @@ def test_an_unnamed_cutlass_kernel_falls_back_to_its_source_file():
     assert kr.short_name(symbol, "/src/csrc/gemm/sm90/fwd_x.cu") == "cutlass::device_kernel[fwd_x]"
     # a length that does not end at `_instance` names nothing
     assert kr.instance_names("N3moe5sm10099fwd_x_instanceE") == []
+
+
+def test_digits_inside_a_matched_name_start_no_other():
+    # `14` inside the name, read as a length, would span `_c1x1_instance`
+    assert kr.instance_names("N3moe4sm9021fwd_k14_c1x1_instanceE") == ["fwd_k14_c1x1"]

@@ -6,6 +6,8 @@
 #include <cutlass/gemm/kernel/tile_scheduler_params.h>
 #include <cutlass/kernel_hardware_info.h>
 
+#include <cute/util/type_traits.hpp>
+
 #include <cstddef>
 #include <stdexcept>
 #include <string>

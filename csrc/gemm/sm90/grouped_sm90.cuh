@@ -1,7 +1,7 @@
 // CUTLASS 3.x grouped GEMM for sm_90a: TMA loads, WGMMA, warp-specialised persistent kernels with
 // the grouped tile scheduler. Problem shapes, pointers and strides are written on the device by
 // `prepare_sm90` from the group sizes, so nothing here syncs with the host and a CUDA graph can
-// capture it. The instances are instantiated in instances_bf16.cu and instances_fp16.cu.
+// capture it. The instances are instantiated in instances_bf16_fp16.cu.
 #pragma once
 
 #include <cutlass/cutlass.h>

@@ -1,4 +1,4 @@
-// The gathered grouped GEMMs for sm_90a (the expert MLP's forward, dgrad and wgrad), listed in sm90_kernels.cu.
+// The gathered grouped GEMMs for sm_90a (the expert MLP's forward, dgrad and wgrad), listed in sm90_dispatch.cu.
 #include "gemm/sm90/gather_sm90.cuh"
 
 namespace moe::gemm::sm90 {

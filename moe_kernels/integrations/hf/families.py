@@ -242,7 +242,7 @@ def matched_routers(models: Iterable[str] | None = None) -> dict[str, str]:
     transformers that patch_hf runs: the named families' and those matched by their code. Imports every
     transformers model module (a minute), or only those of `models` (transformers.models' package names, such
     as "glm4_moe"); for documentation and tests."""
-    keep = None if models is None else set(models)
+    keep = None if models is None else {models} if isinstance(models, str) else set(models)
     out = {}
     for fam in FAMILIES:
         if keep is not None and fam.module.split(".")[2] not in keep:
