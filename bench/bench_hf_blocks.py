@@ -23,6 +23,8 @@ Models (GPU):
                   docstring names arcee-ai/Trinity-Mini
   nemotron-3-nano NemotronHMoE, H 2688, F 1856, E 128, k 6, a shared expert of F 3712, experts without a gate
                   (squared ReLU), sigmoid routing with an expert bias, scaled 2.5: NVIDIA-Nemotron-3-Nano-30B-A3B
+  dbrx            DbrxFFN, H 6144, F 10752, E 16, k 4: DBRX (databricks/dbrx-base); transformers' experts have no
+                  experts interface: a loop over the experts hit (patched: our experts, transformers' router)
 FLOPs: the routed experts' forward and backward, 3 x 2 T k m H F, plus the shared experts' 3 x 2 T m H Fs, m the
 weight matrices per expert (3 with a gate, 2 without; the work of the patched block; transformers' Llama 4 does
 E / k times the routed part). Bytes: the expert weights read and their gradients written (bf16), x read and the
@@ -75,6 +77,8 @@ MODELS = {
                         dict(hidden_size=2688, moe_intermediate_size=1856, n_routed_experts=128, num_experts_per_tok=6,
                              n_group=1, topk_group=1, moe_shared_expert_intermediate_size=3712,
                              routed_scaling_factor=2.5, norm_topk_prob=True)),
+    "dbrx": ("DbrxConfig", _TM + "dbrx.modeling_dbrx", "DbrxFFN",
+             dict(d_model=6144, ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4))),
 }
 TINY = {  # the CPU's shapes: the same families, every code path
     "qwen3-30b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -89,6 +93,7 @@ TINY = {  # the CPU's shapes: the same families, every code path
     "nemotron-3-nano": dict(hidden_size=64, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
                             n_group=1, topk_group=1, moe_shared_expert_intermediate_size=64,
                             routed_scaling_factor=2.5, norm_topk_prob=True),
+    "dbrx": dict(d_model=64, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2)),
 }
 TOKENS = (4096, 8192)
 CPU_TOKENS = 64
@@ -116,12 +121,12 @@ def _block(ctx: h.Context, model: str, dtype: torch.dtype) -> nn.Module:
     impl = {"experts_implementation": "grouped_mm"} if ctx.is_cuda else {}
     config = getattr(transformers, config_cls)(**kw, **impl)
     with torch.device("meta"):
-        block = getattr(importlib.import_module(module), block_cls)(config).to(dtype)
+        block = getattr(importlib.import_module(module), block_cls)(config).to(dtype)  # (DbrxFFN: from ffn_config)
         if model == "ernie-4.5-21b":
             block.gate.float()  # ERNIE keeps its router in fp32 (_keep_in_fp32_modules_strict)
     block = block.to_empty(device=ctx.device)
     g = torch.Generator(device=ctx.device).manual_seed(ctx.seed)
-    H = config.hidden_size
+    H = _dims(kw)[0]
     with torch.no_grad():
         for name, p in block.named_parameters():
             if name.endswith("e_score_correction_bias"):  # selection bias: reorders some picks
@@ -129,11 +134,23 @@ def _block(ctx: h.Context, model: str, dtype: torch.dtype) -> nn.Module:
             elif name.endswith("_bias"):
                 std = 0.0
             else:  # router logits of std 2 on unit inputs: decided, not saturated
-                std = 2 / H**0.5 if name in ("gate.weight", "router.weight", "router.gate.weight") else 0.02
+                routers = ("gate.weight", "router.weight", "router.gate.weight", "router.layer.weight")
+                std = 2 / H**0.5 if name in routers else 0.02
             p.copy_(torch.randn(p.shape, generator=g, device=ctx.device, dtype=torch.float32) * std)
         for name, b in block.named_buffers():
             b.zero_()
     return block.train()
+
+
+def _dims(kw: dict) -> tuple[int, int, int, int]:
+    """(H, F, E, k) from a case's config kwargs (DBRX's: d_model and its ffn_config)."""
+    ffn = kw.get("ffn_config", {})
+    H = kw.get("hidden_size", kw.get("d_model"))
+    F = kw.get("moe_intermediate_size", kw.get("intermediate_size", ffn.get("ffn_hidden_size")))
+    E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts", kw.get(
+        "n_routed_experts", ffn.get("moe_num_experts")))))
+    k = kw.get("num_experts_per_tok", kw.get("moe_k", ffn.get("moe_top_k")))
+    return H, F, E, k
 
 
 def _peer_variant(block: nn.Module) -> str:
@@ -145,7 +162,9 @@ def _peer_variant(block: nn.Module) -> str:
     block = block.get_base_model() if lora else block
     experts = _experts_of(block)
     impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
-    if experts is not None and not hasattr(type(experts).forward, "__wrapped__"):
+    if type(experts).__name__ == "DbrxExperts":
+        how = "its experts' loop over the experts hit"
+    elif experts is not None and not hasattr(type(experts).forward, "__wrapped__"):
         how = "dense experts (every expert on every token)"
     else:
         how = f'experts_implementation="{impl or "eager"}"'
@@ -217,10 +236,7 @@ def run_case(ctx: h.Context, c: Case) -> list[h.Result]:
     if lora and fused != 2:
         raise AssertionError(f"{c.name}: {fused} of the 2 adapters fused")
     kw = MODELS[model][3] if ctx.is_cuda else TINY[model]
-    H = kw["hidden_size"]
-    F = kw.get("moe_intermediate_size", kw.get("intermediate_size"))
-    E = kw.get("num_experts", kw.get("num_local_experts", kw.get("moe_num_experts", kw.get("n_routed_experts"))))
-    k = kw.get("num_experts_per_tok", kw.get("moe_k"))
+    H, F, E, k = _dims(kw)
     shared = kw.get("moe_num_shared_experts", 0) + kw.get("num_shared_experts", 0)  # experts of F each
     Fs = F * shared + (F if model == "llama4-scout" else 0) + kw.get("moe_shared_expert_intermediate_size", 0)
     from moe_kernels.integrations.hf.common import _experts_of

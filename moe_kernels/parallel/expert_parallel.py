@@ -8,7 +8,8 @@ the dispatcher moves them to the experts' owners and back. Build the model ident
 
 transformers models take the same path once their experts run moe_kernels' experts implementation
 (`patch_hf(model)`, or `from_pretrained(..., experts_implementation="moe_kernels")`): each experts module
-keeps its rank's slice of `gate_up_proj` / `down_proj` and a dispatcher, and the experts forward
+keeps its rank's slice of `gate_up_proj` / `down_proj` (DBRX's: of its GLU's w1, v1 and w2, E * F rows each) and
+a dispatcher, and the experts forward
 dispatches the rows, runs the local grouped GEMMs and combines, while transformers' router, block and
 shared experts run as they are.
 
@@ -112,22 +113,29 @@ class ExpertTensorParallelDispatcher(Dispatcher):
 
 def _hf_experts(model: nn.Module) -> list[nn.Module]:
     """transformers experts modules running moe_kernels' experts forward (the "moe_kernels" experts implementation,
-    or the experts of a block whose forward patch_hf replaced: Llama 4's)."""
-    from moe_kernels.integrations.hf.common import _up_name
+    or experts whose forward patch_hf replaced: Llama 4's, DBRX's)."""
     from moe_kernels.integrations.hf.patching import runs_our_experts
 
-    return [m for m in model.modules()
-            if runs_our_experts(m) and isinstance(getattr(m, _up_name(m), None), torch.Tensor)
-            and isinstance(getattr(m, "down_proj", None), torch.Tensor) and hasattr(m, "num_experts")]
+    return [m for m in model.modules() if runs_our_experts(m) and hasattr(m, "num_experts") and _hf_expert_tensors(m)]
 
 
 # [E, ...] each (up_proj: experts without a gate, Nemotron-H's)
 _HF_EXPERT_TENSORS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+_DBRX_EXPERT_TENSORS = ("w1", "v1", "w2")  # [E * F, H] each, on the experts' GLU module (`mlp`)
 
 
-def _hf_expert_tensors(experts: nn.Module) -> list[str]:
-    """The names of the experts module's per-expert parameters: the weights, and GPT-OSS's biases."""
-    return [n for n in _HF_EXPERT_TENSORS if isinstance(getattr(experts, n, None), torch.Tensor)]
+def _hf_expert_tensors(experts: nn.Module) -> list[tuple[nn.Module, str, int]]:
+    """(module, name, rows per expert) of the experts' per-expert parameters, each expert a block of rows: the
+    weights (and GPT-OSS's biases) on the experts module, [E, ...]; DBRX's on its GLU module, [E * F, H]. Empty for
+    any other module."""
+    names = [n for n in _HF_EXPERT_TENSORS if isinstance(getattr(experts, n, None), torch.Tensor)]
+    if any(n in names for n in ("gate_up_proj", "up_proj")) and "down_proj" in names:
+        return [(experts, n, 1) for n in names]
+    mlp, F = experts._modules.get("mlp"), getattr(experts, "ffn_hidden_size", None)
+    if (mlp is not None and isinstance(F, int)
+            and all(isinstance(getattr(mlp, n, None), torch.Tensor) for n in _DBRX_EXPERT_TENSORS)):
+        return [(mlp, n, F) for n in _DBRX_EXPERT_TENSORS]
+    return []
 
 
 def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) -> None:
@@ -136,14 +144,15 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
     E = experts.num_experts
-    names = _hf_expert_tensors(experts)
-    if any(getattr(experts, n).shape[0] != E for n in names):
+    tensors = _hf_expert_tensors(experts)
+    if any(getattr(module, name).shape[0] != E * per for module, name, per in tensors):
         raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
     dispatcher = make_dispatcher(backend, E, group, **options)
     lo, El = dispatcher.first_expert, dispatcher.num_local_experts
-    for name in names:
-        w = getattr(experts, name)
-        setattr(experts, name, nn.Parameter(w.detach()[lo : lo + El].clone(), requires_grad=w.requires_grad))
+    for module, name, per in tensors:
+        w = getattr(module, name)
+        setattr(module, name, nn.Parameter(w.detach()[lo * per : (lo + El) * per].clone(),
+                                           requires_grad=w.requires_grad))
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
     experts.__dict__[EXPERT_RANGE_ATTR] = (lo, El, E)
 
@@ -235,5 +244,5 @@ def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
         if isinstance(m, MoELayer) and m.dispatcher is not None:
             yield from unwrapped(m.experts).parameters()  # (an adapter wrapper's factors stay replicated)
         elif DISPATCHER_ATTR in m.__dict__:
-            for name in _hf_expert_tensors(m):
-                yield getattr(m, name)
+            for module, name, _ in _hf_expert_tensors(m):
+                yield getattr(module, name)

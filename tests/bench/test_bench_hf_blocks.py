@@ -32,6 +32,9 @@ def test_cpu_run_writes_results(tmp_path):
     assert "Llama4TextMoe, dense experts" in variants["llama4-scout"]
     assert "GptOssMLP" in variants["gpt-oss-120b+lora"] and "LoRA (W + s B A formed)" in variants["gpt-oss-120b+lora"]
     assert 'Qwen3MoeSparseMoeBlock, experts_implementation="eager"' in variants["qwen3-30b-a3b"]  # the CPU's
+    assert "DbrxFFN, its experts' loop over the experts hit" in variants["dbrx"]
+    dbrx = next(r for r in data["results"] if r["case"].startswith("dbrx"))
+    assert dbrx["shape"] == dict(T=bh.CPU_TOKENS, H=64, F=32, E=8, k=2, Fs=0)
     llama = next(r for r in data["results"] if r["case"].startswith("llama4"))
     s = llama["shape"]  # the routed work and the shared expert's, fwd + bwd
     assert llama["flops"] == 3 * 2 * s["T"] * 3 * s["H"] * (s["k"] * s["F"] + s["Fs"]) and s["Fs"] == s["F"]
@@ -41,7 +44,7 @@ def test_cpu_run_writes_results(tmp_path):
     assert nemotron["flops"] == 3 * 2 * s["T"] * 2 * s["H"] * (s["k"] * s["F"] + s["Fs"])
 
 
-@pytest.mark.parametrize("model", ["llama4-scout", "qwen3-30b-a3b", "nemotron-3-nano"])
+@pytest.mark.parametrize("model", ["llama4-scout", "qwen3-30b-a3b", "nemotron-3-nano", "dbrx"])
 def test_a_wrong_patched_block_fails_the_case(monkeypatch, model):
     from moe_kernels.integrations import hf
 

@@ -81,6 +81,36 @@ def _case(rank, P, family, backend, how, **overrides):
         mk.unpatch_hf(ep)
 
 
+def _dbrx_case(rank, P, backend):
+    # DBRX: transformers' router and block, our experts on its GLU's w1, v1 and w2 ([E * F, H] each): each rank keeps
+    # its experts' E / P blocks of F rows
+    from tests.integrations.test_hf_dbrx import blocks, build
+
+    full = mk.patch_hf(build())
+    full64 = copy.deepcopy(full).double()
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    mlp = blocks(full)[0].experts.mlp
+    for block in blocks(ep):
+        for name in ("w1", "v1", "w2"):
+            w, w_full = getattr(block.experts.mlp, name), getattr(mlp, name)
+            assert w.shape[0] == w_full.shape[0] // P and block.experts.num_experts == 8
+    assert torch.equal(blocks(ep)[0].experts.mlp.w1, mlp.w1[rank * 64 : (rank + 1) * 64])  # 4 experts of F 16
+    shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
+    assert len(shards) == 3 * len(blocks(ep))
+    ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+    runs = []
+    for model in (ep, full, full64):
+        out = model(ids, labels=ids, output_router_logits=True)
+        loss = out.loss + out.aux_loss
+        loss.backward()
+        runs.append((out.logits, loss, _grads(model, set() if model is ep else shards, rank, P)))
+    _assert_runs_close(runs, f"rank {rank}/{P} dbrx {backend}")
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        apply_expert_parallel(ep)
+    with pytest.raises(ValueError, match="expert-parallel"):
+        mk.unpatch_hf(ep)
+
+
 def _worker(rank, P, backend):
     # GPT-OSS: biased experts stored [E, K, N] (Aria: bias-free); Llama 4: the block's forward patched, tokens
     # scaled on the experts' rank; Nemotron-H: experts without a gate
@@ -88,6 +118,7 @@ def _worker(rank, P, backend):
         _case(rank, P, family, backend, "patch_hf")
     _case(rank, P, "nemotron_h", backend, "patch_hf", moe_latent_size=24, n_group=1, topk_group=1)  # latent experts
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
+    _dbrx_case(rank, P, backend)
 
 
 @pytest.mark.parametrize("backend", ["all_to_all", "all_gather"])

@@ -42,8 +42,9 @@ The block's own forward still runs: its return type, reshapes, Mixtral's jitter,
 expert and DeepSeek-V3's shared experts are transformers' code. Gradients reach the original parameters
 (router weight through router_topk's backward, expert weights through grouped_mm's).
 
-Routing per family: `moe_kernels.integrations.hf.routings`; GPT-OSS's and Llama 4's experts:
-`moe_kernels.integrations.hf.experts`.
+Routing per family: `moe_kernels.integrations.hf.routings`; GPT-OSS's, Llama 4's and DBRX's experts:
+`moe_kernels.integrations.hf.experts` (DBRX's experts, outside the experts interface, get an importable subclass
+as the routers do; its router stays transformers').
 
 Not supported (left alone, listed in one warning): any other block that looks like an MoE block (a child named
 `experts`, or a class name ending in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs

@@ -42,11 +42,13 @@ def _experts_of(block: nn.Module):
     return unwrapped(experts) if isinstance(experts, nn.Module) else experts
 
 
-_ROUTER_LINEARS = ("proj", "wg", "gate", "classifier")  # Gemma 4's, HunYuan-MoE-V1's, AFMoE's, Longcat-Flash's
+_ROUTER_LINEARS = ("proj", "wg", "gate", "classifier", "layer")  # Gemma 4's, HunYuan-MoE-V1's, AFMoE's,
+# Longcat-Flash's, DBRX's
 
 
 def _gate_weight(gate: nn.Module):
-    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg`, `gate` or `classifier`)."""
+    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg`, `gate`, `classifier` or
+    `layer`)."""
     w = getattr(gate, "weight", None)
     if isinstance(w, Tensor):
         return w

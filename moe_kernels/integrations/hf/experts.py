@@ -22,6 +22,9 @@ stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
   unpermute, the block's own shared expert; expert-parallel, each token dispatched once and scaled by its score
   on the experts' rank; peft adapters on the experts through peft's wrappers (LoRA terms as rank-r products); a
   precision recipe as Aria's; while torch.onnx exports, transformers' block forward (on one rank only).
+- DBRX (`DbrxFFN`, its router is `router`): transformers' router and routing, our experts (`_dbrx_experts_forward`):
+  w1, v1 and w2 stored [E * F, H] each, viewed [E, F, H]: the gate and up products [E, N, K], the down product
+  [E, K, N]; the experts' own activation.
 """
 
 from __future__ import annotations
@@ -351,6 +354,48 @@ def _llama4_experts_forward(self: nn.Module, hidden_states: Tensor, group_sizes:
         gate, up = h.chunk(2, dim=-1)  # gate columns, then up
         act = up * self.act_fn(gate)
     return _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora2, recipe)
+
+
+def _dbrx_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                          top_k_weights: Tensor) -> Tensor:
+    """DBRX's experts (DbrxExperts; transformers loops over the experts hit, gathering each one's tokens and
+    adding its weighted output back with index_add_) on our ops: permute, the gate and up products as two [E, N, K]
+    grouped GEMMs on the stored weights' views (w1 and v1 [E * F, H] viewed [E, F, H]), the experts' own
+    activation_fn(gate) * up (transformers' arithmetic), the down product as the [E, K, N] grouped GEMM on w2 viewed
+    [E, F, H] (`_kn_mm`: no transposed copy), and unpermute with the routing weights (fp32, rounded once). The
+    block's router and routing stay transformers' (DbrxRouter's jitter, softmax, top-k and p-norm). A precision
+    recipe: its grouped_mm and grouped_mm_kn, the rows padded to its alignment. An ONNX export (transformers' loop
+    over the experts hit does not export: its expert list is data): the ops' ONNX formulations (moe_kernels.onnx),
+    the down product as grouped_mm on w2's transpose. hidden_states [B, S, H]; returns [B, S, H] in its dtype, as
+    transformers does. Expert-parallel (apply_expert_parallel: w1, v1 and w2 hold this rank's E / P experts'
+    rows), the dispatcher's dispatch and combine in place of permute and unpermute."""
+    mlp = self.mlp  # DbrxExpertGLU: w1 (gate), v1 (up), w2 (down), each [E * F, H]
+    F_, H = self.ffn_hidden_size, self.hidden_size
+    w1, v1, w2 = (autocast_input(w).view(-1, F_, H) for w in (mlp.w1, mlp.v1, mlp.w2))  # [E (or E / P), F, H]
+    batch = hidden_states.shape[0]
+    x = hidden_states.reshape(-1, H).to(w1.dtype).contiguous()
+    idx = top_k_index.to(torch.int32).contiguous()
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
+    mm = grouped_mm if recipe is None else recipe.grouped_mm
+    align = 1 if recipe is None else recipe.align
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
+    if dispatcher is not None:
+        if _onnx.exporting():
+            raise NotImplementedError("moe_kernels: expert-parallel DBRX experts do not export to ONNX")
+        d = dispatcher.dispatch(x, top_k_weights.float(), idx, align=align)
+        rows, group_sizes = d.x, d.group_sizes
+    else:
+        rows, row_map, group_sizes = permute(x, idx, self.num_experts, align=align)
+    act = mlp.activation_fn(mm(rows, w1, group_sizes)) * mm(rows, v1, group_sizes)  # [R, F]
+    if _onnx.exporting():  # (grouped_mm_dgrad, the [E, K, N] product's, has no ONNX formulation)
+        y = mm(act, w2.transpose(1, 2).contiguous(), group_sizes)
+    else:
+        y = _kn_mm(act, w2, None, group_sizes, [], recipe)  # [R, H]
+    if dispatcher is not None:
+        out = dispatcher.combine(y, d.handle)
+    else:
+        out = unpermute(y, row_map, top_k_weights.float().contiguous())
+    return out.to(hidden_states.dtype).view(batch, -1, H)
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:

@@ -14,12 +14,13 @@ from pathlib import Path
 from torch import nn
 
 from .common import _TM
-from .experts import _llama4_block_forward, _llama4_experts_forward
+from .experts import _dbrx_experts_forward, _llama4_block_forward, _llama4_experts_forward
 from .routings import (
     afmoe_problem,
     afmoe_router_forward,
     aria_router_forward,
     axk2_problem,
+    dbrx_problem,
     beam_router_forward,
     cohere2_problem,
     cohere2_router_forward,
@@ -76,7 +77,9 @@ class _Family:
     zero_experts: str | None = None  # the block's count of zero-computation experts the router also scores
     kn_experts: bool = False  # experts stored [E, K, N] (is_transposed; GPT-OSS's with biases, interleaved gate/up)
     block_forward: Callable | None = None  # the block's forward replaced (its router stays transformers')
-    experts_forward: Callable | None = None  # with block_forward: the experts' forward the block calls
+    # the experts' forward replaced: with block_forward, the one the block calls; alone, experts outside transformers'
+    # experts interface (DBRX's), behind transformers' router and block
+    experts_forward: Callable | None = None
     experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
 
 
@@ -159,6 +162,9 @@ FAMILIES = (
     # to each expert's output before the routing weight (post_expert_norm), on the projected width.
     _Family("Muse Spark", _TM + "muse_spark.modeling_muse_spark", "MuseSparkMoE", "MuseSparkTopkRouter",
             "MuseSparkExperts", None, reference=False, experts_only_routers=("MuseSparkTopkRouter",)),
+    # DBRX: its block and router stay transformers'; its experts (no experts interface) run ours.
+    _Family("DBRX", _TM + "dbrx.modeling_dbrx", "DbrxFFN", "DbrxRouter", "DbrxExperts", None, dbrx_problem,
+            reference=False, experts_forward=_dbrx_experts_forward, experts_only_routers=("DbrxRouter",)),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

@@ -67,11 +67,12 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
     if not isinstance(experts, experts_cls):
         return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
-    if fam.block_forward is not None:  # the family checks its block whole
+    if fam.experts_forward is not None:  # the family checks its block whole (Llama 4's, DBRX's)
         E = getattr(experts, "num_experts", None)
         if not isinstance(E, int) or E < 1 or getattr(block, "num_experts", E) != E:
             return "its experts module has no valid num_experts"
-        if not 1 <= getattr(gate, "top_k", 0) <= E:
+        k = getattr(gate, "top_k", getattr(block, "top_k", 0))  # (DBRX's block holds it)
+        if not isinstance(k, int) or not 1 <= k <= E:
             return "its router has no valid top_k"
         return fam.problem(gate, block, E)
     if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
@@ -222,7 +223,8 @@ def _unpickled_class(name: str) -> type | None:
         for fam in FAMILIES:
             if fam.block_forward is None and base == fam.gate:
                 return _patched_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
-            if fam.block_forward is not None and base in (fam.block, fam.experts):
+            if (fam.block_forward is not None and base == fam.block) or (
+                    fam.experts_forward is not None and base == fam.experts):
                 forward = fam.block_forward if base == fam.block else fam.experts_forward
                 return _patched_class(getattr(importlib.import_module(fam.module), base), forward)
         cls = _transformers_class(base)
@@ -248,8 +250,9 @@ def _swap_class(module: nn.Module, new_forward: Callable) -> None:
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
-    if fam.block_forward is not None:  # the block's forward and its experts' (the router stays transformers')
-        _swap_class(block, fam.block_forward)
+    if fam.experts_forward is not None:  # the experts' forward (and Llama 4's block's); the router stays transformers'
+        if fam.block_forward is not None:
+            _swap_class(block, fam.block_forward)
         _swap_class(_experts_of(block), fam.experts_forward)
         _experts_of(block).__dict__[_RECIPE_ATTR] = recipe
         return
@@ -292,11 +295,11 @@ def register_experts_implementation() -> bool:
 
 def runs_our_experts(module: nn.Module) -> bool:
     """Whether a transformers experts module runs moe_kernels' experts forward: selected as the "moe_kernels"
-    experts implementation, or the experts of a block whose forward patch_hf replaced (Llama 4's)."""
+    experts implementation, or experts whose forward patch_hf replaced (Llama 4's, DBRX's)."""
     if getattr(getattr(module, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION:
         return True
     return type(module) in _PATCHED_CLASSES.values() and any(
-        f.block_forward is not None and _base_class(module).__name__ == f.experts for f in FAMILIES)
+        f.experts_forward is not None and _base_class(module).__name__ == f.experts for f in FAMILIES)
 
 
 def is_patched(module: nn.Module) -> bool:
@@ -313,7 +316,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
     forward: see the package docstring), Granite-MoE, Jamba, HunYuan-MoE-V1, LFM2-MoE, AFMoE, Cohere2-MoE, HY-V3,
     Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria,
-    Longcat-Flash, and PhiMoE's, Kolibri's and Zaya's experts behind transformers' own routers (routings:
+    Longcat-Flash, and PhiMoE's, Kolibri's, Zaya's, Muse Spark's and DBRX's experts behind transformers' own
+    routers (routings:
     `moe_kernels.integrations.hf.routings`), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, Granite 4.0, Nemotron-H (experts without a gate), ...; `matched_routers()` lists
@@ -344,17 +348,20 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
                 kn = fam.kn_experts or fam.block_forward is not None  # stored [E, H, 2F] and [E, F, H]
-                if kn:
-                    F_, H = experts.down_proj.shape[1], experts.gate_up_proj.shape[1]
+                if fam.name == "DBRX":  # w1, v1, w2 [E * F, H]
+                    F_, H, dtype = experts.ffn_hidden_size, experts.hidden_size, experts.mlp.w2.dtype
+                elif kn:
+                    F_, H, dtype = experts.down_proj.shape[1], experts.gate_up_proj.shape[1], experts.down_proj.dtype
                 else:
                     F_, H = experts.down_proj.shape[-1], getattr(experts, _up_name(experts)).shape[-1]
+                    dtype = experts.down_proj.dtype
                 try:
                     recipe.check_shapes(H, F_)
                 except ValueError as exc:
                     raise ValueError(f"{where}: {exc}") from None
-                if experts.down_proj.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-                    raise ValueError(f"{where}: its expert weights are {experts.down_proj.dtype}; the recipes "
-                                     "quantize fp32, bf16 or fp16")
+                if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    raise ValueError(f"{where}: its expert weights are {dtype}; the recipes quantize fp32, bf16 or "
+                                     "fp16")
     patched, skipped = 0, {}
     for path, block, fam, problem in found:
         if fam is not None and problem is None:

@@ -56,6 +56,8 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - Aria: top-k by logit, softmax over the k, in the logits' dtype (its experts are stored [E, K, N]).
 - Inkling2: fp32, sigmoid or sqrt-softplus, selection by score + bias, renormalised, scaled. MiniMax-M3 (and
   Step-3.7 by its code): sigmoid, selection by score + the router's bias, renormalised, fp32.
+- DBRX: its router (DbrxRouter's Linear, with its jitter in training) and routing (softmax in the logits' dtype,
+  top-k, over the chosen weights' p-norm) stay transformers'; its experts run ours (`dbrx_problem` checks them).
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
   source text and the same objects behind its global names, in the installed transformers) routes as that
   family: GLM-4.5, Dots1, Kimi-Linear, DeepSeek-V3.2 (DeepSeek-V3's), Qwen3-Next, FlexOlmo (Qwen2-MoE's),
@@ -508,6 +510,30 @@ def llama4_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
                 f"{tuple(w13.shape)}, down_proj {tuple(w2.shape)} for {E} experts")
     if not isinstance(getattr(block, "shared_expert", None), nn.Module):
         return "it has no shared_expert"
+    return None
+
+
+def dbrx_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    """DbrxFFN: a bias-free Linear router [E, H] and transformers' DbrxExpertGLU holding w1, v1 and w2 [E * F, H]
+    of one float dtype. A GLU module inside an adapter wrapper (peft's LoRA on those stacked [E * F, H] weights is not
+    per expert) stays transformers'."""
+    experts = _experts_of(block)
+    mlp = getattr(experts, "mlp", None)
+    if type(mlp).__name__ != "DbrxExpertGLU":
+        return (f"its experts' mlp is a {type(mlp).__name__}, not transformers' DbrxExpertGLU (adapters on DBRX's "
+                "stacked expert weights are not fused)")
+    F_, H = getattr(experts, "ffn_hidden_size", None), getattr(experts, "hidden_size", None)
+    ws = [getattr(mlp, n, None) for n in ("w1", "v1", "w2")]
+    if not all(isinstance(w, Tensor) for w in ws) or not isinstance(F_, int) or not isinstance(H, int):
+        return "its experts lack w1 / v1 / w2 tensors"
+    if ws[0].dtype not in _WEIGHT_DTYPES or any(w.dtype != ws[0].dtype for w in ws):
+        return (f"its expert weights are {'/'.join(str(w.dtype) for w in ws)} (quantised?); grouped_mm takes "
+                "fp32/bf16/fp16")
+    layer = getattr(gate, "layer", None)
+    if (any(tuple(w.shape) != (E * F_, H) for w in ws) or not isinstance(layer, nn.Linear) or layer.bias is not None
+            or tuple(layer.weight.shape) != (E, H)):
+        return (f"unexpected shapes: w1 / v1 / w2 {', '.join(str(tuple(w.shape)) for w in ws)} for {E} experts of "
+                f"F {F_}, H {H}, router {type(layer).__name__}")
     return None
 
 
