@@ -273,3 +273,20 @@ def test_patched_model_exports_and_runs_in_onnxruntime():
         ours, exact = model(ids).logits, ref64(ids).logits
     (got,) = _run(_session(onnx_program), ids)
     assert_close_to_fp64(got, ours, exact, "onnxruntime's logits")
+
+
+def test_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) on the patched model: the registered ops, no graph break; the loss and every
+    gradient as transformers' eager model within the SGD-step test's fp32 bounds."""
+    ref_model = build().train()
+    model = patched(ref_model).train()
+    ids = inputs()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    outs = [compiled(ids, labels=ids), ref_model(ids, labels=ids)]
+    for out in outs:
+        out.loss.backward()
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+    params = dict(model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
