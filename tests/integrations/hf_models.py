@@ -92,6 +92,8 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", "PhiMoE"),  # transformers' router, our experts
     "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM", "Kolibri"),  # transformers' router, our experts
     "zaya": ("ZayaConfig", "ZayaForCausalLM", "Zaya"),  # transformers' router, our experts
+    "kolibri1_1": ("Kolibri1_1Config", "Kolibri1_1ForCausalLM", "Kolibri 1.1"),  # transformers' router, our experts
+    "inkling": ("InklingTextConfig", "InklingForCausalLM", "Inkling"),  # transformers' router, our experts
     # DeepSeek-V3's router, experts without a gate (squared ReLU), an optional latent projection around the experts
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", "nemotron_h (DeepSeek-V3 routing)"),
 }
@@ -127,12 +129,14 @@ _EXTRA = {
     # 8 routed experts and 2 zero-computation ones (a token's share of those passes through as is)
     "longcat_flash": {"ffn_hidden_size": 48, "expert_ffn_hidden_size": 16, "moe_topk": 2, "zero_expert_num": 2,
                       "num_key_value_heads": 4},
+    # NVFP4-rounded keys and values: head_dim a multiple of 16; every layer MoE
+    "kolibri1_1": {"head_dim": 16, "index_num_heads": 2, "mlp_only_layers": []},
     "nemotron_h": {"moe_shared_expert_intermediate_size": 24, "mamba_num_heads": 4, "mamba_head_dim": 16,
                    "n_groups": 2, "ssm_state_size": 8, "chunk_size": 8},
 }
 # the attention of the hybrid families' layers
 _LAYER_TYPE = {"deepseek_v4": "sliding_attention", "granitemoehybrid": "attention", "inkling2": "hybrid",
-               "zaya": "hybrid", "axk2": "indexed_attention"}
+               "zaya": "hybrid", "axk2": "indexed_attention", "kolibri1_1": "sliding_attention"}
 _SPARSE_MLP = ("cohere2_moe", "hy_v3", "laguna", "minicpm5_moe", "beam", "axk2")  # mlp_layer_types: every layer MoE
 
 
@@ -223,12 +227,14 @@ CASES = [
     ("phimoe", {}),
     ("kolibri1", {}),
     ("zaya", {"num_experts_per_tok": 1}),  # (Zaya's only k)
+    ("kolibri1_1", {}),
+    ("inkling", {}),
     ("nemotron_h", {}),  # experts without a gate: act_fn(up) (squared ReLU)
     ("nemotron_h", {"moe_latent_size": 24, "n_group": 1, "topk_group": 1}),  # the experts on a latent width
 ]
 # Llama 4: the block's forward is patched, its router stays transformers' (no router_topk call to compare); PhiMoE
 # and Kolibri: transformers' routers, our experts
-EXPERTS_ONLY = ("llama4", "phimoe", "kolibri1", "zaya")
+EXPERTS_ONLY = ("llama4", "phimoe", "kolibri1", "zaya", "kolibri1_1", "inkling")
 ROUTER_CASES = [(f, o) for f, o in CASES if f not in EXPERTS_ONLY]
 ROUTER_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in ROUTER_CASES]
 IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in CASES]

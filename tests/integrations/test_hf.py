@@ -17,10 +17,10 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 
 import moe_kernels as mk  # noqa: E402
 from moe_kernels.integrations import hf  # noqa: E402
-from moe_kernels.testing import assert_close_to_fp64  # noqa: E402
+from moe_kernels.testing import assert_close_to_fp64, relative_l2_error  # noqa: E402
 from tests.integrations.hf_models import (  # noqa: E402
-    CASES, H, IDS, MATCHED, ROUTER_CASES, ROUTER_IDS, _decisive_ids, _recorded_routing, assert_same_outputs, build,
-    inputs, moe_blocks, patched_copy, run,
+    CASES, H, IDS, MATCHED, ROUTER_CASES, ROUTER_IDS, V, _decisive_ids, _recorded_routing, assert_same_outputs,
+    build, inputs, moe_blocks, patched_copy, run,
 )
 
 
@@ -174,6 +174,38 @@ def test_each_family_reports_its_routing(family):
     block = moe_blocks(build(family, **overrides))[0]
     found = [fam.name for path, b, fam, problem in hf.patching._scan(block) if fam is not None and problem is None]
     assert found == [MATCHED[family][2]]
+
+
+def test_diffusion_gemma_encoder_matches():
+    """DiffusionGemma's router has Gemma 4's code and its layers Gemma 4's router and experts children: its encoder
+    (a tiny random one) patched gives transformers' hidden states and every parameter's gradient (fp32)."""
+    config = transformers.DiffusionGemmaTextConfig(
+        vocab_size=V, hidden_size=H, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=8, top_k_experts=2, moe_intermediate_size=16,
+        max_position_embeddings=64, layer_types=["full_attention"] * 2)
+    torch.manual_seed(0)
+    ref_model = transformers.DiffusionGemmaEncoderTextModel(config)
+    with torch.no_grad():
+        for name, p in ref_model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj", "router.proj.weight")):
+                p.normal_(0.0, 0.3 if "experts" in name else 1.0)
+    model = patched_copy(ref_model)
+    found = [fam.name for _, _, fam, problem in hf.patching._scan(model) if fam is not None and problem is None]
+    assert found == ["diffusion_gemma (Gemma 4 routing)"] * 2
+    ids = inputs()
+    outs = [m(ids).last_hidden_state for m in (model, ref_model)]
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    g = torch.randn(outs[0].shape, generator=torch.Generator().manual_seed(2))  # (the output is normalised: a
+    for out in outs:  # random projection of it, not its square, has gradients that do not cancel)
+        (out * g).sum().backward()
+    # Each gradient as a whole (relative L2): its elements pass through RMS norms whose terms cancel, so fp32 sums in
+    # another order (the grouped GEMMs') move single elements far more than the whole; fp32 rounding through the two
+    # layers stays near 1e-5, a wrong expert or routing weight moves it by order 1.
+    params = dict(model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        if p.grad is not None:
+            assert relative_l2_error(params[name].grad, p.grad) < 1e-4, name
+    assert params["layers.0.experts.gate_up_proj"].grad.abs().sum() > 0
 
 
 def _router_like(forward, module="transformers.models.fake_moe.modeling_fake_moe"):

@@ -113,7 +113,7 @@ FAMILIES = (
             "MistralLarge4TextTopkRouter", "MistralLarge4TextExperts", mistral_large4_router_forward,
             mistral4_problem),
     _Family("Gemma 4", _TM + "gemma4.modeling_gemma4", "Gemma4TextDecoderLayer", "Gemma4TextRouter",
-            "Gemma4TextExperts", gemma4_router_forward, reference=False),
+            "Gemma4TextExperts", gemma4_router_forward),
     _Family("Llama 4", _TM + "llama4.modeling_llama4", "Llama4TextMoe", "Llama4Router", "Llama4TextExperts", None,
             llama4_problem, reference=False, block_forward=_llama4_block_forward,
             experts_forward=_llama4_experts_forward),
@@ -158,6 +158,13 @@ FAMILIES = (
             "Kolibri1Experts", None, reference=False, experts_only_routers=("Kolibri1TopKRouter",)),
     _Family("Zaya", _TM + "zaya.modeling_zaya", "ZayaSparseMoeBlock", "ZayaRouter", "ZayaExperts", None,
             reference=False, experts_only_routers=("ZayaRouter",)),
+    # Kolibri 1.1's router is Kolibri's selection (logit + bias, the chosen logits' sigmoids); Inkling's weighs the
+    # chosen experts and its shared experts together (a softmax over their log-sigmoids) and returns the shared
+    # experts' share beside the routed weights.
+    _Family("Kolibri 1.1", _TM + "kolibri1_1.modeling_kolibri1_1", "Kolibri1_1SparseMoeBlock", "Kolibri1_1TopKRouter",
+            "Kolibri1_1Experts", None, reference=False, experts_only_routers=("Kolibri1_1TopKRouter",)),
+    _Family("Inkling", _TM + "inkling.modeling_inkling", "InklingMoE", "InklingTopkRouter", "InklingExperts", None,
+            reference=False, experts_only_routers=("InklingTopkRouter",)),
     # Muse Spark: its router (top-k weights renormalised with an epsilon, then scaled) stays; its experts apply a norm
     # to each expert's output before the routing weight (post_expert_norm), on the projected width.
     _Family("Muse Spark", _TM + "muse_spark.modeling_muse_spark", "MuseSparkMoE", "MuseSparkTopkRouter",

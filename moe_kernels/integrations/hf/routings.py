@@ -28,7 +28,8 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
   pre_softmax, group_score_topk=2, normalize (router_topk's probabilities in fp32: in bf16 near-ties may be
   picked the other way). Mistral Large 4: the same on fp32 logits, always renormalised. Refused where top_k
   exceeds the kept groups' experts (transformers then picks dropped experts at score 0).
-- Gemma 4 (`Gemma4TextDecoderLayer` is the block, its `router` and `experts` children): the router's own norm,
+- Gemma 4 (`Gemma4TextDecoderLayer` is the block, its `router` and `experts` children; DiffusionGemma's layers by
+  their router's code): the router's own norm,
   scales and projection, the fp32 softmax over all E it returns, top-k by probability renormalised over the k
   (router_topk's softmax over the k chosen logits), times each chosen expert's learned per_expert_scale.
 - ERNIE-4.5 (and ERNIE-4.5-VL's text and vision experts, by their code): fp32 logits, selection by the softmax
