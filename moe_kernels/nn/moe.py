@@ -207,7 +207,8 @@ class MoELayer(nn.Module):
         # keeps only this rank's experts in `experts`; None: every expert is local.
         self.dispatcher = None
         # How the last forward ran the routed experts: "gathered" (the gather-fused op), "fused" (the fused
-        # regions over a permuted copy), "dispatched", "recipe" or "ops"; None before the first forward.
+        # regions over a permuted copy), "dispatched", "fused_fp8" (the FP8 recipe's `moe_fp8` region), "recipe"
+        # (the recipe's fused permute and functions) or "ops"; None before the first forward.
         self.expert_path: str | None = None
 
     def forward(self, x: Tensor, *, seq_len: int | None = None) -> tuple[Tensor, Tensor]:
@@ -269,6 +270,8 @@ class MoELayer(nn.Module):
         if fused_act and not cfg.weights_in_activation:
             fit = launch is not None and fused_fp8.fits(launch, cfg.recipe, x_in, routed.indices, experts.w13,
                                                         experts.w2)
+            if fit:
+                self._took("fused_fp8")
             return fused.run("moe_fp8", launch if fit else None, x_in, routed.indices, routed.weights, experts.w13,
                              experts.w2, cfg.num_experts, cfg.permute_align, cfg.recipe,
                              fused_fp8.SWIGLU if gated else fused_fp8.SQUARED_RELU)

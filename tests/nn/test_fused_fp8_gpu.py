@@ -41,14 +41,16 @@ def _step(layer, x, g, *, x_grad=True, autocast=False):
 
 def _both(monkeypatch, layer, *args, **kw):
     """_step on the region and on the recipe's functions: (region results, recipe results, the region's
-    extension calls, the recipe's)."""
+    extension calls, the recipe's); the layer's expert_path names each."""
     with extension_calls() as ext:
         region = _step(layer, *args, **kw)
+    assert layer.expert_path == "fused_fp8"
     region_calls = dict(ext.calls)
     with monkeypatch.context() as m:
         m.setattr(fused_fp8, "fits", lambda *a: False)
         with extension_calls() as ext:
             recipe = _step(layer, *args, **kw)
+    assert layer.expert_path == "recipe"
     return region, recipe, region_calls, dict(ext.calls)
 
 
@@ -83,7 +85,6 @@ def test_region_equals_the_recipes_functions(cuda, monkeypatch, case):
     region, recipe, region_calls, recipe_calls = _both(monkeypatch, layer, x, g)
     _assert_same(region, recipe, case)
     assert all(t is not None for t in region), "every input and parameter gets its gradient"
-    assert layer.expert_path == "recipe"
     act_fwd, act_bwd = ("swiglu_fwd_fp8", "swiglu_bwd_fp8") if activation == "swiglu" else ("rows_fp8", "rows_fp8")
     want = {"permute_fwd": 1, "rows_to_tokens": 1, "unpermute_bwd_fp8": 2, "unpermute_fwd": 2, "unpermute_bwd": 1}
     want[act_fwd] = want.get(act_fwd, 0) + 1
