@@ -148,13 +148,18 @@ def test_unpatch_pickle_and_a_fresh_process_class():
 
 def test_blocks_it_cannot_run_stay_transformers():
     # An adapter wrapper around the GLU (peft's ParamWrapper; its LoRA on the stacked [E * F, H] weights is not per
-    # expert), and quantised weights: warned about, left as they are.
-    model = build(layers=1)
+    # expert), and quantised weights: warned about, left as they are. A wrapper added after patch_hf: a clear error.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.w1"])
+    model = peft.get_peft_model(build(layers=1), config)
     experts = blocks(model)[0].experts
-    experts.mlp = torch.nn.Sequential(experts.mlp)
-    with pytest.warns(UserWarning, match="its experts' mlp is a Sequential, not transformers' DbrxExpertGLU"):
+    with pytest.warns(UserWarning, match="its experts' mlp is a ParamWrapper, not transformers' DbrxExpertGLU"):
         mk.patch_hf(model)
     assert type(experts) is dbrx.DbrxExperts and not hf.is_patched(model)
+    model = patched(build(layers=1))
+    blocks(model)[0].experts.mlp = torch.nn.Sequential(blocks(model)[0].experts.mlp)
+    with pytest.raises(NotImplementedError, match="DBRX's experts' mlp is a Sequential"):
+        run(model, inputs())
     model = build(layers=1)
     mlp = blocks(model)[0].experts.mlp
     mlp.w2 = torch.nn.Parameter(mlp.w2.detach().to(torch.float8_e4m3fn), requires_grad=False)
@@ -165,31 +170,40 @@ def test_blocks_it_cannot_run_stay_transformers():
     assert found == [("DBRX", None)]
 
 
-def test_fp8_recipe(monkeypatch):
-    """patch_hf(recipe=Fp8BlockwiseRecipe()): the gate and up products through its grouped_mm, the down product
-    through its grouped_mm_kn (rows padded to 128 per expert), logits within the recipe's error model (four E4M3
-    operands, as test_hf_recipes' [E, K, N] case), every expert weight's gradient reached (H = F = 128)."""
-    from moe_kernels.quant import Fp8BlockwiseRecipe
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_precision_recipe(recipe, monkeypatch):
+    """patch_hf(recipe=...): the gate and up products through the recipe's grouped_mm, the down product through its
+    grouped_mm_kn (rows padded to its alignment), logits within the recipe's error model (test_hf_recipes': FP8's
+    four E4M3 operands; NVFP4's measured on these operands, the first product's errors counted twice, as gate and
+    up share its input; 2x allowed; above 0.1%: the recipe applied at all), every expert weight's gradient reached
+    (H = F = 128)."""
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
     from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error, relative_l2_error
+    from tests.integrations.test_hf_recipes import _nvfp4_swiglu_error
 
+    cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
     model = build(layers=1, d_model=128, ffn_hidden_size=128)
     ids = inputs()
     with torch.no_grad():
         ref = run(model, ids).logits
-    mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
+    mk.patch_hf(model, recipe=cls())
     calls = []
     for method in ("grouped_mm", "grouped_mm_kn"):
-        real = getattr(Fp8BlockwiseRecipe, method)
+        real = getattr(cls, method)
 
         def spy(self, x, w, gs, *a, _method=method, _real=real, **kw):
-            calls.append((_method, int(gs.sum())))
+            calls.append((_method, x.detach(), w.detach(), gs))
             return _real(self, x, w, gs, *a, **kw)
-        monkeypatch.setattr(Fp8BlockwiseRecipe, method, spy)
+        monkeypatch.setattr(cls, method, spy)
     out = run(model, ids, labels=ids)
-    assert [m for m, _ in calls] == ["grouped_mm", "grouped_mm", "grouped_mm_kn"]
-    assert all(rows % 128 == 0 for _, rows in calls)
+    assert [c[0] for c in calls] == ["grouped_mm", "grouped_mm", "grouped_mm_kn"]
+    assert all(int(gs.sum()) % cls().align == 0 for *_, gs in calls)
     err = relative_l2_error(out.logits, ref)
-    bound = QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4)
+    if recipe == "fp8":
+        bound = QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4)
+    else:  # (gate's operands for both halves, the down product's weight in grouped_mm's [E, N, K])
+        (_, x, w1, gs), (_, act, w2, _) = calls[0], calls[2]
+        bound = _nvfp4_swiglu_error([(x, w1, gs), (act, w2.transpose(1, 2).contiguous(), gs)])
     assert 1e-3 < err < 2 * bound, (err, bound)
     out.loss.backward()
     mlp = blocks(model)[0].experts.mlp
@@ -276,7 +290,7 @@ def test_patched_model_exports_and_runs_in_onnxruntime():
 
 
 def test_compiles_as_one_graph():
-    """torch.compile(fullgraph=True) on the patched model: the registered ops, no graph break; the loss and every
+    """torch.compile(fullgraph=True) on the patched model: the registered ops, no graph break; the logits and every
     gradient as transformers' eager model within the SGD-step test's fp32 bounds."""
     ref_model = build().train()
     model = patched(ref_model).train()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor, nn
 
@@ -71,6 +73,12 @@ def _gate_top_k(gate: nn.Module) -> int:
     return k if isinstance(k, int) else getattr(getattr(gate, "config", None), "top_k_experts", 0)
 
 
+
+
+def _is_dbrx_glu(mlp) -> bool:
+    """transformers' DbrxExpertGLU itself (not inside an adapter wrapper, nor a subclass)."""
+    cls = getattr(sys.modules.get(_TM + "dbrx.modeling_dbrx"), "DbrxExpertGLU", None)
+    return cls is not None and type(mlp) is cls
 
 
 def _base_class(module: nn.Module) -> type:

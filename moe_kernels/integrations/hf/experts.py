@@ -48,6 +48,7 @@ from .common import (
     DISPATCHER_ATTR,
     _base_class,
     _experts_of,
+    _is_dbrx_glu,
     _is_dtensor,
     _up_name,
 )
@@ -368,8 +369,15 @@ def _dbrx_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     over the experts hit does not export: its expert list is data): the ops' ONNX formulations (moe_kernels.onnx),
     the down product as grouped_mm on w2's transpose. hidden_states [B, S, H]; returns [B, S, H] in its dtype, as
     transformers does. Expert-parallel (apply_expert_parallel: w1, v1 and w2 hold this rank's E / P experts'
-    rows), the dispatcher's dispatch and combine in place of permute and unpermute."""
+    rows), the dispatcher's dispatch and combine in place of permute and unpermute. The GLU module's own forward is
+    not called (its weights are read), so hooks on it do not run."""
     mlp = self.mlp  # DbrxExpertGLU: w1 (gate), v1 (up), w2 (down), each [E * F, H]
+    if not _is_dbrx_glu(mlp):  # wrapped after patch_hf (patch_hf itself leaves such blocks alone)
+        raise NotImplementedError(f"moe_kernels experts: DBRX's experts' mlp is a {type(mlp).__name__}, not "
+                                  "transformers' DbrxExpertGLU (an adapter wrapper?); unpatch_hf runs transformers' "
+                                  "experts")
+    if any(_is_dtensor(t) for t in (mlp.w1, mlp.v1, mlp.w2, hidden_states)):
+        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
     F_, H = self.ffn_hidden_size, self.hidden_size
     w1, v1, w2 = (autocast_input(w).view(-1, F_, H) for w in (mlp.w1, mlp.v1, mlp.w2))  # [E (or E / P), F, H]
     batch = hidden_states.shape[0]

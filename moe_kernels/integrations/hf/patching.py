@@ -71,10 +71,10 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
         E = getattr(experts, "num_experts", None)
         if not isinstance(E, int) or E < 1 or getattr(block, "num_experts", E) != E:
             return "its experts module has no valid num_experts"
-        k = getattr(gate, "top_k", getattr(block, "top_k", 0))  # (DBRX's block holds it)
+        k = _gate_top_k(gate) or getattr(block, "top_k", 0)  # (DBRX's block holds it)
         if not isinstance(k, int) or not 1 <= k <= E:
             return "its router has no valid top_k"
-        return fam.problem(gate, block, E)
+        return fam.problem(gate, block, E) if fam.problem is not None else None
     if not hasattr(type(experts).forward, "__wrapped__") or not hasattr(experts, "config"):
         return "its experts do not dispatch through transformers' experts interface"
     kn = fam.kn_experts  # stored [E, K, N]: GPT-OSS's (biases, [E, H, 2F] interleaved gate/up, [E, F, H]), Aria's

@@ -79,7 +79,7 @@ from torch import Tensor, nn
 from moe_kernels.nn.lora import EXPERT_RANGE_ATTR
 from moe_kernels.ops.router import router_topk
 
-from .common import _WEIGHT_DTYPES, _experts_of
+from .common import _WEIGHT_DTYPES, _experts_of, _is_dbrx_glu
 
 
 def mixtral_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -520,7 +520,7 @@ def dbrx_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     per expert) stays transformers'."""
     experts = _experts_of(block)
     mlp = getattr(experts, "mlp", None)
-    if type(mlp).__name__ != "DbrxExpertGLU":
+    if not _is_dbrx_glu(mlp):
         return (f"its experts' mlp is a {type(mlp).__name__}, not transformers' DbrxExpertGLU (adapters on DBRX's "
                 "stacked expert weights are not fused)")
     F_, H = getattr(experts, "ffn_hidden_size", None), getattr(experts, "hidden_size", None)
@@ -531,9 +531,10 @@ def dbrx_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
         return (f"its expert weights are {'/'.join(str(w.dtype) for w in ws)} (quantised?); grouped_mm takes "
                 "fp32/bf16/fp16")
     layer = getattr(gate, "layer", None)
-    if (any(tuple(w.shape) != (E * F_, H) for w in ws) or not isinstance(layer, nn.Linear) or layer.bias is not None
-            or tuple(layer.weight.shape) != (E, H)):
-        return (f"unexpected shapes: w1 / v1 / w2 {', '.join(str(tuple(w.shape)) for w in ws)} for {E} experts of "
+    held = experts.__dict__.get(EXPERT_RANGE_ATTR, (0, E, E))[1]  # an expert-parallel rank's experts: E / P
+    if (any(tuple(w.shape) != (held * F_, H) for w in ws) or not isinstance(layer, nn.Linear)
+            or layer.bias is not None or tuple(layer.weight.shape) != (E, H)):
+        return (f"unexpected shapes: w1 / v1 / w2 {', '.join(str(tuple(w.shape)) for w in ws)} for {held} experts of "
                 f"F {F_}, H {H}, router {type(layer).__name__}")
     return None
 
