@@ -284,6 +284,40 @@ def run(model, ids, **kw):
     return out
 
 
+def assert_same_sgd_step(model, ref_model, ids, run_fn=None):
+    """One SGD step (lr 0.5) of each model in training mode on the same ids (the same random draws: torch's seed set
+    before each, for routers that sample or jitter in training): every gradient and every parameter after the step
+    within fp32 bounds. run_fn(model, ids, labels=): the forward (default `run`)."""
+    run_fn = run_fn or run
+    params = dict(model.named_parameters())
+    for m in (ref_model.train(), model.train()):
+        torch.manual_seed(0)
+        out = run_fn(m, ids, labels=ids)
+        out.loss.backward()
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    for name, p in ref_model.named_parameters():
+        q = params[name]
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def assert_compiled_matches(model, ref_model, ids):
+    """torch.compile(model, fullgraph=True) (one graph: the ops are registered custom ops with fake implementations)
+    against transformers' eager ref_model, both in training mode: the logits and every gradient within the SGD-step
+    tests' fp32 bounds (compiled graphs may reorder fp32 sums)."""
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    outs = [compiled(ids, labels=ids), ref_model(ids, labels=ids)]
+    for out in outs:
+        out.loss.backward()
+    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
+    params = dict(model.named_parameters())
+    for name, p in ref_model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):
     torch.testing.assert_close(out.logits, ref.logits, rtol=rtol, atol=atol)
     assert len(out.router_logits) == len(ref.router_logits) > 0

@@ -19,8 +19,8 @@ import moe_kernels as mk  # noqa: E402
 from moe_kernels.integrations import hf  # noqa: E402
 from moe_kernels.testing import assert_close_to_fp64, relative_l2_error  # noqa: E402
 from tests.integrations.hf_models import (  # noqa: E402
-    CASES, H, IDS, MATCHED, ROUTER_CASES, ROUTER_IDS, V, _decisive_ids, _recorded_routing, assert_same_outputs,
-    build, inputs, moe_blocks, patched_copy, run,
+    CASES, H, IDS, MATCHED, ROUTER_CASES, ROUTER_IDS, V, _decisive_ids, _recorded_routing, assert_compiled_matches,
+    assert_same_outputs, assert_same_sgd_step, build, inputs, moe_blocks, patched_copy, run,
 )
 
 
@@ -101,19 +101,7 @@ STEP_IDS = [f + "".join(f"-{k}={v}" for k, v in o.items()) for f, o in STEP_CASE
 def test_sgd_step_matches(family, overrides):
     ref_model = build(family, **overrides).train()
     model = patched_copy(ref_model).train()
-    ids = inputs()
-    params = dict(model.named_parameters())
-    for m in (ref_model, model):
-        torch.manual_seed(0)  # the same draws for routers that sample in training (PhiMoE's sparsemixer)
-        out = run(m, ids, labels=ids)
-        out.loss.backward()
-        torch.optim.SGD(m.parameters(), lr=0.5).step()
-    for name, p in ref_model.named_parameters():
-        q = params[name]
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_sgd_step(model, ref_model, inputs())  # (PhiMoE's sparsemixer samples: the same draws)
     # gradients reached the MoE parameters of the patched model (router and both expert weights)
     for block in moe_blocks(model):
         gate_weight = hf.common._gate_weight(hf.common._router_of(block))
@@ -128,17 +116,7 @@ def test_compiled_patched_model_matches(family):
     custom ops with fake implementations, no graph break), the same loss and gradients as transformers' eager
     model within the SGD-step test's fp32 bounds (compiled graphs may reorder fp32 sums)."""
     ref_model = build(family).train()
-    model = patched_copy(ref_model).train()
-    ids = inputs()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    outs = [compiled(ids, labels=ids), ref_model(ids, labels=ids)]
-    for out in outs:
-        out.loss.backward()
-    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
-    params = dict(model.named_parameters())
-    for name, p in ref_model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_compiled_matches(patched_copy(ref_model).train(), ref_model, inputs())
 
 
 def test_gradient_checkpointing_step_matches():

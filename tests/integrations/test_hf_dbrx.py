@@ -15,7 +15,7 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 
 import moe_kernels as mk  # noqa: E402
 from moe_kernels.integrations import hf  # noqa: E402
-from tests.integrations.hf_models import V, inputs  # noqa: E402
+from tests.integrations.hf_models import V, assert_compiled_matches, assert_same_sgd_step, inputs  # noqa: E402
 
 dbrx = pytest.importorskip("transformers.models.dbrx.modeling_dbrx")
 H = 32
@@ -86,18 +86,7 @@ def test_forward_and_sgd_step_match_transformers(ffn):
     ids = inputs()
     with torch.no_grad():
         assert_same(run(model.eval(), ids), run(ref_model.eval(), ids))
-    params = dict(model.named_parameters())
-    for m in (ref_model.train(), model.train()):
-        torch.manual_seed(0)  # the jitter's draws
-        out = run(m, ids, labels=ids)
-        out.loss.backward()
-        torch.optim.SGD(m.parameters(), lr=0.5).step()
-    for name, p in ref_model.named_parameters():
-        q = params[name]
-        assert (p.grad is None) == (q.grad is None), name
-        if p.grad is not None:
-            torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
-        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-5, msg=name)
+    assert_same_sgd_step(model, ref_model, ids, run)  # (the jitter's draws the same)
     for b in blocks(model):  # gradients reached the router and the three expert weights
         for p in (b.router.layer.weight, b.experts.mlp.w1, b.experts.mlp.v1, b.experts.mlp.w2):
             assert p.grad is not None and p.grad.abs().sum() > 0
@@ -293,14 +282,4 @@ def test_compiles_as_one_graph():
     """torch.compile(fullgraph=True) on the patched model: the registered ops, no graph break; the logits and every
     gradient as transformers' eager model within the SGD-step test's fp32 bounds."""
     ref_model = build().train()
-    model = patched(ref_model).train()
-    ids = inputs()
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    outs = [compiled(ids, labels=ids), ref_model(ids, labels=ids)]
-    for out in outs:
-        out.loss.backward()
-    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
-    params = dict(model.named_parameters())
-    for name, p in ref_model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_compiled_matches(patched(ref_model).train(), ref_model, inputs())
