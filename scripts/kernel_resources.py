@@ -205,6 +205,9 @@ def demangle(names: list[str]) -> dict[str, str]:
     return dict(zip(names, r.stdout.splitlines())) if r.returncode == 0 else {n: n for n in names}
 
 
+_DIGITS = re.compile(r"\d+")
+
+
 def instance_names(name: str) -> list[str]:
     """The CUTLASS instances named in a kernel's symbol (`NAME_instance`), demangled (`::NAME_instance>`) or not
     (`<length>NAME_instance`: c++filt gives up on the longest CUTLASS symbols)."""
@@ -212,7 +215,7 @@ def instance_names(name: str) -> list[str]:
     if found:
         return found
     pos = 0
-    while m := re.compile(r"\d+").search(name, pos):  # the length may follow other digits (`5sm10039wgrad_...`)
+    while m := _DIGITS.search(name, pos):  # the length may follow other digits (`5sm10039wgrad_...`)
         pos = m.end()
         for i in range(len(m.group())):
             ident = name[m.end():m.end() + int(m.group()[i:])]

@@ -20,10 +20,10 @@ from .routings import (
     afmoe_router_forward,
     aria_router_forward,
     axk2_problem,
-    dbrx_problem,
     beam_router_forward,
     cohere2_problem,
     cohere2_router_forward,
+    dbrx_problem,
     deepseek_v2_problem,
     deepseek_v2_router_forward,
     deepseek_v3_problem,
@@ -64,6 +64,11 @@ from .routings import (
 )
 
 
+def _dbrx_dims(experts: nn.Module) -> tuple[int, int, object]:
+    """(H, F, weight dtype) of DBRX's experts, whose weights sit on their GLU module (w1, v1, w2 [E * F, H])."""
+    return experts.hidden_size, experts.ffn_hidden_size, experts.mlp.w2.dtype
+
+
 @dataclass(frozen=True)
 class _Family:
     name: str
@@ -80,6 +85,8 @@ class _Family:
     # the experts' forward replaced: with block_forward, the one the block calls; alone, experts outside transformers'
     # experts interface (DBRX's), behind transformers' router and block
     experts_forward: Callable | None = None
+    # (experts) -> (H, F, weight dtype) where the weights are not the experts' gate_up_proj / down_proj (DBRX's)
+    expert_dims: Callable | None = None
     experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
 
 
@@ -171,7 +178,8 @@ FAMILIES = (
             "MuseSparkExperts", None, reference=False, experts_only_routers=("MuseSparkTopkRouter",)),
     # DBRX: its block and router stay transformers'; its experts (no experts interface) run ours.
     _Family("DBRX", _TM + "dbrx.modeling_dbrx", "DbrxFFN", "DbrxRouter", "DbrxExperts", None, dbrx_problem,
-            reference=False, experts_forward=_dbrx_experts_forward, experts_only_routers=("DbrxRouter",)),
+            reference=False, experts_forward=_dbrx_experts_forward, experts_only_routers=("DbrxRouter",),
+            expert_dims=_dbrx_dims),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

@@ -348,8 +348,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
                 kn = fam.kn_experts or fam.block_forward is not None  # stored [E, H, 2F] and [E, F, H]
-                if fam.name == "DBRX":  # w1, v1, w2 [E * F, H]
-                    F_, H, dtype = experts.ffn_hidden_size, experts.hidden_size, experts.mlp.w2.dtype
+                if fam.expert_dims is not None:
+                    H, F_, dtype = fam.expert_dims(experts)
                 elif kn:
                     F_, H, dtype = experts.down_proj.shape[1], experts.gate_up_proj.shape[1], experts.down_proj.dtype
                 else:
