@@ -229,7 +229,7 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
     g = torch.randn(1, T, H, generator=gen)
     logits = torch.randn(T, base.config.num_experts, generator=gen).requires_grad_()
     row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
-    rounds, reps = (3, 10) if ctx.quick else (8, 25)
+    rounds, reps = (1, 1) if ctx.dry_run else (3, 10) if ctx.quick else (8, 25)
     jobs = []  # (key, fn, input, the context it runs in)
     for path in PATHS:
         layer = _path(base, path)

@@ -141,7 +141,7 @@ def _peak_gb(ctx: h.Context, step) -> float:
 
 def run(ctx: h.Context) -> h.Report:
     results, headline, failures = [], [], []
-    warmup, reps = 3, (5 if ctx.quick else 10)
+    warmup, reps = (0, 1) if ctx.dry_run else (3, 5 if ctx.quick else 10)
     all_cases = _cases(ctx)
     peak = peak_flops(ctx.device)
     for i, (preset, overrides, batch, seq, micro) in enumerate(all_cases):

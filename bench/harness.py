@@ -125,6 +125,9 @@ class Context:
     # Families whose ops are host-bound only in some cases (small-H permute backward, the layer) add
     # time_modes (host / kernel / graph replay) when this is set; router and losses always do.
     modes: bool = False
+    # perf --dry-run: a check of the benches' code on the CPU, whose times mean nothing: every timing makes one
+    # call (no warm-up), so the check's length is the code's, not the reps'.
+    dry_run: bool = False
     started_s: float = field(default_factory=time.monotonic, init=False)
     started_utc: str = field(default_factory=utc_now, init=False)
     gpu_state_start: dict[str, Any] | None = field(default=None, init=False)
@@ -147,10 +150,14 @@ class Context:
 
     @property
     def warmup(self) -> int:
+        if self.dry_run:
+            return 0
         return (5 if self.quick else 10) if self.is_cuda else 1
 
     @property
     def reps(self) -> int:
+        if self.dry_run:
+            return 1
         return (30 if self.quick else 100) if self.is_cuda else (3 if self.quick else 5)
 
     @property

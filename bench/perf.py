@@ -41,7 +41,8 @@ not run for lack of GPU memory is skipped there (harness.run_cases) and listed u
 `skipped`, which makes its status other than "ok".
 
 `--dry-run` runs every part on the CPU with the families' tiny shapes (on the CPU-executed kernels when
-MOE_KERNELS_EMULATE=1), so CI proves the script end to end between GPU runs; its times mean nothing.
+MOE_KERNELS_EMULATE=1), so CI proves the script end to end between GPU runs; its times mean nothing, and
+each timing makes one call (harness.Context.dry_run).
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def main(
     def save() -> None:
         (out / "perf_summary.json").write_text(json.dumps(summary, indent=1) + "\n")
 
-    base = h.Context(device=device, quick=True, out_dir=out)
+    base = h.Context(device=device, quick=True, out_dir=out, dry_run=dry_run)
     base.measure_ceilings("start")
     failed = False
     for name in chosen:

@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 # sm_90 (H100/H200) per-SM limits.
@@ -342,7 +343,9 @@ def native_fp8_checks(cuobjdump: str, so: Path, env: dict) -> tuple[list[str], l
             k.name = short_name(names[k.mangled], k.source)
             if k.local + k.stack:
                 problems.append(f"{k.name} ({arch}): {k.local + k.stack} bytes of local memory (register spills)")
-        sass = parse_sass(_run([cuobjdump, "-arch", arch, "-sass", str(so)], env=env))
+        # Only these kernels' SASS (-fun): the whole architecture's is most of the module's text.
+        sass = parse_sass(_run([cuobjdump, "-arch", arch, "-sass", "-fun", ",".join(k.mangled for k in kernels), str(so)],
+                               env=env))
         regs = ", ".join(f"{k.regs}" for k in sorted(kernels, key=lambda k: k.name))
         rows += ["", f"FP8 tensor-core portable GEMM ({arch}): {len(kernels)} kernels, registers {regs}, local memory "
                      f"{sum(k.local + k.stack for k in kernels)} B",
@@ -385,8 +388,16 @@ def main(argv: list[str] | None = None) -> int:
     kernels = parse_resources(_run([cuobjdump, *arch, "--dump-resource-usage", str(so)]))
     if not kernels:
         raise SystemExit(f"kernel_resources: no {args.arch} kernels in {so}")
-    max_threads = parse_max_threads(_run([cuobjdump, *arch, "-elf", str(so)]))
-    sass = parse_sass(_run([cuobjdump, *arch, "-sass", str(so)], env=env))
+    # The dumps are independent cuobjdump runs of a minute or so each on a large module: two at a time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        sass_run = pool.submit(_run, [cuobjdump, *arch, "-sass", str(so)], env)
+        elf_run = pool.submit(_run, [cuobjdump, *arch, "-elf", str(so)])
+        blackwell_run = pool.submit(blackwell_checks, cuobjdump, so, env)
+        native_fp8_run = pool.submit(native_fp8_checks, cuobjdump, so, env)
+        max_threads = parse_max_threads(elf_run.result())
+        sass = parse_sass(sass_run.result())
+        blackwell, blackwell_problems = blackwell_run.result()
+        native_fp8, native_fp8_problems = native_fp8_run.result()
     names = demangle([k.mangled for k in kernels])
     launches = read_launch_log(args.launch_log)
     for k in kernels:
@@ -407,8 +418,6 @@ def main(argv: list[str] | None = None) -> int:
                     f"{block[0] if block else '?'} | {f'{occ[0]:.0%}' if occ else '?'} | {occ[1] if occ else ''} |")
     sass_rows = SASS_CHECKS + (FP8_LOWERED_CHECKS if args.arch in FP8_LOWERED_ARCHS else ())
     checks = ["", "| SASS check | kernels | result |", "|---|---|---|", *sass_checks(sass_rows, kernels, sass, problems)]
-    blackwell, blackwell_problems = blackwell_checks(cuobjdump, so, env)
-    native_fp8, native_fp8_problems = native_fp8_checks(cuobjdump, so, env)
     problems += blackwell_problems + native_fp8_problems
     report = "\n".join([f"# Kernel resources: {so.name}", "", *rows, *checks, *blackwell, *native_fp8, ""])
     print(report)

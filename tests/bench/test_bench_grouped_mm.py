@@ -229,6 +229,7 @@ def test_grouped_mm_wgrad_expert_order_peer(cuda):
         assert bool((got[e] == 0).all())
 
 
+@pytest.mark.long
 @pytest.mark.gpu
 def test_grouped_mm_expert_order_peer_and_headline(cuda, monkeypatch, tmp_path):
     """Where ours runs its kernels, wgrad gets the expert-order peer and one headline line per routing (here the

@@ -289,6 +289,7 @@ def test_past_2_31_elements(cuda):
     _check_fwd(out[tail].cpu(), xq[tail].cpu(), xs[tail].cpu(), wq.cpu(), ws.cpu(), sub.cpu(), "fwd past 2^31")
 
 
+@pytest.mark.long
 def test_on_a_gpu_of_8_9(cuda):
     """Emulated, or on a GPU without the sm_90a FP8 kernels: the FP8 ops' suites and the FP8 recipe's rerun with
     MOE_KERNELS_PORTABLE_MMA=1 (read once per process), so the ops take this kernel by default. Emulated, the rerun

@@ -220,6 +220,7 @@ print("ok")
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
 
 
+@pytest.mark.long
 def test_gathered_products_and_swiglu_epilogue(cuda):
     """The gather-fused expert MLP (gathered operand rows in every product, the SwiGLU epilogue in the forward) on
     the tensor-core kernel: expert_mlp's own bf16 and fp16 tests (fresh random inputs, 0 tokens, empty experts, a
