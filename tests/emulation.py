@@ -13,12 +13,23 @@ import pytest
 from moe_kernels import _ext
 
 EMULATED = _ext.emulation() is not None
+# MOE_KERNELS_EMULATE=asan: the kernels built with AddressSanitizer + UBSan (_C_emu_asan), several times slower again.
+SANITIZED = _ext.emulation() == "_C_emu_asan"
 
 
 def skip_if_too_large(size: float, budget: float, what: str) -> None:
     """Skip under emulation when `size` (of `what`) exceeds the file's emulation budget."""
     if EMULATED and size > budget:
         pytest.skip(f"too large to emulate: {what} = {size:.3g} > {budget:.3g}")
+
+
+def skip_if_sanitized_and_large(size: float, budget: float, what: str) -> None:
+    """Skip on the sanitized kernels when `size` exceeds `budget`: for a file's variants of a case (an empty or a
+    single group, another dtype of the same element size) whose memory accesses its smaller cases and the large
+    shape's plain case check there already. Every case still runs in the plain emulated tier."""
+    if SANITIZED and size > budget:
+        pytest.skip(f"a variant too large for the sanitized kernels: {what} = {size:.3g} > {budget:.3g} (the plain "
+                    "emulated tier runs it)")
 
 
 def skip_if_emulated(reason: str) -> None:

@@ -30,7 +30,7 @@ from moe_kernels.ops.grouped_mm_fp8 import (
     grouped_mm_fp8_wgrad_reference,
 )
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_within_fp32_rounding, assert_within_rounding_to
-from tests.emulation import EMULATED, skip_if_emulated, skip_if_too_large
+from tests.emulation import EMULATED, skip_if_emulated, skip_if_sanitized_and_large, skip_if_too_large
 from tests.ops.test_grouped_mm_fp8_gpu import _case
 from tests.ops.test_grouped_mm_fp8_wgrad_gpu import _case as _wgrad_suite_case
 
@@ -39,6 +39,7 @@ MMA_PATH = 8  # grouped_mm_path's code for the tensor-core portable kernel
 FWD, WGRAD = 0, 2
 E4M3 = torch.float8_e4m3fn
 EMULATION_BUDGET = 2.5e8  # GEMM FLOP per case
+SANITIZED_VARIANT_BUDGET = 2e7  # GEMM FLOP: past it, the sanitized kernels run only a shape's "uniform" case
 CHILD = "MOE_KERNELS_FP8_MMA_RERUN"  # set in the process test_on_a_gpu_of_8_9 starts: it never starts another
 
 
@@ -97,6 +98,8 @@ def test_forward_matches_fp64(cuda, M, N, K, E, kind):
     # Rows and N past a tile and not multiples of it (N % 8 != 0 included), several K blocks, empty experts.
     _require_kernel(cuda)
     skip_if_too_large(2 * M * N * K, EMULATION_BUDGET, "GEMM FLOP")
+    if kind != "uniform":
+        skip_if_sanitized_and_large(2 * M * N * K, SANITIZED_VARIANT_BUDGET, "GEMM FLOP")
     xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(M, N, K, E, kind, seed=M + N + K))
     out = _run_fwd(xq, xs, wq, ws, gs)
     _check_fwd(out.cpu(), *(t.cpu() for t in (xq, xs, wq, ws, gs)), f"fwd {M}x{N}x{K} E={E} {kind}")
@@ -181,6 +184,8 @@ def test_wgrad_matches_fp64(cuda, N, K, E, blocks, M_extra, kind):
     # M_extra: tokens past the groups (quantize_fp8_tokens pads them to 128); K odd: element-wise stores.
     _require_kernel(cuda)
     skip_if_too_large(2 * blocks * 128 * N * K, EMULATION_BUDGET, "GEMM FLOP")
+    if kind != "uniform":
+        skip_if_sanitized_and_large(2 * blocks * 128 * N * K, SANITIZED_VARIANT_BUDGET, "GEMM FLOP")
     a, b, gs = _wgrad_case(M_extra, N, K, E, blocks, kind, seed=N + K + blocks)
     dev_a, dev_b, dev_gs = tuple(t.to(cuda) for t in a), tuple(t.to(cuda) for t in b), gs.to(cuda)
     dw = _run_wgrad_named(dev_a, dev_b, dev_gs)
