@@ -229,7 +229,7 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
     g = torch.randn(1, T, H, generator=gen)
     logits = torch.randn(T, base.config.num_experts, generator=gen).requires_grad_()
     row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
-    rounds, reps = (1, 1) if ctx.dry_run else (3, 10) if ctx.quick else (8, 25)
+    rounds, reps, warmup = (1, 1, 1) if ctx.dry_run else (3, 10, 10) if ctx.quick else (8, 25, 10)
     jobs = []  # (key, fn, input, the context it runs in)
     for path in PATHS:
         layer = _path(base, path)
@@ -250,7 +250,7 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
                 ctxm = mode() if mode else contextlib.nullcontext()
                 with ctxm:
                     if r == 0:
-                        for _ in range(10):  # warm-up: workspace sizes, caches, the allocator
+                        for _ in range(warmup):  # workspace sizes, caches, the allocator
                             fn(inp)
                     else:
                         for _ in range(reps):

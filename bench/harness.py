@@ -125,8 +125,8 @@ class Context:
     # Families whose ops are host-bound only in some cases (small-H permute backward, the layer) add
     # time_modes (host / kernel / graph replay) when this is set; router and losses always do.
     modes: bool = False
-    # perf --dry-run: a check of the benches' code on the CPU, whose times mean nothing: every timing makes one
-    # call (no warm-up), so the check's length is the code's, not the reps'.
+    # perf --dry-run: a check of the benches' code on the CPU, whose times mean nothing: the timings that take the
+    # run's warmup and reps make one call each, with no warm-up.
     dry_run: bool = False
     started_s: float = field(default_factory=time.monotonic, init=False)
     started_utc: str = field(default_factory=utc_now, init=False)

@@ -42,7 +42,7 @@ not run for lack of GPU memory is skipped there (harness.run_cases) and listed u
 
 `--dry-run` runs every part on the CPU with the families' tiny shapes (on the CPU-executed kernels when
 MOE_KERNELS_EMULATE=1), so CI proves the script end to end between GPU runs; its times mean nothing, and
-each timing makes one call (harness.Context.dry_run).
+the timings that take the run's warmup and reps make one call each (harness.Context.dry_run).
 """
 
 from __future__ import annotations

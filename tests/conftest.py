@@ -41,8 +41,9 @@ def pytest_xdist_auto_num_workers(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    # The few cases that run for minutes on the CPU-executed kernels (`long`) first: pytest -n hands tests out in
-    # collection order, so one started last would keep a worker busy after the others ran out of work.
+    # The few cases that run for minutes on the CPU-executed kernels (`long`) first: pytest -n hands each worker a
+    # run of consecutive tests, then more as it finishes them, so one collected last would keep a worker busy after
+    # the others ran out of work.
     items.sort(key=lambda item: item.get_closest_marker("long") is None)
     # More cases of families CI covers already (extra parallel layouts): scripts/extended_tests.sh.
     if not os.environ.get("MOE_KERNELS_EXTENDED"):

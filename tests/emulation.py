@@ -24,12 +24,19 @@ def skip_if_too_large(size: float, budget: float, what: str) -> None:
 
 
 def skip_if_sanitized_and_large(size: float, budget: float, what: str) -> None:
-    """Skip on the sanitized kernels when `size` exceeds `budget`: for a file's variants of a case (an empty or a
-    single group, another dtype of the same element size) whose memory accesses its smaller cases and the large
-    shape's plain case check there already. Every case still runs in the plain emulated tier."""
+    """Skip on the sanitized kernels when `size` exceeds `budget`: for a file's variants of a large case (an empty
+    or a single group) whose memory accesses its smaller cases and the large shape's uniform case check there
+    already. Every case still runs in the emulated tier, without the sanitizers."""
     if SANITIZED and size > budget:
-        pytest.skip(f"a variant too large for the sanitized kernels: {what} = {size:.3g} > {budget:.3g} (the plain "
+        pytest.skip(f"a variant too large for the sanitized kernels: {what} = {size:.3g} > {budget:.3g} (the "
                     "emulated tier runs it)")
+
+
+def skip_if_sanitized(reason: str) -> None:
+    """Skip on the sanitized kernels only: a variant whose memory accesses another case checks there already (the
+    reason says which). It still runs in the emulated tier, without the sanitizers."""
+    if SANITIZED:
+        pytest.skip(f"not on the sanitized kernels: {reason} (the emulated tier runs it)")
 
 
 def skip_if_emulated(reason: str) -> None:
