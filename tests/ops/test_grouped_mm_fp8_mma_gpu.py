@@ -30,7 +30,7 @@ from moe_kernels.ops.grouped_mm_fp8 import (
     grouped_mm_fp8_wgrad_reference,
 )
 from moe_kernels.testing import FP8_MMA_MAGNITUDE, assert_within_fp32_rounding, assert_within_rounding_to
-from tests.emulation import EMULATED, skip_if_emulated, skip_if_sanitized_and_large, skip_if_too_large
+from tests.emulation import EMULATED, SANITIZED, skip_if_emulated, skip_if_sanitized_and_large, skip_if_too_large
 from tests.ops.test_grouped_mm_fp8_gpu import _case
 from tests.ops.test_grouped_mm_fp8_wgrad_gpu import _case as _wgrad_suite_case
 
@@ -134,7 +134,7 @@ def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
     # K = 384: 6 slices of 64 (3 scale blocks); the wgrad's 640 tokens: 10, with 5 more past the groups, so the
     # token rows are not whole 16-byte vectors and every slice takes the byte-wise loads.
     _require_kernel(cuda)
-    if os.environ.get("MOE_KERNELS_EMULATE") == "asan" and stages != "3":
+    if SANITIZED and stages != "3":
         pytest.skip("under ASan 3 stages only; every count runs in the emulated tier and on a GPU")
     xq, xs, wq, ws, gs = (t.to(cuda) for t in _case(300, 256, 384, 8, "uniform", seed=11))
     a, b, wgs = _wgrad_case(5, 200, 196, 4, 5, "uniform", seed=12)
@@ -308,7 +308,7 @@ def test_on_a_gpu_of_8_9(cuda):
         if torch.cuda.get_device_capability(cuda)[0] == 9 and C.grouped_mm_has_sm90:
             pytest.skip("the FP8 ops take the sm_90a kernels here; the tests above ran this kernel by name")
         _require_kernel(cuda)
-    elif os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: this file's cases
+    elif SANITIZED:  # the sanitized kernels: this file's cases
         files = ["tests/ops/test_grouped_mm_fp8_mma_gpu.py"]
     else:  # the emulated GPU is 8.0: this file's tests run in the rerun too
         files.insert(0, "tests/ops/test_grouped_mm_fp8_mma_gpu.py")

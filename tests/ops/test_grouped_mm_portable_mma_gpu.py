@@ -22,7 +22,7 @@ import torch
 from moe_kernels import _ext
 from moe_kernels.ops.grouped_mm import grouped_mm_dgrad_reference, grouped_mm_reference, grouped_mm_wgrad_reference
 from moe_kernels.testing import assert_close_to_fp64, assert_exact
-from tests.emulation import EMULATED, skip_if_emulated, skip_if_sanitized
+from tests.emulation import EMULATED, SANITIZED, skip_if_emulated, skip_if_sanitized
 from tests.ops.test_grouped_mm_gpu import _loop_bwd, _loop_fwd, splits
 
 G = importlib.import_module("moe_kernels.ops.grouped_mm")
@@ -139,7 +139,7 @@ def test_every_stage_count_gives_the_same_bits(cuda, stages, monkeypatch):
     # fewer than the stages in flight; K = 37 puts the leading dimensions off 8 elements, so the operands strided
     # by K take the element-wise loads in every slice.
     cases = ((200, torch.bfloat16), (200, torch.float16), (40, torch.bfloat16), (37, torch.bfloat16))
-    if os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: one count, the short contractions
+    if SANITIZED:  # the sanitized kernels: one count, the short contractions
         if stages != "3":
             pytest.skip("under ASan 3 stages only; every count runs in the emulated tier and on a GPU")
         cases = cases[2:]
@@ -250,7 +250,7 @@ print("ok")
     res = subprocess.run([sys.executable, "-c", check], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
     select = "(test_matches_composition_and_fp64 and not float32) or test_unaligned_operands"
-    if os.environ.get("MOE_KERNELS_EMULATE") == "asan":  # the sanitized kernels: bf16, the cases of one or two tiles
+    if SANITIZED:  # the sanitized kernels: bf16, the cases of one or two tiles
         select = "(test_matches_composition_and_fp64 or test_unaligned_operands) and bfloat16 and not tiles"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", "-x",  # -s: a
                            # sanitizer's report, printed before it aborts the child, reaches this test's message
