@@ -3,6 +3,7 @@ their router's code."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -213,11 +214,19 @@ def _forward_of(cls: type):
     return fn if isinstance(fn, types.FunctionType) else None
 
 
-def _same_code(fn, ref) -> bool:
+@functools.cache
+def _source(fn) -> str | None:
+    """A function's source text, or None where there is none. Cached: each class is compared with every
+    reference router, and inspect tokenizes the file from the function's first line on every call."""
     try:
-        if inspect.getsource(fn) != inspect.getsource(ref):
-            return False
+        return inspect.getsource(fn)
     except (OSError, TypeError):
+        return None
+
+
+def _same_code(fn, ref) -> bool:
+    src = _source(fn)
+    if src is None or src != _source(ref):
         return False
     missing = object()
     return all(fn.__globals__.get(n, missing) is ref.__globals__.get(n, missing) for n in _names(fn.__code__)
@@ -261,7 +270,7 @@ def _matched_family(cls: type) -> _Family | None:
 def matched_routers(models: Iterable[str] | None = None) -> dict[str, str]:
     """{router class (module.Class): the family whose routing it runs} for every router class of the installed
     transformers that patch_hf runs: the named families' and those matched by their code. Imports every
-    transformers model module (a minute), or only those of `models` (transformers.models' package names, such
+    transformers model module (seconds), or only those of `models` (transformers.models' package names, such
     as "glm4_moe"); for documentation and tests."""
     keep = None if models is None else {models} if isinstance(models, str) else set(models)
     out = {}
