@@ -10,6 +10,8 @@ Environment knobs:
                            and the CUDA headers are found.
   MOE_KERNELS_EMU_SANITIZE=1  also build `_C_emu_asan` (AddressSanitizer + UBSan; MOE_KERNELS_EMULATE=asan
                            with libasan preloaded).
+  MOE_KERNELS_EMU_DEBUG_INFO  the CPU-executed builds' debug-information flag (default "-g1": symbols and line
+                           tables; "-g" adds variables and types, for a debugger).
   CUTLASS_DIR              CUTLASS checkout (its include/ is used) instead of the nvidia-cutlass wheel.
   MAX_JOBS                 parallel compile jobs (default: cores, capped by memory at ~7 GB per job).
   CUDA_HOME / CUDA_PATH    where nvcc lives when it is not on PATH.
@@ -207,6 +209,7 @@ class CMakeBuild(build_ext):
             f"-DCUDA_ON_CPU_MODULE={name}",
             f"-DCUDA_ON_CPU_OUTPUT_DIR={out_dir}",
             f"-DCUDA_ON_CPU_SANITIZE={'ON' if ext.sanitize else 'OFF'}",
+            f"-DCUDA_ON_CPU_DEBUG_INFO={os.environ.get('MOE_KERNELS_EMU_DEBUG_INFO', '-g1')}",
             f"-Dpybind11_DIR={pybind11.get_cmake_dir()}",
             f"-DPython_EXECUTABLE={sys.executable}",
         ]

@@ -270,8 +270,8 @@ def _matched_family(cls: type) -> _Family | None:
 def matched_routers(models: Iterable[str] | None = None) -> dict[str, str]:
     """{router class (module.Class): the family whose routing it runs} for every router class of the installed
     transformers that patch_hf runs: the named families' and those matched by their code. Imports every
-    transformers model module (seconds), or only those of `models` (transformers.models' package names, such
-    as "glm4_moe"); for documentation and tests."""
+    transformers model module whose source names a router or gate (seconds), or only those of `models`
+    (transformers.models' package names, such as "glm4_moe"); for documentation and tests."""
     keep = None if models is None else {models} if isinstance(models, str) else set(models)
     out = {}
     for fam in FAMILIES:
