@@ -169,19 +169,22 @@ def test_fp8_recipe_runs_fused_permute_and_fp8_wgrad(monkeypatch):
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
 
 
-@pytest.mark.parametrize("family, ffn", [("qwen3_moe", 128), ("nemotron_h", 128), ("nemotron_h", 208)])
-def test_fp8_recipe_takes_the_fused_activation_producers(family, ffn, monkeypatch):
+@pytest.mark.parametrize("family, ffn, fused_permute", [("qwen3_moe", 128, True), ("nemotron_h", 128, True),
+                                                        ("nemotron_h", 208, True), ("qwen3_moe", 128, False),
+                                                        ("nemotron_h", 128, False)])
+def test_fp8_recipe_takes_the_fused_activation_producers(family, ffn, fused_permute, monkeypatch):
     # A patched model's experts on the FP8 recipe as MoELayer's: the SwiGLU (transformers' default SiLU gate) or the
     # squared ReLU writes the down projection's E4M3 input, and backward the up projection's E4M3 gradient; the
     # unpermute backward writes the down projection's. No bf16 activation or gradient is quantized by a pass of its
-    # own, and logits and gradients are bit for bit those of the unfused recipe (fused_swiglu=False).
+    # own, and logits and gradients are bit for bit those of the unfused recipe (fused_swiglu=False). The same with
+    # the permute apart from the first GEMM's input quantization (fused_permute=False).
     from moe_kernels.quant import Fp8BlockwiseRecipe, recipe as recipe_mod
 
     sizes = dict(hidden_size=128, head_dim=32, moe_intermediate_size=ffn)
     model = build(family, layers=1, **sizes).to(torch.bfloat16)  # (fp32 rows: permute_quantize_fp8 and a token pass)
     plain = copy.deepcopy(model)
-    mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
-    mk.patch_hf(plain, recipe=Fp8BlockwiseRecipe(fused_swiglu=False))
+    mk.patch_hf(model, recipe=Fp8BlockwiseRecipe(fused_permute=fused_permute))
+    mk.patch_hf(plain, recipe=Fp8BlockwiseRecipe(fused_permute=fused_permute, fused_swiglu=False))
     calls = dict.fromkeys(("quantize_fp8", "quantize_fp8_tokens", "swiglu_bwd_quantize_fp8",
                            "squared_relu_bwd_quantize_fp8"), 0)
 

@@ -134,7 +134,11 @@ def moe_kernels_experts_forward(
         )
     else:
         x_perm, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
-        h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
+        if fused_act is not None:  # (no adapters): h's gradient comes back in E4M3 from the fused activation
+            h = recipe.grouped_mm(x_perm, w13, group_sizes, swiglu_next=fused_act == "swiglu",
+                                  squared_relu_next=fused_act == "squared_relu")
+        else:
+            h = grouped_mm_lora(x_perm, w13, group_sizes, lora13, mm=mm)  # [R, 2F]
     if fused_act is not None:
         y = _fp8_activation_gemms(recipe, fused_act, h, w2, group_sizes, unpermute_next=True)
         return recipe.unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
