@@ -94,6 +94,8 @@ MATCHED = {  # family -> (config class, model class, the routing patch_hf must r
     "zaya": ("ZayaConfig", "ZayaForCausalLM", "Zaya"),  # transformers' router, our experts
     "kolibri1_1": ("Kolibri1_1Config", "Kolibri1_1ForCausalLM", "Kolibri 1.1"),  # transformers' router, our experts
     "inkling": ("InklingTextConfig", "InklingForCausalLM", "Inkling"),  # transformers' router, our experts
+    # sigmoid routing with a selection bias; experts without a gate stored [E, K, N], an RMSNorm per expert after them
+    "ergo": ("ErgoConfig", "ErgoForCausalLM", "Ergo"),
     # DeepSeek-V3's router, experts without a gate (squared ReLU), an optional latent projection around the experts
     "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM", "nemotron_h (DeepSeek-V3 routing)"),
 }
@@ -131,6 +133,8 @@ _EXTRA = {
                       "num_key_value_heads": 4},
     # NVFP4-rounded keys and values: head_dim a multiple of 16; every layer MoE
     "kolibri1_1": {"head_dim": 16, "index_num_heads": 2, "mlp_only_layers": []},
+    # every layer MoE (by default the first is dense)
+    "ergo": {"num_dense_blocks": 0, "shared_intermediate_size": 24, "moe_routed_scaling_factor": 2.5},
     "nemotron_h": {"moe_shared_expert_intermediate_size": 24, "mamba_num_heads": 4, "mamba_head_dim": 16,
                    "n_groups": 2, "ssm_state_size": 8, "chunk_size": 8},
 }
@@ -229,6 +233,7 @@ CASES = [
     ("zaya", {"num_experts_per_tok": 1}),  # (Zaya's only k)
     ("kolibri1_1", {}),
     ("inkling", {}),
+    ("ergo", {}),  # experts without a gate stored [E, K, N], a norm per expert after them
     ("nemotron_h", {}),  # experts without a gate: act_fn(up) (squared ReLU)
     ("nemotron_h", {"moe_latent_size": 24, "n_group": 1, "topk_group": 1}),  # the experts on a latent width
 ]
@@ -250,8 +255,10 @@ def build(family: str, seed: int = 0, layers: int = 2, **overrides) -> nn.Module
             if name.endswith(("experts.gate_up_proj", "experts.up_proj", "experts.down_proj")):
                 p.normal_(0.0, 0.3)
             elif name.endswith((".gate.weight", ".router.weight", ".router.proj.weight", ".gate.wg.weight",
-                                ".router.classifier.weight")):
+                                ".router.classifier.weight", ".gate.linear.weight")):
                 p.normal_(0.0, 1.0)
+            elif name.endswith("experts.post_expert_norm.weight"):  # a weight row per expert (Ergo's): not ones
+                p.normal_(1.0, 0.5)
         for module in model.modules():
             for bias in ("e_score_correction_bias", "expert_bias"):  # selection biases (buffers)
                 if isinstance(getattr(module, bias, None), torch.Tensor):

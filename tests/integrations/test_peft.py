@@ -24,11 +24,14 @@ HF_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 
 def _targets(family):
-    """peft's targets for the family's experts: Llama 4's under feed_forward; Nemotron-H's (no gate) under mixer."""
+    """peft's targets for the family's experts: Llama 4's under feed_forward; Nemotron-H's (no gate) under mixer;
+    Ergo's (no gate) up_proj."""
     if family == "llama4":
         return [t.replace("mlp.", "feed_forward.") for t in HF_TARGETS]
     if family == "nemotron_h":
         return ["mixer.experts.up_proj", "mixer.experts.down_proj"]
+    if family == "ergo":
+        return ["mlp.experts.up_proj", "mlp.experts.down_proj"]
     return HF_TARGETS
 
 
@@ -47,9 +50,9 @@ def _logits_and_grads(model, ids):
     return logits.detach(), grads
 
 
-# GPT-OSS (biased) and Aria: experts stored [E, K, N]; Llama 4: its patched block calls the experts through peft's
-# wrappers
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "aria", "llama4", "nemotron_h"])
+# GPT-OSS (biased), Aria and Ergo (no gate, a norm per expert after them): experts stored [E, K, N]; Llama 4: its
+# patched block calls the experts through peft's wrappers
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "aria", "llama4", "nemotron_h", "ergo"])
 def test_fused_lora_equals_peft_within_the_policy(family, monkeypatch):
     torch.manual_seed(0)
     targets = _targets(family)

@@ -27,7 +27,10 @@ pytestmark = pytest.mark.distributed
 
 def _grads(model, shards, rank, P):
     """Each parameter's gradient; for the experts the full model shards, the sum over ranks of this rank's
-    slice (what the EP model's local experts receive)."""
+    slice (what the EP model's local experts receive). A norm with a weight row per expert after the experts (Ergo's,
+    replicated): the sum over ranks, every model's. The EP model's rank applies it to its experts' rows of every rank's
+    tokens, so its gradient holds those experts' rows; summed over the ranks, as the data-parallel reduction does, it
+    is the one-rank model's sum (as every other replicated parameter's, whose rank gradient holds its own tokens)."""
     grads = {}
     for name, p in model.named_parameters():
         g = p.grad.clone()
@@ -35,6 +38,8 @@ def _grads(model, shards, rank, P):
             dist.all_reduce(g)
             El = g.shape[0] // P
             g = g[rank * El : (rank + 1) * El]
+        elif name.endswith("experts.post_expert_norm.weight"):
+            dist.all_reduce(g)
         grads[name] = g
     return grads
 
@@ -118,11 +123,13 @@ def _dbrx_case(rank, P, backend):
 
 def _worker(rank, P, backend):
     # GPT-OSS: biased experts stored [E, K, N] (Aria: bias-free); Llama 4: the block's forward patched, tokens
-    # scaled on the experts' rank; Nemotron-H: experts without a gate
-    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "aria", "llama4", "nemotron_h"):
+    # scaled on the experts' rank; Nemotron-H: experts without a gate; Ergo: experts without a gate stored
+    # [E, K, N], a norm per expert after them (its weight replicated, each rank reading its experts' rows)
+    for family in ("qwen3_moe", "deepseek_v3", "mixtral", "gpt_oss", "aria", "llama4", "nemotron_h", "ergo"):
         _case(rank, P, family, backend, "patch_hf")
     _case(rank, P, "nemotron_h", backend, "patch_hf", moe_latent_size=24, n_group=1, topk_group=1)  # latent experts
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
+    _case(rank, P, "ergo", backend, "experts_implementation")  # transformers' norm after our projections
     _dbrx_case(rank, P, backend)
 
 

@@ -44,13 +44,13 @@ def _experts_of(block: nn.Module):
     return unwrapped(experts) if isinstance(experts, nn.Module) else experts
 
 
-_ROUTER_LINEARS = ("proj", "wg", "gate", "classifier", "layer")  # Gemma 4's, HunYuan-MoE-V1's, AFMoE's,
-# Longcat-Flash's, DBRX's
+_ROUTER_LINEARS = ("proj", "wg", "gate", "classifier", "layer", "linear")  # Gemma 4's, HunYuan-MoE-V1's, AFMoE's,
+# Longcat-Flash's, DBRX's, Ergo's
 
 
 def _gate_weight(gate: nn.Module):
-    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg`, `gate`, `classifier` or
-    `layer`)."""
+    """The router's [E, H] weight: its own, or its projection Linear's (`proj`, `wg`, `gate`, `classifier`, `layer`
+    or `linear`)."""
     w = getattr(gate, "weight", None)
     if isinstance(w, Tensor):
         return w

@@ -25,6 +25,8 @@ stored [E, K, N] (GPT-OSS's, Aria's) and Llama 4's block.
 - DBRX (`DbrxFFN`, its router is `router`): transformers' router and routing, our experts (`_dbrx_experts_forward`):
   w1, v1 and w2 stored [E * F, H] each, viewed [E, F, H]: the gate and up products [E, N, K], the down product
   [E, K, N]; the experts' own activation.
+- Ergo (`ErgoMoE`): experts without a gate stored [E, K, N] and an RMSNorm per expert after them
+  (`_ergo_experts_forward`: the norm on the permuted rows, before the routing weights).
 """
 
 from __future__ import annotations
@@ -177,10 +179,10 @@ def _check_lora_experts(experts: nn.Module, local: int, *term_lists) -> None:
 
 
 def _is_kn_layout(experts: nn.Module) -> bool:
-    """Gated experts stored [E, K, N] (transformers' is_transposed) without a post norm: GPT-OSS's (biases, gate/up
-    columns interleaved, its own gate) and Aria's (bias-free, gate then up columns)."""
-    return (getattr(experts, "is_transposed", False) and getattr(experts, "has_gate", True)
-            and not getattr(experts, "has_post_expert_norm", False))
+    """Experts stored [E, K, N] (transformers' is_transposed) without a post norm: GPT-OSS's (biases, gate/up columns
+    interleaved, its own gate), Aria's (bias-free, gate then up columns) and Ergo's projections (no gate: up_proj
+    [E, H, F], act_fn(up))."""
+    return getattr(experts, "is_transposed", False) and not getattr(experts, "has_post_expert_norm", False)
 
 
 class _GroupedMmKN(torch.autograd.Function):
@@ -258,14 +260,15 @@ def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms
 
 def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                         top_k_weights: Tensor) -> Tensor:
-    """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's): permute, the [E, K, N] grouped GEMMs (with the
-    experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around the gate
-    (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU), unpermute with the routing
-    weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs
+    """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's, Ergo's projections): permute, the [E, K, N] grouped
+    GEMMs (with the experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around
+    the gate (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU) or, without a gate, the
+    activation (our squared_relu for transformers' relu2), unpermute with the routing weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs
     on this rank's experts. A precision recipe: its grouped_mm_kn (the biases added into its output), the rows
     padded to its alignment. An ONNX export: transformers' own forward (on one rank)."""
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
-    lora13, lora2 = lora_terms(self, "gate_up_proj"), lora_terms(self, "down_proj")
+    up = _up_name(self)  # gate_up_proj [E, H, 2F], or up_proj [E, H, F] without a gate
+    lora13, lora2 = lora_terms(self, up), lora_terms(self, "down_proj")
     if _onnx.exporting():  # (transformers' ops export)
         if dispatcher is not None:
             raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on "
@@ -276,11 +279,11 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     E = self.num_experts
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
     align = 1 if recipe is None else recipe.align
-    w13, w2 = autocast_input(self.gate_up_proj), autocast_input(self.down_proj)  # [E, H, 2F], [E, F, H]
+    w13, w2 = autocast_input(getattr(self, up)), autocast_input(self.down_proj)  # [E, H, 2F] (or F), [E, F, H]
     _check_lora_experts(self, w13.shape[0], lora13, lora2)
     b13 = b2 = None
     if getattr(self, "has_bias", False):
-        b13, b2 = self.gate_up_proj_bias.to(w13.dtype), self.down_proj_bias.to(w2.dtype)
+        b13, b2 = getattr(self, f"{up}_bias").to(w13.dtype), self.down_proj_bias.to(w2.dtype)
     x = hidden_states.to(w13.dtype).contiguous()
     idx = top_k_index.to(torch.int32)
     if getattr(self, "_is_expert_parallel", False):
@@ -291,12 +294,68 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
         rows, group_sizes = d.x, d.group_sizes
     else:
         rows, row_map, group_sizes = permute(x, idx.contiguous(), E, align=align)
-    h = _kn_mm(rows, w13.contiguous(), b13, group_sizes, lora13, recipe)  # [R, 2F]
-    act = _gated(self, h)  # GPT-OSS's own clamped gate on interleaved columns; Aria's SiLU: our swiglu
+    h = _kn_mm(rows, w13.contiguous(), b13, group_sizes, lora13, recipe)  # [R, 2F] (or F)
+    act = _activation(self, h)  # GPT-OSS's own clamped gate on interleaved columns; SiLU: our swiglu; relu2 alone
     y = _kn_mm(act.contiguous(), w2.contiguous(), b2, group_sizes, lora2, recipe)  # [R, H]
     if dispatcher is not None:
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
+
+
+def _ergo_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                          top_k_weights: Tensor) -> Tensor:
+    """Ergo's experts (ErgoExperts: transformers repeats each token once per route, runs its projections with unit
+    weights, applies each route's expert's own RMSNorm, then weighs and sums the k routes in fp32) on our ops:
+    permute (each token once per route, grouped by expert), up_proj [E, H, F] and down_proj [E, F, H] as the
+    [E, K, N] grouped GEMMs (`_kn_mm`: no transposed copy; peft's LoRA terms as rank-r products; a precision
+    recipe's grouped_mm_kn) around the experts' act_fn (our squared_relu for its relu2), the experts' own
+    post_expert_norm on the permuted rows with each row's expert (transformers' arithmetic), and unpermute with
+    the routing weights (fp32, rounded once, as transformers' fp32 sum). Expert-parallel (apply_expert_parallel:
+    up_proj and down_proj hold this rank's E / P experts), the dispatcher's dispatch and combine in place of permute
+    and unpermute; the norm's [E, H] weight stays whole on every rank (a replicated parameter, as the router's),
+    read at the rows of this rank's experts. hidden_states [T, H]; returns [T, H] in its dtype."""
+    norm = self._modules.get("post_expert_norm")
+    if _onnx.exporting():
+        raise NotImplementedError("moe_kernels experts: Ergo's experts do not export to ONNX (unpatch_hf first)")
+    if any(_is_dtensor(t) for t in (self.up_proj, self.down_proj, norm.weight, hidden_states)):
+        raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
+    lora1, lora2 = lora_terms(self, "up_proj"), lora_terms(self, "down_proj")
+    E = self.num_experts
+    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
+    align = 1 if recipe is None else recipe.align
+    w1, w2 = autocast_input(self.up_proj), autocast_input(self.down_proj)  # [E, H, F], [E, F, H] (or E / P)
+    _check_lora_experts(self, w1.shape[0], lora1, lora2)
+    x = hidden_states.to(w1.dtype).contiguous()
+    idx = top_k_index.to(torch.int32).contiguous()
+    first = 0
+    if dispatcher is not None:  # this rank holds experts [first, first + E / P)
+        check_expert_parallel_weights(self)
+        first = dispatcher.first_expert
+        d = dispatcher.dispatch(x, top_k_weights.float(), idx, align=align)
+        rows, group_sizes = d.x, d.group_sizes
+    else:
+        rows, row_map, group_sizes = permute(x, idx, E, align=align)
+    h = _kn_mm(rows, w1.contiguous(), None, group_sizes, lora1, recipe)  # [R, F]
+    act = squared_relu(h) if _is_squared_relu(self.act_fn) else self.act_fn(h)
+    y = _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora2, recipe)  # [R, H]
+    y = _expert_normed(norm, y, group_sizes, first)
+    if dispatcher is not None:
+        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
+    return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
+
+
+def _expert_normed(norm: nn.Module, y: Tensor, group_sizes: Tensor, first: int = 0) -> Tensor:
+    """norm(y, expert) over the permuted expert outputs, each row with its group's expert (first + the group's index:
+    a norm with a weight row per expert, Ergo's ErgoExpertNorm), found on the device from the group sizes (no host
+    sync). The rows past the groups are zeroed first and take the last expert's row (as `_normed`'s: unspecified
+    values kept out of the weight's gradient)."""
+    ends = group_sizes.cumsum(0)
+    rows = torch.arange(y.shape[0], device=y.device, dtype=ends.dtype)
+    group = torch.searchsorted(ends, rows, right=True)  # rows past the groups: the group count
+    valid = group < group_sizes.shape[0]
+    y = torch.where(valid[:, None], y, torch.zeros((), dtype=y.dtype, device=y.device))
+    return norm(y, group.clamp_max(group_sizes.shape[0] - 1) + first)
 
 
 def _llama4_block_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor]:

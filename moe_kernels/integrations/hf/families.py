@@ -15,7 +15,7 @@ from pathlib import Path
 from torch import nn
 
 from .common import _TM
-from .experts import _dbrx_experts_forward, _llama4_block_forward, _llama4_experts_forward
+from .experts import _dbrx_experts_forward, _ergo_experts_forward, _llama4_block_forward, _llama4_experts_forward
 from .routings import (
     afmoe_problem,
     afmoe_router_forward,
@@ -25,6 +25,8 @@ from .routings import (
     cohere2_problem,
     cohere2_router_forward,
     dbrx_problem,
+    ergo_problem,
+    ergo_router_forward,
     deepseek_v2_problem,
     deepseek_v2_router_forward,
     deepseek_v3_problem,
@@ -65,6 +67,11 @@ from .routings import (
 )
 
 
+def _ergo_dims(experts: nn.Module) -> tuple[int, int, object]:
+    """(H, F, weight dtype) of Ergo's experts: up_proj [E, H, F], down_proj [E, F, H]."""
+    return experts.up_proj.shape[1], experts.up_proj.shape[2], experts.up_proj.dtype
+
+
 def _dbrx_dims(experts: nn.Module) -> tuple[int, int, object]:
     """(H, F, weight dtype) of DBRX's experts, whose weights sit on their GLU module (w1, v1, w2 [E * F, H])."""
     return experts.hidden_size, experts.ffn_hidden_size, experts.mlp.w2.dtype
@@ -84,7 +91,7 @@ class _Family:
     kn_experts: bool = False  # experts stored [E, K, N] (is_transposed; GPT-OSS's with biases, interleaved gate/up)
     block_forward: Callable | None = None  # the block's forward replaced (its router stays transformers')
     # the experts' forward replaced: with block_forward, the one the block calls; alone, experts outside transformers'
-    # experts interface (DBRX's), behind transformers' router and block
+    # experts interface (DBRX's), behind transformers' block and router (or our router_forward: Ergo's)
     experts_forward: Callable | None = None
     # (experts) -> (H, F, weight dtype) where the weights are not the experts' gate_up_proj / down_proj (DBRX's)
     expert_dims: Callable | None = None
@@ -181,6 +188,10 @@ FAMILIES = (
     _Family("DBRX", _TM + "dbrx.modeling_dbrx", "DbrxFFN", "DbrxRouter", "DbrxExperts", None, dbrx_problem,
             reference=False, experts_forward=_dbrx_experts_forward, experts_only_routers=("DbrxRouter",),
             expert_dims=_dbrx_dims),
+    # Ergo: our router; its experts (without a gate, stored [E, K, N], an RMSNorm per expert after them) replaced
+    # whole, the norm on the permuted rows.
+    _Family("Ergo", _TM + "ergo.modeling_ergo", "ErgoMoE", "ErgoTopkRouter", "ErgoExperts", ergo_router_forward,
+            ergo_problem, reference=False, experts_forward=_ergo_experts_forward, expert_dims=_ergo_dims),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

@@ -250,9 +250,11 @@ def _swap_class(module: nn.Module, new_forward: Callable) -> None:
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
-    if fam.experts_forward is not None:  # the experts' forward (and Llama 4's block's); the router stays transformers'
+    if fam.experts_forward is not None:  # the experts' forward (and Llama 4's block's, or Ergo's router's)
         if fam.block_forward is not None:
             _swap_class(block, fam.block_forward)
+        elif fam.router_forward is not None and not _experts_only(fam, _router_of(block)):
+            _swap_class(_router_of(block), fam.router_forward)
         _swap_class(_experts_of(block), fam.experts_forward)
         _experts_of(block).__dict__[_RECIPE_ATTR] = recipe
         return

@@ -57,6 +57,9 @@ Routing per family (transformers 5.x code -> router_topk; verified in tests/inte
 - Aria: top-k by logit, softmax over the k, in the logits' dtype (its experts are stored [E, K, N]).
 - Inkling2: fp32, sigmoid or sqrt-softplus, selection by score + bias, renormalised, scaled. MiniMax-M3 (and
   Step-3.7 by its code): sigmoid, selection by score + the router's bias, renormalised, fp32.
+- Ergo: fp32 logits (its own Linear), sigmoid, selection by score + the router's e_score_correction_bias, weights
+  over their sum + 1e-20, times routed_scaling_factor, rounded to the input's dtype. Its experts (no gate, stored
+  [E, K, N]) apply an RMSNorm per expert before the routing weights.
 - DBRX: its router (DbrxRouter's Linear, with its jitter in training) and routing (softmax in the logits' dtype,
   top-k, over the chosen weights' p-norm) stay transformers'; its experts run ours (`dbrx_problem` checks them).
 - Every other family whose router class has one of these routers' code (`_matched_family`: the same `forward`
@@ -419,6 +422,18 @@ def aria_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor,
     return router_logits, weights.to(router_logits.dtype), indices.long()
 
 
+def ergo_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Ergo: fp32 logits from its own `linear` (ErgoLinearWithFP32Output, called: its rounding and hooks), sigmoid
+    scores, selection by score + the router's e_score_correction_bias, weights over their sum (+1e-20) times
+    routed_scaling_factor, rounded to the input's dtype and returned in fp32, as transformers returns them."""
+    hidden_states = hidden_states.reshape(-1, self.linear.in_features)
+    router_logits = self.linear(hidden_states)
+    weights, indices = router_topk(router_logits, self.top_k, score="sigmoid",
+                                   expert_bias=self.e_score_correction_bias.float(), normalize=True,
+                                   scaling_factor=float(self.routed_scaling_factor))
+    return router_logits, weights.to(hidden_states.dtype).float(), indices.long()
+
+
 def longcat_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """Longcat-Flash: fp32 logits over the routed and the zero-computation experts (its classifier's weight; its
     bias, where it has one, unused, as in transformers), softmax over all, selection by probability +
@@ -593,6 +608,40 @@ def inkling2_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
 
 def minimax_m3_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
     return _bias_problem(getattr(gate, "e_score_correction_bias", None), E, "its router")
+
+
+def ergo_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
+    """ErgoMoE: a bias-free [E, H] router Linear with an [E] selection bias; experts without a gate stored [E, K, N]
+    (up_proj [E, H, F], down_proj [E, F, H], one float dtype) with an act_fn, and transformers' ErgoExpertNorm
+    (a weight row per expert, [E, H]) after them."""
+    experts = _experts_of(block)
+    linear = getattr(gate, "linear", None)
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        return f"its router's projection is a {type(linear).__name__}, not a bias-free Linear"
+    H = linear.in_features
+    if tuple(linear.weight.shape) != (E, H):
+        return f"its router's weight is {tuple(linear.weight.shape)}, not [{E}, {H}]"
+    if not isinstance(getattr(gate, "routed_scaling_factor", None), (int, float)):
+        return "its router has no numeric routed_scaling_factor"
+    bias = _bias_problem(getattr(gate, "e_score_correction_bias", None), E, "its router")
+    if bias is not None:
+        return bias
+    norm_cls = getattr(sys.modules.get(type(block).__module__), "ErgoExpertNorm", None)
+    norm = experts._modules.get("post_expert_norm")
+    if norm_cls is None or type(norm) is not norm_cls:
+        return f"its experts' post_expert_norm is a {type(norm).__name__}, not transformers' ErgoExpertNorm"
+    if not isinstance(norm.weight, Tensor) or tuple(norm.weight.shape) != (E, H):
+        return f"its experts' norm weight is {tuple(norm.weight.shape)}, not [{E}, {H}]"
+    w1, w2 = getattr(experts, "up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(w1, Tensor) and isinstance(w2, Tensor)) or not callable(getattr(experts, "act_fn", None)):
+        return "its experts lack up_proj / down_proj tensors or an act_fn"
+    if w1.dtype not in _WEIGHT_DTYPES or w2.dtype != w1.dtype:
+        return f"its expert weights are {w1.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
+    held = experts.__dict__.get(EXPERT_RANGE_ATTR, (0, E, E))[1]  # an expert-parallel rank's experts: E / P
+    if w1.dim() != 3 or tuple(w1.shape[:2]) != (held, H) or tuple(w2.shape) != (held, w1.shape[2], H):
+        return (f"unexpected shapes: up_proj {tuple(w1.shape)}, down_proj {tuple(w2.shape)} for {held} experts of "
+                f"H {H}")
+    return None
 
 
 def longcat_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
