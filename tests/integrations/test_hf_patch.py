@@ -88,20 +88,22 @@ def test_after_from_pretrained(tmp_path):
         assert_same_outputs(run(model, ids), run(ref_model, ids))
 
 
-@pytest.mark.parametrize(("family", "overrides"), [("olmoe", {"norm_topk_prob": True}), ("nemotron_h", {})])
+@pytest.mark.parametrize(("family", "overrides"), [("olmoe", {"norm_topk_prob": True}), ("nemotron_h", {}),
+                                                   ("ergo", {})])
 def test_experts_interface_registration(family, overrides, monkeypatch):
     """The experts forward alone, behind transformers' own router, via set_experts_implementation (Nemotron-H's:
-    experts without a gate)."""
+    experts without a gate; Ergo's projections: without a gate, stored [E, K, N], each route a row of its own, with
+    transformers' norm per expert after them)."""
     ref_model = build(family, **overrides).eval()
     model = copy.deepcopy(ref_model)
     assert hf.register_experts_implementation()
     model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
     assert model.config._experts_implementation == "moe_kernels"
-    calls = _count_grouped_mm(monkeypatch)
+    calls = _count_grouped_mm(monkeypatch, "_kn_mm" if family == "ergo" else "grouped_mm")
     ids = inputs()
     with torch.no_grad():
         assert_same_outputs(run(model, ids), run(ref_model, ids))
-    assert len(calls) == 2 * len(moe_blocks(model))  # both expert GEMMs of every block on our grouped_mm
+    assert len(calls) == 2 * len(moe_blocks(model))  # both expert GEMMs of every block on our grouped GEMMs
 
 
 @pytest.mark.parametrize("act", ["relu2", "gelu"])
@@ -146,10 +148,11 @@ def test_experts_without_a_gate_of_another_structure_are_left_alone(change, why)
 # The patch chosen at call time: later choices, copies, pickles, replicas and wrappers
 
 
-def _count_grouped_mm(monkeypatch) -> list:
-    """Calls of moe_kernels' grouped_mm from the patched experts."""
-    calls, real = [], hf.experts.grouped_mm
-    monkeypatch.setattr(hf.experts, "grouped_mm", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+def _count_grouped_mm(monkeypatch, name: str = "grouped_mm") -> list:
+    """Calls of moe_kernels' grouped_mm (or another of hf.experts' GEMM functions, `_kn_mm`: the [E, K, N] product)
+    from the patched experts."""
+    calls, real = [], getattr(hf.experts, name)
+    monkeypatch.setattr(hf.experts, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     return calls
 
 

@@ -1,6 +1,7 @@
 """Experts with a post-expert norm (transformers' has_post_expert_norm: Muse Spark's) on moe_kernels' ops: the norm
 applied to each expert's output before its routing weight, behind transformers' own router; against the model's own
-forward and gradients."""
+forward and gradients. Ergo's norm with a weight row per expert: test_norm_per_expert_takes_each_rows_expert here, the
+model in tests/integrations/test_hf.py's families."""
 
 from __future__ import annotations
 
@@ -94,6 +95,28 @@ def test_rows_past_the_groups_stay_out_of_the_norm():
     torch.testing.assert_close(out[:4], norm(y[:4]), rtol=0, atol=0)
     out[:4].sum().backward()
     assert torch.isfinite(norm.weight.grad).all() and torch.isfinite(y.grad).all()
+
+
+@pytest.mark.parametrize("first", [0, 3])
+def test_norm_per_expert_takes_each_rows_expert(first):
+    # A norm with a weight row per expert (Ergo's ErgoExpertNorm) on the permuted rows: each row normed with its
+    # group's expert (first + the group's index: an expert-parallel rank's experts start at `first`), found from the
+    # group sizes on the device; NaN in the rows past the groups stays out of every gradient.
+    ergo = pytest.importorskip("transformers.models.ergo.modeling_ergo")
+    cfg = transformers.ErgoConfig(hidden_size=8, num_experts=6, rms_norm_eps=1e-6)
+    norm = ergo.ErgoExpertNorm(cfg)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.5)
+    y = torch.randn(5, 8, requires_grad=True)
+    sizes = torch.tensor([2, 0, 3], dtype=torch.int32)  # experts first, first + 1 (empty), first + 2
+    y_nan = torch.cat([y, torch.full((2, 8), float("nan"))])
+    out = hf.experts._expert_normed(norm, y_nan, sizes, first)
+    want = norm(y, torch.tensor([0, 0, 2, 2, 2]) + first)
+    torch.testing.assert_close(out[:5], want, rtol=0, atol=0)
+    out[:5].sum().backward()
+    assert torch.isfinite(norm.weight.grad).all() and torch.isfinite(y.grad).all()
+    used = {first, first + 2}
+    assert all((norm.weight.grad[e].abs().sum() > 0) == (e in used) for e in range(6))
 
 
 def test_post_expert_norm_on_the_fp8_recipe():

@@ -232,9 +232,23 @@ def _kn_recipe_case(family, recipe, device, monkeypatch):
     _check_kn_recipe(model, recipe, device, monkeypatch, (experts.gate_up_proj, experts.down_proj))
 
 
-def _check_kn_recipe(model, recipe, device, monkeypatch, params):
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_ergo_experts_on_a_recipe(recipe, monkeypatch):
+    # Ergo's experts (no gate, stored [E, K, N], a norm per expert after them) on a precision recipe: both GEMMs
+    # through its grouped_mm_kn on the weights as stored, the norm on the permuted rows (those past the groups, the
+    # recipe's padding, zeroed first), logits within the recipe's error of the model's own (the squared ReLU doubles
+    # the first GEMM's relative error; the norm divides each row by its RMS, which keeps a row's relative error to
+    # first order), every expert parameter's gradient reached and finite.
+    model = build("ergo", layers=1, hidden_size=128, moe_intermediate_size=128)
+    experts = hf.common._experts_of(moe_blocks(model)[0])
+    _check_kn_recipe(model, recipe, "cpu", monkeypatch,
+                     (experts.up_proj, experts.down_proj, experts.post_expert_norm.weight), squared=True)
+
+
+def _check_kn_recipe(model, recipe, device, monkeypatch, params, squared=False):
     """Every expert GEMM of `model` through the recipe's grouped_mm_kn (rows padded to its alignment), logits within
-    the recipe's error of the model's own, `params`' gradients reached."""
+    the recipe's error of the model's own, `params`' gradients reached. squared: a squared ReLU between the GEMMs
+    (its log-derivative 2 doubles the first GEMM's relative error), else a gated activation."""
     from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
     from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error
 
@@ -248,9 +262,10 @@ def _check_kn_recipe(model, recipe, device, monkeypatch, params):
     err = relative_l2_error(out.logits.cpu(), ref.cpu())
     # Error models as test_fp8_recipe_runs_fused_permute_and_fp8_wgrad's (four E4M3 operands) and
     # test_precision_recipe's (NVFP4's, measured on these operands); 2x allowed; above 0.1%: applied at all.
-    bound = (QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4) if recipe == "fp8"
-             else _nvfp4_swiglu_error([(x.cpu(), w.transpose(1, 2).contiguous().cpu(), gs.cpu())
-                                       for x, w, gs in calls]))
+    e = E4M3_REL_ERROR
+    bound = (QUANT_SLACK * quantized_product_error(*((2 * e, 2 * e, e, e) if squared else [e] * 4))
+             if recipe == "fp8" else _nvfp4_swiglu_error([(x.cpu(), w.transpose(1, 2).contiguous().cpu(), gs.cpu())
+                                                         for x, w, gs in calls], first=4.0 if squared else 2.0))
     assert 1e-3 < err < 2 * bound, (err, bound)
     out.loss.backward()
     for p in params:
