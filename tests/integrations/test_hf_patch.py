@@ -106,6 +106,26 @@ def test_experts_interface_registration(family, overrides, monkeypatch):
     assert len(calls) == 2 * len(moe_blocks(model))  # both expert GEMMs of every block on our grouped GEMMs
 
 
+def test_ergo_experts_while_exporting(monkeypatch):
+    # While torch.onnx exports, experts stored [E, K, N] on the experts implementation run transformers' forward of the
+    # decorated class (Ergo's ErgoExpertProjections, which ErgoExperts' own forward calls: the same outputs), and the
+    # experts patch_hf replaced (the norm per expert on the permuted rows) refuse the export, naming the way out.
+    import moe_kernels.onnx
+
+    ref = build("ergo").eval()
+    model = copy.deepcopy(ref)
+    model.set_experts_implementation(hf.EXPERTS_IMPLEMENTATION)
+    patched = patched_copy(ref)
+    ids = inputs()
+    monkeypatch.setattr(moe_kernels.onnx, "exporting", lambda: True)
+    calls = _count_grouped_mm(monkeypatch, "_kn_mm")
+    with torch.no_grad():
+        assert_same_outputs(run(model, ids), run(ref, ids))
+        with pytest.raises(NotImplementedError, match="Ergo's experts do not export to ONNX"):
+            patched(ids)
+    assert calls == []  # transformers' loop, not our GEMMs
+
+
 @pytest.mark.parametrize("act", ["relu2", "gelu"])
 def test_experts_without_a_gate_take_the_fused_squared_relu(act, monkeypatch):
     # Nemotron-H's experts (no gate): transformers' squared ReLU runs as our squared_relu (bit for bit its relu then

@@ -87,7 +87,7 @@ def moe_kernels_experts_forward(
             f"moe_kernels experts: {type(self).__name__} has biases or interleaved gate/up columns on [E, N, K] "
             "weights, or a post-expert norm without a post_expert_norm module; bias-free [E, 2F, H] gate_up_proj (or "
             "[E, F, H] up_proj without a gate) + [E, H, F] down_proj experts run here, with or without a post-expert "
-            "norm, and gated experts stored [E, K, N] (transformers' is_transposed), with or without biases"
+            "norm, and experts stored [E, K, N] (transformers' is_transposed), gated or not, with or without biases"
         )
     E = self.num_experts
     w13 = _grouped_weight(getattr(self, up))  # [E, 2F, H]: N = 2F, K = H (up_proj [E, F, H]: N = F)
@@ -263,9 +263,11 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's, Ergo's projections): permute, the [E, K, N] grouped
     GEMMs (with the experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around
     the gate (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU) or, without a gate, the
-    activation (our squared_relu for transformers' relu2), unpermute with the routing weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs
-    on this rank's experts. A precision recipe: its grouped_mm_kn (the biases added into its output), the rows
-    padded to its alignment. An ONNX export: transformers' own forward (on one rank)."""
+    activation (our squared_relu for transformers' relu2), unpermute with the routing weights; expert-parallel
+    (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs on this rank's experts. A
+    precision recipe: its grouped_mm_kn (the biases added into its output), the rows padded to its alignment. An ONNX
+    export: transformers' own forward of the experts interface (on one rank; the decorated class's, where a subclass
+    such as Ergo's ErgoExperts calls it from a forward of its own)."""
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     up = _up_name(self)  # gate_up_proj [E, H, 2F], or up_proj [E, H, F] without a gate
     lora13, lora2 = lora_terms(self, up), lora_terms(self, "down_proj")
@@ -275,7 +277,9 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
                                       "moe_kernels' ops only (no ONNX export)")
         if lora13 or lora2:  # (the fused wrapper hands none over while exporting: peft forms W + s B A then)
             raise RuntimeError("moe_kernels experts: transformers' forward would drop the fused LoRA terms")
-        return type(self).forward.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+        decorated = next(c.__dict__["forward"] for c in type(self).__mro__
+                         if hasattr(c.__dict__.get("forward"), "__wrapped__"))
+        return decorated.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
     E = self.num_experts
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
     align = 1 if recipe is None else recipe.align
