@@ -260,26 +260,34 @@ def _kn_mm(x: Tensor, w: Tensor, bias: Tensor | None, group_sizes: Tensor, terms
 
 def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                         top_k_weights: Tensor) -> Tensor:
-    """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's, Ergo's projections): permute, the [E, K, N] grouped
-    GEMMs (with the experts' biases where they have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around
-    the gate (GPT-OSS's own clamped one on interleaved columns; our fused swiglu for SiLU) or, without a gate, the
-    activation (our squared_relu for transformers' relu2), unpermute with the routing weights; expert-parallel
-    (apply_expert_parallel), the dispatcher's dispatch and combine around the same GEMMs on this rank's experts. A
-    precision recipe: its grouped_mm_kn (the biases added into its output), the rows padded to its alignment. An ONNX
-    export: transformers' own forward of the experts interface (on one rank; the decorated class's, where a subclass
-    such as Ergo's ErgoExperts calls it from a forward of its own)."""
-    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
-    up = _up_name(self)  # gate_up_proj [E, H, 2F], or up_proj [E, H, F] without a gate
-    lora13, lora2 = lora_terms(self, up), lora_terms(self, "down_proj")
+    """Experts stored [E, K, N] on our ops (GPT-OSS's, Aria's, Ergo's projections): `_kn_experts`. An ONNX export:
+    transformers' own forward of the experts interface (on one rank; the decorated class's, where a subclass such as
+    Ergo's ErgoExperts calls it from a forward of its own)."""
     if _onnx.exporting():  # (transformers' ops export)
-        if dispatcher is not None:
+        if DISPATCHER_ATTR in self.__dict__:
             raise NotImplementedError("moe_kernels experts: expert-parallel experts stored [E, K, N] run on "
                                       "moe_kernels' ops only (no ONNX export)")
-        if lora13 or lora2:  # (the fused wrapper hands none over while exporting: peft forms W + s B A then)
+        if lora_terms(self, _up_name(self)) or lora_terms(self, "down_proj"):  # (the fused wrapper hands none over
+            # while exporting: peft forms W + s B A then)
             raise RuntimeError("moe_kernels experts: transformers' forward would drop the fused LoRA terms")
         decorated = next(c.__dict__["forward"] for c in type(self).__mro__
                          if hasattr(c.__dict__.get("forward"), "__wrapped__"))
         return decorated.__wrapped__(self, hidden_states, top_k_index, top_k_weights)
+    return _kn_experts(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _kn_experts(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor,
+                norm: nn.Module | None = None) -> Tensor:
+    """Experts stored [E, K, N] on our ops: permute, the [E, K, N] grouped GEMMs (with the experts' biases where they
+    have them, and peft's LoRA terms as rank-r products: `_kn_mm`) around the gate (GPT-OSS's own clamped one on
+    interleaved columns; our fused swiglu for SiLU) or, without a gate, the activation (our squared_relu for
+    transformers' relu2), then `norm` where given (a norm with a weight row per expert, Ergo's: `_expert_normed`),
+    unpermute with the routing weights; expert-parallel (apply_expert_parallel), the dispatcher's dispatch and
+    combine around the same GEMMs on this rank's experts. A precision recipe: its grouped_mm_kn (the biases added
+    into its output), the rows padded to its alignment."""
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
+    up = _up_name(self)  # gate_up_proj [E, H, 2F], or up_proj [E, H, F] without a gate
+    lora13, lora2 = lora_terms(self, up), lora_terms(self, "down_proj")
     E = self.num_experts
     recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
     align = 1 if recipe is None else recipe.align
@@ -301,6 +309,8 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
     h = _kn_mm(rows, w13.contiguous(), b13, group_sizes, lora13, recipe)  # [R, 2F] (or F)
     act = _activation(self, h)  # GPT-OSS's own clamped gate on interleaved columns; SiLU: our swiglu; relu2 alone
     y = _kn_mm(act.contiguous(), w2.contiguous(), b2, group_sizes, lora2, recipe)  # [R, H]
+    if norm is not None:  # each row with its expert: this rank's start first where expert-parallel
+        y = _expert_normed(norm, y, group_sizes, 0 if dispatcher is None else dispatcher.first_expert)
     if dispatcher is not None:
         return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
     return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
@@ -309,44 +319,20 @@ def _kn_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Ten
 def _ergo_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
                           top_k_weights: Tensor) -> Tensor:
     """Ergo's experts (ErgoExperts: transformers repeats each token once per route, runs its projections with unit
-    weights, applies each route's expert's own RMSNorm, then weighs and sums the k routes in fp32) on our ops:
-    permute (each token once per route, grouped by expert), up_proj [E, H, F] and down_proj [E, F, H] as the
-    [E, K, N] grouped GEMMs (`_kn_mm`: no transposed copy; peft's LoRA terms as rank-r products; a precision
-    recipe's grouped_mm_kn) around the experts' act_fn (our squared_relu for its relu2), the experts' own
-    post_expert_norm on the permuted rows with each row's expert (transformers' arithmetic), and unpermute with
-    the routing weights (fp32, rounded once, as transformers' fp32 sum). Expert-parallel (apply_expert_parallel:
-    up_proj and down_proj hold this rank's E / P experts), the dispatcher's dispatch and combine in place of permute
-    and unpermute; the norm's [E, H] weight stays whole on every rank (a replicated parameter, as the router's),
-    read at the rows of this rank's experts. hidden_states [T, H]; returns [T, H] in its dtype."""
-    norm = self._modules.get("post_expert_norm")
+    weights, applies each route's expert's own RMSNorm, then weighs and sums the k routes in fp32) on our ops as
+    `_kn_experts` with the experts' own post_expert_norm: permute (each token once per route, grouped by expert),
+    up_proj [E, H, F] and down_proj [E, F, H] as the [E, K, N] grouped GEMMs around the experts' act_fn (our
+    squared_relu for its relu2), the norm on the permuted rows with each row's expert (transformers' arithmetic),
+    and unpermute with the routing weights (fp32, rounded once, as transformers' fp32 sum). Expert-parallel
+    (apply_expert_parallel: up_proj and down_proj hold this rank's E / P experts), the norm's [E, H] weight stays
+    whole on every rank (a replicated parameter, as the router's), read at the rows of this rank's experts. While
+    torch.onnx exports, transformers' forward (as unpatched). hidden_states [T, H]; returns [T, H] in its dtype."""
     if _onnx.exporting():
-        raise NotImplementedError("moe_kernels experts: Ergo's experts do not export to ONNX (unpatch_hf first)")
+        return _base_class(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    norm = self._modules["post_expert_norm"]
     if any(_is_dtensor(t) for t in (self.up_proj, self.down_proj, norm.weight, hidden_states)):
         raise NotImplementedError(f"moe_kernels experts: {type(self).__name__} {_SHARDED}")
-    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
-    lora1, lora2 = lora_terms(self, "up_proj"), lora_terms(self, "down_proj")
-    E = self.num_experts
-    recipe = self.__dict__.get(_RECIPE_ATTR)  # patch_hf(model, recipe=...)
-    align = 1 if recipe is None else recipe.align
-    w1, w2 = autocast_input(self.up_proj), autocast_input(self.down_proj)  # [E, H, F], [E, F, H] (or E / P)
-    _check_lora_experts(self, w1.shape[0], lora1, lora2)
-    x = hidden_states.to(w1.dtype).contiguous()
-    idx = top_k_index.to(torch.int32).contiguous()
-    first = 0
-    if dispatcher is not None:  # this rank holds experts [first, first + E / P)
-        check_expert_parallel_weights(self)
-        first = dispatcher.first_expert
-        d = dispatcher.dispatch(x, top_k_weights.float(), idx, align=align)
-        rows, group_sizes = d.x, d.group_sizes
-    else:
-        rows, row_map, group_sizes = permute(x, idx, E, align=align)
-    h = _kn_mm(rows, w1.contiguous(), None, group_sizes, lora1, recipe)  # [R, F]
-    act = squared_relu(h) if _is_squared_relu(self.act_fn) else self.act_fn(h)
-    y = _kn_mm(act.contiguous(), w2.contiguous(), None, group_sizes, lora2, recipe)  # [R, H]
-    y = _expert_normed(norm, y, group_sizes, first)
-    if dispatcher is not None:
-        return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
-    return unpermute(y, row_map, top_k_weights.float().contiguous()).to(hidden_states.dtype)
+    return _kn_experts(self, hidden_states, top_k_index, top_k_weights, norm)
 
 
 def _expert_normed(norm: nn.Module, y: Tensor, group_sizes: Tensor, first: int = 0) -> Tensor:
