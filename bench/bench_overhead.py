@@ -158,6 +158,7 @@ def _stub_fp8_paths(ext) -> None:
     # (positional: op, dtype, ...; python_api/gemm.cpp)
     ext.grouped_mm_path = lambda *args, **kw: (_FP8_PATH if (args[1] if len(args) > 1 else kw.get("dtype")) == fp8
                                                else real(*args, **kw))
+    ext.moe_fp8_path = lambda *args: True  # (the FP8 region's query over its GEMMs)
 
 
 class _Registered:

@@ -353,6 +353,40 @@ def extension_calls(*, stub: bool = False):
         setattr(_ext, name, real)
 
 
+def kernel_name(signature: str) -> str:
+    """A kernel's bare name from its launch name or a profiler's demangled signature: "void moe::permute::(anonymous
+    namespace)::unpermute_fwd_kernel<__nv_bfloat16, 8>(moe::permute::UnpermuteParams)" -> "unpermute_fwd_kernel"."""
+    s = signature.replace("(anonymous namespace)::", "")
+    for stop in "<(":
+        s = s.split(stop, 1)[0]
+    return s.rsplit("::", 1)[-1].rsplit(" ", 1)[-1]
+
+
+@contextlib.contextmanager
+def kernel_launches():
+    """Inside, the kernels launched are counted by bare name (kernel_name): on the CPU-executed build from its own
+    count (one extension call may launch several kernels), on a GPU from the profiler's kernel events. Yields a
+    dict, filled on exit."""
+    from moe_kernels import _ext
+
+    counts: dict[str, int] = {}
+    emu = getattr(_ext._EMU, "_module", _ext._EMU)  # (the real module under extension_calls)
+    if emu is not None:
+        before = emu.emu_kernel_launches()
+        yield counts
+        for name, n in emu.emu_kernel_launches().items():
+            if n != before.get(name, 0):
+                counts[name] = n - before.get(name, 0)
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        yield counts
+        torch.cuda.synchronize()
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            name = kernel_name(event.name)
+            counts[name] = counts.get(name, 0) + 1
+
+
 class HostSyncError(AssertionError):
     """An op read device data on the host."""
 

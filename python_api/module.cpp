@@ -63,4 +63,5 @@ PYBIND11_MODULE(MOE_KERNELS_MODULE, m) {
   moe::api::register_quant(m);
   moe::api::register_dispatch(m);
   moe::api::register_regions(m);
+  moe::api::register_regions_fp8(m);
 }

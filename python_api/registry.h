@@ -45,5 +45,6 @@ void register_activation(pybind11::module_& m);
 void register_quant(pybind11::module_& m);
 void register_dispatch(pybind11::module_& m);
 void register_regions(pybind11::module_& m);
+void register_regions_fp8(pybind11::module_& m);
 
 }  // namespace moe::api

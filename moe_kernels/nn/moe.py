@@ -269,7 +269,7 @@ class MoELayer(nn.Module):
         fused_act = hasattr(cfg.recipe, "swiglu_grouped_mm")
         if fused_act and not cfg.weights_in_activation:
             fit = launch is not None and fused_fp8.fits(launch, cfg.recipe, x_in, routed.indices, experts.w13,
-                                                        experts.w2)
+                                                        experts.w2, cfg.num_experts, cfg.permute_align)
             if fit:
                 self._took("fused_fp8")
             return fused.run("moe_fp8", launch if fit else None, x_in, routed.indices, routed.weights, experts.w13,

@@ -296,13 +296,14 @@ def test_past_2_31_elements(cuda):
 
 @pytest.mark.long
 def test_on_a_gpu_of_8_9(cuda):
-    """Emulated, or on a GPU without the sm_90a FP8 kernels: the FP8 ops' suites and the FP8 recipe's rerun with
+    """Emulated, or on a GPU without the sm_90a FP8 kernels: the FP8 ops' suites, the FP8 recipe's and its fused
+    region's (moe_fp8, which runs only where every expert GEMM has an FP8 kernel) rerun with
     MOE_KERNELS_PORTABLE_MMA=1 (read once per process), so the ops take this kernel by default. Emulated, the rerun
     reports an 8.9 GPU (MOE_KERNELS_EMU_CAPABILITY) and runs this file's tests too (under ASan, only those)."""
     if os.environ.get(CHILD):
         pytest.skip("this is the rerun")
     files = ["tests/ops/test_grouped_mm_fp8_gpu.py", "tests/ops/test_grouped_mm_fp8_wgrad_gpu.py",
-             "tests/quant/test_recipe_gpu.py"]
+             "tests/quant/test_recipe_gpu.py", "tests/nn/test_fused_fp8_gpu.py"]
     if not EMULATED:  # this file's tests ran the kernel by name above
         C = _kernels(cuda)
         if torch.cuda.get_device_capability(cuda)[0] == 9 and C.grouped_mm_has_sm90:

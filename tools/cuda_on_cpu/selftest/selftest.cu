@@ -1,6 +1,7 @@
 // Kernels that exercise the CPU execution layer itself: the collectives' results, and the errors it
 // must report. Compiled into _C_emu only (tests/tools/test_cuda_on_cpu.py).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <cstdint>
 #include <stdexcept>
@@ -172,5 +173,7 @@ void register_selftest(pybind11::module_& m) {
   m.def("emu_schedule", &emu::set_schedule, pybind11::arg("spec"),
         "Sets the order of blocks and runnable threads (forward, reverse, random, random:SEED, serial, "
         "serial-reverse, serial-random, serial-random:SEED); returns the previous one");
+  m.def("emu_kernel_launches", &emu::kernel_launches,
+        "Launches run since the library loaded, per kernel name (template arguments dropped)");
 }
 }  // namespace emu

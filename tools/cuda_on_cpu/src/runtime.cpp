@@ -763,7 +763,14 @@ void log_launch(const LaunchConfig& c) {
 }
 
 
+std::map<std::string, int64_t> g_kernel_launches;  // guarded by g_launch_mutex
+
 }  // namespace
+
+std::map<std::string, int64_t> kernel_launches() {
+  std::lock_guard<std::mutex> lock(g_launch_mutex);
+  return g_kernel_launches;
+}
 
 std::string set_schedule(const std::string& spec) {
   std::lock_guard<std::mutex> lock(g_launch_mutex);
@@ -781,6 +788,8 @@ void run_grid(const LaunchConfig& cfg, const std::function<void()>& body) {
   }
   std::lock_guard<std::mutex> lock(g_launch_mutex);
   log_launch(cfg);
+  const char* open = std::strchr(cfg.kernel, '<');
+  ++g_kernel_launches[open ? std::string(cfg.kernel, open) : std::string(cfg.kernel)];
   g_sync_sites.launch();
   const auto t0 = std::chrono::steady_clock::now();
   struct Report {

@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <string>
 
 namespace emu {
@@ -122,6 +123,10 @@ std::string set_schedule(const std::string& spec);
 
 // Runs `body` as every thread of every block (or records cudaErrorInvalidConfiguration).
 void run_grid(const LaunchConfig& cfg, const std::function<void()>& body);
+
+// Launches run since the library loaded, per kernel name (the name as launched, its template arguments dropped):
+// the tests read which kernels a call launched (one extension call may launch several).
+std::map<std::string, int64_t> kernel_launches();
 
 // `kernel<<<grid, block, smem, stream>>>(args...)` is rewritten to
 // `::emu::launch("kernel", __FILE__, __LINE__, ::emu::kernel_address(kernel), grid, block, smem, stream)(
