@@ -11,8 +11,8 @@ directly. The calling convention, which every op on the hot path follows:
   node on its forward's stream).
 - The extension is called with positional arguments; a region's forward is one extension call (the routed
   experts: permute, experts and unpermute in `moe`), the router's one kernel each way (router_fused) takes its
-  losses too. The FP8 recipe's region (`moe_fp8`, moe_kernels/nn/fused_fp8.py) still makes one call per kernel,
-  its FP8 GEMMs choosing their kernel (or the dequantizing fallback) per call.
+  losses too. The FP8 recipe's region (`moe_fp8`, moe_kernels/nn/fused_fp8.py) is one call each way too, where
+  every expert GEMM has an FP8 kernel (else the recipe's functions run, with their dequantizing fallback).
 - Workspaces are sized by the region itself: a region that needs one returns the bytes it needs when
   the given workspace is too small, launching nothing; the size is remembered per shape, so the steady
   state is one call, and each workspace is a fresh caching-allocator block on the current stream

@@ -302,8 +302,8 @@ def _swiglu_quantize_fp8_cuda(h, row_weights, pow2_scale):
 def swiglu_fp8_on(C, launch: tuple[int, int], h: Tensor, w: Tensor | None, pow2_scale: bool
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """swiglu_quantize_fp8's kernel on checked 16-bit rows h [R, 2F] and fp32 row weights w (or None), on extension
-    C at `launch` (device, stream): the op's implementation and the fused FP8 region (moe_kernels.nn.fused_fp8)
-    both run it."""
+    C at `launch` (device, stream), for the op's implementation (the fused FP8 region launches the same kernel from
+    python_api/regions_fp8.cpp)."""
     if h.data_ptr() % 16:
         h = h.clone()  # 16-byte loads of gate and up
     R, F = h.shape[0], h.shape[1] // 2
@@ -382,8 +382,8 @@ def _swiglu_bwd_quantize_fp8_cuda(dout, h, row_weights, need_dw, pow2_scale):
 def swiglu_bwd_fp8_on(C, launch: tuple[int, int], dout: Tensor, h: Tensor, w: Tensor | None, pow2_scale: bool
                       ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """swiglu_bwd_quantize_fp8's kernel (dh in both E4M3 layouts, no row weights' gradient) on checked 16-bit dout
-    [R, F] and h [R, 2F], fp32 row weights w (or None), on extension C at `launch` (device, stream): the op's
-    implementation and the fused FP8 region both run it."""
+    [R, F] and h [R, 2F], fp32 row weights w (or None), on extension C at `launch` (device, stream), for the op's
+    implementation (the fused FP8 region launches the same kernel from python_api/regions_fp8.cpp)."""
     h = h if h.data_ptr() % 16 == 0 else h.clone()  # 16-byte loads of gate, up and dout
     dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()
     R, W = h.shape
@@ -473,7 +473,8 @@ def _rows_fp8_cuda(op: str, code: int, x: Tensor, dout: Tensor | None, pow2_scal
 def rows_fp8_on(C, launch: tuple[int, int], code: int, x: Tensor, dout: Tensor | None, pow2_scale: bool
                 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The rows_fp8 kernel (`code`: its op) on checked 16-bit x [R, C] (and dout), on extension C at `launch`
-    (device, stream): the ops' implementations and the fused FP8 region both run it."""
+    (device, stream), for the ops' implementations (the fused FP8 region launches the same kernel from
+    python_api/regions_fp8.cpp)."""
     x = x if x.data_ptr() % 16 == 0 else x.clone()  # 16-byte loads
     if dout is not None and dout.data_ptr() % 16:
         dout = dout.clone()

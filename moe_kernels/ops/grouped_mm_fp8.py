@@ -397,8 +397,8 @@ def _grouped_mm_fp8_cuda(x_q, x_scale, w_q, w_scale, group_sizes):
 
 def forward_on(C, launch: tuple[int, int], x_q: Tensor, x_scale: Tensor, w_q: Tensor, w_scale: Tensor,
                group_sizes: Tensor) -> Tensor:
-    """grouped_mm_fp8's CUDA path on operands already checked, on extension C at `launch` (device, stream): the
-    op's implementation and the fused FP8 region (moe_kernels.nn.fused_fp8) both run it."""
+    """grouped_mm_fp8's CUDA path on operands already checked, on extension C at `launch` (device, stream), for the
+    op's implementation and the recipe's functions."""
     M, E, N = x_q.shape[0], w_q.shape[0], w_q.shape[1]
     out = torch.empty((M, N), dtype=torch.bfloat16, device=x_q.device)
     if M == 0 or N == 0 or E == 0:
@@ -589,7 +589,7 @@ def _grouped_mm_fp8_wgrad_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out_dtyp
 def wgrad_on(C, launch: tuple[int, int], a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor,
              group_sizes: Tensor, out_dtype: torch.dtype) -> Tensor:
     """grouped_mm_fp8_wgrad's CUDA path on operands already checked, on extension C at `launch` (device, stream):
-    the op's implementation and the fused FP8 region both run it."""
+    for the op's implementation and the recipe's functions."""
     (N, M), K, E = a_q.shape, b_q.shape[0], group_sizes.shape[0]
     if M == 0 or E == 0 or N == 0 or K == 0:
         return torch.zeros((E, N, K), dtype=out_dtype, device=a_q.device)
@@ -645,7 +645,7 @@ def _grouped_mm_fp8_wgrad_into_cuda(a_q, a_scale, b_q, b_scale, group_sizes, out
 def wgrad_into_on(C, launch: tuple[int, int], a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor,
                   group_sizes: Tensor, out: Tensor, accumulate: bool) -> None:
     """grouped_mm_fp8_wgrad(..., out=out, accumulate=accumulate)'s CUDA path on operands already checked, on
-    extension C at `launch` (device, stream): the op's implementation and the fused FP8 region both run it."""
+    extension C at `launch` (device, stream), for the op's implementation and the recipe's functions."""
     (N, M), K, E = a_q.shape, b_q.shape[0], group_sizes.shape[0]
     if M == 0 or E == 0 or N == 0 or K == 0:  # no tokens: the product is zero
         if not accumulate:

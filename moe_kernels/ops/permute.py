@@ -608,8 +608,8 @@ def unpermute_bwd_fp8_on(C, launch: tuple[int, int], dout: Tensor, slot: Tensor,
                          pow2_scale: bool) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """unpermute_bwd_quantize_fp8's kernel on checked 16-bit dout [T, H]: the rows of `slot` [R] (slot_of_row: each
     row's slot t * k + j, -1 for none) gathered, times w [T, k] fp32 (or None), into both E4M3 layouts, on extension
-    C at `launch` (device, stream): the op's implementation and the fused FP8 region (which gathers the tokens into
-    the first GEMM's input with it too) both run it."""
+    C at `launch` (device, stream), for the op's implementation (the fused FP8 region launches the same kernel from
+    python_api/regions_fp8.cpp, and gathers the tokens into the first GEMM's input with it too)."""
     dout = dout if dout.data_ptr() % 16 == 0 else dout.clone()  # 16-byte loads of dout rows
     (T, H), R = dout.shape, slot.shape[0]
     q, scale, q_t, scale_t = out = fp8_layouts_empty(dout, R, H)

@@ -26,8 +26,9 @@ first GEMM's backward directly (for experts without a gate the squared ReLU's: s
 squared_relu_bwd_quantize_fp8); the unpermute's backward (`Fp8BlockwiseRecipe.unpermute`) does the same for the
 second GEMM's output gradient (unpermute_bwd_quantize_fp8). No bf16 gradient inside the experts is written.
 Called eagerly with these defaults (bf16 tokens, routing weights in the unpermute, training), MoELayer runs the same
-kernels on the same operands as one fused region (`moe_fp8`, moe_kernels.nn.fused_fp8): one autograd node instead
-of the three functions here, bit for bit their results.
+kernels on the same operands as one fused region (`moe_fp8`, moe_kernels.nn.fused_fp8): one autograd node and one
+extension call each way instead of the three functions here, bit for bit their results, wherever every expert GEMM
+has an FP8 kernel.
 
 Weights stored [E, K, N] (transformers' GPT-OSS, Aria and Llama 4 experts; `grouped_mm_kn`): the same three
 products. The one quantization of the stored weight writes both layouts of its tiles (quantize_fp8_experts_dual on

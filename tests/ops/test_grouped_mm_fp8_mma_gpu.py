@@ -299,7 +299,8 @@ def test_on_a_gpu_of_8_9(cuda):
     """Emulated, or on a GPU without the sm_90a FP8 kernels: the FP8 ops' suites, the FP8 recipe's and its fused
     region's (moe_fp8, which runs only where every expert GEMM has an FP8 kernel) rerun with
     MOE_KERNELS_PORTABLE_MMA=1 (read once per process), so the ops take this kernel by default. Emulated, the rerun
-    reports an 8.9 GPU (MOE_KERNELS_EMU_CAPABILITY) and runs this file's tests too (under ASan, only those)."""
+    reports an 8.9 GPU (MOE_KERNELS_EMU_CAPABILITY) and runs this file's tests too (under ASan, only those and two of
+    the fused region's cases)."""
     if os.environ.get(CHILD):
         pytest.skip("this is the rerun")
     files = ["tests/ops/test_grouped_mm_fp8_gpu.py", "tests/ops/test_grouped_mm_fp8_wgrad_gpu.py",
@@ -309,8 +310,10 @@ def test_on_a_gpu_of_8_9(cuda):
         if torch.cuda.get_device_capability(cuda)[0] == 9 and C.grouped_mm_has_sm90:
             pytest.skip("the FP8 ops take the sm_90a kernels here; the tests above ran this kernel by name")
         _require_kernel(cuda)
-    elif SANITIZED:  # the sanitized kernels: this file's cases
-        files = ["tests/ops/test_grouped_mm_fp8_mma_gpu.py"]
+    elif SANITIZED:  # the sanitized kernels: this file's cases, and the fused FP8 region's entries (moe_fp8_fwd /
+        # moe_fp8_bwd) on one token and on slots the capacity dropped
+        region = "tests/nn/test_fused_fp8_gpu.py::test_region_equals_the_recipes_functions"
+        files = ["tests/ops/test_grouped_mm_fp8_mma_gpu.py", f"{region}[one-token]", f"{region}[capacity]"]
     else:  # the emulated GPU is 8.0: this file's tests run in the rerun too
         files.insert(0, "tests/ops/test_grouped_mm_fp8_mma_gpu.py")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
