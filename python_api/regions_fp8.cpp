@@ -154,16 +154,6 @@ void set_workspace(std::initializer_list<Fp8Gemm*> gemms, void* ws, size_t bytes
   }
 }
 
-// The entries take T, k, R, H, F and E positive (the region's `fits`); moe_fp8_path answers false elsewhere.
-void check_sizes(const char* where, int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E) {
-  if (tokens <= 0 || k <= 0 || rows <= 0 || hidden <= 0 || ffn <= 0 || E <= 0) {
-    throw std::invalid_argument(std::string(where) + ": tokens, k, rows, hidden, ffn and num_experts must be "
-                                "positive, got " + std::to_string(tokens) + ", " + std::to_string(k) + ", " +
-                                std::to_string(rows) + ", " + std::to_string(hidden) + ", " + std::to_string(ffn) +
-                                ", " + std::to_string(E));
-  }
-}
-
 enum class Act : int32_t { kSwiglu = 0, kSquaredRelu = 1 };
 
 Act act_of(int32_t code) {
@@ -172,6 +162,19 @@ Act act_of(int32_t code) {
                                 std::to_string(code));
   }
   return Act(code);
+}
+
+// An entry's sizes and activation checked (T, k, R, H, F and E positive, as the region's `fits` has them; moe_fp8_path
+// answers false elsewhere): the up projection's width F2.
+int64_t checked_width(const char* where, int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn,
+                      int32_t E, int32_t act) {
+  if (tokens <= 0 || k <= 0 || rows <= 0 || hidden <= 0 || ffn <= 0 || E <= 0) {
+    throw std::invalid_argument(std::string(where) + ": tokens, k, rows, hidden, ffn and num_experts must be "
+                                "positive, got " + std::to_string(tokens) + ", " + std::to_string(k) + ", " +
+                                std::to_string(rows) + ", " + std::to_string(hidden) + ", " + std::to_string(ffn) +
+                                ", " + std::to_string(E));
+  }
+  return act_of(act) == Act::kSwiglu ? 2 * ffn : ffn;
 }
 
 // Stand-in addresses for the path query: 256-byte aligned (as every operand of the region is) and non-null where a
@@ -233,10 +236,8 @@ void register_regions_fp8(py::module_& m) {
          int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t align, int32_t act, bool pow2,
          uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
-        check_sizes("moe_fp8_fwd", tokens, k, rows, hidden, ffn, E);
-        const Act a = act_of(act);
-        const int64_t width = a == Act::kSwiglu ? 2 * ffn : ffn;
-        const auto* sizes = ptr<const int32_t>(group_sizes);
+        const int64_t width = checked_width("moe_fp8_fwd", tokens, k, rows, hidden, ffn, E, act);
+        const bool swiglu = act == int32_t(Act::kSwiglu);
         // The scratch, carved once the size is known to fit (a first pass at a stand-in base sizes it).
         auto plan = [&](uintptr_t base) {
           Carver c(base);
@@ -247,8 +248,8 @@ void register_regions_fp8(py::module_& m) {
             size_t scratch;
           } p{carve_rows(c, rows, hidden), carve_rows(c, rows, ffn),
               y ? ptr<void>(y) : static_cast<void*>(c.take<uint16_t>(rows * hidden)), {}, {}, 0};
-          p.up = fp8_fwd(c, p.xq.q, p.xq.scale, w13, w13_scale, ptr<void>(h), sizes, E, rows, width, hidden, device);
-          p.down = fp8_fwd(c, p.aq.q, p.aq.scale, w2, w2_scale, p.y, sizes, E, rows, hidden, ffn, device);
+          p.up = fp8_fwd(c, p.xq.q, p.xq.scale, w13, w13_scale, ptr<void>(h), ptr<const int32_t>(group_sizes), E, rows, width, hidden, device);
+          p.down = fp8_fwd(c, p.aq.q, p.aq.scale, w2, w2_scale, p.y, ptr<const int32_t>(group_sizes), E, rows, hidden, ffn, device);
           p.scratch = c.used();
           return p;
         };
@@ -270,7 +271,7 @@ void register_regions_fp8(py::module_& m) {
                                     ptr<uint8_t>(x_tq), ptr<float>(x_ts), tokens, k, hidden, rows, pow2, bf16},
                                    st);
         p.up.run(st);
-        if (a == Act::kSwiglu) {
+        if (swiglu) {
           activation::swiglu_fwd_fp8({ptr<const void>(h), nullptr, p.aq.q, p.aq.scale, ptr<uint8_t>(a_tq),
                                       ptr<float>(a_ts), rows, ffn, pow2, bf16},
                                      st);
@@ -302,10 +303,8 @@ void register_regions_fp8(py::module_& m) {
          int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t act, bool pow2,
          uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
-        check_sizes("moe_fp8_bwd", tokens, k, rows, hidden, ffn, E);
-        const Act a = act_of(act);
-        const int64_t width = a == Act::kSwiglu ? 2 * ffn : ffn;
-        const auto* sizes = ptr<const int32_t>(group_sizes);
+        const int64_t width = checked_width("moe_fp8_bwd", tokens, k, rows, hidden, ffn, E, act);
+        const bool swiglu = act == int32_t(Act::kSwiglu);
         const Fp8Layouts x_t{nullptr, nullptr, ptr<uint8_t>(x_tq), ptr<float>(x_ts)};
         const Fp8Layouts a_t{nullptr, nullptr, ptr<uint8_t>(a_tq), ptr<float>(a_ts)};
         auto plan = [&](uintptr_t base) {
@@ -319,12 +318,12 @@ void register_regions_fp8(py::module_& m) {
           } p{carve_layouts(c, rows, hidden), carve_layouts(c, rows, width),
               c.take<uint16_t>(rows * ffn), dx ? static_cast<void*>(c.take<uint16_t>(rows * hidden)) : nullptr,
               {}, {}, {}, {}, 0};
-          p.dgrad2 = fp8_fwd(c, p.dy.q, p.dy.scale, w2t, w2t_scale, p.da, sizes, E, rows, ffn, hidden, device);
-          p.wgrad2 = fp8_wgrad(c, p.dy, a_t, ptr<void>(dw2), dw2_dtype, dw2_accumulate, sizes, E, rows, hidden, ffn,
+          p.dgrad2 = fp8_fwd(c, p.dy.q, p.dy.scale, w2t, w2t_scale, p.da, ptr<const int32_t>(group_sizes), E, rows, ffn, hidden, device);
+          p.wgrad2 = fp8_wgrad(c, p.dy, a_t, ptr<void>(dw2), dw2_dtype, dw2_accumulate, ptr<const int32_t>(group_sizes), E, rows, hidden, ffn,
                                device);
-          p.wgrad13 = fp8_wgrad(c, p.dh, x_t, ptr<void>(dw13), dw13_dtype, dw13_accumulate, sizes, E, rows, width,
+          p.wgrad13 = fp8_wgrad(c, p.dh, x_t, ptr<void>(dw13), dw13_dtype, dw13_accumulate, ptr<const int32_t>(group_sizes), E, rows, width,
                                 hidden, device);
-          p.dgrad13 = fp8_fwd(c, p.dh.q, p.dh.scale, w13t, w13t_scale, p.dx_perm, sizes, E, rows, hidden, width,
+          p.dgrad13 = fp8_fwd(c, p.dh.q, p.dh.scale, w13t, w13t_scale, p.dx_perm, ptr<const int32_t>(group_sizes), E, rows, hidden, width,
                               device);
           p.scratch = c.used();
           return p;
@@ -349,7 +348,7 @@ void register_regions_fp8(py::module_& m) {
         }
         p.dgrad2.run(st);
         if (dw2) p.wgrad2.run(st);
-        if (a == Act::kSwiglu) {
+        if (swiglu) {
           activation::swiglu_bwd_fp8({p.da, ptr<const void>(h), nullptr, p.dh.q, p.dh.scale, p.dh.q_t, p.dh.scale_t,
                                       rows, ffn, pow2, bf16},
                                      st);
