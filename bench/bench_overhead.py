@@ -22,15 +22,17 @@ Timed, median of the reps:
        16384 tokens.
 FP8 (the blockwise recipe's layer, bf16 weights, the weight cache on as moe-train has it: a later micro-batch,
 every weight's codes a cache hit), three paths of the same layer:
-  fp8             the `moe_fp8` fused region (moe_kernels.nn.fused_fp8): one autograd node, positional calls
+  fp8             the `moe_fp8` fused region (moe_kernels.nn.fused_fp8): one autograd node, one extension call
+                  each way (moe_fp8_fwd / moe_fp8_bwd)
   fp8_recipe      the recipe's autograd functions calling the ops' implementations straight (_ext.direct)
   fp8_registered  the recipe's functions through the registered custom ops
-  On the CPU the stub also answers the FP8 GEMMs' path query as the sm_90a kernel would (the CPU-executed build
-  has no FP8 GEMM and would run its dequantizing fallback: real fp32 GEMMs, not host work), at H = F = 128.
+  On the CPU the stub also answers the FP8 GEMMs' path queries (grouped_mm_path, and the region's moe_fp8_path) as
+  the sm_90a kernels would (the CPU-executed build has no FP8 GEMM and would run its dequantizing fallback: real
+  fp32 GEMMs, not host work), at H = F = 128.
   Timed as above. Counted under the counting dispatch mode, where _ext.direct hands every op to the registered
-  op (a dispatch mode observes ops), so the recipe's two paths count the same aten ops and the same launches (the
-  kernels are the same either way); the region launches the same kernels plus rows_to_tokens, the slot of each
-  permuted row, which the recipe's functions compute with aten ops, twice.
+  op (a dispatch mode observes ops), so the recipe's two paths count the same aten ops and the same extension calls
+  (one a kernel); the region's count is its extension calls, each of which launches several kernels (the recipe's
+  and rows_to_tokens, the slot of each permuted row, which the recipe's functions compute with aten ops, twice).
 Bar (specs/perf.md via bench.bars, issue 25): host time per MoE layer fwd+bwd of the fused path at most
 1/3 of the registered-op path's (CPU, reported, never asserted by a timed test).
 """

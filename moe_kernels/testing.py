@@ -376,7 +376,8 @@ def kernel_launches():
         yield counts
         for name, n in emu.emu_kernel_launches().items():
             if n != before.get(name, 0):
-                counts[name] = n - before.get(name, 0)
+                bare = kernel_name(name)
+                counts[bare] = counts.get(bare, 0) + n - before.get(name, 0)
         return
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         yield counts

@@ -117,6 +117,9 @@ Fp8Gemm fp8_fwd(Carver& c, const uint8_t* a, const float* a_scale, uintptr_t w, 
 // with `accumulate`.
 Fp8Gemm fp8_wgrad(Carver& c, const Fp8Layouts& a, const Fp8Layouts& b, void* d, int32_t out, bool accumulate,
                   const int32_t* group_sizes, int32_t E, int64_t R, int64_t N, int64_t K, int device) {
+  if (accumulate && out != int32_t(DType::kFloat32)) {
+    throw std::invalid_argument("moe_fp8_bwd: a weight gradient is accumulated only into float32 (dtype code 0)");
+  }
   const int64_t Rp = up128(R), Rb = blocks(R);
   Fp8Gemm g{fp8_params(GemmOp::kWgrad, a.q_t, b.q_t, d, group_sizes, E, Rp, N, K, device), a.scale_t, b.scale_t, N,
             Rb, K, Rb};

@@ -83,6 +83,16 @@ def _wgrad_into(w: Tensor) -> tuple[Tensor, int, bool, object]:
     return torch.empty(w.shape, dtype=dtype, device=w.device), _ext.dtype_code(dtype), False, None
 
 
+def _wgrad_done(dw: Tensor | None, sink, w: Tensor) -> Tensor | None:
+    """The gradient autograd gets for w once its wgrad ran: None where it went into w's sink (written in place: its
+    version counter bumped, as the registered op's dispatch records, and the sink marked), else dw in w's dtype."""
+    if sink is not None:
+        torch.autograd.graph.increment_version(dw)
+        sink.mark()
+        return None
+    return None if dw is None else fused.as_dtype(dw, w.dtype)
+
+
 class _MoeFp8(torch.autograd.Function):
     """Its tensors for the backward (row_map, group_sizes, slot, x's and a's token-major E4M3 layouts, h, and y when
     the routing weights need a gradient) are parts of one allocation; each direction's scratch is in its
@@ -94,6 +104,9 @@ class _MoeFp8(torch.autograd.Function):
         k = indices.shape[1]
         E, F2, _ = w13.shape
         F = w2.shape[-1]
+        if F2 != (2 * F if act == SWIGLU else F):  # h [R, F2] is written at the activation's width
+            raise ValueError(f"moe_fp8: `w13` [E, {F2}, H] does not fit the activation's `w2` [E, H, {F}] "
+                             f"({'SwiGLU: 2F' if act == SWIGLU else 'the squared ReLU: F'} rows)")
         R = permuted_rows(T, k, num_experts, align)
         Rp, Rb = _rounded(R), _rounded(R) // _BLOCK
         pow2 = recipe.pow2_scale
@@ -144,18 +157,11 @@ class _MoeFp8(torch.autograd.Function):
                             dout.data_ptr(), _ext.ptr(w), _ext.ptr(q13t), _ext.ptr(s13t), q2t.data_ptr(),
                             s2t.data_ptr(), *saved, _ext.ptr(dx), _ext.ptr(dw13), code13, acc13, _ext.ptr(dw2), code2,
                             acc2, _ext.ptr(dweights), T, k, R, H, F, E, ctx.act, ctx.pow2, L.device, L.stream)
-        grads = []
-        for dw, sink, p in ((dw13, sink13, w13), (dw2, sink2, w2)):
-            if sink is not None:  # written in place, as the registered op's dispatch records; autograd gets None
-                torch.autograd.graph.increment_version(dw)
-                sink.mark()
-                dw = None
-            elif dw is not None:
-                dw = fused.as_dtype(dw, p.dtype)
-            grads.append(dw)
+        dw2 = _wgrad_done(dw2, sink2, w2)  # in the order their wgrads ran
+        dw13 = _wgrad_done(dw13, sink13, w13)
         if dweights is not None:
             dweights = fused.as_dtype(dweights, ctx.w_dtype)
-        return dx, None, dweights, *grads, None, None, None, None, None, None
+        return dx, None, dweights, dw13, dw2, None, None, None, None, None, None
 
 
 def _moe_fp8_ops(x: Tensor, indices: Tensor, weights: Tensor | None, w13: Tensor, w2: Tensor, num_experts: int,

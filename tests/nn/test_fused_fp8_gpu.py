@@ -380,3 +380,18 @@ def test_region_under_activation_checkpointing(region, reentrant):
     ((out.float() * g).sum() + aux).backward()
     _assert_same([out.detach(), aux.detach(), xi.grad] + [p.grad for p in layer.parameters()], want,
                  f"checkpointed (reentrant={reentrant})")
+
+
+def test_region_refuses_weights_that_do_not_fit_the_activation(cuda):
+    # SwiGLU's w13 [E, 2F, H] called as the squared ReLU's (h would be written at F rows' width), and the squared
+    # ReLU's [E, F, H] as SwiGLU's: a ValueError before anything runs.
+    from moe_kernels.nn import fused
+
+    for activation, act in (("swiglu", fused_fp8.SQUARED_RELU), ("squared_relu", fused_fp8.SWIGLU)):
+        layer = _layer(cuda, activation=activation)
+        w13, w2 = layer.experts.w13, layer.experts.w2
+        x = torch.randn(16, 128, device=cuda, dtype=torch.bfloat16)
+        idx = torch.randint(0, 8, (16, 2), device=cuda, dtype=torch.int32)
+        L = fused.launch_for(x)
+        with pytest.raises(ValueError, match="does not fit the activation"):
+            fused_fp8.moe_fp8_region(L, x, idx, None, w13, w2, 8, 128, Fp8BlockwiseRecipe(), act)
