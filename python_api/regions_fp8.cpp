@@ -35,8 +35,7 @@ constexpr int64_t kBlock = 128;
 int64_t up128(int64_t n) { return (n + kBlock - 1) / kBlock * kBlock; }
 int64_t blocks(int64_t n) { return (n + kBlock - 1) / kBlock; }
 
-// Consecutive parts of one workspace, each at a multiple of 256 bytes from `base`; used() is their total. With
-// base 0 every part's address is null (the path query only counts).
+// Consecutive parts of one workspace, each at a multiple of 256 bytes from `base`; used() is their total.
 class Carver {
  public:
   explicit Carver(uintptr_t base) : base_(base) {}
@@ -44,7 +43,7 @@ class Carver {
   T* take(int64_t count) {
     const size_t at = used_;
     used_ += (size_t(count) * sizeof(T) + 255) / 256 * 256;
-    return base_ ? reinterpret_cast<T*>(base_ + at) : nullptr;
+    return reinterpret_cast<T*>(base_ + at);
   }
   size_t used() const { return used_; }
 
@@ -180,12 +179,9 @@ int64_t checked_width(const char* where, int64_t tokens, int64_t k, int64_t rows
   return act_of(act) == Act::kSwiglu ? 2 * ffn : ffn;
 }
 
-// Stand-in addresses for the path query: 256-byte aligned (as every operand of the region is) and non-null where a
-// kernel needs one (the scales).
-const void* kAligned = reinterpret_cast<const void*>(uintptr_t(256));
-// The base a region's first pass carves from to size its workspace: the GEMMs' choice (and so their workspace)
-// depends on their operands' alignment and on the scales being given, so the sizing pass hands out addresses as
-// aligned as the real ones.
+// The stand-in base of a region's sizing pass and of the path query: the GEMMs' choice (and so their workspace)
+// depends on their operands' alignment and on the scales being given, so those passes hand out addresses as aligned
+// as the real ones, and none null.
 constexpr uintptr_t kSizingBase = 256;
 
 }  // namespace
@@ -200,24 +196,21 @@ void register_regions_fp8(py::module_& m) {
         DeviceGuard guard(device);
         if (rows <= 0 || hidden <= 0 || ffn <= 0 || E <= 0) return false;
         const int64_t width = act_of(act) == Act::kSwiglu ? 2 * ffn : ffn;
-        Carver none(0);
-        const auto* f = static_cast<const float*>(kAligned);
-        const auto* q = static_cast<const uint8_t*>(kAligned);
-        void* d = const_cast<void*>(kAligned);
-        const Fp8Layouts l{const_cast<uint8_t*>(q), const_cast<float*>(f), const_cast<uint8_t*>(q),
-                           const_cast<float*>(f)};
-        const uintptr_t w = 256;
-        Fp8Gemm gemms[] = {
-            fp8_fwd(none, q, f, w, w, d, nullptr, E, rows, width, hidden, device),   // up
-            fp8_fwd(none, q, f, w, w, d, nullptr, E, rows, hidden, ffn, device),     // down
-            fp8_fwd(none, q, f, w, w, d, nullptr, E, rows, ffn, hidden, device),     // da
-            fp8_fwd(none, q, f, w, w, d, nullptr, E, rows, hidden, width, device),   // dx
-            fp8_wgrad(none, l, l, d, 0, false, nullptr, E, rows, hidden, ffn, device),     // dw2, float32
-            fp8_wgrad(none, l, l, d, 2, false, nullptr, E, rows, hidden, ffn, device),     // dw2, bfloat16
-            fp8_wgrad(none, l, l, d, 0, false, nullptr, E, rows, width, hidden, device),   // dw13, float32
-            fp8_wgrad(none, l, l, d, 2, false, nullptr, E, rows, width, hidden, device)};  // dw13, bfloat16
-        for (auto& g : gemms) {
-          g.p.sfa = g.p.sfb = f;
+        Carver c(kSizingBase);
+        auto* q = reinterpret_cast<uint8_t*>(kSizingBase);
+        auto* f = reinterpret_cast<float*>(kSizingBase);
+        const Fp8Layouts l{q, f, q, f};
+        const uintptr_t w = kSizingBase;
+        const Fp8Gemm gemms[] = {
+            fp8_fwd(c, q, f, w, w, q, nullptr, E, rows, width, hidden, device),   // up
+            fp8_fwd(c, q, f, w, w, q, nullptr, E, rows, hidden, ffn, device),     // down
+            fp8_fwd(c, q, f, w, w, q, nullptr, E, rows, ffn, hidden, device),     // da
+            fp8_fwd(c, q, f, w, w, q, nullptr, E, rows, hidden, width, device),   // dx
+            fp8_wgrad(c, l, l, q, 0, false, nullptr, E, rows, hidden, ffn, device),     // dw2, float32
+            fp8_wgrad(c, l, l, q, 2, false, nullptr, E, rows, hidden, ffn, device),     // dw2, bfloat16
+            fp8_wgrad(c, l, l, q, 0, false, nullptr, E, rows, width, hidden, device),   // dw13, float32
+            fp8_wgrad(c, l, l, q, 2, false, nullptr, E, rows, width, hidden, device)};  // dw13, bfloat16
+        for (const auto& g : gemms) {
           if (!g.has_kernel()) return false;
         }
         return true;

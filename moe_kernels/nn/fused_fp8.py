@@ -36,17 +36,16 @@ from torch import Tensor
 from moe_kernels import _ext
 from moe_kernels.nn import fused, grad_sink
 from moe_kernels.ops.permute import permuted_rows
+from moe_kernels.ops.quant import BLOCK
 from moe_kernels.quant import weight_cache
 from moe_kernels.quant.recipe import Fp8BlockwiseRecipe
 
-_BF16 = _ext.dtype_code(torch.bfloat16)
 _F32_CODE = _ext.dtype_code(torch.float32)
 _PLAIN = (Tensor, torch.nn.Parameter)
-_BLOCK = 128
 SWIGLU, SQUARED_RELU = 0, 1  # the region's `act`
 
 def fits(L: fused.Launch, recipe, x: Tensor, indices: Tensor, w13: Tensor, w2: Tensor, num_experts: int | None = None,
-         align: int = _BLOCK) -> bool:
+         align: int = BLOCK) -> bool:
     """Whether the region takes this layer call (else the recipe's functions run it): the recipe's defaults, x
     [T, H] bf16 and contiguous with T > 0, H and F multiples of 8 (the producers' 16-byte rows), contiguous int32
     indices, plain weights that both get a gradient, an expert count the kernels take (`num_experts`, the weights'
@@ -69,7 +68,7 @@ def fits(L: fused.Launch, recipe, x: Tensor, indices: Tensor, w13: Tensor, w2: T
 
 
 def _rounded(n: int) -> int:
-    return -(-n // _BLOCK) * _BLOCK
+    return -(-n // BLOCK) * BLOCK
 
 
 def _wgrad_into(w: Tensor) -> tuple[Tensor, int, bool, object]:
@@ -108,7 +107,8 @@ class _MoeFp8(torch.autograd.Function):
             raise ValueError(f"moe_fp8: `w13` [E, {F2}, H] does not fit the activation's `w2` [E, H, {F}] "
                              f"({'SwiGLU: 2F' if act == SWIGLU else 'the squared ReLU: F'} rows)")
         R = permuted_rows(T, k, num_experts, align)
-        Rp, Rb = _rounded(R), _rounded(R) // _BLOCK
+        Rp = _rounded(R)
+        Rb = Rp // BLOCK
         pow2 = recipe.pow2_scale
         need_dw = weights is not None and ctx.needs_input_grad[2]
         # row_map, group_sizes, slot, x_t (codes, scales), h, a_t (codes, scales), y
