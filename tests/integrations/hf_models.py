@@ -333,28 +333,55 @@ class _Fp32Draws(TorchDispatchMode):
 
 def assert_same_sgd_step(model, ref_model, ids, run_fn=None):
     """One SGD step (lr 0.5) in training mode on the same ids of the patched `model`, transformers' own `ref_model`
-    and a copy of it in fp64 (transformers' eager experts and attention; the same random draws: torch's seed set
-    before each, for routers that sample or jitter in training). Each gradient and each parameter after the step:
-    the patched model's max error against the fp64 model within assert_close_to_fp64's bound of transformers' own fp32
-    error (at most twice it + 1e-6 + 8 fp32 ulps of the reference's max), the project's policy; the three select the
-    same experts for every token. Compared with each other instead, the two fp32 models differ by both their
-    rounding errors, and transformers' alone grows with how its CPU sums split across threads (its grouped_mm
-    experts: 2.5x its one-thread error at flex_olmo with two threads, ours unchanged). run_fn(model, ids, labels=):
-    the forward (default `run`)."""
-    run_fn = run_fn or run
-    ref64 = _fp64_copy(ref_model)
-    models = (ref64, ref_model, model)
-    picks = []
+    and a copy of it in fp64 (_fp64_copy; the same random draws: torch's seed set before each, for routers that
+    sample or jitter in training): each gradient and each parameter after the step by _assert_by_fp64_rule.
+    run_fn(model, ids, labels=): the forward (default `run`)."""
+    models = (_fp64_copy(ref_model), ref_model, model)
+    _forward_backward(models, ids, run_fn or run, run_fn or run)
     for m in models:
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    _assert_by_fp64_rule(models, after_step=True)
+
+
+def assert_compiled_matches(model, ref_model, ids):
+    """torch.compile(model, fullgraph=True) (one graph: the ops are registered custom ops with fake implementations)
+    against transformers' eager ref_model and its fp64 copy, all in training mode: the logits and every gradient by
+    _assert_by_fp64_rule (compiled graphs may reorder fp32 sums)."""
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    models = (_fp64_copy(ref_model), ref_model, model)
+    outs = _forward_backward(models, ids, lambda m, ids, labels: m(ids, labels=labels),
+                             lambda _, ids, labels: compiled(ids, labels=labels))
+    assert_close_to_fp64(outs[2].logits, outs[1].logits, outs[0].logits, "logits")
+    _assert_by_fp64_rule(models)
+
+
+def _forward_backward(models, ids, run_fn, patched_run_fn):
+    """models = (fp64 reference, transformers' fp32 model, patched model): each one's forward on ids (labels = ids)
+    and backward, torch's seed set before each, the fp64 model drawing its random numbers as the fp32 ones do
+    (_Fp32Draws). The fp64 model selects the experts transformers' fp32 model selects for every token (else each fp32
+    model's error would be a routing change). Returns the three outputs."""
+    outs, picks = [], []
+    for m, fn in zip(models, (run_fn, run_fn, patched_run_fn), strict=True):
         m.train()
         torch.manual_seed(0)
-        with _recorded_routing(m) as (chosen, _), (_Fp32Draws() if m is ref64 else contextlib.nullcontext()):
-            out = run_fn(m, ids, labels=ids)
+        draws = _Fp32Draws() if m is models[0] else contextlib.nullcontext()
+        with _recorded_routing(m) as (chosen, _), draws:
+            out = fn(m, ids, labels=ids)
             out.loss.backward()
-        torch.optim.SGD(m.parameters(), lr=0.5).step()
+        outs.append(out)
         picks.append(chosen)
-    for a, b in zip(picks[0], picks[1], strict=True):  # (else each fp32 model's error would be a routing change)
+    for a, b in zip(picks[0], picks[1], strict=True):
         assert torch.equal(a, b), "the fp64 reference routes some token to other experts than transformers' fp32 model"
+    return outs
+
+
+def _assert_by_fp64_rule(models, after_step=False):
+    """models = (fp64 reference, transformers' fp32 model, patched model): each gradient (and each parameter, after a
+    step) of the patched model within assert_close_to_fp64's bound of transformers' own fp32 error against the fp64
+    model (at most twice it + 1e-6 + 8 fp32 ulps of the reference's max), the flash-attention rule. A fixed fp32
+    tolerance between the two fp32 models would hang on both their rounding errors, and transformers' alone grows
+    with how its CPU sums split across threads (its grouped_mm experts: 2.5x its one-thread error at flex_olmo with
+    two threads, ours unchanged)."""
     named = [dict(m.named_parameters()) for m in models]
     assert named[0].keys() == named[1].keys() == named[2].keys()
     for name, p64 in named[0].items():
@@ -362,22 +389,8 @@ def assert_same_sgd_step(model, ref_model, ids, run_fn=None):
         assert (p64.grad is None) == (theirs.grad is None) == (ours.grad is None), name
         if p64.grad is not None:
             assert_close_to_fp64(ours.grad, theirs.grad, p64.grad, f"grad {name}")
-        assert_close_to_fp64(ours, theirs, p64, f"{name} after the step")
-
-
-def assert_compiled_matches(model, ref_model, ids):
-    """torch.compile(model, fullgraph=True) (one graph: the ops are registered custom ops with fake implementations)
-    against transformers' eager ref_model, both in training mode: the logits and every gradient within the SGD-step
-    tests' fp32 bounds (compiled graphs may reorder fp32 sums)."""
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    outs = [compiled(ids, labels=ids), ref_model(ids, labels=ids)]
-    for out in outs:
-        out.loss.backward()
-    torch.testing.assert_close(outs[0].logits, outs[1].logits, rtol=1e-5, atol=1e-5)
-    params = dict(model.named_parameters())
-    for name, p in ref_model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+        if after_step:
+            assert_close_to_fp64(ours, theirs, p64, f"{name} after the step")
 
 
 def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):

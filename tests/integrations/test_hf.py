@@ -19,7 +19,8 @@ import moe_kernels as mk  # noqa: E402
 from moe_kernels.integrations import hf  # noqa: E402
 from moe_kernels.testing import assert_close_to_fp64, relative_l2_error  # noqa: E402
 from tests.integrations.hf_models import (  # noqa: E402
-    CASES, H, IDS, MATCHED, ROUTER_CASES, ROUTER_IDS, V, _decisive_ids, _recorded_routing, assert_compiled_matches,
+    CASES, H, IDS, MATCHED, ROUTER_CASES, ROUTER_IDS, V, _assert_by_fp64_rule, _decisive_ids, _forward_backward,
+    _fp64_copy, _recorded_routing, assert_compiled_matches,
     assert_same_outputs, assert_same_sgd_step, build, inputs, moe_blocks, patched_copy, run,
 )
 
@@ -107,23 +108,21 @@ def test_sgd_step_matches(family, overrides):
 def test_compiled_patched_model_matches(family):
     """model.compile() / torch.compile(model, fullgraph=True) on a patched model: one graph (the ops are registered
     custom ops with fake implementations, no graph break), the same loss and gradients as transformers' eager
-    model within the SGD-step test's fp32 bounds (compiled graphs may reorder fp32 sums)."""
+    model by the SGD-step test's fp64 rule (compiled graphs may reorder fp32 sums)."""
     ref_model = build(family).train()
     assert_compiled_matches(patched_copy(ref_model).train(), ref_model, inputs())
 
 
 def test_gradient_checkpointing_step_matches():
+    """Activation checkpointing on the patched model and on transformers' (and its fp64 copy): every gradient by the
+    SGD-step test's fp64 rule."""
     ref_model = build("deepseek_v3").train()
-    model = patched_copy(ref_model).train()
-    ids = inputs()
-    for m in (ref_model, model):
+    models = (_fp64_copy(ref_model), ref_model, patched_copy(ref_model).train())
+    for m in models:
         enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
         enable()
-        run(m, ids, labels=ids).loss.backward()
-    params = dict(model.named_parameters())
-    for name, p in ref_model.named_parameters():
-        if p.grad is not None:
-            torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    _forward_backward(models, inputs(), run, run)
+    _assert_by_fp64_rule(models)
 
 
 def test_generate_matches():

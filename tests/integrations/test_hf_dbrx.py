@@ -280,6 +280,6 @@ def test_patched_model_exports_and_runs_in_onnxruntime():
 
 def test_compiles_as_one_graph():
     """torch.compile(fullgraph=True) on the patched model: the registered ops, no graph break; the logits and every
-    gradient as transformers' eager model within the SGD-step test's fp32 bounds."""
+    gradient as transformers' eager model by the SGD-step test's fp64 rule."""
     ref_model = build().train()
     assert_compiled_matches(patched(ref_model).train(), ref_model, inputs())
