@@ -338,6 +338,7 @@ def assert_same_sgd_step(model, ref_model, ids, run_fn=None):
     run_fn(model, ids, labels=): the forward (default `run`)."""
     models = (_fp64_copy(ref_model), ref_model, model)
     _forward_backward(models, ids, run_fn or run, run_fn or run)
+    _assert_by_fp64_rule(models)
     for m in models:
         torch.optim.SGD(m.parameters(), lr=0.5).step()
     _assert_by_fp64_rule(models, after_step=True)
@@ -375,9 +376,10 @@ def _forward_backward(models, ids, run_fn, patched_run_fn):
     return outs
 
 
-def _assert_by_fp64_rule(models, after_step=False):
-    """models = (fp64 reference, transformers' fp32 model, patched model): each gradient (and each parameter, after a
-    step) of the patched model within assert_close_to_fp64's bound of transformers' own fp32 error against the fp64
+def _assert_by_fp64_rule(models, after_step=False, check=assert_close_to_fp64):
+    """models = (fp64 reference, transformers' model, patched model): each gradient (and each parameter, after a
+    step: then the gradients are not checked again) of the patched model by `check`, by default within
+    assert_close_to_fp64's bound of transformers' own fp32 error against the fp64
     model (at most twice it + 1e-6 + 8 fp32 ulps of the reference's max), the flash-attention rule. A fixed fp32
     tolerance between the two fp32 models would hang on both their rounding errors, and transformers' alone grows
     with how its CPU sums split across threads (its grouped_mm experts: 2.5x its one-thread error at flex_olmo with
@@ -387,10 +389,10 @@ def _assert_by_fp64_rule(models, after_step=False):
     for name, p64 in named[0].items():
         theirs, ours = named[1][name], named[2][name]
         assert (p64.grad is None) == (theirs.grad is None) == (ours.grad is None), name
-        if p64.grad is not None:
-            assert_close_to_fp64(ours.grad, theirs.grad, p64.grad, f"grad {name}")
         if after_step:
-            assert_close_to_fp64(ours, theirs, p64, f"{name} after the step")
+            check(ours, theirs, p64, f"{name} after the step")
+        elif p64.grad is not None:
+            check(ours.grad, theirs.grad, p64.grad, f"grad {name}")
 
 
 def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):

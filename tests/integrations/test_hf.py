@@ -429,14 +429,7 @@ def test_gpu_bf16_matches_transformers(cuda, family, overrides, monkeypatch):
     _assert_bf16_close_to_fp64(ours.loss, theirs.loss, exact.loss, "loss")
 
     models = (ref64, base, model)
-    named = [dict(m.named_parameters()) for m in models]
-    assert named[0].keys() == named[1].keys() == named[2].keys()
-    for name, p64 in named[0].items():
-        p_theirs, p_ours = named[1][name], named[2][name]
-        assert (p64.grad is None) == (p_theirs.grad is None) == (p_ours.grad is None), name
-        if p64.grad is not None:
-            _assert_bf16_close_to_fp64(p_ours.grad, p_theirs.grad, p64.grad, f"grad {name}")
+    _assert_by_fp64_rule(models, check=_assert_bf16_close_to_fp64)
     for m in models:
         torch.optim.SGD(m.parameters(), lr=0.1).step()
-    for name, p64 in named[0].items():
-        _assert_bf16_close_to_fp64(named[2][name], named[1][name], p64, f"{name} after an SGD step")
+    _assert_by_fp64_rule(models, after_step=True, check=_assert_bf16_close_to_fp64)
