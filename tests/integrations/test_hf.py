@@ -104,6 +104,20 @@ def test_sgd_step_matches(family, overrides):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+def test_sgd_step_bound_holds_across_threads():
+    """The SGD step's bound does not hang on the intra-op thread count (`pytest -n auto` gives each worker one thread,
+    but a GPU machine runs the CPU tier in one process on all its cores): FlexOlmo with two threads, where
+    transformers' own fp32 gradients (its grouped_mm experts' sums split across the threads) move 2.5x further from
+    fp64 than with one, ours not (a fixed tolerance between the two fp32 models failed there)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ref_model = build("flex_olmo").train()
+        assert_same_sgd_step(patched_copy(ref_model), ref_model, inputs())
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "llama4", "nemotron_h"])
 def test_compiled_patched_model_matches(family):
     """model.compile() / torch.compile(model, fullgraph=True) on a patched model: one graph (the ops are registered
