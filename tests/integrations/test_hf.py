@@ -443,7 +443,8 @@ def test_gpu_bf16_matches_transformers(cuda, family, overrides, monkeypatch):
     _assert_bf16_close_to_fp64(ours.loss, theirs.loss, exact.loss, "loss")
 
     models = (ref64, base, model)
-    _assert_by_fp64_rule(models, check=_assert_bf16_close_to_fp64)
+    # (bf16's own rounding is 2^-9 of each value: _decisive_ids keeps the discrete choices the fp64 model's)
+    _assert_by_fp64_rule(models, check=_assert_bf16_close_to_fp64, theirs_within=None)
     for m in models:
         torch.optim.SGD(m.parameters(), lr=0.1).step()
-    _assert_by_fp64_rule(models, after_step=True, check=_assert_bf16_close_to_fp64)
+    _assert_by_fp64_rule(models, after_step=True, check=_assert_bf16_close_to_fp64, theirs_within=None)
