@@ -331,7 +331,7 @@ class _Fp32Draws(TorchDispatchMode):
         out = func(*args, **kwargs)
         if torch.Tag.nondeterministic_seeded in func.tags and _draws(func, args, kwargs) and any(
                 isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in torch.utils._pytree.tree_leaves(out)):
-            raise NotImplementedError(f"_Fp32Draws: {func} draws fp64 numbers the fp32 model does not draw")
+            raise AssertionError(f"_Fp32Draws: {func} draws fp64 numbers the fp32 model does not draw")
         return out
 
 
@@ -340,7 +340,7 @@ def _draws(func, args, kwargs) -> bool:
     for i, arg in enumerate(func._schema.arguments):
         if arg.name in ("p", "dropout_p"):
             value = kwargs.get(arg.name, args[i] if i < len(args) else arg.default_value)
-            return value != 0
+            return not (isinstance(value, (int, float)) and value == 0)
     return True
 
 
@@ -379,7 +379,9 @@ def _forward_backward(models, ids, run_fn, patched_run_fn):
         m.train()
         torch.manual_seed(0)
         draws = _Fp32Draws() if m is models[0] else contextlib.nullcontext()
-        with _recorded_routing(m) as (chosen, _), draws:
+        # the references' picks recorded (the patched model runs as it would, no hook of ours added)
+        recorded = contextlib.nullcontext(([], [])) if m is models[2] else _recorded_routing(m)
+        with recorded as (chosen, _), draws:
             out = fn(m, ids, labels=ids)
             out.loss.backward()
         outs.append(out)
@@ -414,18 +416,18 @@ def _assert_by_fp64_rule(models, after_step=False, check=assert_close_to_fp64, t
         theirs, ours = named[1][name], named[2][name]
         assert (p64.grad is None) == (theirs.grad is None) == (ours.grad is None), name
         if after_step:
-            trio = (ours, theirs, p64, f"{name} after the step")
+            a, b, ref, what = ours, theirs, p64, f"{name} after the step"
         elif p64.grad is not None:
-            trio = (ours.grad, theirs.grad, p64.grad, f"grad {name}")
+            a, b, ref, what = ours.grad, theirs.grad, p64.grad, f"grad {name}"
         else:
             continue
-        if theirs_within is not None and trio[2].numel():
-            ref = trio[2].detach().double()
-            err, size = (trio[1].detach().double() - ref).abs().max().item(), ref.abs().max().item()
+        if theirs_within is not None and ref.numel():
+            r = ref.detach().double()
+            err, size = (b.detach().double() - r).abs().max().item(), r.abs().max().item()
             assert err <= theirs_within * size + 1e-6, (
-                f"{trio[3]}: transformers' own error {err:.3g} is no rounding error (max|ref| {size:.3g}): the fp64 "
+                f"{what}: transformers' own error {err:.3g} is no rounding error (max|ref| {size:.3g}): the fp64 "
                 "model took another discrete choice")
-        check(*trio)
+        check(a, b, ref, what)
 
 
 def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):
