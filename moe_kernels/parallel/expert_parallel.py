@@ -113,10 +113,20 @@ class ExpertTensorParallelDispatcher(Dispatcher):
 
 def _hf_experts(model: nn.Module) -> list[nn.Module]:
     """transformers experts modules running moe_kernels' experts forward (the "moe_kernels" experts implementation,
-    or experts whose forward patch_hf replaced: Llama 4's, DBRX's)."""
+    or experts whose forward patch_hf replaced: Llama 4's, DBRX's; JetMoE's patched blocks, which hold their
+    experts' projections)."""
     from moe_kernels.integrations.hf.patching import runs_our_experts
 
-    return [m for m in model.modules() if runs_our_experts(m) and hasattr(m, "num_experts") and _hf_expert_tensors(m)]
+    return [m for m in model.modules()
+            if runs_our_experts(m) and _hf_expert_count(m) is not None and _hf_expert_tensors(m)]
+
+
+def _hf_expert_count(experts: nn.Module) -> int | None:
+    """E: the experts module's num_experts, or its projections' (JetMoE's MoE block has none of its own)."""
+    E = getattr(experts, "num_experts", None)
+    if E is None and (proj := experts._modules.get("input_linear")) is not None:
+        E = getattr(proj, "num_experts", None)
+    return E if isinstance(E, int) else None
 
 
 # [E, ...] each (up_proj: experts without a gate, Nemotron-H's)
@@ -126,8 +136,12 @@ _DBRX_EXPERT_TENSORS = ("w1", "v1", "w2")  # [E * F, H] each, on the experts' GL
 
 def _hf_expert_tensors(experts: nn.Module) -> list[tuple[nn.Module, str, int]]:
     """(module, name, rows per expert) of the experts' per-expert parameters, each expert a block of rows: the
-    weights (and GPT-OSS's biases) on the experts module, [E, ...]; DBRX's on its GLU module, [E * F, H]. Empty for
-    any other module."""
+    weights (and GPT-OSS's biases) on the experts module, [E, ...]; DBRX's on its GLU module, [E * F, H]; JetMoE's on
+    the block's projections, [E, N, K]. Empty for any other module."""
+    from moe_kernels.integrations.hf.jetmoe import expert_tensors
+
+    if tensors := expert_tensors(experts):
+        return tensors
     names = [n for n in _HF_EXPERT_TENSORS if isinstance(getattr(experts, n, None), torch.Tensor)]
     if any(n in names for n in ("gate_up_proj", "up_proj")) and "down_proj" in names:
         return [(experts, n, 1) for n in names]
@@ -143,7 +157,7 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
-    E = experts.num_experts
+    E = _hf_expert_count(experts)
     tensors = _hf_expert_tensors(experts)
     if any(getattr(module, name).shape[0] != E * per for module, name, per in tensors):
         raise ValueError("apply_expert_parallel: the layer's experts are not the full set")

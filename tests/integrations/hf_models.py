@@ -443,7 +443,9 @@ def assert_same_outputs(out, ref, rtol=1e-5, atol=1e-5):
 
 
 def moe_blocks(model):
-    return [m for m in model.modules() if hasattr(m, "experts") and hf.common._router_of(m) is not None]
+    """The MoE blocks: a router and experts (JetMoE's blocks hold their experts' projections themselves)."""
+    return [m for m in model.modules()
+            if (hasattr(m, "experts") or hasattr(m, "input_linear")) and hf.common._router_of(m) is not None]
 
 
 @contextlib.contextmanager
@@ -454,9 +456,9 @@ def _recorded_routing(model):
     picks, logits = [], []
 
     def record(m, _args, out):
-        if len(out) == 2:  # Llama 4's router: (scores, logits), the top-k by logit
-            picks.append(torch.topk(out[1], m.top_k, dim=1).indices.sort(-1).values)
-            logits.append(out[1])
+        if len(out) in (2, 5):  # Llama 4's router: (scores, logits); JetMoE's: (..., logits); the top-k by logit
+            picks.append(torch.topk(out[-1], m.top_k, dim=1).indices.sort(-1).values)
+            logits.append(out[-1])
             return
         picks.append(out[2].long().sort(-1).values)
         logits.append(out[0])

@@ -121,6 +121,38 @@ def _dbrx_case(rank, P, backend):
         mk.unpatch_hf(ep)
 
 
+def _jetmoe_case(rank, P, backend):
+    # JetMoE: the MoE block's and the MoA's projections held by the blocks ([E, N, K] each): each rank keeps its
+    # experts' E / P of every projection; the MoA's slots dispatched one expert each
+    from tests.integrations.test_hf_jetmoe import blocks, build
+
+    full = mk.patch_hf(build())
+    full64 = copy.deepcopy(full).double()
+    ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
+    El = 8 // P
+    for block, block_full in zip(blocks(ep), blocks(full), strict=True):
+        for name in ("input_linear", "output_linear"):
+            w, w_full = getattr(block, name).weight, getattr(block_full, name).weight
+            assert torch.equal(w, w_full[rank * El : (rank + 1) * El])
+    shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
+    assert len(shards) == 2 * len(blocks(ep)) == 8
+    ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
+    runs = []
+    for model in (ep, full, full64):
+        out = model(ids, labels=ids, output_router_logits=True)
+        loss = out.loss + out.aux_loss
+        loss.backward()
+        runs.append((out.logits, loss, _grads(model, set() if model is ep else shards, rank, P)))
+    _assert_runs_close(runs, f"rank {rank}/{P} jetmoe {backend}")
+    with warnings.catch_warnings():  # patched again: the rank's projections still fit the family's checks
+        warnings.simplefilter("error")
+        mk.patch_hf(ep)
+    with pytest.raises(ValueError, match="already expert-parallel"):
+        apply_expert_parallel(ep)
+    with pytest.raises(ValueError, match="expert-parallel"):
+        mk.unpatch_hf(ep)
+
+
 def _worker(rank, P, backend):
     # GPT-OSS: biased experts stored [E, K, N] (Aria: bias-free); Llama 4: the block's forward patched, tokens
     # scaled on the experts' rank; Nemotron-H: experts without a gate; Ergo: experts without a gate stored
@@ -131,6 +163,7 @@ def _worker(rank, P, backend):
     _case(rank, P, "qwen3_moe", backend, "experts_implementation")
     _case(rank, P, "ergo", backend, "experts_implementation")  # transformers' norm after our projections
     _dbrx_case(rank, P, backend)
+    _jetmoe_case(rank, P, backend)
 
 
 @pytest.mark.parametrize("backend", ["all_to_all", "all_gather"])

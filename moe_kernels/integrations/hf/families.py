@@ -16,6 +16,15 @@ from torch import nn
 
 from .common import _TM
 from .experts import _dbrx_experts_forward, _ergo_experts_forward, _llama4_block_forward, _llama4_experts_forward
+from .jetmoe import (
+    BLOCK_METHODS,
+    MOA_METHODS,
+    jetmoe_dims,
+    jetmoe_moa_dims,
+    jetmoe_moa_problem,
+    jetmoe_problem,
+    jetmoe_router_forward,
+)
 from .routings import (
     afmoe_problem,
     afmoe_router_forward,
@@ -96,6 +105,9 @@ class _Family:
     # (experts) -> (H, F, weight dtype) where the weights are not the experts' gate_up_proj / down_proj (DBRX's)
     expert_dims: Callable | None = None
     experts_only_routers: tuple[str, ...] = ()  # router classes that stay transformers' (our experts behind them)
+    # (name, function) of the block's methods replaced where its experts are its own projections (JetMoE's: no
+    # experts module; `problem` checks the block whole, `expert_dims` reads the block)
+    block_methods: tuple[tuple[str, Callable], ...] = ()
 
 
 FAMILIES = (
@@ -192,6 +204,14 @@ FAMILIES = (
     # whole, the norm on the permuted rows.
     _Family("Ergo", _TM + "ergo.modeling_ergo", "ErgoMoE", "ErgoTopkRouter", "ErgoExperts", ergo_router_forward,
             ergo_problem, reference=False, experts_forward=_ergo_experts_forward, expert_dims=_ergo_dims),
+    # JetMoE: its MoE block and its attention experts (MoA), the experts' weights on the block itself; the block's
+    # forward (the MoA's map and reduce) and the router replaced (moe_kernels.integrations.hf.jetmoe).
+    _Family("JetMoE", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoE", "JetMoeTopKGating", "JetMoeParallelExperts",
+            jetmoe_router_forward, jetmoe_problem, reference=False, expert_dims=jetmoe_dims,
+            block_methods=BLOCK_METHODS),
+    _Family("JetMoE attention experts", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoA", "JetMoeTopKGating",
+            "JetMoeParallelExperts", jetmoe_router_forward, jetmoe_moa_problem, reference=False,
+            expert_dims=jetmoe_moa_dims, block_methods=MOA_METHODS),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

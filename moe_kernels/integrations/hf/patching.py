@@ -65,6 +65,8 @@ def _structure_problem(fam: _Family, block: nn.Module, gate_cls: type, experts_c
     gate, experts = _router_of(block), _experts_of(block)
     if _base_class(gate) is not gate_cls and not _experts_only(fam, gate):
         return f"its router is a {type(gate).__name__}, not transformers' {gate_cls.__name__}"
+    if fam.block_methods:  # the experts are the block's own projections (JetMoE's): the family checks it whole
+        return fam.problem(gate, block, getattr(gate, "num_experts", 0))
     if not isinstance(experts, experts_cls):
         return f"its experts module is a {type(experts).__name__}, not transformers' {experts_cls.__name__}"
     if fam.experts_forward is not None:  # the family checks its block whole (Llama 4's, DBRX's)
@@ -169,13 +171,13 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
                 yield path, module, fam, _structure_problem(fam, module, _base_class(gate), type(experts))
                 return
         if _looks_like_moe(module):
-            if "experts" not in module._modules:  # named like an MoE block, without experts of its own: what it
-                # holds may be (ERNIE-4.5-VL's Ernie4_5_VLMoeMoeBlock: a text and a vision MoE block)
-                inner = [item for name, child in module.named_children()
-                         for item in visit(child, f"{path}.{name}" if path else name)]
-                if any(fam is not None for _, _, fam, _ in inner):
-                    yield from inner
-                    return
+            # an MoE-like module that is no supported block may hold some: ERNIE-4.5-VL's Ernie4_5_VLMoeMoeBlock (a
+            # text and a vision MoE block), JetMoE's attention (its `experts`, a JetMoeMoA with its own router)
+            inner = [item for name, child in module.named_children()
+                     for item in visit(child, f"{path}.{name}" if path else name)]
+            if any(fam is not None for _, _, fam, _ in inner):
+                yield from inner
+                return
             yield path, module, None, generic
             return
         for name, child in module.named_children():
@@ -191,23 +193,29 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
 _PATCHED_CLASSES: dict[type, type] = {}  # transformers' router (or block) class -> our subclass
 
 
-def _patched_class(cls: type, new_forward: Callable) -> type:
-    """`MoeKernels<cls>`: transformers' router (or, for Llama 4, block) class with `new_forward` as its forward,
-    defined in moe_kernels.integrations.hf (pickle finds it there by name; in a fresh process the package's
-    `__getattr__` defines it through `_unpickled_class`). An
-    instance whose class was restored by `unpatch_hf` but that is called through a forward captured while
-    patched (a later wrapper) runs transformers' forward."""
+def _patched_class(cls: type, new_forward: Callable | None = None,
+                   methods: tuple[tuple[str, Callable], ...] = ()) -> type:
+    """`MoeKernels<cls>`: transformers' router (or, for Llama 4, block) class with `new_forward` as its forward (or
+    with `methods`, (name, function) pairs: JetMoE's blocks), defined in moe_kernels.integrations.hf (pickle finds it
+    there by name; in a fresh process the package's `__getattr__` defines it through `_unpickled_class`). An
+    instance whose class was restored by `unpatch_hf` but that is called through a method captured while
+    patched (a later wrapper) runs transformers' method."""
     sub = _PATCHED_CLASSES.get(cls)
     if sub is None:
 
-        def forward(self, *args, **kwargs):
-            if not isinstance(self, sub):  # restored by unpatch_hf (a subclass made later, FSDP's, stays ours)
-                return cls.forward(self, *args, **kwargs)
-            return new_forward(self, *args, **kwargs)
+        def guarded(method: str, fn: Callable) -> Callable:
+            def patched(self, *args, **kwargs):
+                if not isinstance(self, sub):  # restored by unpatch_hf (a subclass made later, FSDP's, stays ours)
+                    return getattr(cls, method)(self, *args, **kwargs)
+                return fn(self, *args, **kwargs)
+
+            patched.__name__ = method
+            return patched
 
         name = f"MoeKernels{cls.__name__}"
         package = sys.modules[__package__]  # moe_kernels.integrations.hf: where pickle looks the class up
-        sub = type(name, (cls,), {"forward": forward, "__module__": package.__name__, "__qualname__": name,
+        replaced = {m: guarded(m, fn) for m, fn in ((("forward", new_forward),) if new_forward else methods)}
+        sub = type(name, (cls,), {**replaced, "__module__": package.__name__, "__qualname__": name,
                                   "_moe_kernels_base": cls})
         _PATCHED_CLASSES[cls] = sub
         setattr(package, name, sub)
@@ -223,6 +231,8 @@ def _unpickled_class(name: str) -> type | None:
         for fam in FAMILIES:
             if fam.block_forward is None and base == fam.gate:
                 return _patched_class(getattr(importlib.import_module(fam.module), fam.gate), fam.router_forward)
+            if fam.block_methods and base == fam.block:
+                return _patched_class(getattr(importlib.import_module(fam.module), base), methods=fam.block_methods)
             if (fam.block_forward is not None and base == fam.block) or (
                     fam.experts_forward is not None and base == fam.experts):
                 forward = fam.block_forward if base == fam.block else fam.experts_forward
@@ -234,11 +244,12 @@ def _unpickled_class(name: str) -> type | None:
 
 
 
-def _swap_class(module: nn.Module, new_forward: Callable) -> None:
+def _swap_class(module: nn.Module, new_forward: Callable | None = None,
+                methods: tuple[tuple[str, Callable], ...] = ()) -> None:
     """module's class becomes its patched subclass (once)."""
     if _PATCH_ATTR in module.__dict__:
         return
-    sub = _patched_class(type(module), new_forward)
+    sub = _patched_class(type(module), new_forward, methods)
     saved = None
     # accelerate (device_map / offloading) wraps `forward` in an instance attribute that calls
     # `_old_forward`, bound when the hook was added: point it at our forward, keep the hook.
@@ -250,6 +261,11 @@ def _swap_class(module: nn.Module, new_forward: Callable) -> None:
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
+    if fam.block_methods:  # the block's methods and its router (JetMoE's); the recipe on the block
+        _swap_class(block, methods=fam.block_methods)
+        _swap_class(_router_of(block), fam.router_forward)
+        block.__dict__[_RECIPE_ATTR] = recipe
+        return
     if fam.experts_forward is not None:  # the experts' forward (and Llama 4's block's, or Ergo's router's)
         if fam.block_forward is not None:
             _swap_class(block, fam.block_forward)
@@ -297,11 +313,13 @@ def register_experts_implementation() -> bool:
 
 def runs_our_experts(module: nn.Module) -> bool:
     """Whether a transformers experts module runs moe_kernels' experts forward: selected as the "moe_kernels"
-    experts implementation, or experts whose forward patch_hf replaced (Llama 4's, DBRX's)."""
+    experts implementation, or experts whose forward patch_hf replaced (Llama 4's, DBRX's), or a block patch_hf
+    runs whole with its experts' projections (JetMoE's)."""
     if getattr(getattr(module, "config", None), "_experts_implementation", None) == EXPERTS_IMPLEMENTATION:
         return True
     return type(module) in _PATCHED_CLASSES.values() and any(
-        f.experts_forward is not None and _base_class(module).__name__ == f.experts for f in FAMILIES)
+        (f.experts_forward is not None and _base_class(module).__name__ == f.experts)
+        or (f.block_methods and _base_class(module).__name__ == f.block) for f in FAMILIES)
 
 
 def is_patched(module: nn.Module) -> bool:
@@ -350,8 +368,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
                 experts = _experts_of(block)
                 where = f"patch_hf: the MoE block at {path or '<root>'} does not fit the recipe"
                 kn = fam.kn_experts or fam.block_forward is not None  # stored [E, H, 2F] and [E, F, H]
-                if fam.expert_dims is not None:
-                    H, F_, dtype = fam.expert_dims(experts)
+                if fam.expert_dims is not None:  # (JetMoE's: the block's own projections)
+                    H, F_, dtype = fam.expert_dims(block if fam.block_methods else experts)
                 elif kn:
                     F_, H, dtype = experts.down_proj.shape[1], experts.gate_up_proj.shape[1], experts.down_proj.dtype
                 else:

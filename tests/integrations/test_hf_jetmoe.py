@@ -1,0 +1,305 @@
+"""patch_hf on JetMoE: its MoE block (JetMoeMoE) and its attention experts (JetMoeMoA's map and reduce), the experts'
+projections held by the blocks themselves, on router_topk, permute, our grouped GEMMs and unpermute. Against
+transformers' own code: outputs, router logits, aux loss and one SGD step in fp32 (the CPU references, and the
+CPU-executed kernels with MOE_KERNELS_EMULATE=1), bf16 against fp64 on the GPU tier, no host sync where transformers
+syncs in every layer, the precision recipes within their error models; the patch's mechanics (unpatch, pickle,
+compile) and the blocks it leaves alone."""
+
+import copy
+import pickle
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers", minversion="5.0")
+
+import moe_kernels as mk  # noqa: E402
+from moe_kernels.integrations import hf  # noqa: E402
+from tests.integrations.hf_models import V, assert_compiled_matches, assert_same_sgd_step, inputs  # noqa: E402
+
+jetmoe = pytest.importorskip("transformers.models.jetmoe.modeling_jetmoe")
+H = 32
+
+
+def build(seed: int = 0, layers: int = 2, hidden: int = H, ffn: int = 16, kv_channels: int = 8, **overrides):
+    """A tiny random JetMoE: 8 experts, top-2 by default, 2 key/value heads of kv_channels (the MoA's width D =
+    2 kv_channels, k x 2 query heads). Router and projection weights scaled up, as hf_models.build does (decisive
+    routing, experts a visible part of the logits), and the blocks' biases nonzero (transformers initialises them
+    to zero)."""
+    torch.manual_seed(seed)
+    config = transformers.JetMoeConfig(**{
+        "vocab_size": V, "hidden_size": hidden, "num_hidden_layers": layers, "num_key_value_heads": 2,
+        "kv_channels": kv_channels, "intermediate_size": ffn, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "max_position_embeddings": 64, **overrides})
+    model = transformers.JetMoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("input_linear.weight", "output_linear.weight")):
+                p.normal_(0.0, 0.3)
+            elif name.endswith("router.layer.weight"):
+                p.normal_(0.0, 1.0)
+            elif name.endswith((".mlp.bias", ".experts.bias")):
+                p.normal_(0.0, 0.3)
+    return model
+
+
+def blocks(model):
+    """The MoE blocks and the MoAs."""
+    return [m for m in model.modules() if isinstance(m, (jetmoe.JetMoeMoE, jetmoe.JetMoeMoA))]
+
+
+def patched(model):
+    other = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # supported blocks patch without a warning
+        mk.patch_hf(other)
+    return other
+
+
+def run(model, ids, **kw):
+    return model(ids, output_router_logits=True, **kw)
+
+
+def assert_same(out, ref, rtol=1e-5, atol=1e-5):
+    torch.testing.assert_close(out.logits, ref.logits, rtol=rtol, atol=atol)
+    assert len(out.router_logits) == len(ref.router_logits) > 0
+    torch.testing.assert_close(out.router_logits[0], ref.router_logits[0], rtol=0, atol=0)  # the same input
+    for a, b in zip(out.router_logits, ref.router_logits, strict=True):  # later layers': fp32 sums in another order
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=rtol, atol=atol)
+    if ref.loss is not None:
+        torch.testing.assert_close(out.loss, ref.loss, rtol=rtol, atol=atol)
+
+
+CASES = [{}, {"num_experts_per_tok": 1}, {"num_experts_per_tok": 3}, {"activation_function": "gelu"}]
+IDS = ["top2-silu", "top1", "top3", "gelu"]
+
+
+@pytest.mark.parametrize("overrides", CASES, ids=IDS)
+def test_forward_and_sgd_step_match_transformers(overrides):
+    ref_model = build(**overrides)
+    model = patched(ref_model)
+    names = {type(m).__name__ for m in model.modules()}
+    assert {"MoeKernelsJetMoeMoE", "MoeKernelsJetMoeMoA", "MoeKernelsJetMoeTopKGating"} <= names
+    ids = inputs()
+    with torch.no_grad():
+        assert_same(run(model.eval(), ids), run(ref_model.eval(), ids))
+    assert_same_sgd_step(model, ref_model, ids, run)
+    for b in blocks(model):  # gradients reached the router, both projections and the bias
+        for p in (b.router.layer.weight, b.input_linear.weight, b.output_linear.weight, b.bias):
+            assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_the_blocks_run_our_ops(monkeypatch):
+    """Each layer: the MoA's map (one permute, the grouped GEMM on input_linear's [E, D, H], one unpermute gathering
+    each slot's row) and reduce (one permute of the T k slots, the grouped GEMM on output_linear's [E, H, D], one
+    weighted unpermute of the k slots), and the MoE block's experts (permute, the [E, 2F, H] and [E, H, F] grouped
+    GEMMs, swiglu, unpermute; where the kernels run, CPU-executed ones included, MoELayer's fused "moe" region, one
+    extension call each way); transformers' per-expert loop never runs."""
+    from moe_kernels.nn import fused
+    from moe_kernels.integrations.hf import experts as hf_experts
+    from moe_kernels.integrations.hf import jetmoe as hf_jetmoe
+
+    model = patched(build())
+    calls = []
+
+    def counted(name, fn):
+        def wrapper(*args, **kw):
+            calls.append((name, *(tuple(a.shape) for a in args[:2])))
+            return fn(*args, **kw)
+        return wrapper
+
+    for module in (hf_experts, hf_jetmoe):
+        for name in ("permute", "grouped_mm", "unpermute", "swiglu"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, counted(name, getattr(module, name)))
+    real_run = fused.run
+    monkeypatch.setattr(fused, "run", lambda name, *args: calls.append(("fused", name)) or real_run(name, *args))
+    monkeypatch.setattr(jetmoe.JetMoeParallelExperts, "forward", lambda *a: pytest.fail("transformers' loop ran"))
+    ids = inputs()
+    run(model, ids, labels=ids).loss.backward()
+    T, k, E, F, D = ids.numel(), 2, 8, 16, 16
+    R = T * k  # (align 1: no padding rows)
+    want = [("permute", (T, H), (T, k)), ("grouped_mm", (R, H), (E, D, H)), ("unpermute", (R, D), (R, 1)),
+            ("permute", (R, D), (R, 1)), ("grouped_mm", (R, D), (E, H, D)), ("unpermute", (R, H), (T, k)),
+            ("permute", (T, H), (T, k)), ("grouped_mm", (R, H), (E, 2 * F, H)), ("swiglu", (R, 2 * F)),
+            ("grouped_mm", (R, F), (E, H, F)), ("unpermute", (R, H), (T, k))]
+    if fused.launch_for(torch.zeros(1, H)) is not None:
+        want[6:] = [("fused", "moe")]
+    assert calls == want * 2
+
+
+def test_unpatch_pickle_and_a_fresh_process_class():
+    ref_model = build().eval()
+    model = patched(ref_model)
+    ids = inputs()
+    with torch.no_grad():
+        ref = run(ref_model, ids)
+        loaded = pickle.loads(pickle.dumps(model))
+        assert hf.is_patched(loaded)
+        assert {type(b).__name__ for b in blocks(loaded)} == {"MoeKernelsJetMoeMoE", "MoeKernelsJetMoeMoA"}
+        assert_same(run(loaded, ids), ref)
+        mk.unpatch_hf(loaded)
+        assert not hf.is_patched(loaded)
+        assert {type(b) for b in blocks(loaded)} == {jetmoe.JetMoeMoE, jetmoe.JetMoeMoA}
+        assert {type(b.router) for b in blocks(loaded)} == {jetmoe.JetMoeTopKGating}
+        assert_same(run(loaded, ids), ref)
+    # unpickling in a fresh process defines the patched classes by name
+    for name, base in (("MoeKernelsJetMoeMoE", jetmoe.JetMoeMoE), ("MoeKernelsJetMoeMoA", jetmoe.JetMoeMoA),
+                       ("MoeKernelsJetMoeTopKGating", jetmoe.JetMoeTopKGating)):
+        cls = hf.patching._unpickled_class(name)
+        assert cls.__bases__ == (base,) and cls in {type(m) for m in model.modules()}
+
+
+def test_blocks_it_cannot_run_stay_transformers():
+    # peft's ParamWrapper around a projection (LoRA on it runs on transformers' code) and quantised weights: warned
+    # about, left as they are; a wrapper added after patch_hf: a clear error before any kernel runs.
+    found = [(path, fam.name if fam else None, problem) for path, _, fam, problem in hf.patching._scan(build(layers=1))]
+    assert sorted(found) == [("model.layers.0.mlp", "JetMoE", None),
+                             ("model.layers.0.self_attention.experts", "JetMoE attention experts", None)]
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.input_linear.weight"])
+    model = peft.get_peft_model(build(layers=1), config)
+    with pytest.warns(UserWarning, match="its input_linear is a ParamWrapper, not transformers' JetMoeParallelExperts"):
+        mk.patch_hf(model)
+    assert [type(b).__name__ for b in blocks(model)] == ["JetMoeMoE", "MoeKernelsJetMoeMoA"]  # the MoA was patched
+    model = patched(build(layers=1))
+    mlp = model.model.layers[0].mlp
+    mlp.output_linear = torch.nn.Sequential(mlp.output_linear)
+    with pytest.raises(NotImplementedError, match="JetMoeMoE.output_linear is a Sequential"):
+        run(model, inputs())
+    model = build(layers=1)
+    mlp = model.model.layers[0].mlp
+    mlp.input_linear.weight = torch.nn.Parameter(mlp.input_linear.weight.detach().to(torch.float8_e4m3fn),
+                                                 requires_grad=False)
+    with pytest.warns(UserWarning, match="quantised"):
+        mk.patch_hf(model)
+    assert type(mlp) is jetmoe.JetMoeMoE and type(model.model.layers[0].self_attention.experts) is not jetmoe.JetMoeMoA
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])
+def test_precision_recipe(recipe, monkeypatch):
+    """patch_hf(recipe=...) on H = F = D = 128: each block's output against transformers' fp32 block on the same
+    input within the recipe's error model (moe_kernels.testing; 2x allowed; above 0.1%: the recipe applied at all):
+    the MoE block's SwiGLU experts (FP8: four E4M3 operands; NVFP4: measured on the operands its grouped_mm gets, the
+    first product's errors counted twice, as in test_hf_recipes), the MoA's map and reduce (one product each: two
+    operands); every projection's gradient reached."""
+    from moe_kernels.quant import Fp8BlockwiseRecipe, Nvfp4Recipe
+    from moe_kernels.testing import E4M3_REL_ERROR, QUANT_SLACK, quantized_product_error, relative_l2_error
+    from tests.integrations.test_hf_recipes import _nvfp4_swiglu_error
+
+    cls = Fp8BlockwiseRecipe if recipe == "fp8" else Nvfp4Recipe
+    model = build(layers=1, hidden=128, ffn=128, kv_channels=64)
+    mlp, moa = model.model.layers[0].mlp, model.model.layers[0].self_attention.experts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 12, 128, generator=g)
+    a = torch.randn(2, 12, 2, 128, generator=g)
+    with torch.no_grad():
+        ref_mlp = mlp(x) - mlp.bias
+        ref_q, _, topo = moa.map(x)
+        ref_reduced = moa.reduce(a, topo) - moa.bias
+    mk.patch_hf(model, recipe=cls())
+    calls = []
+    if recipe == "nvfp4":
+        real = cls.grouped_mm
+        monkeypatch.setattr(cls, "grouped_mm", lambda self, x, w, gs, *args, **kw: calls.append(
+            (x.detach(), w.detach(), gs)) or real(self, x, w, gs, *args, **kw))
+    x.requires_grad_(True)
+    out_mlp = mlp(x)
+    q, _, topo = moa.map(x)
+    reduced = moa.reduce(a, topo)
+    if recipe == "fp8":
+        ffn_bound = QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 4)
+        map_bound = reduce_bound = QUANT_SLACK * quantized_product_error(*[E4M3_REL_ERROR] * 2)
+    else:  # call order: the MoE block's two products, then map's, then reduce's
+        assert len(calls) == 4
+        ffn_bound = _nvfp4_swiglu_error(calls[:2])
+        map_bound, reduce_bound = (_nvfp4_swiglu_error([c], first=1.0) for c in calls[2:])
+    for got, ref, bound, what in ((out_mlp - mlp.bias, ref_mlp, ffn_bound, "MoE block"), (q, ref_q, map_bound, "map"),
+                                  (reduced - moa.bias, ref_reduced, reduce_bound, "reduce")):
+        err = relative_l2_error(got, ref)
+        assert 1e-3 < err < 2 * bound, (what, err, bound)
+    (out_mlp.sum() + q.sum() + reduced.sum()).backward()
+    for p in (mlp.input_linear.weight, mlp.output_linear.weight, moa.input_linear.weight, moa.output_linear.weight):
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+
+
+def test_a_recipe_refused_at_patch_time():
+    from moe_kernels.quant import Fp8BlockwiseRecipe
+
+    model = build(layers=1, ffn=12)
+    with pytest.raises(ValueError, match="does not fit the recipe"):
+        mk.patch_hf(model, recipe=Fp8BlockwiseRecipe())
+    assert not hf.is_patched(model)
+
+
+def test_compiles_as_one_graph():
+    """torch.compile(fullgraph=True) on the patched model (transformers' JetMoE does not compile whole: its router
+    reads the expert sizes on the host): the registered ops, no graph break; the logits and every gradient as
+    transformers' eager model by the SGD-step test's fp64 rule."""
+    ref_model = build().train()
+    assert_compiled_matches(patched(ref_model).train(), ref_model, inputs())
+
+
+@pytest.mark.gpu
+def test_gpu_patched_model_has_no_host_sync(cuda):
+    """The patched model's forward and backward on the CUDA code path read nothing on the host (transformers' own
+    reads the expert sizes in every block and attention layer, which the check catches: it can fail)."""
+    from moe_kernels.testing import HostSyncError, no_host_sync
+
+    ref_model = build().to(cuda).train()
+    model = patched(ref_model)
+    ids = inputs(device=cuda)
+    with no_host_sync():
+        run(model, ids, labels=ids).loss.backward()
+    with pytest.raises(HostSyncError), no_host_sync():
+        run(ref_model, ids, labels=ids)
+
+
+def _decisive_ids(model, ref64, k, device):
+    """Inputs whose top-k is decided alike in the bf16 model and the fp64 one, in every layer (no tie at the bf16
+    boundary)."""
+    def picks(m, ids):
+        with torch.no_grad():
+            logits = [lg.float() for lg in run(m, ids).router_logits]
+        return ([lg.sort(-1, descending=True).values[:, k - 1 : k + 1] for lg in logits],
+                [lg.topk(k).indices.sort(-1).values for lg in logits])
+
+    for seed in range(50):
+        ids = inputs(seed, device=device)
+        (boundary, p16), (_, p64) = picks(model, ids), picks(ref64, ids)
+        if all((b[:, 0] != b[:, 1]).all() for b in boundary) and all(map(torch.equal, p16, p64)):
+            return ids
+    raise AssertionError("no input found whose routing is decided the same way in bf16 and fp64")
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_matches_transformers(cuda):
+    """The patched bf16 model and transformers' own bf16 model against the unpatched model in fp64 on the same
+    weights and inputs (test_hf.test_gpu_bf16_matches_transformers' method): logits, aux loss, loss, every gradient
+    and the parameters after one SGD step within assert_close_to_fp64's bound of transformers' own bf16 error."""
+    from tests.integrations.test_hf import _assert_bf16_close_to_fp64
+
+    base = build(layers=1)
+    base.set_attn_implementation("eager")
+    base = base.to(device=cuda, dtype=torch.bfloat16).train()
+    ref64 = copy.deepcopy(base).to(torch.float64)
+    model = patched(base)
+    ids = _decisive_ids(base, ref64, 2, cuda)
+    outs = [run(m, ids, labels=ids) for m in (ref64, base, model)]
+    for out in outs:
+        out.loss.backward()
+    exact, theirs, ours = outs
+    torch.testing.assert_close(ours.router_logits[0], theirs.router_logits[0], rtol=0, atol=0)
+    for what in ("logits", "aux_loss", "loss"):
+        _assert_bf16_close_to_fp64(getattr(ours, what), getattr(theirs, what), getattr(exact, what), what)
+    models = (ref64, base, model)
+    named = [dict(m.named_parameters()) for m in models]
+    for name, p64 in named[0].items():
+        if p64.grad is not None:
+            _assert_bf16_close_to_fp64(named[2][name].grad, named[1][name].grad, p64.grad, f"grad {name}")
+    for m in models:
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for name, p64 in named[0].items():
+        _assert_bf16_close_to_fp64(named[2][name], named[1][name], p64, f"{name} after an SGD step")
