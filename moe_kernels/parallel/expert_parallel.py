@@ -168,7 +168,9 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
         setattr(module, name, nn.Parameter(w.detach()[lo * per : (lo + El) * per].clone(),
                                            requires_grad=w.requires_grad))
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
-    experts.__dict__[EXPERT_RANGE_ATTR] = (lo, El, E)
+    for module in {experts, *(module for module, _, _ in tensors)}:  # (JetMoE's projections: peft's wrappers around
+        # them apply this rank's slices of their factors)
+        module.__dict__[EXPERT_RANGE_ATTR] = (lo, El, E)
 
 
 def apply_expert_parallel(model: nn.Module, group=None, *, etp_group=None, backend: str = "all_to_all",

@@ -26,7 +26,7 @@ def build(seed: int = 0, layers: int = 2, hidden: int = H, ffn: int = 16, kv_cha
     """A tiny random JetMoE: 8 experts, top-2 by default, 2 key/value heads of kv_channels (the MoA's width D =
     2 kv_channels, k x 2 query heads). Router and projection weights scaled up, as hf_models.build does (decisive
     routing, experts a visible part of the logits), and the blocks' biases nonzero (transformers initialises them
-    to zero)."""
+    to zero). Every block routes its tokens to most of its experts (inputs())."""
     torch.manual_seed(seed)
     config = transformers.JetMoeConfig(**{
         "vocab_size": V, "hidden_size": hidden, "num_hidden_layers": layers, "num_key_value_heads": 2,
@@ -39,8 +39,8 @@ def build(seed: int = 0, layers: int = 2, hidden: int = H, ffn: int = 16, kv_cha
                 p.normal_(0.0, 0.3)
             elif name.endswith("router.layer.weight"):
                 p.normal_(0.0, 1.0)
-            elif name.endswith((".mlp.bias", ".experts.bias")):
-                p.normal_(0.0, 0.3)
+            elif name.endswith((".mlp.bias", ".experts.bias")):  # (shared by every token: larger, and the next
+                p.normal_(0.0, 0.02)  # block would route every token to the same experts)
     return model
 
 
@@ -153,15 +153,15 @@ def test_unpatch_pickle_and_a_fresh_process_class():
 
 
 def test_blocks_it_cannot_run_stay_transformers():
-    # peft's ParamWrapper around a projection (LoRA on it runs on transformers' code) and quantised weights: warned
-    # about, left as they are; a wrapper added after patch_hf: a clear error before any kernel runs.
+    # A projection that is no JetMoeParallelExperts (inside any peft wrappers) and quantised weights: warned about,
+    # left as they are; a projection replaced after patch_hf: a clear error before any kernel runs.
     found = [(path, fam.name if fam else None, problem) for path, _, fam, problem in hf.patching._scan(build(layers=1))]
     assert sorted(found) == [("model.layers.0.mlp", "JetMoE", None),
                              ("model.layers.0.self_attention.experts", "JetMoE attention experts", None)]
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=2, target_modules=[], target_parameters=["mlp.input_linear.weight"])
-    model = peft.get_peft_model(build(layers=1), config)
-    with pytest.warns(UserWarning, match="its input_linear is a ParamWrapper, not transformers' JetMoeParallelExperts"):
+    model = build(layers=1)
+    mlp = model.model.layers[0].mlp
+    mlp.input_linear = torch.nn.Sequential(mlp.input_linear)
+    with pytest.warns(UserWarning, match="its input_linear is a Sequential, not transformers' JetMoeParallelExperts"):
         mk.patch_hf(model)
     assert [type(b).__name__ for b in blocks(model)] == ["JetMoeMoE", "MoeKernelsJetMoeMoA"]  # the MoA was patched
     model = patched(build(layers=1))
@@ -176,6 +176,63 @@ def test_blocks_it_cannot_run_stay_transformers():
     with pytest.warns(UserWarning, match="quantised"):
         mk.patch_hf(model)
     assert type(mlp) is jetmoe.JetMoeMoE and type(model.model.layers[0].self_attention.experts) is not jetmoe.JetMoeMoA
+
+
+LORA_TARGETS = [f"{block}.{proj}.weight" for block in ("mlp", "experts") for proj in ("input_linear", "output_linear")]
+
+
+def _lora(model):
+    # init_lora_weights=False: B is random too, so the adapter changes the output from the first step.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=LORA_TARGETS,
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _logits_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids).logits
+    logits.square().mean().backward()
+    return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("when", ["before patch_hf", "after patch_hf"])
+def test_fused_lora_equals_peft_within_the_policy(when, monkeypatch):
+    """peft's LoRA on the four projections of each layer (the MoE block's and the MoA's): patched, the adapters run
+    as rank-r grouped GEMMs beside ours (moe_kernels.integrations.peft's fused wrapper), never forming W + s B A; the
+    logits and every adapter gradient within the fp64 policy of peft's own path on transformers' code (at most twice
+    its fp32 error against the fp64 model, plus 8 ulps). Adapters added to a patched model run peft's own path
+    (W + s B A in the weight, our grouped GEMMs) until patch_hf fuses them."""
+    from torch.nn.utils import parametrize
+
+    from moe_kernels.testing import assert_close_to_fp64
+
+    torch.manual_seed(0)
+    base = build(layers=1)
+    peft_model = _lora(copy.deepcopy(base))
+    ids = inputs()
+    if when == "before patch_hf":
+        fused = mk.patch_hf(copy.deepcopy(peft_model))
+    else:
+        late = _lora(mk.patch_hf(copy.deepcopy(base)))
+        late.load_state_dict(peft_model.state_dict())
+        torch.testing.assert_close(_logits_and_grads(late, ids)[0], _logits_and_grads(peft_model, ids)[0],
+                                   rtol=1e-5, atol=1e-5)  # peft's own path on our ops
+        fused = mk.patch_hf(late)
+    ref64_model = copy.deepcopy(peft_model).double()
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in fused.modules()) == 4
+    registered = []
+    real = parametrize.register_parametrization
+    monkeypatch.setattr(parametrize, "register_parametrization", lambda *a, **k: registered.append(1) or real(*a, **k))
+    out, grads = _logits_and_grads(fused, ids)
+    assert registered == [], "the fused path never forms W + BA"
+    theirs, their_grads = _logits_and_grads(peft_model, ids)
+    ref, ref_grads = _logits_and_grads(ref64_model, ids)
+    assert_close_to_fp64(out, theirs, ref, "logits")
+    lora_names = [n for n in their_grads if "lora_" in n]
+    assert len(lora_names) == 8 and set(lora_names) <= set(grads)
+    for name in lora_names:
+        assert_close_to_fp64(grads[name], their_grads[name], ref_grads[name], f"d{name}")
 
 
 @pytest.mark.parametrize("recipe", ["fp8", "nvfp4"])

@@ -184,7 +184,6 @@ def _lora_case(rank, P, family, backend):
     # routed to them) and zeros elsewhere, so their sum over the ranks equals the one-rank model's sum over the ranks.
     import peft
 
-    from moe_kernels.integrations import peft as mk_peft
     from tests.integrations.hf_models import build, moe_blocks
 
     torch.manual_seed(0)
@@ -193,9 +192,32 @@ def _lora_case(rank, P, family, backend):
     config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
                              target_parameters=[f"{mlp}.experts.{up}", f"{mlp}.experts.down_proj"])
     full = mk.patch_hf(peft.get_peft_model(build(family), config))
+    E = hf.common._experts_of(moe_blocks(full.get_base_model())[0]).num_experts
+    _check_lora_expert_parallel(full, E, rank, P, backend, f"{family} {backend} LoRA")
+
+
+def _jetmoe_lora_case(rank, P, backend):
+    # JetMoE: peft's LoRA on the MoE block's and the MoA's projections, as for the other families
+    import peft
+
+    from tests.integrations.test_hf_jetmoe import build
+
+    torch.manual_seed(0)
+    targets = [f"{block}.{proj}.weight" for block in ("mlp", "experts") for proj in ("input_linear", "output_linear")]
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False, target_parameters=targets)
+    full = mk.patch_hf(peft.get_peft_model(build(), config))
+    assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in full.modules()) == 8
+    _check_lora_expert_parallel(full, 8, rank, P, backend, f"jetmoe {backend} LoRA")
+
+
+def _check_lora_expert_parallel(full, E, rank, P, backend, where):
+    """The patched peft model `full` (E experts a layer) made expert-parallel against itself on one rank (fp32 and
+    fp64): logits, loss, the adapters' gradients summed over the ranks, each rank's gradients on its experts' slices
+    only, merging, and unfuse_lora refused."""
+    from moe_kernels.integrations import peft as mk_peft
+
     full64 = copy.deepcopy(full).double()
     ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
-    E = hf.common._experts_of(moe_blocks(full.get_base_model())[0]).num_experts
     lora = [n for n, p in ep.named_parameters() if p.requires_grad]
     assert lora and all("lora_" in n for n in lora)
     assert all(p.shape == dict(full.named_parameters())[n].shape for n, p in ep.named_parameters() if n in lora)
@@ -208,7 +230,7 @@ def _lora_case(rank, P, family, backend):
         for g in grads.values():
             dist.all_reduce(g)
         runs.append((out.logits, out.loss, grads))
-    _assert_runs_close(runs, f"rank {rank}/{P} {family} {backend} LoRA")
+    _assert_runs_close(runs, f"rank {rank}/{P} {where}")
     # This rank's backward touches only its experts' slices of lora_A ([E r, K] rows) and lora_B ([N, E r] columns).
     lo, hi = rank * (E // P), (rank + 1) * (E // P)
     for name, p in ep.named_parameters():
@@ -318,6 +340,7 @@ def test_fused_activation_recipe_expert_parallel():
 def _lora_worker(rank, P, backend):
     for family in ("qwen3_moe", "gpt_oss", "llama4", "nemotron_h"):
         _lora_case(rank, P, family, backend)
+    _jetmoe_lora_case(rank, P, backend)
     _late_adapter_case(rank, P)
 
 

@@ -19,6 +19,7 @@ from .experts import _dbrx_experts_forward, _ergo_experts_forward, _llama4_block
 from .jetmoe import (
     BLOCK_METHODS,
     MOA_METHODS,
+    _projection_forward,
     jetmoe_dims,
     jetmoe_moa_dims,
     jetmoe_moa_problem,
@@ -204,14 +205,15 @@ FAMILIES = (
     # whole, the norm on the permuted rows.
     _Family("Ergo", _TM + "ergo.modeling_ergo", "ErgoMoE", "ErgoTopkRouter", "ErgoExperts", ergo_router_forward,
             ergo_problem, reference=False, experts_forward=_ergo_experts_forward, expert_dims=_ergo_dims),
-    # JetMoE: its MoE block and its attention experts (MoA), the experts' weights on the block itself; the block's
-    # forward (the MoA's map and reduce) and the router replaced (moe_kernels.integrations.hf.jetmoe).
+    # JetMoE: its MoE block and its attention experts (MoA), the experts' projections on the block itself; the block's
+    # forward (the MoA's map and reduce), the router and the projections' forward replaced
+    # (moe_kernels.integrations.hf.jetmoe).
     _Family("JetMoE", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoE", "JetMoeTopKGating", "JetMoeParallelExperts",
-            jetmoe_router_forward, jetmoe_problem, reference=False, expert_dims=jetmoe_dims,
-            block_methods=BLOCK_METHODS),
+            jetmoe_router_forward, jetmoe_problem, reference=False, experts_forward=_projection_forward,
+            expert_dims=jetmoe_dims, block_methods=BLOCK_METHODS),
     _Family("JetMoE attention experts", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoA", "JetMoeTopKGating",
             "JetMoeParallelExperts", jetmoe_router_forward, jetmoe_moa_problem, reference=False,
-            expert_dims=jetmoe_moa_dims, block_methods=MOA_METHODS),
+            experts_forward=_projection_forward, expert_dims=jetmoe_moa_dims, block_methods=MOA_METHODS),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )

@@ -12,23 +12,26 @@ Patched (none of it reads device data on the host):
   fp32, the weights cast to the input's dtype. It returns (experts [T, k], weights [T, k], None, None, logits): the
   logits at index 4, where transformers' recorder reads them (output_router_logits, the aux loss); transformers'
   slot order, slot tokens and host list of expert sizes are not formed, and only the patched block and MoA call it.
-- the MoE block (`_block_forward`): its experts as a transformers experts module whose gate_up_proj [E, 2F, H] (gate
-  rows, then up) is input_linear's weight and down_proj [E, H, F] output_linear's (`_Experts`), run by
-  `moe_kernels_experts_forward` (the fused "moe" region on a GPU; a precision recipe's GEMMs and, for FP8, its fused
-  producers; the SiLU gate as our swiglu, another activation as act_fn(gate) * up), then the block's bias.
-- the MoA (`_moa_map`, `_moa_reduce`): map permutes the tokens by expert, runs the grouped GEMM on input_linear's
-  weight [E, D, H] and gathers each slot's row back to token order ([B, S, k, D]: unpermute with one slot per row);
-  reduce permutes the k attention outputs of each token by their experts, runs the grouped GEMM on output_linear's
-  weight [E, H, D] and sums them with the routing weights (unpermute, fp32, rounded once), then the bias. A
-  precision recipe: its grouped_mm, the rows padded to its alignment.
+- the projections (`_projection_forward`): called with the group sizes as a tensor (by the patched blocks, also
+  through peft's wrappers), the grouped GEMM on the weight as stored (a precision recipe's where one is set; peft's
+  LoRA terms from moe_kernels.integrations.peft's fused wrapper as rank-r products, or peft's own W + s B A in the
+  weight); called with transformers' host list of sizes, transformers' loop.
+- the MoE block (`_block_forward`): where its projections are plain modules (no adapter wrapper, no hook), its
+  experts as a transformers experts module whose gate_up_proj [E, 2F, H] (gate rows, then up) is input_linear's
+  weight and down_proj [E, H, F] output_linear's (`_Experts`), run by `moe_kernels_experts_forward` (the fused "moe"
+  region on a GPU; a precision recipe's GEMMs and, for FP8, its fused producers; the SiLU gate as our swiglu,
+  another activation as act_fn(gate) * up); otherwise permute, the projections called as modules (their wrappers
+  and hooks run: peft's LoRA, accelerate's offloading), the same gate, unpermute. Then the block's bias.
+- the MoA (`_moa_map`, `_moa_reduce`): map permutes the tokens by expert, calls input_linear ([E, D, H]) on the
+  rows and gathers each slot's row back to token order ([B, S, k, D]: unpermute with one slot per row); reduce
+  permutes the k attention outputs of each token by their experts, calls output_linear ([E, H, D]) and sums them
+  with the routing weights (unpermute, fp32, rounded once), then the bias.
 
-Expert-parallel (moe_kernels.parallel.apply_expert_parallel: each projection keeps this rank's E / P experts), the
-MoE block takes the dispatcher's dispatch and combine as transformers' experts do; the MoA sends each slot as a token
-of one expert (map: the token's row once per slot; reduce: each slot's attention output), so the combine returns
-each slot's row unsummed, and reduce weighs and sums a token's k rows in fp32 (rounded once, as unpermute does).
-
-peft adapters on the projections (a ParamWrapper around input_linear or output_linear) run on transformers' code:
-patch_hf leaves such blocks alone (named in its warning), and a wrapper added after patch_hf is a clear error.
+Expert-parallel (moe_kernels.parallel.apply_expert_parallel: each projection keeps this rank's E / P experts, peft's
+adapters every expert's factors, applying this rank's slices), the MoE block takes the dispatcher's dispatch and
+combine as transformers' experts do; the MoA sends each slot as a token of one expert (map: the token's row once per
+slot; reduce: each slot's attention output), so the combine returns each slot's row unsummed, and reduce weighs and
+sums a token's k rows in fp32 (rounded once, as unpermute does).
 """
 
 from __future__ import annotations
@@ -38,15 +41,22 @@ import sys
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
-from moe_kernels.ops.grouped_mm import grouped_mm
+from moe_kernels.nn.lora import (
+    EXPERT_RANGE_ATTR,
+    check_expert_parallel_weights,
+    grouped_mm_lora,
+    lora_terms,
+    unwrapped,
+    wrapped_module,
+)
+from moe_kernels.ops.grouped_mm import autocast_input, grouped_mm
 from moe_kernels.ops.permute import permute, unpermute
 from moe_kernels.ops.router import router_topk
 
-from moe_kernels.nn.lora import EXPERT_RANGE_ATTR
-
-from .common import _RECIPE_ATTR, _SHARDED, _TM, _WEIGHT_DTYPES, DISPATCHER_ATTR, _is_dtensor
-from .experts import moe_kernels_experts_forward
+from .common import _RECIPE_ATTR, _SHARDED, _TM, _WEIGHT_DTYPES, DISPATCHER_ATTR, _base_class, _is_dtensor
+from .experts import _check_lora_experts, _gated, moe_kernels_experts_forward
 
 _MODULE = _TM + "jetmoe.modeling_jetmoe"
 _PROJECTIONS = ("input_linear", "output_linear")
@@ -61,12 +71,52 @@ def jetmoe_router_forward(self: nn.Module, hidden_states: Tensor) -> tuple:
     return indices.long(), weights.to(hidden_states.dtype), None, None, logits
 
 
+def _projection_forward(self: nn.Module, inputs: Tensor, expert_size) -> Tensor:
+    """JetMoeParallelExperts given rows grouped by expert [R, K] and the group sizes as a tensor: the grouped GEMM on
+    its weight [E, N, K] (or this rank's E / P experts), with peft's LoRA terms as rank-r products (grouped_mm_lora)
+    and the block's precision recipe (set on the projection by patch_hf), the rows padded to its alignment by the
+    caller. Given transformers' host list of sizes: transformers' loop."""
+    if not isinstance(expert_size, Tensor):
+        return _base_class(self).forward(self, inputs, expert_size)
+    check_expert_parallel_weights(self)  # (peft's own wrapper made after apply_expert_parallel: refused)
+    w = autocast_input(self.weight)  # (peft's own path: W + s B A, parametrized)
+    terms = lora_terms(self, "weight")
+    _check_lora_experts(self, w.shape[0], terms)
+    recipe = self.__dict__.get(_RECIPE_ATTR)
+    mm = grouped_mm if recipe is None else recipe.grouped_mm
+    return grouped_mm_lora(inputs.to(w.dtype).contiguous(), w.contiguous(), expert_size, terms, mm=mm)
+
+
+def _projection_class():
+    return getattr(sys.modules.get(_MODULE), "JetMoeParallelExperts", None)
+
+
+def _projection(block: nn.Module, name: str):
+    """The block's projection `name` inside any adapter wrappers, or None where it is no JetMoeParallelExperts."""
+    module = block._modules.get(name)
+    cls = _projection_class()
+    inner = unwrapped(module) if isinstance(module, nn.Module) else module
+    return inner if cls is not None and isinstance(inner, cls) else None
+
+
+def _direct(block: nn.Module) -> bool:
+    """The projections are plain modules (no adapter wrapper, hook or parametrization): the MoE block may read their
+    weights without calling them."""
+    for name in _PROJECTIONS:
+        m = block._modules[name]
+        if (wrapped_module(m) is not None or m._forward_hooks or m._forward_pre_hooks or "_hf_hook" in m.__dict__
+                or parametrize.is_parametrized(m)):
+            return False
+    return True
+
+
 class _Experts:
     """A JetMoE block's experts as a transformers experts module (what moe_kernels_experts_forward reads):
     gate_up_proj [E, 2F, H] = input_linear's weight (gate rows, then up: JetMoE chunks the product in two, the
     activation on the first half), down_proj [E, H, F] = output_linear's, act_fn = the block's activation, and the
-    patched block's precision recipe and expert-parallel dispatcher. transformers' default gate (`_apply_gate`) is set on the class on first use
-    (`_experts`), so that a SiLU activation runs as our swiglu, as transformers' experts do."""
+    patched block's precision recipe and expert-parallel dispatcher. transformers' default gate (`_apply_gate`) is set
+    on the class on first use (`_experts`), so that a SiLU activation runs as our swiglu, as transformers' experts
+    do."""
 
     has_gate = True
 
@@ -87,37 +137,49 @@ def _experts(block: nn.Module) -> _Experts:
 
 
 def _check_projections(block: nn.Module) -> None:
-    """NotImplementedError where a projection is no longer transformers' JetMoeParallelExperts (an adapter wrapper
-    added after patch_hf: its delta would be skipped), before any kernel runs."""
-    cls = getattr(sys.modules.get(_MODULE), "JetMoeParallelExperts", None)
+    """NotImplementedError where a projection (inside any peft wrappers) is no longer transformers'
+    JetMoeParallelExperts (replaced after patch_hf), before any kernel runs."""
     for name in _PROJECTIONS:
-        module = block._modules.get(name)
-        if type(module) is not cls:
+        if _projection(block, name) is None:
+            module = block._modules.get(name)
             raise NotImplementedError(
                 f"moe_kernels: JetMoE's {type(block).__name__}.{name} is a {type(module).__name__}, not transformers' "
-                "JetMoeParallelExperts (an adapter wrapper added after patch_hf?); unpatch_hf(model) runs transformers' "
-                "code, which applies it")
-
-
-def _block_forward(self: nn.Module, layer_input: Tensor) -> Tensor:
-    """JetMoeMoE: the router, the routed experts (`_Experts`, moe_kernels_experts_forward), the block's bias.
-    layer_input [B, S, H]; returns [B, S, H] in its dtype."""
-    _check_projections(self)
-    bsz, length, emb = layer_input.shape
-    x = layer_input.reshape(-1, emb)
-    indices, weights, _, _, _ = self.router(x)
-    out = moe_kernels_experts_forward(_experts(self), x, indices, weights)
-    return out.view(bsz, length, emb) + self.bias
-
-
-def _moa_mm(self: nn.Module, x: Tensor, w: Tensor, group_sizes: Tensor) -> Tensor:
-    recipe = self.__dict__.get(_RECIPE_ATTR)
-    return (grouped_mm if recipe is None else recipe.grouped_mm)(x, w.contiguous(), group_sizes)
+                "JetMoeParallelExperts (inside any peft adapter wrappers); unpatch_hf(model) runs transformers' code")
 
 
 def _align(self: nn.Module) -> int:
     recipe = self.__dict__.get(_RECIPE_ATTR)
     return 1 if recipe is None else recipe.align
+
+
+def _rows(self: nn.Module, x: Tensor, indices: Tensor, weights: Tensor):
+    """(rows grouped by this rank's experts, group sizes, finish): permute, or the expert-parallel dispatcher's
+    dispatch; finish(y) is unpermute with the routing weights (fp32, rounded once), or the combine."""
+    dispatcher = self.__dict__.get(DISPATCHER_ATTR)
+    w = weights.float().contiguous()
+    if dispatcher is not None:
+        d = dispatcher.dispatch(x, w, indices, align=_align(self))
+        return d.x, d.group_sizes, lambda y: dispatcher.combine(y, d.handle)
+    rows, row_map, group_sizes = permute(x, indices, self.router.num_experts, align=_align(self))
+    return rows, group_sizes, lambda y: unpermute(y, row_map, w)
+
+
+def _block_forward(self: nn.Module, layer_input: Tensor) -> Tensor:
+    """JetMoeMoE: the router, the routed experts (plain projections: `_Experts` through moe_kernels_experts_forward;
+    otherwise the projections called as modules around the gate), the block's bias. layer_input [B, S, H]; returns
+    [B, S, H] in its dtype."""
+    _check_projections(self)
+    bsz, length, emb = layer_input.shape
+    x = layer_input.reshape(-1, emb)
+    indices, weights, _, _, _ = self.router(x)
+    if _direct(self):
+        out = moe_kernels_experts_forward(_experts(self), x, indices, weights)
+    else:
+        rows, group_sizes, finish = _rows(self, x.contiguous(), indices.to(torch.int32).contiguous(), weights)
+        h = self.input_linear(rows, group_sizes)  # [R, 2F]
+        act = _gated(_experts(self), h)  # our swiglu for SiLU, else act_fn(gate) * up
+        out = finish(self.output_linear(act.contiguous(), group_sizes)).to(x.dtype)
+    return out.view(bsz, length, emb) + self.bias
 
 
 def _moa_map(self: nn.Module, layer_input: Tensor) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
@@ -126,18 +188,17 @@ def _moa_map(self: nn.Module, layer_input: Tensor) -> tuple[Tensor, Tensor, tupl
     weights [T, k]) that `_moa_reduce` takes, where transformers passes its sorted slots."""
     _check_projections(self)
     bsz, length, emb = layer_input.shape
-    w = self.input_linear.weight  # [E, D, H]
-    x = layer_input.reshape(-1, emb).to(w.dtype).contiguous()
+    x = layer_input.reshape(-1, emb).contiguous()
     indices, weights, _, _, router_logits = self.router(x)
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     if dispatcher is not None:  # each slot a token of one expert: the combine returns the slots' rows unsummed
         slot_experts = indices.to(torch.int32).reshape(-1, 1)
         d = dispatcher.dispatch(x.repeat_interleave(self.top_k, 0), torch.ones(slot_experts.shape, device=x.device),
                                 slot_experts, align=_align(self))
-        slots = dispatcher.combine(_moa_mm(self, d.x, w, d.group_sizes), d.handle, weighted=False)  # [T k, D]
+        slots = dispatcher.combine(self.input_linear(d.x, d.group_sizes), d.handle, weighted=False)  # [T k, D]
     else:
         x_perm, row_map, group_sizes = permute(x, indices.to(torch.int32), self.num_experts, align=_align(self))
-        q = _moa_mm(self, x_perm, w, group_sizes)  # [R, D]
+        q = self.input_linear(x_perm, group_sizes)  # [R, D]
         slots = unpermute(q, row_map.view(-1, 1))  # [T k, D]: each slot's own row (one term: exact)
     return slots.view(bsz, length, self.top_k, -1).to(layer_input.dtype), router_logits, (indices, weights)
 
@@ -148,20 +209,19 @@ def _moa_reduce(self: nn.Module, layer_input: Tensor, topo_info: tuple[Tensor, T
     _check_projections(self)
     indices, weights = topo_info
     bsz, length, k, width = layer_input.shape
-    w = self.output_linear.weight  # [E, H, D]
-    a = layer_input.reshape(-1, width).to(w.dtype).contiguous()  # [T k, D]
+    a = layer_input.reshape(-1, width).contiguous()  # [T k, D]
     slot_experts = indices.to(torch.int32).reshape(-1, 1)
     dispatcher = self.__dict__.get(DISPATCHER_ATTR)
     if dispatcher is not None:  # each slot a token of one expert; a token's k rows weighed and summed here
         d = dispatcher.dispatch(a, torch.ones(slot_experts.shape, device=a.device), slot_experts, align=_align(self))
-        y = dispatcher.combine(_moa_mm(self, d.x, w, d.group_sizes), d.handle, weighted=False)  # [T k, H]
+        y = dispatcher.combine(self.output_linear(d.x, d.group_sizes), d.handle, weighted=False)  # [T k, H]
         terms = y.view(-1, k, y.shape[1]).float() * weights.float()[:, :, None]
         out = terms[:, 0]
         for j in range(1, k):  # ascending j in fp32, rounded once: unpermute's order
             out = out + terms[:, j]
     else:
         a_perm, row_map, group_sizes = permute(a, slot_experts, self.num_experts, align=_align(self))
-        y = _moa_mm(self, a_perm, w, group_sizes)  # [R, H]
+        y = self.output_linear(a_perm, group_sizes)  # [R, H]
         out = unpermute(y, row_map.view(-1, k), weights.float().contiguous())  # [T, H]
     return out.to(layer_input.dtype).view(bsz, length, -1) + self.bias
 
@@ -172,13 +232,13 @@ MOA_METHODS = (("map", _moa_map), ("reduce", _moa_reduce))
 
 def _problem(block: nn.Module, gated: bool) -> str | None:
     """Why a JetMoE block (gated: the MoE block; else the MoA) cannot run on our ops, or None."""
-    cls = getattr(sys.modules.get(_MODULE), "JetMoeParallelExperts", None)
     for name in _PROJECTIONS:
-        module = block._modules.get(name)
-        if type(module) is not cls:
-            return (f"its {name} is a {type(module).__name__}, not transformers' JetMoeParallelExperts (peft adapters "
-                    "on JetMoE's experts run on transformers' code)")
-    w1, w2, wg = block.input_linear.weight, block.output_linear.weight, getattr(block.router.layer, "weight", None)
+        if _projection(block, name) is None:
+            module = block._modules.get(name)
+            return (f"its {name} is a {type(module).__name__}, not transformers' JetMoeParallelExperts (inside any peft "
+                    "adapter wrappers)")
+    p1, p2 = _projection(block, "input_linear"), _projection(block, "output_linear")
+    w1, w2, wg = p1.weight, p2.weight, getattr(block.router.layer, "weight", None)
     bias = block.bias
     if not all(isinstance(t, Tensor) for t in (w1, w2, wg, bias)):
         return "it lacks its projections', router's or bias tensors"
@@ -186,7 +246,7 @@ def _problem(block: nn.Module, gated: bool) -> str | None:
         return _SHARDED
     if w1.dtype not in _WEIGHT_DTYPES or w2.dtype != w1.dtype:
         return f"its expert weights are {w1.dtype}/{w2.dtype} (quantised?); grouped_mm takes fp32/bf16/fp16"
-    E, k = block.input_linear.num_experts, block.router.top_k
+    E, k = p1.num_experts, block.router.top_k
     held = block.__dict__.get(EXPERT_RANGE_ATTR)  # apply_expert_parallel's: this rank's experts (patched already)
     E_held = E if held is None else held[1]
     if w1.dim() != 3 or w2.dim() != 3 or w1.shape[0] != E_held or w2.shape[0] != E_held:
@@ -213,19 +273,18 @@ def jetmoe_moa_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
 
 def jetmoe_dims(block: nn.Module) -> tuple[int, int, object]:
     """(H, F, weight dtype) of a JetMoE MoE block's experts for a precision recipe's check."""
-    w1 = block.input_linear.weight
+    w1 = _projection(block, "input_linear").weight
     return w1.shape[2], w1.shape[1] // 2, w1.dtype
 
 
 def jetmoe_moa_dims(block: nn.Module) -> tuple[int, int, object]:
     """(H, D, weight dtype) of a JetMoE MoA's projections (D = kv_channels x num_key_value_heads)."""
-    w1 = block.input_linear.weight
+    w1 = _projection(block, "input_linear").weight
     return w1.shape[2], w1.shape[1], w1.dtype
 
 
 def expert_tensors(block: nn.Module) -> list[tuple[nn.Module, str, int]]:
     """(module, name, rows per expert) of a JetMoE block's per-expert weights, for apply_expert_parallel: its
-    projections' [E, N, K] weights; empty for a module that is none."""
-    cls = getattr(sys.modules.get(_MODULE), "JetMoeParallelExperts", None)
-    projections = [block._modules.get(name) for name in _PROJECTIONS]
-    return [(m, "weight", 1) for m in projections] if all(type(m) is cls for m in projections) else []
+    projections' [E, N, K] weights (inside any peft wrappers, whose factors stay whole); empty for any other module."""
+    projections = [_projection(block, name) for name in _PROJECTIONS]
+    return [(m, "weight", 1) for m in projections] if all(m is not None for m in projections) else []

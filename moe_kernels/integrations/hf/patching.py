@@ -261,10 +261,16 @@ def _swap_class(module: nn.Module, new_forward: Callable | None = None,
 
 
 def _install(block: nn.Module, fam: _Family, recipe) -> None:
-    if fam.block_methods:  # the block's methods and its router (JetMoE's); the recipe on the block
+    if fam.block_methods:  # the block's methods, its router and its experts' projections (JetMoE's), each of these
+        # inside any adapter wrappers; the recipe on the block and the projections
         _swap_class(block, methods=fam.block_methods)
         _swap_class(_router_of(block), fam.router_forward)
         block.__dict__[_RECIPE_ATTR] = recipe
+        experts_cls = _family_classes(fam)[2]
+        for child in block.children():
+            if isinstance(projection := unwrapped(child), experts_cls):
+                _swap_class(projection, fam.experts_forward)
+                projection.__dict__[_RECIPE_ATTR] = recipe
         return
     if fam.experts_forward is not None:  # the experts' forward (and Llama 4's block's, or Ergo's router's)
         if fam.block_forward is not None:
