@@ -144,10 +144,12 @@ def test_unpatch_pickle_and_a_fresh_process_class():
         assert not hf.is_patched(loaded)
         assert {type(b) for b in blocks(loaded)} == {jetmoe.JetMoeMoE, jetmoe.JetMoeMoA}
         assert {type(b.router) for b in blocks(loaded)} == {jetmoe.JetMoeTopKGating}
+        assert {type(b.input_linear) for b in blocks(loaded)} == {jetmoe.JetMoeParallelExperts}
         assert_same(run(loaded, ids), ref)
     # unpickling in a fresh process defines the patched classes by name
     for name, base in (("MoeKernelsJetMoeMoE", jetmoe.JetMoeMoE), ("MoeKernelsJetMoeMoA", jetmoe.JetMoeMoA),
-                       ("MoeKernelsJetMoeTopKGating", jetmoe.JetMoeTopKGating)):
+                       ("MoeKernelsJetMoeTopKGating", jetmoe.JetMoeTopKGating),
+                       ("MoeKernelsJetMoeParallelExperts", jetmoe.JetMoeParallelExperts)):
         cls = hf.patching._unpickled_class(name)
         assert cls.__bases__ == (base,) and cls in {type(m) for m in model.modules()}
 
@@ -297,6 +299,28 @@ def test_compiles_as_one_graph():
     transformers' eager model by the SGD-step test's fp64 rule."""
     ref_model = build().train()
     assert_compiled_matches(patched(ref_model).train(), ref_model, inputs())
+
+
+def test_patched_model_exports_and_runs_in_onnxruntime():
+    """torch.onnx.export of the patched model as it is (transformers' own JetMoE does not export whole: its router
+    reads the expert sizes on the host): the ops' ONNX formulations, no moe_kernels op left in the graph,
+    onnxruntime's logits within assert_close_to_fp64's bound of ours against transformers' model in fp64."""
+    pytest.importorskip("onnxscript")
+    from moe_kernels import onnx as mk_onnx
+    from moe_kernels.testing import assert_close_to_fp64
+    from tests.integrations.test_onnx import _run, _session
+
+    base = build(layers=1, use_cache=False).eval()
+    ref64 = copy.deepcopy(base).double()
+    model = mk.patch_hf(base)
+    ids = _decisive_ids(model, ref64, 2, "cpu")  # fp32 routes as fp64 does
+    onnx_program = torch.onnx.export(model, (ids,), dynamo=True)
+    assert not mk_onnx.exporting()
+    assert not any(n.domain.startswith("moe_kernels") for n in onnx_program.model.graph)
+    with torch.no_grad():
+        ours, exact = model(ids).logits, ref64(ids).logits
+    (got,) = _run(_session(onnx_program), ids)
+    assert_close_to_fp64(got, ours, exact, "onnxruntime's logits")
 
 
 @pytest.mark.gpu

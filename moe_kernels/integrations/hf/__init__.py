@@ -44,7 +44,9 @@ expert and DeepSeek-V3's shared experts are transformers' code. Gradients reach 
 
 Routing per family: `moe_kernels.integrations.hf.routings`; GPT-OSS's, Llama 4's and DBRX's experts:
 `moe_kernels.integrations.hf.experts` (DBRX's experts, outside the experts interface, get an importable subclass
-as the routers do; its router stays transformers').
+as the routers do; its router stays transformers'). JetMoE, whose blocks hold their experts' projections and whose
+attention is a mixture of experts too: `moe_kernels.integrations.hf.jetmoe` (the block's forward, the MoA's map and
+reduce, the router and the projections replaced).
 
 Not supported (left alone, listed in one warning): any other block that looks like an MoE block (a child named
 `experts`, or a class name ending in MoE/Moe/MoeBlock/MoeLayer), and supported classes whose structure differs

@@ -341,7 +341,8 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     Supported (transformers 5.x): Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3, Qwen3-VL-MoE, MiniMax-M2,
     DeepSeek-V2, DeepSeek-V4, GPT-OSS, ERNIE-4.5, Mistral 4, Mistral Large 4, Gemma 4, Llama 4 (its block's
     forward: see the package docstring), Granite-MoE, Jamba, HunYuan-MoE-V1, LFM2-MoE, AFMoE, Cohere2-MoE, HY-V3,
-    Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria, Longcat-Flash, Ergo (its
+    Laguna, MiniCPM5-MoE, AXK2, Beam, Lara-Mini, Flint, Inkling2, MiniMax-M3, Aria, Longcat-Flash, JetMoE (its MoE
+    blocks and attention experts: moe_kernels.integrations.hf.jetmoe), Ergo (its
     experts' forward too: the norm per expert), and PhiMoE's, Kolibri's (1 and 1.1), Zaya's, Muse Spark's, Inkling's
     and DBRX's experts behind transformers' own routers (routings:
     `moe_kernels.integrations.hf.routings`), and
