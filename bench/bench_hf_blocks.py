@@ -25,6 +25,9 @@ Models (GPU):
                   (squared ReLU), sigmoid routing with an expert bias, scaled 2.5: NVIDIA-Nemotron-3-Nano-30B-A3B
   dbrx            DbrxFFN, H 6144, F 10752, E 16, k 4: DBRX (databricks/dbrx-base); transformers' experts have no
                   experts interface: a loop over the experts hit (patched: our experts, transformers' router)
+  jetmoe-8b       JetMoeMoE, H 2048, F 5632, E 8, k 2, a bias after the experts: JetMoeConfig's defaults, whose
+                  docstring names jetmoe/jetmoe-8b; transformers reads the expert sizes on the host and runs each
+                  expert's F.linear (patched: its router, permute, our grouped GEMMs, swiglu, unpermute)
 FLOPs: the routed experts' forward and backward, 3 x 2 T k m H F, plus the shared experts' 3 x 2 T m H Fs, m the
 weight matrices per expert (3 with a gate, 2 without; the work of the patched block; transformers' Llama 4 does
 E / k times the routed part). Bytes: the expert weights read and their gradients written (bf16), x read and the
@@ -79,6 +82,8 @@ MODELS = {
                              routed_scaling_factor=2.5, norm_topk_prob=True)),
     "dbrx": ("DbrxConfig", _TM + "dbrx.modeling_dbrx", "DbrxFFN",
              dict(d_model=6144, ffn_config=dict(ffn_hidden_size=10752, moe_num_experts=16, moe_top_k=4))),
+    "jetmoe-8b": ("JetMoeConfig", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoE",
+                  dict(hidden_size=2048, intermediate_size=5632, num_local_experts=8, num_experts_per_tok=2)),
 }
 TINY = {  # the CPU's shapes: the same families, every code path
     "qwen3-30b-a3b": dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
@@ -94,6 +99,7 @@ TINY = {  # the CPU's shapes: the same families, every code path
                             n_group=1, topk_group=1, moe_shared_expert_intermediate_size=64,
                             routed_scaling_factor=2.5, norm_topk_prob=True),
     "dbrx": dict(d_model=64, ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2)),
+    "jetmoe-8b": dict(hidden_size=64, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
 }
 TOKENS = (4096, 8192)
 CPU_TOKENS = 64
@@ -164,6 +170,8 @@ def _peer_variant(block: nn.Module) -> str:
     impl = getattr(getattr(experts, "config", None), "_experts_implementation", None)
     if type(experts).__name__ == "DbrxExperts":
         how = "its experts' loop over the experts hit"
+    elif experts is None and hasattr(block, "input_linear"):  # JetMoE's block holds its experts' projections
+        how = "a loop over every expert (F.linear each), the expert sizes read on the host"
     elif experts is not None and not hasattr(type(experts).forward, "__wrapped__"):
         how = "dense experts (every expert on every token)"
     else:

@@ -235,8 +235,8 @@ def _problem(block: nn.Module, gated: bool) -> str | None:
     for name in _PROJECTIONS:
         if _projection(block, name) is None:
             module = block._modules.get(name)
-            return (f"its {name} is a {type(module).__name__}, not transformers' JetMoeParallelExperts (inside any peft "
-                    "adapter wrappers)")
+            return (f"its {name} is a {type(module).__name__}, not transformers' JetMoeParallelExperts (inside any "
+                    "peft adapter wrappers)")
     p1, p2 = _projection(block, "input_linear"), _projection(block, "output_linear")
     w1, w2, wg = p1.weight, p2.weight, getattr(block.router.layer, "weight", None)
     bias = block.bias
