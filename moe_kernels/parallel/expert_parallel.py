@@ -122,10 +122,11 @@ def _hf_experts(model: nn.Module) -> list[nn.Module]:
 
 
 def _hf_expert_count(experts: nn.Module) -> int | None:
-    """E: the experts module's num_experts, or its projections' (JetMoE's MoE block has none of its own)."""
+    """E: the experts module's num_experts, or a JetMoE block's (its projections')."""
+    from moe_kernels.integrations.hf.jetmoe import expert_count
+
     E = getattr(experts, "num_experts", None)
-    if E is None and (proj := experts._modules.get("input_linear")) is not None:
-        E = getattr(proj, "num_experts", None)
+    E = expert_count(experts) if E is None else E
     return E if isinstance(E, int) else None
 
 
@@ -140,7 +141,7 @@ def _hf_expert_tensors(experts: nn.Module) -> list[tuple[nn.Module, str, int]]:
     the block's projections, [E, N, K]. Empty for any other module."""
     from moe_kernels.integrations.hf.jetmoe import expert_tensors
 
-    if tensors := expert_tensors(experts):
+    if tensors := expert_tensors(experts):  # JetMoE's
         return tensors
     names = [n for n in _HF_EXPERT_TENSORS if isinstance(getattr(experts, n, None), torch.Tensor)]
     if any(n in names for n in ("gate_up_proj", "up_proj")) and "down_proj" in names:
@@ -154,6 +155,7 @@ def _hf_expert_tensors(experts: nn.Module) -> list[tuple[nn.Module, str, int]]:
 
 def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) -> None:
     from moe_kernels.integrations.hf import DISPATCHER_ATTR
+    from moe_kernels.integrations.hf.jetmoe import dispatched_rows_per_token, expert_tensors
 
     if DISPATCHER_ATTR in experts.__dict__ or getattr(experts, "_is_expert_parallel", False):
         raise ValueError("apply_expert_parallel: the model is already expert-parallel")
@@ -161,6 +163,9 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
     tensors = _hf_expert_tensors(experts)
     if any(getattr(module, name).shape[0] != E * per for module, name, per in tensors):
         raise ValueError("apply_expert_parallel: the layer's experts are not the full set")
+    rows = dispatched_rows_per_token(experts)  # (JetMoE's MoA dispatches each of a token's k slots as a token)
+    if rows > 1 and options.get("max_tokens_per_rank") is not None:
+        options = {**options, "max_tokens_per_rank": options["max_tokens_per_rank"] * rows}
     dispatcher = make_dispatcher(backend, E, group, **options)
     lo, El = dispatcher.first_expert, dispatcher.num_local_experts
     for module, name, per in tensors:
@@ -168,8 +173,9 @@ def _shard_hf_experts(experts: nn.Module, backend: str, group, options: dict) ->
         setattr(module, name, nn.Parameter(w.detach()[lo * per : (lo + El) * per].clone(),
                                            requires_grad=w.requires_grad))
     experts.__dict__[DISPATCHER_ATTR] = dispatcher
-    for module in {experts, *(module for module, _, _ in tensors)}:  # (JetMoE's projections: peft's wrappers around
-        # them apply this rank's slices of their factors)
+    experts.__dict__[EXPERT_RANGE_ATTR] = (lo, El, E)
+    for module, _, _ in expert_tensors(experts):  # JetMoE's projections: peft's wrappers around them apply this
+        # rank's slices of their factors
         module.__dict__[EXPERT_RANGE_ATTR] = (lo, El, E)
 
 

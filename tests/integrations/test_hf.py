@@ -324,6 +324,29 @@ def _assert_bf16_close_to_fp64(ours, theirs, exact, what):
     assert_close_to_fp64(ours, theirs, exact, what, floor=max(floor, 1e-6))
 
 
+def assert_bf16_step_close_to_fp64(ref64, base, model, ids, run):
+    """ref64 (the unpatched model in fp64), base (transformers' bf16 model) and model (the patched bf16 model), in
+    training mode on the same weights: each one's forward run(m, ids, labels=ids) and backward; the first layer's
+    router logits equal (the same input), then the logits, aux loss, loss, every gradient and every parameter after
+    one SGD step (lr 0.1) within _assert_bf16_close_to_fp64's bound."""
+    outs = [run(m, ids, labels=ids) for m in (ref64, base, model)]
+    for out in outs:
+        out.loss.backward()
+    exact, theirs, ours = outs
+    torch.testing.assert_close(ours.router_logits[0], theirs.router_logits[0], rtol=0, atol=0)
+    for what in ("logits", "aux_loss", "loss"):
+        _assert_bf16_close_to_fp64(getattr(ours, what), getattr(theirs, what), getattr(exact, what), what)
+    models = (ref64, base, model)
+    named = [dict(m.named_parameters()) for m in models]
+    for name, p64 in named[0].items():
+        if p64.grad is not None:
+            _assert_bf16_close_to_fp64(named[2][name].grad, named[1][name].grad, p64.grad, f"grad {name}")
+    for m in models:
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    for name, p64 in named[0].items():
+        _assert_bf16_close_to_fp64(named[2][name], named[1][name], p64, f"{name} after an SGD step")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("family", "region"), [("qwen3_moe", "moe"), ("nemotron_h", "moe_squared_relu")])

@@ -230,30 +230,14 @@ def test_gpu_bf16_matches_transformers(cuda):
     weights and inputs (test_hf.test_gpu_bf16_matches_transformers' method): logits, router logits, aux loss, loss,
     every gradient and the parameters after one SGD step within assert_close_to_fp64's bound of transformers' own
     bf16 error."""
-    from tests.integrations.test_hf import _assert_bf16_close_to_fp64
+    from tests.integrations.test_hf import assert_bf16_step_close_to_fp64
 
     base = build(layers=1)
     base.set_attn_implementation("eager")
     base = base.to(device=cuda, dtype=torch.bfloat16).train()
     ref64 = copy.deepcopy(base).to(torch.float64)
     model = patched(base)
-    ids = _decisive_ids(base, ref64, 2, cuda)
-    outs = [run(m, ids, labels=ids) for m in (ref64, base, model)]
-    for out in outs:
-        out.loss.backward()
-    exact, theirs, ours = outs
-    torch.testing.assert_close(ours.router_logits[0], theirs.router_logits[0], rtol=0, atol=0)
-    for what in ("logits", "aux_loss", "loss"):
-        _assert_bf16_close_to_fp64(getattr(ours, what), getattr(theirs, what), getattr(exact, what), what)
-    models = (ref64, base, model)
-    named = [dict(m.named_parameters()) for m in models]
-    for name, p64 in named[0].items():
-        if p64.grad is not None:
-            _assert_bf16_close_to_fp64(named[2][name].grad, named[1][name].grad, p64.grad, f"grad {name}")
-    for m in models:
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-    for name, p64 in named[0].items():
-        _assert_bf16_close_to_fp64(named[2][name], named[1][name], p64, f"{name} after an SGD step")
+    assert_bf16_step_close_to_fp64(ref64, base, model, _decisive_ids(base, ref64, 2, cuda), run)
 
 
 def test_patched_model_exports_and_runs_in_onnxruntime():
@@ -261,21 +245,12 @@ def test_patched_model_exports_and_runs_in_onnxruntime():
     runs over the experts hit, a data-dependent list): the ops' ONNX formulations, no moe_kernels op left in the
     graph, onnxruntime's logits within assert_close_to_fp64's bound of ours against transformers' model in fp64."""
     pytest.importorskip("onnxscript")
-    from moe_kernels import onnx as mk_onnx
-    from moe_kernels.testing import assert_close_to_fp64
-    from tests.integrations.test_onnx import _run, _session
+    from tests.integrations.test_onnx import assert_exports_and_runs
 
     base = build(layers=1, use_cache=False).eval()
     ref64 = copy.deepcopy(base).double()
     model = mk.patch_hf(base)
-    ids = _decisive_ids(model, ref64, 2, "cpu")  # fp32 routes as fp64 does
-    onnx_program = torch.onnx.export(model, (ids,), dynamo=True)
-    assert not mk_onnx.exporting()
-    assert not any(n.domain.startswith("moe_kernels") for n in onnx_program.model.graph)
-    with torch.no_grad():
-        ours, exact = model(ids).logits, ref64(ids).logits
-    (got,) = _run(_session(onnx_program), ids)
-    assert_close_to_fp64(got, ours, exact, "onnxruntime's logits")
+    assert_exports_and_runs(model, ref64, _decisive_ids(model, ref64, 2, "cpu"))  # fp32 routes as fp64 does
 
 
 def test_compiles_as_one_graph():

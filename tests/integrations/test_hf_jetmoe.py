@@ -7,7 +7,6 @@ compile) and the blocks it leaves alone."""
 
 import copy
 import pickle
-import warnings
 
 import pytest
 import torch
@@ -16,7 +15,16 @@ transformers = pytest.importorskip("transformers", minversion="5.0")
 
 import moe_kernels as mk  # noqa: E402
 from moe_kernels.integrations import hf  # noqa: E402
-from tests.integrations.hf_models import V, assert_compiled_matches, assert_same_sgd_step, inputs  # noqa: E402
+from tests.integrations.hf_models import (  # noqa: E402
+    V,
+    _decisive_ids,
+    assert_compiled_matches,
+    assert_same_outputs,
+    assert_same_sgd_step,
+    inputs,
+    run,
+)
+from tests.integrations.hf_models import patched_copy as patched  # noqa: E402
 
 jetmoe = pytest.importorskip("transformers.models.jetmoe.modeling_jetmoe")
 H = 32
@@ -49,27 +57,13 @@ def blocks(model):
     return [m for m in model.modules() if isinstance(m, (jetmoe.JetMoeMoE, jetmoe.JetMoeMoA))]
 
 
-def patched(model):
-    other = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # supported blocks patch without a warning
-        mk.patch_hf(other)
-    return other
-
-
-def run(model, ids, **kw):
-    return model(ids, output_router_logits=True, **kw)
-
-
-def assert_same(out, ref, rtol=1e-5, atol=1e-5):
-    torch.testing.assert_close(out.logits, ref.logits, rtol=rtol, atol=atol)
-    assert len(out.router_logits) == len(ref.router_logits) > 0
-    torch.testing.assert_close(out.router_logits[0], ref.router_logits[0], rtol=0, atol=0)  # the same input
-    for a, b in zip(out.router_logits, ref.router_logits, strict=True):  # later layers': fp32 sums in another order
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
-    torch.testing.assert_close(out.aux_loss, ref.aux_loss, rtol=rtol, atol=atol)
+def assert_same(out, ref):
+    """Logits, every layer's router logits (the first's exactly: the same input) and aux loss (assert_same_outputs),
+    and the loss."""
+    assert_same_outputs(out, ref)
+    torch.testing.assert_close(out.router_logits[0], ref.router_logits[0], rtol=0, atol=0)
     if ref.loss is not None:
-        torch.testing.assert_close(out.loss, ref.loss, rtol=rtol, atol=atol)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
 
 
 CASES = [{}, {"num_experts_per_tok": 1}, {"num_experts_per_tok": 3}, {"activation_function": "gelu"}]
@@ -146,7 +140,7 @@ def test_unpatch_pickle_and_a_fresh_process_class():
         assert {type(b.router) for b in blocks(loaded)} == {jetmoe.JetMoeTopKGating}
         assert {type(b.input_linear) for b in blocks(loaded)} == {jetmoe.JetMoeParallelExperts}
         assert_same(run(loaded, ids), ref)
-    # unpickling in a fresh process defines the patched classes by name
+    # unpickling in this process finds the patched classes by name
     for name, base in (("MoeKernelsJetMoeMoE", jetmoe.JetMoeMoE), ("MoeKernelsJetMoeMoA", jetmoe.JetMoeMoA),
                        ("MoeKernelsJetMoeTopKGating", jetmoe.JetMoeTopKGating),
                        ("MoeKernelsJetMoeParallelExperts", jetmoe.JetMoeParallelExperts)):
@@ -154,12 +148,121 @@ def test_unpatch_pickle_and_a_fresh_process_class():
         assert cls.__bases__ == (base,) and cls in {type(m) for m in model.modules()}
 
 
+def test_a_pickle_loads_in_a_fresh_process(tmp_path):
+    """A pickled patched model loads in a new interpreter, which defines the patched classes by name (the package's
+    module __getattr__): the same classes, and the logits of this process's model."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    model = patched(build()).eval()
+    ids = inputs()
+    (tmp_path / "model.pkl").write_bytes(pickle.dumps(model))
+    script = f"""
+import pickle, torch
+import moe_kernels
+model = pickle.loads(open({str(tmp_path / "model.pkl")!r}, "rb").read())
+names = sorted({{type(m).__name__ for m in model.modules() if type(m).__name__.startswith("MoeKernels")}})
+with torch.no_grad():
+    torch.save((names, model(torch.load({str(tmp_path / "ids.pt")!r})).logits), {str(tmp_path / "out.pt")!r})
+"""
+    torch.save(ids, tmp_path / "ids.pt")
+    root = Path(__file__).resolve().parents[2]
+    env = {**__import__("os").environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names, logits = torch.load(tmp_path / "out.pt")
+    assert names == ["MoeKernelsJetMoeMoA", "MoeKernelsJetMoeMoE", "MoeKernelsJetMoeParallelExperts",
+                     "MoeKernelsJetMoeTopKGating"]
+    with torch.no_grad():  # (the other process's intra-op threads may split fp32 sums otherwise: 1e-5)
+        torch.testing.assert_close(logits, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def _mutated(what):
+    """A one-layer model whose MoE block (or MoA) has one structure patch_hf refuses."""
+    model = build(layers=1)
+    mlp, moa = model.model.layers[0].mlp, model.model.layers[0].self_attention.experts
+    with torch.no_grad():
+        if what == "output shape":
+            mlp.output_linear.weight = torch.nn.Parameter(torch.zeros(8, H, 15))
+        elif what == "odd gate and up":
+            mlp.input_linear.weight = torch.nn.Parameter(torch.zeros(8, 31, H))
+        elif what == "router shape":
+            mlp.router.layer = torch.nn.Linear(H, 7, bias=False)
+        elif what == "top_k":
+            mlp.router.top_k = 9
+        elif what == "bias shape":
+            mlp.bias = torch.nn.Parameter(torch.zeros(H + 1))
+        elif what == "MoA top_k":
+            moa.top_k = 3
+        elif what == "expert count":
+            mlp.input_linear.weight = torch.nn.Parameter(torch.zeros(7, 32, H))
+    return model
+
+
+@pytest.mark.parametrize(("what", "message"), [
+    ("output shape", "unexpected weight shapes"), ("odd gate and up", "unexpected weight shapes"),
+    ("router shape", "unexpected weight shapes"), ("top_k", "no valid top_k"),
+    ("bias shape", "unexpected weight shapes"),
+    ("MoA top_k", "top_k is not the attention's"), ("expert count", r"not \[E, N, K\] for its 8 experts")])
+def test_a_block_of_another_structure_is_left_alone(what, message):
+    # each refused with its reason in patch_hf's warning, before anything of it is patched; the rest of the model is
+    model = _mutated(what)
+    with pytest.warns(UserWarning, match=message):
+        mk.patch_hf(model)
+    names = [type(b).__name__ for b in blocks(model)]
+    assert names.count("JetMoeMoE") + names.count("JetMoeMoA") == 1 and len(names) == 2
+
+
+def test_a_moe_like_module_with_other_experts_stays_unsupported():
+    # A module named like an MoE block whose `experts` is no supported block is reported as it is, even where another
+    # of its children is one (JetMoE's attention is patched because its `experts` is its MoA).
+    class WrapperMoE(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.experts = torch.nn.Linear(4, 4)
+            self.inner = inner
+
+    model = WrapperMoE(build(layers=1).model.layers[0].mlp)
+    found = [(path, fam, problem) for path, _, fam, problem in hf.patching._scan(model)]
+    assert len(found) == 1 and found[0][:2] == ("", None) and "not a supported family" in found[0][2]
+
+
+def test_expert_parallel_sizes_the_attention_dispatch_for_k_slots(monkeypatch):
+    """apply_expert_parallel on one rank with the dispatchers recorded (a LocalDispatcher each, every expert local):
+    the MoA's nvlink buffers are sized for k rows a token (each slot dispatched as a token of one expert), the MoE
+    block's for one; the expert-parallel paths (the MoA's slots dispatched, combined unsummed, weighed in fp32)
+    give the one-rank model's logits and gradients."""
+    from moe_kernels.dispatch import LocalDispatcher
+    from moe_kernels.parallel import apply_expert_parallel, expert_parallel
+
+    made = []
+
+    def make(backend, E, group, **options):
+        made.append((backend, options["max_tokens_per_rank"]))
+        return LocalDispatcher(E)
+
+    monkeypatch.setattr(expert_parallel, "make_dispatcher", make)
+    full = patched(build(**{"num_experts_per_tok": 3}))
+    ep = apply_expert_parallel(copy.deepcopy(full), backend="nvlink", max_tokens_per_rank=64)
+    assert sorted(made) == [("nvlink", 64)] * 2 + [("nvlink", 192)] * 2  # 2 layers: the MoE block, the MoA (k = 3)
+    ids = inputs()
+    outs = []
+    for model in (ep, full):
+        out = run(model, ids, labels=ids)
+        out.loss.backward()
+        outs.append((out.logits, {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-5)
+    for name, g in outs[1][1].items():
+        torch.testing.assert_close(outs[0][1][name], g, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_blocks_it_cannot_run_stay_transformers():
     # A projection that is no JetMoeParallelExperts (inside any peft wrappers) and quantised weights: warned about,
     # left as they are; a projection replaced after patch_hf: a clear error before any kernel runs.
     found = [(path, fam.name if fam else None, problem) for path, _, fam, problem in hf.patching._scan(build(layers=1))]
     assert sorted(found) == [("model.layers.0.mlp", "JetMoE", None),
-                             ("model.layers.0.self_attention.experts", "JetMoE attention experts", None)]
+                             ("model.layers.0.self_attention.experts", "JetMoE", None)]
     model = build(layers=1)
     mlp = model.model.layers[0].mlp
     mlp.input_linear = torch.nn.Sequential(mlp.input_linear)
@@ -169,7 +272,7 @@ def test_blocks_it_cannot_run_stay_transformers():
     model = patched(build(layers=1))
     mlp = model.model.layers[0].mlp
     mlp.output_linear = torch.nn.Sequential(mlp.output_linear)
-    with pytest.raises(NotImplementedError, match="JetMoeMoE.output_linear is a Sequential"):
+    with pytest.raises(NotImplementedError, match="JetMoeMoE: its output_linear is a Sequential"):
         run(model, inputs())
     model = build(layers=1)
     mlp = model.model.layers[0].mlp
@@ -183,21 +286,6 @@ def test_blocks_it_cannot_run_stay_transformers():
 LORA_TARGETS = [f"{block}.{proj}.weight" for block in ("mlp", "experts") for proj in ("input_linear", "output_linear")]
 
 
-def _lora(model):
-    # init_lora_weights=False: B is random too, so the adapter changes the output from the first step.
-    peft = pytest.importorskip("peft")
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], target_parameters=LORA_TARGETS,
-                             init_lora_weights=False)
-    return peft.get_peft_model(model, config)
-
-
-def _logits_and_grads(model, ids):
-    model.zero_grad(set_to_none=True)
-    logits = model(ids).logits
-    logits.square().mean().backward()
-    return logits.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @pytest.mark.parametrize("when", ["before patch_hf", "after patch_hf"])
 def test_fused_lora_equals_peft_within_the_policy(when, monkeypatch):
     """peft's LoRA on the four projections of each layer (the MoE block's and the MoA's): patched, the adapters run
@@ -208,15 +296,16 @@ def test_fused_lora_equals_peft_within_the_policy(when, monkeypatch):
     from torch.nn.utils import parametrize
 
     from moe_kernels.testing import assert_close_to_fp64
+    from tests.integrations.test_peft import _logits_and_grads, _lora  # (peft imported there, or skipped)
 
     torch.manual_seed(0)
     base = build(layers=1)
-    peft_model = _lora(copy.deepcopy(base))
+    peft_model = _lora(copy.deepcopy(base), LORA_TARGETS)
     ids = inputs()
     if when == "before patch_hf":
         fused = mk.patch_hf(copy.deepcopy(peft_model))
     else:
-        late = _lora(mk.patch_hf(copy.deepcopy(base)))
+        late = _lora(mk.patch_hf(copy.deepcopy(base)), LORA_TARGETS)
         late.load_state_dict(peft_model.state_dict())
         torch.testing.assert_close(_logits_and_grads(late, ids)[0], _logits_and_grads(peft_model, ids)[0],
                                    rtol=1e-5, atol=1e-5)  # peft's own path on our ops
@@ -306,21 +395,12 @@ def test_patched_model_exports_and_runs_in_onnxruntime():
     reads the expert sizes on the host): the ops' ONNX formulations, no moe_kernels op left in the graph,
     onnxruntime's logits within assert_close_to_fp64's bound of ours against transformers' model in fp64."""
     pytest.importorskip("onnxscript")
-    from moe_kernels import onnx as mk_onnx
-    from moe_kernels.testing import assert_close_to_fp64
-    from tests.integrations.test_onnx import _run, _session
+    from tests.integrations.test_onnx import assert_exports_and_runs
 
     base = build(layers=1, use_cache=False).eval()
     ref64 = copy.deepcopy(base).double()
     model = mk.patch_hf(base)
-    ids = _decisive_ids(model, ref64, 2, "cpu")  # fp32 routes as fp64 does
-    onnx_program = torch.onnx.export(model, (ids,), dynamo=True)
-    assert not mk_onnx.exporting()
-    assert not any(n.domain.startswith("moe_kernels") for n in onnx_program.model.graph)
-    with torch.no_grad():
-        ours, exact = model(ids).logits, ref64(ids).logits
-    (got,) = _run(_session(onnx_program), ids)
-    assert_close_to_fp64(got, ours, exact, "onnxruntime's logits")
+    assert_exports_and_runs(model, ref64, _decisive_ids(model, ref64, 2, "cpu"))  # fp32 routes as fp64 does
 
 
 @pytest.mark.gpu
@@ -338,49 +418,16 @@ def test_gpu_patched_model_has_no_host_sync(cuda):
         run(ref_model, ids, labels=ids)
 
 
-def _decisive_ids(model, ref64, k, device):
-    """Inputs whose top-k is decided alike in the bf16 model and the fp64 one, in every layer (no tie at the bf16
-    boundary)."""
-    def picks(m, ids):
-        with torch.no_grad():
-            logits = [lg.float() for lg in run(m, ids).router_logits]
-        return ([lg.sort(-1, descending=True).values[:, k - 1 : k + 1] for lg in logits],
-                [lg.topk(k).indices.sort(-1).values for lg in logits])
-
-    for seed in range(50):
-        ids = inputs(seed, device=device)
-        (boundary, p16), (_, p64) = picks(model, ids), picks(ref64, ids)
-        if all((b[:, 0] != b[:, 1]).all() for b in boundary) and all(map(torch.equal, p16, p64)):
-            return ids
-    raise AssertionError("no input found whose routing is decided the same way in bf16 and fp64")
-
-
 @pytest.mark.gpu
 def test_gpu_bf16_matches_transformers(cuda):
     """The patched bf16 model and transformers' own bf16 model against the unpatched model in fp64 on the same
     weights and inputs (test_hf.test_gpu_bf16_matches_transformers' method): logits, aux loss, loss, every gradient
     and the parameters after one SGD step within assert_close_to_fp64's bound of transformers' own bf16 error."""
-    from tests.integrations.test_hf import _assert_bf16_close_to_fp64
+    from tests.integrations.test_hf import assert_bf16_step_close_to_fp64
 
     base = build(layers=1)
     base.set_attn_implementation("eager")
     base = base.to(device=cuda, dtype=torch.bfloat16).train()
     ref64 = copy.deepcopy(base).to(torch.float64)
     model = patched(base)
-    ids = _decisive_ids(base, ref64, 2, cuda)
-    outs = [run(m, ids, labels=ids) for m in (ref64, base, model)]
-    for out in outs:
-        out.loss.backward()
-    exact, theirs, ours = outs
-    torch.testing.assert_close(ours.router_logits[0], theirs.router_logits[0], rtol=0, atol=0)
-    for what in ("logits", "aux_loss", "loss"):
-        _assert_bf16_close_to_fp64(getattr(ours, what), getattr(theirs, what), getattr(exact, what), what)
-    models = (ref64, base, model)
-    named = [dict(m.named_parameters()) for m in models]
-    for name, p64 in named[0].items():
-        if p64.grad is not None:
-            _assert_bf16_close_to_fp64(named[2][name].grad, named[1][name].grad, p64.grad, f"grad {name}")
-    for m in models:
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-    for name, p64 in named[0].items():
-        _assert_bf16_close_to_fp64(named[2][name], named[1][name], p64, f"{name} after an SGD step")
+    assert_bf16_step_close_to_fp64(ref64, base, model, _decisive_ids(base, ref64, 2, cuda), run)

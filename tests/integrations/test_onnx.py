@@ -49,6 +49,19 @@ def _run(session, *args) -> list[torch.Tensor]:
     return [torch.from_numpy(o) for o in session.run(None, feeds)]
 
 
+def assert_exports_and_runs(model, ref64, ids) -> None:
+    """torch.onnx.export of the patched transformers model `model` on ids as it is: the ops' ONNX formulations, no
+    moe_kernels op left in the graph, onnxruntime's logits within assert_close_to_fp64's bound of the model's own
+    against ref64 (transformers' model in fp64; ids routed alike in fp32 and fp64)."""
+    onnx_program = torch.onnx.export(model, (ids,), dynamo=True)
+    assert not mk_onnx.exporting()
+    assert not any(n.domain.startswith("moe_kernels") for n in onnx_program.model.graph)
+    with torch.no_grad():
+        ours, exact = model(ids).logits, ref64(ids).logits
+    (got,) = _run(_session(onnx_program), ids)
+    assert_close_to_fp64(got, ours, exact, "onnxruntime's logits")
+
+
 class _OpRecorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -104,6 +104,13 @@ def _dbrx_case(rank, P, backend):
     assert torch.equal(blocks(ep)[0].experts.mlp.w1, mlp.w1[rank * rows : (rank + 1) * rows])
     shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
     assert len(shards) == 3 * len(blocks(ep))
+    _check_block_family(ep, full, full64, shards, rank, P, f"dbrx {backend}")
+
+
+def _check_block_family(ep, full, full64, shards, rank, P, where):
+    """A family patch_hf runs with its own experts forward (DBRX's, JetMoE's): the expert-parallel model `ep` against
+    the patched model `full` on one rank (and its fp64 copy), with the aux loss; then patched again without a warning
+    (the rank's experts still fit the family's checks), and apply_expert_parallel and unpatch_hf refused."""
     ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
     runs = []
     for model in (ep, full, full64):
@@ -111,8 +118,8 @@ def _dbrx_case(rank, P, backend):
         loss = out.loss + out.aux_loss
         loss.backward()
         runs.append((out.logits, loss, _grads(model, set() if model is ep else shards, rank, P)))
-    _assert_runs_close(runs, f"rank {rank}/{P} dbrx {backend}")
-    with warnings.catch_warnings():  # patched again: the rank's experts still fit the family's checks
+    _assert_runs_close(runs, f"rank {rank}/{P} {where}")
+    with warnings.catch_warnings():
         warnings.simplefilter("error")
         mk.patch_hf(ep)
     with pytest.raises(ValueError, match="already expert-parallel"):
@@ -136,21 +143,7 @@ def _jetmoe_case(rank, P, backend):
             assert torch.equal(w, w_full[rank * El : (rank + 1) * El])
     shards = {n for n, p in ep.named_parameters() if any(p is q for q in expert_parameters(ep))}
     assert len(shards) == 2 * len(blocks(ep)) == 8
-    ids = torch.randint(0, full.config.vocab_size, (2, 5 + 2 * rank), generator=torch.Generator().manual_seed(rank))
-    runs = []
-    for model in (ep, full, full64):
-        out = model(ids, labels=ids, output_router_logits=True)
-        loss = out.loss + out.aux_loss
-        loss.backward()
-        runs.append((out.logits, loss, _grads(model, set() if model is ep else shards, rank, P)))
-    _assert_runs_close(runs, f"rank {rank}/{P} jetmoe {backend}")
-    with warnings.catch_warnings():  # patched again: the rank's projections still fit the family's checks
-        warnings.simplefilter("error")
-        mk.patch_hf(ep)
-    with pytest.raises(ValueError, match="already expert-parallel"):
-        apply_expert_parallel(ep)
-    with pytest.raises(ValueError, match="expert-parallel"):
-        mk.unpatch_hf(ep)
+    _check_block_family(ep, full, full64, shards, rank, P, f"jetmoe {backend}")
 
 
 def _worker(rank, P, backend):
@@ -200,11 +193,11 @@ def _jetmoe_lora_case(rank, P, backend):
     # JetMoE: peft's LoRA on the MoE block's and the MoA's projections, as for the other families
     import peft
 
-    from tests.integrations.test_hf_jetmoe import build
+    from tests.integrations.test_hf_jetmoe import LORA_TARGETS, build
 
     torch.manual_seed(0)
-    targets = [f"{block}.{proj}.weight" for block in ("mlp", "experts") for proj in ("input_linear", "output_linear")]
-    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False, target_parameters=targets)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], init_lora_weights=False,
+                             target_parameters=LORA_TARGETS)
     full = mk.patch_hf(peft.get_peft_model(build(), config))
     assert sum(type(m).__qualname__ == "MoeKernelsParamWrapper" for m in full.modules()) == 8
     _check_lora_expert_parallel(full, 8, rank, P, backend, f"jetmoe {backend} LoRA")

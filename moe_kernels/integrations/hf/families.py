@@ -21,7 +21,6 @@ from .jetmoe import (
     MOA_METHODS,
     _projection_forward,
     jetmoe_dims,
-    jetmoe_moa_dims,
     jetmoe_moa_problem,
     jetmoe_problem,
     jetmoe_router_forward,
@@ -211,14 +210,14 @@ FAMILIES = (
     _Family("JetMoE", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoE", "JetMoeTopKGating", "JetMoeParallelExperts",
             jetmoe_router_forward, jetmoe_problem, reference=False, experts_forward=_projection_forward,
             expert_dims=jetmoe_dims, block_methods=BLOCK_METHODS),
-    _Family("JetMoE attention experts", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoA", "JetMoeTopKGating",
+    _Family("JetMoE", _TM + "jetmoe.modeling_jetmoe", "JetMoeMoA", "JetMoeTopKGating",
             "JetMoeParallelExperts", jetmoe_router_forward, jetmoe_moa_problem, reference=False,
-            experts_forward=_projection_forward, expert_dims=jetmoe_moa_dims, block_methods=MOA_METHODS),
+            experts_forward=_projection_forward, expert_dims=jetmoe_dims, block_methods=MOA_METHODS),
     _Family("Longcat-Flash", _TM + "longcat_flash.modeling_longcat_flash", "LongcatFlashMoE", "LongcatFlashTopkRouter",
             "LongcatFlashExperts", longcat_router_forward, longcat_problem, zero_experts="zero_expert_num"),
 )
 
-SUPPORTED = tuple(f.name for f in FAMILIES)
+SUPPORTED = tuple(dict.fromkeys(f.name for f in FAMILIES))  # (JetMoE's two blocks: one family)
 
 
 def _family_classes(fam: _Family):

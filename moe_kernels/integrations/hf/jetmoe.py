@@ -131,20 +131,32 @@ class _Experts:
 
 
 def _experts(block: nn.Module) -> _Experts:
-    if "_apply_gate" not in _Experts.__dict__:
-        _Experts._apply_gate = importlib.import_module("transformers.integrations.moe")._default_apply_gate
+    if "_apply_gate" not in _Experts.__dict__:  # (a transformers without it: act_fn(gate) * up, our gate unfused)
+        default = getattr(importlib.import_module("transformers.integrations.moe"), "_default_apply_gate", None)
+        _Experts._apply_gate = default or _act_gate
     return _Experts(block)
 
 
-def _check_projections(block: nn.Module) -> None:
-    """NotImplementedError where a projection (inside any peft wrappers) is no longer transformers'
-    JetMoeParallelExperts (replaced after patch_hf), before any kernel runs."""
+def _act_gate(self: _Experts, h: Tensor) -> Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return self.act_fn(gate) * up
+
+
+def _projection_problem(block: nn.Module) -> str | None:
+    """Which projection is no transformers' JetMoeParallelExperts (inside any peft adapter wrappers), or None."""
     for name in _PROJECTIONS:
         if _projection(block, name) is None:
             module = block._modules.get(name)
-            raise NotImplementedError(
-                f"moe_kernels: JetMoE's {type(block).__name__}.{name} is a {type(module).__name__}, not transformers' "
-                "JetMoeParallelExperts (inside any peft adapter wrappers); unpatch_hf(model) runs transformers' code")
+            return (f"its {name} is a {type(module).__name__}, not transformers' JetMoeParallelExperts (inside any "
+                    "peft adapter wrappers)")
+    return None
+
+
+def _check_projections(block: nn.Module) -> None:
+    """NotImplementedError where a projection was replaced after patch_hf, before any kernel runs."""
+    if (problem := _projection_problem(block)) is not None:
+        raise NotImplementedError(f"moe_kernels: JetMoE's {_base_class(block).__name__}: {problem}; unpatch_hf(model) "
+                                  "runs transformers' code")
 
 
 def _align(self: nn.Module) -> int:
@@ -197,7 +209,8 @@ def _moa_map(self: nn.Module, layer_input: Tensor) -> tuple[Tensor, Tensor, tupl
                                 slot_experts, align=_align(self))
         slots = dispatcher.combine(self.input_linear(d.x, d.group_sizes), d.handle, weighted=False)  # [T k, D]
     else:
-        x_perm, row_map, group_sizes = permute(x, indices.to(torch.int32), self.num_experts, align=_align(self))
+        x_perm, row_map, group_sizes = permute(x, indices.to(torch.int32), self.router.num_experts,
+                                               align=_align(self))
         q = self.input_linear(x_perm, group_sizes)  # [R, D]
         slots = unpermute(q, row_map.view(-1, 1))  # [T k, D]: each slot's own row (one term: exact)
     return slots.view(bsz, length, self.top_k, -1).to(layer_input.dtype), router_logits, (indices, weights)
@@ -207,6 +220,10 @@ def _moa_reduce(self: nn.Module, layer_input: Tensor, topo_info: tuple[Tensor, T
     """JetMoeMoA.reduce: each slot's attention output [B, S, k, D] projected by its expert, the k summed with the
     routing weights (fp32, rounded once), the bias. Returns [B, S, H]."""
     _check_projections(self)
+    if not (isinstance(topo_info, tuple) and len(topo_info) == 2):
+        raise ValueError("moe_kernels: the patched JetMoeMoA.reduce takes the routing its patched map returned "
+                         f"((experts, weights)), got a {type(topo_info).__name__} of {len(topo_info)} (transformers' "
+                         "map's sorted slots?)")
     indices, weights = topo_info
     bsz, length, k, width = layer_input.shape
     a = layer_input.reshape(-1, width).contiguous()  # [T k, D]
@@ -220,7 +237,7 @@ def _moa_reduce(self: nn.Module, layer_input: Tensor, topo_info: tuple[Tensor, T
         for j in range(1, k):  # ascending j in fp32, rounded once: unpermute's order
             out = out + terms[:, j]
     else:
-        a_perm, row_map, group_sizes = permute(a, slot_experts, self.num_experts, align=_align(self))
+        a_perm, row_map, group_sizes = permute(a, slot_experts, self.router.num_experts, align=_align(self))
         y = self.output_linear(a_perm, group_sizes)  # [R, H]
         out = unpermute(y, row_map.view(-1, k), weights.float().contiguous())  # [T, H]
     return out.to(layer_input.dtype).view(bsz, length, -1) + self.bias
@@ -232,11 +249,8 @@ MOA_METHODS = (("map", _moa_map), ("reduce", _moa_reduce))
 
 def _problem(block: nn.Module, gated: bool) -> str | None:
     """Why a JetMoE block (gated: the MoE block; else the MoA) cannot run on our ops, or None."""
-    for name in _PROJECTIONS:
-        if _projection(block, name) is None:
-            module = block._modules.get(name)
-            return (f"its {name} is a {type(module).__name__}, not transformers' JetMoeParallelExperts (inside any "
-                    "peft adapter wrappers)")
+    if (problem := _projection_problem(block)) is not None:
+        return problem
     p1, p2 = _projection(block, "input_linear"), _projection(block, "output_linear")
     w1, w2, wg = p1.weight, p2.weight, getattr(block.router.layer, "weight", None)
     bias = block.bias
@@ -256,7 +270,8 @@ def _problem(block: nn.Module, gated: bool) -> str | None:
     if (gated and N % 2) or tuple(w2.shape[1:]) != (H, inner) or tuple(wg.shape) != (E, H) or bias.shape != (H,):
         return (f"unexpected weight shapes input_linear {tuple(w1.shape)}, output_linear {tuple(w2.shape)}, router "
                 f"{tuple(wg.shape)}, bias {tuple(bias.shape)}")
-    if block.router.num_experts != E or not isinstance(k, int) or not 1 <= k <= E:
+    if block.router.num_experts != E or getattr(block, "num_experts", E) != E or not isinstance(k, int) or not (
+            1 <= k <= E):
         return "its router has no valid top_k or expert count"
     if not gated and k != getattr(block, "top_k", k):
         return "its router's top_k is not the attention's"
@@ -272,15 +287,26 @@ def jetmoe_moa_problem(gate: nn.Module, block: nn.Module, E: int) -> str | None:
 
 
 def jetmoe_dims(block: nn.Module) -> tuple[int, int, object]:
-    """(H, F, weight dtype) of a JetMoE MoE block's experts for a precision recipe's check."""
+    """(H, F, weight dtype) for a precision recipe's check: a MoE block's experts' (input_linear [E, 2F, H]), or a
+    MoA's (input_linear [E, D, H], D = kv_channels x num_key_value_heads, for F)."""
     w1 = _projection(block, "input_linear").weight
-    return w1.shape[2], w1.shape[1] // 2, w1.dtype
+    return w1.shape[2], w1.shape[1] // (1 if isinstance(block, _moa_class()) else 2), w1.dtype
 
 
-def jetmoe_moa_dims(block: nn.Module) -> tuple[int, int, object]:
-    """(H, D, weight dtype) of a JetMoE MoA's projections (D = kv_channels x num_key_value_heads)."""
-    w1 = _projection(block, "input_linear").weight
-    return w1.shape[2], w1.shape[1], w1.dtype
+def _moa_class():
+    return getattr(sys.modules.get(_MODULE), "JetMoeMoA", ())
+
+
+def expert_count(block: nn.Module) -> int | None:
+    """E of a JetMoE block (its projections'), or None for any other module."""
+    projection = _projection(block, "input_linear") if isinstance(block, nn.Module) else None
+    return None if projection is None else projection.num_experts
+
+
+def dispatched_rows_per_token(block: nn.Module) -> int:
+    """The rows an expert-parallel dispatch carries per token of the block: k for a JetMoE MoA (each of a token's k
+    slots a token of one expert), 1 otherwise (each (token, expert) pair once)."""
+    return block.router.top_k if isinstance(block, _moa_class()) else 1
 
 
 def expert_tensors(block: nn.Module) -> list[tuple[nn.Module, str, int]]:

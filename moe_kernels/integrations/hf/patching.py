@@ -172,10 +172,13 @@ def _scan(model: nn.Module) -> Iterator[tuple[str, nn.Module, _Family | None, st
                 return
         if _looks_like_moe(module):
             # an MoE-like module that is no supported block may hold some: ERNIE-4.5-VL's Ernie4_5_VLMoeMoeBlock (a
-            # text and a vision MoE block), JetMoE's attention (its `experts`, a JetMoeMoA with its own router)
+            # text and a vision MoE block, no experts of its own), JetMoE's attention (its `experts` a supported
+            # block, a JetMoeMoA with its own router); one whose experts are no supported block stays unsupported
             inner = [item for name, child in module.named_children()
                      for item in visit(child, f"{path}.{name}" if path else name)]
-            if any(fam is not None for _, _, fam, _ in inner):
+            experts = module._modules.get("experts")
+            found = [block for _, block, fam, _ in inner if fam is not None]
+            if found and (experts is None or any(block is experts for block in found)):
                 yield from inner
                 return
             yield path, module, None, generic
@@ -348,9 +351,10 @@ def patch_hf(model: nn.Module, *, recipe=None) -> nn.Module:
     `moe_kernels.integrations.hf.routings`), and
     every family whose router has one of their routers' code (`_matched_family`: GLM-4.5, Qwen3-Next,
     Qwen3.5-MoE, Kimi-Linear, Granite 4.0, Nemotron-H (experts without a gate), ...; `matched_routers()` lists
-    them). Each block keeps its parameters, its router module and its own forward; only the router's and the
-    experts' forwards change (see the module docstring). Other MoE-like blocks are left alone and listed in one
-    warning. Patching a patched model changes nothing but the recipe; `unpatch_hf` undoes it.
+    them). Each block keeps its parameters and its router module; the router's and the experts' forwards change
+    (see the module docstring), and only for Llama 4 and JetMoE the block's own forward (JetMoE's MoA: its map and
+    reduce). Other MoE-like blocks are left alone and listed in one warning. Patching a patched model changes
+    nothing but the recipe; `unpatch_hf` undoes it.
 
     recipe: a moe_kernels.quant recipe (Fp8BlockwiseRecipe(), Nvfp4Recipe()) for the routed experts' GEMMs
     (their weights stay as they are; quantization happens in each GEMM), or None for the model's precision.
