@@ -85,6 +85,17 @@ def test_forward_and_sgd_step_match_transformers(overrides):
             assert p.grad is not None and p.grad.abs().sum() > 0
 
 
+def test_greedy_generation_matches_transformers():
+    """generate() with the KV cache (each step one token a sequence: most experts empty): the patched model picks
+    transformers' tokens."""
+    ref_model = build().eval()
+    model = patched(ref_model)
+    ids = inputs()
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, **kw), ref_model.generate(ids, **kw))
+
+
 def test_the_blocks_run_our_ops(monkeypatch):
     """Each layer: the MoA's map (one permute, the grouped GEMM on input_linear's [E, D, H], one unpermute gathering
     each slot's row) and reduce (one permute of the T k slots, the grouped GEMM on output_linear's [E, H, D], one
