@@ -96,6 +96,22 @@ def test_greedy_generation_matches_transformers():
         assert torch.equal(model.generate(ids, **kw), ref_model.generate(ids, **kw))
 
 
+def test_hooks_on_the_projections_run():
+    """A forward pre-hook on a projection (accelerate's offloading, FSDP2's unsharding install such hooks): the
+    patched MoE block calls the projections as modules, once each (the hook sees the rows and the group sizes), with
+    transformers' outputs."""
+    ref_model = build(layers=1).eval()
+    model = patched(ref_model)
+    mlp = model.model.layers[0].mlp
+    seen = []
+    for name in ("input_linear", "output_linear"):
+        getattr(mlp, name).register_forward_pre_hook(lambda m, args, _n=name: seen.append((_n, type(args[1]))))
+    ids = inputs()
+    with torch.no_grad():
+        assert_same(run(model, ids), run(ref_model, ids))
+    assert seen == [("input_linear", torch.Tensor), ("output_linear", torch.Tensor)]
+
+
 def test_the_blocks_run_our_ops(monkeypatch):
     """Each layer: the MoA's map (one permute, the grouped GEMM on input_linear's [E, D, H], one unpermute gathering
     each slot's row) and reduce (one permute of the T k slots, the grouped GEMM on output_linear's [E, H, D], one
