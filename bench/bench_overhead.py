@@ -5,7 +5,7 @@ Three paths of the same MoELayer, on the same inputs:
               into the extension; the default eager path
   registered  the same layer through the registered custom ops (what torch.compile and export take)
   torch       the torch-native composition (MoEConfig(backend="torch"))
-and the router alone (gating linear excluded), fused region against registered ops.
+and the router alone (its region: the gating linear, top-k and losses, from x), fused region against registered ops.
 
 Counted per layer fwd+bwd (steady state, after a warm-up call of the same shape):
   extension launches  calls into moe_kernels' extension that launch kernels (size queries excluded)
@@ -18,8 +18,8 @@ Timed, median of the reps:
        call). These are CPU numbers, not a GPU's.
   GPU  host issue time, kernel time and CUDA-graph replay time of one layer fwd+bwd (harness.time_modes),
        qwen3-30b-a3b at 8192 tokens by default (the bar: host issue time below the GPU time), and the
-       router's gating linear (x in fp32, x @ W^T, fwd+bwd) beside the router region at deepseek-v3 /
-       16384 tokens.
+       router's gating linear alone (x @ W^T in fp32 from bf16 x, fwd+bwd: fused.gating_linear) beside the router
+       region (that linear included) at deepseek-v3 / 16384 tokens.
 FP8 (the blockwise recipe's layer, bf16 weights, the weight cache on as moe-train has it: a later micro-batch,
 every weight's codes a cache hit), three paths of the same layer:
   fp8             the `moe_fp8` fused region (moe_kernels.nn.fused_fp8): one autograd node, one extension call
@@ -190,11 +190,11 @@ def _step_fn(layer: MoELayer, g: torch.Tensor):
 def _router_fn(layer: MoELayer, seq_len: int):
     router = layer.router
 
-    def step(logits):
-        launch = fused.launch_for(logits)
-        if launch is not None and not router._thin_path_fits(logits, launch):
+    def step(x):
+        launch = fused.launch_for(x)
+        if launch is not None and not router._thin_path_fits(router.weight, launch):
             launch = None
-        w, _, _, loss = fused.run("router", launch, router, logits, seq_len)
+        w, _, _, loss, _ = fused.run("router", launch, router, x, router.weight, seq_len)
         (w.sum() + loss).backward()
 
     return step
@@ -230,7 +230,7 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, T, H, generator=gen).requires_grad_()
     g = torch.randn(1, T, H, generator=gen)
-    logits = torch.randn(T, base.config.num_experts, generator=gen).requires_grad_()
+    x_router = x.detach().view(T, H).requires_grad_()
     row = {"model": name, "T": T, "H": H, "E": base.config.num_experts, "k": base.config.router.k}
     rounds, reps, warmup = (1, 1, 1) if ctx.dry_run else (3, 10, 10) if ctx.quick else (8, 25, 10)
     jobs = []  # (key, fn, input, the context it runs in)
@@ -238,7 +238,7 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
         layer = _path(base, path)
         jobs.append((f"layer_{path}", _step_fn(layer, g), x, _Registered if path == "registered" else None))
         if path != "torch":
-            jobs.append((f"router_{path}", _router_fn(layer, T), logits, _Registered if path == "registered" else None))
+            jobs.append((f"router_{path}", _router_fn(layer, T), x_router, _Registered if path == "registered" else None))
     fp8 = _fp8_layer(name, ctx)
     H8 = fp8.config.hidden_size
     x8 = torch.randn(1, T, H8, generator=gen).to(torch.bfloat16).requires_grad_()
@@ -311,23 +311,22 @@ def _gpu_case(ctx: h.Context, name: str, T: int) -> dict:
 
 
 def _gating_case(ctx: h.Context, T: int = 16384) -> dict:
-    """deepseek-v3 / 16384: the gating linear (fp32 copy of x, x @ W^T in fp32) beside the router region."""
+    """deepseek-v3 / 16384: the gating linear (x @ W^T in fp32 from bf16 x) beside the router region, which includes
+    it."""
     H, E = 7168, 256
     router = _layer_router(ctx)
     x = torch.randn(T, H, device=ctx.device, dtype=torch.bfloat16).requires_grad_()
     w = router.weight
 
     def gating(x):
-        torch.nn.functional.linear(x.float(), w).sum().backward()
+        fused.gating_linear(x, w).sum().backward()
 
-    logits = torch.randn(T, E, device=ctx.device).requires_grad_()
-
-    def route(logits):
-        weights, _, _, loss = fused.run("router", fused.launch_for(logits), router, logits, T)
+    def route(x):
+        weights, _, _, loss, _ = fused.run("router", fused.launch_for(x), router, x, w, T)
         (weights.sum() + loss).backward()
 
     out = {"case": f"deepseek-v3/T{T}", "gating_flops_fwd": 2 * T * H * E, "gating_copy_bytes": T * H * (2 + 4)}
-    for what, fn, inp in (("gating", gating, x), ("router", route, logits)):
+    for what, fn, inp in (("gating", gating, x), ("router", route, x)):
         m = ctx.time_modes(fn, [(inp,)])
         out.update({f"{what}_host_us": m.host_us, f"{what}_kernel_us": m.kernel_us, f"{what}_graph_us": m.graph_us})
     return out

@@ -451,7 +451,8 @@ def expert_mlp_region(L: Launch, x: Tensor, row_map: Tensor, group_sizes: Tensor
 
 
 # ---------------------------------------------------------------------------------------------------
-# router: top-k, capacity, per-expert counts and the configured losses; their gradients in one backward
+# router: the gating linear, top-k, capacity, per-expert counts and the configured losses; their gradients in one
+# backward
 
 
 class RouterSpec(NamedTuple):
@@ -490,12 +491,48 @@ def router_fits(C, spec: RouterSpec) -> bool:
         spec.capacity_factor is None or spec.E <= C.balance_max_experts)
 
 
-class _Router(torch.autograd.Function):
-    """logits [T, E] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E] int32, loss [] fp32: the
-    router_fused kernel each way (capacity adds its select and the counts after it)."""
+def gating_grads(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool):
+    """The gating linear's backward from the logits' gradient: the two products autograd's linear takes on x's copy
+    in the weight's precision (dx = grad W, then cast to x's dtype; dW = grad^T x), that copy made again here."""
+    dx = grad.mm(weight).to(x.dtype) if need_x else None
+    dw = grad.t().mm(x.to(weight.dtype)) if need_w else None
+    return dx, dw
+
+
+class _Gating(torch.autograd.Function):
+    """logits = x W^T in W's precision, keeping x itself for the backward rather than its copy in that precision
+    (autograd's linear on x.float() keeps the copy: T x H x 4 bytes a layer, twice a bf16 x, which the layer's other
+    nodes do not keep), as Megatron-Core's router gating does. Outputs and gradients are F.linear's on the copy, bit
+    for bit (tests/nn/test_router_module.py)."""
 
     @staticmethod
-    def forward(ctx, logits, bias, seq_len, spec, L):
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return torch.nn.functional.linear(x.to(weight.dtype), weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return gating_grads(grad, x, weight, *ctx.needs_input_grad[:2])
+
+
+def gating_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """The router's logits x W^T [T, E] in W's precision for x [T, H] of any float dtype. Where x is narrower and a
+    gradient is recorded, the autograd node keeps x, not its copy (`_Gating`); compiling, exporting and tracing see
+    F.linear, whose graph they partition themselves."""
+    if x.dtype is weight.dtype or not torch.is_grad_enabled() or _ext._transformed(x):
+        return torch.nn.functional.linear(x.to(weight.dtype), weight)
+    return _Gating.apply(x, weight)
+
+
+class _Router(torch.autograd.Function):
+    """x [T, H] (any float dtype), weight [E, H] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E]
+    int32, loss [] fp32, logits [T, E] fp32: the gating linear (x kept in its own dtype, as `_Gating` keeps it),
+    then the router_fused kernel each way (capacity adds its select and the counts after it)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, seq_len, spec, L):
+        logits = torch.nn.functional.linear(x if x.dtype is _F32 else x.float(), weight)
         C, dev, s = L.C, L.device, L.stream
         weights, indices, counts, aux_counts, seq_counts, loss = launch_fwd(
             C, dev, s, logits, bias, spec.k, spec.score, spec.pre_softmax, spec.num_groups, spec.group_topk,
@@ -514,31 +551,39 @@ class _Router(torch.autograd.Function):
             C.tokens_per_expert(_ext.ptr(kept), n, E, counts.data_ptr(), dev, s)
         ctx.mark_non_differentiable(kept, counts)
         ctx.set_materialize_grads(False)  # no zero gradients allocated for the index outputs
-        ctx.save_for_backward(logits, indices, kept, aux_counts, seq_counts)
+        ctx.save_for_backward(x, weight, logits, indices, kept, aux_counts, seq_counts)
         ctx.spec, ctx.seq_len, ctx.L = spec, seq_len, L
-        return weights, kept, counts, loss
+        return weights, kept, counts, loss, logits
 
     @staticmethod
-    def backward(ctx, g_weights, _g_indices, _g_counts, g_loss):
+    def backward(ctx, g_weights, _g_indices, _g_counts, g_loss, g_logits):
         _first_order_only()
-        logits, indices, kept, aux_counts, seq_counts = ctx.saved_tensors
+        x, weight, logits, indices, kept, aux_counts, seq_counts = ctx.saved_tensors
         spec, L = ctx.spec, ctx.L
-        if g_weights is None:  # the loss alone reached the router
-            g_weights = torch.zeros(indices.shape, dtype=_F32, device=logits.device)
-        elif spec.capacity_factor is not None:
-            g_weights = torch.where(kept >= 0, g_weights, 0.0)
-        g_loss = _f32(g_loss)
-        grad = launch_bwd(L.C, L.device, L.stream, _f32(g_weights), g_loss, logits, indices, aux_counts,
-                          seq_counts, spec.k, spec.score, spec.pre_softmax, spec.normalize, spec.scale, spec.aux_coeff,
-                          spec.seq_coeff, ctx.seq_len, spec.z_coeff)
-        return grad, None, None, None, None
+        if g_weights is None and g_loss is None:  # only the logits, used elsewhere, reached the router
+            grad = g_logits
+        else:
+            if g_weights is None:  # the loss alone reached the router's kernel
+                g_weights = torch.zeros(indices.shape, dtype=_F32, device=logits.device)
+            elif spec.capacity_factor is not None:
+                g_weights = torch.where(kept >= 0, g_weights, 0.0)
+            g_loss = _f32(g_loss)
+            grad = launch_bwd(L.C, L.device, L.stream, _f32(g_weights), g_loss, logits, indices, aux_counts,
+                              seq_counts, spec.k, spec.score, spec.pre_softmax, spec.normalize, spec.scale,
+                              spec.aux_coeff, spec.seq_coeff, ctx.seq_len, spec.z_coeff)
+            if g_logits is not None:
+                grad = grad + g_logits
+        dx, dw = gating_grads(grad, x, weight, *ctx.needs_input_grad[:2])
+        return dx, dw, None, None, None, None
 
 
-def _router_ops(router, logits: Tensor, seq_len: int):
-    return router.route_with_ops(logits, seq_len)
+def _router_ops(router, x: Tensor, weight: Tensor, seq_len: int):
+    logits = gating_linear(x, weight)
+    return (*router.route_with_ops(logits, seq_len), logits)
 
 
 @_register("router", _router_ops, "router_fused_fwd [apply_capacity tokens_per_expert] / router_fused_bwd")
-def router_region(L: Launch, router, logits: Tensor, seq_len: int):
-    """(weights, indices, counts, loss) of `router` (a moe_kernels.nn.Router) on fp32 logits."""
-    return _Router.apply(logits, router.expert_bias, router.checked_seq_len(logits, seq_len), router.spec, L)
+def router_region(L: Launch, router, x: Tensor, weight: Tensor, seq_len: int):
+    """(weights, indices, counts, loss, logits) of `router` (a moe_kernels.nn.Router) on x [T, H]: the gating linear
+    x weight^T (weight: the router's, in fp32) and the routing on its logits."""
+    return _Router.apply(x, weight, router.expert_bias, router.checked_seq_len(x, seq_len), router.spec, L)

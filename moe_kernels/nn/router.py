@@ -83,6 +83,7 @@ class RouterConfig:
 
 
 _recompute_state = threading.local()
+_GATING_DTYPES = (torch.float32, torch.float64)  # the router weight's precisions the logits take as they are
 
 
 @contextmanager
@@ -149,29 +150,33 @@ class Router(nn.Module):
         the plain PyTorch references instead of the ops (the MoE layer's reference backend). `launch` is the
         MoE layer's (moe_kernels.nn.fused): the router region runs on it, or on the registered ops when None;
         by default the router resolves it from x."""
-        # fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck), autocast or not
-        dtype = torch.float64 if self.weight.dtype == torch.float64 else torch.float32
+        # The logits in fp32 (or the weight's own precision when wider, e.g. fp64 for gradcheck), autocast or not
         if x.device.type in ("cuda", "cpu") and torch.is_autocast_enabled(x.device.type):
             with torch.autocast(device_type=x.device.type, enabled=False):
-                logits = F.linear(fused.as_dtype(x, dtype), fused.as_dtype(self.weight, dtype))  # [T, E]
+                weights, indices, counts, loss, logits = self._route(x, seq_len, reference, launch)
         else:
-            logits = F.linear(fused.as_dtype(x, dtype), fused.as_dtype(self.weight, dtype))
-        if reference:
-            weights, indices, counts, loss = self._route_reference(logits, seq_len)
-        else:
-            if launch is ...:
-                launch = fused.launch_for(logits)
-            if launch is not None and not self._thin_path_fits(logits, launch):
-                launch = None
-            weights, indices, counts, loss = fused.run("router", launch, self, logits, seq_len)
+            weights, indices, counts, loss, logits = self._route(x, seq_len, reference, launch)
         if self.tokens_seen is not None and self.training and not _recomputing():
             self.tokens_seen.add_(counts)
         return RouterOutput(weights, indices, loss, logits, counts)
 
-    def _thin_path_fits(self, logits: Tensor, launch: fused.Launch) -> bool:
+    def _route(self, x: Tensor, seq_len: int | None, reference: bool, launch) -> tuple[Tensor, ...]:
+        """(weights, indices, counts, loss, logits): the gating linear and the routing on its logits. Eagerly the
+        linear keeps x in its own dtype for the backward, not its fp32 copy (fused.gating_linear)."""
+        weight = self.weight if self.weight.dtype in _GATING_DTYPES else fused.as_dtype(self.weight, torch.float32)
+        if reference:
+            logits = F.linear(fused.as_dtype(x, weight.dtype), weight)  # [T, E]
+            return (*self._route_reference(logits, seq_len), logits)
+        if launch is ...:
+            launch = fused.launch_for(x)
+        if launch is not None and not self._thin_path_fits(weight, launch):
+            launch = None
+        return fused.run("router", launch, self, x, weight, seq_len)
+
+    def _thin_path_fits(self, weight: Tensor, launch: fused.Launch) -> bool:
         """The router region takes one rank's fp32 logits (the losses of a balance or sequence group
         all-reduce between the statistics and the loss: the registered ops do that)."""
-        if logits.dtype != torch.float32 or self.balance_group is not None or self.sequence_group is not None:
+        if weight.dtype != torch.float32 or self.balance_group is not None or self.sequence_group is not None:
             return False
         if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
             return False

@@ -9,6 +9,7 @@ import torch
 
 from moe_kernels.nn import PRESETS, MoELayer, fused
 from moe_kernels.testing import HostSyncError, assert_exact, extension_calls, no_host_sync, random_routing
+from tests.nn.test_router_module import check_gating_equals_linear_on_the_copy, check_gating_keeps_x
 
 pytestmark = pytest.mark.gpu
 
@@ -99,6 +100,19 @@ def _expected_calls(cfg) -> int:
     region (experts_fwd / experts_bwd over one group)."""
     return (2 + (2 if cfg.router.capacity_factor is not None else 0) + (6 if cfg.weights_in_activation else 2)
             + (2 if cfg.shared_ffn_size else 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_region_keeps_x_not_its_fp32_copy(cuda, dtype):
+    check_gating_keeps_x(cuda, dtype)
+
+
+@pytest.mark.parametrize("losses", ["routing", "routing+logits", "logits"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_region_equals_autograd_linear_on_the_copy(cuda, dtype, losses):
+    """The region's gating linear (x kept in its dtype, cast again in the backward) against autograd's linear on x's
+    fp32 copy and the registered ops, bit for bit; a loss on the returned logits flows back through it."""
+    check_gating_equals_linear_on_the_copy(cuda, dtype, losses, thin=True)
 
 
 @pytest.mark.parametrize("case", list(CASES))

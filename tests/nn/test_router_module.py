@@ -1,8 +1,11 @@
+import contextlib
+
 import pytest
 import torch
 
 import moe_kernels as mk
 from moe_kernels.nn import Router, RouterConfig
+from moe_kernels.testing import assert_exact, extension_calls
 
 
 def _deepseek(**kw):
@@ -107,3 +110,111 @@ def test_config_validation():
         RouterConfig(hidden_size=8, num_experts=8, k=2, num_groups=2)
     with pytest.raises(TypeError):
         RouterConfig(8, 8, 2)  # keyword-only
+
+
+# The gating linear keeps x, not its fp32 copy (moe_kernels.nn.fused.gating_linear and the router region).
+
+def _saved_by(fn):
+    """fn()'s result and the tensors its autograd nodes keep for the backward."""
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return fn(), saved
+
+
+def _gating_case(device, dtype, T=12, H=40, E=16):
+    torch.manual_seed(0)
+    cfg = _deepseek(hidden_size=H, num_experts=E, aux_loss_coeff=1e-2, seq_aux_loss_coeff=1e-3, z_loss_coeff=1e-3)
+    router = Router(cfg).to(device)
+    router.expert_bias.copy_(torch.linspace(-0.1, 0.1, E))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=gen).to(device, dtype)
+    g_w, g_logits = torch.randn(T, cfg.k, generator=gen).to(device), torch.randn(T, E, generator=gen).to(device)
+    return router, x, g_w, g_logits
+
+
+def _gating_step(router, x, g_w, g_logits, route, forward_in=contextlib.nullcontext):
+    """(logits, weights, loss, dx, dW) of one forward (in forward_in()) and backward: the loss of the routing weights
+    (g_w) and the router's losses, and one of the logits when g_logits is given (g_w None: that one alone)."""
+    router.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_()
+    with forward_in():
+        weights, _, _, loss, logits = route(x)
+    total = 0 if g_w is None else (weights * g_w).sum() + loss
+    if g_logits is not None:
+        total = total + (logits * g_logits).sum()
+    total.backward()
+    return [logits.detach(), weights.detach(), loss.detach(), x.grad, router.weight.grad]
+
+
+def _router_outputs(router):
+    def route(x):
+        out = router(x, seq_len=x.shape[0] // 2)
+        return out.weights, out.indices, out.tokens_per_expert, out.aux_loss, out.logits
+    return route
+
+
+def _linear_on_the_copy(router):
+    """The composition the gating replaced: autograd's linear on x's fp32 copy, then the registered ops."""
+    def route(x):
+        logits = torch.nn.functional.linear(x.float(), router.weight)
+        return (*router.route_with_ops(logits, x.shape[0] // 2), logits)
+    return route
+
+
+def check_gating_keeps_x(device, dtype):
+    router, x, _, _ = _gating_case(device, dtype)
+    x.requires_grad_()
+    _, saved = _saved_by(lambda: router(x, seq_len=x.shape[0] // 2))
+    big = [t for t in saved if t.shape == x.shape]
+    assert big, [(t.dtype, tuple(t.shape)) for t in saved]
+    for t in big:  # x itself: no [T, H] copy in fp32 (4 bytes an element where x has 2)
+        assert t.dtype == dtype and t.data_ptr() == x.data_ptr(), (t.dtype, tuple(t.shape))
+    # The composition it replaced kept the copy (so the check above can fail).
+    _, saved = _saved_by(lambda: _linear_on_the_copy(router)(x))
+    assert any(t.shape == x.shape and t.dtype == torch.float32 for t in saved)
+
+
+def check_gating_equals_linear_on_the_copy(device, dtype, losses, thin=False):
+    """losses: "routing" (the weights and the router's losses), "routing+logits", "logits" (only the logits reach the
+    router). thin: the router region's autograd node runs (its kernels called straight)."""
+    router, x, g_w, g_logits = _gating_case(device, dtype)
+    g_w = None if losses == "logits" else g_w
+    g_logits = g_logits if "logits" in losses else None
+    with extension_calls() as ext:
+        got = _gating_step(router, x, g_w, g_logits, _router_outputs(router))
+    assert (ext.calls.get("router_fused_fwd") == 1) == thin, ext.calls
+    want = _gating_step(router, x, g_w, g_logits, _linear_on_the_copy(router))
+    for name, a, b in zip(("logits", "weights", "loss", "dx", "dW"), got, want):
+        assert_exact(a, b, f"{dtype}: {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gating_keeps_x_not_its_fp32_copy(dtype):
+    check_gating_keeps_x(torch.device("cpu"), dtype)
+
+
+@pytest.mark.parametrize("losses", ["routing", "routing+logits", "logits"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gating_equals_autograd_linear_on_the_copy(dtype, losses):
+    check_gating_equals_linear_on_the_copy(torch.device("cpu"), dtype, losses)
+
+
+def test_gating_under_autocast_equals_without():
+    router, x, g_w, _ = _gating_case(torch.device("cpu"), torch.bfloat16)
+    want = _gating_step(router, x, g_w, None, _router_outputs(router))
+    got = _gating_step(router, x, g_w, None, _router_outputs(router),
+                       forward_in=lambda: torch.autocast("cpu", dtype=torch.bfloat16))
+    for name, a, b in zip(("logits", "weights", "loss", "dx", "dW"), got, want):
+        assert_exact(a, b, f"autocast: {name}")
+
+
+def test_gating_without_grad_keeps_nothing():
+    router, x, _, _ = _gating_case(torch.device("cpu"), torch.bfloat16)
+    with torch.no_grad():
+        out, saved = _saved_by(lambda: router(x, seq_len=x.shape[0] // 2))
+    assert not saved and out.logits.dtype == torch.float32
