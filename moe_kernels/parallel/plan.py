@@ -58,8 +58,8 @@ the input itself; the rsqrt; the normalised rows). Per layer:
                  math path and its S x S scores): Ta (c H + c nh (2 qk + nope + 2 v) + 4 nh + N(q_lora) +
                  c q_lora + 4 (kv_lora [+ rope in fp32]) + 4 + 2 c kv_lora), with cp the gathered k and v
   dense MLP    Tm (c H + 4 c F / tp), Tm = Ta under tp (the gathered input; gate, silu, up, product), else T
-  MoE          T (4 H + 4 E + 4 k)   router: fp32 input, logits, choices
-               + T (c H + 4 c Fs)   shared experts (their input is the router's in fp32: no c H then)
+  MoE          T (c H + 4 E + 4 k)   router: its input (x itself, not an fp32 copy), logits, choices
+               + T 4 c Fs   shared experts (their input is the router's: no c H)
                + the routed experts: R grouped rows of c (H + 3 F / etp) (input, gate/up, activation) and
                  the dispatch's row maps, weights and rows by backend below
   once         rotary tables 2 S rope_dim c (without cp), token ids 8 T; on the last stage T (N(H) + c H +
@@ -264,10 +264,10 @@ def routed_rows(cfg, pc: ParallelConfig, tokens: float, ep_backend: str = "all_t
 def _moe(cfg, pc: ParallelConfig, c: int, T: float, ep_backend: str, capacity: float | None) -> float:
     moe = cfg.moe
     H, E, k = cfg.hidden_size, moe.num_experts, moe.router.k
-    total = T * (4 * H + 4 * E + 4 * k)  # router: fp32 input, logits, choices
-    if moe.shared_ffn_size:  # (their input is the router's in fp32)
+    total = T * (c * H + 4 * E + 4 * k)  # router: its input x (not an fp32 copy), logits, choices
+    if moe.shared_ffn_size:  # (their input is the router's)
         per = 4 if moe.activation == "swiglu" else 2  # kept per shared row: gate, up, ... (no gate: up, activation)
-        total += T * ((c * H if c != 4 else 0) + per * c * moe.shared_ffn_size)
+        total += T * per * c * moe.shared_ffn_size
         if moe.shared_gate:
             total += T * (c * H + c)
     Td = T * pc.etp

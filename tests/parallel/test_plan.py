@@ -141,8 +141,9 @@ def test_plan_activations_follow_the_layout():
     cp2 = plan(ParallelConfig(ep=8, cp=2).resolve(8))
     dbl = plan(ParallelConfig(ep=8).resolve(8), batch_size=2)
     assert ckpt.activations < base.activations / 5
-    # cp halves every rank's tokens but gathers the keys and values of whole sequences
-    assert base.activations / 2 < cp2.activations < 0.6 * base.activations
+    # cp halves every rank's tokens but gathers the keys and values of whole sequences (0.601x here: those are a
+    # fifth of the half's bytes, whose other terms, the router's input among them, are per token)
+    assert base.activations / 2 < cp2.activations < 0.62 * base.activations
     assert dbl.activations == pytest.approx(2 * base.activations, rel=1e-3)  # (rotary tables per sequence)
     # The fused loss keeps none of the [T, V] terms: less, by the log-softmax, the labels and the head's input.
     fused = plan_memory(cfg, ParallelConfig(ep=8).resolve(8), batch_size=1, seq_len=4096)
