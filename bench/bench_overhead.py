@@ -238,7 +238,8 @@ def _cpu_case(ctx: h.Context, name: str) -> dict:
         layer = _path(base, path)
         jobs.append((f"layer_{path}", _step_fn(layer, g), x, _Registered if path == "registered" else None))
         if path != "torch":
-            jobs.append((f"router_{path}", _router_fn(layer, T), x_router, _Registered if path == "registered" else None))
+            jobs.append((f"router_{path}", _router_fn(layer, T), x_router,
+                         _Registered if path == "registered" else None))
     fp8 = _fp8_layer(name, ctx)
     H8 = fp8.config.hidden_size
     x8 = torch.randn(1, T, H8, generator=gen).to(torch.bfloat16).requires_grad_()

@@ -24,14 +24,14 @@ void register_activation(py::module_& m) {
   m.def(
       "swiglu_bwd",
       [](uintptr_t dout, uintptr_t h, uintptr_t row_weights, uintptr_t dh, uintptr_t drow_weights, int64_t rows,
-         int64_t ffn, int32_t dtype, int device, uintptr_t s) {
+         int64_t ffn, int32_t dtype, int device, uintptr_t s, uintptr_t act) {
         DeviceGuard guard(device);
         activation::swiglu_bwd({ptr<const void>(dout), ptr<const void>(h), ptr<const float>(row_weights),
-                                ptr<void>(dh), ptr<float>(drow_weights), rows, ffn, DType(dtype)},
+                                ptr<void>(dh), ptr<float>(drow_weights), rows, ffn, DType(dtype), ptr<void>(act)},
                                stream(s));
       },
       py::arg("dout"), py::arg("h"), py::arg("row_weights"), py::arg("dh"), py::arg("drow_weights"), py::arg("rows"),
-      py::arg("ffn"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
+      py::arg("ffn"), py::arg("dtype"), py::arg("device"), py::arg("stream"), py::arg("act") = 0);
   m.def(
       "squared_relu_fwd",
       [](uintptr_t h, uintptr_t out, int64_t n, int32_t dtype, int device, uintptr_t s) {
@@ -41,13 +41,13 @@ void register_activation(py::module_& m) {
       py::arg("h"), py::arg("out"), py::arg("n"), py::arg("dtype"), py::arg("device"), py::arg("stream"));
   m.def(
       "squared_relu_bwd",
-      [](uintptr_t dout, uintptr_t h, uintptr_t dh, int64_t n, int32_t dtype, int device, uintptr_t s) {
+      [](uintptr_t dout, uintptr_t h, uintptr_t dh, int64_t n, int32_t dtype, int device, uintptr_t s, uintptr_t act) {
         DeviceGuard guard(device);
-        activation::squared_relu_bwd({ptr<const void>(dout), ptr<const void>(h), ptr<void>(dh), n, DType(dtype)},
-                                     stream(s));
+        activation::squared_relu_bwd(
+            {ptr<const void>(dout), ptr<const void>(h), ptr<void>(dh), n, DType(dtype), ptr<void>(act)}, stream(s));
       },
       py::arg("dout"), py::arg("h"), py::arg("dh"), py::arg("n"), py::arg("dtype"), py::arg("device"),
-      py::arg("stream"));
+      py::arg("stream"), py::arg("act") = 0);
   m.def(
       "rows_fp8",
       [](int32_t op, uintptr_t x, uintptr_t dout, uintptr_t q, uintptr_t scale, uintptr_t q_t, uintptr_t scale_t,

@@ -84,23 +84,24 @@ ExpertsFwd experts_fwd_params(uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_
           ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a), act};
 }
 
-// Its backward's five products: dy [R, H] -> da = dy W2 [R, F], dw2 = dy^T a, dh = swiglu_bwd(da, h) [R, 2F] (and
-// drow_weights; squared ReLU: dh = 2 relu(h) da [R, F]), dx = dh W13 [R, H], dw13 = dh^T x. run_head launches the
-// first three (dw2 only when asked for); the caller launches dx and dw13, with whatever goes between.
+// Its backward's five products: dy [R, H] -> da = dy W2 [R, F], dh = swiglu_bwd(da, h) [R, 2F] (and drow_weights;
+// squared ReLU: dh = 2 relu(h) da [R, F]), which also writes the forward's activation a again (bit for bit; the
+// forward keeps only h), dw2 = dy^T a, dx = dh W13 [R, H], dw13 = dh^T x. run_head launches the first three (a and
+// dw2 only when dw2 is asked for); the caller launches dx and dw13, with whatever goes between.
 struct ExpertsBwd {
   gemm::GroupedParams da, dw2, dx, dw13;
-  activation::SwigluBwdParams grad;  // the activation's backward (the squared ReLU reads its da, h, dh and sizes)
+  activation::SwigluBwdParams grad;  // the activation's backward (the squared ReLU reads its da, h, dh, act, sizes)
   Act act;
 
   size_t need() const { return need_of({&da, &dw2, &dx, &dw13}); }
   void run_head(cudaStream_t s) const {
     gemm::grouped_mm(da, s);
-    if (dw2.d) gemm::grouped_mm(dw2, s);
     if (act == Act::kSwiglu) {
       activation::swiglu_bwd(grad, s);
     } else {
-      activation::squared_relu_bwd({grad.dout, grad.h, grad.dh, grad.rows * grad.ffn, grad.dtype}, s);
+      activation::squared_relu_bwd({grad.dout, grad.h, grad.dh, grad.rows * grad.ffn, grad.dtype, grad.act}, s);
     }
+    if (dw2.d) gemm::grouped_mm(dw2, s);
   }
 };
 
@@ -116,7 +117,7 @@ ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t 
       gemm_params(GemmOp::kDgrad, dh, w13, dx, group_sizes, E, rows, width, hidden, dt, workspace, ws_bytes, device),
       gemm_params(GemmOp::kWgrad, dh, x, dw13, group_sizes, E, rows, width, hidden, dt, workspace, ws_bytes, device),
       {ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh), ptr<float>(drow_weights),
-       rows, ffn, dt},
+       rows, ffn, dt, dw2 ? ptr<void>(a) : nullptr},
       act};
 }
 
@@ -124,8 +125,8 @@ ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t 
 
 void register_regions(py::module_& m) {
   // y = swiglu(x W13^T, row_weights) W2^T per expert group. x [R, H], w13 [E, 2F, H], w2 [E, H, F];
-  // h [R, 2F] and a [R, F] are written for the backward; R > 0. group_sizes 0: every row is expert 0's (a dense
-  // SwiGLU MLP with E = 1, the shared experts' `mlp` region).
+  // h [R, 2F] is written for the backward, a [R, F] is scratch; R > 0. group_sizes 0: every row is expert 0's (a
+  // dense SwiGLU MLP with E = 1, the shared experts' `mlp` region).
   m.def(
       "experts_fwd",
       [](uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes, uintptr_t row_weights, uintptr_t h,
@@ -142,7 +143,8 @@ void register_regions(py::module_& m) {
         return 0;
       });
   // The backward of experts_fwd: dy [R, H] -> dx [R, H], dw13, dw2, drow_weights [R] fp32 (each only when its
-  // pointer is non-zero); da [R, F] and dh [R, 2F] are scratch.
+  // pointer is non-zero); da [R, F], dh [R, 2F] and a [R, F] (the activation again, for dw2; 0 without dw2) are
+  // scratch.
   m.def(
       "experts_bwd",
       [](uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t a, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes,
@@ -164,8 +166,8 @@ void register_regions(py::module_& m) {
   // The routed experts of the plain local layer, tokens in, tokens out: permute, the experts (grouped GEMM,
   // SwiGLU, grouped GEMM) and the weighted unpermute, the launches of the permute, experts and unpermute
   // entries above in their order. x [T, H], indices [T, k], weights [T, k] fp32 (0: a plain sum);
-  // x_perm [R, H], row_map [T, k], group_sizes [E], h [R, 2F], a [R, F], y [R, H] are written for the
-  // backward, out [T, H]. The permute and the GEMMs share the workspace (they run in order on one stream).
+  // x_perm [R, H], row_map [T, k], group_sizes [E], h [R, 2F], y [R, H] are written for the backward (a [R, F] is
+  // scratch), out [T, H]. The permute and the GEMMs share the workspace (they run in order on one stream).
   // act: 0 SwiGLU, 1 the squared ReLU of experts without a gate (w13 [E, F, H], h [R, F]).
   m.def(
       "moe_fwd",
@@ -191,8 +193,9 @@ void register_regions(py::module_& m) {
       });
   // Its backward: dout [T, H] -> dx [T, H], dw13, dw2, dweights [T, k] fp32 (each only when its pointer is
   // non-zero; dweights reads y): the unpermute's backward, the experts' five products, the permute's backward
-  // (an unpermute of dx_perm). dy [R, H], da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] are scratch;
-  // the unpermute backward's row mask lives in the workspace. R > 0.
+  // (an unpermute of dx_perm). dy [R, H], da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] and a [R, F]
+  // (the activation again, for dw2; 0 without dw2) are scratch; the unpermute backward's row mask lives in the
+  // workspace. R > 0.
   m.def(
       "moe_bwd",
       [](uintptr_t dout, uintptr_t x_perm, uintptr_t row_map, uintptr_t weights, uintptr_t group_sizes, uintptr_t h,
@@ -283,14 +286,11 @@ void register_regions(py::module_& m) {
         const size_t need = need_of({&da_p, &dw2_p, &dx_p, &dw13_p});
         if (ws_bytes < need) return need;
         gemm::grouped_mm(da_p, stream(s));
-        if (dw2) {
-          activation::swiglu_fwd({ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(a), rows, ffn, dt},
-                                 stream(s));
-          gemm::grouped_mm(dw2_p, stream(s));
-        }
+        // dh, the routing weights' gradient and (for dw2) the activation again, from one read of h
         activation::swiglu_bwd({ptr<const void>(da), ptr<const void>(h), ptr<const float>(row_weights), ptr<void>(dh),
-                                ptr<float>(drow_weights), rows, ffn, dt},
+                                ptr<float>(drow_weights), rows, ffn, dt, dw2 ? ptr<void>(a) : nullptr},
                                stream(s));
+        if (dw2) gemm::grouped_mm(dw2_p, stream(s));
         if (dx) {
           gemm::grouped_mm(dx_p, stream(s));
           permute::unpermute_fwd({ptr<const void>(dxp), ptr<const int32_t>(row_map), nullptr, ptr<void>(dx), tokens,

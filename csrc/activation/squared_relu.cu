@@ -31,7 +31,8 @@ __global__ void __launch_bounds__(kThreads)
 
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads)
-    squared_relu_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ h, T* __restrict__ dh, int64_t n) {
+    squared_relu_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ h, T* __restrict__ dh,
+                            T* __restrict__ act, int64_t n) {
   using P = Pack<T, N>;
   const int64_t vecs = n / N;
   const int64_t stride = int64_t(gridDim.x) * kThreads;
@@ -41,6 +42,12 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int i = 0; i < N; ++i) g.v[i] = from_float<T>(squared_relu_grad<T>(to_float(x.v[i]), to_float(d.v[i])));
     reinterpret_cast<P*>(dh)[v] = g;
+    if (act != nullptr) {  // the forward's output, recomputed
+      P y;
+#pragma unroll
+      for (int i = 0; i < N; ++i) y.v[i] = from_float<T>(squared_relu_value(to_float(x.v[i])));
+      reinterpret_cast<P*>(act)[v] = y;
+    }
   }
 }
 
@@ -60,10 +67,11 @@ void squared_relu_fwd(const SquaredReluParams& p, cudaStream_t stream) {
 
 void squared_relu_bwd(const SquaredReluBwdParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
-  const void* ptrs[] = {p.dout, p.h, p.dh};
-  by_float_vector(p.dtype, p.n, ptrs, 3, "squared_relu_bwd", [&]<typename T, int N>() {
+  const void* ptrs[] = {p.dout, p.h, p.dh, p.act};
+  by_float_vector(p.dtype, p.n, ptrs, 4, "squared_relu_bwd", [&]<typename T, int N>() {
     squared_relu_bwd_kernel<T, N><<<blocks_for(p.n / N), kThreads, 0, stream>>>(
-        static_cast<const T*>(p.dout), static_cast<const T*>(p.h), static_cast<T*>(p.dh), p.n);
+        static_cast<const T*>(p.dout), static_cast<const T*>(p.h), static_cast<T*>(p.dh), static_cast<T*>(p.act),
+        p.n);
   });
   check_launch("squared_relu_bwd_kernel");
 }

@@ -27,6 +27,7 @@ struct SquaredReluBwdParams {
   void* dh;          // [n]
   int64_t n;
   DType dtype;
+  void* act = nullptr;  // [n] or nullptr: the forward's output recomputed from h, bit for bit squared_relu_fwd's
 };
 void squared_relu_bwd(const SquaredReluBwdParams& p, cudaStream_t stream);
 

@@ -1,6 +1,7 @@
 // Fused SwiGLU: one pass reads [gate | up] and writes the activation (torch's silu(g) * u * w takes three
 // kernels and twice the traffic); the backward reads h and dout once and writes dh, plus the row-weight
-// gradient as a fixed-order row reduction.
+// gradient as a fixed-order row reduction, and, where asked, the forward's output again (so the forward's
+// callers need not keep it for the down projection's weight gradient).
 #include "activation/swiglu.h"
 #include "activation/swiglu_math.cuh"
 #include "common/check.h"
@@ -37,7 +38,8 @@ __global__ void __launch_bounds__(kRowBlockThreads)
 template <typename T, int N>
 __global__ void __launch_bounds__(kRowBlockThreads)
     swiglu_bwd_kernel(const T* __restrict__ dout, const T* __restrict__ h, const float* __restrict__ w,
-                      T* __restrict__ dh, float* __restrict__ dw, int64_t rows, int64_t ffn, RowGeometry g) {
+                      T* __restrict__ dh, float* __restrict__ dw, T* __restrict__ act, int64_t rows, int64_t ffn,
+                      RowGeometry g) {
   using P = Pack<T, N>;
   __shared__ float scratch[kRowBlockThreads / 32];
   const int tpr = g.threads_per_row;
@@ -50,24 +52,27 @@ __global__ void __launch_bounds__(kRowBlockThreads)
   // dh null: only the routing weights' gradient (the FP8 backward writes dh itself).
   P* dgate = dh != nullptr ? reinterpret_cast<P*>(dh + rr * 2 * ffn) : nullptr;
   P* dup = dh != nullptr ? reinterpret_cast<P*>(dh + rr * 2 * ffn + ffn) : nullptr;
+  P* a = act != nullptr ? reinterpret_cast<P*>(act + rr * ffn) : nullptr;  // the forward's output, recomputed
   const float scale = w != nullptr && live ? w[rr] : 1.f;
   float dot = 0.f;
   if (live) {
     for (int64_t v = threadIdx.x % tpr; v < g.row_vecs; v += tpr) {
       const P gv = gate[v], uv = up[v], dv = d[v];
-      P rg, ru;
+      P rg, ru, ra;
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        const float u = to_float(uv.v[n]), go = to_float(dv.v[n]);
-        const SwigluGrad gr = swiglu_grad(to_float(gv.v[n]), u, go, scale);
+        const float gt = to_float(gv.v[n]), u = to_float(uv.v[n]), go = to_float(dv.v[n]);
+        const SwigluGrad gr = swiglu_grad(gt, u, go, scale);
         rg.v[n] = from_float<T>(gr.dgate);
         ru.v[n] = from_float<T>(gr.dup);
+        ra.v[n] = from_float<T>(swiglu_value(gt, u, scale));
         dot = fmaf(go, gr.silu * u, dot);
       }
       if (dgate != nullptr) {
         dgate[v] = rg;
         dup[v] = ru;
       }
+      if (a != nullptr) a[v] = ra;
     }
   }
   if (dw != nullptr) {
@@ -97,13 +102,13 @@ void swiglu_bwd(const SwigluBwdParams& p, cudaStream_t stream) {
     if (p.drow_weights != nullptr) check_cuda(cudaMemsetAsync(p.drow_weights, 0, p.rows * sizeof(float), stream), "swiglu");
     return;
   }
-  const void* ptrs[] = {p.dout, p.h, p.dh};
-  by_float_vector(p.dtype, p.ffn, ptrs, 3, "swiglu_bwd", [&]<typename T, int N>() {
+  const void* ptrs[] = {p.dout, p.h, p.dh, p.act};
+  by_float_vector(p.dtype, p.ffn, ptrs, 4, "swiglu_bwd", [&]<typename T, int N>() {
     const RowGeometry g = row_geometry(p.ffn * int64_t(sizeof(T)), int(sizeof(T)) * N);
     const int64_t blocks = (p.rows + g.rows_per_block - 1) / g.rows_per_block;
     swiglu_bwd_kernel<T, N><<<unsigned(blocks), kRowBlockThreads, 0, stream>>>(
         static_cast<const T*>(p.dout), static_cast<const T*>(p.h), p.row_weights, static_cast<T*>(p.dh),
-        p.drow_weights, p.rows, p.ffn, g);
+        p.drow_weights, static_cast<T*>(p.act), p.rows, p.ffn, g);
   });
   check_launch("swiglu_bwd_kernel");
 }

@@ -29,6 +29,9 @@ struct SwigluBwdParams {
   int64_t rows;
   int64_t ffn;
   DType dtype;
+  // [R, F] or nullptr: the forward's output recomputed from the h this pass reads, bit for bit swiglu_fwd's (the
+  // down projection's weight gradient reads it; the forward need not keep it).
+  void* act = nullptr;
 };
 void swiglu_bwd(const SwigluBwdParams& p, cudaStream_t stream);
 

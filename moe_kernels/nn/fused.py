@@ -194,22 +194,22 @@ def unpermute_region(L: Launch, y: Tensor, row_map: Tensor, weights: Tensor | No
 
 def _experts_fwd(L: Launch, x: Tensor, group_sizes: int, E: int, w13: Tensor, w2: Tensor, rw: Tensor | None):
     """experts_fwd on x [R, H] (group_sizes: the device address of the sizes, 0 for one group of every row):
-    (h [R, 2F], a [R, F], y [R, H])."""
+    (h [R, 2F], y [R, H]); the activation a [R, F] is scratch (the backward writes it again from h)."""
     R, H = x.shape
     F = w13.shape[-2] // 2
     h = x.new_empty((R, 2 * F))
-    a = x.new_empty((R, F))
     y = x.new_empty((R, H))
     dt = _DTYPE[x.dtype]
     if R:
-        _ext.with_workspace(("experts_fwd", L.device, R, H, F, E, dt), L.C.experts_fwd, x,
-                            _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), group_sizes, _ext.ptr(rw), _ext.ptr(h),
-                            _ext.ptr(a), _ext.ptr(y), R, H, F, E, dt, L.device, L.stream)
-    return h, a, y
+        _ext.with_scratch(("experts_fwd", L.device, R, H, F, E, dt), x, (R * F * x.element_size(),),
+                          lambda scratch, ws, nbytes: L.C.experts_fwd(
+                              _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), group_sizes, _ext.ptr(rw), _ext.ptr(h),
+                              scratch[0], _ext.ptr(y), R, H, F, E, dt, ws, nbytes, L.device, L.stream))
+    return h, y
 
 
-def _experts_bwd(L: Launch, dy: Tensor, x: Tensor, h: Tensor, a: Tensor, w13: Tensor, w2: Tensor, group_sizes: int,
-                 E: int, rw: Tensor | None, need_x: bool, need_w13: bool, need_w2: bool, need_rw: bool):
+def _experts_bwd(L: Launch, dy: Tensor, x: Tensor, h: Tensor, w13: Tensor, w2: Tensor, group_sizes: int, E: int,
+                 rw: Tensor | None, need_x: bool, need_w13: bool, need_w2: bool, need_rw: bool):
     """experts_bwd: (dx, dw13, dw2, drow_weights fp32), each None where not needed; the weights' gradients zero
     where there are no rows."""
     R, H = x.shape
@@ -222,12 +222,13 @@ def _experts_bwd(L: Launch, dy: Tensor, x: Tensor, h: Tensor, a: Tensor, w13: Te
     drw = torch.empty((R,), dtype=_F32, device=x.device) if need_rw else None
     if R:
         dt, es = _DTYPE[x.dtype], x.element_size()
-        # scratch: da [R, F], dh [R, 2F]
-        _ext.with_scratch(("experts_bwd", L.device, R, H, F, E, dt), x, (R * F * es, R * 2 * F * es),
+        # scratch: da [R, F], dh [R, 2F], a [R, F] (the activation again, for dw2)
+        _ext.with_scratch(("experts_bwd", L.device, R, H, F, E, dt), x,
+                          (R * F * es, R * 2 * F * es, R * F * es if need_w2 else 0),
                           lambda scratch, ws, nbytes: L.C.experts_bwd(
-                              _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), _ext.ptr(a), _ext.ptr(w13), _ext.ptr(w2),
-                              group_sizes, _ext.ptr(rw), *scratch, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2),
-                              _ext.ptr(drw), R, H, F, E, dt, ws, nbytes, L.device, L.stream))
+                              _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), scratch[2], _ext.ptr(w13), _ext.ptr(w2),
+                              group_sizes, _ext.ptr(rw), scratch[0], scratch[1], _ext.ptr(dx), _ext.ptr(dw13),
+                              _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, dt, ws, nbytes, L.device, L.stream))
     return dx, dw13, dw2, drw
 
 
@@ -235,8 +236,8 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_sizes, w13, w2, row_weights, L):
         rw = _f32(row_weights)
-        h, a, y = _experts_fwd(L, x, _ext.ptr(group_sizes), w13.shape[0], w13, w2, rw)
-        ctx.save_for_backward(x, h, a, w13, w2, group_sizes, rw)
+        h, y = _experts_fwd(L, x, _ext.ptr(group_sizes), w13.shape[0], w13, w2, rw)
+        ctx.save_for_backward(x, h, w13, w2, group_sizes, rw)
         ctx.L = L
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
         return y
@@ -244,11 +245,11 @@ class _Experts(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         _first_order_only()
-        x, h, a, w13, w2, group_sizes, rw = ctx.saved_tensors
+        x, h, w13, w2, group_sizes, rw = ctx.saved_tensors
         need_x, _, need_w13, need_w2, need_rw, _ = ctx.needs_input_grad
         need_rw = need_rw and rw is not None
-        dx, dw13, dw2, drw = _experts_bwd(ctx.L, dy, x, h, a, w13, w2, _ext.ptr(group_sizes), w13.shape[0], rw,
-                                          need_x, need_w13, need_w2, need_rw)
+        dx, dw13, dw2, drw = _experts_bwd(ctx.L, dy, x, h, w13, w2, _ext.ptr(group_sizes), w13.shape[0], rw, need_x,
+                                          need_w13, need_w2, need_rw)
         return dx, None, dw13, dw2, (as_dtype(drw, ctx.rw_dtype) if need_rw else None), None
 
 
@@ -276,24 +277,23 @@ def experts_fit(x: Tensor) -> bool:
 
 class _Mlp(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) for x [T, H], gate and up [F, H], down [H, F]: experts_fwd / experts_bwd with
-    one expert whose w13 is gate and up stacked (one copy of those weights a forward) and no group sizes (the
-    GEMMs take every row as one group)."""
+    one expert whose w13 is gate and up stacked (a copy of those weights in each direction, not kept between them)
+    and no group sizes (the GEMMs take every row as one group)."""
 
     @staticmethod
     def forward(ctx, x, gate, up, down, L):
-        w13 = torch.cat((gate, up))
-        h, a, y = _experts_fwd(L, x, 0, 1, w13, down, None)
-        ctx.save_for_backward(x, h, a, w13, down)
+        h, y = _experts_fwd(L, x, 0, 1, torch.cat((gate, up)), down, None)
+        ctx.save_for_backward(x, h, gate, up, down)
         ctx.L = L
         return y
 
     @staticmethod
     def backward(ctx, dy):
         _first_order_only()
-        x, h, a, w13, down = ctx.saved_tensors
+        x, h, gate, up, down = ctx.saved_tensors
         need_x, need_gate, need_up, need_down, _ = ctx.needs_input_grad
-        dx, dw13, ddown, _ = _experts_bwd(ctx.L, dy, x, h, a, w13, down, 0, 1, None, need_x, need_gate or need_up,
-                                          need_down, False)
+        dx, dw13, ddown, _ = _experts_bwd(ctx.L, dy, x, h, torch.cat((gate, up)), down, 0, 1, None, need_x,
+                                          need_gate or need_up, need_down, False)
         dgate, dup = dw13.chunk(2) if dw13 is not None else (None, None)
         return dx, dgate, dup, ddown, None
 
@@ -316,9 +316,9 @@ def mlp_region(L: Launch, x: Tensor, gate: Tensor, up: Tensor, down: Tensor):
 
 
 class _Moe(torch.autograd.Function):
-    """Its tensors for the backward (x_perm, row_map, group_sizes, h, a, and y when the weights need a gradient)
+    """Its tensors for the backward (x_perm, row_map, group_sizes, h, and y when the weights need a gradient)
     are parts of one allocation, the workspace and the scratch of each direction another: two allocator calls
-    each way besides the outputs."""
+    each way besides the outputs. The activation a is scratch each way: the backward writes it again from h."""
 
     @staticmethod
     def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L, act=0):
@@ -329,17 +329,19 @@ class _Moe(torch.autograd.Function):
         R = permuted_rows(T, k, num_experts, align)
         es = x.element_size()
         need_w = weights is not None and ctx.needs_input_grad[2]
-        kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * F * es, R * H * es if need_w else 0,
+        kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * H * es if need_w else 0,
                                   saved=True)
-        x_perm, row_map, group_sizes, h, a, y = parts
+        x_perm, row_map, group_sizes, h, y = parts
         out = x.new_empty((T, H))
         w = _f32(weights)
         dt = _DTYPE[x.dtype]
-        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, act, dt), x, (0 if need_w else R * H * es,),
+        # scratch: a [R, F], and y [R, H] where the weights need no gradient
+        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, act, dt), x,
+                          (R * F * es, 0 if need_w else R * H * es),
                           lambda scratch, ws, nbytes: L.C.moe_fwd(
                               _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), x_perm,
-                              row_map, group_sizes, h, a, y or scratch[0], _ext.ptr(out), T, k, R, H, F, E, align, act,
-                              dt, ws, nbytes, L.device, L.stream))
+                              row_map, group_sizes, h, scratch[0], y or scratch[1], _ext.ptr(out), T, k, R, H, F, E,
+                              align, act, dt, ws, nbytes, L.device, L.stream))
         ctx.save_for_backward(kept, w, w13, w2)
         ctx.L, ctx.need_w, ctx.shape, ctx.act = L, need_w, (T, k, R, H, F, F2, E, es), act
         ctx.offsets = [p - kept.data_ptr() if p else -1 for p in parts]
@@ -355,7 +357,7 @@ class _Moe(torch.autograd.Function):
         if kept.data_ptr() % 16:  # restored at an unaligned address (a saved_tensors_hooks unpack): realign
             kept = kept.clone()
         base = kept.data_ptr()
-        x_perm, row_map, group_sizes, h, a, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
+        x_perm, row_map, group_sizes, h, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
         need_x, _, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
         dout = dout.contiguous()
         dev = dout.device
@@ -370,13 +372,15 @@ class _Moe(torch.autograd.Function):
             dw2 = torch.empty_like(w2) if need_w2 else None
             dw = torch.empty((T, k), dtype=_F32, device=dev) if need_w else None
             dt = _DTYPE[dout.dtype]
-            # scratch: dy, da, dh, dx_perm
+            # scratch: dy, da, dh, dx_perm, a (the activation again, for dw2)
             _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, ctx.act, dt), dout,
-                              (R * H * es, R * F * es, R * F2 * es, R * H * es if need_x else 0),
+                              (R * H * es, R * F * es, R * F2 * es, R * H * es if need_x else 0,
+                               R * F * es if need_w2 else 0),
                               lambda scratch, ws, nbytes: L.C.moe_bwd(
-                                  _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, a, y, _ext.ptr(w13),
-                                  _ext.ptr(w2), *scratch, _ext.ptr(dx), _ext.ptr(dw13), _ext.ptr(dw2), _ext.ptr(dw),
-                                  T, k, R, H, F, E, ctx.act, dt, ws, nbytes, L.device, L.stream))
+                                  _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, scratch[4], y,
+                                  _ext.ptr(w13), _ext.ptr(w2), *scratch[:4], _ext.ptr(dx), _ext.ptr(dw13),
+                                  _ext.ptr(dw2), _ext.ptr(dw), T, k, R, H, F, E, ctx.act, dt, ws, nbytes, L.device,
+                                  L.stream))
         return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None
 
 

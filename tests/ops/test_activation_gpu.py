@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from moe_kernels.ops import squared_relu, swiglu
 from moe_kernels.ops.activation import squared_relu_bwd_reference, squared_relu_reference, swiglu_bwd_reference, \
     swiglu_reference
-from moe_kernels.testing import assert_close_to_fp64
+from moe_kernels.testing import assert_close_to_fp64, assert_exact
 from tests.emulation import EMULATED, skip_if_too_large
 
 EMULATION_BUDGET = 2e7  # squared_relu: elements per case
@@ -123,3 +123,72 @@ def test_squared_relu_past_2_31_elements(cuda):
     dh = torch.ops.moe_kernels.squared_relu_bwd(h, h)  # dout = h: 2 relu(h) h
     for i in range(0, n, chunk):
         assert torch.equal(dh[i : i + chunk], squared_relu_bwd_reference(h[i : i + chunk], h[i : i + chunk])), i
+
+
+# The backward writing the forward's output again (the fused regions' backward takes the activation from there, not
+# from the forward): the forward kernel's output, bit for bit but for NaN payloads, the backward's own outputs
+# unchanged by it.
+
+def _launch(t):
+    from moe_kernels import _ext
+
+    L = _ext.eager(t)
+    if L is None:
+        pytest.skip("the extension does not serve this device")
+    return L
+
+
+def _ptr(t):
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+@pytest.mark.parametrize("R,F_,offset", [(0, 8, 0), (1, 1, 0), (37, 3, 0), (300, 768, 0), (64, 1000, 0), (50, 16, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_backward_writes_the_forward_again(cuda, R, F_, offset, dtype, weighted):
+    from moe_kernels import _ext
+
+    g = torch.Generator().manual_seed(R * 7 + F_)
+
+    def make(*shape, scale=1.0):
+        # offset 1: one element into its storage (the narrowest vectors)
+        base = (scale * torch.randn(int(torch.tensor(shape).prod()) + offset, generator=g)).to(cuda, dtype)
+        return base[offset:].view(shape)
+
+    h, dout = _with_edges(make(R, 2 * F_), R), make(R, F_)
+    w = torch.rand(R, generator=g).to(cuda) if weighted else None
+    L, dt = _launch(h), _ext.dtype_code(dtype)
+    want = make(R, F_)
+    L.C.swiglu_fwd(_ptr(h), _ptr(w), _ptr(want), R, F_, dt, L.device, L.stream)
+    outs = {}
+    for act in (False, True):
+        dh, dw, a = make(R, 2 * F_), torch.empty(R, device=cuda), make(R, F_)
+        L.C.swiglu_bwd(_ptr(dout), _ptr(h), _ptr(w), _ptr(dh), _ptr(dw), R, F_, dt, L.device, L.stream,
+                       act=_ptr(a) if act else 0)
+        outs[act] = (dh, dw, a)
+    # Equal values, a NaN equal to any NaN (the edges make some: which operand's NaN a product passes on, and so its
+    # sign, is the compiler's choice, as in any two kernels)
+    assert_exact(outs[True][2], want, "the activation again")
+    assert_exact(outs[True][0], outs[False][0], "dh")
+    assert_exact(outs[True][1], outs[False][1], "drow_weights")
+
+
+@pytest.mark.parametrize("n,offset", [(0, 0), (1, 0), (37 * 3, 0), (300 * 768, 0), (7 * 1001, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_squared_relu_backward_writes_the_forward_again(cuda, n, offset, dtype):
+    from moe_kernels import _ext
+
+    g = torch.Generator().manual_seed(n + offset)
+
+    def make():
+        return torch.randn(n + offset, generator=g).to(cuda, dtype)[offset:]
+
+    h, dout = _with_edges(make(), n), make()
+    L, dt = _launch(h), _ext.dtype_code(dtype)
+    want = make()
+    L.C.squared_relu_fwd(_ptr(h), _ptr(want), n, dt, L.device, L.stream)
+    dh, dh_alone, a = make(), make(), make()
+    L.C.squared_relu_bwd(_ptr(dout), _ptr(h), _ptr(dh), n, dt, L.device, L.stream, act=_ptr(a))
+    L.C.squared_relu_bwd(_ptr(dout), _ptr(h), _ptr(dh_alone), n, dt, L.device, L.stream)
+    assert_exact(a, want, "the activation again")
+    assert_exact(dh, dh_alone, "dh")
