@@ -15,8 +15,9 @@ Reported per case:
              the analytic value is checked against the count (extra.saved_mib_model). Counted on the registered
              ops, which meta tensors take. Eagerly on a GPU (fused_kept_bytes) the permuted path's `experts` region
              does not keep the activation either (its backward writes it again from h): R F elements fewer; and
-             on both paths the shared experts' `mlp` region keeps neither their activation nor its stacked copy of
-             their gate and up weights: T Fs + 2 Fs H elements fewer. The memory lines print both counts.
+             on both paths the shared experts' `mlp` region keeps neither their activation nor (no autocast) its
+             stacked copy of their gate and up weights: T Fs + 2 Fs H elements fewer. The memory lines print both
+             counts.
   peak       on CUDA, the peak allocated during one step above the step's start, ours and permuted
              (extra.peak_mib, extra.peer_peak_mib); not measured on the CPU.
   time       fwd+bwd, harness.time_fn, ours against permuted in the same run.
@@ -212,7 +213,8 @@ def memory_lines() -> list[str]:
         lines.append(f"expert_mlp memory {model}/T{T} bf16 (computed): on the fused regions (eager, GPU) keeps "
                      f"{ours_f / 2**20:.0f} MiB for the backward vs {peer_f / 2**20:.0f} MiB on the permuted path, "
                      f"{(peer_f - ours_f) / 2**20:.0f} MiB less per layer ({1 - ours_f / peer_f:.0%}); on the "
-                     f"registered ops (compiled) {ours / 2**20:.0f} vs {peer / 2**20:.0f} MiB ({1 - ours / peer:.0%} less)")
+                     f"registered ops (compiled) {ours / 2**20:.0f} vs {peer / 2**20:.0f} MiB "
+                     f"({1 - ours / peer:.0%} less)")
     return lines
 
 

@@ -192,7 +192,7 @@ def _router_fn(layer: MoELayer, seq_len: int):
 
     def step(x):
         launch = fused.launch_for(x)
-        if launch is not None and not router._thin_path_fits(router.weight, launch):
+        if launch is not None and not router._thin_path_fits(x, router.weight, launch):
             launch = None
         w, _, _, loss, _ = fused.run("router", launch, router, x, router.weight, seq_len)
         (w.sum() + loss).backward()

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kRowBlockThreads)
         const SwigluGrad gr = swiglu_grad(gt, u, go, scale);
         rg.v[n] = from_float<T>(gr.dgate);
         ru.v[n] = from_float<T>(gr.dup);
-        ra.v[n] = from_float<T>(swiglu_value(gt, u, scale));
+        if (a != nullptr) ra.v[n] = from_float<T>(swiglu_value(gt, u, scale));
         dot = fmaf(go, gr.silu * u, dot);
       }
       if (dgate != nullptr) {

@@ -277,8 +277,9 @@ def experts_fit(x: Tensor) -> bool:
 
 class _Mlp(torch.autograd.Function):
     """down(silu(gate(x)) * up(x)) for x [T, H], gate and up [F, H], down [H, F]: experts_fwd / experts_bwd with
-    one expert whose w13 is gate and up stacked (a copy of those weights in each direction, not kept between them)
-    and no group sizes (the GEMMs take every row as one group)."""
+    one expert whose w13 is gate and up stacked (a copy of those weights in each direction, not kept between them;
+    under autocast gate and up are casts, kept as the registered ops keep them) and no group sizes (the GEMMs take
+    every row as one group)."""
 
     @staticmethod
     def forward(ctx, x, gate, up, down, L):
@@ -448,7 +449,8 @@ def _expert_mlp_ops(x, row_map, group_sizes, w13, w2, row_weights, num_rows):
 
 @_register("expert_mlp", _expert_mlp_ops,
            "expert_mlp_fwd (rows_to_tokens, gathered grouped_mm + SwiGLU epilogue, grouped_mm, unpermute) / "
-           "expert_mlp_bwd (gathered dgrad, swiglu, gathered wgrad, swiglu_bwd, dgrad, unpermute, gathered wgrad)")
+           "expert_mlp_bwd (gathered dgrad, swiglu_bwd writing the activation again, gathered wgrad, dgrad, unpermute, "
+           "gathered wgrad)")
 def expert_mlp_region(L: Launch, x: Tensor, row_map: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor,
                       row_weights: Tensor | None, num_rows: int):
     return _ExpertMLP.apply(x, row_map, group_sizes, w13, w2, row_weights, num_rows, L)
@@ -495,36 +497,45 @@ def router_fits(C, spec: RouterSpec) -> bool:
         spec.capacity_factor is None or spec.E <= C.balance_max_experts)
 
 
-def gating_grads(grad: Tensor, x: Tensor, weight: Tensor, need_x: bool, need_w: bool):
-    """The gating linear's backward from the logits' gradient: the two products autograd's linear takes on x's copy
-    in the weight's precision (dx = grad W, then cast to x's dtype; dW = grad^T x), that copy made again here."""
-    dx = grad.mm(weight).to(x.dtype) if need_x else None
-    dw = grad.t().mm(x.to(weight.dtype)) if need_w else None
+def gating_saved(ctx, x: Tensor, weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
+    """What the gating linear's backward reads, as autograd's linear keeps it: x for W's gradient, W for x's (a frozen
+    router keeps no x). x's dtype is noted for dx's cast."""
+    need_x, need_w = ctx.needs_input_grad[:2]
+    ctx.x_dtype = x.dtype
+    return (x if need_w else None), (weight if need_x else None)
+
+
+def gating_grads(ctx, grad: Tensor, x: Tensor | None, weight: Tensor | None):
+    """The gating linear's backward from the logits' gradient: the two products autograd's linear takes on x's copy in
+    the weight's precision (dx = grad W, then cast to x's dtype; dW = grad^T x), that copy made again here."""
+    need_x, need_w = ctx.needs_input_grad[:2]
+    dx = grad.mm(weight).to(ctx.x_dtype) if need_x else None
+    dw = grad.t().mm(x.to(grad.dtype)) if need_w else None
     return dx, dw
 
 
 class _Gating(torch.autograd.Function):
     """logits = x W^T in W's precision, keeping x itself for the backward rather than its copy in that precision
-    (autograd's linear on x.float() keeps the copy: T x H x 4 bytes a layer, twice a bf16 x, which the layer's other
-    nodes do not keep), as Megatron-Core's router gating does. Outputs and gradients are F.linear's on the copy, bit
-    for bit (tests/nn/test_router_module.py)."""
+    (autograd's linear on x.float() keeps the copy: T x H x 4 bytes a layer for a bf16 x, where x itself takes 2 and
+    may be kept by other nodes anyway), as Megatron-Core's router gating does. Outputs and gradients are F.linear's on
+    the copy, bit for bit (tests/nn/test_router_module.py)."""
 
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
+        ctx.save_for_backward(*gating_saved(ctx, x, weight))
         return torch.nn.functional.linear(x.to(weight.dtype), weight)
 
     @staticmethod
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        return gating_grads(grad, x, weight, *ctx.needs_input_grad[:2])
+        return gating_grads(ctx, grad, *ctx.saved_tensors)
 
 
 def gating_linear(x: Tensor, weight: Tensor) -> Tensor:
-    """The router's logits x W^T [T, E] in W's precision for x [T, H] of any float dtype. Where x is narrower and a
-    gradient is recorded, the autograd node keeps x, not its copy (`_Gating`); compiling, exporting and tracing see
-    F.linear, whose graph they partition themselves."""
-    if x.dtype is weight.dtype or not torch.is_grad_enabled() or _ext._transformed(x):
+    """The router's logits x W^T [T, E] in W's precision for x [T, H] of any float dtype. Where x is narrower than W
+    and a gradient is recorded, the autograd node keeps x, not its copy (`_Gating`); compiling, exporting and tracing
+    see F.linear, whose graph they partition themselves."""
+    if (x.element_size() >= weight.element_size() or not torch.is_grad_enabled() or not x.is_floating_point()
+            or _ext._transformed(x)):
         return torch.nn.functional.linear(x.to(weight.dtype), weight)
     return _Gating.apply(x, weight)
 
@@ -555,7 +566,7 @@ class _Router(torch.autograd.Function):
             C.tokens_per_expert(_ext.ptr(kept), n, E, counts.data_ptr(), dev, s)
         ctx.mark_non_differentiable(kept, counts)
         ctx.set_materialize_grads(False)  # no zero gradients allocated for the index outputs
-        ctx.save_for_backward(x, weight, logits, indices, kept, aux_counts, seq_counts)
+        ctx.save_for_backward(*gating_saved(ctx, x, weight), logits, indices, kept, aux_counts, seq_counts)
         ctx.spec, ctx.seq_len, ctx.L = spec, seq_len, L
         return weights, kept, counts, loss, logits
 
@@ -564,8 +575,9 @@ class _Router(torch.autograd.Function):
         _first_order_only()
         x, weight, logits, indices, kept, aux_counts, seq_counts = ctx.saved_tensors
         spec, L = ctx.spec, ctx.L
-        if g_weights is None and g_loss is None:  # only the logits, used elsewhere, reached the router
-            grad = g_logits
+        if g_weights is None and g_loss is None:  # only the logits, used elsewhere, reached the router, or nothing did
+            # (zero then, as the registered ops materialize it: x and the weight get zero gradients, not None)
+            grad = g_logits if g_logits is not None else torch.zeros_like(logits)
         else:
             if g_weights is None:  # the loss alone reached the router's kernel
                 g_weights = torch.zeros(indices.shape, dtype=_F32, device=logits.device)
@@ -577,7 +589,7 @@ class _Router(torch.autograd.Function):
                               spec.aux_coeff, spec.seq_coeff, ctx.seq_len, spec.z_coeff)
             if g_logits is not None:
                 grad = grad + g_logits
-        dx, dw = gating_grads(grad, x, weight, *ctx.needs_input_grad[:2])
+        dx, dw = gating_grads(ctx, grad, x, weight)
         return dx, dw, None, None, None, None
 
 

@@ -84,6 +84,7 @@ class RouterConfig:
 
 _recompute_state = threading.local()
 _GATING_DTYPES = (torch.float32, torch.float64)  # the router weight's precisions the logits take as they are
+_THIN_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # x the router region takes (no wider than its copy)
 
 
 @contextmanager
@@ -169,14 +170,15 @@ class Router(nn.Module):
             return (*self._route_reference(logits, seq_len), logits)
         if launch is ...:
             launch = fused.launch_for(x)
-        if launch is not None and not self._thin_path_fits(weight, launch):
+        if launch is not None and not self._thin_path_fits(x, weight, launch):
             launch = None
         return fused.run("router", launch, self, x, weight, seq_len)
 
-    def _thin_path_fits(self, weight: Tensor, launch: fused.Launch) -> bool:
-        """The router region takes one rank's fp32 logits (the losses of a balance or sequence group
-        all-reduce between the statistics and the loss: the registered ops do that)."""
-        if weight.dtype != torch.float32 or self.balance_group is not None or self.sequence_group is not None:
+    def _thin_path_fits(self, x: Tensor, weight: Tensor, launch: fused.Launch) -> bool:
+        """The router region takes one rank's x in fp32, bf16 or fp16 and an fp32 weight (the losses of a balance or
+        sequence group all-reduce between the statistics and the loss: the registered ops do that)."""
+        if (weight.dtype != torch.float32 or x.dtype not in _THIN_X_DTYPES or self.balance_group is not None
+                or self.sequence_group is not None):
             return False
         if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
             return False

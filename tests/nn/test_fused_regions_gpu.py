@@ -102,17 +102,20 @@ def _expected_calls(cfg) -> int:
             + (2 if cfg.shared_ffn_size else 0))
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_router_region_keeps_x_not_its_fp32_copy(cuda, dtype):
-    check_gating_keeps_x(cuda, dtype)
+def test_router_region_keeps_x_not_its_fp32_copy(cuda, dtype, frozen):
+    check_gating_keeps_x(cuda, dtype, frozen, thin=True)
 
 
-@pytest.mark.parametrize("losses", ["routing", "routing+logits", "logits"])
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
+@pytest.mark.parametrize("losses", ["routing", "routing+logits", "logits", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_router_region_equals_autograd_linear_on_the_copy(cuda, dtype, losses):
+def test_router_region_equals_autograd_linear_on_the_copy(cuda, dtype, losses, frozen):
     """The region's gating linear (x kept in its dtype, cast again in the backward) against autograd's linear on x's
-    fp32 copy and the registered ops, bit for bit; a loss on the returned logits flows back through it."""
-    check_gating_equals_linear_on_the_copy(cuda, dtype, losses, thin=True)
+    fp32 copy and the registered ops, bit for bit; a loss on the returned logits flows back through it, and a backward
+    that hands the router no gradient at all leaves it none."""
+    check_gating_equals_linear_on_the_copy(cuda, dtype, losses, thin=True, frozen=frozen)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import moe_kernels as mk
-from moe_kernels.nn import Router, RouterConfig
+from moe_kernels.nn import Router, RouterConfig, fused
 from moe_kernels.testing import assert_exact, extension_calls
 
 
@@ -137,14 +137,30 @@ def _gating_case(device, dtype, T=12, H=40, E=16):
     return router, x, g_w, g_logits
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity, whose backward hands back no gradient (None)."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return None
+
+
 def _gating_step(router, x, g_w, g_logits, route, forward_in=contextlib.nullcontext):
     """(logits, weights, loss, dx, dW) of one forward (in forward_in()) and backward: the loss of the routing weights
-    (g_w) and the router's losses, and one of the logits when g_logits is given (g_w None: that one alone)."""
+    (g_w) and the router's losses, and one of the logits when g_logits is given (g_w None: that one alone; both None:
+    the weights pass a node that hands back no gradient, and x has a gradient of its own, 2 x)."""
     router.zero_grad(set_to_none=True)
     x = x.detach().requires_grad_()
     with forward_in():
         weights, _, _, loss, logits = route(x)
-    total = 0 if g_w is None else (weights * g_w).sum() + loss
+    if g_w is None and g_logits is None:
+        total = _NoGradient.apply(weights).sum() + (x.float() ** 2).sum()
+    else:
+        total = 0 if g_w is None else (weights * g_w).sum() + loss
     if g_logits is not None:
         total = total + (logits * g_logits).sum()
     total.backward()
@@ -166,11 +182,31 @@ def _linear_on_the_copy(router):
     return route
 
 
-def check_gating_keeps_x(device, dtype):
+def _takes_the_region(router, x, thin: bool | None) -> None:
+    """thin True: the router region's autograd node must run here (its kernels called straight), False: the
+    registered ops, None: whichever this device takes. Checked on a call after the first (which also asks for the
+    kernel's workspace size)."""
+    launch = fused.launch_for(x)
+    assert thin is None or thin == (launch is not None), (thin, launch)
+    if launch is None:
+        return
+    _router_outputs(router)(x)
+    with extension_calls() as ext:
+        _router_outputs(router)(x)
+    assert ext.calls.get("router_fused_fwd") == 1, ext.calls
+
+
+def check_gating_keeps_x(device, dtype, frozen=False, thin=None):
+    """frozen: the router weight needs no gradient, so nothing keeps x for it."""
     router, x, _, _ = _gating_case(device, dtype)
+    router.weight.requires_grad_(not frozen)
     x.requires_grad_()
+    _takes_the_region(router, x, thin)
     _, saved = _saved_by(lambda: router(x, seq_len=x.shape[0] // 2))
-    big = [t for t in saved if t.shape == x.shape]
+    big = [t for t in saved if t is not None and t.shape == x.shape]
+    if frozen:  # as autograd's linear keeps it: the weight, for x's gradient, and no x
+        assert not big, [(t.dtype, tuple(t.shape)) for t in big]
+        return
     assert big, [(t.dtype, tuple(t.shape)) for t in saved]
     for t in big:  # x itself: no [T, H] copy in fp32 (4 bytes an element where x has 2)
         assert t.dtype == dtype and t.data_ptr() == x.data_ptr(), (t.dtype, tuple(t.shape))
@@ -179,29 +215,37 @@ def check_gating_keeps_x(device, dtype):
     assert any(t.shape == x.shape and t.dtype == torch.float32 for t in saved)
 
 
-def check_gating_equals_linear_on_the_copy(device, dtype, losses, thin=False):
+def check_gating_equals_linear_on_the_copy(device, dtype, losses, thin=None, frozen=False):
     """losses: "routing" (the weights and the router's losses), "routing+logits", "logits" (only the logits reach the
-    router). thin: the router region's autograd node runs (its kernels called straight)."""
+    router), "none" (no gradient reaches it). thin: _takes_the_region's."""
     router, x, g_w, g_logits = _gating_case(device, dtype)
-    g_w = None if losses == "logits" else g_w
+    router.weight.requires_grad_(not frozen)
+    _takes_the_region(router, x, thin)
+    g_w = None if losses in ("logits", "none") else g_w
     g_logits = g_logits if "logits" in losses else None
-    with extension_calls() as ext:
-        got = _gating_step(router, x, g_w, g_logits, _router_outputs(router))
-    assert (ext.calls.get("router_fused_fwd") == 1) == thin, ext.calls
+    got = _gating_step(router, x, g_w, g_logits, _router_outputs(router))
     want = _gating_step(router, x, g_w, g_logits, _linear_on_the_copy(router))
     for name, a, b in zip(("logits", "weights", "loss", "dx", "dW"), got, want):
-        assert_exact(a, b, f"{dtype}: {name}")
+        if b is None:  # (a frozen weight)
+            assert a is None, f"{dtype}: {name}"
+        else:
+            assert_exact(a, b, f"{dtype}: {name}")
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trained", "frozen"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gating_keeps_x_not_its_fp32_copy(dtype):
-    check_gating_keeps_x(torch.device("cpu"), dtype)
+def test_gating_keeps_x_not_its_fp32_copy(dtype, frozen):
+    check_gating_keeps_x(torch.device("cpu"), dtype, frozen)
 
 
-@pytest.mark.parametrize("losses", ["routing", "routing+logits", "logits"])
+@pytest.mark.parametrize("losses", ["routing", "routing+logits", "logits", "none"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gating_equals_autograd_linear_on_the_copy(dtype, losses):
     check_gating_equals_linear_on_the_copy(torch.device("cpu"), dtype, losses)
+
+
+def test_frozen_gating_equals_autograd_linear_on_the_copy():
+    check_gating_equals_linear_on_the_copy(torch.device("cpu"), torch.bfloat16, "routing", frozen=True)
 
 
 def test_gating_under_autocast_equals_without():
