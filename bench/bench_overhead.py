@@ -18,7 +18,7 @@ Timed, median of the reps:
        call). These are CPU numbers, not a GPU's.
   GPU  host issue time, kernel time and CUDA-graph replay time of one layer fwd+bwd (harness.time_modes),
        qwen3-30b-a3b at 8192 tokens by default (the bar: host issue time below the GPU time), and the
-       router's gating linear alone (x @ W^T in fp32 from bf16 x, fwd+bwd: fused.gating_linear) beside the router
+       router's gating linear alone (x @ W^T in fp32 from bf16 x, fwd+bwd: nn.gating.gating_linear) beside the router
        region (that linear included) at deepseek-v3 / 16384 tokens.
 FP8 (the blockwise recipe's layer, bf16 weights, the weight cache on as moe-train has it: a later micro-batch,
 every weight's codes a cache hit), three paths of the same layer:
@@ -48,6 +48,7 @@ import torch
 
 from moe_kernels import _ext
 from moe_kernels.nn import PRESETS, MoELayer, fused
+from moe_kernels.nn.gating import gating_linear
 from moe_kernels.testing import extension_calls
 
 from . import harness as h
@@ -320,7 +321,7 @@ def _gating_case(ctx: h.Context, T: int = 16384) -> dict:
     w = router.weight
 
     def gating(x):
-        fused.gating_linear(x, w).sum().backward()
+        gating_linear(x, w).sum().backward()
 
     def route(x):
         weights, _, _, loss, _ = fused.run("router", fused.launch_for(x), router, x, w, T)

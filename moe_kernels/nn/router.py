@@ -163,7 +163,7 @@ class Router(nn.Module):
 
     def _route(self, x: Tensor, seq_len: int | None, reference: bool, launch) -> tuple[Tensor, ...]:
         """(weights, indices, counts, loss, logits): the gating linear and the routing on its logits. Eagerly the
-        linear keeps x in its own dtype for the backward, not its fp32 copy (fused.gating_linear)."""
+        linear keeps x in its own dtype for the backward, not its fp32 copy (moe_kernels.nn.gating)."""
         weight = self.weight if self.weight.dtype in _GATING_DTYPES else fused.as_dtype(self.weight, torch.float32)
         if reference:
             logits = F.linear(fused.as_dtype(x, weight.dtype), weight)  # [T, E]

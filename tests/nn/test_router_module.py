@@ -112,7 +112,7 @@ def test_config_validation():
         RouterConfig(8, 8, 2)  # keyword-only
 
 
-# The gating linear keeps x, not its fp32 copy (moe_kernels.nn.fused.gating_linear and the router region).
+# The gating linear keeps x, not its fp32 copy (moe_kernels.nn.gating and the router region).
 
 def _saved_by(fn):
     """fn()'s result and the tensors its autograd nodes keep for the backward."""
