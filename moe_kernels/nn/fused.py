@@ -499,7 +499,7 @@ def router_fits(C, spec: RouterSpec) -> bool:
 
 
 class _Router(torch.autograd.Function):
-    """x [T, H] (any float dtype), weight [E, H] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E]
+    """x [T, H] (fp32, bf16 or fp16), weight [E, H] fp32 -> weights [T, k] fp32, indices [T, k] int32, counts [E]
     int32, loss [] fp32, logits [T, E] fp32: the gating linear (x kept in its own dtype, as moe_kernels.nn.gating
     keeps it), then the router_fused kernel each way (capacity adds its select and the counts after it)."""
 

@@ -48,8 +48,8 @@ class _Gating(torch.autograd.Function):
 def gating_linear(x: Tensor, weight: Tensor) -> Tensor:
     """The router's logits x W^T [T, E] in W's precision for x [T, H] of any float dtype. Where x is narrower than W
     and a gradient is recorded, the autograd node keeps x, not its copy (`_Gating`); compiling, exporting and tracing
-    see F.linear, whose graph they partition themselves."""
+    see F.linear, whose graph they partition themselves, and so does autocast (Router turns it off around this)."""
     if (x.element_size() >= weight.element_size() or not torch.is_grad_enabled() or not x.is_floating_point()
-            or _ext._transformed(x)):
+            or _ext._transformed(x) or torch.is_autocast_enabled(x.device.type)):
         return torch.nn.functional.linear(x.to(weight.dtype), weight)
     return _Gating.apply(x, weight)

@@ -24,7 +24,7 @@ def test_router_region_keeps_x_not_its_fp32_copy(cuda, dtype, frozen):
 def test_router_region_equals_autograd_linear_on_the_copy(cuda, dtype, losses, frozen):
     """The region's gating linear (x kept in its dtype, cast again in the backward) against autograd's linear on x's
     fp32 copy and the registered ops, bit for bit; a loss on the returned logits flows back through it, and a backward
-    that hands the router no gradient at all leaves it none."""
+    that hands the router no gradient at all gives zero gradients, as the registered ops do."""
     check_gating_equals_linear_on_the_copy(cuda, dtype, losses, thin=True, frozen=frozen)
 
 

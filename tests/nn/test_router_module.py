@@ -188,9 +188,11 @@ def _takes_the_region(router, x, thin: bool | None) -> None:
     kernel's workspace size)."""
     launch = fused.launch_for(x)
     assert thin is None or thin == (launch is not None), (thin, launch)
+    logits = _router_outputs(router)(x.detach().requires_grad_())[4]
+    region = type(logits.grad_fn).__name__ == "_RouterBackward"  # (the registered ops' logits: the gating's node)
+    assert region == (launch is not None), type(logits.grad_fn).__name__
     if launch is None:
         return
-    _router_outputs(router)(x)
     with extension_calls() as ext:
         _router_outputs(router)(x)
     assert ext.calls.get("router_fused_fwd") == 1, ext.calls
