@@ -14,6 +14,8 @@ from torch import Tensor
 
 from moe_kernels import _ext
 
+_AUTOCAST = ("cuda", "cpu")  # the device types autocast is asked about (others, e.g. meta, raise)
+
 
 def gating_saved(ctx, x: Tensor, weight: Tensor) -> tuple[Tensor | None, Tensor | None]:
     """What the gating linear's backward reads, as autograd's linear keeps it: x for W's gradient, W for x's (a frozen
@@ -50,6 +52,6 @@ def gating_linear(x: Tensor, weight: Tensor) -> Tensor:
     and a gradient is recorded, the autograd node keeps x, not its copy (`_Gating`); compiling, exporting and tracing
     see F.linear, whose graph they partition themselves, and so does autocast (Router turns it off around this)."""
     if (x.element_size() >= weight.element_size() or not torch.is_grad_enabled() or not x.is_floating_point()
-            or _ext._transformed(x) or torch.is_autocast_enabled(x.device.type)):
+            or _ext._transformed(x) or (x.device.type in _AUTOCAST and torch.is_autocast_enabled(x.device.type))):
         return torch.nn.functional.linear(x.to(weight.dtype), weight)
     return _Gating.apply(x, weight)
