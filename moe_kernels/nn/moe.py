@@ -242,7 +242,7 @@ class MoELayer(nn.Module):
             out = self._forward_fused(launch, x_in, routed)
         elif self.dispatcher is not None:
             self._took("dispatched")
-            out = self._forward_dispatched(x_in, routed.weights, routed.indices, ops)
+            out = self._forward_dispatched(launch, x_in, routed.weights, routed.indices, ops)
         elif getattr(cfg.recipe, "fused_permute", False) and (experts := self._plain_experts(x_in)) is not None:
             self._took("recipe")
             out = self._forward_recipe(launch, x_in, routed, experts, ops)
@@ -344,17 +344,29 @@ class MoELayer(nn.Module):
     def _fused_experts_fit(self, launch: fused.Launch, x: Tensor) -> bool:
         """The fused regions cover the plain local layer: no dispatcher, no precision recipe, no adapters,
         plain tensors (not DTensor shards) in a dtype the kernels take (the weights' after autocast)."""
-        if self.dispatcher is not None or self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
+        if self.dispatcher is not None:
             return False
+        experts = self._fused_experts(launch, x)
+        return experts is not None and experts.num_experts <= launch.C.permute_max_experts
+
+    def _fused_experts(self, launch: fused.Launch, x: Tensor) -> GroupedExperts | None:
+        """The experts whose weights the `experts` region reads for rows x (the permuted tokens, or on the
+        expert-parallel path the dispatched rows), or None for the registered ops: no precision recipe, no
+        adapters or hooks (`_plain_experts`), x and the weights plain contiguous tensors in a dtype the kernels
+        take (the weights' after autocast), no more local experts than the grouped GEMM's groups."""
+        if self.config.recipe is not None or x.dtype not in _FUSED_DTYPES:
+            return None
         experts = self._plain_experts(x)
         if experts is None:
-            return False
+            return None
         w13, w2 = experts.w13, experts.w2
         if not (x.is_contiguous() and type(w13) in _PLAIN and type(w2) in _PLAIN and w13.is_contiguous()
-                and w2.is_contiguous() and experts.num_experts <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups)):
-            return False
+                and w2.is_contiguous() and experts.num_experts <= launch.C.grouped_mm_max_groups):
+            return None
         autocast = _autocast_dtype(x)
-        return _gemm_dtype(w13, autocast) == x.dtype and _gemm_dtype(w2, autocast) == x.dtype
+        if _gemm_dtype(w13, autocast) != x.dtype or _gemm_dtype(w2, autocast) != x.dtype:
+            return None
+        return experts
 
     def _forward_fused(self, launch: fused.Launch, x: Tensor, routed) -> Tensor:
         cfg = self.config
@@ -405,7 +417,8 @@ class MoELayer(nn.Module):
         row_weights = permuted_row_values(routed.weights, row_map, R)
         return fused.run("expert_mlp", launch, x, row_map, group_sizes, w13, w2, row_weights, R)
 
-    def _forward_dispatched(self, x: Tensor, weights: Tensor, indices: Tensor, ops) -> Tensor:
+    def _forward_dispatched(self, launch: fused.Launch | None, x: Tensor, weights: Tensor, indices: Tensor,
+                            ops) -> Tensor:
         cfg = self.config
         d = self.dispatcher.dispatch(x, weights, indices, align=cfg.permute_align)  # rows for the local experts
         row_weights = d.weights if cfg.weights_in_activation else None
@@ -420,6 +433,13 @@ class MoELayer(nn.Module):
                 y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, d.group_sizes)
             else:
                 y = cfg.recipe.squared_relu_grouped_mm(h, experts.w2, d.group_sizes)
+        elif (launch is not None and cfg.activation == "swiglu"
+              and (experts := self._fused_experts(launch, d.x)) is not None):
+            # The `experts` region on the dispatched rows (rows past the groups are unspecified here as on the
+            # registered ops; the combine reads none of them): one extension call each way, the activation
+            # written again in the backward rather than kept.
+            y = fused.run("experts", launch, d.x, d.group_sizes, autocast_input(experts.w13),
+                          autocast_input(experts.w2), row_weights)
         else:
             y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=getattr(ops, cfg.activation))
         return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)

@@ -379,6 +379,38 @@ def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, family, region, monke
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize(("family", "region"), [("qwen3_moe", True), ("mixtral", True), ("nemotron_h", False)])
+def test_gpu_expert_parallel_experts_run_the_experts_region(cuda, family, region, monkeypatch):
+    # Expert-parallel (one rank's dispatcher standing in for the backends: the rows it hands over are all the region
+    # sees), the patched experts take MoELayer's `experts` region on the dispatched rows, one extension call each
+    # way, with the registered ops' outputs and gradients bit for bit. Experts without a gate (Nemotron-H's) have no
+    # such region: the registered ops.
+    from moe_kernels.dispatch import LocalDispatcher
+    from moe_kernels.nn import fused
+    from moe_kernels.parallel import apply_expert_parallel, expert_parallel
+    from moe_kernels.testing import extension_calls
+
+    monkeypatch.setattr(expert_parallel, "make_dispatcher", lambda backend, E, group, **options: LocalDispatcher(E))
+    model = apply_expert_parallel(patched_copy(build(family, layers=1).to(cuda).train()))
+    ids = inputs(device=cuda)
+    results = []
+    for fits in (True, False):
+        if not fits:
+            monkeypatch.setattr(fused, "launch_for", lambda x: None)  # every op the registered one
+        model.zero_grad(set_to_none=True)
+        with extension_calls() as ext:
+            out = run(model, ids, labels=ids)
+            out.loss.backward()
+        took = "experts_fwd" in ext.calls and "experts_bwd" in ext.calls and "grouped_mm" not in ext.calls
+        assert took == (fits and region and fused.experts_fit(out.logits)), ext.calls
+        results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b)
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
+
+
+@pytest.mark.gpu
 def test_gpu_compiled_patched_model_takes_the_registered_ops(cuda, monkeypatch):
     # Compiled (fullgraph), the patched experts take the registered custom ops instead of the fused region
     # (moe_kernels._ext.eager is None while compiling); the registered ops give the fused region's outputs and

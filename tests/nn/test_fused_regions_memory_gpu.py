@@ -1,10 +1,11 @@
 """What the MoE layer's fused regions keep for the backward (moe_kernels.nn.fused): the router region keeps x in its
 own dtype, not the gating linear's fp32 copy, with the registered ops' outputs and gradients bit for bit; the experts'
-regions keep h and write the activation again in their backward."""
+regions keep h and write the activation again in their backward, the expert-parallel path's too."""
 
 import pytest
 import torch
 
+from moe_kernels.dispatch import LocalDispatcher
 from moe_kernels.nn import PRESETS, MoELayer
 from tests.nn.test_fused_regions_gpu import E, F, H, K, registered_ops  # noqa: F401 (a fixture)
 from tests.nn.test_router_module import check_gating_equals_linear_on_the_copy, check_gating_keeps_x
@@ -44,12 +45,13 @@ def _kept_bytes(layer, x) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "experts", "mlp"])
+@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "experts", "mlp", "dispatched"])
 def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
     """The fused regions keep the first product h for the backward, which writes the activation again from it; the
     registered ops also keep the activation (the down projection's input), and the shared experts' region keeps no
     stacked copy of their gate and up weights. Measured as what the kept bytes grow by when the MLP widens from F to
-    2F (each region's parts are 256-byte aligned, so the widths keep every part a multiple of that)."""
+    2F (each region's parts are 256-byte aligned, so the widths keep every part a multiple of that). `dispatched`: the
+    expert-parallel path, whose `experts` region runs on the dispatched rows."""
     T, F1, c = 48, 64, 2  # bf16
     kw = dict(hidden_size=H, num_experts=E, k=K)
     if case == "mlp":  # the shared experts widen, the routed ones stay
@@ -66,9 +68,11 @@ def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
             torch.manual_seed(0)
             layer = MoELayer(make(F_)).to(cuda, torch.bfloat16)
             layer.router.float()
+            if case == "dispatched":  # the expert-parallel path (one rank's dispatcher): the `experts` region
+                layer.dispatcher = LocalDispatcher(E)
             kept.append(_kept_bytes(layer, x))
             if path == "fused" and case != "mlp":
-                assert layer.expert_path == "fused", layer.expert_path
+                assert layer.expert_path == ("dispatched" if case == "dispatched" else "fused"), layer.expert_path
         growth[path] = kept[1] - kept[0]
         if path == "fused":
             registered_ops()

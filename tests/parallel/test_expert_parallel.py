@@ -8,6 +8,7 @@ parameters the local gradient.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -38,9 +39,13 @@ def _check_grads(rank, P, full: nn.Module, ep: nn.Module, where: str) -> None:
         torch.testing.assert_close(p.grad, ref, **TOL, msg=f"{where}: {name}")
 
 
-def _compare_layers(rank, full: nn.Module, par: nn.Module, hidden: int, empty_rank, where: str) -> None:
+def _compare_layers(rank, full: nn.Module, par: nn.Module, hidden: int, empty_rank, where: str,
+                    region: bool = False) -> None:
     """Both layers on this rank's tokens (uneven counts per rank; none on empty_rank, which still takes part in
-    every collective): outputs, aux losses and input gradients equal."""
+    every collective): outputs, aux losses and input gradients equal. region: the EP layer's experts run the fused
+    `experts` region (experts_fwd and experts_bwd, no registered grouped_mm; the CUDA code path)."""
+    from moe_kernels.testing import extension_calls
+
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(2, 3 + 2 * rank, hidden, generator=gen)
     if rank == empty_rank:
@@ -49,14 +54,18 @@ def _compare_layers(rank, full: nn.Module, par: nn.Module, hidden: int, empty_ra
     outs = []
     for model in (full, par):
         xi = x.clone().requires_grad_()
-        out, aux = model(xi)
-        ((out * g).sum() + aux).backward()
+        with extension_calls() if region and model is par else contextlib.nullcontext() as ext:
+            out, aux = model(xi)
+            ((out * g).sum() + aux).backward()
+        if region and model is par and x.shape[1]:  # (a shape's first call may also ask for its workspace size)
+            calls = ext.calls
+            assert "grouped_mm" not in calls and calls.get("experts_fwd") and calls.get("experts_bwd"), (where, calls)
         outs.append((out, aux, xi.grad))
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got, want, **TOL, msg=where)
 
 
-def _layer_case(rank, P, backend, cfg, name, empty_rank=None):
+def _layer_case(rank, P, backend, cfg, name, empty_rank=None, region=False):
     torch.manual_seed(0)
     full = MoELayer(cfg)
     if full.router.expert_bias is not None:  # a non-trivial bias, the same on every rank
@@ -64,22 +73,21 @@ def _layer_case(rank, P, backend, cfg, name, empty_rank=None):
     ep = apply_expert_parallel(copy.deepcopy(full), backend=backend)
     assert ep.experts.w13.shape[0] == cfg.num_experts // P and len(list(expert_parameters(ep))) == 2
     where = f"rank {rank}/{P} {backend} {name}"
-    _compare_layers(rank, full, ep, cfg.hidden_size, empty_rank, where)
+    _compare_layers(rank, full, ep, cfg.hidden_size, empty_rank, where, region and cfg.activation == "swiglu")
     _check_grads(rank, P, full, ep, where)
 
 
-def _worker_layer(rank, P, backend):
+def _worker_layer(rank, P, backend, region=False):
     small = dict(hidden_size=24, ffn_size=16, num_experts=4 * P)
-    _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=3), "softmax top-3")
-    _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=2, weights_in_activation=True, align=16),
-                "weights in the activation, align 16")
-    _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8),
-                "sigmoid + bias + groups + shared expert")
-    _layer_case(rank, P, backend, qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)")
-    _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2), "rank 1 without tokens",
-                empty_rank=1)
-    _layer_case(rank, P, backend, deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8,
-                                              activation="squared_relu"), "squared-ReLU experts + shared expert")
+    case = lambda cfg, name, **kw: _layer_case(rank, P, backend, cfg, name, region=region, **kw)  # noqa: E731
+    case(qwen3_30b_a3b(**small, k=3), "softmax top-3")
+    case(qwen3_30b_a3b(**small, k=2, weights_in_activation=True, align=16), "weights in the activation, align 16")
+    case(deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8),
+         "sigmoid + bias + groups + shared expert")
+    case(qwen3_30b_a3b(**small, k=2, capacity_factor=1.0), "capacity (dropped slots)")
+    case(deepseek_v3(**small, k=4, num_groups=4, group_topk=2), "rank 1 without tokens", empty_rank=1)
+    case(deepseek_v3(**small, k=4, num_groups=4, group_topk=2, shared_ffn_size=8, activation="squared_relu"),
+         "squared-ReLU experts + shared expert")
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -356,13 +364,15 @@ def test_expert_tensor_parallel_without_expert_parallel():
 
 @pytest.mark.gpu
 def test_expert_parallel_on_the_kernels():
-    # The same equivalences on the CUDA code path: the EP layer's dispatched experts on the kernels against the
-    # one-rank layer's fused regions, LoRA included. gloo's ranks exchange CPU tensors, so this runs where the CUDA
-    # kernels run on the CPU (the emulated tier); on a GPU the NVLink tests cover the device path.
+    # The same equivalences on the CUDA code path: the EP layer's dispatched experts on the kernels (the `experts`
+    # region) against the one-rank layer's fused regions, LoRA included (the registered ops). gloo's ranks exchange
+    # CPU tensors, so this runs where the CUDA kernels run on the CPU (the emulated tier); on a GPU the NVLink tests
+    # cover the device path.
     from tests.emulation import EMULATED
 
     if not EMULATED:
         pytest.skip("gloo carries CPU tensors: the CUDA code path on them runs under MOE_KERNELS_EMULATE only")
-    run_world(_worker_layer, 2, "all_to_all")
+    run_world(_worker_layer, 2, "all_to_all", True)  # the experts on the fused `experts` region
+    run_world(_worker_layer, 2, "all_gather", True)
     pytest.importorskip("peft")
     run_world(_worker_lora, 2, "all_gather")
