@@ -126,35 +126,46 @@ ExpertsBwd experts_bwd_params(uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t 
 void register_regions(py::module_& m) {
   // y = swiglu(x W13^T, row_weights) W2^T per expert group. x [R, H], w13 [E, 2F, H], w2 [E, H, F];
   // h [R, 2F] is written for the backward, a [R, F] is scratch; R > 0. group_sizes 0: every row is expert 0's (a
-  // dense SwiGLU MLP with E = 1, the shared experts' `mlp` region).
+  // dense SwiGLU MLP with E = 1, the shared experts' `mlp` region). act: 0 SwiGLU, 1 the squared ReLU of experts
+  // without a gate (w13 [E, F, H], h [R, F], no row weights).
   m.def(
       "experts_fwd",
       [](uintptr_t x, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes, uintptr_t row_weights, uintptr_t h,
-         uintptr_t a, uintptr_t y, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype,
+         uintptr_t a, uintptr_t y, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t act, int32_t dtype,
          uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
+        const Act activation = act_of(act);
+        if (activation == Act::kSquaredRelu && row_weights) {
+          throw std::invalid_argument("experts_fwd: the squared ReLU takes no row weights (act 1, row_weights set)");
+        }
         const auto mlp =
             experts_fwd_params(x, w13, w2, group_sizes, row_weights, h, a, y, rows, hidden, ffn, E, dt, workspace,
-                               ws_bytes, device);
+                               ws_bytes, device, activation);
         const size_t need = mlp.need();
         if (ws_bytes < need) return need;
         mlp.run(rows, ffn, dt, stream(s));
         return 0;
       });
   // The backward of experts_fwd: dy [R, H] -> dx [R, H], dw13, dw2, drow_weights [R] fp32 (each only when its
-  // pointer is non-zero); da [R, F], dh [R, 2F] and a [R, F] (the activation again, for dw2; 0 without dw2) are
-  // scratch.
+  // pointer is non-zero; none for act 1); da [R, F], dh [R, 2F] ([R, F] for act 1) and a [R, F] (the activation
+  // again, for dw2; 0 without dw2) are scratch.
   m.def(
       "experts_bwd",
       [](uintptr_t dy, uintptr_t x, uintptr_t h, uintptr_t a, uintptr_t w13, uintptr_t w2, uintptr_t group_sizes,
          uintptr_t row_weights, uintptr_t da, uintptr_t dh, uintptr_t dx, uintptr_t dw13, uintptr_t dw2,
-         uintptr_t drow_weights, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t dtype,
+         uintptr_t drow_weights, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t act, int32_t dtype,
          uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
+        const Act activation = act_of(act);
+        if (activation == Act::kSquaredRelu && (row_weights || drow_weights)) {
+          throw std::invalid_argument("experts_bwd: the squared ReLU takes no row weights (act 1, row_weights or "
+                                      "drow_weights set)");
+        }
         const auto mlp = experts_bwd_params(dy, x, h, a, w13, w2, group_sizes, row_weights, da, dh, dx, dw13, dw2,
-                                            drow_weights, rows, hidden, ffn, E, dt, workspace, ws_bytes, device);
+                                            drow_weights, rows, hidden, ffn, E, dt, workspace, ws_bytes, device,
+                                            activation);
         const size_t need = mlp.need();
         if (ws_bytes < need) return need;
         mlp.run_head(stream(s));

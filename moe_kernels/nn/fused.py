@@ -193,28 +193,30 @@ def unpermute_region(L: Launch, y: Tensor, row_map: Tensor, weights: Tensor | No
 # experts: grouped GEMM, SwiGLU, grouped GEMM (and the five products of the backward) in one call each way
 
 
-def _experts_fwd(L: Launch, x: Tensor, group_sizes: int, E: int, w13: Tensor, w2: Tensor, rw: Tensor | None):
+def _experts_fwd(L: Launch, x: Tensor, group_sizes: int, E: int, w13: Tensor, w2: Tensor, rw: Tensor | None,
+                 act: int = 0):
     """experts_fwd on x [R, H] (group_sizes: the device address of the sizes, 0 for one group of every row):
-    (h [R, 2F], y [R, H]); the activation a [R, F] is scratch (the backward writes it again from h)."""
+    (h [R, 2F], y [R, H]); the activation a [R, F] is scratch (the backward writes it again from h). act 1: the
+    squared ReLU of experts without a gate (w13 [E, F, H], h [R, F], no row weights)."""
     R, H = x.shape
-    F = w13.shape[-2] // 2
-    h = x.new_empty((R, 2 * F))
+    F = w2.shape[-1]
+    h = x.new_empty((R, w13.shape[-2]))
     y = x.new_empty((R, H))
     dt = _DTYPE[x.dtype]
     if R:
-        _ext.with_scratch(("experts_fwd", L.device, R, H, F, E, dt), x, (R * F * x.element_size(),),
+        _ext.with_scratch(("experts_fwd", L.device, R, H, F, E, act, dt), x, (R * F * x.element_size(),),
                           lambda scratch, ws, nbytes: L.C.experts_fwd(
                               _ext.ptr(x), _ext.ptr(w13), _ext.ptr(w2), group_sizes, _ext.ptr(rw), _ext.ptr(h),
-                              scratch[0], _ext.ptr(y), R, H, F, E, dt, ws, nbytes, L.device, L.stream))
+                              scratch[0], _ext.ptr(y), R, H, F, E, act, dt, ws, nbytes, L.device, L.stream))
     return h, y
 
 
 def _experts_bwd(L: Launch, dy: Tensor, x: Tensor, h: Tensor, w13: Tensor, w2: Tensor, group_sizes: int, E: int,
-                 rw: Tensor | None, need_x: bool, need_w13: bool, need_w2: bool, need_rw: bool):
+                 rw: Tensor | None, need_x: bool, need_w13: bool, need_w2: bool, need_rw: bool, act: int = 0):
     """experts_bwd: (dx, dw13, dw2, drow_weights fp32), each None where not needed; the weights' gradients zero
     where there are no rows."""
     R, H = x.shape
-    F = w13.shape[-2] // 2
+    F = w2.shape[-1]
     dy = dy.contiguous()
     dx = x.new_empty((R, H)) if need_x else None
     alloc = torch.empty_like if R else torch.zeros_like
@@ -223,23 +225,23 @@ def _experts_bwd(L: Launch, dy: Tensor, x: Tensor, h: Tensor, w13: Tensor, w2: T
     drw = torch.empty((R,), dtype=_F32, device=x.device) if need_rw else None
     if R:
         dt, es = _DTYPE[x.dtype], x.element_size()
-        # scratch: da [R, F], dh [R, 2F], a [R, F] (the activation again, for dw2)
-        _ext.with_scratch(("experts_bwd", L.device, R, H, F, E, dt), x,
-                          (R * F * es, R * 2 * F * es, R * F * es if need_w2 else 0),
+        # scratch: da [R, F], dh [R, 2F] ([R, F] for the squared ReLU), a [R, F] (the activation again, for dw2)
+        _ext.with_scratch(("experts_bwd", L.device, R, H, F, E, act, dt), x,
+                          (R * F * es, R * h.shape[1] * es, R * F * es if need_w2 else 0),
                           lambda scratch, ws, nbytes: L.C.experts_bwd(
                               _ext.ptr(dy), _ext.ptr(x), _ext.ptr(h), scratch[2], _ext.ptr(w13), _ext.ptr(w2),
                               group_sizes, _ext.ptr(rw), scratch[0], scratch[1], _ext.ptr(dx), _ext.ptr(dw13),
-                              _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, dt, ws, nbytes, L.device, L.stream))
+                              _ext.ptr(dw2), _ext.ptr(drw), R, H, F, E, act, dt, ws, nbytes, L.device, L.stream))
     return dx, dw13, dw2, drw
 
 
 class _Experts(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group_sizes, w13, w2, row_weights, L):
+    def forward(ctx, x, group_sizes, w13, w2, row_weights, L, act):
         rw = _f32(row_weights)
-        h, y = _experts_fwd(L, x, _ext.ptr(group_sizes), w13.shape[0], w13, w2, rw)
+        h, y = _experts_fwd(L, x, _ext.ptr(group_sizes), w13.shape[0], w13, w2, rw, act)
         ctx.save_for_backward(x, h, w13, w2, group_sizes, rw)
-        ctx.L = L
+        ctx.L, ctx.act = L, act
         ctx.rw_dtype = None if row_weights is None else row_weights.dtype
         return y
 
@@ -247,11 +249,11 @@ class _Experts(torch.autograd.Function):
     def backward(ctx, dy):
         _first_order_only()
         x, h, w13, w2, group_sizes, rw = ctx.saved_tensors
-        need_x, _, need_w13, need_w2, need_rw, _ = ctx.needs_input_grad
+        need_x, _, need_w13, need_w2, need_rw, _, _ = ctx.needs_input_grad
         need_rw = need_rw and rw is not None
         dx, dw13, dw2, drw = _experts_bwd(ctx.L, dy, x, h, w13, w2, _ext.ptr(group_sizes), w13.shape[0], rw, need_x,
-                                          need_w13, need_w2, need_rw)
-        return dx, None, dw13, dw2, (as_dtype(drw, ctx.rw_dtype) if need_rw else None), None
+                                          need_w13, need_w2, need_rw, ctx.act)
+        return dx, None, dw13, dw2, (as_dtype(drw, ctx.rw_dtype) if need_rw else None), None, None
 
 
 def _experts_ops(x, group_sizes, w13, w2, row_weights):
@@ -262,7 +264,21 @@ def _experts_ops(x, group_sizes, w13, w2, row_weights):
 def experts_region(L: Launch, x: Tensor, group_sizes: Tensor, w13: Tensor, w2: Tensor, row_weights: Tensor | None):
     if not experts_fit(x):
         return _experts_ops(x, group_sizes, w13, w2, row_weights)
-    return _Experts.apply(x, group_sizes, w13, w2, row_weights, L)
+    return _Experts.apply(x, group_sizes, w13, w2, row_weights, L, 0)
+
+
+def _squared_relu_experts_ops(x, group_sizes, w_up, w2):
+    return grouped_mm(squared_relu(grouped_mm(x, w_up, group_sizes)), w2, group_sizes)
+
+
+@_register("experts_squared_relu", _squared_relu_experts_ops,
+           "experts_fwd (grouped_mm, squared_relu, grouped_mm) / experts_bwd (5 products)")
+def experts_squared_relu_region(L: Launch, x: Tensor, group_sizes: Tensor, w_up: Tensor, w2: Tensor):
+    """The `experts` region for experts without a gate (Nemotron-H's): relu(x w_up^T)^2 w2^T per group, w_up
+    [E, F, H], w2 [E, H, F], no row weights (the unpermute or the combine applies the routing weights)."""
+    if not experts_fit(x):
+        return _squared_relu_experts_ops(x, group_sizes, w_up, w2)
+    return _Experts.apply(x, group_sizes, w_up, w2, None, L, 1)
 
 
 def experts_fit(x: Tensor) -> bool:
@@ -386,9 +402,11 @@ class _Moe(torch.autograd.Function):
         return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None
 
 
-def _moe_ops(x, indices, weights, w13, w2, num_experts, align, experts=_experts_ops):
+def _moe_ops(x, indices, weights, w13, w2, num_experts, align, experts=None):
+    """experts: (x_perm, group_sizes, w13, w2) -> y; default SwiGLU's without row weights."""
     x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
-    return unpermute(experts(x_perm, group_sizes, w13, w2, None), row_map, weights)
+    y = _experts_ops(x_perm, group_sizes, w13, w2, None) if experts is None else experts(x_perm, group_sizes, w13, w2)
+    return unpermute(y, row_map, weights)
 
 
 @_register("moe", _moe_ops, "moe_fwd (permute, grouped_mm, swiglu, grouped_mm, unpermute) / "
@@ -398,11 +416,6 @@ def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w1
     """out [T, H] = unpermute(experts(permute(x)), weights): the plain local layer's routed experts (the routing
     weights applied in the unpermute)."""
     return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L)
-
-
-def _squared_relu_experts_ops(x, group_sizes, w_up, w2, row_weights):
-    assert row_weights is None  # (the squared ReLU takes no routing weights; unpermute applies them)
-    return grouped_mm(squared_relu(grouped_mm(x, w_up, group_sizes)), w2, group_sizes)
 
 
 def _moe_squared_relu_ops(x, indices, weights, w_up, w2, num_experts, align):

@@ -382,8 +382,8 @@ class MoELayer(nn.Module):
         row_weights = None
         if cfg.weights_in_activation:
             row_weights = permuted_row_values(routed.weights, row_map, x_perm.shape[0])
-        if squared:  # (the experts region is SwiGLU's): the registered ops
-            y = experts(x_perm, group_sizes)
+        if squared:  # (no row weights: the squared ReLU's routing weights apply in the unpermute)
+            y = fused.run("experts_squared_relu", launch, x_perm, group_sizes, w13, w2)
         else:
             y = fused.run("experts", launch, x_perm, group_sizes, w13, w2, row_weights)
         return fused.run("unpermute", launch, y, row_map, None if cfg.weights_in_activation else routed.weights)
@@ -433,13 +433,15 @@ class MoELayer(nn.Module):
                 y = cfg.recipe.swiglu_grouped_mm(h, row_weights, experts.w2, d.group_sizes)
             else:
                 y = cfg.recipe.squared_relu_grouped_mm(h, experts.w2, d.group_sizes)
-        elif (launch is not None and cfg.activation == "swiglu"
-              and (experts := self._fused_experts(launch, d.x)) is not None):
+        elif launch is not None and (experts := self._fused_experts(launch, d.x)) is not None:
             # The `experts` region on the dispatched rows (rows past the groups are unspecified here as on the
             # registered ops; the combine reads none of them): one extension call each way, the activation
             # written again in the backward rather than kept.
-            y = fused.run("experts", launch, d.x, d.group_sizes, autocast_input(experts.w13),
-                          autocast_input(experts.w2), row_weights)
+            w13, w2 = autocast_input(experts.w13), autocast_input(experts.w2)
+            if cfg.activation == "squared_relu":
+                y = fused.run("experts_squared_relu", launch, d.x, d.group_sizes, w13, w2)
+            else:
+                y = fused.run("experts", launch, d.x, d.group_sizes, w13, w2, row_weights)
         else:
             y = self.experts(d.x, d.group_sizes, row_weights, mm=ops.grouped_mm, act=getattr(ops, cfg.activation))
         return self.dispatcher.combine(y, d.handle, weighted=not cfg.weights_in_activation)

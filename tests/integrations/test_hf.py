@@ -379,12 +379,12 @@ def test_gpu_experts_run_the_fused_moe_region(cuda, dtype, family, region, monke
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("family", "region"), [("qwen3_moe", True), ("mixtral", True), ("nemotron_h", False)])
-def test_gpu_expert_parallel_experts_run_the_experts_region(cuda, family, region, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "nemotron_h"])
+def test_gpu_expert_parallel_experts_run_the_experts_region(cuda, family, monkeypatch):
     # Expert-parallel (one rank's dispatcher standing in for the backends: the rows it hands over are all the region
-    # sees), the patched experts take MoELayer's `experts` region on the dispatched rows, one extension call each
-    # way, with the registered ops' outputs and gradients bit for bit. Experts without a gate (Nemotron-H's) have no
-    # such region: the registered ops.
+    # sees), the patched experts take MoELayer's `experts` region on the dispatched rows (`experts_squared_relu` for
+    # Nemotron-H's experts without a gate), one extension call each way, with the registered ops' outputs and
+    # gradients bit for bit.
     from moe_kernels.dispatch import LocalDispatcher
     from moe_kernels.nn import fused
     from moe_kernels.parallel import apply_expert_parallel, expert_parallel
@@ -402,7 +402,7 @@ def test_gpu_expert_parallel_experts_run_the_experts_region(cuda, family, region
             out = run(model, ids, labels=ids)
             out.loss.backward()
         took = "experts_fwd" in ext.calls and "experts_bwd" in ext.calls and "grouped_mm" not in ext.calls
-        assert took == (fits and region and fused.experts_fit(out.logits)), ext.calls
+        assert took == (fits and fused.experts_fit(out.logits)), ext.calls
         results.append((out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (a, ga), (b, gb) = results
     assert torch.equal(a, b)

@@ -45,20 +45,20 @@ def _kept_bytes(layer, x) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "experts", "mlp", "dispatched"])
+@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "experts", "mlp", "dispatched", "dispatched_squared_relu"])
 def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
     """The fused regions keep the first product h for the backward, which writes the activation again from it; the
     registered ops also keep the activation (the down projection's input), and the shared experts' region keeps no
     stacked copy of their gate and up weights. Measured as what the kept bytes grow by when the MLP widens from F to
     2F (each region's parts are 256-byte aligned, so the widths keep every part a multiple of that). `dispatched`: the
-    expert-parallel path, whose `experts` region runs on the dispatched rows."""
+    expert-parallel path, whose `experts` region (`experts_squared_relu`) runs on the dispatched rows."""
     T, F1, c = 48, 64, 2  # bf16
     kw = dict(hidden_size=H, num_experts=E, k=K)
     if case == "mlp":  # the shared experts widen, the routed ones stay
         make = lambda F_: PRESETS["deepseek-v3"](**kw, num_groups=4, group_topk=2, ffn_size=F, shared_ffn_size=F_)
     else:
         extra = dict(weights_in_activation=True) if case == "experts" else dict(activation="squared_relu") if (
-            case == "moe_squared_relu") else {}
+            case.endswith("squared_relu")) else {}
         make = lambda F_: PRESETS["qwen3-30b-a3b"](**kw, ffn_size=F_, **extra)
     x = torch.randn(1, T, H).to(cuda, torch.bfloat16).requires_grad_()
     growth = {}
@@ -68,15 +68,16 @@ def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
             torch.manual_seed(0)
             layer = MoELayer(make(F_)).to(cuda, torch.bfloat16)
             layer.router.float()
-            if case == "dispatched":  # the expert-parallel path (one rank's dispatcher): the `experts` region
+            if case.startswith("dispatched"):  # the expert-parallel path (one rank's dispatcher): the `experts` region
                 layer.dispatcher = LocalDispatcher(E)
             kept.append(_kept_bytes(layer, x))
             if path == "fused" and case != "mlp":
-                assert layer.expert_path == ("dispatched" if case == "dispatched" else "fused"), layer.expert_path
+                want = "dispatched" if case.startswith("dispatched") else "fused"
+                assert layer.expert_path == want, layer.expert_path
         growth[path] = kept[1] - kept[0]
         if path == "fused":
             registered_ops()
-    gated = case != "moe_squared_relu"
+    gated = not case.endswith("squared_relu")
     rows = T * K if case != "mlp" else T  # no padding (align 1)
     h = rows * F1 * (2 if gated else 1) * c  # h's growth: [rows, 2F] ([rows, F] without a gate)
     assert growth["fused"] == h, growth

@@ -114,12 +114,14 @@ def moe_kernels_experts_forward(
                 d.x, w13, d.group_sizes, swiglu_next=fused_act == "swiglu",
                 squared_relu_next=fused_act == "squared_relu"), w2, d.group_sizes)
             return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
-        if recipe is None and not lora13 and not lora2 and norm is None and _fused_region(self) == "moe":
+        region = _fused_region(self) if recipe is None and not lora13 and not lora2 and norm is None else None
+        if region is not None:
             launch = fused.launch_for(d.x)
             if launch is not None and d.x.is_contiguous() and _moe_region_fits(launch, d.x, w13, w2, w13.shape[0]):
                 # MoELayer's `experts` region on the dispatched rows: one extension call each way, the activation
                 # written again in the backward rather than kept.
-                y = fused.run("experts", launch, d.x, d.group_sizes, w13, w2, None)
+                y = (fused.run("experts", launch, d.x, d.group_sizes, w13, w2, None) if region == "moe"
+                     else fused.run("experts_squared_relu", launch, d.x, d.group_sizes, w13, w2))
                 return dispatcher.combine(y, d.handle).to(hidden_states.dtype)
         h = grouped_mm_lora(d.x, w13, d.group_sizes, lora13, mm=mm)
         act = _activation(self, h)
