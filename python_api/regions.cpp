@@ -177,8 +177,9 @@ void register_regions(py::module_& m) {
   // The routed experts of the plain local layer, tokens in, tokens out: permute, the experts (grouped GEMM,
   // SwiGLU, grouped GEMM) and the weighted unpermute, the launches of the permute, experts and unpermute
   // entries above in their order. x [T, H], indices [T, k], weights [T, k] fp32 (0: a plain sum);
-  // x_perm [R, H], row_map [T, k], group_sizes [E], h [R, 2F], y [R, H] are written for the backward (a [R, F] is
-  // scratch), out [T, H]. The permute and the GEMMs share the workspace (they run in order on one stream).
+  // h [R, 2F] and y [R, H] are written for the backward (y only for the weights' gradient; the backward permutes
+  // x again); x_perm [R, H], row_map [T, k], group_sizes [E] and a [R, F] are scratch; out [T, H]. The permute and
+  // the GEMMs share the workspace (they run in order on one stream).
   // act: 0 SwiGLU, 1 the squared ReLU of experts without a gate (w13 [E, F, H], h [R, F]).
   m.def(
       "moe_fwd",
@@ -203,23 +204,36 @@ void register_regions(py::module_& m) {
         return 0;
       });
   // Its backward: dout [T, H] -> dx [T, H], dw13, dw2, dweights [T, k] fp32 (each only when its pointer is
-  // non-zero; dweights reads y): the unpermute's backward, the experts' five products, the permute's backward
-  // (an unpermute of dx_perm). dy [R, H], da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] and a [R, F]
-  // (the activation again, for dw2; 0 without dw2) are scratch; the unpermute backward's row mask lives in the
-  // workspace. R > 0.
+  // non-zero; dweights reads y): the permute again from x and indices (bit for bit the forward's: the forward keeps
+  // no permuted copy of x; without dw13 the routing alone, no rows copied), the unpermute's backward, the experts'
+  // five products, the permute's backward (an unpermute of dx_perm). x_perm [R, H] (0 without dw13), row_map [T, k],
+  // group_sizes [E], dy [R, H], da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] and a [R, F] (the
+  // activation again, for dw2; 0 without dw2) are scratch; the permute's workspace and then the unpermute
+  // backward's row mask live in the workspace. R > 0.
   m.def(
       "moe_bwd",
-      [](uintptr_t dout, uintptr_t x_perm, uintptr_t row_map, uintptr_t weights, uintptr_t group_sizes, uintptr_t h,
-         uintptr_t a, uintptr_t y, uintptr_t w13, uintptr_t w2, uintptr_t dy, uintptr_t da, uintptr_t dh,
-         uintptr_t dx_perm, uintptr_t dx, uintptr_t dw13, uintptr_t dw2, uintptr_t dweights, int64_t tokens,
-         int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t act, int32_t dtype,
-         uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
+      [](uintptr_t dout, uintptr_t x, uintptr_t indices, uintptr_t weights, uintptr_t h, uintptr_t a, uintptr_t y,
+         uintptr_t w13, uintptr_t w2, uintptr_t x_perm, uintptr_t row_map, uintptr_t group_sizes, uintptr_t dy,
+         uintptr_t da, uintptr_t dh, uintptr_t dx_perm, uintptr_t dx, uintptr_t dw13, uintptr_t dw2,
+         uintptr_t dweights, int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E,
+         int32_t align, int32_t act, int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device,
+         uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
+        if (dw13 && !x_perm) {
+          throw std::invalid_argument("moe_bwd: dw13 needs the x_perm scratch (the permuted rows of x)");
+        }
         const auto mlp = experts_bwd_params(dy, x_perm, h, a, w13, w2, group_sizes, 0, da, dh, dx_perm, dw13, dw2, 0,
                                             rows, hidden, ffn, E, dt, workspace, ws_bytes, device, act_of(act));
-        const size_t need = std::max(size_t(rows), mlp.need());
+        const size_t need =
+            std::max({permute::permute_workspace_bytes(tokens * k, E), size_t(rows), mlp.need()});
         if (ws_bytes < need) return need;
+        // x_perm, row_map and group_sizes as the forward wrote them (permute is deterministic: rows by expert, then
+        // token, then slot; padding rows zero); the rows are copied only for dw13's product
+        permute::permute_fwd({ptr<const void>(x), ptr<const int32_t>(indices), ptr<void>(x_perm),
+                              ptr<int32_t>(row_map), ptr<int32_t>(group_sizes), ptr<void>(workspace), tokens, k,
+                              dw13 ? hidden * dtype_size(dt) : 0, E, align},
+                             stream(s));
         auto* row_mask = ptr<uint8_t>(workspace);  // zero-filled scratch of unpermute_bwd, done before the GEMMs
         check_cuda(cudaMemsetAsync(row_mask, 0, size_t(rows), stream(s)), "moe_bwd");
         permute::unpermute_bwd({ptr<const void>(dout), ptr<const void>(y), ptr<const int32_t>(row_map),

@@ -334,9 +334,11 @@ def mlp_region(L: Launch, x: Tensor, gate: Tensor, up: Tensor, down: Tensor):
 
 
 class _Moe(torch.autograd.Function):
-    """Its tensors for the backward (x_perm, row_map, group_sizes, h, and y when the weights need a gradient)
-    are parts of one allocation, the workspace and the scratch of each direction another: two allocator calls
-    each way besides the outputs. The activation a is scratch each way: the backward writes it again from h."""
+    """Its tensors for the backward: x and indices (the backward permutes x again, bit for bit the forward's rows:
+    no permuted copy of x is kept; x is what the router's gating keeps too), h, and y when the weights need a
+    gradient, h and y parts of one allocation; the workspace and the scratch of each direction are another: two
+    allocator calls each way besides the outputs. The activation a is scratch each way: the backward writes it
+    again from h."""
 
     @staticmethod
     def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L, act=0):
@@ -347,35 +349,34 @@ class _Moe(torch.autograd.Function):
         R = permuted_rows(T, k, num_experts, align)
         es = x.element_size()
         need_w = weights is not None and ctx.needs_input_grad[2]
-        kept, parts = _ext.carve(x, R * H * es, T * k * 4, E * 4, R * F2 * es, R * H * es if need_w else 0,
-                                  saved=True)
-        x_perm, row_map, group_sizes, h, y = parts
+        kept, (h, y) = _ext.carve(x, R * F2 * es, R * H * es if need_w else 0, saved=True)
         out = x.new_empty((T, H))
         w = _f32(weights)
         dt = _DTYPE[x.dtype]
-        # scratch: a [R, F], and y [R, H] where the weights need no gradient
+        # scratch: x_perm [R, H], row_map [T, k], group_sizes [E], a [R, F], and y [R, H] where the weights need no
+        # gradient
         _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, act, dt), x,
-                          (R * F * es, 0 if need_w else R * H * es),
+                          (R * H * es, T * k * 4, E * 4, R * F * es, 0 if need_w else R * H * es),
                           lambda scratch, ws, nbytes: L.C.moe_fwd(
-                              _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), x_perm,
-                              row_map, group_sizes, h, scratch[0], y or scratch[1], _ext.ptr(out), T, k, R, H, F, E,
+                              _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), scratch[0],
+                              scratch[1], scratch[2], h, scratch[3], y or scratch[4], _ext.ptr(out), T, k, R, H, F, E,
                               align, act, dt, ws, nbytes, L.device, L.stream))
-        ctx.save_for_backward(kept, w, w13, w2)
-        ctx.L, ctx.need_w, ctx.shape, ctx.act = L, need_w, (T, k, R, H, F, F2, E, es), act
-        ctx.offsets = [p - kept.data_ptr() if p else -1 for p in parts]
+        ctx.save_for_backward(x, indices, kept, w, w13, w2)
+        ctx.L, ctx.need_w, ctx.shape, ctx.act, ctx.align = L, need_w, (T, k, R, H, F, F2, E, es), act, align
+        ctx.offsets = [p - kept.data_ptr() if p else -1 for p in (h, y)]
         ctx.w_dtype = None if weights is None else weights.dtype
         return out
 
     @staticmethod
     def backward(ctx, dout):
         _first_order_only()
-        kept, w, w13, w2 = ctx.saved_tensors
+        x, indices, kept, w, w13, w2 = ctx.saved_tensors
         L, need_w = ctx.L, ctx.need_w
         T, k, R, H, F, F2, E, es = ctx.shape
         if kept.data_ptr() % 16:  # restored at an unaligned address (a saved_tensors_hooks unpack): realign
             kept = kept.clone()
         base = kept.data_ptr()
-        x_perm, row_map, group_sizes, h, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
+        h, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
         need_x, _, _, need_w13, need_w2 = ctx.needs_input_grad[:5]
         dout = dout.contiguous()
         dev = dout.device
@@ -385,21 +386,29 @@ class _Moe(torch.autograd.Function):
             dw2 = torch.zeros_like(w2) if need_w2 else None
             dw = torch.zeros((T, k), dtype=_F32, device=dev) if need_w else None
         else:
+            x, indices = _aligned(x), _aligned(indices)
             dx = dout.new_empty((T, H)) if need_x else None
             dw13 = torch.empty_like(w13) if need_w13 else None
             dw2 = torch.empty_like(w2) if need_w2 else None
             dw = torch.empty((T, k), dtype=_F32, device=dev) if need_w else None
             dt = _DTYPE[dout.dtype]
-            # scratch: dy, da, dh, dx_perm, a (the activation again, for dw2)
+            # scratch: x_perm (for dw13), row_map, group_sizes (the permute again), dy, da, dh, dx_perm, a (the
+            # activation again, for dw2)
             _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, ctx.act, dt), dout,
-                              (R * H * es, R * F * es, R * F2 * es, R * H * es if need_x else 0,
-                               R * F * es if need_w2 else 0),
+                              (R * H * es if need_w13 else 0, T * k * 4, E * 4, R * H * es, R * F * es, R * F2 * es,
+                               R * H * es if need_x else 0, R * F * es if need_w2 else 0),
                               lambda scratch, ws, nbytes: L.C.moe_bwd(
-                                  _ext.ptr(dout), x_perm, row_map, _ext.ptr(w), group_sizes, h, scratch[4], y,
-                                  _ext.ptr(w13), _ext.ptr(w2), *scratch[:4], _ext.ptr(dx), _ext.ptr(dw13),
-                                  _ext.ptr(dw2), _ext.ptr(dw), T, k, R, H, F, E, ctx.act, dt, ws, nbytes, L.device,
-                                  L.stream))
+                                  _ext.ptr(dout), _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), h, scratch[7], y,
+                                  _ext.ptr(w13), _ext.ptr(w2), *scratch[:7], _ext.ptr(dx), _ext.ptr(dw13),
+                                  _ext.ptr(dw2), _ext.ptr(dw), T, k, R, H, F, E, ctx.align, ctx.act, dt, ws, nbytes,
+                                  L.device, L.stream))
         return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None
+
+
+def _aligned(t: Tensor) -> Tensor:
+    """t, or a copy at a 16-byte aligned address where a saved_tensors_hooks unpack restored it elsewhere (the
+    kernels' vector loads)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _moe_ops(x, indices, weights, w13, w2, num_experts, align, experts=None):
@@ -410,7 +419,7 @@ def _moe_ops(x, indices, weights, w13, w2, num_experts, align, experts=None):
 
 
 @_register("moe", _moe_ops, "moe_fwd (permute, grouped_mm, swiglu, grouped_mm, unpermute) / "
-           "moe_bwd (unpermute_bwd, 5 products, unpermute of dx)")
+           "moe_bwd (permute again, unpermute_bwd, 5 products, unpermute of dx)")
 def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w13: Tensor, w2: Tensor,
                num_experts: int, align: int):
     """out [T, H] = unpermute(experts(permute(x)), weights): the plain local layer's routed experts (the routing
@@ -424,7 +433,7 @@ def _moe_squared_relu_ops(x, indices, weights, w_up, w2, num_experts, align):
 
 @_register("moe_squared_relu", _moe_squared_relu_ops,
            "moe_fwd (permute, grouped_mm, squared_relu, grouped_mm, unpermute) / "
-           "moe_bwd (unpermute_bwd, 5 products, unpermute of dx)")
+           "moe_bwd (permute again, unpermute_bwd, 5 products, unpermute of dx)")
 def moe_squared_relu_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w_up: Tensor, w2: Tensor,
                             num_experts: int, align: int):
     """The `moe` region for experts without a gate (Nemotron-H's): out [T, H] = unpermute(relu(x_perm w_up^T)^2

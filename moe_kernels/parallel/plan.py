@@ -40,15 +40,16 @@ gradient, the largest, until its hook adds it into its main gradient. Nothing is
 
 Activations: the tensors autograd saves for the backward (what torch.autograd.graph.saved_tensors_hooks sees, each
 storage once: a saved view holds its whole base), per micro-batch, read from the code of moe_kernels.models, .nn,
-.dispatch and .parallel as it runs on the registered ops (CUDA's fused regions keep no more: the one-rank layer's
-`moe` and `experts` regions, the `experts` region on the expert-parallel path's dispatched rows and the shared experts'
-`mlp` region write the activation again in their backward instead of keeping it, R c F and T c Fs fewer than counted
-here, and the shared experts' stacked gate and up weights, 2 c Fs H, without autocast). c is the compute dtype's bytes; b sequences of S tokens a micro-batch; T = b S / (cp tp) the
-rank's tokens, Ta = b S / cp those its attention sees (tp gathers them), Tk = b S the keys and values context
-parallelism gathers; nh = heads / tp, nkv = kv heads / tp, kvs = nkv, or when tp > kv heads nkv = 1 and kvs = kv heads
-(each rank slices its head out of the whole projection, whose output the slice keeps); D head dim. An RMSNorm over n
-features keeps N(n) = (4 + c) n + 4 a row (its fp32 input: a copy, or in fp32 the input itself; the rsqrt; the
-normalised rows). Per layer:
+.dispatch and .parallel as it runs on the registered ops (CUDA's fused regions keep no more: the one-rank layer's `moe`
+and `experts` regions, the `experts` region on the expert-parallel path's dispatched rows and the shared experts' `mlp`
+region write the activation again in their backward instead of keeping it, R c F and T c Fs fewer than counted here, and
+the shared experts' stacked gate and up weights, 2 c Fs H, without autocast; the `moe` region permutes x again in its
+backward instead of keeping the permuted copy, R c H fewer). c is the compute dtype's bytes; b sequences of S tokens a
+micro-batch; T = b S / (cp tp) the rank's tokens, Ta = b S / cp those its attention sees (tp gathers them), Tk = b S the
+keys and values context parallelism gathers; nh = heads / tp, nkv = kv heads / tp, kvs = nkv, or when tp > kv heads nkv
+= 1 and kvs = kv heads (each rank slices its head out of the whole projection, whose output the slice keeps); D head
+dim. An RMSNorm over n features keeps N(n) = (4 + c) n + 4 a row (its fp32 input: a copy, or in fp32 the input itself;
+the rsqrt; the normalised rows). Per layer:
   norms        2 T N(H)
   attention    Ta (c H + 2 c nh D + 4 nh)   projections' input, rotated q, output (o_proj's input), lse
                + without cp: Ta c (nkv + kvs) D   rotated k; v (the projection's output)

@@ -1,6 +1,7 @@
 """What the MoE layer's fused regions keep for the backward (moe_kernels.nn.fused): the router region keeps x in its
 own dtype, not the gating linear's fp32 copy, with the registered ops' outputs and gradients bit for bit; the experts'
-regions keep h and write the activation again in their backward, the expert-parallel path's too."""
+regions keep h and write the activation again in their backward, the expert-parallel path's too; the routed experts'
+region keeps no permuted copy of x."""
 
 import pytest
 import torch
@@ -83,3 +84,33 @@ def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
     assert growth["fused"] == h, growth
     stacked = 2 * F1 * H * c if case == "mlp" else 0  # the stacked gate and up weights
     assert growth["registered"] == h + rows * F1 * c + stacked, growth
+
+
+@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "moe-no-weight-grad"])
+def test_moe_region_keeps_no_permuted_copy(cuda, case, registered_ops):
+    """The routed experts' region keeps x (which the router's gating keeps as well) and permutes it again in its
+    backward instead of keeping the permuted copy x_perm [R, H]; with the routing weights' gradient it keeps the
+    expert outputs y [R, H]. Measured as what the kept bytes grow by when the hidden size widens from H to 2H: the
+    region's y (nothing without the weights' gradient: x and the router frozen, the experts trained), the registered
+    ops' x_perm and y."""
+    T, H1, c = 48, 128, 2  # bf16
+    extra = dict(activation="squared_relu") if case == "moe_squared_relu" else {}
+    frozen = case == "moe-no-weight-grad"
+    growth = {}
+    for path in ("fused", "registered"):
+        kept = []
+        for H_ in (H1, 2 * H1):
+            torch.manual_seed(0)
+            layer = MoELayer(PRESETS["qwen3-30b-a3b"](hidden_size=H_, num_experts=E, k=K, ffn_size=64, **extra))
+            layer = layer.to(cuda, torch.bfloat16)
+            layer.router.float().requires_grad_(not frozen)
+            x = torch.randn(1, T, H_).to(cuda, torch.bfloat16).requires_grad_(not frozen)
+            kept.append(_kept_bytes(layer, x))
+            if path == "fused":
+                assert layer.expert_path == "fused", layer.expert_path
+        growth[path] = kept[1] - kept[0]
+        if path == "fused":
+            registered_ops()
+    rows_h = T * K * H1 * c  # R H elements' growth (no padding: align 1)
+    y = 0 if frozen else rows_h
+    assert growth == {"fused": y, "registered": rows_h + y}, growth
