@@ -181,50 +181,71 @@ void register_regions(py::module_& m) {
   // x again); x_perm [R, H], row_map [T, k], group_sizes [E] and a [R, F] are scratch; out [T, H]. The permute and
   // the GEMMs share the workspace (they run in order on one stream).
   // act: 0 SwiGLU, 1 the squared ReLU of experts without a gate (w13 [E, F, H], h [R, F]).
+  // row_weights: 0, the weights applied in the unpermute; else [R] fp32 scratch: the weights applied in the
+  // activation instead (SwiGLU only; moved to their rows, slot_values_to_rows), the unpermute a plain sum (y is then
+  // not needed for the weights' gradient: 0).
   m.def(
       "moe_fwd",
       [](uintptr_t x, uintptr_t indices, uintptr_t weights, uintptr_t w13, uintptr_t w2, uintptr_t x_perm,
-         uintptr_t row_map, uintptr_t group_sizes, uintptr_t h, uintptr_t a, uintptr_t y, uintptr_t out,
-         int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E, int32_t align,
-         int32_t act, int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device, uintptr_t s) -> size_t {
+         uintptr_t row_map, uintptr_t group_sizes, uintptr_t row_weights, uintptr_t h, uintptr_t a, uintptr_t y,
+         uintptr_t out, int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E,
+         int32_t align, int32_t act, int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device,
+         uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
-        const auto mlp = experts_fwd_params(x_perm, w13, w2, group_sizes, 0, h, a, y, rows, hidden, ffn, E, dt,
-                                            workspace, ws_bytes, device, act_of(act));
+        const Act activation = act_of(act);
+        if (row_weights && (activation != Act::kSwiglu || !weights)) {
+          throw std::invalid_argument("moe_fwd: the weights in the activation (row_weights set) need SwiGLU (act 0) "
+                                      "and the weights");
+        }
+        const auto mlp = experts_fwd_params(x_perm, w13, w2, group_sizes, row_weights, h, a, y, rows, hidden, ffn, E,
+                                            dt, workspace, ws_bytes, device, activation);
         const size_t need = std::max(permute::permute_workspace_bytes(tokens * k, E), mlp.need());
         if (ws_bytes < need) return need;
         permute::permute_fwd({ptr<const void>(x), ptr<const int32_t>(indices), ptr<void>(x_perm), ptr<int32_t>(row_map),
                               ptr<int32_t>(group_sizes), ptr<void>(workspace), tokens, k, hidden * dtype_size(dt), E,
                               align},
                              stream(s));
+        if (row_weights) {
+          permute::slot_values_to_rows(ptr<const int32_t>(row_map), ptr<const float>(weights), tokens * k, rows,
+                                       ptr<float>(row_weights), stream(s));
+        }
         if (rows > 0) mlp.run(rows, ffn, dt, stream(s));
-        permute::unpermute_fwd({ptr<const void>(y), ptr<const int32_t>(row_map), ptr<const float>(weights),
-                                ptr<void>(out), tokens, k, hidden, rows, dt},
+        permute::unpermute_fwd({ptr<const void>(y), ptr<const int32_t>(row_map),
+                                row_weights ? nullptr : ptr<const float>(weights), ptr<void>(out), tokens, k, hidden,
+                                rows, dt},
                                stream(s));
         return 0;
       });
   // Its backward: dout [T, H] -> dx [T, H], dw13, dw2, dweights [T, k] fp32 (each only when its pointer is
-  // non-zero; dweights reads y): the permute again from x and indices (bit for bit the forward's: the forward keeps
-  // no permuted copy of x; without dw13 the routing alone, no rows copied), the unpermute's backward, the experts'
-  // five products, the permute's backward (an unpermute of dx_perm). x_perm [R, H] (0 without dw13), row_map [T, k],
-  // group_sizes [E], dy [R, H], da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] and a [R, F] (the
-  // activation again, for dw2; 0 without dw2) are scratch; the permute's workspace and then the unpermute
-  // backward's row mask live in the workspace. R > 0.
+  // non-zero; dweights reads y, or with the weights in the activation comes from the activation's backward): the
+  // permute again from x and indices (bit for bit the forward's: the forward keeps no permuted copy of x; without
+  // dw13 the routing alone, no rows copied), the unpermute's backward, the experts' five products, the permute's
+  // backward (an unpermute of dx_perm). x_perm [R, H] (0 without dw13), row_map [T, k], group_sizes [E], dy [R, H],
+  // da [R, F], dh [R, 2F] ([R, F] for act 1), dx_perm [R, H] and a [R, F] (the activation again, for dw2; 0 without
+  // dw2) are scratch; with the weights in the activation also row_weights [R] and drow_weights [R] (0 without
+  // dweights); the permute's workspace and then the unpermute backward's row mask live in the workspace. R > 0.
   m.def(
       "moe_bwd",
       [](uintptr_t dout, uintptr_t x, uintptr_t indices, uintptr_t weights, uintptr_t h, uintptr_t a, uintptr_t y,
-         uintptr_t w13, uintptr_t w2, uintptr_t x_perm, uintptr_t row_map, uintptr_t group_sizes, uintptr_t dy,
-         uintptr_t da, uintptr_t dh, uintptr_t dx_perm, uintptr_t dx, uintptr_t dw13, uintptr_t dw2,
-         uintptr_t dweights, int64_t tokens, int64_t k, int64_t rows, int64_t hidden, int64_t ffn, int32_t E,
-         int32_t align, int32_t act, int32_t dtype, uintptr_t workspace, size_t ws_bytes, int device,
-         uintptr_t s) -> size_t {
+         uintptr_t w13, uintptr_t w2, uintptr_t x_perm, uintptr_t row_map, uintptr_t group_sizes,
+         uintptr_t row_weights, uintptr_t drow_weights, uintptr_t dy, uintptr_t da, uintptr_t dh, uintptr_t dx_perm,
+         uintptr_t dx, uintptr_t dw13, uintptr_t dw2, uintptr_t dweights, int64_t tokens, int64_t k, int64_t rows,
+         int64_t hidden, int64_t ffn, int32_t E, int32_t align, int32_t act, int32_t dtype, uintptr_t workspace,
+         size_t ws_bytes, int device, uintptr_t s) -> size_t {
         DeviceGuard guard(device);
         const DType dt = DType(dtype);
+        const Act activation = act_of(act);
         if (dw13 && !x_perm) {
           throw std::invalid_argument("moe_bwd: dw13 needs the x_perm scratch (the permuted rows of x)");
         }
-        const auto mlp = experts_bwd_params(dy, x_perm, h, a, w13, w2, group_sizes, 0, da, dh, dx_perm, dw13, dw2, 0,
-                                            rows, hidden, ffn, E, dt, workspace, ws_bytes, device, act_of(act));
+        if (row_weights && (activation != Act::kSwiglu || !weights || (dweights && !drow_weights))) {
+          throw std::invalid_argument("moe_bwd: the weights in the activation (row_weights set) need SwiGLU (act 0), "
+                                      "the weights, and drow_weights for dweights");
+        }
+        const auto mlp = experts_bwd_params(dy, x_perm, h, a, w13, w2, group_sizes, row_weights, da, dh, dx_perm, dw13,
+                                            dw2, row_weights && dweights ? drow_weights : 0, rows, hidden, ffn, E, dt,
+                                            workspace, ws_bytes, device, activation);
         const size_t need =
             std::max({permute::permute_workspace_bytes(tokens * k, E), size_t(rows), mlp.need()});
         if (ws_bytes < need) return need;
@@ -234,13 +255,24 @@ void register_regions(py::module_& m) {
                               ptr<int32_t>(row_map), ptr<int32_t>(group_sizes), ptr<void>(workspace), tokens, k,
                               dw13 ? hidden * dtype_size(dt) : 0, E, align},
                              stream(s));
+        if (row_weights) {
+          permute::slot_values_to_rows(ptr<const int32_t>(row_map), ptr<const float>(weights), tokens * k, rows,
+                                       ptr<float>(row_weights), stream(s));
+        }
         auto* row_mask = ptr<uint8_t>(workspace);  // zero-filled scratch of unpermute_bwd, done before the GEMMs
         check_cuda(cudaMemsetAsync(row_mask, 0, size_t(rows), stream(s)), "moe_bwd");
-        permute::unpermute_bwd({ptr<const void>(dout), ptr<const void>(y), ptr<const int32_t>(row_map),
-                                ptr<const float>(weights), ptr<void>(dy), ptr<float>(dweights), row_mask, tokens, k,
+        // with the weights in the activation: dy the plain gather of dout, their gradient from the activation's
+        // backward
+        permute::unpermute_bwd({ptr<const void>(dout), row_weights ? nullptr : ptr<const void>(y),
+                                ptr<const int32_t>(row_map), row_weights ? nullptr : ptr<const float>(weights),
+                                ptr<void>(dy), row_weights ? nullptr : ptr<float>(dweights), row_mask, tokens, k,
                                 hidden, rows, dt},
                                stream(s));
         mlp.run_head(stream(s));
+        if (row_weights && dweights) {
+          permute::rows_to_slot_values(ptr<const int32_t>(row_map), ptr<const float>(drow_weights), tokens * k, rows,
+                                       ptr<float>(dweights), stream(s));
+        }
         if (dx) {
           gemm::grouped_mm(mlp.dx, stream(s));
           permute::unpermute_fwd({ptr<const void>(dx_perm), ptr<const int32_t>(row_map), nullptr, ptr<void>(dx),

@@ -519,6 +519,15 @@ MUTANTS = (
         ("tests/nn/test_fused_regions_gpu.py", "-k",
          "test_fused_regions_equal_registered_ops and weights-in-activation"),
     ),
+    Mutant(
+        "index clamped instead of masked",
+        "rows_to_slot_values_kernel: a dropped slot (row -1) reads row 0's weight gradient instead of getting zero",
+        "permute/permute.cu",
+        "    values[s] = r >= 0 && r < R ? rows[r] : 0.f;\n",
+        "    values[s] = rows[r >= 0 && r < R ? r : 0];\n",
+        ("tests/nn/test_fused_regions_gpu.py", "-k",
+         "test_fused_regions_equal_registered_ops and weights-in-activation-dropped"),
+    ),
 )
 
 

@@ -437,7 +437,50 @@ __global__ void rows_to_tokens_kernel(const int32_t* __restrict__ row_map, int64
   }
 }
 
+__global__ void slot_values_to_rows_kernel(const int32_t* __restrict__ row_map, const float* __restrict__ values,
+                                           int64_t num_slots, int64_t R, float* __restrict__ rows) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < num_slots; s += stride) {
+    const int32_t r = row_map[s];
+    if (r >= 0 && r < R) rows[r] = values[s];
+  }
+}
+
+__global__ void rows_to_slot_values_kernel(const int32_t* __restrict__ row_map, const float* __restrict__ rows,
+                                           int64_t num_slots, int64_t R, float* __restrict__ values) {
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < num_slots; s += stride) {
+    const int32_t r = row_map[s];
+    values[s] = r >= 0 && r < R ? rows[r] : 0.f;
+  }
+}
+
+unsigned slot_grid(int64_t n, int threads) {
+  const int64_t want = (n + threads - 1) / threads;
+  return unsigned(want < 1024 ? want : 1024);
+}
+
 }  // namespace
+
+void slot_values_to_rows(const int32_t* row_map, const float* values, int64_t num_slots, int64_t num_rows, float* rows,
+                         cudaStream_t stream) {
+  if (num_rows == 0) return;
+  check_cuda(cudaMemsetAsync(rows, 0, sizeof(float) * num_rows, stream), "slot_values_to_rows memset");
+  if (num_slots == 0) return;
+  constexpr int kThreads = 256;
+  slot_values_to_rows_kernel<<<slot_grid(num_slots, kThreads), kThreads, 0, stream>>>(row_map, values, num_slots,
+                                                                                      num_rows, rows);
+  check_launch("slot_values_to_rows_kernel");
+}
+
+void rows_to_slot_values(const int32_t* row_map, const float* rows, int64_t num_slots, int64_t num_rows, float* values,
+                         cudaStream_t stream) {
+  if (num_slots == 0) return;
+  constexpr int kThreads = 256;
+  rows_to_slot_values_kernel<<<slot_grid(num_slots, kThreads), kThreads, 0, stream>>>(row_map, rows, num_slots,
+                                                                                      num_rows, values);
+  check_launch("rows_to_slot_values_kernel");
+}
 
 void rows_to_tokens(const int32_t* row_map, int64_t num_tokens, int64_t k, int64_t num_rows, int32_t* row_token,
                     cudaStream_t stream) {

@@ -54,6 +54,15 @@ void tokens_per_expert(const int32_t* indices, int64_t num_slots, int32_t num_ex
 void rows_to_tokens(const int32_t* row_map, int64_t num_tokens, int64_t k, int64_t num_rows, int32_t* row_token,
                     cudaStream_t stream);
 
+// Per-slot values [num_slots] (e.g. the routing weights [T, k]) moved to the rows row_map sends the slots to:
+// rows[row_map[s]] = values[s], every other row of rows [num_rows] zero (padding, dropped slots' rows, rows past the
+// groups). row_map values outside [0, num_rows) are skipped.
+void slot_values_to_rows(const int32_t* row_map, const float* values, int64_t num_slots, int64_t num_rows, float* rows,
+                         cudaStream_t stream);
+// Its adjoint: values[s] = rows[row_map[s]], zero for a slot row_map sends nowhere (-1, or outside [0, num_rows)).
+void rows_to_slot_values(const int32_t* row_map, const float* rows, int64_t num_slots, int64_t num_rows, float* values,
+                         cudaStream_t stream);
+
 struct UnpermuteParams {
   const void* y;           // [R, H]
   const int32_t* row_map;  // [T, k]; rows outside [0, R) are treated as dropped

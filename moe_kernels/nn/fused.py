@@ -43,7 +43,7 @@ from moe_kernels.nn.gating import gating_grads, gating_linear, gating_saved
 from moe_kernels.ops import expert_mlp as _mlp
 from moe_kernels.ops.activation import squared_relu, swiglu
 from moe_kernels.ops.grouped_mm import TORCH_GROUPED_MM, grouped_mm, grouped_mm_backend
-from moe_kernels.ops.permute import permute, permuted_rows, unpermute
+from moe_kernels.ops.permute import permute, permuted_row_values, permuted_rows, unpermute
 from moe_kernels.ops.router import resolve_topk_options
 from moe_kernels.ops.router_fused import kernel_fits, launch_bwd, launch_fwd
 from moe_kernels.ops.router_losses import capacity
@@ -341,7 +341,8 @@ class _Moe(torch.autograd.Function):
     again from h."""
 
     @staticmethod
-    def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L, act=0):
+    def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L, act, in_activation):
+        """in_activation: the routing weights applied in the activation (SwiGLU), the unpermute a plain sum."""
         T, H = x.shape
         k = indices.shape[1]
         E, F2, _ = w13.shape  # F2: the first projection's width, 2F for SwiGLU, F for the squared ReLU (act 1)
@@ -349,20 +350,23 @@ class _Moe(torch.autograd.Function):
         R = permuted_rows(T, k, num_experts, align)
         es = x.element_size()
         need_w = weights is not None and ctx.needs_input_grad[2]
-        kept, (h, y) = _ext.carve(x, R * F2 * es, R * H * es if need_w else 0, saved=True)
+        keep_y = need_w and not in_activation  # the unpermute's weights' gradient reads y
+        kept, (h, y) = _ext.carve(x, R * F2 * es, R * H * es if keep_y else 0, saved=True)
         out = x.new_empty((T, H))
         w = _f32(weights)
         dt = _DTYPE[x.dtype]
-        # scratch: x_perm [R, H], row_map [T, k], group_sizes [E], a [R, F], and y [R, H] where the weights need no
-        # gradient
-        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, act, dt), x,
-                          (R * H * es, T * k * 4, E * 4, R * F * es, 0 if need_w else R * H * es),
+        # scratch: x_perm [R, H], row_map [T, k], group_sizes [E], the row weights [R] (in the activation), a [R, F],
+        # and y [R, H] where it is not kept
+        _ext.with_scratch(("moe_fwd", L.device, T, k, R, H, F, E, act, in_activation, dt), x,
+                          (R * H * es, T * k * 4, E * 4, R * 4 if in_activation else 0, R * F * es,
+                           0 if keep_y else R * H * es),
                           lambda scratch, ws, nbytes: L.C.moe_fwd(
                               _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), _ext.ptr(w13), _ext.ptr(w2), scratch[0],
-                              scratch[1], scratch[2], h, scratch[3], y or scratch[4], _ext.ptr(out), T, k, R, H, F, E,
-                              align, act, dt, ws, nbytes, L.device, L.stream))
+                              scratch[1], scratch[2], scratch[3], h, scratch[4], y or scratch[5], _ext.ptr(out), T, k,
+                              R, H, F, E, align, act, dt, ws, nbytes, L.device, L.stream))
         ctx.save_for_backward(x, indices, kept, w, w13, w2)
         ctx.L, ctx.need_w, ctx.shape, ctx.act, ctx.align = L, need_w, (T, k, R, H, F, F2, E, es), act, align
+        ctx.in_activation = in_activation
         ctx.offsets = [p - kept.data_ptr() if p else -1 for p in (h, y)]
         ctx.w_dtype = None if weights is None else weights.dtype
         return out
@@ -392,17 +396,19 @@ class _Moe(torch.autograd.Function):
             dw2 = torch.empty_like(w2) if need_w2 else None
             dw = torch.empty((T, k), dtype=_F32, device=dev) if need_w else None
             dt = _DTYPE[dout.dtype]
-            # scratch: x_perm (for dw13), row_map, group_sizes (the permute again), dy, da, dh, dx_perm, a (the
-            # activation again, for dw2)
-            _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, ctx.act, dt), dout,
-                              (R * H * es if need_w13 else 0, T * k * 4, E * 4, R * H * es, R * F * es, R * F2 * es,
+            wia = ctx.in_activation
+            # scratch: x_perm (for dw13), row_map, group_sizes (the permute again), the row weights and their
+            # gradient (in the activation), dy, da, dh, dx_perm, a (the activation again, for dw2)
+            _ext.with_scratch(("moe_bwd", L.device, T, k, R, H, F, E, ctx.act, wia, dt), dout,
+                              (R * H * es if need_w13 else 0, T * k * 4, E * 4, R * 4 if wia else 0,
+                               R * 4 if wia and need_w else 0, R * H * es, R * F * es, R * F2 * es,
                                R * H * es if need_x else 0, R * F * es if need_w2 else 0),
                               lambda scratch, ws, nbytes: L.C.moe_bwd(
-                                  _ext.ptr(dout), _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), h, scratch[7], y,
-                                  _ext.ptr(w13), _ext.ptr(w2), *scratch[:7], _ext.ptr(dx), _ext.ptr(dw13),
+                                  _ext.ptr(dout), _ext.ptr(x), _ext.ptr(indices), _ext.ptr(w), h, scratch[9], y,
+                                  _ext.ptr(w13), _ext.ptr(w2), *scratch[:9], _ext.ptr(dx), _ext.ptr(dw13),
                                   _ext.ptr(dw2), _ext.ptr(dw), T, k, R, H, F, E, ctx.align, ctx.act, dt, ws, nbytes,
                                   L.device, L.stream))
-        return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None
+        return dx, None, (as_dtype(dw, ctx.w_dtype) if need_w else None), dw13, dw2, None, None, None, None, None
 
 
 def _aligned(t: Tensor) -> Tensor:
@@ -424,7 +430,24 @@ def moe_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor | None, w1
                num_experts: int, align: int):
     """out [T, H] = unpermute(experts(permute(x)), weights): the plain local layer's routed experts (the routing
     weights applied in the unpermute)."""
-    return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L)
+    return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L, 0, False)
+
+
+def _moe_weights_in_activation_ops(x, indices, weights, w13, w2, num_experts, align):
+    x_perm, row_map, group_sizes = permute(x, indices, num_experts, align=align)
+    row_weights = permuted_row_values(weights, row_map, x_perm.shape[0])
+    return unpermute(_experts_ops(x_perm, group_sizes, w13, w2, row_weights), row_map, None)
+
+
+@_register("moe_weights_in_activation", _moe_weights_in_activation_ops,
+           "moe_fwd (permute, the weights to their rows, grouped_mm, swiglu, grouped_mm, unpermute) / "
+           "moe_bwd (permute again, unpermute_bwd, 5 products, the weights' gradient to their slots, unpermute of dx)")
+def moe_weights_in_activation_region(L: Launch, x: Tensor, indices: Tensor, weights: Tensor, w13: Tensor,
+                                     w2: Tensor, num_experts: int, align: int):
+    """The `moe` region with the routing weights applied in the SwiGLU (MoEConfig.weights_in_activation,
+    Megatron's): out [T, H] = unpermute(swiglu(x_perm w13^T, the weights moved to their rows) w2^T), a plain sum.
+    Keeps h only (no permuted copy, no expert outputs: the weights' gradient comes from the activation's backward)."""
+    return _Moe.apply(x, indices, weights, w13, w2, num_experts, align, L, 0, True)
 
 
 def _moe_squared_relu_ops(x, indices, weights, w_up, w2, num_experts, align):
@@ -438,7 +461,7 @@ def moe_squared_relu_region(L: Launch, x: Tensor, indices: Tensor, weights: Tens
                             num_experts: int, align: int):
     """The `moe` region for experts without a gate (Nemotron-H's): out [T, H] = unpermute(relu(x_perm w_up^T)^2
     w2^T, weights), w_up [E, F, H], w2 [E, H, F]; the same kernels and launches, the squared ReLU for SwiGLU."""
-    return _Moe.apply(x, indices, weights, w_up, w2, num_experts, align, L, 1)
+    return _Moe.apply(x, indices, weights, w_up, w2, num_experts, align, L, 1, False)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -373,10 +373,13 @@ class MoELayer(nn.Module):
         experts = unwrapped(self.experts)
         w13, w2 = autocast_input(experts.w13), autocast_input(experts.w2)
         squared = cfg.activation == "squared_relu"
-        if not cfg.weights_in_activation and fused.experts_fit(x):
-            # One node for the routed experts, tokens in, tokens out.
-            return fused.run("moe_squared_relu" if squared else "moe", launch, x, routed.indices, routed.weights, w13,
-                             w2, cfg.num_experts, cfg.permute_align)
+        if fused.experts_fit(x):
+            # One node for the routed experts, tokens in, tokens out (the routing weights in the unpermute, or in the
+            # activation).
+            region = ("moe_weights_in_activation" if cfg.weights_in_activation else "moe_squared_relu" if squared
+                      else "moe")
+            return fused.run(region, launch, x, routed.indices, routed.weights, w13, w2, cfg.num_experts,
+                             cfg.permute_align)
         x_perm, row_map, group_sizes = fused.run("permute", launch, x, routed.indices, cfg.num_experts,
                                                  cfg.permute_align)
         row_weights = None

@@ -25,6 +25,7 @@ CASES = {
     "capacity-probs": dict(capacity_factor=0.75),
     "capacity-position": dict(capacity_factor=1.0, capacity_policy="position", z_loss_coeff=1e-3),
     "weights-in-activation": dict(weights_in_activation=True),
+    "weights-in-activation-dropped": dict(weights_in_activation=True, capacity_factor=0.75, align=8),
     "no-losses": dict(aux_loss_coeff=0.0),
 }
 
@@ -76,8 +77,7 @@ def test_fused_regions_equal_registered_ops(cuda, case, registered_ops):
     _step(layer, x, g)  # the first call of a shape also asks for its workspace size
     with extension_calls() as ext:
         thin = _step(layer, x, g)
-    experts = ("experts_fwd", "experts_bwd") if layer.config.weights_in_activation else ("moe_fwd", "moe_bwd")
-    assert all(ext.calls.get(name) == 1 for name in experts), ext.calls
+    assert ext.calls.get("moe_fwd") == ext.calls.get("moe_bwd") == 1, ext.calls
     shared = layer.shared_experts is not None  # the `mlp` region: experts_fwd / experts_bwd over one group
     if shared:
         assert ext.calls.get("experts_fwd") == ext.calls.get("experts_bwd") == 1, ext.calls
@@ -94,11 +94,9 @@ def test_fused_regions_equal_registered_ops(cuda, case, registered_ops):
 def _expected_calls(cfg) -> int:
     """Extension launches of one layer fwd + bwd on the fused regions: the router (router_fused_fwd / _bwd,
     whatever losses are on; capacity adds apply_capacity and tokens_per_expert), then the routed experts as one
-    region (moe_fwd / moe_bwd), or, with the weights applied in the activation, permute (1 + its backward's
-    unpermute_fwd), experts (1 + 1) and unpermute (1 + 1); shared experts add the `mlp`
-    region (experts_fwd / experts_bwd over one group)."""
-    return (2 + (2 if cfg.router.capacity_factor is not None else 0) + (6 if cfg.weights_in_activation else 2)
-            + (2 if cfg.shared_ffn_size else 0))
+    region (moe_fwd / moe_bwd, the weights applied in the unpermute or in the activation); shared experts add the
+    `mlp` region (experts_fwd / experts_bwd over one group)."""
+    return 2 + (2 if cfg.router.capacity_factor is not None else 0) + 2 + (2 if cfg.shared_ffn_size else 0)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -109,11 +107,7 @@ def test_one_extension_call_per_region(cuda, case):
     with extension_calls() as ext:
         _step(layer, x, g)
     calls = ext.calls
-    if layer.config.weights_in_activation:
-        once = ("permute_fwd", "experts_fwd", "experts_bwd", "unpermute_bwd")
-        assert calls["unpermute_fwd"] == 2, calls  # unpermute, and permute's backward
-    else:
-        once = ("moe_fwd", "moe_bwd")
+    once = ("moe_fwd", "moe_bwd")
     if layer.shared_experts is not None:
         assert calls["experts_fwd"] == calls["experts_bwd"] == 1, calls
     for name in ("router_fused_fwd", "router_fused_bwd", *once):
@@ -255,11 +249,12 @@ def test_gathered_compile_fullgraph(cuda, registered_ops):
     assert calls.get("expert_mlp_fwd") == 1 and calls.get("expert_mlp_bwd") == 1, calls
 
 
+@pytest.mark.parametrize("weights", ["unpermute", "activation"])
 @pytest.mark.parametrize("batch", ["empty", "one-token", "hot-expert"])
-def test_moe_region_edge_batches(cuda, batch, registered_ops):
-    """The routed experts' region (moe_fwd / moe_bwd) on no tokens, one token, and every token on one expert
-    (the other groups empty): identical to the registered ops."""
-    layer = _layer("qwen3-30b-a3b", cuda)
+def test_moe_region_edge_batches(cuda, batch, weights, registered_ops):
+    """The routed experts' region (moe_fwd / moe_bwd; the routing weights in the unpermute or in the activation) on
+    no tokens, one token, and every token on one expert (the other groups empty): identical to the registered ops."""
+    layer = _layer("qwen3-30b-a3b" if weights == "unpermute" else "weights-in-activation", cuda)
     T = {"empty": 0, "one-token": 1, "hot-expert": 37}[batch]
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(1, T, H, generator=gen).to(cuda)
@@ -282,14 +277,17 @@ def test_moe_region_edge_batches(cuda, batch, registered_ops):
         assert thin[2].abs().sum() > 0 and thin[names.index("experts.w13")].abs().sum() > 0
 
 
+@pytest.mark.parametrize("weights", ["unpermute", "activation"])
 @pytest.mark.parametrize("how", ["checkpoint", "offload", "offload-unaligned"])
-def test_moe_region_saved_tensors_move(cuda, how):
+def test_moe_region_saved_tensors_move(cuda, how, weights):
     """The routed experts' region keeps its saved tensors as parts of one allocation: the backward finds them
     where the forward put them in a recomputed forward's allocation (non-reentrant activation checkpointing)
     and in the copy saved_tensors_hooks hand back (offloading), also at an address off the alignment the parts
     need (the region realigns it). The original allocation is overwritten once copied, so a backward that read
     it instead of the copy would differ: the same outputs and gradients as without checkpointing or hooks."""
     layer = _layer("deepseek-v3", cuda)
+    if weights == "activation":
+        layer.config = layer.config.replace(weights_in_activation=True)
     x, g = _inputs(cuda, torch.float32)
     _step(layer, x, g)
     plain = _step(layer, x, g)
@@ -326,12 +324,13 @@ def test_moe_region_saved_tensors_move(cuda, how):
         assert_exact(a, b, f"{how}: {name}")
 
 
+@pytest.mark.parametrize("weights", ["unpermute", "activation"])
 @pytest.mark.parametrize("case", ["x-without-grad", "router-frozen", "experts-frozen", "autocast"])
-def test_moe_region_partial_gradients(cuda, case, registered_ops):
-    """The routed experts' region when only some inputs need a gradient (no dx, no routing-weight gradient and so
-    no saved expert output, no expert weight gradients) and under autocast (fp32 layer, bf16 kernels):
-    identical to the registered ops."""
-    layer = _layer("qwen3-30b-a3b", cuda)
+def test_moe_region_partial_gradients(cuda, case, weights, registered_ops):
+    """The routed experts' region (the routing weights in the unpermute or in the activation) when only some inputs
+    need a gradient (no dx, no routing-weight gradient and so no saved expert output, no expert weight gradients)
+    and under autocast (fp32 layer, bf16 kernels): identical to the registered ops."""
+    layer = _layer("qwen3-30b-a3b" if weights == "unpermute" else "weights-in-activation", cuda)
     if case == "router-frozen":
         layer.router.requires_grad_(False)
     if case == "experts-frozen":

@@ -46,7 +46,8 @@ def _kept_bytes(layer, x) -> int:
     return sum(kept.values())
 
 
-@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "experts", "mlp", "dispatched", "dispatched_squared_relu"])
+@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "moe_weights_in_activation", "mlp", "dispatched",
+                                  "dispatched_squared_relu"])
 def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
     """The fused regions keep the first product h for the backward, which writes the activation again from it; the
     registered ops also keep the activation (the down projection's input), and the shared experts' region keeps no
@@ -58,8 +59,8 @@ def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
     if case == "mlp":  # the shared experts widen, the routed ones stay
         make = lambda F_: PRESETS["deepseek-v3"](**kw, num_groups=4, group_topk=2, ffn_size=F, shared_ffn_size=F_)
     else:
-        extra = dict(weights_in_activation=True) if case == "experts" else dict(activation="squared_relu") if (
-            case.endswith("squared_relu")) else {}
+        extra = ({"weights_in_activation": True} if case == "moe_weights_in_activation"
+                 else {"activation": "squared_relu"} if case.endswith("squared_relu") else {})
         make = lambda F_: PRESETS["qwen3-30b-a3b"](**kw, ffn_size=F_, **extra)
     x = torch.randn(1, T, H).to(cuda, torch.bfloat16).requires_grad_()
     growth = {}
@@ -86,15 +87,17 @@ def test_regions_keep_h_not_the_activation(cuda, case, registered_ops):
     assert growth["registered"] == h + rows * F1 * c + stacked, growth
 
 
-@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "moe-no-weight-grad"])
+@pytest.mark.parametrize("case", ["moe", "moe_squared_relu", "moe-no-weight-grad", "moe_weights_in_activation"])
 def test_moe_region_keeps_no_permuted_copy(cuda, case, registered_ops):
     """The routed experts' region keeps x (which the router's gating keeps as well) and permutes it again in its
     backward instead of keeping the permuted copy x_perm [R, H]; with the routing weights' gradient it keeps the
-    expert outputs y [R, H]. Measured as what the kept bytes grow by when the hidden size widens from H to 2H: the
-    region's y (nothing without the weights' gradient: x and the router frozen, the experts trained), the registered
-    ops' x_perm and y."""
+    expert outputs y [R, H] (not with the weights in the activation, whose gradient the activation's backward gives).
+    Measured as what the kept bytes grow by when the hidden size widens from H to 2H: the region's y (nothing without
+    the weights' gradient: x and the router frozen, the experts trained; nothing with the weights in the activation),
+    the registered ops' x_perm and y (x_perm alone with the weights in the activation)."""
     T, H1, c = 48, 128, 2  # bf16
-    extra = dict(activation="squared_relu") if case == "moe_squared_relu" else {}
+    extra = ({"activation": "squared_relu"} if case == "moe_squared_relu"
+             else {"weights_in_activation": True} if case == "moe_weights_in_activation" else {})
     frozen = case == "moe-no-weight-grad"
     growth = {}
     for path in ("fused", "registered"):
@@ -112,5 +115,5 @@ def test_moe_region_keeps_no_permuted_copy(cuda, case, registered_ops):
         if path == "fused":
             registered_ops()
     rows_h = T * K * H1 * c  # R H elements' growth (no padding: align 1)
-    y = 0 if frozen else rows_h
+    y = 0 if frozen or case == "moe_weights_in_activation" else rows_h
     assert growth == {"fused": y, "registered": rows_h + y}, growth
