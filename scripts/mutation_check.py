@@ -525,8 +525,7 @@ MUTANTS = (
         "permute/permute.cu",
         "    values[s] = r >= 0 && r < R ? rows[r] : 0.f;\n",
         "    values[s] = rows[r >= 0 && r < R ? r : 0];\n",
-        ("tests/nn/test_fused_regions_gpu.py", "-k",
-         "test_fused_regions_equal_registered_ops and weights-in-activation-dropped"),
+        ("tests/nn/test_moe_weights_in_activation_gpu.py", "-k", "test_region_equals_registered_ops and dropped"),
     ),
 )
 

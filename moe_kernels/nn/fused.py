@@ -335,8 +335,9 @@ def mlp_region(L: Launch, x: Tensor, gate: Tensor, up: Tensor, down: Tensor):
 
 class _Moe(torch.autograd.Function):
     """Its tensors for the backward: x and indices (the backward permutes x again, bit for bit the forward's rows:
-    no permuted copy of x is kept; x is what the router's gating keeps too), h, and y when the weights need a
-    gradient, h and y parts of one allocation; the workspace and the scratch of each direction are another: two
+    no permuted copy of x is kept; in training x is what the router's gating keeps too, except under autocast, where
+    the layer hands the region x's cast copy), h, and y when the weights need a gradient, h and y parts of one
+    allocation; the workspace and the scratch of each direction are another: two
     allocator calls each way besides the outputs. The activation a is scratch each way: the backward writes it
     again from h."""
 

@@ -469,9 +469,10 @@ def _dbrx_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
 
 
 def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
-    """MoELayer's fused "moe" region takes these experts: plain contiguous tensors of one dtype it runs, no
-    autocast (the registered ops apply it), the expert count within the kernels' limits, and our grouped GEMM
-    for this GPU and dtype (moe_kernels.nn.fused.experts_fit)."""
+    """MoELayer's fused "moe" region (and, expert-parallel, the `experts` region on the dispatched rows) takes these
+    experts: plain contiguous tensors of one dtype it runs, no autocast (the registered ops apply it), the expert
+    count within the kernels' limits (the permute's too, which the `experts` region does not run: a bound it need not
+    meet, kept for one rule), and our grouped GEMM for this GPU and dtype (moe_kernels.nn.fused.experts_fit)."""
     plain = (Tensor, nn.Parameter)
     return (x.dtype in (torch.float32, torch.float16, torch.bfloat16) and w13.dtype == x.dtype == w2.dtype
             and type(w13) in plain and type(w2) in plain and w13.is_contiguous() and w2.is_contiguous()
