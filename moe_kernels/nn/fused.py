@@ -337,9 +337,8 @@ class _Moe(torch.autograd.Function):
     """Its tensors for the backward: x and indices (the backward permutes x again, bit for bit the forward's rows:
     no permuted copy of x is kept; in training x is what the router's gating keeps too, except under autocast, where
     the layer hands the region x's cast copy), h, and y when the weights need a gradient, h and y parts of one
-    allocation; the workspace and the scratch of each direction are another: two
-    allocator calls each way besides the outputs. The activation a is scratch each way: the backward writes it
-    again from h."""
+    allocation; the workspace and the scratch of each direction are another: two allocator calls each way besides the
+    outputs. The activation a is scratch each way: the backward writes it again from h."""
 
     @staticmethod
     def forward(ctx, x, indices, weights, w13, w2, num_experts, align, L, act, in_activation):
@@ -378,8 +377,7 @@ class _Moe(torch.autograd.Function):
         x, indices, kept, w, w13, w2 = ctx.saved_tensors
         L, need_w = ctx.L, ctx.need_w
         T, k, R, H, F, F2, E, es = ctx.shape
-        if kept.data_ptr() % 16:  # restored at an unaligned address (a saved_tensors_hooks unpack): realign
-            kept = kept.clone()
+        kept = _aligned(kept)  # (held: the kernels read it)
         base = kept.data_ptr()
         h, y = (base + o if o >= 0 else 0 for o in ctx.offsets)
         need_x, _, _, need_w13, need_w2 = ctx.needs_input_grad[:5]

@@ -140,8 +140,7 @@ class _MoeFp8(torch.autograd.Function):
         L, (w8_13, w8_2) = ctx.L, ctx.w8
         T, k, R, H, F, E = ctx.shape
         need_x, need_w13, need_w2 = ctx.needs_input_grad[0], ctx.needs_input_grad[3], ctx.needs_input_grad[4]
-        if kept.data_ptr() % 16:  # restored at an unaligned address (a saved_tensors_hooks unpack): realign
-            kept = kept.clone()
+        kept = fused._aligned(kept)  # (held: the kernels read it)
         base = kept.data_ptr()
         saved = [base + o if o >= 0 else 0 for o in ctx.offsets]
         dout = dout.contiguous()

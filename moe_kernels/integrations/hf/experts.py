@@ -117,7 +117,7 @@ def moe_kernels_experts_forward(
         region = _fused_region(self) if recipe is None and not lora13 and not lora2 and norm is None else None
         if region is not None:
             launch = fused.launch_for(d.x)
-            if launch is not None and d.x.is_contiguous() and _moe_region_fits(launch, d.x, w13, w2, w13.shape[0]):
+            if launch is not None and _moe_region_fits(launch, d.x, w13, w2, w13.shape[0], permutes=False):
                 # MoELayer's `experts` region on the dispatched rows: one extension call each way, the activation
                 # written again in the backward rather than kept.
                 y = (fused.run("experts", launch, d.x, d.group_sizes, w13, w2, None) if region == "moe"
@@ -468,16 +468,17 @@ def _dbrx_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: T
     return out.to(hidden_states.dtype).view(batch, -1, H)
 
 
-def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int) -> bool:
-    """MoELayer's fused "moe" region (and, expert-parallel, the `experts` region on the dispatched rows) takes these
-    experts: plain contiguous tensors of one dtype it runs, no autocast (the registered ops apply it), the expert
-    count within the kernels' limits (the permute's too, which the `experts` region does not run: a bound it need not
-    meet, kept for one rule), and our grouped GEMM for this GPU and dtype (moe_kernels.nn.fused.experts_fit)."""
+def _moe_region_fits(launch, x: Tensor, w13: Tensor, w2: Tensor, E: int, permutes: bool = True) -> bool:
+    """MoELayer's fused "moe" region (permutes: it permutes the tokens itself; else, expert-parallel, the `experts`
+    region on the dispatched rows) takes these experts: plain contiguous tensors of one dtype it runs, no autocast
+    (the registered ops apply it), the expert count within the grouped GEMM's limit (and the permute's), and our
+    grouped GEMM for this GPU and dtype (moe_kernels.nn.fused.experts_fit)."""
     plain = (Tensor, nn.Parameter)
     return (x.dtype in (torch.float32, torch.float16, torch.bfloat16) and w13.dtype == x.dtype == w2.dtype
-            and type(w13) in plain and type(w2) in plain and w13.is_contiguous() and w2.is_contiguous()
-            and not torch.is_autocast_enabled(x.device.type)
-            and E <= min(launch.C.permute_max_experts, launch.C.grouped_mm_max_groups) and fused.experts_fit(x))
+            and x.is_contiguous() and type(w13) in plain and type(w2) in plain and w13.is_contiguous()
+            and w2.is_contiguous() and not torch.is_autocast_enabled(x.device.type)
+            and E <= launch.C.grouped_mm_max_groups and (not permutes or E <= launch.C.permute_max_experts)
+            and fused.experts_fit(x))
 
 
 def _fused_region(experts: nn.Module) -> str | None:
